@@ -1,0 +1,98 @@
+//! The crate's one error type: every public fallible function returns [`Result`].
+
+use std::time::Duration;
+
+use crate::comm::CommError;
+use crate::mesh::Rank;
+
+/// Shorthand for `Result<T, meshwork::Error>`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in meshwork, as values callers can match on.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The job's configuration cannot run; the message says what to change.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+    /// A collective operation failed (time-out, mismatch, shut-down group).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// Code running on a device thread failed (a panic in the model's forward, backward or the
+    /// optimizer): the job ends with this error.
+    #[error("{stage} on device {device} failed during {during}: {reason}")]
+    StageFailed {
+        /// The device whose thread ran the failing work.
+        device: DeviceId,
+        /// The stage that was running.
+        stage: StageId,
+        /// What the stage was doing (forward, backward, optimizer step, ...).
+        during: String,
+        /// The panic message or error text.
+        reason: String,
+    },
+    /// A device did not answer within its time-out.
+    #[error("device {device} did not answer {what} within {waited:?}")]
+    DeviceUnresponsive {
+        /// The silent device.
+        device: DeviceId,
+        /// The request that went unanswered.
+        what: String,
+        /// How long we waited.
+        waited: Duration,
+    },
+    /// The loss was NaN or infinite and the policy is to stop.
+    #[error("non-finite loss at step {step} on {ranks:?}")]
+    NonFiniteLoss {
+        /// The step whose loss was not finite.
+        step: u64,
+        /// The replicas that saw a non-finite loss.
+        ranks: Vec<Rank>,
+    },
+    /// A batch could not be built from the dataset.
+    #[error("data error: {0}")]
+    Data(String),
+    /// An actor of the runtime stopped or could not be reached.
+    #[error("actor runtime: {0}")]
+    Runtime(String),
+    /// The job was stopped before it produced a model.
+    #[error("job stopped: {0}")]
+    Stopped(String),
+    /// Reading or writing a file failed.
+    #[error("i/o error on {path}: {reason}")]
+    Io {
+        /// The file involved.
+        path: String,
+        /// The operating system's error text.
+        reason: String,
+    },
+}
+
+/// A logical device of the job (one OS thread).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub struct DeviceId(pub u32);
+
+impl std::fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A pipeline stage of one data-parallel replica.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub struct StageId {
+    /// The data-parallel replica.
+    pub replica: u32,
+    /// The stage index in the pipeline (0 without pipeline parallelism).
+    pub stage: u32,
+}
+
+impl std::fmt::Display for StageId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stage {} of replica {}", self.stage, self.replica)
+    }
+}
