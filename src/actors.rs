@@ -1,1 +1,34 @@
-//! (in progress)
+//! The runtime: every device, stage and collective group is an actor (ractor).
+//!
+//! | actor | owns | does |
+//! |---|---|---|
+//! | [`supervisor::Supervisor`] | the job: layout, step clock, policies | spawns everything linked to itself, drives steps, ends the job on failure, publishes events |
+//! | [`device::DeviceActor`] | one logical device and its compute thread | runs compute tasks on its thread; answers heartbeats while compute runs |
+//! | [`stage::StageActor`] | one model partition, its optimizer state, its communicator | runs a step's work on its device's thread |
+//! | [`group::GroupActor`] | one collective group (members, generation) | owns the group's lifecycle: status for hang diagnosis, shutdown |
+//!
+//! Invariants:
+//! - RT-1: Burn work never runs on tokio worker threads: only on device compute threads.
+//! - RT-2: a device answers a heartbeat while its thread is busy (the reply reads shared status,
+//!   it does not queue behind compute).
+//! - RT-3: every wait of the runtime is bounded: stage work by the step time-out, collectives by
+//!   the communicator time-out, RPCs by explicit time-outs.
+//! - RT-4: a failure on any device thread (panic or error) reaches the Supervisor as a typed
+//!   error naming the device, the stage and the phase; the group is shut down so peers blocked
+//!   in a collective wake up at once instead of waiting for their time-out.
+
+pub mod device;
+pub mod group;
+pub mod stage;
+pub mod supervisor;
+
+/// Text of a panic payload.
+pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic with a non-string payload".to_string()
+    }
+}

@@ -41,6 +41,20 @@ pub enum Error {
         /// How long we waited.
         waited: Duration,
     },
+    /// Some stages did not finish a step within the step time-out.
+    #[error(
+        "step {step}: {missing:?} did not finish within {waited:?} (device status: {devices:?})"
+    )]
+    StepTimeout {
+        /// The step.
+        step: u64,
+        /// The stages that had not reported.
+        missing: Vec<StageId>,
+        /// How long the Supervisor waited.
+        waited: Duration,
+        /// What each of their devices said it was doing (from heartbeats).
+        devices: Vec<String>,
+    },
     /// The loss was NaN or infinite and the policy is to stop.
     #[error("non-finite loss at step {step} on {ranks:?}")]
     NonFiniteLoss {

@@ -1,1 +1,425 @@
-//! (in progress)
+//! The embedding API: build a job, spawn it inside your tokio runtime, watch its events, get
+//! the trained model back.
+//!
+//! ```text
+//! Job::builder().model(f).loss(l).data(d).optimizer(AdamConfig::new())
+//!     .data_parallel(2).batch_size(64).steps(100).build()?.spawn().await?.join().await?
+//! ```
+//!
+//! JOB-1: invalid configurations are refused by `build()` with a message saying what to change.
+//! JOB-2: a job lives inside the caller's runtime and leaves nothing behind: starting, stopping
+//! and starting again in one process works (no global names).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use burn::lr_scheduler::LrScheduler;
+use burn::module::Module;
+use burn::tensor::{Device, Tensor};
+use ractor::{Actor, ActorRef};
+use tokio::sync::{broadcast, oneshot};
+
+use crate::actors::stage::{LossFn, ModelFn, StageSpec};
+pub use crate::actors::supervisor::{RunSummary, Trained};
+use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
+use crate::comm::{Algorithm, CommConfig};
+use crate::data::Dataset;
+use crate::device::MeshDevice;
+use crate::error::{Error, Result};
+pub use crate::events::{JobEvent, ReplicaStep, StepDone};
+use crate::mesh::Layout;
+pub use crate::optim::{LearningRate, OptimizerConfig};
+use crate::parallel::sampler::DistributedSampler;
+pub use crate::parallel::{ModelContext, NonFinitePolicy};
+
+/// Default size of a gradient bucket (PyTorch DDP's default).
+pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
+
+/// A configured job, ready to spawn.
+pub struct Job<M, I> {
+    args: Option<JobParts<M, I>>,
+}
+
+struct JobParts<M, I> {
+    spec: Arc<StageSpec<M, I>>,
+    devices: Vec<MeshDevice>,
+    layout: Layout,
+    steps: u64,
+    accumulation: u32,
+    sampler: DistributedSampler,
+    comm: CommConfig,
+    step_timeout: Duration,
+}
+
+impl<M, I> std::fmt::Debug for Job<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.args {
+            Some(a) => write!(f, "Job({:?}, {} steps)", a.layout, a.steps),
+            None => write!(f, "Job(spawned)"),
+        }
+    }
+}
+
+/// Builds a [`Job`]; every setting has a default except the model, loss, data and batch size.
+pub struct JobBuilder<M, I> {
+    model: Option<ModelFn<M>>,
+    loss: Option<LossFn<M, I>>,
+    data: Option<Arc<dyn Dataset<Item = I>>>,
+    optimizer: OptimizerConfig,
+    learning_rate: LearningRate,
+    dp: u32,
+    devices: Option<Vec<MeshDevice>>,
+    batch_size: Option<usize>,
+    accumulation: u32,
+    bucket_bytes: usize,
+    clip_norm: Option<f32>,
+    steps: u64,
+    seed: u64,
+    non_finite: NonFinitePolicy,
+    comm: CommConfig,
+    step_timeout: Duration,
+}
+
+impl<M, I> std::fmt::Debug for JobBuilder<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JobBuilder")
+            .field("dp", &self.dp)
+            .field("batch_size", &self.batch_size)
+            .field("steps", &self.steps)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<M, I> Job<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    /// A builder with the defaults: SGD at learning rate 0.01, one replica, no accumulation,
+    /// 25 MiB buckets, 100 steps, seed 0, stop on a non-finite loss, 60 s collective time-out,
+    /// 10 min step time-out.
+    pub fn builder() -> JobBuilder<M, I> {
+        JobBuilder {
+            model: None,
+            loss: None,
+            data: None,
+            optimizer: OptimizerConfig::Sgd(burn::optim::SgdConfig::new()),
+            learning_rate: LearningRate::Constant(0.01),
+            dp: 1,
+            devices: None,
+            batch_size: None,
+            accumulation: 1,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+            clip_norm: None,
+            steps: 100,
+            seed: 0,
+            non_finite: NonFinitePolicy::Stop,
+            comm: CommConfig::default(),
+            step_timeout: Duration::from_secs(600),
+        }
+    }
+
+    /// Start the job's actors inside the current tokio runtime.
+    pub async fn spawn(mut self) -> Result<JobHandle<M>> {
+        let a = self
+            .args
+            .take()
+            .ok_or_else(|| Error::InvalidConfig("this job was already spawned".into()))?;
+        let (events, first) = broadcast::channel(1024);
+        let (outcome_tx, outcome_rx) = oneshot::channel();
+        let (supervisor, _) = Actor::spawn(
+            None,
+            Supervisor::<M, I>::default(),
+            SupervisorArgs {
+                spec: a.spec,
+                devices: a.devices,
+                layout: a.layout,
+                steps: a.steps,
+                accumulation: a.accumulation,
+                sampler: a.sampler,
+                comm: a.comm,
+                step_timeout: a.step_timeout,
+                events: events.clone(),
+                outcome: outcome_tx,
+            },
+        )
+        .await
+        .map_err(|e| Error::Runtime(format!("could not start the supervisor: {e}")))?;
+        Ok(JobHandle {
+            supervisor,
+            events,
+            first: Mutex::new(Some(first)),
+            outcome: outcome_rx,
+        })
+    }
+}
+
+impl<M, I> JobBuilder<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    /// How each replica builds its model; replicas then start from rank 0's parameters
+    /// (broadcast), whatever the factory returned on the other ranks.
+    pub fn model(mut self, f: impl Fn(&ModelContext) -> M + Send + Sync + 'static) -> Self {
+        self.model = Some(Arc::new(f));
+        self
+    }
+
+    /// Start every replica from this model (its record is copied to every device).
+    pub fn initial_model(self, model: M) -> Self {
+        let model = Mutex::new(model);
+        self.model(move |_| model.lock().unwrap_or_else(|e| e.into_inner()).clone())
+    }
+
+    /// The mean loss of the model over some samples, built on the given device.
+    pub fn loss(
+        mut self,
+        f: impl Fn(&M, &[I], &Device) -> Tensor<1> + Send + Sync + 'static,
+    ) -> Self {
+        self.loss = Some(Arc::new(f));
+        self
+    }
+
+    /// The training data.
+    pub fn data(mut self, data: impl Dataset<Item = I>) -> Self {
+        self.data = Some(Arc::new(data));
+        self
+    }
+
+    /// The optimizer (SGD, Adam, AdamW configs convert into it).
+    pub fn optimizer(mut self, optimizer: impl Into<OptimizerConfig>) -> Self {
+        self.optimizer = optimizer.into();
+        self
+    }
+
+    /// A constant learning rate.
+    pub fn learning_rate(mut self, lr: f64) -> Self {
+        self.learning_rate = LearningRate::Constant(lr);
+        self
+    }
+
+    /// One of Burn's learning-rate schedulers, stepped once per optimizer step.
+    pub fn lr_scheduler(mut self, scheduler: impl LrScheduler + Clone + 'static) -> Self {
+        self.learning_rate = LearningRate::Scheduler(Box::new(scheduler));
+        self
+    }
+
+    /// Number of data-parallel replicas.
+    pub fn data_parallel(mut self, dp: u32) -> Self {
+        self.dp = dp;
+        self
+    }
+
+    /// The devices to run on (default: one logical Flex CPU device per replica).
+    pub fn devices(mut self, devices: Vec<MeshDevice>) -> Self {
+        self.devices = Some(devices);
+        self
+    }
+
+    /// The **global** batch size: each replica takes `batch_size / data_parallel` per step.
+    pub fn batch_size(mut self, global: usize) -> Self {
+        self.batch_size = Some(global);
+        self
+    }
+
+    /// Accumulate gradients over `k` micro-batches per step (each replica's share of the
+    /// global batch is cut into `k` equal micro-batches).
+    pub fn gradient_accumulation(mut self, k: u32) -> Self {
+        self.accumulation = k;
+        self
+    }
+
+    /// Size of a gradient bucket for the all-reduce.
+    pub fn bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes;
+        self
+    }
+
+    /// Clip gradients so that their global L2 norm is at most `max_norm`.
+    pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
+        self.clip_norm = Some(max_norm);
+        self
+    }
+
+    /// Number of optimizer steps.
+    pub fn steps(mut self, steps: u64) -> Self {
+        self.steps = steps;
+        self
+    }
+
+    /// Seed of the data order.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// What to do on a NaN or infinite loss.
+    pub fn on_non_finite_loss(mut self, policy: NonFinitePolicy) -> Self {
+        self.non_finite = policy;
+        self
+    }
+
+    /// The all-reduce algorithm (default: chosen by size and group).
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.comm.algorithm = algorithm;
+        self
+    }
+
+    /// Time-out of every collective operation.
+    pub fn collective_timeout(mut self, timeout: Duration) -> Self {
+        self.comm.timeout = timeout;
+        self
+    }
+
+    /// Time-out of one step on every stage.
+    pub fn step_timeout(mut self, timeout: Duration) -> Self {
+        self.step_timeout = timeout;
+        self
+    }
+
+    /// Check the configuration (JOB-1) and produce the job.
+    pub fn build(self) -> Result<Job<M, I>> {
+        let invalid = |m: String| Err(Error::InvalidConfig(m));
+        let Some(model_fn) = self.model else {
+            return invalid("no model: call .model(..) or .initial_model(..)".into());
+        };
+        let Some(loss_fn) = self.loss else {
+            return invalid("no loss: call .loss(|model, samples, device| ..)".into());
+        };
+        let Some(dataset) = self.data else {
+            return invalid("no data: call .data(dataset)".into());
+        };
+        let Some(global) = self.batch_size else {
+            return invalid("no batch size: call .batch_size(global_batch)".into());
+        };
+        if self.dp == 0 {
+            return invalid("data_parallel(0): use at least 1 replica".into());
+        }
+        if self.accumulation == 0 {
+            return invalid("gradient_accumulation(0): use at least 1 micro-batch".into());
+        }
+        let dp = self.dp as usize;
+        let k = self.accumulation as usize;
+        if global == 0 || global % (dp * k) != 0 {
+            let unit = dp * k;
+            return invalid(format!(
+                "batch_size {global} does not divide into {dp} replica(s) × {k} micro-batch(es): \
+                 use a positive multiple of {unit} (e.g. {})",
+                (global / unit).max(1) * unit
+            ));
+        }
+        if self.bucket_bytes < 4 {
+            return invalid("bucket_bytes below one f32: use at least 4 bytes".into());
+        }
+        let layout = Layout::data_parallel(self.dp)?;
+        let devices = match self.devices {
+            Some(d) => d,
+            None => MeshDevice::of_kind(crate::device::BackendKind::Flex, dp)?,
+        };
+        if devices.len() < dp {
+            return invalid(format!(
+                "data_parallel({dp}) needs {dp} devices but {} were given: add devices or lower \
+                 data_parallel",
+                devices.len()
+            ));
+        }
+        if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
+            return invalid("a time-out of zero: use a positive duration".into());
+        }
+        let sampler = DistributedSampler::new(dataset.len(), global, self.seed)?;
+        Ok(Job {
+            args: Some(JobParts {
+                spec: Arc::new(StageSpec {
+                    model_fn,
+                    loss_fn,
+                    dataset,
+                    optimizer: self.optimizer,
+                    learning_rate: self.learning_rate,
+                    bucket_elems: self.bucket_bytes / 4,
+                    clip_norm: self.clip_norm,
+                    non_finite: self.non_finite,
+                    epoch: Instant::now(),
+                }),
+                devices,
+                layout,
+                steps: self.steps,
+                accumulation: self.accumulation,
+                sampler,
+                comm: self.comm,
+                step_timeout: self.step_timeout,
+            }),
+        })
+    }
+}
+
+/// A running job.
+pub struct JobHandle<M> {
+    supervisor: ActorRef<SupervisorMsg>,
+    events: broadcast::Sender<JobEvent>,
+    first: Mutex<Option<broadcast::Receiver<JobEvent>>>,
+    outcome: oneshot::Receiver<Result<Trained<M>>>,
+}
+
+impl<M> std::fmt::Debug for JobHandle<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "JobHandle({})", self.supervisor.get_id())
+    }
+}
+
+impl<M: Send + 'static> JobHandle<M> {
+    /// A stream of the job's events. The first call sees every event since the job started;
+    /// later calls see events from the moment of the call (EV-1).
+    pub fn events(&self) -> EventStream {
+        let rx = self
+            .first
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_else(|| self.events.subscribe());
+        EventStream { rx }
+    }
+
+    /// Wait for the job to end and return the trained model, or the error that ended it.
+    pub async fn join(self) -> Result<Trained<M>> {
+        self.outcome.await.unwrap_or_else(|_| {
+            Err(Error::Runtime(
+                "the supervisor ended without a result".into(),
+            ))
+        })
+    }
+
+    /// Ask the job to stop at the next step boundary and return the model trained so far.
+    pub async fn stop(self) -> Result<Trained<M>> {
+        let _ = self.supervisor.send_message(SupervisorMsg::Stop);
+        self.join().await
+    }
+}
+
+/// A consumer's view of a job's events.
+#[derive(Debug)]
+pub struct EventStream {
+    rx: broadcast::Receiver<JobEvent>,
+}
+
+/// Why [`EventStream::recv`] returned no event.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EventsError {
+    /// This consumer was too slow: the oldest `n` events were dropped for it.
+    #[error("missed {0} events")]
+    Missed(u64),
+    /// The job has ended and every event has been received.
+    #[error("the job has ended")]
+    Closed,
+}
+
+impl EventStream {
+    /// The next event; `Err(Missed(n))` tells a lagging consumer how many it lost (the next
+    /// call continues with the oldest event still held).
+    pub async fn recv(&mut self) -> std::result::Result<JobEvent, EventsError> {
+        self.rx.recv().await.map_err(|e| match e {
+            broadcast::error::RecvError::Lagged(n) => EventsError::Missed(n),
+            broadcast::error::RecvError::Closed => EventsError::Closed,
+        })
+    }
+}

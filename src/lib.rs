@@ -9,7 +9,22 @@ pub mod comm;
 pub mod data;
 pub mod device;
 pub mod error;
+pub mod events;
 pub mod job;
 pub mod mesh;
+pub mod optim;
 pub mod parallel;
 pub mod trace;
+
+/// The types most programs need: `use meshwork::prelude::*;`.
+pub mod prelude {
+    pub use crate::comm::{Algorithm, ReduceOp};
+    pub use crate::data::{Dataset, InMemoryDataset};
+    pub use crate::device::{BackendKind, MeshDevice};
+    pub use crate::error::{Error, Result};
+    pub use crate::events::{JobEvent, StepDone};
+    pub use crate::job::{
+        EventStream, Job, JobBuilder, JobHandle, ModelContext, NonFinitePolicy, Trained,
+    };
+    pub use crate::mesh::{Layout, Rank};
+}

@@ -1,1 +1,34 @@
-//! (in progress)
+//! Parallel strategies: how work and data are split across the mesh.
+//!
+//! - [`sampler`]: which sample ids each replica reads at each step (pure);
+//! - [`buckets`]: how the flat gradient buffer is cut into all-reduce buckets (pure);
+//! - [`gradients`]: flattening a model's gradients into one buffer and back (Burn).
+
+pub mod buckets;
+pub mod gradients;
+pub mod sampler;
+
+use burn::tensor::Device;
+use serde::{Deserialize, Serialize};
+
+use crate::mesh::Rank;
+
+/// What a model factory is told when it builds one replica's model.
+#[derive(Debug, Clone)]
+pub struct ModelContext {
+    /// The rank the model is for.
+    pub rank: Rank,
+    /// The device the model will train on (with autodiff).
+    pub device: Device,
+}
+
+/// What to do when a replica's loss is NaN or infinite. Decided by all replicas together from
+/// the all-reduced losses, so they stay identical (DP-3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum NonFinitePolicy {
+    /// End the job with [`crate::error::Error::NonFiniteLoss`].
+    #[default]
+    Stop,
+    /// Skip the update of that step on every replica and go on.
+    Skip,
+}

@@ -1,1 +1,220 @@
-//! (in progress)
+//! Trace records: what each rank did during a step, and the time breakdown derived from them.
+//!
+//! Pure data. Device threads record [`TraceRecord`]s; step-done events carry them; reports and
+//! the Chrome-trace export ([`chrome_trace_json`]) are computed from them. Times are
+//! microseconds since the job started.
+
+use serde::{Deserialize, Serialize};
+
+use crate::mesh::Rank;
+
+/// What a span of time on a rank was spent on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum TraceKind {
+    /// Forward pass of one micro-batch of `samples` samples.
+    Forward {
+        /// Index of the micro-batch inside the step.
+        micro_batch: u32,
+        /// Samples in the micro-batch.
+        samples: u32,
+    },
+    /// Backward pass of one micro-batch.
+    Backward {
+        /// Index of the micro-batch inside the step.
+        micro_batch: u32,
+    },
+    /// Copying gradients into or out of the flat buffer.
+    Flatten,
+    /// An all-reduce of `bytes` bytes (includes waiting for peers to arrive).
+    AllReduce {
+        /// Payload size.
+        bytes: u64,
+    },
+    /// A broadcast of `bytes` bytes.
+    Broadcast {
+        /// Payload size.
+        bytes: u64,
+    },
+    /// The optimizer's update.
+    OptimizerStep,
+    /// Reading samples and building the batch tensors is part of `Forward`; this is anything
+    /// else the rank ran on request (tests, diagnostics).
+    Task {
+        /// The task's label.
+        label: String,
+    },
+}
+
+impl TraceKind {
+    /// Which share of the step this counts towards.
+    pub fn category(&self) -> TimeCategory {
+        match self {
+            TraceKind::AllReduce { .. } | TraceKind::Broadcast { .. } => {
+                TimeCategory::Communication
+            }
+            _ => TimeCategory::Compute,
+        }
+    }
+
+    fn name(&self) -> String {
+        match self {
+            TraceKind::Forward { micro_batch, .. } => format!("forward mb{micro_batch}"),
+            TraceKind::Backward { micro_batch } => format!("backward mb{micro_batch}"),
+            TraceKind::Flatten => "flatten".into(),
+            TraceKind::AllReduce { .. } => "all_reduce".into(),
+            TraceKind::Broadcast { .. } => "broadcast".into(),
+            TraceKind::OptimizerStep => "optimizer".into(),
+            TraceKind::Task { label } => label.clone(),
+        }
+    }
+}
+
+/// The coarse categories of a step's time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TimeCategory {
+    /// Forward, backward, optimizer, flattening.
+    Compute,
+    /// Collectives (including the wait for the slowest peer inside them).
+    Communication,
+}
+
+/// One span of work on one rank.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TraceRecord {
+    /// The rank that did the work.
+    pub rank: Rank,
+    /// The training step.
+    pub step: u64,
+    /// What was done.
+    pub kind: TraceKind,
+    /// Start, in microseconds since the job started.
+    pub start_us: u64,
+    /// Duration in microseconds.
+    pub duration_us: u64,
+}
+
+impl TraceRecord {
+    /// End, in microseconds since the job started.
+    pub fn end_us(&self) -> u64 {
+        self.start_us + self.duration_us
+    }
+}
+
+/// How a step's wall time divides on one rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TimeBreakdown {
+    /// Seconds computing.
+    pub compute_s: f64,
+    /// Seconds in collectives.
+    pub communication_s: f64,
+    /// Seconds of the step's wall time spent neither computing nor communicating (waiting
+    /// for work, messaging, data loading outside the forward span).
+    pub waiting_s: f64,
+}
+
+impl TimeBreakdown {
+    /// The breakdown of `records` (one rank) inside a step that took `wall_s` seconds.
+    pub fn from_records<'a>(
+        records: impl IntoIterator<Item = &'a TraceRecord>,
+        wall_s: f64,
+    ) -> Self {
+        let mut b = TimeBreakdown::default();
+        for r in records {
+            let s = r.duration_us as f64 * 1e-6;
+            match r.kind.category() {
+                TimeCategory::Compute => b.compute_s += s,
+                TimeCategory::Communication => b.communication_s += s,
+            }
+        }
+        b.waiting_s = (wall_s - b.compute_s - b.communication_s).max(0.0);
+        b
+    }
+
+    /// Sum of two breakdowns.
+    pub fn add(self, o: Self) -> Self {
+        Self {
+            compute_s: self.compute_s + o.compute_s,
+            communication_s: self.communication_s + o.communication_s,
+            waiting_s: self.waiting_s + o.waiting_s,
+        }
+    }
+
+    /// The shares (compute, communication, waiting) of the total, each in `[0, 1]`.
+    pub fn shares(&self) -> (f64, f64, f64) {
+        let total = self.compute_s + self.communication_s + self.waiting_s;
+        if total <= 0.0 {
+            return (0.0, 0.0, 0.0);
+        }
+        (
+            self.compute_s / total,
+            self.communication_s / total,
+            self.waiting_s / total,
+        )
+    }
+}
+
+/// The records as a Chrome trace (`chrome://tracing`, Perfetto): one row per rank.
+pub fn chrome_trace_json(records: &[TraceRecord]) -> String {
+    let events: Vec<serde_json::Value> = records
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "name": r.kind.name(),
+                "cat": format!("{:?}", r.kind.category()),
+                "ph": "X",
+                "ts": r.start_us,
+                "dur": r.duration_us,
+                "pid": 0,
+                "tid": r.rank.0,
+                "args": { "step": r.step },
+            })
+        })
+        .collect();
+    serde_json::json!({ "traceEvents": events }).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(kind: TraceKind, start: u64, dur: u64) -> TraceRecord {
+        TraceRecord {
+            rank: Rank(0),
+            step: 0,
+            kind,
+            start_us: start,
+            duration_us: dur,
+        }
+    }
+
+    #[test]
+    fn breakdown_splits_compute_communication_and_waiting() {
+        let r = [
+            rec(
+                TraceKind::Forward {
+                    micro_batch: 0,
+                    samples: 4,
+                },
+                0,
+                300_000,
+            ),
+            rec(TraceKind::Backward { micro_batch: 0 }, 300_000, 300_000),
+            rec(TraceKind::AllReduce { bytes: 8 }, 600_000, 200_000),
+        ];
+        let b = TimeBreakdown::from_records(&r, 1.0);
+        assert!((b.compute_s - 0.6).abs() < 1e-9);
+        assert!((b.communication_s - 0.2).abs() < 1e-9);
+        assert!((b.waiting_s - 0.2).abs() < 1e-9);
+        let (c, m, w) = b.shares();
+        assert!((c + m + w - 1.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn chrome_trace_has_one_event_per_record() {
+        let r = [rec(TraceKind::OptimizerStep, 5, 7)];
+        let v: serde_json::Value = serde_json::from_str(&chrome_trace_json(&r)).unwrap();
+        assert_eq!(v["traceEvents"].as_array().unwrap().len(), 1);
+        assert_eq!(v["traceEvents"][0]["dur"], 7);
+    }
+}

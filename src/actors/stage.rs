@@ -1,0 +1,510 @@
+//! `StageActor`: one model partition with its optimizer and communicator.
+//!
+//! Between steps the stage's state (model, optimizer, communicator) sits in the actor; for a
+//! step it moves onto the device's compute thread and comes back with the result (RT-1). A
+//! panic on the thread loses the state and is reported as [`Error::StageFailed`] naming the
+//! device, the stage and the phase (RT-4).
+//!
+//! Data-parallel step (DP-1..DP-4 in ARCHITECTURE.md):
+//! 1. for each of the k micro-batches: forward, backward, add the gradients to the flat buffer;
+//! 2. all-reduce the replicas' losses; a non-finite loss on any replica makes every replica
+//!    skip or stop together (DP-3);
+//! 3. all-reduce the flat gradients bucket by bucket (mean over replicas), divide by k;
+//! 4. clip by global norm if asked; rebuild per-parameter gradients; optimizer step.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Tensor};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+
+use super::device::{DeviceMsg, run_on};
+use crate::comm::{Communicator, ReduceOp};
+use crate::data::Dataset;
+use crate::device::MeshDevice;
+use crate::error::{Error, Result, StageId};
+use crate::mesh::Rank;
+use crate::optim::{LearningRate, OptimizerConfig};
+use crate::parallel::buckets::bucket_ranges;
+use crate::parallel::gradients::{
+    ParamLayout, fingerprint, flatten_gradients, parameters_from_flat, parameters_to_flat,
+    unflatten_gradients,
+};
+use crate::parallel::{ModelContext, NonFinitePolicy};
+use crate::trace::{TraceKind, TraceRecord};
+
+/// Builds one replica's model.
+pub type ModelFn<M> = Arc<dyn Fn(&ModelContext) -> M + Send + Sync>;
+/// Computes the mean loss of a model over some samples, on a device.
+pub type LossFn<M, I> = Arc<dyn Fn(&M, &[I], &Device) -> Tensor<1> + Send + Sync>;
+
+/// Everything a stage needs to train, shared by all stages of a job.
+pub(crate) struct StageSpec<M, I> {
+    pub(crate) model_fn: ModelFn<M>,
+    pub(crate) loss_fn: LossFn<M, I>,
+    pub(crate) dataset: Arc<dyn Dataset<Item = I>>,
+    pub(crate) optimizer: OptimizerConfig,
+    pub(crate) learning_rate: LearningRate,
+    pub(crate) bucket_elems: usize,
+    pub(crate) clip_norm: Option<f32>,
+    pub(crate) non_finite: NonFinitePolicy,
+    /// The job's start: trace times are measured from it.
+    pub(crate) epoch: Instant,
+}
+
+/// What a stage reports after the initial synchronization.
+#[derive(Debug, Clone)]
+pub struct InitReport {
+    /// Fingerprint of the parameters the factory built.
+    pub before: u64,
+    /// Fingerprint after receiving rank 0's parameters.
+    pub after: u64,
+}
+
+/// What a stage reports after a step.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// The stage's rank.
+    pub rank: Rank,
+    /// The sample ids it trained on, micro-batch after micro-batch.
+    pub sample_ids: Vec<usize>,
+    /// Its mean loss.
+    pub local_loss: f32,
+    /// Every replica's loss, by rank (all-reduced).
+    pub losses: Vec<f32>,
+    /// The learning rate used (`None` when the update was skipped).
+    pub learning_rate: Option<f64>,
+    /// Its trace records.
+    pub trace: Vec<TraceRecord>,
+}
+
+/// Messages a [`StageActor`] handles.
+pub enum StageMsg<M> {
+    /// Build the model, receive rank 0's parameters, build the optimizer.
+    Init(RpcReplyPort<Result<InitReport>>),
+    /// Run one training step over these micro-batches (sample ids).
+    Step {
+        /// The step.
+        step: u64,
+        /// The sample ids of each micro-batch.
+        micro_batches: Vec<Vec<usize>>,
+        /// Where the report goes.
+        reply: RpcReplyPort<Result<StepReport>>,
+    },
+    /// Fingerprint of the current parameters.
+    Fingerprint(RpcReplyPort<Result<u64>>),
+    /// Hand the model over (the stage keeps nothing).
+    TakeModel(RpcReplyPort<Option<M>>),
+}
+
+impl<M> std::fmt::Debug for StageMsg<M> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StageMsg::Init(_) => write!(f, "Init"),
+            StageMsg::Step { step, .. } => write!(f, "Step({step})"),
+            StageMsg::Fingerprint(_) => write!(f, "Fingerprint"),
+            StageMsg::TakeModel(_) => write!(f, "TakeModel"),
+        }
+    }
+}
+
+/// The actor of one stage.
+pub struct StageActor<M, I>(std::marker::PhantomData<fn() -> (M, I)>);
+
+impl<M, I> Default for StageActor<M, I> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<M, I> std::fmt::Debug for StageActor<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StageActor")
+    }
+}
+
+/// What a stage starts from.
+pub struct StageArgs<M, I> {
+    pub(crate) id: StageId,
+    pub(crate) rank: Rank,
+    pub(crate) device: MeshDevice,
+    pub(crate) device_actor: ActorRef<DeviceMsg>,
+    pub(crate) comm: Communicator,
+    pub(crate) spec: Arc<StageSpec<M, I>>,
+}
+
+impl<M, I> std::fmt::Debug for StageArgs<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StageArgs({}, {})", self.id, self.rank)
+    }
+}
+
+/// The model, optimizer and buffers of a trained stage.
+struct Slot<M> {
+    model: M,
+    optimizer: ModuleOptimizer,
+    layout: ParamLayout,
+    comm: Communicator,
+    lr: LearningRate,
+    flat: Vec<f32>,
+}
+
+/// State of a [`StageActor`].
+pub struct StageState<M, I> {
+    id: StageId,
+    rank: Rank,
+    device: MeshDevice,
+    device_actor: ActorRef<DeviceMsg>,
+    spec: Arc<StageSpec<M, I>>,
+    comm: Option<Communicator>,
+    slot: Option<Slot<M>>,
+}
+
+impl<M, I> std::fmt::Debug for StageState<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StageState({}, {})", self.id, self.rank)
+    }
+}
+
+impl<M, I> Actor for StageActor<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    type Msg = StageMsg<M>;
+    type State = StageState<M, I>;
+    type Arguments = StageArgs<M, I>;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<StageMsg<M>>,
+        a: StageArgs<M, I>,
+    ) -> Result<StageState<M, I>, ActorProcessingErr> {
+        Ok(StageState {
+            id: a.id,
+            rank: a.rank,
+            device: a.device,
+            device_actor: a.device_actor,
+            spec: a.spec,
+            comm: Some(a.comm),
+            slot: None,
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<StageMsg<M>>,
+        msg: StageMsg<M>,
+        state: &mut StageState<M, I>,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            StageMsg::Init(reply) => {
+                let _ = reply.send(init(state).await);
+            }
+            StageMsg::Step {
+                step,
+                micro_batches,
+                reply,
+            } => {
+                let _ = reply.send(step_on_device(state, step, micro_batches).await);
+            }
+            StageMsg::Fingerprint(reply) => {
+                let r = match state.slot.take() {
+                    None => Err(lost(state)),
+                    Some(slot) => {
+                        let out = run_on(&state.device_actor, "fingerprint", move || {
+                            let f = fingerprint(&parameters_to_flat(&slot.model, &slot.layout));
+                            (slot, f)
+                        })
+                        .await;
+                        match out {
+                            Ok(Ok((slot, f))) => {
+                                state.slot = Some(slot);
+                                Ok(f)
+                            }
+                            Ok(Err(panic)) => Err(failed(state, "fingerprint", panic)),
+                            Err(e) => Err(e),
+                        }
+                    }
+                };
+                let _ = reply.send(r);
+            }
+            StageMsg::TakeModel(reply) => {
+                let _ = reply.send(state.slot.take().map(|s| s.model));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn lost<M, I>(state: &StageState<M, I>) -> Error {
+    Error::StageFailed {
+        device: state.device.id(),
+        stage: state.id,
+        during: "a previous failure".into(),
+        reason: "the stage lost its state in an earlier failure".into(),
+    }
+}
+
+fn failed<M, I>(state: &StageState<M, I>, during: &str, reason: String) -> Error {
+    Error::StageFailed {
+        device: state.device.id(),
+        stage: state.id,
+        during: during.into(),
+        reason,
+    }
+}
+
+async fn init<M, I>(state: &mut StageState<M, I>) -> Result<InitReport>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    let Some(mut comm) = state.comm.take() else {
+        return Err(Error::Runtime(format!("{} initialized twice", state.id)));
+    };
+    let spec = state.spec.clone();
+    let rank = state.rank;
+    let device = state.device.burn().clone().autodiff();
+    let epoch = spec.epoch;
+    let out = run_on(&state.device_actor, "init", move || {
+        let ctx = ModelContext {
+            rank,
+            device: device.clone(),
+        };
+        let model = (spec.model_fn)(&ctx).fork(&device).train();
+        let layout = ParamLayout::of(&model);
+        let mut flat = parameters_to_flat(&model, &layout);
+        let before = fingerprint(&flat);
+        let t0 = epoch.elapsed();
+        let r = comm.broadcast(&mut flat, Rank(0));
+        let _ = t0;
+        let after = fingerprint(&flat);
+        let model = parameters_from_flat(model, &layout, &flat);
+        r.map(|()| {
+            (
+                Slot {
+                    model,
+                    optimizer: spec.optimizer.init(),
+                    flat: vec![0.0; layout.len()],
+                    layout,
+                    comm,
+                    lr: spec.learning_rate.clone(),
+                },
+                InitReport { before, after },
+            )
+        })
+    })
+    .await?;
+    match out {
+        Ok(Ok((slot, report))) => {
+            state.slot = Some(slot);
+            Ok(report)
+        }
+        Ok(Err(comm_err)) => Err(comm_err.into()),
+        Err(panic) => Err(failed(state, "building the model", panic)),
+    }
+}
+
+async fn step_on_device<M, I>(
+    state: &mut StageState<M, I>,
+    step: u64,
+    micro_batches: Vec<Vec<usize>>,
+) -> Result<StepReport>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    let Some(mut slot) = state.slot.take() else {
+        return Err(lost(state));
+    };
+    let spec = state.spec.clone();
+    let rank = state.rank;
+    let device = state.device.burn().clone();
+    let phase = Arc::new(Mutex::new("starting"));
+    let thread_phase = phase.clone();
+    let out = run_on(&state.device_actor, format!("step {step}"), move || {
+        let r = train_step(
+            &mut slot,
+            &spec,
+            &device,
+            rank,
+            step,
+            &micro_batches,
+            &thread_phase,
+        );
+        (slot, r)
+    })
+    .await?;
+    match out {
+        Ok((slot, r)) => {
+            state.slot = Some(slot);
+            r
+        }
+        Err(panic) => {
+            let during = *phase.lock().unwrap_or_else(|e| e.into_inner());
+            Err(failed(state, during, panic))
+        }
+    }
+}
+
+/// One data-parallel step on the device thread.
+fn train_step<M: Module, I: Send + Sync + 'static>(
+    slot: &mut Slot<M>,
+    spec: &StageSpec<M, I>,
+    device: &Device,
+    rank: Rank,
+    step: u64,
+    micro_batches: &[Vec<usize>],
+    phase: &Mutex<&'static str>,
+) -> Result<StepReport> {
+    let set_phase = |p: &'static str| *phase.lock().unwrap_or_else(|e| e.into_inner()) = p;
+    let world = slot.comm.world();
+    let k = micro_batches.len();
+    // One device, one micro-batch, no clipping: Burn's gradients go straight to the optimizer.
+    let direct = world == 1 && k == 1 && spec.clip_norm.is_none();
+    let ad = device.clone().autodiff();
+    let mut trace = Vec::new();
+    let mut span = |kind: TraceKind, start: Instant| {
+        let s = start.duration_since(spec.epoch);
+        trace.push(TraceRecord {
+            rank,
+            step,
+            kind,
+            start_us: s.as_micros() as u64,
+            duration_us: start.elapsed().as_micros() as u64,
+        });
+    };
+    let mut loss_sum = 0.0f32;
+    let mut direct_grads = None;
+    for (m, ids) in micro_batches.iter().enumerate() {
+        set_phase("forward");
+        let t = Instant::now();
+        let items = ids
+            .iter()
+            .map(|&i| {
+                spec.dataset
+                    .get(i)
+                    .ok_or_else(|| Error::Data(format!("sample {i} could not be read")))
+            })
+            .collect::<Result<Vec<I>>>()?;
+        let loss = (spec.loss_fn)(&slot.model, &items, &ad);
+        let value: f32 = loss.clone().into_scalar();
+        loss_sum += value;
+        span(
+            TraceKind::Forward {
+                micro_batch: m as u32,
+                samples: ids.len() as u32,
+            },
+            t,
+        );
+        set_phase("backward");
+        let t = Instant::now();
+        let grads = GradientsParams::from_grads(loss.backward(), &slot.model);
+        span(
+            TraceKind::Backward {
+                micro_batch: m as u32,
+            },
+            t,
+        );
+        if direct {
+            direct_grads = Some(grads);
+        } else {
+            let t = Instant::now();
+            flatten_gradients(&slot.model, &slot.layout, &grads, &mut slot.flat, m > 0);
+            span(TraceKind::Flatten, t);
+        }
+    }
+    let local_loss = loss_sum / k.max(1) as f32;
+
+    // DP-3: every replica learns every replica's loss and decides the same thing.
+    set_phase("all-reduce of losses");
+    let mut losses = vec![0.0f32; world];
+    losses[rank.index() % world.max(1)] = local_loss;
+    if world > 1 {
+        slot.comm.all_reduce(&mut losses, ReduceOp::Sum)?;
+    }
+    let bad: Vec<Rank> = losses
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| !l.is_finite())
+        .map(|(r, _)| Rank(r as u32))
+        .collect();
+    let sample_ids = micro_batches.concat();
+    if !bad.is_empty() {
+        return match spec.non_finite {
+            NonFinitePolicy::Stop => Err(Error::NonFiniteLoss { step, ranks: bad }),
+            NonFinitePolicy::Skip => Ok(StepReport {
+                rank,
+                sample_ids,
+                local_loss,
+                losses,
+                learning_rate: None,
+                trace,
+            }),
+        };
+    }
+
+    let grads = match direct_grads {
+        Some(g) => g,
+        None => {
+            set_phase("gradient all-reduce");
+            if world > 1 {
+                for range in bucket_ranges(slot.flat.len(), spec.bucket_elems) {
+                    let t = Instant::now();
+                    slot.comm
+                        .all_reduce(&mut slot.flat[range.clone()], ReduceOp::Mean)?;
+                    span(
+                        TraceKind::AllReduce {
+                            bytes: (range.len() * 4) as u64,
+                        },
+                        t,
+                    );
+                }
+            }
+            set_phase("gradient clipping");
+            let t = Instant::now();
+            if k > 1 {
+                let scale = 1.0 / k as f32;
+                slot.flat.iter_mut().for_each(|g| *g *= scale);
+            }
+            if let Some(max_norm) = spec.clip_norm {
+                clip_by_global_norm(&mut slot.flat, max_norm);
+            }
+            let g = unflatten_gradients(&slot.model, &slot.layout, &slot.flat, device);
+            span(TraceKind::Flatten, t);
+            g
+        }
+    };
+    set_phase("optimizer step");
+    let t = Instant::now();
+    let lr = slot.lr.next();
+    let model = slot.model.clone();
+    slot.model = slot.optimizer.step(lr, model, grads);
+    span(TraceKind::OptimizerStep, t);
+    Ok(StepReport {
+        rank,
+        sample_ids,
+        local_loss,
+        losses,
+        learning_rate: Some(lr),
+        trace,
+    })
+}
+
+/// Scale `grads` so that their global L2 norm is at most `max_norm` (PyTorch's
+/// `clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)`, applied when below 1).
+pub fn clip_by_global_norm(grads: &mut [f32], max_norm: f32) -> f32 {
+    let norm = grads
+        .iter()
+        .map(|g| f64::from(*g) * f64::from(*g))
+        .sum::<f64>()
+        .sqrt() as f32;
+    let coef = max_norm / (norm + 1e-6);
+    if coef < 1.0 {
+        grads.iter_mut().for_each(|g| *g *= coef);
+    }
+    norm
+}

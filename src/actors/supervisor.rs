@@ -1,0 +1,578 @@
+//! `Supervisor`: owns the job, drives the step clock, ends the job on failure.
+//!
+//! Handles, as a table:
+//! - `Init` → call every stage's `Init` (model, broadcast of rank 0's parameters), publish
+//!   `Started` and `ReplicasSynchronized`, send itself `RunStep(0)`;
+//! - `RunStep(s)` → if a stop was asked or all steps are done: finish; else give every replica
+//!   its sample ids (sampler), call every stage's `Step` concurrently, publish `StepDone`,
+//!   send itself `RunStep(s + 1)`. The first failure shuts the group down (so peers blocked in
+//!   a collective wake up, RT-4) and ends the job with that error;
+//! - `Stop` → remember it; the job ends at the next step boundary;
+//! - a child actor failing or stopping unexpectedly → end the job with an error naming it.
+//!
+//! SV-1: the job's actors never outlive it: finishing stops every child and the Supervisor.
+//! SV-2: the outcome (model or error) is sent exactly once.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use burn::module::Module;
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+use tokio::sync::{broadcast, oneshot};
+use tokio::task::JoinSet;
+
+use super::device::{DeviceActor, DeviceMsg, heartbeat};
+use super::group::{GroupActor, GroupArgs, GroupMsg};
+use super::stage::{StageActor, StageArgs, StageMsg, StageSpec, StepReport};
+use crate::comm::{CommConfig, CommError, LocalGroup};
+use crate::device::MeshDevice;
+use crate::error::{DeviceId, Error, Result, StageId};
+use crate::events::{JobEvent, ReplicaStep, StepDone};
+use crate::mesh::{Generation, Layout, Rank};
+use crate::parallel::sampler::DistributedSampler;
+use crate::trace::TimeBreakdown;
+
+/// A trained model and how the run went.
+#[derive(Debug)]
+pub struct Trained<M> {
+    /// Rank 0's model (every replica holds the same parameters).
+    pub model: M,
+    /// Summary of the run.
+    pub summary: RunSummary,
+}
+
+/// Figures of a whole run.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct RunSummary {
+    /// Steps run.
+    pub steps: u64,
+    /// Mean loss of the first step.
+    pub first_loss: Option<f32>,
+    /// Mean loss of the last step.
+    pub last_loss: Option<f32>,
+    /// Samples trained on.
+    pub samples: u64,
+    /// Sum of the steps' wall times.
+    pub wall_s: f64,
+    /// Time breakdown summed over steps, averaged over replicas.
+    pub breakdown: TimeBreakdown,
+}
+
+impl RunSummary {
+    /// Samples per second over the steps' wall time.
+    pub fn samples_per_s(&self) -> f64 {
+        if self.wall_s > 0.0 {
+            self.samples as f64 / self.wall_s
+        } else {
+            0.0
+        }
+    }
+}
+
+/// Messages the [`Supervisor`] handles.
+#[derive(Debug)]
+pub enum SupervisorMsg {
+    /// Build the models and synchronize the replicas.
+    Init,
+    /// Run this step.
+    RunStep(u64),
+    /// End the job at the next step boundary.
+    Stop,
+}
+
+/// The job's root actor.
+pub struct Supervisor<M, I>(std::marker::PhantomData<fn() -> (M, I)>);
+
+impl<M, I> Default for Supervisor<M, I> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<M, I> std::fmt::Debug for Supervisor<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Supervisor")
+    }
+}
+
+/// What the Supervisor starts from (built by [`crate::job::Job::spawn`]).
+pub struct SupervisorArgs<M, I> {
+    pub(crate) spec: Arc<StageSpec<M, I>>,
+    pub(crate) devices: Vec<MeshDevice>,
+    pub(crate) layout: Layout,
+    pub(crate) steps: u64,
+    pub(crate) accumulation: u32,
+    pub(crate) sampler: DistributedSampler,
+    pub(crate) comm: CommConfig,
+    pub(crate) step_timeout: Duration,
+    pub(crate) events: broadcast::Sender<JobEvent>,
+    pub(crate) outcome: oneshot::Sender<Result<Trained<M>>>,
+}
+
+impl<M, I> std::fmt::Debug for SupervisorArgs<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SupervisorArgs({:?})", self.layout)
+    }
+}
+
+/// State of the [`Supervisor`].
+pub struct SupervisorState<M, I> {
+    layout: Layout,
+    steps: u64,
+    accumulation: u32,
+    sampler: DistributedSampler,
+    step_timeout: Duration,
+    events: broadcast::Sender<JobEvent>,
+    outcome: Option<oneshot::Sender<Result<Trained<M>>>>,
+    devices: Vec<(ActorRef<DeviceMsg>, DeviceId)>,
+    stages: Vec<(ActorRef<StageMsg<M>>, StageId)>,
+    group: ActorRef<GroupMsg>,
+    stop_requested: bool,
+    finished: bool,
+    summary: RunSummary,
+    _items: std::marker::PhantomData<fn() -> I>,
+}
+
+impl<M, I> std::fmt::Debug for SupervisorState<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SupervisorState({:?})", self.layout)
+    }
+}
+
+impl<M, I> Actor for Supervisor<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    type Msg = SupervisorMsg;
+    type State = SupervisorState<M, I>;
+    type Arguments = SupervisorArgs<M, I>;
+
+    async fn pre_start(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        a: SupervisorArgs<M, I>,
+    ) -> Result<SupervisorState<M, I>, ActorProcessingErr> {
+        let world = a.layout.world_size() as usize;
+        let mut devices = Vec::with_capacity(world);
+        for d in a.devices.iter().take(world) {
+            let (r, _) =
+                Actor::spawn_linked(None, DeviceActor, d.clone(), myself.get_cell()).await?;
+            devices.push((r, d.id()));
+        }
+        let group = LocalGroup::new(world, Generation(0), a.comm.clone());
+        let comms = group.communicators();
+        let members: Vec<Rank> = a.layout.ranks().collect();
+        let (group_ref, _) = Actor::spawn_linked(
+            None,
+            GroupActor,
+            GroupArgs {
+                members: members.clone(),
+                group,
+            },
+            myself.get_cell(),
+        )
+        .await?;
+        let mut stages = Vec::with_capacity(world);
+        for ((rank, comm), (device_ref, _)) in members.iter().zip(comms).zip(&devices) {
+            let coord = a
+                .layout
+                .coord_of(*rank)
+                .expect("rank inside its own layout");
+            let id = StageId {
+                replica: coord.dp,
+                stage: coord.pp,
+            };
+            let (r, _) = Actor::spawn_linked(
+                None,
+                StageActor::<M, I>::default(),
+                StageArgs {
+                    id,
+                    rank: *rank,
+                    device: a.devices[rank.index()].clone(),
+                    device_actor: device_ref.clone(),
+                    comm,
+                    spec: a.spec.clone(),
+                },
+                myself.get_cell(),
+            )
+            .await?;
+            stages.push((r, id));
+        }
+        myself.send_message(SupervisorMsg::Init)?;
+        Ok(SupervisorState {
+            layout: a.layout,
+            steps: a.steps,
+            accumulation: a.accumulation,
+            sampler: a.sampler,
+            step_timeout: a.step_timeout,
+            events: a.events,
+            outcome: Some(a.outcome),
+            devices,
+            stages,
+            group: group_ref,
+            stop_requested: false,
+            finished: false,
+            summary: RunSummary::default(),
+            _items: std::marker::PhantomData,
+        })
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        msg: SupervisorMsg,
+        state: &mut SupervisorState<M, I>,
+    ) -> Result<(), ActorProcessingErr> {
+        if state.finished {
+            return Ok(());
+        }
+        match msg {
+            SupervisorMsg::Init => {
+                publish(
+                    state,
+                    JobEvent::Started {
+                        layout: state.layout,
+                        generation: Generation(0),
+                    },
+                );
+                match init_all(state).await {
+                    Ok((before, after)) => {
+                        publish(state, JobEvent::ReplicasSynchronized { before, after });
+                        myself.send_message(SupervisorMsg::RunStep(0))?;
+                    }
+                    Err(e) => finish(&myself, state, Err(e)).await,
+                }
+            }
+            SupervisorMsg::RunStep(step) => {
+                if state.stop_requested || step >= state.steps {
+                    finish(&myself, state, Ok(())).await;
+                    return Ok(());
+                }
+                match run_step(state, step).await {
+                    Ok(()) => myself.send_message(SupervisorMsg::RunStep(step + 1))?,
+                    Err(e) => finish(&myself, state, Err(e)).await,
+                }
+            }
+            SupervisorMsg::Stop => state.stop_requested = true,
+        }
+        Ok(())
+    }
+
+    async fn handle_supervisor_evt(
+        &self,
+        myself: ActorRef<SupervisorMsg>,
+        event: SupervisionEvent,
+        state: &mut SupervisorState<M, I>,
+    ) -> Result<(), ActorProcessingErr> {
+        if state.finished {
+            return Ok(());
+        }
+        let error = match event {
+            SupervisionEvent::ActorFailed(cell, err) => {
+                Error::Runtime(format!("{} failed: {err}", describe(state, &cell)))
+            }
+            SupervisionEvent::ActorTerminated(cell, _, reason) => Error::Runtime(format!(
+                "{} stopped unexpectedly ({})",
+                describe(state, &cell),
+                reason.unwrap_or_else(|| "no reason given".into())
+            )),
+            _ => return Ok(()),
+        };
+        finish(&myself, state, Err(error)).await;
+        Ok(())
+    }
+}
+
+fn describe<M, I>(state: &SupervisorState<M, I>, cell: &ractor::ActorCell) -> String {
+    let id = cell.get_id();
+    if let Some((_, s)) = state.stages.iter().find(|(r, _)| r.get_id() == id) {
+        return format!("the actor of {s}");
+    }
+    if let Some((_, d)) = state.devices.iter().find(|(r, _)| r.get_id() == id) {
+        return format!("the actor of device {d}");
+    }
+    format!("actor {id}")
+}
+
+fn publish<M, I>(state: &SupervisorState<M, I>, event: JobEvent) {
+    // EV-1: no receiver or a lagging one never blocks the job.
+    let _ = state.events.send(event);
+}
+
+/// Pick the root cause among several stage errors: a peer woken by the group's shutdown is a
+/// consequence, not a cause.
+fn root_cause(errors: Vec<Error>) -> Option<Error> {
+    let is_consequence = |e: &Error| matches!(e, Error::Comm(CommError::Shutdown { .. }));
+    let mut it = errors.into_iter();
+    let first = it.next()?;
+    if !is_consequence(&first) {
+        return Some(first);
+    }
+    Some(it.find(|e| !is_consequence(e)).unwrap_or(first))
+}
+
+async fn init_all<M, I>(state: &mut SupervisorState<M, I>) -> Result<(Vec<u64>, Vec<u64>)>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    let timeout = state.step_timeout;
+    let results = call_all(state, move |_| Some(StageMsg::Init), timeout).await?;
+    Ok(results.into_iter().map(|r| (r.before, r.after)).unzip())
+}
+
+/// Send one request to every stage (built by `make` per rank) and collect the replies in rank
+/// order. The first failure shuts the group down so that no stage stays blocked in a
+/// collective; the root cause is returned.
+async fn call_all<M, I, T, F>(
+    state: &mut SupervisorState<M, I>,
+    make: F,
+    timeout: Duration,
+) -> Result<Vec<T>>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+    T: Send + 'static,
+    F: Fn(usize) -> Option<fn(ractor::RpcReplyPort<Result<T>>) -> StageMsg<M>>,
+{
+    call_all_with(
+        state,
+        |r| {
+            let f = make(r)?;
+            Some(Box::new(f) as Box<dyn FnOnce(_) -> _ + Send>)
+        },
+        timeout,
+        None,
+    )
+    .await
+}
+
+type MsgBuilder<M, T> = Box<dyn FnOnce(ractor::RpcReplyPort<Result<T>>) -> StageMsg<M> + Send>;
+
+async fn call_all_with<M, I, T, F>(
+    state: &mut SupervisorState<M, I>,
+    make: F,
+    timeout: Duration,
+    step: Option<u64>,
+) -> Result<Vec<T>>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+    T: Send + 'static,
+    F: Fn(usize) -> Option<MsgBuilder<M, T>>,
+{
+    let mut set = JoinSet::new();
+    for (r, (stage, _)) in state.stages.iter().enumerate() {
+        let Some(build) = make(r) else { continue };
+        let stage = stage.clone();
+        set.spawn(async move { (r, stage.call(build, Some(timeout)).await) });
+    }
+    let mut results: Vec<Option<T>> = (0..state.stages.len()).map(|_| None).collect();
+    let mut errors = Vec::new();
+    let mut missing = Vec::new();
+    while let Some(joined) = set.join_next().await {
+        let Ok((r, reply)) = joined else {
+            errors.push(Error::Runtime("a request task panicked".into()));
+            continue;
+        };
+        let failure = match reply {
+            Ok(CallResult::Success(Ok(v))) => {
+                results[r] = Some(v);
+                None
+            }
+            Ok(CallResult::Success(Err(e))) => Some(e),
+            Ok(CallResult::Timeout) => {
+                missing.push(r);
+                None
+            }
+            Ok(CallResult::SenderError) | Err(_) => Some(Error::Runtime(format!(
+                "{} stopped without answering",
+                state.stages[r].1
+            ))),
+        };
+        if let Some(e) = failure {
+            if errors.is_empty() {
+                // RT-4: wake every peer blocked in a collective now.
+                let _ = state.group.send_message(GroupMsg::Shutdown);
+            }
+            errors.push(e);
+        }
+    }
+    if !missing.is_empty() && errors.is_empty() {
+        let _ = state.group.send_message(GroupMsg::Shutdown);
+        let mut devices = Vec::new();
+        for &r in &missing {
+            let (d, id) = &state.devices[r];
+            devices.push(match heartbeat(d, *id, Duration::from_secs(2)).await {
+                Ok(h) => match h.busy {
+                    Some((what, since)) => format!("device {id}: busy with {what} for {since:?}"),
+                    None => format!("device {id}: idle"),
+                },
+                Err(e) => e.to_string(),
+            });
+        }
+        return Err(Error::StepTimeout {
+            step: step.unwrap_or(0),
+            missing: missing.iter().map(|&r| state.stages[r].1).collect(),
+            waited: timeout,
+            devices,
+        });
+    }
+    if let Some(e) = root_cause(errors) {
+        return Err(e);
+    }
+    Ok(results.into_iter().flatten().collect())
+}
+
+async fn run_step<M, I>(state: &mut SupervisorState<M, I>, step: u64) -> Result<()>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    let dp = state.layout.dp() as usize;
+    let k = state.accumulation as usize;
+    let shares = state.sampler.split(step, dp);
+    let started = Instant::now();
+    let timeout = state.step_timeout;
+    let reports: Vec<StepReport> = call_all_with(
+        state,
+        |r| {
+            let share = &shares[r];
+            let micro = share.len() / k;
+            let micro_batches: Vec<Vec<usize>> =
+                share.chunks(micro.max(1)).map(<[usize]>::to_vec).collect();
+            Some(Box::new(move |reply| StageMsg::Step {
+                step,
+                micro_batches,
+                reply,
+            }) as MsgBuilder<M, StepReport>)
+        },
+        timeout,
+        Some(step),
+    )
+    .await?;
+    let wall_s = started.elapsed().as_secs_f64();
+    let losses = reports
+        .first()
+        .map(|r| r.losses.clone())
+        .unwrap_or_default();
+    let loss = losses.iter().sum::<f32>() / losses.len().max(1) as f32;
+    let skipped = reports.iter().any(|r| r.learning_rate.is_none());
+    if skipped {
+        let ranks = losses
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| !l.is_finite())
+            .map(|(r, _)| Rank(r as u32))
+            .collect();
+        publish(
+            state,
+            JobEvent::NonFiniteLoss {
+                step,
+                ranks,
+                skipped: true,
+            },
+        );
+    }
+    let samples: usize = reports.iter().map(|r| r.sample_ids.len()).sum();
+    let learning_rate = reports.first().and_then(|r| r.learning_rate);
+    let replicas: Vec<ReplicaStep> = reports
+        .into_iter()
+        .map(|r| ReplicaStep {
+            rank: r.rank,
+            breakdown: TimeBreakdown::from_records(&r.trace, wall_s),
+            sample_ids: r.sample_ids,
+            loss: r.local_loss,
+            trace: r.trace,
+        })
+        .collect();
+    let mut mean = TimeBreakdown::default();
+    for r in &replicas {
+        mean = mean.add(r.breakdown);
+    }
+    let n = replicas.len().max(1) as f64;
+    let s = &mut state.summary;
+    s.steps += 1;
+    s.samples += samples as u64;
+    s.wall_s += wall_s;
+    s.breakdown = s.breakdown.add(TimeBreakdown {
+        compute_s: mean.compute_s / n,
+        communication_s: mean.communication_s / n,
+        waiting_s: mean.waiting_s / n,
+    });
+    if !skipped {
+        s.first_loss.get_or_insert(loss);
+        s.last_loss = Some(loss);
+    }
+    publish(
+        state,
+        JobEvent::StepDone(StepDone {
+            step,
+            loss,
+            samples_per_s: samples as f64 / wall_s.max(1e-9),
+            wall_s,
+            learning_rate,
+            skipped,
+            replicas,
+        }),
+    );
+    Ok(())
+}
+
+async fn finish<M, I>(
+    myself: &ActorRef<SupervisorMsg>,
+    state: &mut SupervisorState<M, I>,
+    result: Result<()>,
+) where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    state.finished = true;
+    let outcome = match result {
+        Ok(()) => collect_model(state).await,
+        Err(e) => Err(e),
+    };
+    match &outcome {
+        Ok(_) => {}
+        Err(e) => publish(state, JobEvent::Failed(e.clone())),
+    }
+    let _ = state.group.send_message(GroupMsg::Shutdown);
+    if let Some(tx) = state.outcome.take() {
+        let _ = tx.send(outcome);
+    }
+    // SV-1: nothing of the job outlives it.
+    for (s, _) in &state.stages {
+        s.stop(None);
+    }
+    for (d, _) in &state.devices {
+        d.stop(None);
+    }
+    state.group.stop(None);
+    myself.stop(None);
+}
+
+async fn collect_model<M, I>(state: &mut SupervisorState<M, I>) -> Result<Trained<M>>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    let timeout = state.step_timeout;
+    let fingerprints = call_all(state, |_| Some(StageMsg::Fingerprint), timeout).await?;
+    publish(
+        state,
+        JobEvent::Finished {
+            steps: state.summary.steps,
+            fingerprints,
+        },
+    );
+    let (rank0, _) = &state.stages[0];
+    match rank0.call(StageMsg::TakeModel, Some(timeout)).await {
+        Ok(CallResult::Success(Some(model))) => Ok(Trained {
+            model,
+            summary: state.summary.clone(),
+        }),
+        _ => Err(Error::Runtime("rank 0 did not hand over its model".into())),
+    }
+}

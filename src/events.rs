@@ -1,0 +1,85 @@
+//! What a job tells the program that embeds it: [`JobEvent`]s.
+//!
+//! Pure data. Events are published on a broadcast channel: any number of consumers, a lagging
+//! consumer loses the oldest events (and is told how many), training never waits for a
+//! consumer (EV-1).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+use crate::mesh::{Generation, Layout, Rank};
+use crate::trace::{TimeBreakdown, TraceRecord};
+
+/// Something that happened in a job.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum JobEvent {
+    /// The actors are up and the job is about to synchronize the replicas.
+    Started {
+        /// The mesh.
+        layout: Layout,
+        /// The mesh's generation.
+        generation: Generation,
+    },
+    /// Every replica now holds rank 0's parameters (the initial broadcast).
+    ReplicasSynchronized {
+        /// Fingerprint of each rank's parameters before the broadcast, by rank.
+        before: Vec<u64>,
+        /// Fingerprint of each rank's parameters after the broadcast, by rank.
+        after: Vec<u64>,
+    },
+    /// A step finished (or was skipped by the non-finite policy).
+    StepDone(StepDone),
+    /// A replica computed a NaN or infinite loss.
+    NonFiniteLoss {
+        /// The step.
+        step: u64,
+        /// The replicas whose loss was not finite.
+        ranks: Vec<Rank>,
+        /// Whether the job skipped the step (else it stops).
+        skipped: bool,
+    },
+    /// The job failed and is ending with this error.
+    Failed(Error),
+    /// The job finished; the trained model is available from `join()`.
+    Finished {
+        /// Steps run (skipped steps included).
+        steps: u64,
+        /// Fingerprint of each rank's final parameters.
+        fingerprints: Vec<u64>,
+    },
+}
+
+/// A finished step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct StepDone {
+    /// The step (0-based).
+    pub step: u64,
+    /// The mean loss over the global batch (all replicas).
+    pub loss: f32,
+    /// Global batch size divided by the step's wall time.
+    pub samples_per_s: f64,
+    /// The step's wall time, as the Supervisor saw it.
+    pub wall_s: f64,
+    /// The learning rate the optimizer used (`None` when skipped).
+    pub learning_rate: Option<f64>,
+    /// True when the non-finite policy skipped the update.
+    pub skipped: bool,
+    /// What each replica did, by rank.
+    pub replicas: Vec<ReplicaStep>,
+}
+
+/// One replica's part of a step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReplicaStep {
+    /// The replica's rank.
+    pub rank: Rank,
+    /// The ids of the samples it trained on, in the order used.
+    pub sample_ids: Vec<usize>,
+    /// Its mean loss over its samples.
+    pub loss: f32,
+    /// Where its time went.
+    pub breakdown: TimeBreakdown,
+    /// Its trace records of this step.
+    pub trace: Vec<TraceRecord>,
+}
