@@ -49,6 +49,7 @@ struct JobParts<M, I> {
     sampler: DistributedSampler,
     comm: CommConfig,
     step_timeout: Duration,
+    event_capacity: usize,
 }
 
 impl<M, I> std::fmt::Debug for Job<M, I> {
@@ -78,6 +79,7 @@ pub struct JobBuilder<M, I> {
     non_finite: NonFinitePolicy,
     comm: CommConfig,
     step_timeout: Duration,
+    event_capacity: usize,
 }
 
 impl<M, I> std::fmt::Debug for JobBuilder<M, I> {
@@ -116,6 +118,7 @@ where
             non_finite: NonFinitePolicy::Stop,
             comm: CommConfig::default(),
             step_timeout: Duration::from_secs(600),
+            event_capacity: 1024,
         }
     }
 
@@ -125,7 +128,7 @@ where
             .args
             .take()
             .ok_or_else(|| Error::InvalidConfig("this job was already spawned".into()))?;
-        let (events, first) = broadcast::channel(1024);
+        let (events, first) = broadcast::channel(a.event_capacity);
         let (outcome_tx, outcome_rx) = oneshot::channel();
         let (supervisor, _) = Actor::spawn(
             None,
@@ -278,6 +281,12 @@ where
         self
     }
 
+    /// How many events are kept for a slow consumer before the oldest are dropped for it.
+    pub fn event_capacity(mut self, events: usize) -> Self {
+        self.event_capacity = events;
+        self
+    }
+
     /// Check the configuration (JOB-1) and produce the job.
     pub fn build(self) -> Result<Job<M, I>> {
         let invalid = |m: String| Err(Error::InvalidConfig(m));
@@ -324,6 +333,9 @@ where
                 devices.len()
             ));
         }
+        if self.event_capacity == 0 {
+            return invalid("event_capacity(0): keep at least 1 event".into());
+        }
         if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
             return invalid("a time-out of zero: use a positive duration".into());
         }
@@ -348,6 +360,7 @@ where
                 sampler,
                 comm: self.comm,
                 step_timeout: self.step_timeout,
+                event_capacity: self.event_capacity,
             }),
         })
     }
@@ -377,7 +390,7 @@ impl<M: Send + 'static> JobHandle<M> {
             .unwrap_or_else(|e| e.into_inner())
             .take()
             .unwrap_or_else(|| self.events.subscribe());
-        EventStream { rx }
+        EventStream { rx, ended: false }
     }
 
     /// Wait for the job to end and return the trained model, or the error that ended it.
@@ -400,6 +413,7 @@ impl<M: Send + 'static> JobHandle<M> {
 #[derive(Debug)]
 pub struct EventStream {
     rx: broadcast::Receiver<JobEvent>,
+    ended: bool,
 }
 
 /// Why [`EventStream::recv`] returned no event.
@@ -415,11 +429,22 @@ pub enum EventsError {
 
 impl EventStream {
     /// The next event; `Err(Missed(n))` tells a lagging consumer how many it lost (the next
-    /// call continues with the oldest event still held).
+    /// call continues with the oldest event still held). After the job's last event
+    /// (`Finished` or `Failed`) every call returns `Err(Closed)`.
     pub async fn recv(&mut self) -> std::result::Result<JobEvent, EventsError> {
-        self.rx.recv().await.map_err(|e| match e {
+        if self.ended {
+            return Err(EventsError::Closed);
+        }
+        let event = self.rx.recv().await.map_err(|e| match e {
             broadcast::error::RecvError::Lagged(n) => EventsError::Missed(n),
             broadcast::error::RecvError::Closed => EventsError::Closed,
-        })
+        });
+        match &event {
+            Ok(JobEvent::Finished { .. } | JobEvent::Failed(_)) | Err(EventsError::Closed) => {
+                self.ended = true;
+            }
+            _ => {}
+        }
+        event
     }
 }

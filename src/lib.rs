@@ -7,6 +7,7 @@
 pub mod actors;
 pub mod comm;
 pub mod data;
+pub mod demo;
 pub mod device;
 pub mod error;
 pub mod events;
@@ -14,6 +15,7 @@ pub mod job;
 pub mod mesh;
 pub mod optim;
 pub mod parallel;
+pub mod testing;
 pub mod trace;
 
 /// The types most programs need: `use meshwork::prelude::*;`.

@@ -15,8 +15,8 @@ use tokio::sync::oneshot;
 use crate::device::MeshDevice;
 use crate::error::{DeviceId, Error, Result};
 
-/// Work for a compute thread.
-pub(crate) type Task = Box<dyn FnOnce() + Send + 'static>;
+/// Work for a compute thread (it reports its own result).
+pub type Task = Box<dyn FnOnce() + Send + 'static>;
 
 /// What a device reports in answer to a heartbeat.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -149,7 +149,7 @@ fn set_status(status: &Mutex<ThreadStatus>, busy: Option<String>) {
 
 /// Run `f` on `device`'s compute thread and wait for its result. A panic in `f` comes back as
 /// `Err(panic text)`.
-pub(crate) async fn run_on<R: Send + 'static>(
+pub async fn run_on<R: Send + 'static>(
     device: &ActorRef<DeviceMsg>,
     label: impl Into<String>,
     f: impl FnOnce() -> R + Send + 'static,

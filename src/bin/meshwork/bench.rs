@@ -1,0 +1,332 @@
+//! `meshwork bench`: collective bandwidth and data-parallel scaling, as ratios measured
+//! inside one run (this machine is shared and noisy).
+
+use std::io::Write;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::Device;
+use meshwork::comm::Algorithm;
+use meshwork::comm::bench::all_reduce_bandwidth;
+use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
+use meshwork::error::{Error, Result};
+use meshwork::events::JobEvent;
+use meshwork::job::{EventsError, Job};
+use serde::{Deserialize, Serialize};
+
+/// The benchmarks.
+#[derive(Debug, clap::Subcommand)]
+pub(crate) enum BenchCommand {
+    /// All-reduce bandwidth (algbw, busbw) against memcpy, for sizes 4 KiB..64 MiB.
+    Allreduce {
+        /// Ranks (threads) in the group.
+        #[arg(long, default_value_t = 2)]
+        world: usize,
+        /// One size only (e.g. 16MiB, 4096, 64K); default: 4 KiB..64 MiB.
+        #[arg(long, value_parser = parse_size)]
+        bytes: Option<usize>,
+        /// Algorithm.
+        #[arg(long, value_enum, default_value_t = AlgoArg::Auto)]
+        algo: AlgoArg,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Data-parallel weak scaling: MLP 784-1024-1024-10, batch 64 per replica, against a plain
+    /// Burn loop on one thread; each run in its own child process for its peak memory.
+    Dp {
+        /// Replicas.
+        #[arg(long, default_value_t = 2)]
+        world: u32,
+        /// Timed steps (after 3 warm-up steps).
+        #[arg(long, default_value_t = 30)]
+        steps: u64,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// (internal) One side of `bench dp`, run in a child process.
+    #[command(hide = true)]
+    DpWorker {
+        /// "dp" or "baseline".
+        #[arg(long)]
+        mode: String,
+        #[arg(long)]
+        world: u32,
+        #[arg(long)]
+        steps: u64,
+    },
+}
+
+/// Algorithm choice on the command line.
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub(crate) enum AlgoArg {
+    Ring,
+    Tree,
+    Direct,
+    Auto,
+}
+
+impl From<AlgoArg> for Algorithm {
+    fn from(a: AlgoArg) -> Self {
+        match a {
+            AlgoArg::Ring => Algorithm::Ring,
+            AlgoArg::Tree => Algorithm::Tree,
+            AlgoArg::Direct => Algorithm::Direct,
+            AlgoArg::Auto => Algorithm::Auto,
+        }
+    }
+}
+
+/// `16MiB`, `64K`, `4096` → bytes.
+fn parse_size(s: &str) -> std::result::Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num.parse().map_err(|_| format!("not a size: {s:?}"))?;
+    let mul = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        u => return Err(format!("unknown size unit {u:?}: use K, M or G")),
+    };
+    n.checked_mul(mul)
+        .ok_or_else(|| format!("size too large: {s:?}"))
+}
+
+pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
+    match cmd {
+        BenchCommand::Allreduce {
+            world,
+            bytes,
+            algo,
+            json,
+        } => allreduce(world, bytes, algo.into(), json),
+        BenchCommand::Dp { world, steps, json } => dp(world, steps, json),
+        BenchCommand::DpWorker { mode, world, steps } => dp_worker(&mode, world, steps),
+    }
+}
+
+fn allreduce(world: usize, bytes: Option<usize>, algo: Algorithm, json: bool) -> Result<()> {
+    if world == 0 {
+        return Err(Error::InvalidConfig("--world 0: use at least 1".into()));
+    }
+    let sizes: Vec<usize> = match bytes {
+        Some(b) => vec![b],
+        None => (12..=26).map(|p| 1usize << p).collect(),
+    };
+    if !json {
+        println!(
+            "# all_reduce, world {world}, f32, sum; GB/s = 1e9 bytes/s; busbw = algbw·2(N−1)/N"
+        );
+        println!(
+            "{:>12} {:>8} {:>10} {:>10} {:>10} {:>11}",
+            "bytes", "algo", "time_us", "algbw", "busbw", "busbw/mcpy"
+        );
+    }
+    for b in sizes {
+        let iterations = ((256usize << 20) / b.max(1)).clamp(5, 200);
+        let f = all_reduce_bandwidth(world, b, algo, iterations)?;
+        if json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "world": f.world, "bytes": f.bytes, "algo": f.algorithm.to_string(),
+                    "algbw_gbps": f.algbw_gbps, "busbw_gbps": f.busbw_gbps,
+                    "memcpy_gbps": f.memcpy_gbps, "time_us": f.seconds_median * 1e6,
+                })
+            );
+        } else {
+            println!(
+                "{:>12} {:>8} {:>10.1} {:>10.2} {:>10.2} {:>11.2}",
+                f.bytes,
+                f.algorithm.to_string(),
+                f.seconds_median * 1e6,
+                f.algbw_gbps,
+                f.busbw_gbps,
+                f.busbw_gbps / f.memcpy_gbps.max(1e-12)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// What a `dp-worker` child prints.
+#[derive(Debug, Serialize, Deserialize)]
+struct WorkerReport {
+    samples_per_s: f64,
+    peak_rss_bytes: u64,
+}
+
+const WIDTHS: [usize; 4] = [784, 1024, 1024, 10];
+const LOCAL_BATCH: usize = 64;
+const WARMUP: u64 = 3;
+
+fn bench_data(samples: usize) -> meshwork::data::InMemoryDataset<Sample> {
+    TeacherTask {
+        d_in: WIDTHS[0],
+        d_out: WIDTHS[3],
+        noise: 0.1,
+        seed: 1,
+    }
+    .dataset(samples)
+}
+
+fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
+    let exe = std::env::current_exe().map_err(|e| Error::Io {
+        path: "current executable".into(),
+        reason: e.to_string(),
+    })?;
+    let child = |mode: &str| -> Result<WorkerReport> {
+        let out = Command::new(&exe)
+            .args(["bench", "dp-worker", "--mode", mode])
+            .args(["--world", &world.to_string(), "--steps", &steps.to_string()])
+            .output()
+            .map_err(|e| Error::Io {
+                path: exe.display().to_string(),
+                reason: e.to_string(),
+            })?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let line = text.lines().last().unwrap_or_default();
+        serde_json::from_str(line).map_err(|e| {
+            Error::Runtime(format!(
+                "bench child ({mode}) gave no report ({e}); stderr: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        })
+    };
+    let baseline = child("baseline")?;
+    let run = child("dp")?;
+    if json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "world": world,
+                "samples_per_s": run.samples_per_s,
+                "baseline_samples_per_s": baseline.samples_per_s,
+                "speedup": run.samples_per_s / baseline.samples_per_s,
+                "peak_rss_bytes": run.peak_rss_bytes,
+                "baseline_peak_rss_bytes": baseline.peak_rss_bytes,
+            })
+        );
+    } else {
+        println!(
+            "# dp weak scaling: MLP 784-1024-1024-10, batch {LOCAL_BATCH}/replica, {steps} steps"
+        );
+        println!(
+            "world {world}: {:.0} samples/s; plain Burn loop (1 thread): {:.0} samples/s; ratio {:.3}",
+            run.samples_per_s,
+            baseline.samples_per_s,
+            run.samples_per_s / baseline.samples_per_s
+        );
+        println!(
+            "peak RSS: {:.1} MiB vs {:.1} MiB (ratio {:.3})",
+            run.peak_rss_bytes as f64 / 1048576.0,
+            baseline.peak_rss_bytes as f64 / 1048576.0,
+            run.peak_rss_bytes as f64 / baseline.peak_rss_bytes.max(1) as f64
+        );
+    }
+    Ok(())
+}
+
+fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+fn dp_worker(mode: &str, world: u32, steps: u64) -> Result<()> {
+    let total = steps + WARMUP;
+    let global = LOCAL_BATCH * world as usize;
+    let samples_per_s = match mode {
+        "baseline" => baseline_loop(total, LOCAL_BATCH),
+        "dp" => {
+            let runtime =
+                tokio::runtime::Runtime::new().map_err(|e| Error::Runtime(e.to_string()))?;
+            runtime.block_on(dp_job(world, total, global))?
+        }
+        other => {
+            return Err(Error::InvalidConfig(format!(
+                "unknown mode {other:?}: dp or baseline"
+            )));
+        }
+    };
+    let report = WorkerReport {
+        samples_per_s,
+        peak_rss_bytes: peak_rss_bytes(),
+    };
+    let mut out = std::io::stdout();
+    let _ = writeln!(
+        out,
+        "{}",
+        serde_json::to_string(&report).unwrap_or_default()
+    );
+    Ok(())
+}
+
+/// The plain Burn loop on this thread: forward, backward, SGD step.
+fn baseline_loop(total: u64, batch: usize) -> f64 {
+    let device = Device::flex();
+    let ad = device.clone().autodiff();
+    let data = bench_data(batch * 4);
+    let items: Vec<Sample> = (0..batch)
+        .filter_map(|i| meshwork::data::Dataset::get(&data, i))
+        .collect();
+    let mut model = Mlp::new(&WIDTHS, &device).fork(&ad).train();
+    let mut optim = SgdConfig::new().init();
+    let mut timed = Duration::ZERO;
+    for step in 0..total {
+        let t = Instant::now();
+        let loss = mse_loss(&model, &items, &ad);
+        let _: f32 = loss.clone().into_scalar();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(0.01, model, grads);
+        if step >= WARMUP {
+            timed += t.elapsed();
+        }
+    }
+    (batch as u64 * (total - WARMUP)) as f64 / timed.as_secs_f64()
+}
+
+use burn::module::Module;
+
+async fn dp_job(world: u32, total: u64, global: usize) -> Result<f64> {
+    let job = Job::builder()
+        .model(|ctx| Mlp::new(&WIDTHS, &ctx.device))
+        .loss(mse_loss)
+        .data(bench_data(global * 4))
+        .optimizer(SgdConfig::new())
+        .learning_rate(0.01)
+        .data_parallel(world)
+        .batch_size(global)
+        .steps(total)
+        .build()?;
+    let handle = job.spawn().await?;
+    let mut events = handle.events();
+    let mut samples = 0u64;
+    let mut wall = 0.0f64;
+    loop {
+        match events.recv().await {
+            Ok(JobEvent::StepDone(s)) if s.step >= WARMUP => {
+                samples += s
+                    .replicas
+                    .iter()
+                    .map(|r| r.sample_ids.len() as u64)
+                    .sum::<u64>();
+                wall += s.wall_s;
+            }
+            Ok(_) | Err(EventsError::Missed(_)) => {}
+            Err(EventsError::Closed) => break,
+        }
+    }
+    handle.join().await?;
+    Ok(samples as f64 / wall.max(1e-12))
+}

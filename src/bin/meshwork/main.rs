@@ -1,0 +1,54 @@
+//! `meshwork`: the command line.
+//!
+//! - `meshwork train …` trains the demo model (a noisy linear teacher, see `meshwork::demo`)
+//!   on logical devices, with a progress bar and a final report;
+//! - `meshwork bench allreduce …` measures collective bandwidth (like nccl-tests);
+//! - `meshwork bench dp …` measures data-parallel weak scaling against a plain Burn loop.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod bench;
+mod train;
+
+/// Train Burn models on many devices at once.
+#[derive(Debug, Parser)]
+#[command(name = "meshwork", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Train the demo model (the main job).
+    Train(train::TrainArgs),
+    /// Benchmarks: collectives and data-parallel scaling.
+    Bench {
+        #[command(subcommand)]
+        which: bench::BenchCommand,
+    },
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => train::run(args),
+        Command::Bench { which } => bench::run(which),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

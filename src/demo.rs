@@ -1,0 +1,129 @@
+//! The demo task of `meshwork train` and the benches: a multi-layer perceptron learning a
+//! noisy linear teacher.
+//!
+//! Inputs are uniform in `[-1, 1]^d_in`, targets are `W·x + ε` with a fixed random `W` and
+//! Gaussian noise `ε ~ N(0, σ²)`. The mean-squared error the best model can reach is `σ²`
+//! ([`TeacherTask::attainable_loss`]), so a run's last loss says how close training got.
+//! Everything is generated from a seed: nothing is downloaded.
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::tensor::activation::relu;
+use burn::tensor::{Device, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::data::InMemoryDataset;
+use crate::parallel::sampler::SplitMix64;
+
+/// A multi-layer perceptron with ReLU between layers.
+#[derive(Module, Debug)]
+pub struct Mlp {
+    layers: Vec<Linear>,
+}
+
+impl Mlp {
+    /// An MLP with these layer widths (`[784, 1024, 1024, 10]` is three linear layers),
+    /// initialized from Burn's random generator.
+    pub fn new(widths: &[usize], device: &Device) -> Self {
+        let layers = widths
+            .windows(2)
+            .map(|w| LinearConfig::new(w[0], w[1]).init(device))
+            .collect();
+        Self { layers }
+    }
+
+    /// The output for a batch of inputs `[batch, d_in]`.
+    pub fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
+        let last = self.layers.len().saturating_sub(1);
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward(x);
+            if i < last {
+                x = relu(x);
+            }
+        }
+        x
+    }
+}
+
+/// One sample of the teacher task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// The input.
+    pub features: Vec<f32>,
+    /// The noisy target.
+    pub target: Vec<f32>,
+}
+
+/// The noisy linear teacher task.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct TeacherTask {
+    /// Input width.
+    pub d_in: usize,
+    /// Output width.
+    pub d_out: usize,
+    /// Standard deviation of the target noise.
+    pub noise: f32,
+    /// Seed of the teacher and the samples.
+    pub seed: u64,
+}
+
+impl TeacherTask {
+    /// The lowest mean-squared error any model can reach on fresh samples: `σ²`.
+    pub fn attainable_loss(&self) -> f32 {
+        self.noise * self.noise
+    }
+
+    /// `n` samples of the task.
+    pub fn dataset(&self, n: usize) -> InMemoryDataset<Sample> {
+        let mut rng = SplitMix64::new(self.seed);
+        let mut uniform = move || (rng.next() >> 40) as f32 / (1u64 << 24) as f32;
+        let scale = 1.0 / (self.d_in as f32).sqrt();
+        let w: Vec<f32> = (0..self.d_in * self.d_out)
+            .map(|_| (uniform() * 2.0 - 1.0) * scale * 3.0_f32.sqrt())
+            .collect();
+        let items = (0..n)
+            .map(|_| {
+                let features: Vec<f32> = (0..self.d_in).map(|_| uniform() * 2.0 - 1.0).collect();
+                let target = (0..self.d_out)
+                    .map(|o| {
+                        let clean: f32 = (0..self.d_in)
+                            .map(|i| w[o * self.d_in + i] * features[i])
+                            .sum();
+                        // Box–Muller.
+                        let (u1, u2) = (uniform().max(1e-7), uniform());
+                        let gauss = (-2.0 * u1.ln()).sqrt() * (std::f32::consts::TAU * u2).cos();
+                        clean + self.noise * gauss
+                    })
+                    .collect();
+                Sample { features, target }
+            })
+            .collect();
+        InMemoryDataset::new(items)
+    }
+}
+
+/// The inputs and targets of some samples as tensors `[n, d_in]` and `[n, d_out]`.
+pub fn batch_tensors(samples: &[Sample], device: &Device) -> (Tensor<2>, Tensor<2>) {
+    let n = samples.len();
+    let d_in = samples.first().map_or(0, |s| s.features.len());
+    let d_out = samples.first().map_or(0, |s| s.target.len());
+    let x: Vec<f32> = samples
+        .iter()
+        .flat_map(|s| s.features.iter().copied())
+        .collect();
+    let y: Vec<f32> = samples
+        .iter()
+        .flat_map(|s| s.target.iter().copied())
+        .collect();
+    (
+        Tensor::from_data(TensorData::new(x, [n, d_in]), device),
+        Tensor::from_data(TensorData::new(y, [n, d_out]), device),
+    )
+}
+
+/// Mean-squared error of the model over some samples (the loss of the demo job).
+pub fn mse_loss(model: &Mlp, samples: &[Sample], device: &Device) -> Tensor<1> {
+    let (x, y) = batch_tensors(samples, device);
+    let diff = model.forward(x) - y;
+    (diff.clone() * diff).mean()
+}

@@ -1,0 +1,321 @@
+//! The runtime's promises: heartbeats during compute, failures that end the job with a typed
+//! error, the non-finite policies, the initial broadcast, configuration checks, events for
+//! slow consumers, and jobs that start and stop repeatedly in one process.
+
+use std::time::{Duration, Instant};
+
+use burn::optim::SgdConfig;
+use burn::tensor::{Device, Distribution, Tensor};
+use meshwork::actors::device::{DeviceActor, heartbeat, run_on};
+use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
+use meshwork::error::StageId;
+use meshwork::events::JobEvent;
+use meshwork::job::EventsError;
+use meshwork::parallel::sampler::DistributedSampler;
+use meshwork::prelude::*;
+use meshwork::testing::{run_recording, steps_of};
+use ractor::Actor;
+
+async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(120), f)
+        .await
+        .expect("test exceeded its 120 s bound")
+}
+
+fn samples(n: usize) -> Vec<Sample> {
+    let t = TeacherTask {
+        d_in: 4,
+        d_out: 2,
+        noise: 0.1,
+        seed: 2,
+    };
+    (0..n)
+        .map(|i| Dataset::get(&t.dataset(n), i).expect("in range"))
+        .collect()
+}
+
+fn small_job(data: Vec<Sample>, dp: u32, steps: u64) -> JobBuilder<Mlp, Sample> {
+    let device = Device::flex();
+    let init = Mlp::new(&[4, 8, 2], &device);
+    Job::builder()
+        .initial_model(init)
+        .loss(mse_loss)
+        .data(InMemoryDataset::new(data))
+        .optimizer(SgdConfig::new())
+        .learning_rate(0.05)
+        .data_parallel(dp)
+        .batch_size(8)
+        .steps(steps)
+        .collective_timeout(Duration::from_secs(20))
+        .step_timeout(Duration::from_secs(60))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rt_2_device_answers_heartbeat_during_a_2s_computation() {
+    bounded(async {
+        let device = MeshDevice::flex(1).remove(0);
+        let id = device.id();
+        let burn = device.burn().clone();
+        let (actor, _) = Actor::spawn(None, DeviceActor, device).await.unwrap();
+        let compute = tokio::spawn({
+            let actor = actor.clone();
+            async move {
+                run_on(&actor, "long computation", move || {
+                    let start = Instant::now();
+                    let a = Tensor::<2>::random([128, 128], Distribution::Default, &burn);
+                    let mut acc = a.clone();
+                    while start.elapsed() < Duration::from_secs(2) {
+                        acc = (acc.matmul(a.clone()) * 1e-3).tanh();
+                        let _: f32 = acc.clone().sum().into_scalar();
+                    }
+                    Instant::now()
+                })
+                .await
+            }
+        });
+        // Eventually the thread reports itself busy; the heartbeat must come back at once.
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let beat = loop {
+            let sent = Instant::now();
+            let h = heartbeat(&actor, id, Duration::from_millis(500))
+                .await
+                .unwrap();
+            if h.busy.is_some() {
+                break (h, Instant::now(), sent);
+            }
+            assert!(Instant::now() < deadline, "the thread never reported busy");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let (h, answered, sent) = beat;
+        let ended = compute.await.unwrap().unwrap().unwrap();
+        assert_eq!(
+            h.busy.as_ref().map(|b| b.0.as_str()),
+            Some("long computation")
+        );
+        assert!(
+            answered < ended,
+            "heartbeat reply arrived after the computation ended"
+        );
+        assert!(
+            answered - sent < Duration::from_millis(200),
+            "heartbeat was slow"
+        );
+        assert!(ended - answered > Duration::from_millis(1000));
+        actor.stop(None);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rt_4_panic_in_forward_ends_job_with_error_naming_device_and_stage() {
+    bounded(async {
+        let mut data = samples(64);
+        const POISON: f32 = 12345.0;
+        data[5].features[0] = POISON;
+        // Which replica reads sample 5, and when: the sampler is public and deterministic.
+        let sampler = DistributedSampler::new(64, 8, 0).unwrap();
+        let (step, replica) = (0..8u64)
+            .find_map(|s| {
+                (0..2).find_map(|r| {
+                    sampler
+                        .replica_batch(s, r, 2)
+                        .contains(&5)
+                        .then_some((s, r))
+                })
+            })
+            .expect("sample 5 is read in the first epoch");
+        let job = small_job(data, 2, 8)
+            .loss(|m: &Mlp, items: &[Sample], d: &Device| {
+                if items.iter().any(|s| s.features[0] == POISON) {
+                    panic!("poisoned sample reached forward");
+                }
+                mse_loss(m, items, d)
+            })
+            .build()
+            .unwrap();
+        let started = Instant::now();
+        let (outcome, events) = run_recording(job).await;
+        let err = outcome.expect_err("the job must fail");
+        match &err {
+            Error::StageFailed {
+                device,
+                stage,
+                during,
+                reason,
+            } => {
+                assert_eq!(device.0 as usize, replica);
+                assert_eq!(
+                    *stage,
+                    StageId {
+                        replica: replica as u32,
+                        stage: 0
+                    }
+                );
+                assert_eq!(during, "forward");
+                assert!(reason.contains("poisoned sample"), "{reason}");
+            }
+            other => panic!("wrong error: {other:?}"),
+        }
+        // The peer blocked in the all-reduce was woken by the shutdown, not by its time-out.
+        assert!(started.elapsed() < Duration::from_secs(15));
+        assert_eq!(steps_of(&events).len() as u64, step);
+        assert!(
+            events
+                .iter()
+                .any(|e| matches!(e, JobEvent::Failed(Error::StageFailed { .. })))
+        );
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp_3_nan_loss_is_skipped_by_all_replicas_together() {
+    bounded(async {
+        let mut data = samples(64);
+        data[9].target[0] = f32::NAN;
+        let job = small_job(data, 2, 8)
+            .on_non_finite_loss(NonFinitePolicy::Skip)
+            .build()
+            .unwrap();
+        let (outcome, events) = run_recording(job).await;
+        let trained = outcome.expect("skip policy completes");
+        assert_eq!(trained.summary.steps, 8);
+        let skipped: Vec<_> = events
+            .iter()
+            .filter_map(|e| match e {
+                JobEvent::NonFiniteLoss {
+                    step,
+                    ranks,
+                    skipped,
+                } => Some((*step, ranks.clone(), *skipped)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(skipped.len(), 1, "sample 9 is read once in the epoch");
+        assert!(skipped[0].2);
+        assert_eq!(skipped[0].1.len(), 1);
+        let steps = steps_of(&events);
+        assert!(steps.iter().filter(|s| s.skipped).count() == 1);
+        let fps = events
+            .iter()
+            .find_map(|e| match e {
+                JobEvent::Finished { fingerprints, .. } => Some(fingerprints.clone()),
+                _ => None,
+            })
+            .unwrap();
+        assert_eq!(fps[0], fps[1], "replicas stay identical after a skip");
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp_3_nan_loss_stops_the_job_under_stop_policy() {
+    bounded(async {
+        let mut data = samples(64);
+        data[9].target[0] = f32::INFINITY;
+        let job = small_job(data, 2, 8).build().unwrap();
+        let (outcome, _) = run_recording(job).await;
+        match outcome {
+            Err(Error::NonFiniteLoss { ranks, .. }) => assert_eq!(ranks.len(), 1),
+            other => panic!("expected NonFiniteLoss, got {other:?}"),
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp_2_replicas_from_different_seeds_are_equal_after_broadcast() {
+    bounded(async {
+        let job = small_job(samples(64), 4, 1)
+            .model(|ctx: &ModelContext| {
+                ctx.device.seed(100 + u64::from(ctx.rank.0));
+                Mlp::new(&[4, 8, 2], &ctx.device)
+            })
+            .build()
+            .unwrap();
+        let (outcome, events) = run_recording(job).await;
+        outcome.unwrap();
+        let (before, after) = events
+            .iter()
+            .find_map(|e| match e {
+                JobEvent::ReplicasSynchronized { before, after } => {
+                    Some((before.clone(), after.clone()))
+                }
+                _ => None,
+            })
+            .expect("a ReplicasSynchronized event");
+        assert_eq!(before.len(), 4);
+        let distinct: std::collections::HashSet<_> = before.iter().collect();
+        assert_eq!(distinct.len(), 4, "replicas started different: {before:?}");
+        assert!(
+            after.iter().all(|f| *f == before[0]),
+            "all hold rank 0's parameters"
+        );
+    })
+    .await;
+}
+
+#[test]
+fn job_1_invalid_configurations_are_refused_with_what_to_change() {
+    let msg = |b: JobBuilder<Mlp, Sample>| match b.build() {
+        Err(Error::InvalidConfig(m)) => m,
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    };
+    assert!(msg(small_job(samples(64), 0, 1)).contains("at least 1 replica"));
+    let m = msg(small_job(samples(64), 3, 1));
+    assert!(m.contains("multiple of 3"), "{m}");
+    let m = msg(small_job(samples(64), 4, 1).devices(MeshDevice::flex(2)));
+    assert!(m.contains("needs 4 devices"), "{m}");
+    let m = msg(small_job(samples(4), 1, 1));
+    assert!(m.contains("fewer than one global batch"), "{m}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ev_1_lagging_consumer_is_told_how_many_events_it_missed() {
+    bounded(async {
+        let job = small_job(samples(64), 2, 30)
+            .event_capacity(4)
+            .build()
+            .unwrap();
+        let handle = job.spawn().await.unwrap();
+        let mut slow = handle.events();
+        let trained = handle.join().await.unwrap();
+        assert_eq!(trained.summary.steps, 30);
+        let mut missed = 0;
+        let mut received = 0;
+        loop {
+            match slow.recv().await {
+                Ok(_) => received += 1,
+                Err(EventsError::Missed(n)) => missed += n,
+                Err(EventsError::Closed) => break,
+            }
+        }
+        assert!(missed > 0);
+        assert!(received <= 4);
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_2_jobs_start_stop_and_start_again_in_one_process() {
+    bounded(async {
+        for _ in 0..2 {
+            let (outcome, events) =
+                run_recording(small_job(samples(64), 2, 3).build().unwrap()).await;
+            assert_eq!(outcome.unwrap().summary.steps, 3);
+            assert_eq!(steps_of(&events).len(), 3);
+        }
+        // stop() ends a long job early at a step boundary and returns its model.
+        let handle = small_job(samples(64), 2, 1_000_000)
+            .build()
+            .unwrap()
+            .spawn()
+            .await
+            .unwrap();
+        let mut events = handle.events();
+        while !matches!(events.recv().await, Ok(JobEvent::StepDone(_))) {}
+        let trained = handle.stop().await.unwrap();
+        assert!(trained.summary.steps >= 1 && trained.summary.steps < 1_000_000);
+    })
+    .await;
+}
