@@ -160,8 +160,9 @@ fn direct_plan_reads_only_what_owners_do_not_write() {
     // Both directions race: rank 1 reads rank 0's 0..2 and writes its own 0..2, which
     // rank 0 reads.
     let err = simulate(&bad, &inputs(2, 4, 1), ReduceOp::Sum).unwrap_err();
-    assert!(matches!(err, SimError::Race { range, .. } if range == (0..2)), "{err}");
-
+    let is_race = matches!(&err, SimError::Race { range, .. } if *range == (0..2));
+    assert!(is_race, "{err}");
+}
 
 #[test]
 fn simulator_reports_a_receive_without_a_send_as_deadlock() {
