@@ -1,79 +1,179 @@
-//! Collectives inside one process (CONTRACT STUB — the comm work replaces the bodies).
+//! Collectives inside one process: all-reduce, reduce-scatter, all-gather, broadcast, barrier
+//! and point-to-point send/recv between the ranks of a [`LocalGroup`], each rank driving its
+//! [`Communicator`] from its own OS thread.
 //!
-//! Owns: the [`Communicator`] API, the pure algorithm plans ([`plan`]) and the in-process
-//! transport ([`LocalGroup`]).
-#![allow(missing_docs, unreachable_pub, dead_code, unused_variables)]
+//! Owns: the [`Communicator`] API, the element types ([`Element`]), the pure algorithm plans
+//! ([`plan`]), the in-process transport ([`LocalGroup`]) and its bandwidth probe ([`bench`]).
+//!
+//! # Semantics (ids are named by the tests that check them)
+//!
+//! - COMM-1 (sequence): every collective call on a communicator takes the next sequence number
+//!   of that communicator ([`Communicator::next_seq`]); the n-th collective of every rank of a
+//!   group forms one operation. Point-to-point calls are numbered separately, per (sender,
+//!   receiver) pair, and matched by that order.
+//! - COMM-2 (validation): before any data moves, every rank's call is compared. Ranks that
+//!   disagree on the kind, element type, length, root or reduce op, or pass a chunk of the
+//!   wrong length, all get [`CommError::Mismatch`] naming every rank and what it passed. No
+//!   buffer is touched and the group stays usable.
+//! - COMM-3 (time-out): every wait is bounded by the communicator's time-out. On expiry the
+//!   op fails with [`CommError::Timeout`] naming the ranks that never arrived and the op's
+//!   sequence number, and the group is *poisoned*: every later op on any of its
+//!   communicators fails fast with [`CommError::Poisoned`], which carries the first failure.
+//!   A poisoned group is replaced by a new one (a new [`Generation`]).
+//! - COMM-4 (shutdown): after [`LocalGroup::shutdown`], every op that is waiting wakes up and
+//!   every later op fails with [`CommError::Shutdown`]. An op whose data phase has started
+//!   finishes reading its peers' buffers before it returns, so no buffer is read after its
+//!   owner's call returned.
+//! - COMM-5 (numerics): f16 and bf16 are reduced in f32 and rounded once, where the algorithm
+//!   allows (direct and the f32 working buffers of ring and tree always do). Mean is the sum
+//!   divided by the world size. Every rank ends with bit-identical results.
+//! - COMM-6 (layout): [`chunk_range`] is the public rule that splits a buffer among ranks.
+//! - COMM-7 (never a panic): bad input from the caller gives a typed error, never a panic.
 
+use std::fmt;
 use std::ops::Range;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::mesh::{Generation, Rank};
 
-pub mod plan {
-    //! Pure plans (stub).
-}
+pub mod bench;
+mod element;
+mod local;
+pub mod plan;
+#[cfg(test)]
+mod tests;
 
-/// Element types a collective can move.
+pub use element::Element;
+pub use local::{Communicator, GroupState, GroupStatus, LocalGroup, RankStatus};
+
+/// The element types a collective can move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum DType {
+    /// IEEE 754 single precision.
     F32,
+    /// IEEE 754 half precision (`half::f16`); reduced in f32.
     F16,
+    /// bfloat16 (`half::bf16`); reduced in f32.
     BF16,
 }
 
-/// A scalar a collective can move; f16/bf16 accumulate in f32.
-pub trait Element: Copy + Send + Sync + 'static + std::fmt::Debug {
-    const DTYPE: DType;
-    fn to_f32(self) -> f32;
-    fn from_f32(v: f32) -> Self;
-}
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn from_f32(v: f32) -> Self {
-        v
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
     }
 }
 
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        })
+    }
+}
+
+/// How an all-reduce or reduce-scatter combines the ranks' values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum ReduceOp {
+    /// The sum over ranks.
     Sum,
+    /// The sum over ranks divided by the world size.
     Mean,
+    /// The largest value over ranks (exact).
     Max,
+    /// The smallest value over ranks (exact).
     Min,
 }
 
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Mean => "mean",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        })
+    }
+}
+
+/// Which algorithm moves the data of a collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 pub enum Algorithm {
+    /// Chosen per call by [`plan::choose`] from the collective, the group and the size.
     #[default]
     Auto,
+    /// Ring: bandwidth-optimal; each rank sends 2(N−1)/N of the buffer in an all-reduce.
     Ring,
+    /// Recursive doubling (all-reduce, all-gather, reduce-scatter) or a binomial tree
+    /// (broadcast): latency-optimal, log2(N) rounds.
     Tree,
+    /// Shared memory: each rank reduces its own slice straight from its peers' buffers, in
+    /// parallel, then copies the others' reduced slices. In-process only.
     Direct,
 }
 
+impl fmt::Display for Algorithm {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Algorithm::Auto => "auto",
+            Algorithm::Ring => "ring",
+            Algorithm::Tree => "tree",
+            Algorithm::Direct => "direct",
+        })
+    }
+}
+
+/// The kind of a communication op, as named in errors and status snapshots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CollectiveKind {
+    /// [`Communicator::all_reduce`].
     AllReduce,
+    /// [`Communicator::reduce_scatter`].
     ReduceScatter,
+    /// [`Communicator::all_gather`].
     AllGather,
+    /// [`Communicator::broadcast`].
     Broadcast,
+    /// [`Communicator::barrier`].
     Barrier,
+    /// [`Communicator::send`].
     Send,
+    /// [`Communicator::recv`].
     Recv,
 }
 
+impl fmt::Display for CollectiveKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CollectiveKind::AllReduce => "all_reduce",
+            CollectiveKind::ReduceScatter => "reduce_scatter",
+            CollectiveKind::AllGather => "all_gather",
+            CollectiveKind::Broadcast => "broadcast",
+            CollectiveKind::Barrier => "barrier",
+            CollectiveKind::Send => "send",
+            CollectiveKind::Recv => "recv",
+        })
+    }
+}
+
+/// Settings of a group; every communicator starts from these and may override them.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct CommConfig {
+    /// How long one op may wait for its peers before it fails with [`CommError::Timeout`].
     pub timeout: Duration,
+    /// The algorithm collectives use unless a communicator overrides it.
     pub algorithm: Algorithm,
 }
+
 impl Default for CommConfig {
+    /// A 60 s time-out and [`Algorithm::Auto`].
     fn default() -> Self {
         Self {
             timeout: Duration::from_secs(60),
@@ -82,62 +182,216 @@ impl Default for CommConfig {
     }
 }
 
+impl CommConfig {
+    /// This config with another time-out.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// This config with another algorithm.
+    pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+}
+
+/// What one rank passed to an op: enough to tell why ranks disagree.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CallShape {
+    /// The op the rank called.
+    pub kind: CollectiveKind,
+    /// The element type of its buffers (`None` for a barrier).
+    pub dtype: Option<DType>,
+    /// The algorithm this rank resolved for a data collective (`None` for the others); all
+    /// ranks must run the same one.
+    pub algorithm: Option<Algorithm>,
+    /// The length of the full buffer, in elements (the output of an all-gather, the input of a
+    /// reduce-scatter; 0 for a barrier).
+    pub len: usize,
+    /// The length of the rank's own chunk where the op has one (the input of an all-gather,
+    /// the output of a reduce-scatter).
+    pub chunk_len: Option<usize>,
+    /// The chunk length the layout rule ([`chunk_range`]) requires of this rank, where the op
+    /// has a chunk.
+    pub expected_chunk_len: Option<usize>,
+    /// The root of a broadcast, the peer of a send or recv.
+    pub peer: Option<Rank>,
+    /// The reduce op of an all-reduce or reduce-scatter.
+    pub reduce: Option<ReduceOp>,
+}
+
+impl CallShape {
+    /// Whether this call is fine on its own (its chunk fits the layout).
+    pub fn is_well_formed(&self) -> bool {
+        self.chunk_len == self.expected_chunk_len
+    }
+
+    /// Whether two ranks' calls can form one op: the same kind, type, length, root and reduce
+    /// op, resolved to the same algorithm. (Chunk lengths differ between ranks by design.)
+    pub fn agrees_with(&self, other: &CallShape) -> bool {
+        self.kind == other.kind
+            && self.dtype == other.dtype
+            && self.algorithm == other.algorithm
+            && self.len == other.len
+            && self.peer == other.peer
+            && self.reduce == other.reduce
+    }
+}
+
+impl fmt::Display for CallShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}(", self.kind)?;
+        if let Some(dtype) = self.dtype {
+            write!(f, "{dtype}, ")?;
+        }
+        write!(f, "len {}", self.len)?;
+        if let Some(chunk) = self.chunk_len {
+            write!(f, ", chunk {chunk}")?;
+            if let Some(expected) = self.expected_chunk_len
+                && expected != chunk
+            {
+                write!(f, " but the layout needs {expected}")?;
+            }
+        }
+        if let Some(peer) = self.peer {
+            let what = match self.kind {
+                CollectiveKind::Send => "to",
+                CollectiveKind::Recv => "from",
+                _ => "root",
+            };
+            write!(f, ", {what} {}", peer.0)?;
+        }
+        if let Some(reduce) = self.reduce {
+            write!(f, ", {reduce}")?;
+        }
+        if let Some(algorithm) = self.algorithm {
+            write!(f, ", {algorithm}")?;
+        }
+        f.write_str(")")
+    }
+}
+
+/// One rank and the call it made, as listed in [`CommError::Mismatch`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankCall {
+    /// The rank.
+    pub rank: Rank,
+    /// What it passed.
+    pub call: CallShape,
+}
+
+/// Why a communication op failed. Every variant names the group's generation, the op and its
+/// sequence number, so a failure can be matched without parsing text.
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum CommError {
-    #[error("timeout")]
+    /// Some ranks did not arrive within the time-out (COMM-3). The group is poisoned.
+    #[error(
+        "{op} #{seq} ({generation}) timed out after {waited:?} waiting for ranks {}",
+        rank_list(missing)
+    )]
     Timeout {
+        /// The group's generation.
         generation: Generation,
+        /// The op's sequence number (per-pair number for send/recv).
         seq: u64,
+        /// The op that timed out.
         op: CollectiveKind,
+        /// The ranks that had not arrived (for a send: the receiver; for a recv: the sender).
         missing: Vec<Rank>,
+        /// The time-out that expired.
         waited: Duration,
     },
-    #[error("group shut down")]
-    Shutdown { generation: Generation, seq: u64 },
+    /// The ranks' calls do not agree or do not fit the layout (COMM-2). Nothing was moved and
+    /// the group stays usable.
+    #[error(
+        "{op} #{seq} ({generation}): ranks passed calls that do not match: {}",
+        call_list(calls)
+    )]
+    Mismatch {
+        /// The group's generation.
+        generation: Generation,
+        /// The op's sequence number (per-pair number for send/recv).
+        seq: u64,
+        /// The op the failing rank called.
+        op: CollectiveKind,
+        /// Every participating rank and what it passed, in rank order.
+        calls: Vec<RankCall>,
+    },
+    /// The group was shut down (COMM-4).
+    #[error("{op} #{seq} ({generation}): the group was shut down")]
+    Shutdown {
+        /// The group's generation.
+        generation: Generation,
+        /// The op's sequence number.
+        seq: u64,
+        /// The op that was refused or interrupted.
+        op: CollectiveKind,
+    },
+    /// An earlier op of the group failed in a way that leaves the ranks out of step
+    /// (COMM-3); this op did not run.
+    #[error("{op} #{seq} ({generation}) cannot run: the group failed earlier: {cause}")]
+    Poisoned {
+        /// The group's generation.
+        generation: Generation,
+        /// This op's sequence number.
+        seq: u64,
+        /// This op.
+        op: CollectiveKind,
+        /// The failure that poisoned the group.
+        #[source]
+        cause: Box<CommError>,
+    },
+    /// A send or recv named a peer that is not another rank of the group.
+    #[error("{op} ({generation}): rank {} cannot talk to rank {} in a group of {world}", rank.0, peer.0)]
+    InvalidPeer {
+        /// The group's generation.
+        generation: Generation,
+        /// The op.
+        op: CollectiveKind,
+        /// The calling rank.
+        rank: Rank,
+        /// The peer it named.
+        peer: Rank,
+        /// The group's size.
+        world: usize,
+    },
 }
 
+impl CommError {
+    /// The sequence number of the op that failed, where it had one.
+    pub fn seq(&self) -> Option<u64> {
+        match self {
+            CommError::Timeout { seq, .. }
+            | CommError::Mismatch { seq, .. }
+            | CommError::Shutdown { seq, .. }
+            | CommError::Poisoned { seq, .. } => Some(*seq),
+            CommError::InvalidPeer { .. } => None,
+        }
+    }
+}
+
+fn rank_list(ranks: &[Rank]) -> String {
+    let numbers: Vec<String> = ranks.iter().map(|r| r.0.to_string()).collect();
+    format!("[{}]", numbers.join(", "))
+}
+
+fn call_list(calls: &[RankCall]) -> String {
+    let parts: Vec<String> = calls
+        .iter()
+        .map(|c| format!("rank {} passed {}", c.rank.0, c.call))
+        .collect();
+    parts.join("; ")
+}
+
+/// The elements of a buffer of `len` elements that rank `index` of `world` owns: contiguous,
+/// in rank order, covering `0..len`; the first `len % world` chunks are one element longer.
+/// A world of 0 is treated as 1.
 pub fn chunk_range(len: usize, world: usize, index: usize) -> Range<usize> {
+    let world = world.max(1);
     let base = len / world;
     let extra = len % world;
     let start = index * base + index.min(extra);
     start..start + base + usize::from(index < extra)
-}
-
-#[derive(Debug)]
-pub struct LocalGroup {}
-impl LocalGroup {
-    pub fn new(world: usize, generation: Generation, config: CommConfig) -> Arc<Self> {
-        Arc::new(Self {})
-    }
-    pub fn communicators(self: &Arc<Self>) -> Vec<Communicator> {
-        Vec::new()
-    }
-    pub fn shutdown(&self) {}
-    pub fn generation(&self) -> Generation {
-        Generation(0)
-    }
-}
-
-#[derive(Debug)]
-pub struct Communicator {
-    rank: Rank,
-    world: usize,
-}
-impl Communicator {
-    pub fn rank(&self) -> Rank {
-        self.rank
-    }
-    pub fn world(&self) -> usize {
-        self.world
-    }
-    pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
-        Ok(())
-    }
-    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: Rank) -> Result<(), CommError> {
-        Ok(())
-    }
-    pub fn barrier(&mut self) -> Result<(), CommError> {
-        Ok(())
-    }
 }
