@@ -101,6 +101,10 @@ async fn check_equivalence(
         );
     }
 
+    assert!(
+        compare_parameters(&trained.model, &init, 1e-3).is_err(),
+        "training moved the parameters"
+    );
     let reference = reference_train(
         init,
         mse_loss,
