@@ -1,1 +1,592 @@
+//! Tests through the real transport: one OS thread per rank.
 
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use proptest::prelude::*;
+
+use super::*;
+
+/// Runs `body` on one thread per rank of a fresh group and returns the group and each rank's
+/// result, in rank order.
+fn on_ranks<R: Send>(
+    world: usize,
+    config: CommConfig,
+    body: impl Fn(&mut Communicator) -> R + Sync,
+) -> (Arc<LocalGroup>, Vec<R>) {
+    let group = LocalGroup::new(world, Generation(0), config);
+    let body = &body;
+    let results = std::thread::scope(|scope| {
+        let handles: Vec<_> = group
+            .communicators()
+            .into_iter()
+            .map(|mut comm| scope.spawn(move || body(&mut comm)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    });
+    (group, results)
+}
+
+/// Polls `condition` until it holds or `within` passes.
+fn eventually(within: Duration, mut condition: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if condition() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    condition()
+}
+
+fn quick() -> CommConfig {
+    CommConfig::default().with_timeout(Duration::from_secs(10))
+}
+
+/// Deterministic inputs in [-1, 1], exactly representable in every dtype (rounded through
+/// `T`), so the reference sees the same values the ranks do.
+fn input<T: Element>(rank: usize, len: usize, seed: u64) -> Vec<T> {
+    let mut x = seed ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            T::from_f32(((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32)
+        })
+        .collect()
+}
+
+/// Unit roundoff of the result type: half an ULP, relative.
+fn unit_roundoff(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => f64::from(f32::EPSILON) / 2.0,
+        DType::F16 => f64::from(f16::EPSILON.to_f32()) / 2.0,
+        DType::BF16 => f64::from(bf16::EPSILON.to_f32()) / 2.0,
+    }
+}
+
+/// Checks `got` against the exact (f64) reduction of `inputs` over `range`.
+///
+/// Tolerance, for sum and mean: f32 accumulation of N terms loses at most (N+1)·u32 of the
+/// sum of magnitudes (one rounding per addition, one for the division by N), then the result
+/// is rounded once to the dtype: u_dtype·|exact|; plus half the smallest f16 subnormal for
+/// results that underflow. Max and min must be exact.
+fn check_reduction<T: Element>(
+    got: &[T],
+    inputs: &[Vec<T>],
+    range: std::ops::Range<usize>,
+    op: ReduceOp,
+) -> Result<(), TestCaseError> {
+    let world = inputs.len() as f64;
+    let u32_ = f64::from(f32::EPSILON) / 2.0;
+    for (g, i) in got.iter().zip(range) {
+        let values: Vec<f64> = inputs.iter().map(|b| f64::from(b[i].to_f32())).collect();
+        let got = f64::from(g.to_f32());
+        let (exact, magnitude) = match op {
+            ReduceOp::Sum => (
+                values.iter().sum::<f64>(),
+                values.iter().map(|v| v.abs()).sum(),
+            ),
+            ReduceOp::Mean => (
+                values.iter().sum::<f64>() / world,
+                values.iter().map(|v| v.abs()).sum::<f64>() / world,
+            ),
+            ReduceOp::Max => (values.iter().copied().fold(f64::MIN, f64::max), 0.0),
+            ReduceOp::Min => (values.iter().copied().fold(f64::MAX, f64::min), 0.0),
+        };
+        let tolerance = match op {
+            ReduceOp::Max | ReduceOp::Min => 0.0,
+            ReduceOp::Sum | ReduceOp::Mean => {
+                unit_roundoff(T::DTYPE) * exact.abs() * 1.0001
+                    + (world + 1.0) * u32_ * magnitude
+                    + 2f64.powi(-25)
+            }
+        };
+        prop_assert!(
+            (got - exact).abs() <= tolerance,
+            "{op} {:?} element {i}: got {got}, exact {exact}, tolerance {tolerance:e}",
+            T::DTYPE
+        );
+    }
+    Ok(())
+}
+
+const ALGORITHMS: [Algorithm; 4] = [
+    Algorithm::Ring,
+    Algorithm::Tree,
+    Algorithm::Direct,
+    Algorithm::Auto,
+];
+const OPS: [ReduceOp; 4] = [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min];
+
+fn bits<T: Element>(v: &[T]) -> Vec<u32> {
+    v.iter().map(|x| x.to_f32().to_bits()).collect()
+}
+
+/// Every algorithm × op × collective over `T`, on one thread per rank; each rank checks its
+/// own results against the sequential reference.
+fn every_collective_matches_reference<T: Element>(
+    world: usize,
+    len: usize,
+    root: usize,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let inputs: Vec<Vec<T>> = (0..world).map(|r| input(r, len, seed)).collect();
+    let inputs = &inputs;
+    let (_, results) = on_ranks(
+        world,
+        quick(),
+        |comm| -> Result<Vec<Vec<u32>>, TestCaseError> {
+            let r = comm.rank().index();
+            let mine = chunk_range(len, world, r);
+            let mut all_reduced = Vec::new();
+            for algorithm in ALGORITHMS {
+                comm.set_algorithm(algorithm);
+                let expect_algorithm = |comm: &Communicator| -> Result<(), TestCaseError> {
+                    let used = comm.last_algorithm();
+                    prop_assert!(used.is_some() && used != Some(Algorithm::Auto));
+                    if algorithm != Algorithm::Auto {
+                        prop_assert_eq!(used, Some(algorithm));
+                    }
+                    Ok(())
+                };
+                for op in OPS {
+                    let mut buf = inputs[r].clone();
+                    comm.all_reduce(&mut buf, op)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    expect_algorithm(comm)?;
+                    check_reduction(&buf, inputs, 0..len, op)?;
+                    all_reduced.push(bits(&buf));
+
+                    let mut out = vec![T::from_f32(f32::NAN); mine.len()];
+                    comm.reduce_scatter(&inputs[r], &mut out, op)
+                        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                    expect_algorithm(comm)?;
+                    check_reduction(&out, inputs, mine.clone(), op)?;
+                }
+                let mut gathered = vec![T::from_f32(f32::NAN); len];
+                comm.all_gather(&inputs[r][mine.clone()], &mut gathered)
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                expect_algorithm(comm)?;
+                for (p, input) in inputs.iter().enumerate() {
+                    let chunk = chunk_range(len, world, p);
+                    prop_assert_eq!(bits(&gathered[chunk.clone()]), bits(&input[chunk]));
+                }
+
+                let mut buf = inputs[r].clone();
+                comm.broadcast(&mut buf, Rank(root as u32))
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+                expect_algorithm(comm)?;
+                prop_assert_eq!(bits(&buf), bits(&inputs[root]));
+                comm.barrier()
+                    .map_err(|e| TestCaseError::fail(e.to_string()))?;
+            }
+            Ok(all_reduced)
+        },
+    );
+    let results: Vec<Vec<Vec<u32>>> = results.into_iter().collect::<Result<_, _>>()?;
+    // COMM-5: every rank ends with bit-identical all-reduce results.
+    for other in &results[1..] {
+        prop_assert_eq!(other, &results[0]);
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+
+    /// COMM-5, PLAN-4: every algorithm, op, dtype and collective equals the sequential
+    /// reference (exact for max/min, within the dtype-derived tolerance for sum/mean).
+    #[test]
+    fn collectives_match_sequential_reference_for_every_algorithm_op_and_dtype(
+        world in 1usize..=8,
+        len in prop_oneof![0usize..=2, 0usize..300, 300usize..5000],
+        root in 0usize..8,
+        seed in any::<u64>(),
+    ) {
+        let root = root % world;
+        every_collective_matches_reference::<f32>(world, len, root, seed)?;
+        every_collective_matches_reference::<f16>(world, len, root, seed)?;
+        every_collective_matches_reference::<bf16>(world, len, root, seed)?;
+    }
+}
+
+#[test]
+fn large_uneven_buffers_reduce_across_block_boundaries() {
+    // 50_001 elements: not divisible by 3, several 2048-element blocks per chunk.
+    for world in [2, 3] {
+        every_collective_matches_reference::<f32>(world, 50_001, world - 1, 3).unwrap();
+        every_collective_matches_reference::<bf16>(world, 50_001, 0, 4).unwrap();
+    }
+}
+
+#[test]
+fn f16_sum_accumulates_in_f32_and_rounds_once() {
+    // 2048 + 1 + 1 in f16 step by step gives 2048 (2049 rounds to 2048 each time); in f32
+    // then rounded once it gives 2050.
+    let (_, results) = on_ranks(3, quick(), |comm| {
+        let value = [2048.0f32, 1.0, 1.0][comm.rank().index()];
+        let mut buf = vec![f16::from_f32(value); 5];
+        comm.all_reduce(&mut buf, ReduceOp::Sum)
+            .map(|()| buf[0].to_f32())
+    });
+    for got in results {
+        assert_eq!(got.unwrap(), 2050.0);
+    }
+}
+
+#[test]
+fn auto_picks_direct_for_large_and_tree_for_small_buffers_and_reports_it() {
+    let (_, results) = on_ranks(4, quick(), |comm| {
+        let mut small = vec![1.0f32; 16];
+        comm.all_reduce(&mut small, ReduceOp::Sum).unwrap();
+        let small_algorithm = comm.last_algorithm();
+        let mut large = vec![1.0f32; 1 << 16];
+        comm.all_reduce(&mut large, ReduceOp::Sum).unwrap();
+        (small_algorithm, comm.last_algorithm(), small[0], large[0])
+    });
+    for result in results {
+        assert_eq!(
+            result,
+            (Some(Algorithm::Tree), Some(Algorithm::Direct), 4.0, 4.0)
+        );
+    }
+}
+
+#[test]
+fn sequence_numbers_count_every_collective_on_every_rank() {
+    let (_, results) = on_ranks(3, quick(), |comm| {
+        let mut buf = [1.0f32];
+        comm.barrier().unwrap();
+        comm.all_reduce(&mut buf, ReduceOp::Max).unwrap();
+        comm.broadcast(&mut buf, Rank(2)).unwrap();
+        comm.next_seq()
+    });
+    assert_eq!(results, vec![3, 3, 3]);
+}
+
+#[test]
+fn mismatched_lengths_name_every_rank_and_what_it_passed_and_leave_the_group_usable() {
+    let (_, results) = on_ranks(3, quick(), |comm| {
+        let len = if comm.rank() == Rank(1) { 5 } else { 4 };
+        let mut buf = vec![1.0f32; len];
+        let error = comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
+        assert_eq!(buf, vec![1.0; len], "COMM-2: nothing moved");
+        // COMM-2: the group stays usable.
+        let mut ok = vec![1.0f32; 4];
+        comm.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+        assert_eq!(ok, vec![3.0; 4]);
+        error
+    });
+    for error in results {
+        let CommError::Mismatch {
+            seq, op, ref calls, ..
+        } = error
+        else {
+            panic!("expected a mismatch, got {error}");
+        };
+        assert_eq!((seq, op), (0, CollectiveKind::AllReduce));
+        let lens: Vec<(Rank, usize)> = calls.iter().map(|c| (c.rank, c.call.len)).collect();
+        assert_eq!(lens, vec![(Rank(0), 4), (Rank(1), 5), (Rank(2), 4)]);
+        let text = error.to_string();
+        assert!(
+            text.contains("all_reduce #0 (generation 0)")
+                && text.contains("rank 1 passed all_reduce(f32, len 5, sum"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn mismatched_dtypes_name_the_ranks_and_their_types() {
+    let (_, results) = on_ranks(2, quick(), |comm| {
+        if comm.rank() == Rank(0) {
+            comm.all_reduce(&mut [1.0f32; 3], ReduceOp::Mean)
+        } else {
+            comm.all_reduce(&mut [bf16::ONE; 3], ReduceOp::Mean)
+        }
+    });
+    for result in results {
+        let error = result.unwrap_err();
+        let CommError::Mismatch { ref calls, .. } = error else {
+            panic!("expected a mismatch, got {error}");
+        };
+        let dtypes: Vec<Option<DType>> = calls.iter().map(|c| c.call.dtype).collect();
+        assert_eq!(dtypes, vec![Some(DType::F32), Some(DType::BF16)]);
+        assert!(error.to_string().contains("rank 1 passed all_reduce(bf16"));
+    }
+}
+
+#[test]
+fn a_chunk_of_the_wrong_length_is_a_mismatch_naming_the_expected_length() {
+    let (_, results) = on_ranks(2, quick(), |comm| {
+        // len 5 over 2 ranks: chunks of 3 and 2; rank 1 passes 3.
+        let mut out = vec![0.0f32; 5];
+        comm.all_gather(&[1.0f32; 3], &mut out)
+    });
+    for result in results {
+        let error = result.unwrap_err();
+        let CommError::Mismatch { ref calls, .. } = error else {
+            panic!("expected a mismatch, got {error}");
+        };
+        assert!(calls[0].call.is_well_formed());
+        assert_eq!(
+            (calls[1].call.chunk_len, calls[1].call.expected_chunk_len),
+            (Some(3), Some(2))
+        );
+        assert!(error.to_string().contains("chunk 3 but the layout needs 2"));
+    }
+}
+
+#[test]
+fn ranks_resolving_different_algorithms_get_a_mismatch_instead_of_a_hang() {
+    let (_, results) = on_ranks(2, quick(), |comm| {
+        if comm.rank() == Rank(0) {
+            comm.set_algorithm(Algorithm::Ring);
+        }
+        comm.all_reduce(&mut [1.0f32; 64], ReduceOp::Sum)
+    });
+    for result in results {
+        assert!(matches!(result, Err(CommError::Mismatch { .. })));
+    }
+}
+
+#[test]
+fn broadcast_root_outside_the_group_is_a_typed_error() {
+    let (_, results) = on_ranks(2, quick(), |comm| comm.broadcast(&mut [1.0f32; 2], Rank(5)));
+    for result in results {
+        assert!(matches!(result, Err(CommError::Mismatch { .. })));
+    }
+}
+
+#[test]
+fn a_missing_rank_times_out_naming_the_missing_ranks_and_the_seq_then_poisons_the_group() {
+    let config = CommConfig::default().with_timeout(Duration::from_millis(200));
+    let group = LocalGroup::new(4, Generation(7), config);
+    let mut comms = group.communicators();
+    let started = Instant::now();
+    let errors = std::thread::scope(|scope| {
+        let handles: Vec<_> = comms
+            .iter_mut()
+            .map(|comm| {
+                scope.spawn(move || {
+                    for _ in 0..17 {
+                        comm.barrier().unwrap();
+                    }
+                    if comm.rank().index() >= 2 {
+                        return None; // ranks 2 and 3 never arrive at #17
+                    }
+                    Some(
+                        comm.all_reduce(&mut [1.0f32; 8], ReduceOp::Sum)
+                            .unwrap_err(),
+                    )
+                })
+            })
+            .collect();
+        let errors: Vec<_> = handles
+            .into_iter()
+            .filter_map(|h| h.join().unwrap())
+            .collect();
+        errors
+    });
+    let late = comms.pop().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "bounded by the time-out"
+    );
+    assert_eq!(errors.len(), 2);
+    for error in &errors {
+        let CommError::Timeout {
+            generation,
+            seq,
+            op,
+            missing,
+            waited,
+        } = error
+        else {
+            panic!("expected a time-out, got {error}");
+        };
+        assert_eq!(*generation, Generation(7));
+        assert_eq!((*seq, *op), (17, CollectiveKind::AllReduce));
+        assert_eq!(missing, &vec![Rank(2), Rank(3)]);
+        assert_eq!(*waited, Duration::from_millis(200));
+        assert_eq!(
+            error.to_string(),
+            "all_reduce #17 (generation 7) timed out after 200ms waiting for ranks [2, 3]"
+        );
+    }
+    // COMM-3: the late rank (and anyone else) fails fast, naming the failed op.
+    let mut late = late;
+    let fast = Instant::now();
+    let error = late
+        .all_reduce(&mut [1.0f32; 8], ReduceOp::Sum)
+        .unwrap_err();
+    assert!(fast.elapsed() < Duration::from_millis(100));
+    let CommError::Poisoned { seq, cause, .. } = &error else {
+        panic!("expected poisoned, got {error}");
+    };
+    assert_eq!(*seq, 17);
+    assert!(matches!(**cause, CommError::Timeout { seq: 17, .. }));
+    assert!(matches!(group.status().state, GroupState::Poisoned { .. }));
+}
+
+#[test]
+fn shutdown_wakes_a_blocked_rank_and_refuses_later_ops() {
+    let group = LocalGroup::new(2, Generation(1), CommConfig::default());
+    let mut comms = group.communicators();
+    let mut lonely = comms.remove(0);
+    let waiter = std::thread::spawn(move || {
+        let started = Instant::now();
+        let result = lonely.all_reduce(&mut [1.0f32; 4], ReduceOp::Sum);
+        (result, started.elapsed(), lonely)
+    });
+    assert!(eventually(Duration::from_secs(5), || {
+        group.status().ranks[0].waiting_for.is_some()
+    }));
+    group.shutdown();
+    let (result, waited, mut lonely) = waiter.join().unwrap();
+    assert!(
+        matches!(
+            result,
+            Err(CommError::Shutdown {
+                seq: 0,
+                op: CollectiveKind::AllReduce,
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+    assert!(
+        waited < Duration::from_secs(5),
+        "woken promptly, not by the 60 s time-out"
+    );
+    assert!(matches!(
+        lonely.barrier(),
+        Err(CommError::Shutdown { seq: 1, .. })
+    ));
+    assert!(matches!(
+        comms[0].send(&[1.0f32], Rank(0)),
+        Err(CommError::Shutdown { .. })
+    ));
+    assert!(matches!(group.status().state, GroupState::ShutDown));
+}
+
+#[test]
+fn communicators_are_handed_out_once() {
+    let group = LocalGroup::new(3, Generation(0), CommConfig::default());
+    assert_eq!(group.communicators().len(), 3);
+    assert!(group.communicators().is_empty());
+}
+
+#[test]
+fn send_and_recv_match_by_order_per_pair() {
+    let (_, results) = on_ranks(3, quick(), |comm| match comm.rank().index() {
+        0 => {
+            for k in 0..3 {
+                comm.send(&[f16::from_f32(k as f32); 7], Rank(2)).unwrap();
+            }
+            Vec::new()
+        }
+        1 => {
+            comm.send(&[f16::from_f32(10.0); 7], Rank(2)).unwrap();
+            Vec::new()
+        }
+        _ => {
+            let mut got = Vec::new();
+            let mut buf = [f16::ZERO; 7];
+            comm.recv(&mut buf, Rank(1)).unwrap();
+            got.push(buf[6].to_f32());
+            for _ in 0..3 {
+                comm.recv(&mut buf, Rank(0)).unwrap();
+                got.push(buf[0].to_f32());
+            }
+            got
+        }
+    });
+    assert_eq!(results[2], vec![10.0, 0.0, 1.0, 2.0]);
+}
+
+#[test]
+fn send_and_recv_of_different_lengths_fail_on_both_sides() {
+    let (_, results) = on_ranks(2, quick(), |comm| {
+        if comm.rank() == Rank(0) {
+            comm.send(&[1.0f32; 4], Rank(1))
+        } else {
+            comm.recv(&mut [0.0f32; 3], Rank(0))
+        }
+    });
+    for (result, op) in results
+        .into_iter()
+        .zip([CollectiveKind::Send, CollectiveKind::Recv])
+    {
+        let error = result.unwrap_err();
+        let CommError::Mismatch {
+            op: got_op,
+            ref calls,
+            ..
+        } = error
+        else {
+            panic!("expected a mismatch, got {error}");
+        };
+        assert_eq!(got_op, op);
+        let lens: Vec<usize> = calls.iter().map(|c| c.call.len).collect();
+        assert_eq!(lens, vec![4, 3]);
+    }
+}
+
+#[test]
+fn recv_without_a_sender_times_out_naming_the_sender() {
+    let config = CommConfig::default().with_timeout(Duration::from_millis(100));
+    let (_, results) = on_ranks(2, config, |comm| {
+        if comm.rank() == Rank(1) {
+            Some(comm.recv(&mut [0.0f32; 3], Rank(0)).unwrap_err())
+        } else {
+            None
+        }
+    });
+    let error = results[1].clone().unwrap();
+    assert!(
+        matches!(&error, CommError::Timeout { op: CollectiveKind::Recv, missing, .. } if missing == &vec![Rank(0)]),
+        "{error}"
+    );
+}
+
+#[test]
+fn send_to_self_or_outside_the_group_is_an_invalid_peer() {
+    let group = LocalGroup::new(2, Generation(0), CommConfig::default());
+    let mut comms = group.communicators();
+    assert!(matches!(
+        comms[0].send(&[1.0f32], Rank(0)),
+        Err(CommError::InvalidPeer { .. })
+    ));
+    assert!(matches!(
+        comms[1].recv(&mut [1.0f32], Rank(9)),
+        Err(CommError::InvalidPeer { .. })
+    ));
+}
+
+#[test]
+#[ignore = "measures bandwidth; run with --release -- --ignored --nocapture"]
+fn report_all_reduce_bandwidth_at_16_mib_world_2() {
+    for algorithm in [
+        Algorithm::Direct,
+        Algorithm::Ring,
+        Algorithm::Tree,
+        Algorithm::Auto,
+    ] {
+        let figures = bench::all_reduce_bandwidth(2, 16 << 20, algorithm, 30).unwrap();
+        println!(
+            "{algorithm:>6}: busbw {:.2} GB/s, memcpy {:.2} GB/s, ratio {:.2}, median {:.3} ms ({})",
+            figures.busbw_gbps,
+            figures.memcpy_gbps,
+            figures.busbw_over_memcpy(),
+            figures.seconds_median * 1e3,
+            figures.algorithm
+        );
+    }
+}
