@@ -18,6 +18,8 @@ pub mod parallel;
 pub mod testing;
 pub mod trace;
 
+pub use error::{Error, Result};
+
 /// The types most programs need: `use meshwork::prelude::*;`.
 pub mod prelude {
     pub use crate::comm::{Algorithm, ReduceOp};

@@ -304,7 +304,12 @@ fn publish<M, I>(state: &SupervisorState<M, I>, event: JobEvent) {
 /// Pick the root cause among several stage errors: a peer woken by the group's shutdown is a
 /// consequence, not a cause.
 fn root_cause(errors: Vec<Error>) -> Option<Error> {
-    let is_consequence = |e: &Error| matches!(e, Error::Comm(CommError::Shutdown { .. }));
+    let is_consequence = |e: &Error| {
+        matches!(
+            e,
+            Error::Comm(CommError::Shutdown { .. } | CommError::Poisoned { .. })
+        )
+    };
     let mut it = errors.into_iter();
     let first = it.next()?;
     if !is_consequence(&first) {

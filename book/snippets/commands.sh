@@ -1,0 +1,8 @@
+# the main job: a demo MLP, one replica per core, progress bar and report
+cargo run --release -- train --steps 100
+# two replicas, global batch 128, then save the trained model
+cargo run --release -- train --dp 2 --batch-size 128 --steps 50 --save-model demo-model.mpk
+# collective bandwidth (algbw, busbw) against memcpy, one size, as JSON
+cargo run --release -- bench allreduce --world 2 --bytes 16MiB --algo direct --json
+# data-parallel weak scaling against a plain Burn loop
+cargo run --release -- bench dp --world 2 --steps 5

@@ -1,0 +1,173 @@
+//! The book's code is real: every Rust block is included from a compiled example, and every
+//! other block is included from a file this test parses or runs.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn markdown_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in std::fs::read_dir(dir).expect("book/src is readable") {
+        let p = entry.expect("directory entry").path();
+        if p.is_dir() {
+            markdown_files(&p, out);
+        } else if p.extension().is_some_and(|e| e == "md") {
+            out.push(p);
+        }
+    }
+}
+
+/// (language, body, file) of every fenced block of the book.
+fn blocks() -> Vec<(String, String, PathBuf)> {
+    let mut files = Vec::new();
+    markdown_files(&root().join("book/src"), &mut files);
+    let mut out = Vec::new();
+    for f in files {
+        let text = std::fs::read_to_string(&f).expect("readable chapter");
+        let mut lines = text.lines();
+        while let Some(line) = lines.next() {
+            if let Some(lang) = line.strip_prefix("```") {
+                let body: Vec<&str> = lines
+                    .by_ref()
+                    .take_while(|l| !l.starts_with("```"))
+                    .collect();
+                out.push((lang.to_string(), body.join("\n"), f.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// The file and anchor of a `{{#include path:anchor}}` block, resolved from the chapter.
+fn include(body: &str, chapter: &Path) -> Option<(PathBuf, Option<String>)> {
+    let inner = body
+        .trim()
+        .strip_prefix("{{#include ")?
+        .strip_suffix("}}")?;
+    let (path, anchor) = match inner.rsplit_once(':') {
+        Some((p, a)) => (p, Some(a.to_string())),
+        None => (inner, None),
+    };
+    Some((chapter.parent()?.join(path), anchor))
+}
+
+#[test]
+fn every_book_block_is_included_from_a_checked_file() {
+    let all = blocks();
+    assert!(all.len() >= 6, "the book has code blocks");
+    let mut included = BTreeSet::new();
+    for (lang, body, chapter) in &all {
+        let (file, anchor) = include(body, chapter).unwrap_or_else(|| {
+            panic!(
+                "a {lang:?} block in {} is not an include: {body}",
+                chapter.display()
+            )
+        });
+        let file = file
+            .canonicalize()
+            .unwrap_or_else(|_| panic!("{} exists", file.display()));
+        let text = std::fs::read_to_string(&file).expect("included file readable");
+        if let Some(a) = anchor {
+            assert!(
+                text.contains(&format!("ANCHOR: {a}")),
+                "anchor {a} in {}",
+                file.display()
+            );
+            assert!(text.contains(&format!("ANCHOR_END: {a}")));
+        }
+        if lang.starts_with("rust") {
+            let examples = root().join("examples").canonicalize().unwrap();
+            assert!(
+                file.starts_with(&examples),
+                "Rust blocks come from examples/"
+            );
+        }
+        included.insert(
+            file.strip_prefix(root().canonicalize().unwrap())
+                .unwrap()
+                .to_path_buf(),
+        );
+    }
+    // The non-Rust files, each checked by a test below.
+    for f in [
+        "book/snippets/Cargo-dependency.toml",
+        "book/snippets/commands.sh",
+    ] {
+        assert!(
+            included.contains(Path::new(f)),
+            "{f} is included by the book"
+        );
+    }
+}
+
+#[test]
+fn dependency_snippet_parses_and_pins_our_burn_version() {
+    let snippet: toml::Table = toml::from_str(
+        &std::fs::read_to_string(root().join("book/snippets/Cargo-dependency.toml")).unwrap(),
+    )
+    .expect("the snippet is valid TOML");
+    let ours: toml::Table =
+        toml::from_str(&std::fs::read_to_string(root().join("Cargo.toml")).unwrap()).unwrap();
+    let version = |t: &toml::Table| {
+        t["dependencies"]["burn"]["version"]
+            .as_str()
+            .map(str::to_string)
+    };
+    assert_eq!(version(&snippet), version(&ours));
+    assert!(snippet["dependencies"].get("meshwork").is_some());
+    assert!(snippet["dependencies"].get("tokio").is_some());
+}
+
+#[test]
+fn every_command_of_the_book_runs() {
+    let script = std::fs::read_to_string(root().join("book/snippets/commands.sh")).unwrap();
+    let dir = std::env::temp_dir().join(format!("meshwork-book-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut ran = 0;
+    for line in script
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+    {
+        let args = line
+            .strip_prefix("cargo run --release -- ")
+            .unwrap_or_else(|| panic!("book command is not `cargo run --release -- …`: {line}"));
+        let out = Command::new(env!("CARGO_BIN_EXE_meshwork"))
+            .args(args.split_whitespace())
+            .current_dir(&dir)
+            .output()
+            .expect("the meshwork binary runs");
+        assert!(
+            out.status.success(),
+            "`{line}` failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if args.contains("--json") {
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            for l in stdout.lines() {
+                let v: serde_json::Value =
+                    serde_json::from_str(l).expect("one JSON object per line");
+                for key in [
+                    "world",
+                    "bytes",
+                    "algo",
+                    "algbw_gbps",
+                    "busbw_gbps",
+                    "memcpy_gbps",
+                ] {
+                    assert!(v.get(key).is_some(), "key {key} in {l}");
+                }
+            }
+        }
+        if args.contains("--save-model") {
+            assert!(dir.join("demo-model.mpk").exists(), "the model was written");
+        }
+        ran += 1;
+    }
+    assert!(ran >= 4);
+    let _ = std::fs::remove_dir_all(&dir);
+}
