@@ -6,17 +6,18 @@
 //! device, the stage and the phase (RT-4).
 //!
 //! Data-parallel step (DP-1..DP-4 in ARCHITECTURE.md):
-//! 1. for each of the k micro-batches: forward, backward, add the gradients to the flat buffer;
+//! 1. for each of the k micro-batches: forward, backward, accumulate the gradients;
 //! 2. all-reduce the replicas' losses; a non-finite loss on any replica makes every replica
 //!    skip or stop together (DP-3);
-//! 3. all-reduce the flat gradients bucket by bucket (mean over replicas), divide by k;
-//! 4. clip by global norm if asked; rebuild per-parameter gradients; optimizer step.
+//! 3. all-reduce the gradients bucket by bucket (small tensors fused, large ones in place,
+//!    see [`crate::parallel::buckets`]), then divide by `replicas · k`;
+//! 4. clip by global norm if asked; hand the gradients back to Burn; optimizer step.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
@@ -27,10 +28,9 @@ use crate::device::MeshDevice;
 use crate::error::{Error, Result, StageId};
 use crate::mesh::Rank;
 use crate::optim::{LearningRate, OptimizerConfig};
-use crate::parallel::buckets::bucket_ranges;
+use crate::parallel::buckets::{Bucket, plan_buckets};
 use crate::parallel::gradients::{
-    ParamLayout, fingerprint, flatten_gradients, parameters_from_flat, parameters_to_flat,
-    unflatten_gradients,
+    GradientBuffers, ParamLayout, map_parameters, parameter_fingerprint, reduce_buckets,
 };
 use crate::parallel::{ModelContext, NonFinitePolicy};
 use crate::trace::{TraceKind, TraceRecord};
@@ -148,8 +148,14 @@ struct Slot<M> {
     layout: ParamLayout,
     comm: Communicator,
     lr: LearningRate,
-    flat: Vec<f32>,
+    /// How gradients are grouped for the all-reduce (BUCKET-1, BUCKET-2).
+    buckets: Vec<Bucket>,
+    /// The buffer fused buckets are copied into.
+    fusion: Vec<f32>,
 }
+
+/// Tensors smaller than this many elements are fused with their neighbours into one bucket.
+const FUSE_BELOW: usize = 64 * 1024;
 
 /// State of a [`StageActor`].
 pub struct StageState<M, I> {
@@ -215,7 +221,7 @@ where
                     None => Err(lost(state)),
                     Some(slot) => {
                         let out = run_on(&state.device_actor, "fingerprint", move || {
-                            let f = fingerprint(&parameters_to_flat(&slot.model, &slot.layout));
+                            let f = parameter_fingerprint(&slot.model);
                             (slot, f)
                         })
                         .await;
@@ -268,34 +274,30 @@ where
     let spec = state.spec.clone();
     let rank = state.rank;
     let device = state.device.burn().clone().autodiff();
-    let epoch = spec.epoch;
-    let out = run_on(&state.device_actor, "init", move || {
+    let out = run_on(&state.device_actor, "init", move || -> Result<_, crate::comm::CommError> {
         let ctx = ModelContext {
             rank,
             device: device.clone(),
         };
         let model = (spec.model_fn)(&ctx).fork(&device).train();
         let layout = ParamLayout::of(&model);
-        let mut flat = parameters_to_flat(&model, &layout);
-        let before = fingerprint(&flat);
-        let t0 = epoch.elapsed();
-        let r = comm.broadcast(&mut flat, Rank(0));
-        let _ = t0;
-        let after = fingerprint(&flat);
-        let model = parameters_from_flat(model, &layout, &flat);
-        r.map(|()| {
-            (
-                Slot {
-                    model,
-                    optimizer: spec.optimizer.init(),
-                    flat: vec![0.0; layout.len()],
-                    layout,
-                    comm,
-                    lr: spec.learning_rate.clone(),
-                },
-                InitReport { before, after },
-            )
-        })
+        let before = parameter_fingerprint(&model);
+        // DP-1: every replica starts from rank 0's parameters, broadcast tensor by tensor.
+        let model = map_parameters(model, |_, values| comm.broadcast(values, Rank(0)))?;
+        let after = parameter_fingerprint(&model);
+        let sizes: Vec<usize> = layout.slots().iter().map(|s| s.range.len()).collect();
+        Ok((
+            Slot {
+                model,
+                optimizer: spec.optimizer.init(),
+                buckets: plan_buckets(&sizes, spec.bucket_elems, FUSE_BELOW),
+                fusion: Vec::new(),
+                layout,
+                comm,
+                lr: spec.learning_rate.clone(),
+            },
+            InitReport { before, after },
+        ))
     })
     .await?;
     match out {
@@ -378,7 +380,8 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
         });
     };
     let mut loss_sum = 0.0f32;
-    let mut direct_grads = None;
+    let mut accumulated = GradientsAccumulator::<M>::new();
+    let mut last = None;
     for (m, ids) in micro_batches.iter().enumerate() {
         set_phase("forward");
         let t = Instant::now();
@@ -403,20 +406,14 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
         set_phase("backward");
         let t = Instant::now();
         let grads = GradientsParams::from_grads(loss.backward(), &slot.model);
-        span(
-            TraceKind::Backward {
-                micro_batch: m as u32,
-            },
-            t,
-        );
-        if direct {
-            direct_grads = Some(grads);
+        if k == 1 {
+            last = Some(grads);
         } else {
-            let t = Instant::now();
-            flatten_gradients(&slot.model, &slot.layout, &grads, &mut slot.flat, m > 0);
-            span(TraceKind::Flatten, t);
+            accumulated.accumulate(&slot.model, grads);
         }
+        span(TraceKind::Backward { micro_batch: m as u32 }, t);
     }
+    let grads = last.unwrap_or_else(|| accumulated.grads());
     let local_loss = loss_sum / k.max(1) as f32;
 
     // DP-3: every replica learns every replica's loss and decides the same thing.
@@ -447,36 +444,43 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
         };
     }
 
-    let grads = match direct_grads {
-        Some(g) => g,
-        None => {
+    let grads = if direct {
+        grads
+    } else {
+        // DP-2: the mean over replicas of each replica's mean over its micro-batches.
+        let t = Instant::now();
+        let mut buffers = GradientBuffers::take(&slot.model, &slot.layout, grads);
+        let mut views = buffers.slices_mut();
+        span(TraceKind::Flatten, t);
+        if world > 1 {
             set_phase("gradient all-reduce");
-            if world > 1 {
-                for range in bucket_ranges(slot.flat.len(), spec.bucket_elems) {
-                    let t = Instant::now();
-                    slot.comm
-                        .all_reduce(&mut slot.flat[range.clone()], ReduceOp::Mean)?;
-                    span(
-                        TraceKind::AllReduce {
-                            bytes: (range.len() * 4) as u64,
-                        },
-                        t,
-                    );
-                }
+            let comm = &mut slot.comm;
+            let mut spans = Vec::new();
+            reduce_buckets(&mut views, &slot.buckets, &mut slot.fusion, |b| {
+                let t = Instant::now();
+                let r = comm.all_reduce(b, ReduceOp::Sum);
+                spans.push((b.len(), t));
+                r
+            })?;
+            for (n, t) in spans {
+                span(TraceKind::AllReduce { bytes: (n * 4) as u64 }, t);
             }
-            set_phase("gradient clipping");
-            let t = Instant::now();
-            if k > 1 {
-                let scale = 1.0 / k as f32;
-                slot.flat.iter_mut().for_each(|g| *g *= scale);
-            }
-            if let Some(max_norm) = spec.clip_norm {
-                clip_by_global_norm(&mut slot.flat, max_norm);
-            }
-            let g = unflatten_gradients(&slot.model, &slot.layout, &slot.flat, device);
-            span(TraceKind::Flatten, t);
-            g
         }
+        set_phase("gradient scaling and clipping");
+        let t = Instant::now();
+        let scale = 1.0 / (world * k) as f32;
+        if scale != 1.0 {
+            for v in views.iter_mut() {
+                v.iter_mut().for_each(|g| *g *= scale);
+            }
+        }
+        if let Some(max_norm) = spec.clip_norm {
+            clip_by_global_norm(&mut views, max_norm);
+        }
+        drop(views);
+        let g = buffers.into_gradients(&slot.model, device);
+        span(TraceKind::Flatten, t);
+        g
     };
     set_phase("optimizer step");
     let t = Instant::now();
@@ -496,15 +500,19 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
 
 /// Scale `grads` so that their global L2 norm is at most `max_norm` (PyTorch's
 /// `clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)`, applied when below 1).
-pub fn clip_by_global_norm(grads: &mut [f32], max_norm: f32) -> f32 {
+/// Returns the norm before clipping.
+pub fn clip_by_global_norm(grads: &mut [&mut [f32]], max_norm: f32) -> f32 {
     let norm = grads
         .iter()
+        .flat_map(|g| g.iter())
         .map(|g| f64::from(*g) * f64::from(*g))
         .sum::<f64>()
         .sqrt() as f32;
     let coef = max_norm / (norm + 1e-6);
     if coef < 1.0 {
-        grads.iter_mut().for_each(|g| *g *= coef);
+        for g in grads.iter_mut() {
+            g.iter_mut().for_each(|v| *v *= coef);
+        }
     }
     norm
 }

@@ -1,4 +1,4 @@
-//! Flat views of a model: its gradients or parameters as one `f32` buffer, and back.
+//! Views of a model's parameters and gradients as `f32` buffers a collective can move.
 //!
 //! Collectives move contiguous buffers, Burn keeps one tensor per parameter. A [`ParamLayout`]
 //! records, in `Module::visit` order (stable for a given model type), each float parameter's
@@ -10,7 +10,9 @@ use std::ops::Range;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Shape, Tensor, TensorData};
+use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
+
+use super::buckets::Bucket;
 
 /// One float parameter's place in the flat buffer.
 #[derive(Debug, Clone)]
@@ -68,8 +70,8 @@ impl ParamLayout {
     }
 }
 
-/// Copy a tensor's values into `out` (adding to it when `accumulate`).
-fn copy_tensor_into<const D: usize>(t: Tensor<D>, out: &mut [f32], accumulate: bool) {
+/// Copy a tensor's values into `out`.
+fn copy_tensor_into<const D: usize>(t: Tensor<D>, out: &mut [f32]) {
     let data = t.into_data();
     let owned;
     let values: &[f32] = match data.as_slice::<f32>() {
@@ -90,85 +92,186 @@ fn copy_tensor_into<const D: usize>(t: Tensor<D>, out: &mut [f32], accumulate: b
             out.len()
         );
     }
-    if accumulate {
-        for (o, v) in out.iter_mut().zip(values) {
-            *o += v;
-        }
+    out.copy_from_slice(values);
+}
+
+/// A model's gradients taken out of Burn: one mutable `f32` buffer per float parameter, in
+/// layout order (a parameter without a gradient gets zeros). Large buffers are reduced in place,
+/// so the gradients are never copied into one flat buffer.
+#[derive(Debug)]
+pub struct GradientBuffers {
+    datas: Vec<TensorData>,
+}
+
+fn into_f32(data: TensorData) -> TensorData {
+    if data.dtype() == DType::F32 {
+        data
     } else {
-        out.copy_from_slice(values);
+        data.convert::<f32>()
     }
 }
 
-/// Write `grads` into `out` following `layout`; a parameter without a gradient contributes
-/// zeros. With `accumulate`, adds to what `out` holds (gradient accumulation).
-pub fn flatten_gradients<M: Module>(
-    module: &M,
-    layout: &ParamLayout,
-    grads: &GradientsParams,
-    out: &mut [f32],
-    accumulate: bool,
-) {
-    struct Flatten<'a> {
-        grads: &'a GradientsParams,
-        slots: std::slice::Iter<'a, ParamSlot>,
-        out: &'a mut [f32],
-        accumulate: bool,
+impl GradientBuffers {
+    /// Take `grads` out of Burn following `module`'s layout.
+    pub fn take<M: Module>(module: &M, layout: &ParamLayout, grads: GradientsParams) -> Self {
+        struct Take<'a> {
+            grads: GradientsParams,
+            slots: std::slice::Iter<'a, ParamSlot>,
+            datas: Vec<TensorData>,
+        }
+        impl ModuleVisitor for Take<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let slot = self.slots.next().expect("layout built from this module type");
+                let data = match self.grads.remove::<D>(param.id) {
+                    Some(g) => into_f32(g.into_data()),
+                    None => TensorData::zeros::<f32, _>(slot.shape.clone()),
+                };
+                self.datas.push(data);
+            }
+        }
+        let mut t = Take {
+            grads,
+            slots: layout.slots.iter(),
+            datas: Vec::with_capacity(layout.slots.len()),
+        };
+        module.visit(&mut t);
+        Self { datas: t.datas }
     }
-    impl ModuleVisitor for Flatten<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let slot = self
-                .slots
-                .next()
-                .expect("layout built from this module type");
-            let out = &mut self.out[slot.range.clone()];
-            match self.grads.get::<D>(param.id) {
-                Some(g) => copy_tensor_into(g, out, self.accumulate),
-                None if !self.accumulate => out.fill(0.0),
-                None => {}
+
+    /// The element count of each buffer, in layout order.
+    pub fn sizes(&self) -> Vec<usize> {
+        self.datas.iter().map(TensorData::num_elements).collect()
+    }
+
+    /// Mutable views of every buffer, in layout order.
+    pub fn slices_mut(&mut self) -> Vec<&mut [f32]> {
+        self.datas
+            .iter_mut()
+            .map(|d| {
+                d.as_mut_slice::<f32>()
+                    .expect("gradient buffers are converted to f32 when taken")
+            })
+            .collect()
+    }
+
+    /// Give the buffers back to Burn as gradients of `module`'s parameters on `device`.
+    pub fn into_gradients<M: Module>(self, module: &M, device: &Device) -> GradientsParams {
+        struct Give<'a> {
+            datas: std::vec::IntoIter<TensorData>,
+            device: &'a Device,
+            grads: GradientsParams,
+        }
+        impl ModuleVisitor for Give<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let data = self.datas.next().expect("one buffer per parameter");
+                self.grads
+                    .register::<D>(param.id, Tensor::from_data(data, self.device));
+            }
+        }
+        let mut g = Give {
+            datas: self.datas.into_iter(),
+            device,
+            grads: GradientsParams::new(),
+        };
+        module.visit(&mut g);
+        g.grads
+    }
+}
+
+/// Reduce `buffers` bucket by bucket with `reduce` (a collective): a fused bucket is copied
+/// into `fusion`, reduced, and copied back; an in-place bucket is reduced where it lies.
+/// Returns the elements reduced per bucket, for the trace.
+pub fn reduce_buckets<E>(
+    buffers: &mut [&mut [f32]],
+    buckets: &[Bucket],
+    fusion: &mut Vec<f32>,
+    mut reduce: impl FnMut(&mut [f32]) -> Result<(), E>,
+) -> Result<(), E> {
+    for bucket in buckets {
+        match bucket {
+            Bucket::InPlace { tensor, range } => reduce(&mut buffers[*tensor][range.clone()])?,
+            Bucket::Fused { tensors, len } => {
+                fusion.clear();
+                fusion.reserve(*len);
+                for t in tensors.clone() {
+                    fusion.extend_from_slice(buffers[t]);
+                }
+                reduce(fusion)?;
+                let mut at = 0;
+                for t in tensors.clone() {
+                    let n = buffers[t].len();
+                    buffers[t].copy_from_slice(&fusion[at..at + n]);
+                    at += n;
+                }
             }
         }
     }
-    module.visit(&mut Flatten {
-        grads,
-        slots: layout.slots.iter(),
-        out,
-        accumulate,
-    });
+    Ok(())
 }
 
-/// Gradients for `module`'s parameters read from `flat` (the inverse of
-/// [`flatten_gradients`]), as tensors on `device` (without autodiff).
-pub fn unflatten_gradients<M: Module>(
-    module: &M,
-    layout: &ParamLayout,
-    flat: &[f32],
-    device: &Device,
-) -> GradientsParams {
-    struct Unflatten<'a> {
-        slots: std::slice::Iter<'a, ParamSlot>,
-        flat: &'a [f32],
-        device: &'a Device,
-        grads: GradientsParams,
+/// Rewrite every float parameter of `module` in place: `f(index, values)` may change the
+/// values (ids, devices and training state are kept). The first error stops the rewriting of
+/// later parameters and is returned.
+pub fn map_parameters<M: Module, E>(
+    module: M,
+    mut f: impl FnMut(usize, &mut [f32]) -> Result<(), E>,
+) -> Result<M, E> {
+    struct Rewrite<'a, E> {
+        f: &'a mut dyn FnMut(usize, &mut [f32]) -> Result<(), E>,
+        index: usize,
+        error: Option<E>,
     }
-    impl ModuleVisitor for Unflatten<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let slot = self
-                .slots
-                .next()
-                .expect("layout built from this module type");
-            let data = TensorData::new(self.flat[slot.range.clone()].to_vec(), slot.shape.clone());
-            self.grads
-                .register::<D>(param.id, Tensor::from_data(data, self.device));
+    impl<E> ModuleMapper for Rewrite<'_, E> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let index = self.index;
+            self.index += 1;
+            if self.error.is_some() {
+                return param;
+            }
+            let f = &mut self.f;
+            let error = &mut self.error;
+            param.map(|old| {
+                let device = old.device();
+                let grad = old.is_require_grad();
+                let mut data = into_f32(old.inner().into_data());
+                let values = data
+                    .as_mut_slice::<f32>()
+                    .expect("parameter data converted to f32");
+                if let Err(e) = f(index, values) {
+                    *error = Some(e);
+                }
+                let t = Tensor::<D>::from_data(data, &device);
+                if grad { t.require_grad() } else { t }
+            })
         }
     }
-    let mut u = Unflatten {
-        slots: layout.slots.iter(),
-        flat,
-        device,
-        grads: GradientsParams::new(),
+    let mut r = Rewrite {
+        f: &mut f,
+        index: 0,
+        error: None,
     };
-    module.visit(&mut u);
-    u.grads
+    let module = module.map(&mut r);
+    match r.error {
+        Some(e) => Err(e),
+        None => Ok(module),
+    }
+}
+
+/// Fingerprint of a module's float parameters (the exact bits, in layout order), computed
+/// without copying them into one buffer.
+pub fn parameter_fingerprint<M: Module>(module: &M) -> u64 {
+    struct Hash(Fingerprint);
+    impl ModuleVisitor for Hash {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let data = into_f32(param.val().inner().into_data());
+            if let Ok(values) = data.as_slice::<f32>() {
+                self.0.update(values);
+            }
+        }
+    }
+    let mut h = Hash(Fingerprint::new());
+    module.visit(&mut h);
+    h.0.finish()
 }
 
 /// The module's float parameters as one buffer, in layout order.
@@ -186,7 +289,6 @@ pub fn parameters_to_flat<M: Module>(module: &M, layout: &ParamLayout) -> Vec<f3
             copy_tensor_into(
                 param.val().inner(),
                 &mut self.out[slot.range.clone()],
-                false,
             );
         }
     }
@@ -198,44 +300,35 @@ pub fn parameters_to_flat<M: Module>(module: &M, layout: &ParamLayout) -> Vec<f3
     r.out
 }
 
-/// The module with its float parameters replaced by the values in `flat` (ids, devices and
-/// training state kept).
-pub fn parameters_from_flat<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> M {
-    struct Write<'a> {
-        slots: std::slice::Iter<'a, ParamSlot>,
-        flat: &'a [f32],
+/// A 64-bit fingerprint of `f32` values' exact bits (FNV-1a), fed in pieces: equal
+/// parameters give equal fingerprints on every rank.
+#[derive(Debug, Clone, Copy)]
+pub struct Fingerprint(u64);
+
+impl Fingerprint {
+    /// The fingerprint of nothing.
+    pub fn new() -> Self {
+        Self(0xcbf2_9ce4_8422_2325)
     }
-    impl ModuleMapper for Write<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let slot = self
-                .slots
-                .next()
-                .expect("layout built from this module type");
-            let values = self.flat[slot.range.clone()].to_vec();
-            let shape = slot.shape.clone();
-            param.map(|old| {
-                let device = old.device();
-                let grad = old.is_require_grad();
-                let t = Tensor::<D>::from_data(TensorData::new(values, shape), &device);
-                if grad { t.require_grad() } else { t }
-            })
+
+    /// Feed more values.
+    pub fn update(&mut self, values: &[f32]) {
+        for v in values {
+            for b in v.to_bits().to_le_bytes() {
+                self.0 ^= u64::from(b);
+                self.0 = self.0.wrapping_mul(0x0000_0100_0000_01b3);
+            }
         }
     }
-    module.map(&mut Write {
-        slots: layout.slots.iter(),
-        flat,
-    })
+
+    /// The fingerprint so far.
+    pub fn finish(&self) -> u64 {
+        self.0
+    }
 }
 
-/// A 64-bit fingerprint of a flat buffer's exact bits (FNV-1a): equal parameters give equal
-/// fingerprints on every rank.
-pub fn fingerprint(values: &[f32]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for v in values {
-        for b in v.to_bits().to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
+impl Default for Fingerprint {
+    fn default() -> Self {
+        Self::new()
     }
-    h
 }

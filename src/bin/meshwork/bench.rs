@@ -158,6 +158,9 @@ fn allreduce(world: usize, bytes: Option<usize>, algo: Algorithm, json: bool) ->
 struct WorkerReport {
     samples_per_s: f64,
     peak_rss_bytes: u64,
+    /// Shares of a step's time (compute, communication, waiting); dp mode only.
+    #[serde(default)]
+    shares: Option<(f64, f64, f64)>,
 }
 
 const WIDTHS: [usize; 4] = [784, 1024, 1024, 10];
@@ -209,6 +212,9 @@ fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
                 "speedup": run.samples_per_s / baseline.samples_per_s,
                 "peak_rss_bytes": run.peak_rss_bytes,
                 "baseline_peak_rss_bytes": baseline.peak_rss_bytes,
+                "compute_share": run.shares.map(|s| s.0),
+                "communication_share": run.shares.map(|s| s.1),
+                "waiting_share": run.shares.map(|s| s.2),
             })
         );
     } else {
@@ -221,6 +227,14 @@ fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
             baseline.samples_per_s,
             run.samples_per_s / baseline.samples_per_s
         );
+        if let Some((c, m, w)) = run.shares {
+            println!(
+                "step time: compute {:.0}%, communication {:.0}%, waiting {:.0}%",
+                c * 100.0,
+                m * 100.0,
+                w * 100.0
+            );
+        }
         println!(
             "peak RSS: {:.1} MiB vs {:.1} MiB (ratio {:.3})",
             run.peak_rss_bytes as f64 / 1048576.0,
@@ -246,12 +260,13 @@ fn peak_rss_bytes() -> u64 {
 fn dp_worker(mode: &str, world: u32, steps: u64) -> Result<()> {
     let total = steps + WARMUP;
     let global = LOCAL_BATCH * world as usize;
-    let samples_per_s = match mode {
-        "baseline" => baseline_loop(total, LOCAL_BATCH),
+    let (samples_per_s, shares) = match mode {
+        "baseline" => (baseline_loop(total, LOCAL_BATCH), None),
         "dp" => {
             let runtime =
                 tokio::runtime::Runtime::new().map_err(|e| Error::Runtime(e.to_string()))?;
-            runtime.block_on(dp_job(world, total, global))?
+            let (rate, shares) = runtime.block_on(dp_job(world, total, global))?;
+            (rate, Some(shares))
         }
         other => {
             return Err(Error::InvalidConfig(format!(
@@ -262,6 +277,7 @@ fn dp_worker(mode: &str, world: u32, steps: u64) -> Result<()> {
     let report = WorkerReport {
         samples_per_s,
         peak_rss_bytes: peak_rss_bytes(),
+        shares,
     };
     let mut out = std::io::stdout();
     let _ = writeln!(
@@ -298,7 +314,7 @@ fn baseline_loop(total: u64, batch: usize) -> f64 {
 
 use burn::module::Module;
 
-async fn dp_job(world: u32, total: u64, global: usize) -> Result<f64> {
+async fn dp_job(world: u32, total: u64, global: usize) -> Result<(f64, (f64, f64, f64))> {
     let job = Job::builder()
         .model(|ctx| Mlp::new(&WIDTHS, &ctx.device))
         .loss(mse_loss)
@@ -313,6 +329,7 @@ async fn dp_job(world: u32, total: u64, global: usize) -> Result<f64> {
     let mut events = handle.events();
     let mut samples = 0u64;
     let mut wall = 0.0f64;
+    let mut time = meshwork::trace::TimeBreakdown::default();
     loop {
         match events.recv().await {
             Ok(JobEvent::StepDone(s)) if s.step >= WARMUP => {
@@ -322,11 +339,14 @@ async fn dp_job(world: u32, total: u64, global: usize) -> Result<f64> {
                     .map(|r| r.sample_ids.len() as u64)
                     .sum::<u64>();
                 wall += s.wall_s;
+                for r in &s.replicas {
+                    time = time.add(r.breakdown);
+                }
             }
             Ok(_) | Err(EventsError::Missed(_)) => {}
             Err(EventsError::Closed) => break,
         }
     }
     handle.join().await?;
-    Ok(samples as f64 / wall.max(1e-12))
+    Ok((samples as f64 / wall.max(1e-12), time.shares()))
 }
