@@ -595,7 +595,6 @@ impl LocalGroup {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn receive(
         &self,
         me: usize,
@@ -792,8 +791,6 @@ pub struct Communicator {
     plan_cache: Option<(Rank, Plan)>,
 }
 
-// SAFETY-free: every field is Send; the raw pointers of an op never outlive the call.
-
 /// Which buffers an op reads and writes, in terms of its conceptual buffer.
 struct Buffers<T> {
     /// What peers read: (pointer, offset of its first element).
@@ -954,7 +951,6 @@ impl Communicator {
     }
 
     /// Stages 1 to 3 for one collective over `T`.
-    #[allow(clippy::too_many_arguments)]
     fn collective<T: Element>(
         &mut self,
         call: CallShape,

@@ -226,6 +226,16 @@ fn large_uneven_buffers_reduce_across_block_boundaries() {
 }
 
 #[test]
+fn lengths_zero_and_one_work_in_every_world() {
+    for world in 1..=8 {
+        for len in [0, 1] {
+            every_collective_matches_reference::<f32>(world, len, world / 2, 11).unwrap();
+            every_collective_matches_reference::<f16>(world, len, 0, 12).unwrap();
+        }
+    }
+}
+
+#[test]
 fn f16_sum_accumulates_in_f32_and_rounds_once() {
     // 2048 + 1 + 1 in f16 step by step gives 2048 (2049 rounds to 2048 each time); in f32
     // then rounded once it gives 2050.
