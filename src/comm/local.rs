@@ -30,7 +30,7 @@ const POISONED: u8 = 1;
 const SHUT_DOWN: u8 = 2;
 
 /// Spin iterations before yielding, when every rank can have its own core.
-const SPIN_ITERATIONS: u32 = 1 << 14;
+const SPIN_ITERATIONS: u32 = 1 << 11;
 /// `yield_now` calls before parking on a condition variable.
 const YIELDS: u32 = 16;
 /// Longest single park, so a missed wake-up costs at most this much.
