@@ -487,6 +487,13 @@ fn shutdown_wakes_a_blocked_rank_and_refuses_later_ops() {
 }
 
 #[test]
+fn communicators_move_to_rank_threads_and_groups_are_shared() {
+    fn send_and_sync<T: Send + Sync>() {}
+    send_and_sync::<Communicator>();
+    send_and_sync::<LocalGroup>();
+}
+
+#[test]
 fn communicators_are_handed_out_once() {
     let group = LocalGroup::new(3, Generation(0), CommConfig::default());
     assert_eq!(group.communicators().len(), 3);
