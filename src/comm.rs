@@ -5,6 +5,27 @@
 //! Owns: the [`Communicator`] API, the element types ([`Element`]), the pure algorithm plans
 //! ([`plan`]), the in-process transport ([`LocalGroup`]) and its bandwidth probe ([`bench`]).
 //!
+//! ```
+//! use meshwork::comm::{CommConfig, LocalGroup, ReduceOp};
+//! use meshwork::mesh::Generation;
+//!
+//! let group = LocalGroup::new(2, Generation(0), CommConfig::default());
+//! let sums: Vec<f32> = std::thread::scope(|scope| {
+//!     let ranks: Vec<_> = group
+//!         .communicators()
+//!         .into_iter()
+//!         .map(|mut comm| {
+//!             scope.spawn(move || {
+//!                 let mut grads = vec![comm.rank().0 as f32 + 1.0; 1000];
+//!                 comm.all_reduce(&mut grads, ReduceOp::Sum).map(|()| grads[0])
+//!             })
+//!         })
+//!         .collect();
+//!     ranks.into_iter().map(|h| h.join().unwrap().unwrap()).collect()
+//! });
+//! assert_eq!(sums, vec![3.0, 3.0]);
+//! ```
+//!
 //! # Semantics (ids are named by the tests that check them)
 //!
 //! - COMM-1 (sequence): every collective call on a communicator takes the next sequence number

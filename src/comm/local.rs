@@ -30,7 +30,7 @@ const POISONED: u8 = 1;
 const SHUT_DOWN: u8 = 2;
 
 /// Spin iterations before yielding, when every rank can have its own core.
-const SPIN_ITERATIONS: u32 = 1 << 14;
+const SPIN_ITERATIONS: u32 = 1 << 11;
 /// `yield_now` calls before parking on a condition variable.
 const YIELDS: u32 = 16;
 /// Longest single park, so a missed wake-up costs at most this much.
@@ -595,7 +595,6 @@ impl LocalGroup {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn receive(
         &self,
         me: usize,
@@ -792,8 +791,6 @@ pub struct Communicator {
     plan_cache: Option<(Rank, Plan)>,
 }
 
-// SAFETY-free: every field is Send; the raw pointers of an op never outlive the call.
-
 /// Which buffers an op reads and writes, in terms of its conceptual buffer.
 struct Buffers<T> {
     /// What peers read: (pointer, offset of its first element).
@@ -954,7 +951,6 @@ impl Communicator {
     }
 
     /// Stages 1 to 3 for one collective over `T`.
-    #[allow(clippy::too_many_arguments)]
     fn collective<T: Element>(
         &mut self,
         call: CallShape,

@@ -226,6 +226,16 @@ fn large_uneven_buffers_reduce_across_block_boundaries() {
 }
 
 #[test]
+fn lengths_zero_and_one_work_in_every_world() {
+    for world in 1..=8 {
+        for len in [0, 1] {
+            every_collective_matches_reference::<f32>(world, len, world / 2, 11).unwrap();
+            every_collective_matches_reference::<f16>(world, len, 0, 12).unwrap();
+        }
+    }
+}
+
+#[test]
 fn f16_sum_accumulates_in_f32_and_rounds_once() {
     // 2048 + 1 + 1 in f16 step by step gives 2048 (2049 rounds to 2048 each time); in f32
     // then rounded once it gives 2050.
@@ -474,6 +484,13 @@ fn shutdown_wakes_a_blocked_rank_and_refuses_later_ops() {
         Err(CommError::Shutdown { .. })
     ));
     assert!(matches!(group.status().state, GroupState::ShutDown));
+}
+
+#[test]
+fn communicators_move_to_rank_threads_and_groups_are_shared() {
+    fn send_and_sync<T: Send + Sync>() {}
+    send_and_sync::<Communicator>();
+    send_and_sync::<LocalGroup>();
 }
 
 #[test]
