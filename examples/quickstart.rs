@@ -39,13 +39,13 @@ async fn main() -> meshwork::Result<()> {
     let mut events = handle.events();
     let watcher = tokio::spawn(async move {
         while let Ok(event) = events.recv().await {
-            if let JobEvent::StepDone(s) = event {
-                if s.step % 50 == 0 {
-                    println!(
-                        "step {:>3}  loss {:.4}  {:.0} samples/s",
-                        s.step, s.loss, s.samples_per_s
-                    );
-                }
+            if let JobEvent::StepDone(s) = event
+                && s.step % 50 == 0
+            {
+                println!(
+                    "step {:>3}  loss {:.4}  {:.0} samples/s",
+                    s.step, s.loss, s.samples_per_s
+                );
             }
         }
     });

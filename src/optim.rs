@@ -56,7 +56,7 @@ pub enum LearningRate {
 
 impl LearningRate {
     /// The rate for the next optimizer step (advances a scheduler).
-    pub fn next(&mut self) -> f64 {
+    pub fn next_rate(&mut self) -> f64 {
         match self {
             LearningRate::Constant(lr) => *lr,
             LearningRate::Scheduler(s) => s.step(),

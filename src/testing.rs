@@ -56,7 +56,7 @@ where
         if let Some(max_norm) = settings.clip_norm {
             grads = clip_reference(&model, grads, max_norm);
         }
-        model = optim.step(lr.next(), model, grads);
+        model = optim.step(lr.next_rate(), model, grads);
     }
     model
 }
@@ -129,7 +129,7 @@ pub fn compare_parameters<M: Module>(a: &M, b: &M, rel: f32) -> Result<f32, Stri
             .iter()
             .zip(y)
             .fold(0.0f32, |m, (p, q)| m.max((p - q).abs()));
-        if !(max_diff <= rel * max_ref) {
+        if max_diff.is_nan() || max_diff > rel * max_ref {
             return Err(format!(
                 "tensor {i} (shape {:?}): max|a-b| = {max_diff:e} > {rel:e} * max|ref| = {:e}",
                 slot.shape,

@@ -132,7 +132,7 @@ impl TimeBreakdown {
     }
 
     /// Sum of two breakdowns.
-    pub fn add(self, o: Self) -> Self {
+    pub fn plus(self, o: Self) -> Self {
         Self {
             compute_s: self.compute_s + o.compute_s,
             communication_s: self.communication_s + o.communication_s,

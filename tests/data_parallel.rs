@@ -63,7 +63,8 @@ async fn check_equivalence(
         .data_parallel(dp)
         .batch_size(GLOBAL_BATCH)
         .gradient_accumulation(accumulation)
-        .bucket_bytes(4096)
+        // Small buckets so that both fused and in-place (chunked) buckets are exercised.
+        .bucket_bytes(if dp == 4 { 1024 } else { 4096 })
         .steps(STEPS)
         .seed(3)
         .collective_timeout(Duration::from_secs(30));

@@ -117,10 +117,10 @@ impl Actor for DeviceActor {
                 });
             }
             DeviceMsg::Run { label, task } => {
-                if let Some(tx) = &state.tasks {
-                    if tx.send((label, task)).is_err() {
-                        return Err("compute thread has exited".into());
-                    }
+                if let Some(tx) = &state.tasks
+                    && tx.send((label, task)).is_err()
+                {
+                    return Err("compute thread has exited".into());
                 }
             }
         }

@@ -154,7 +154,8 @@ struct Slot<M> {
     fusion: Vec<f32>,
 }
 
-/// Tensors smaller than this many elements are fused with their neighbours into one bucket.
+/// Tensors smaller than this many elements (or a quarter of a bucket, if less) are fused with
+/// their neighbours into one bucket; larger ones are reduced in place.
 const FUSE_BELOW: usize = 64 * 1024;
 
 /// State of a [`StageActor`].
@@ -274,31 +275,39 @@ where
     let spec = state.spec.clone();
     let rank = state.rank;
     let device = state.device.burn().clone().autodiff();
-    let out = run_on(&state.device_actor, "init", move || -> Result<_, crate::comm::CommError> {
-        let ctx = ModelContext {
-            rank,
-            device: device.clone(),
-        };
-        let model = (spec.model_fn)(&ctx).fork(&device).train();
-        let layout = ParamLayout::of(&model);
-        let before = parameter_fingerprint(&model);
-        // DP-1: every replica starts from rank 0's parameters, broadcast tensor by tensor.
-        let model = map_parameters(model, |_, values| comm.broadcast(values, Rank(0)))?;
-        let after = parameter_fingerprint(&model);
-        let sizes: Vec<usize> = layout.slots().iter().map(|s| s.range.len()).collect();
-        Ok((
-            Slot {
-                model,
-                optimizer: spec.optimizer.init(),
-                buckets: plan_buckets(&sizes, spec.bucket_elems, FUSE_BELOW),
-                fusion: Vec::new(),
-                layout,
-                comm,
-                lr: spec.learning_rate.clone(),
-            },
-            InitReport { before, after },
-        ))
-    })
+    let out = run_on(
+        &state.device_actor,
+        "init",
+        move || -> Result<_, crate::comm::CommError> {
+            let ctx = ModelContext {
+                rank,
+                device: device.clone(),
+            };
+            let model = (spec.model_fn)(&ctx).fork(&device).train();
+            let layout = ParamLayout::of(&model);
+            let before = parameter_fingerprint(&model);
+            // DP-1: every replica starts from rank 0's parameters, broadcast tensor by tensor.
+            let model = map_parameters(model, |_, values| comm.broadcast(values, Rank(0)))?;
+            let after = parameter_fingerprint(&model);
+            let sizes: Vec<usize> = layout.slots().iter().map(|s| s.range.len()).collect();
+            Ok((
+                Slot {
+                    model,
+                    optimizer: spec.optimizer.init(),
+                    buckets: plan_buckets(
+                        &sizes,
+                        spec.bucket_elems,
+                        FUSE_BELOW.min(spec.bucket_elems / 4),
+                    ),
+                    fusion: Vec::new(),
+                    layout,
+                    comm,
+                    lr: spec.learning_rate.clone(),
+                },
+                InitReport { before, after },
+            ))
+        },
+    )
     .await?;
     match out {
         Ok(Ok((slot, report))) => {
@@ -411,7 +420,12 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
         } else {
             accumulated.accumulate(&slot.model, grads);
         }
-        span(TraceKind::Backward { micro_batch: m as u32 }, t);
+        span(
+            TraceKind::Backward {
+                micro_batch: m as u32,
+            },
+            t,
+        );
     }
     let grads = last.unwrap_or_else(|| accumulated.grads());
     let local_loss = loss_sum / k.max(1) as f32;
@@ -463,7 +477,12 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
                 r
             })?;
             for (n, t) in spans {
-                span(TraceKind::AllReduce { bytes: (n * 4) as u64 }, t);
+                span(
+                    TraceKind::AllReduce {
+                        bytes: (n * 4) as u64,
+                    },
+                    t,
+                );
             }
         }
         set_phase("gradient scaling and clipping");
@@ -484,7 +503,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     };
     set_phase("optimizer step");
     let t = Instant::now();
-    let lr = slot.lr.next();
+    let lr = slot.lr.next_rate();
     let model = slot.model.clone();
     slot.model = slot.optimizer.step(lr, model, grads);
     span(TraceKind::OptimizerStep, t);

@@ -495,14 +495,14 @@ where
         .collect();
     let mut mean = TimeBreakdown::default();
     for r in &replicas {
-        mean = mean.add(r.breakdown);
+        mean = mean.plus(r.breakdown);
     }
     let n = replicas.len().max(1) as f64;
     let s = &mut state.summary;
     s.steps += 1;
     s.samples += samples as u64;
     s.wall_s += wall_s;
-    s.breakdown = s.breakdown.add(TimeBreakdown {
+    s.breakdown = s.breakdown.plus(TimeBreakdown {
         compute_s: mean.compute_s / n,
         communication_s: mean.communication_s / n,
         waiting_s: mean.waiting_s / n,

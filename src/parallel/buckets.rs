@@ -142,10 +142,22 @@ mod tests {
         assert_eq!(
             b,
             vec![
-                Bucket::Fused { tensors: 0..2, len: 30 },
-                Bucket::InPlace { tensor: 2, range: 0..600 },
-                Bucket::InPlace { tensor: 2, range: 600..1000 },
-                Bucket::Fused { tensors: 3..4, len: 5 },
+                Bucket::Fused {
+                    tensors: 0..2,
+                    len: 30
+                },
+                Bucket::InPlace {
+                    tensor: 2,
+                    range: 0..600
+                },
+                Bucket::InPlace {
+                    tensor: 2,
+                    range: 600..1000
+                },
+                Bucket::Fused {
+                    tensors: 3..4,
+                    len: 5
+                },
             ]
         );
     }

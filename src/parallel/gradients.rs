@@ -121,7 +121,10 @@ impl GradientBuffers {
         }
         impl ModuleVisitor for Take<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let slot = self.slots.next().expect("layout built from this module type");
+                let slot = self
+                    .slots
+                    .next()
+                    .expect("layout built from this module type");
                 let data = match self.grads.remove::<D>(param.id) {
                     Some(g) => into_f32(g.into_data()),
                     None => TensorData::zeros::<f32, _>(slot.shape.clone()),
@@ -216,8 +219,9 @@ pub fn map_parameters<M: Module, E>(
     module: M,
     mut f: impl FnMut(usize, &mut [f32]) -> Result<(), E>,
 ) -> Result<M, E> {
+    type Rewriter<'a, E> = &'a mut dyn FnMut(usize, &mut [f32]) -> Result<(), E>;
     struct Rewrite<'a, E> {
-        f: &'a mut dyn FnMut(usize, &mut [f32]) -> Result<(), E>,
+        f: Rewriter<'a, E>,
         index: usize,
         error: Option<E>,
     }
@@ -286,10 +290,7 @@ pub fn parameters_to_flat<M: Module>(module: &M, layout: &ParamLayout) -> Vec<f3
                 .slots
                 .next()
                 .expect("layout built from this module type");
-            copy_tensor_into(
-                param.val().inner(),
-                &mut self.out[slot.range.clone()],
-            );
+            copy_tensor_into(param.val().inner(), &mut self.out[slot.range.clone()]);
         }
     }
     let mut r = Read {

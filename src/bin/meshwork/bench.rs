@@ -13,6 +13,7 @@ use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::error::{Error, Result};
 use meshwork::events::JobEvent;
 use meshwork::job::{EventsError, Job};
+use meshwork::parallel::sampler::DistributedSampler;
 use serde::{Deserialize, Serialize};
 
 /// The benchmarks.
@@ -40,7 +41,7 @@ pub(crate) enum BenchCommand {
         #[arg(long, default_value_t = 2)]
         world: u32,
         /// Timed steps (after 3 warm-up steps).
-        #[arg(long, default_value_t = 30)]
+        #[arg(long, default_value_t = 60)]
         steps: u64,
         /// One JSON object per line.
         #[arg(long)]
@@ -166,6 +167,14 @@ struct WorkerReport {
 const WIDTHS: [usize; 4] = [784, 1024, 1024, 10];
 const LOCAL_BATCH: usize = 64;
 const WARMUP: u64 = 3;
+/// Runs of each side in `bench dp`; each side reports its median run.
+const ROUNDS: usize = 5;
+
+fn median_run(mut runs: Vec<WorkerReport>) -> WorkerReport {
+    runs.sort_by(|a, b| a.samples_per_s.total_cmp(&b.samples_per_s));
+    let mid = runs.len() / 2;
+    runs.swap_remove(mid)
+}
 
 fn bench_data(samples: usize) -> meshwork::data::InMemoryDataset<Sample> {
     TeacherTask {
@@ -182,8 +191,15 @@ fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
         path: "current executable".into(),
         reason: e.to_string(),
     })?;
+    // Both sides get the same allocator settings: with glibc's adaptive mmap threshold, which
+    // side happens to page-fault on its multi-MiB buffers every step varies from run to run
+    // and would swamp the comparison. A user's own setting is kept.
+    let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_else(|_| {
+        "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456".into()
+    });
     let child = |mode: &str| -> Result<WorkerReport> {
         let out = Command::new(&exe)
+            .env("GLIBC_TUNABLES", &tunables)
             .args(["bench", "dp-worker", "--mode", mode])
             .args(["--world", &world.to_string(), "--steps", &steps.to_string()])
             .output()
@@ -200,8 +216,15 @@ fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
             ))
         })
     };
-    let baseline = child("baseline")?;
-    let run = child("dp")?;
+    // Alternate the two sides and keep each one's median run: the machine is shared and noisy.
+    let mut baselines = Vec::new();
+    let mut runs = Vec::new();
+    for _ in 0..ROUNDS {
+        baselines.push(child("baseline")?);
+        runs.push(child("dp")?);
+    }
+    let baseline = median_run(baselines);
+    let run = median_run(runs);
     if json {
         println!(
             "{}",
@@ -219,7 +242,8 @@ fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
         );
     } else {
         println!(
-            "# dp weak scaling: MLP 784-1024-1024-10, batch {LOCAL_BATCH}/replica, {steps} steps"
+            "# dp weak scaling: MLP 784-1024-1024-10, batch {LOCAL_BATCH}/replica, {steps} steps, \
+             median of {ROUNDS} alternated runs per side; GLIBC_TUNABLES={tunables}"
         );
         println!(
             "world {world}: {:.0} samples/s; plain Burn loop (1 thread): {:.0} samples/s; ratio {:.3}",
@@ -261,7 +285,14 @@ fn dp_worker(mode: &str, world: u32, steps: u64) -> Result<()> {
     let total = steps + WARMUP;
     let global = LOCAL_BATCH * world as usize;
     let (samples_per_s, shares) = match mode {
-        "baseline" => (baseline_loop(total, LOCAL_BATCH), None),
+        // On a spawned thread like meshwork's devices: on the main thread glibc serves the
+        // multi-MiB buffers by mmap and the same loop runs markedly slower.
+        "baseline" => (
+            std::thread::spawn(move || baseline_loop(total, LOCAL_BATCH))
+                .join()
+                .map_err(|_| Error::Runtime("the baseline loop panicked".into()))?,
+            None,
+        ),
         "dp" => {
             let runtime =
                 tokio::runtime::Runtime::new().map_err(|e| Error::Runtime(e.to_string()))?;
@@ -292,15 +323,19 @@ fn dp_worker(mode: &str, world: u32, steps: u64) -> Result<()> {
 fn baseline_loop(total: u64, batch: usize) -> f64 {
     let device = Device::flex();
     let ad = device.clone().autodiff();
+    // The same data and batch order as a one-replica job reads.
     let data = bench_data(batch * 4);
-    let items: Vec<Sample> = (0..batch)
-        .filter_map(|i| meshwork::data::Dataset::get(&data, i))
-        .collect();
+    let sampler = DistributedSampler::new(batch * 4, batch, 0).expect("valid sampler");
     let mut model = Mlp::new(&WIDTHS, &device).fork(&ad).train();
     let mut optim = SgdConfig::new().init();
     let mut timed = Duration::ZERO;
     for step in 0..total {
         let t = Instant::now();
+        let items: Vec<Sample> = sampler
+            .global_batch(step)
+            .into_iter()
+            .filter_map(|i| meshwork::data::Dataset::get(&data, i))
+            .collect();
         let loss = mse_loss(&model, &items, &ad);
         let _: f32 = loss.clone().into_scalar();
         let grads = GradientsParams::from_grads(loss.backward(), &model);
@@ -340,7 +375,7 @@ async fn dp_job(world: u32, total: u64, global: usize) -> Result<(f64, (f64, f64
                     .sum::<u64>();
                 wall += s.wall_s;
                 for r in &s.replicas {
-                    time = time.add(r.breakdown);
+                    time = time.plus(r.breakdown);
                 }
             }
             Ok(_) | Err(EventsError::Missed(_)) => {}
