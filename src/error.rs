@@ -63,6 +63,13 @@ pub enum Error {
         /// The replicas that saw a non-finite loss.
         ranks: Vec<Rank>,
     },
+    /// The all-reduced gradient was NaN or infinite (seen when clipping by norm) and the
+    /// policy is to stop.
+    #[error("non-finite gradient norm at step {step}")]
+    NonFiniteGradient {
+        /// The step.
+        step: u64,
+    },
     /// A batch could not be built from the dataset.
     #[error("data error: {0}")]
     Data(String),

@@ -30,11 +30,13 @@ pub enum JobEvent {
     },
     /// A step finished (or was skipped by the non-finite policy).
     StepDone(StepDone),
-    /// A replica computed a NaN or infinite loss.
+    /// A replica computed a NaN or infinite loss (or, with clipping, the all-reduced gradient
+    /// was not finite).
     NonFiniteLoss {
         /// The step.
         step: u64,
-        /// The replicas whose loss was not finite.
+        /// The replicas whose loss was not finite; empty when the losses were finite but the
+        /// gradient was not.
         ranks: Vec<Rank>,
         /// Whether the job skipped the step (else it stops).
         skipped: bool,

@@ -13,7 +13,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use burn::lr_scheduler::LrScheduler;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorRef};
@@ -148,9 +148,10 @@ where
         )
         .await
         .map_err(|e| Error::Runtime(format!("could not start the supervisor: {e}")))?;
+        drop(events);
         Ok(JobHandle {
             supervisor,
-            events,
+            template: first.resubscribe(),
             first: Mutex::new(Some(first)),
             outcome: outcome_rx,
         })
@@ -202,9 +203,10 @@ where
         self
     }
 
-    /// One of Burn's learning-rate schedulers, stepped once per optimizer step.
-    pub fn lr_scheduler(mut self, scheduler: impl LrScheduler + Clone + 'static) -> Self {
-        self.learning_rate = LearningRate::Scheduler(Box::new(scheduler));
+    /// One of Burn's learning-rate schedulers (e.g.
+    /// `ExponentialLrSchedulerConfig::new(0.1, 0.9).init()?`), stepped once per optimizer step.
+    pub fn lr_scheduler(mut self, scheduler: ModuleLrScheduler) -> Self {
+        self.learning_rate = LearningRate::Scheduler(scheduler);
         self
     }
 
@@ -369,7 +371,9 @@ where
 /// A running job.
 pub struct JobHandle<M> {
     supervisor: ActorRef<SupervisorMsg>,
-    events: broadcast::Sender<JobEvent>,
+    /// Only for `resubscribe`: the handle holds no sender, so every stream closes when the
+    /// Supervisor's state is dropped, even if the Supervisor dies without a last event.
+    template: broadcast::Receiver<JobEvent>,
     first: Mutex<Option<broadcast::Receiver<JobEvent>>>,
     outcome: oneshot::Receiver<Result<Trained<M>>>,
 }
@@ -389,7 +393,7 @@ impl<M: Send + 'static> JobHandle<M> {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
-            .unwrap_or_else(|| self.events.subscribe());
+            .unwrap_or_else(|| self.template.resubscribe());
         EventStream { rx, ended: false }
     }
 

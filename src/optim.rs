@@ -3,7 +3,8 @@
 //! Every replica builds its own optimizer from the same [`OptimizerConfig`] and steps it with
 //! the same all-reduced gradients, so replicas stay identical (DP-1 in ARCHITECTURE.md).
 
-use burn::lr_scheduler::LrScheduler;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, SgdConfig};
 
 /// Which optimizer every replica runs.
@@ -50,15 +51,16 @@ impl From<AdamWConfig> for OptimizerConfig {
 pub enum LearningRate {
     /// The same rate at every step.
     Constant(f64),
-    /// One of Burn's schedulers; every replica steps its own copy once per optimizer step.
-    Scheduler(Box<dyn LrScheduler>),
+    /// One of Burn's schedulers (`…LrSchedulerConfig::init()`); every replica steps its own
+    /// copy once per optimizer step.
+    Scheduler(ModuleLrScheduler),
 }
 
 impl LearningRate {
     /// The rate for the next optimizer step (advances a scheduler).
-    pub fn next_rate(&mut self) -> f64 {
+    pub fn next_rate(&mut self) -> ModuleLearningRate {
         match self {
-            LearningRate::Constant(lr) => *lr,
+            LearningRate::Constant(lr) => (*lr).into(),
             LearningRate::Scheduler(s) => s.step(),
         }
     }

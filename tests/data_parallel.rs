@@ -8,6 +8,8 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
+use burn::lr_scheduler::exponential::ExponentialLrSchedulerConfig;
+use burn::module::Module;
 use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::Device;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
@@ -17,6 +19,7 @@ use meshwork::prelude::*;
 use meshwork::testing::{
     Reference, batches_from_events, compare_parameters, reference_train, run_recording, steps_of,
 };
+use meshwork::trace::TraceKind;
 
 const TOLERANCE: f32 = 1e-5;
 const STEPS: u64 = 20;
@@ -48,7 +51,7 @@ async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
 async fn check_equivalence(
     dp: u32,
     optimizer: OptimizerConfig,
-    lr: f64,
+    lr: LearningRate,
     accumulation: u32,
     clip: Option<f32>,
 ) {
@@ -59,7 +62,6 @@ async fn check_equivalence(
         .loss(mse_loss)
         .data(data.clone())
         .optimizer(optimizer.clone())
-        .learning_rate(lr)
         .data_parallel(dp)
         .batch_size(GLOBAL_BATCH)
         .gradient_accumulation(accumulation)
@@ -71,6 +73,10 @@ async fn check_equivalence(
     if let Some(c) = clip {
         builder = builder.clip_grad_norm(c);
     }
+    builder = match lr.clone() {
+        LearningRate::Constant(rate) => builder.learning_rate(rate),
+        LearningRate::Scheduler(s) => builder.lr_scheduler(s),
+    };
     let (outcome, events) = run_recording(builder.build().expect("valid job")).await;
     let trained = outcome.expect("job succeeds");
     let steps = steps_of(&events);
@@ -88,12 +94,17 @@ async fn check_equivalence(
                     s.step
                 );
             }
-            let forwards = r
+            let forwards: Vec<u32> = r
                 .trace
                 .iter()
-                .filter(|t| matches!(t.kind, meshwork::trace::TraceKind::Forward { .. }))
-                .count();
-            assert_eq!(forwards, accumulation as usize);
+                .filter_map(|t| match t.kind {
+                    TraceKind::Forward { samples, .. } => Some(samples),
+                    _ => None,
+                })
+                .collect();
+            // k forward passes, each over 1/k of the replica's share.
+            let share = (GLOBAL_BATCH / dp as usize) as u32;
+            assert_eq!(forwards, vec![share / accumulation; accumulation as usize]);
         }
         assert_eq!(
             seen.len(),
@@ -113,7 +124,7 @@ async fn check_equivalence(
         &batches_from_events(&steps),
         &Reference {
             optimizer,
-            learning_rate: LearningRate::Constant(lr),
+            learning_rate: lr,
             clip_norm: clip,
         },
         &Device::flex(),
@@ -137,7 +148,14 @@ async fn check_equivalence(
 async fn dp_1_2_4_match_single_device_with_sgd() {
     bounded(async {
         for dp in [1, 2, 4] {
-            check_equivalence(dp, SgdConfig::new().into(), 0.05, 1, None).await;
+            check_equivalence(
+                dp,
+                SgdConfig::new().into(),
+                LearningRate::Constant(0.05),
+                1,
+                None,
+            )
+            .await;
         }
     })
     .await;
@@ -147,7 +165,14 @@ async fn dp_1_2_4_match_single_device_with_sgd() {
 async fn dp_1_2_4_match_single_device_with_adam() {
     bounded(async {
         for dp in [1, 2, 4] {
-            check_equivalence(dp, AdamConfig::new().into(), 0.01, 1, None).await;
+            check_equivalence(
+                dp,
+                AdamConfig::new().into(),
+                LearningRate::Constant(0.01),
+                1,
+                None,
+            )
+            .await;
         }
     })
     .await;
@@ -155,7 +180,14 @@ async fn dp_1_2_4_match_single_device_with_adam() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accumulation_over_4_micro_batches_matches_one_big_batch() {
-    bounded(check_equivalence(2, SgdConfig::new().into(), 0.05, 4, None)).await;
+    bounded(check_equivalence(
+        2,
+        SgdConfig::new().into(),
+        LearningRate::Constant(0.05),
+        4,
+        None,
+    ))
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -163,9 +195,142 @@ async fn global_norm_clipping_matches_reference() {
     bounded(check_equivalence(
         2,
         AdamConfig::new().into(),
-        0.01,
+        LearningRate::Constant(0.01),
         1,
         Some(0.05),
     ))
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn burn_lr_scheduler_matches_reference() {
+    let schedule = ExponentialLrSchedulerConfig::new(0.1, 0.9)
+        .init()
+        .expect("valid scheduler");
+    bounded(check_equivalence(
+        2,
+        SgdConfig::new().into(),
+        LearningRate::Scheduler(schedule),
+        1,
+        None,
+    ))
+    .await;
+}
+
+/// A model with a frozen first layer (fine-tuning): `no_grad` persists through training.
+#[derive(burn::module::Module, Debug)]
+struct FrozenBase {
+    base: burn::nn::Linear,
+    head: burn::nn::Linear,
+}
+
+fn frozen_loss(m: &FrozenBase, items: &[Sample], device: &Device) -> burn::tensor::Tensor<1> {
+    let (x, y) = meshwork::demo::batch_tensors(items, device);
+    let h = burn::tensor::activation::relu(m.base.forward(x));
+    let d = m.head.forward(h) - y;
+    (d.clone() * d).mean()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flat_2_frozen_parameters_are_not_updated_under_weight_decay() {
+    bounded(async {
+        let (_, data) = task();
+        let device = Device::flex();
+        device.seed(9);
+        let init = FrozenBase {
+            base: burn::nn::LinearConfig::new(8, 16).init(&device).no_grad(),
+            head: burn::nn::LinearConfig::new(16, 3).init(&device),
+        };
+        let optimizer: OptimizerConfig = burn::optim::AdamWConfig::new()
+            .with_weight_decay(0.5)
+            .into();
+        let (outcome, events) = run_recording(
+            Job::builder()
+                .initial_model(init.clone())
+                .loss(frozen_loss)
+                .data(data.clone())
+                .optimizer(optimizer.clone())
+                .learning_rate(0.01)
+                .data_parallel(2)
+                .batch_size(GLOBAL_BATCH)
+                .steps(10)
+                .build()
+                .unwrap(),
+        )
+        .await;
+        let trained = outcome.expect("job succeeds");
+        let reference = reference_train(
+            init.clone(),
+            frozen_loss,
+            &data,
+            &batches_from_events(&steps_of(&events)),
+            &Reference {
+                optimizer,
+                learning_rate: LearningRate::Constant(0.01),
+                clip_norm: None,
+            },
+            &Device::flex(),
+        );
+        compare_parameters(&trained.model, &reference, TOLERANCE).expect("equivalent");
+        // The frozen layer is exactly the initial one.
+        compare_parameters(&trained.model.base, &init.base, 0.0).expect("frozen layer untouched");
+    })
+    .await;
+}
+
+/// A model with batch normalization: its running statistics are buffers.
+#[derive(burn::module::Module, Debug)]
+struct Normalized {
+    first: burn::nn::Linear,
+    norm: burn::nn::BatchNorm,
+    last: burn::nn::Linear,
+}
+
+fn normalized_loss(m: &Normalized, items: &[Sample], device: &Device) -> burn::tensor::Tensor<1> {
+    let (x, y) = meshwork::demo::batch_tensors(items, device);
+    let h = burn::tensor::activation::relu(m.norm.forward(m.first.forward(x)));
+    let d = m.last.forward(h) - y;
+    (d.clone() * d).mean()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp_4_batch_norm_buffers_stay_identical_across_replicas() {
+    bounded(async {
+        let (_, data) = task();
+        let device = Device::flex();
+        let init = Normalized {
+            first: burn::nn::LinearConfig::new(8, 16).init(&device),
+            norm: burn::nn::BatchNormConfig::new(16).init(&device),
+            last: burn::nn::LinearConfig::new(16, 3).init(&device),
+        };
+        let (outcome, events) = run_recording(
+            Job::builder()
+                .initial_model(init.clone())
+                .loss(normalized_loss)
+                .data(data)
+                .optimizer(SgdConfig::new())
+                .learning_rate(0.05)
+                .data_parallel(2)
+                .batch_size(GLOBAL_BATCH)
+                .steps(5)
+                .build()
+                .unwrap(),
+        )
+        .await;
+        let trained = outcome.expect("job succeeds");
+        let fingerprints = events
+            .iter()
+            .find_map(|e| match e {
+                JobEvent::Finished { fingerprints, .. } => Some(fingerprints.clone()),
+                _ => None,
+            })
+            .expect("a Finished event");
+        assert_eq!(
+            fingerprints[0], fingerprints[1],
+            "buffers broadcast from rank 0"
+        );
+        // The running statistics did move (the buffers are really trained state).
+        assert!(compare_parameters(&trained.model.norm, &init.norm, 1e-3).is_err());
+    })
     .await;
 }

@@ -11,9 +11,12 @@ use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::error::StageId;
 use meshwork::events::JobEvent;
 use meshwork::job::EventsError;
+use meshwork::optim::LearningRate;
 use meshwork::parallel::sampler::DistributedSampler;
 use meshwork::prelude::*;
-use meshwork::testing::{run_recording, steps_of};
+use meshwork::testing::{
+    Reference, batches_from_events, compare_parameters, reference_train, run_recording, steps_of,
+};
 use ractor::Actor;
 
 async fn bounded<T>(f: impl std::future::Future<Output = T>) -> T {
@@ -173,7 +176,10 @@ async fn dp_3_nan_loss_is_skipped_by_all_replicas_together() {
     bounded(async {
         let mut data = samples(64);
         data[9].target[0] = f32::NAN;
+        let data_copy = data.clone();
+        let init = Mlp::new(&[4, 8, 2], &Device::flex());
         let job = small_job(data, 2, 8)
+            .initial_model(init.clone())
             .on_non_finite_loss(NonFinitePolicy::Skip)
             .build()
             .unwrap();
@@ -204,6 +210,21 @@ async fn dp_3_nan_loss_is_skipped_by_all_replicas_together() {
             })
             .unwrap();
         assert_eq!(fps[0], fps[1], "replicas stay identical after a skip");
+        // The skipped step changed nothing: the result equals a reference that never saw it.
+        let device = Device::flex();
+        let reference = reference_train(
+            init,
+            mse_loss,
+            &InMemoryDataset::new(data_copy),
+            &batches_from_events(&steps),
+            &Reference {
+                optimizer: SgdConfig::new().into(),
+                learning_rate: LearningRate::Constant(0.05),
+                clip_norm: None,
+            },
+            &device,
+        );
+        compare_parameters(&trained.model, &reference, 1e-5).expect("skip applied no update");
     })
     .await;
 }
@@ -313,7 +334,13 @@ async fn job_2_jobs_start_stop_and_start_again_in_one_process() {
             .await
             .unwrap();
         let mut events = handle.events();
-        while !matches!(events.recv().await, Ok(JobEvent::StepDone(_))) {}
+        loop {
+            match events.recv().await {
+                Ok(JobEvent::StepDone(_)) => break,
+                Ok(_) | Err(EventsError::Missed(_)) => {}
+                Err(EventsError::Closed) => panic!("the job ended before its first step"),
+            }
+        }
         let trained = handle.stop().await.unwrap();
         assert!(trained.summary.steps >= 1 && trained.summary.steps < 1_000_000);
     })

@@ -30,7 +30,8 @@ use crate::mesh::Rank;
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::buckets::{Bucket, plan_buckets};
 use crate::parallel::gradients::{
-    GradientBuffers, ParamLayout, map_parameters, parameter_fingerprint, reduce_buckets,
+    GradientBuffers, ParamFilter, ParamLayout, map_parameters, parameter_fingerprint,
+    reduce_buckets,
 };
 use crate::parallel::{ModelContext, NonFinitePolicy};
 use crate::trace::{TraceKind, TraceRecord};
@@ -152,6 +153,8 @@ struct Slot<M> {
     buckets: Vec<Bucket>,
     /// The buffer fused buckets are copied into.
     fusion: Vec<f32>,
+    /// Whether the model has float parameters without gradients (buffers, frozen weights).
+    has_buffers: bool,
 }
 
 /// Tensors smaller than this many elements (or a quarter of a bucket, if less) are fused with
@@ -284,10 +287,14 @@ where
                 device: device.clone(),
             };
             let model = (spec.model_fn)(&ctx).fork(&device).train();
-            let layout = ParamLayout::of(&model);
+            let layout = ParamLayout::trainable(&model);
+            let has_buffers = ParamLayout::of(&model).slots().len() > layout.slots().len();
             let before = parameter_fingerprint(&model);
             // DP-1: every replica starts from rank 0's parameters, broadcast tensor by tensor.
-            let model = map_parameters(model, |_, values| comm.broadcast(values, Rank(0)))?;
+            let (model, synced) = map_parameters(model, ParamFilter::All, |_, values| {
+                comm.broadcast(values, Rank(0))
+            });
+            synced?;
             let after = parameter_fingerprint(&model);
             let sizes: Vec<usize> = layout.slots().iter().map(|s| s.range.len()).collect();
             Ok((
@@ -300,6 +307,7 @@ where
                         FUSE_BELOW.min(spec.bucket_elems / 4),
                     ),
                     fusion: Vec::new(),
+                    has_buffers,
                     layout,
                     comm,
                     lr: spec.learning_rate.clone(),
@@ -346,7 +354,15 @@ where
             &micro_batches,
             &thread_phase,
         );
-        (slot, r)
+        let (slot, r) = match r {
+            Ok((mut report, Some(grads))) => {
+                let slot = apply_update(slot, grads, &mut report, step, &spec, &thread_phase);
+                (slot, Ok(report))
+            }
+            Ok((report, None)) => (slot, Ok(report)),
+            Err(e) => return (slot, Err(e)),
+        };
+        sync_buffers(slot, r, &thread_phase)
     })
     .await?;
     match out {
@@ -370,7 +386,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     step: u64,
     micro_batches: &[Vec<usize>],
     phase: &Mutex<&'static str>,
-) -> Result<StepReport> {
+) -> Result<(StepReport, Option<GradientsParams>)> {
     let set_phase = |p: &'static str| *phase.lock().unwrap_or_else(|e| e.into_inner()) = p;
     let world = slot.comm.world();
     let k = micro_batches.len();
@@ -447,17 +463,21 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     if !bad.is_empty() {
         return match spec.non_finite {
             NonFinitePolicy::Stop => Err(Error::NonFiniteLoss { step, ranks: bad }),
-            NonFinitePolicy::Skip => Ok(StepReport {
-                rank,
-                sample_ids,
-                local_loss,
-                losses,
-                learning_rate: None,
-                trace,
-            }),
+            NonFinitePolicy::Skip => Ok((
+                StepReport {
+                    rank,
+                    sample_ids,
+                    local_loss,
+                    losses,
+                    learning_rate: None,
+                    trace,
+                },
+                None,
+            )),
         };
     }
 
+    let mut non_finite_gradient = false;
     let grads = if direct {
         grads
     } else {
@@ -494,27 +514,78 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
             }
         }
         if let Some(max_norm) = spec.clip_norm {
-            clip_by_global_norm(&mut views, max_norm);
+            // The norm of the all-reduced gradient is the same on every replica, so every
+            // replica takes the same decision here (DP-3).
+            non_finite_gradient = !clip_by_global_norm(&mut views, max_norm).is_finite();
         }
         drop(views);
         let g = buffers.into_gradients(&slot.model, device);
         span(TraceKind::Flatten, t);
         g
     };
-    set_phase("optimizer step");
+    if non_finite_gradient && spec.non_finite == NonFinitePolicy::Stop {
+        return Err(Error::NonFiniteGradient { step });
+    }
+    Ok((
+        StepReport {
+            rank,
+            sample_ids,
+            local_loss,
+            losses,
+            learning_rate: None,
+            trace,
+        },
+        (!non_finite_gradient).then_some(grads),
+    ))
+}
+
+/// DP-4: buffers (batch-norm statistics, frozen weights) change in forward from each replica's
+/// own data; like DDP's `broadcast_buffers`, every replica takes rank 0's after each step, so
+/// replicas stay identical.
+fn sync_buffers<M: Module>(
+    mut slot: Slot<M>,
+    report: Result<StepReport>,
+    phase: &Mutex<&'static str>,
+) -> (Slot<M>, Result<StepReport>) {
+    if !slot.has_buffers || slot.comm.world() == 1 {
+        return (slot, report);
+    }
+    *phase.lock().unwrap_or_else(|e| e.into_inner()) = "buffer broadcast";
+    let comm = &mut slot.comm;
+    let (model, synced) = map_parameters(slot.model, ParamFilter::Buffers, |_, values| {
+        comm.broadcast(values, Rank(0))
+    });
+    slot.model = model;
+    match synced {
+        Ok(()) => (slot, report),
+        Err(e) => (slot, Err(e.into())),
+    }
+}
+
+/// The optimizer step. Takes the slot by value so that the model moves into the optimizer
+/// with no other reference to its tensors (no copy of the parameters).
+fn apply_update<M: Module, I>(
+    mut slot: Slot<M>,
+    grads: GradientsParams,
+    report: &mut StepReport,
+    step: u64,
+    spec: &StageSpec<M, I>,
+    phase: &Mutex<&'static str>,
+) -> Slot<M> {
+    *phase.lock().unwrap_or_else(|e| e.into_inner()) = "optimizer step";
     let t = Instant::now();
     let lr = slot.lr.next_rate();
-    let model = slot.model.clone();
+    report.learning_rate = Some(lr.base());
+    let model = slot.model;
     slot.model = slot.optimizer.step(lr, model, grads);
-    span(TraceKind::OptimizerStep, t);
-    Ok(StepReport {
-        rank,
-        sample_ids,
-        local_loss,
-        losses,
-        learning_rate: Some(lr),
-        trace,
-    })
+    report.trace.push(TraceRecord {
+        rank: report.rank,
+        step,
+        kind: TraceKind::OptimizerStep,
+        start_us: t.duration_since(spec.epoch).as_micros() as u64,
+        duration_us: t.elapsed().as_micros() as u64,
+    });
+    slot
 }
 
 /// Scale `grads` so that their global L2 norm is at most `max_norm` (PyTorch's

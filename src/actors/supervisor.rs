@@ -122,12 +122,17 @@ pub struct SupervisorState<M, I> {
     steps: u64,
     accumulation: u32,
     sampler: DistributedSampler,
+    /// The current epoch's sample order, computed once per epoch.
+    epoch_order: Option<(u64, Vec<usize>)>,
     step_timeout: Duration,
     events: broadcast::Sender<JobEvent>,
     outcome: Option<oneshot::Sender<Result<Trained<M>>>>,
     devices: Vec<(ActorRef<DeviceMsg>, DeviceId)>,
     stages: Vec<(ActorRef<StageMsg<M>>, StageId)>,
     group: ActorRef<GroupMsg>,
+    /// The transport group itself, so that a failure shuts it down at once, whatever happens
+    /// to the GroupActor's mailbox (RT-4).
+    local_group: Arc<LocalGroup>,
     stop_requested: bool,
     finished: bool,
     summary: RunSummary,
@@ -162,6 +167,7 @@ where
             devices.push((r, d.id()));
         }
         let group = LocalGroup::new(world, Generation(0), a.comm.clone());
+        let local_group = group.clone();
         let comms = group.communicators();
         let members: Vec<Rank> = a.layout.ranks().collect();
         let (group_ref, _) = Actor::spawn_linked(
@@ -206,12 +212,14 @@ where
             steps: a.steps,
             accumulation: a.accumulation,
             sampler: a.sampler,
+            epoch_order: None,
             step_timeout: a.step_timeout,
             events: a.events,
             outcome: Some(a.outcome),
             devices,
             stages,
             group: group_ref,
+            local_group,
             stop_requested: false,
             finished: false,
             summary: RunSummary::default(),
@@ -256,6 +264,31 @@ where
                 }
             }
             SupervisorMsg::Stop => state.stop_requested = true,
+        }
+        Ok(())
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<SupervisorMsg>,
+        state: &mut SupervisorState<M, I>,
+    ) -> Result<(), ActorProcessingErr> {
+        if !state.finished {
+            // Stopped from outside before the job ended: still end it cleanly (SV-1, SV-2).
+            state.finished = true;
+            state.local_group.shutdown();
+            let e = Error::Runtime("the supervisor stopped before the job ended".into());
+            publish(state, JobEvent::Failed(e.clone()));
+            if let Some(tx) = state.outcome.take() {
+                let _ = tx.send(Err(e));
+            }
+            for (s, _) in &state.stages {
+                s.stop(None);
+            }
+            for (d, _) in &state.devices {
+                d.stop(None);
+            }
+            state.group.stop(None);
         }
         Ok(())
     }
@@ -400,13 +433,13 @@ where
         if let Some(e) = failure {
             if errors.is_empty() {
                 // RT-4: wake every peer blocked in a collective now.
-                let _ = state.group.send_message(GroupMsg::Shutdown);
+                state.local_group.shutdown();
             }
             errors.push(e);
         }
     }
     if !missing.is_empty() && errors.is_empty() {
-        let _ = state.group.send_message(GroupMsg::Shutdown);
+        state.local_group.shutdown();
         let mut devices = Vec::new();
         for &r in &missing {
             let (d, id) = &state.devices[r];
@@ -438,7 +471,12 @@ where
 {
     let dp = state.layout.dp() as usize;
     let k = state.accumulation as usize;
-    let shares = state.sampler.split(step, dp);
+    let epoch = state.sampler.cursor(step).epoch;
+    if state.epoch_order.as_ref().is_none_or(|(e, _)| *e != epoch) {
+        state.epoch_order = Some((epoch, state.sampler.epoch_order(epoch)));
+    }
+    let (_, order) = state.epoch_order.as_ref().expect("set just above");
+    let shares = state.sampler.split_in(order, step, dp);
     let started = Instant::now();
     let timeout = state.step_timeout;
     let reports: Vec<StepReport> = call_all_with(
@@ -541,9 +579,21 @@ async fn finish<M, I>(
     };
     match &outcome {
         Ok(_) => {}
-        Err(e) => publish(state, JobEvent::Failed(e.clone())),
+        Err(e) => {
+            if let Error::NonFiniteLoss { step, ranks } = e {
+                publish(
+                    state,
+                    JobEvent::NonFiniteLoss {
+                        step: *step,
+                        ranks: ranks.clone(),
+                        skipped: false,
+                    },
+                );
+            }
+            publish(state, JobEvent::Failed(e.clone()));
+        }
     }
-    let _ = state.group.send_message(GroupMsg::Shutdown);
+    state.local_group.shutdown();
     if let Some(tx) = state.outcome.take() {
         let _ = tx.send(outcome);
     }
@@ -565,6 +615,12 @@ where
 {
     let timeout = state.step_timeout;
     let fingerprints = call_all(state, |_| Some(StageMsg::Fingerprint), timeout).await?;
+    let (rank0, _) = &state.stages[0];
+    let model = match rank0.call(StageMsg::TakeModel, Some(timeout)).await {
+        Ok(CallResult::Success(Some(model))) => model,
+        _ => return Err(Error::Runtime("rank 0 did not hand over its model".into())),
+    };
+    // The last event: published only once the model is in hand.
     publish(
         state,
         JobEvent::Finished {
@@ -572,12 +628,8 @@ where
             fingerprints,
         },
     );
-    let (rank0, _) = &state.stages[0];
-    match rank0.call(StageMsg::TakeModel, Some(timeout)).await {
-        Ok(CallResult::Success(Some(model))) => Ok(Trained {
-            model,
-            summary: state.summary.clone(),
-        }),
-        _ => Err(Error::Runtime("rank 0 did not hand over its model".into())),
-    }
+    Ok(Trained {
+        model,
+        summary: state.summary.clone(),
+    })
 }

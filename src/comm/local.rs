@@ -704,6 +704,20 @@ struct Target<T> {
 ///   plan's last barrier, and every rank runs its own part of the same plan.
 /// - `target` is valid for writes over every range this rank's steps write, and nothing
 ///   else accesses it except peers' reads that the plan allows (PLAN-3).
+/// Aborts the process if dropped during a panic (see its use in the direct data phase).
+struct AbortOnUnwind;
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "meshwork: a rank panicked inside a direct collective's data phase; aborting"
+            );
+            std::process::abort();
+        }
+    }
+}
+
 unsafe fn execute_direct<T: Element>(
     group: &LocalGroup,
     me: usize,
@@ -764,7 +778,8 @@ unsafe fn execute_direct<T: Element>(
             | Step::RecvReduce { .. }
             | Step::RecvCopy { .. }
             | Step::Finish { .. } => {
-                debug_assert!(false, "message step in a direct plan");
+                // A plan mixing kinds is a bug in `plan`; the proptests cover every plan.
+                std::process::abort();
             }
         }
     }
@@ -925,7 +940,13 @@ impl Communicator {
         let result = match buffers {
             // SAFETY: forwarded from the caller.
             Some(target) => {
+                // Peers read this rank's buffer until the plan's last barrier: if this thread
+                // unwound in between, its buffer would be freed under their reads and they
+                // would wait forever at the next barrier. Abort instead (never expected: the
+                // plan was validated at the rendezvous).
+                let guard = AbortOnUnwind;
                 unsafe { execute_direct(&self.group, me, plan.steps_of(self.rank), target, op) };
+                std::mem::forget(guard);
                 Ok(())
             }
             None => execute_messages(

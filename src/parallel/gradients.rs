@@ -6,6 +6,7 @@
 //! buffer). Replicas of the same model type share the same layout, so the same range means the
 //! same parameter on every rank.
 
+use std::collections::HashSet;
 use std::ops::Range;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
@@ -32,12 +33,31 @@ pub struct ParamLayout {
     len: usize,
 }
 
+/// Whether a parameter takes part in the gradient all-reduce: it requires a gradient and its
+/// id was not seen before (a tied weight is reduced once). Frozen weights and buffers such as
+/// batch-norm running statistics do not (FLAT-2).
+fn is_trainable<const D: usize>(param: &Param<Tensor<D>>, seen: &mut HashSet<ParamId>) -> bool {
+    param.val().is_require_grad() && seen.insert(param.id)
+}
+
 impl ParamLayout {
-    /// The layout of `module`'s float parameters, in visit order.
+    /// The layout of all of `module`'s float parameters, in visit order.
     pub fn of<M: Module>(module: &M) -> Self {
-        struct Collect(ParamLayout);
+        Self::collect(module, false)
+    }
+
+    /// The layout of the parameters that receive gradients (FLAT-2), in visit order.
+    pub fn trainable<M: Module>(module: &M) -> Self {
+        Self::collect(module, true)
+    }
+
+    fn collect<M: Module>(module: &M, trainable_only: bool) -> Self {
+        struct Collect(ParamLayout, bool, HashSet<ParamId>);
         impl ModuleVisitor for Collect {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if self.1 && !is_trainable(param, &mut self.2) {
+                    return;
+                }
                 let shape = param.val().shape();
                 let n = shape.num_elements();
                 let start = self.0.len;
@@ -49,7 +69,7 @@ impl ParamLayout {
                 self.0.len += n;
             }
         }
-        let mut c = Collect(ParamLayout::default());
+        let mut c = Collect(ParamLayout::default(), trainable_only, HashSet::new());
         module.visit(&mut c);
         c.0
     }
@@ -112,15 +132,20 @@ fn into_f32(data: TensorData) -> TensorData {
 }
 
 impl GradientBuffers {
-    /// Take `grads` out of Burn following `module`'s layout.
+    /// Take `grads` out of Burn following `module`'s trainable layout
+    /// ([`ParamLayout::trainable`]).
     pub fn take<M: Module>(module: &M, layout: &ParamLayout, grads: GradientsParams) -> Self {
         struct Take<'a> {
             grads: GradientsParams,
             slots: std::slice::Iter<'a, ParamSlot>,
             datas: Vec<TensorData>,
+            seen: HashSet<ParamId>,
         }
         impl ModuleVisitor for Take<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if !is_trainable(param, &mut self.seen) {
+                    return;
+                }
                 let slot = self
                     .slots
                     .next()
@@ -136,6 +161,7 @@ impl GradientBuffers {
             grads,
             slots: layout.slots.iter(),
             datas: Vec::with_capacity(layout.slots.len()),
+            seen: HashSet::new(),
         };
         module.visit(&mut t);
         Self { datas: t.datas }
@@ -163,9 +189,13 @@ impl GradientBuffers {
             datas: std::vec::IntoIter<TensorData>,
             device: &'a Device,
             grads: GradientsParams,
+            seen: HashSet<ParamId>,
         }
         impl ModuleVisitor for Give<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if !is_trainable(param, &mut self.seen) {
+                    return;
+                }
                 let data = self.datas.next().expect("one buffer per parameter");
                 self.grads
                     .register::<D>(param.id, Tensor::from_data(data, self.device));
@@ -175,6 +205,7 @@ impl GradientBuffers {
             datas: self.datas.into_iter(),
             device,
             grads: GradientsParams::new(),
+            seen: HashSet::new(),
         };
         module.visit(&mut g);
         g.grads
@@ -212,21 +243,36 @@ pub fn reduce_buckets<E>(
     Ok(())
 }
 
-/// Rewrite every float parameter of `module` in place: `f(index, values)` may change the
-/// values (ids, devices and training state are kept). The first error stops the rewriting of
-/// later parameters and is returned.
+/// Which float parameters [`map_parameters`] rewrites.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParamFilter {
+    /// Every float parameter.
+    All,
+    /// Only those that take no gradient: buffers (batch-norm statistics) and frozen weights.
+    Buffers,
+}
+
+/// Rewrite the float parameters of `module` selected by `filter` in place: `f(index, values)`
+/// may change the values (ids, devices and training state are kept; `index` counts the
+/// selected parameters). The first error stops the rewriting and is returned beside the
+/// module, so the caller keeps the module either way.
 pub fn map_parameters<M: Module, E>(
     module: M,
+    filter: ParamFilter,
     mut f: impl FnMut(usize, &mut [f32]) -> Result<(), E>,
-) -> Result<M, E> {
+) -> (M, Result<(), E>) {
     type Rewriter<'a, E> = &'a mut dyn FnMut(usize, &mut [f32]) -> Result<(), E>;
     struct Rewrite<'a, E> {
         f: Rewriter<'a, E>,
+        filter: ParamFilter,
         index: usize,
         error: Option<E>,
     }
     impl<E> ModuleMapper for Rewrite<'_, E> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if self.filter == ParamFilter::Buffers && param.val().is_require_grad() {
+                return param;
+            }
             let index = self.index;
             self.index += 1;
             if self.error.is_some() {
@@ -251,14 +297,12 @@ pub fn map_parameters<M: Module, E>(
     }
     let mut r = Rewrite {
         f: &mut f,
+        filter,
         index: 0,
         error: None,
     };
     let module = module.map(&mut r);
-    match r.error {
-        Some(e) => Err(e),
-        None => Ok(module),
-    }
+    (module, r.error.map_or(Ok(()), Err))
 }
 
 /// Fingerprint of a module's float parameters (the exact bits, in layout order), computed

@@ -93,9 +93,17 @@ impl DistributedSampler {
 
     /// Every replica's ids at `step`, in replica order (one permutation computed once).
     pub fn split(&self, step: u64, replicas: usize) -> Vec<Vec<usize>> {
-        let local = self.global_batch / replicas;
-        self.global_batch(step)
-            .chunks(local)
+        let order = self.epoch_order(self.cursor(step).epoch);
+        self.split_in(&order, step, replicas)
+    }
+
+    /// Like [`split`](Self::split), reading the ids from `order`, which must be
+    /// `epoch_order` of `step`'s epoch (so a caller computes each epoch's order once).
+    pub fn split_in(&self, order: &[usize], step: u64, replicas: usize) -> Vec<Vec<usize>> {
+        let local = self.global_batch / replicas.max(1);
+        let start = self.cursor(step).batch as usize * self.global_batch;
+        order[start..start + self.global_batch]
+            .chunks(local.max(1))
             .map(<[usize]>::to_vec)
             .collect()
     }
