@@ -696,14 +696,6 @@ struct Target<T> {
     offset: usize,
 }
 
-/// Runs a direct plan: reads peers' posted buffers in place, writes only `target`.
-///
-/// # Safety
-/// - The rendezvous of this op completed successfully, so every rank's posted pointer and
-///   offset describe a live buffer of the validated length that stays valid until the
-///   plan's last barrier, and every rank runs its own part of the same plan.
-/// - `target` is valid for writes over every range this rank's steps write, and nothing
-///   else accesses it except peers' reads that the plan allows (PLAN-3).
 /// Aborts the process if dropped during a panic (see its use in the direct data phase).
 struct AbortOnUnwind;
 
@@ -718,6 +710,14 @@ impl Drop for AbortOnUnwind {
     }
 }
 
+/// Runs a direct plan: reads peers' posted buffers in place, writes only `target`.
+///
+/// # Safety
+/// - The rendezvous of this op completed successfully, so every rank's posted pointer and
+///   offset describe a live buffer of the validated length that stays valid until the
+///   plan's last barrier, and every rank runs its own part of the same plan.
+/// - `target` is valid for writes over every range this rank's steps write, and nothing
+///   else accesses it except peers' reads that the plan allows (PLAN-3).
 unsafe fn execute_direct<T: Element>(
     group: &LocalGroup,
     me: usize,
