@@ -50,7 +50,7 @@ pub(crate) enum BenchCommand {
     /// (internal) One side of `bench dp`, run in a child process.
     #[command(hide = true)]
     DpWorker {
-        /// "dp" or "baseline".
+        /// "dp", "baseline" or "independent".
         #[arg(long)]
         mode: String,
         #[arg(long)]
@@ -219,12 +219,17 @@ fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
     // Alternate the two sides and keep each one's median run: the machine is shared and noisy.
     let mut baselines = Vec::new();
     let mut runs = Vec::new();
+    let mut ceilings = Vec::new();
     for _ in 0..ROUNDS {
         baselines.push(child("baseline")?);
         runs.push(child("dp")?);
+        if world > 1 {
+            ceilings.push(child("independent")?);
+        }
     }
     let baseline = median_run(baselines);
     let run = median_run(runs);
+    let ceiling = (!ceilings.is_empty()).then(|| median_run(ceilings).samples_per_s);
     if json {
         println!(
             "{}",
@@ -233,6 +238,7 @@ fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
                 "samples_per_s": run.samples_per_s,
                 "baseline_samples_per_s": baseline.samples_per_s,
                 "speedup": run.samples_per_s / baseline.samples_per_s,
+                "independent_loops_samples_per_s": ceiling,
                 "peak_rss_bytes": run.peak_rss_bytes,
                 "baseline_peak_rss_bytes": baseline.peak_rss_bytes,
                 "compute_share": run.shares.map(|s| s.0),
@@ -251,6 +257,14 @@ fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
             baseline.samples_per_s,
             run.samples_per_s / baseline.samples_per_s
         );
+        if let Some(c) = ceiling {
+            println!(
+                "{world} independent plain loops at once (no communication; the machine's ceiling): \
+                 {c:.0} samples/s, ratio {:.3}; meshwork reaches {:.0}% of it",
+                c / baseline.samples_per_s,
+                100.0 * run.samples_per_s / c
+            );
+        }
         if let Some((c, m, w)) = run.shares {
             println!(
                 "step time: compute {:.0}%, communication {:.0}%, waiting {:.0}%",
@@ -293,6 +307,20 @@ fn dp_worker(mode: &str, world: u32, steps: u64) -> Result<()> {
                 .map_err(|_| Error::Runtime("the baseline loop panicked".into()))?,
             None,
         ),
+        // The machine's own ceiling: `world` plain loops on `world` threads at once, no
+        // communication at all.
+        "independent" => {
+            let threads: Vec<_> = (0..world)
+                .map(|_| std::thread::spawn(move || baseline_loop(total, LOCAL_BATCH)))
+                .collect();
+            let mut sum = 0.0;
+            for t in threads {
+                sum += t
+                    .join()
+                    .map_err(|_| Error::Runtime("a plain loop panicked".into()))?;
+            }
+            (sum, None)
+        }
         "dp" => {
             let runtime =
                 tokio::runtime::Runtime::new().map_err(|e| Error::Runtime(e.to_string()))?;
