@@ -346,3 +346,39 @@ async fn job_2_jobs_start_stop_and_start_again_in_one_process() {
     })
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rt_3_a_stuck_stage_ends_the_step_with_a_timeout_naming_it() {
+    bounded(async {
+        let mut data = samples(64);
+        const SLOW: f32 = 777.0;
+        data[5].features[0] = SLOW;
+        let job = small_job(data, 2, 8)
+            .loss(|m: &Mlp, items: &[Sample], d: &Device| {
+                if items.iter().any(|s| s.features[0] == SLOW) {
+                    std::thread::sleep(Duration::from_secs(4));
+                }
+                mse_loss(m, items, d)
+            })
+            .step_timeout(Duration::from_millis(1500))
+            .build()
+            .unwrap();
+        let started = Instant::now();
+        let (outcome, _) = run_recording(job).await;
+        match outcome {
+            Err(Error::StepTimeout {
+                missing, devices, ..
+            }) => {
+                assert!(!missing.is_empty());
+                assert_eq!(missing.len(), devices.len());
+                assert!(
+                    devices.iter().any(|d| d.contains("busy with step")),
+                    "heartbeats say what the devices were doing: {devices:?}"
+                );
+            }
+            other => panic!("expected StepTimeout, got {other:?}"),
+        }
+        assert!(started.elapsed() < Duration::from_secs(10));
+    })
+    .await;
+}
