@@ -20,7 +20,7 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::{broadcast, oneshot};
 
 use crate::actors::stage::{LossFn, ModelFn, StageSpec};
-pub use crate::actors::supervisor::{RunSummary, Trained};
+pub use crate::actors::supervisor::{JobStatus, RunSummary, Trained};
 use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 use crate::comm::{Algorithm, CommConfig};
 use crate::data::Dataset;
@@ -397,6 +397,30 @@ impl<M: Send + 'static> JobHandle<M> {
         EventStream { rx, ended: false }
     }
 
+    /// Where the job is. Answered between steps (the Supervisor is busy during a step), so
+    /// this waits at most one step, bounded by `timeout`.
+    pub async fn status(&self, timeout: Duration) -> Result<JobStatus> {
+        match self
+            .supervisor
+            .call(SupervisorMsg::Status, Some(timeout))
+            .await
+        {
+            Ok(ractor::rpc::CallResult::Success(s)) => Ok(s),
+            Ok(ractor::rpc::CallResult::Timeout) => Err(Error::Runtime(format!(
+                "the supervisor did not answer a status request within {timeout:?}"
+            ))),
+            _ => Err(Error::Stopped("the job has ended".into())),
+        }
+    }
+
+    /// A cloneable way to stop the job from elsewhere in the program (a signal handler, a
+    /// service endpoint) while this handle waits in [`join`](Self::join).
+    pub fn stopper(&self) -> JobStopper {
+        JobStopper {
+            supervisor: self.supervisor.clone(),
+        }
+    }
+
     /// Wait for the job to end and return the trained model, or the error that ended it.
     pub async fn join(self) -> Result<Trained<M>> {
         self.outcome.await.unwrap_or_else(|_| {
@@ -410,6 +434,20 @@ impl<M: Send + 'static> JobHandle<M> {
     pub async fn stop(self) -> Result<Trained<M>> {
         let _ = self.supervisor.send_message(SupervisorMsg::Stop);
         self.join().await
+    }
+}
+
+/// Stops a job at its next step boundary; cheap to clone and send anywhere.
+#[derive(Debug, Clone)]
+pub struct JobStopper {
+    supervisor: ActorRef<SupervisorMsg>,
+}
+
+impl JobStopper {
+    /// Ask the job to stop at the next step boundary (a no-op if it has ended). The job's
+    /// `join()` then returns the model trained so far.
+    pub fn stop(&self) {
+        let _ = self.supervisor.send_message(SupervisorMsg::Stop);
     }
 }
 

@@ -326,6 +326,23 @@ async fn job_2_jobs_start_stop_and_start_again_in_one_process() {
             assert_eq!(outcome.unwrap().summary.steps, 3);
             assert_eq!(steps_of(&events).len(), 3);
         }
+        // A stopper from elsewhere ends a long job at a step boundary; join returns its model.
+        let handle = small_job(samples(64), 2, 1_000_000)
+            .build()
+            .unwrap()
+            .spawn()
+            .await
+            .unwrap();
+        let status = handle.status(Duration::from_secs(10)).await.unwrap();
+        assert_eq!(status.steps_total, 1_000_000);
+        assert!(!status.stopping);
+        let stopper = handle.stopper();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            stopper.stop();
+        });
+        let trained = handle.join().await.unwrap();
+        assert!(trained.summary.steps >= 1 && trained.summary.steps < 1_000_000);
         // stop() ends a long job early at a step boundary and returns its model.
         let handle = small_job(samples(64), 2, 1_000_000)
             .build()

@@ -79,6 +79,21 @@ pub enum SupervisorMsg {
     RunStep(u64),
     /// End the job at the next step boundary.
     Stop,
+    /// Reply with where the job is.
+    Status(ractor::RpcReplyPort<JobStatus>),
+}
+
+/// Where a running job is.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct JobStatus {
+    /// The mesh.
+    pub layout: Layout,
+    /// Steps finished so far.
+    pub steps_done: u64,
+    /// Steps the job will run.
+    pub steps_total: u64,
+    /// Whether a stop was asked for.
+    pub stopping: bool,
 }
 
 /// The job's root actor.
@@ -264,6 +279,14 @@ where
                 }
             }
             SupervisorMsg::Stop => state.stop_requested = true,
+            SupervisorMsg::Status(reply) => {
+                let _ = reply.send(JobStatus {
+                    layout: state.layout,
+                    steps_done: state.summary.steps,
+                    steps_total: state.steps,
+                    stopping: state.stop_requested,
+                });
+            }
         }
         Ok(())
     }
