@@ -75,8 +75,10 @@ mod tests;
 
 use serde::{Deserialize, Serialize};
 
-pub use simulate::{Costs, Needs, SimError, SimReport, StageCosts, StageReport, TimedInstr};
-pub use simulate::{simulate, validate};
+pub use simulate::{
+    Costs, Needs, SimError, SimReport, StageCosts, StageReport, TimedInstr, TimelineSummary,
+};
+pub use simulate::{simulate, summarize, validate};
 pub use svg::render_svg;
 
 /// The link capacity (messages per direction and ordered pair of stages) the generated lists
@@ -374,7 +376,10 @@ impl Schedule {
 
 /// One instruction list per stage, with the dimensions they were made for. Stages run their
 /// list in order, literally.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Serializable for traces and reports; build one from lists with
+/// [`PipelineSchedule::from_lists`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PipelineSchedule {
     stages: u32,
     micro_batches: u32,
@@ -457,9 +462,9 @@ impl PipelineSchedule {
         self.stages * self.virtual_stages
     }
 
-    /// The block chunk `chunk` of `stage` holds: `chunk·K + stage`.
+    /// The block chunk `chunk` of `stage` holds: `chunk·K + stage` (for chunk < v, stage < K).
     pub fn block(&self, stage: StageIndex, chunk: Chunk) -> u32 {
-        chunk.0 * self.stages + stage.0
+        chunk.0.saturating_mul(self.stages).saturating_add(stage.0)
     }
 
     /// The stage and chunk holding `block`.

@@ -1,6 +1,8 @@
 //! The checker: [`validate`] (what the lists contain, PIPE-1) and [`simulate`] (running them
 //! with costs: order, FIFO links, bounded buffering, deadlock, timing).
 
+use std::collections::HashMap;
+
 use serde::{Deserialize, Serialize};
 
 use super::{Chunk, Instr, InstrKind, MicroBatch, PipelineSchedule, StageIndex};
@@ -33,7 +35,7 @@ pub struct Costs {
     /// Ticks from the end of a send until the message can be received.
     pub latency: u64,
     /// Per-stage overrides of `forward` and `backward`; a later entry wins.
-    pub stages: Vec<StageCosts>,
+    pub per_stage: Vec<StageCosts>,
 }
 
 impl Default for Costs {
@@ -55,7 +57,7 @@ impl Costs {
             backward,
             send: 0,
             latency: 0,
-            stages: Vec::new(),
+            per_stage: Vec::new(),
         }
     }
 
@@ -68,7 +70,7 @@ impl Costs {
 
     /// With `stage`'s forward and backward costs set to these.
     pub fn with_stage(mut self, stage: StageIndex, forward: u64, backward: u64) -> Self {
-        self.stages.push(StageCosts {
+        self.per_stage.push(StageCosts {
             stage,
             forward,
             backward,
@@ -77,7 +79,7 @@ impl Costs {
     }
 
     fn of(&self, stage: StageIndex) -> (u64, u64) {
-        self.stages
+        self.per_stage
             .iter()
             .rev()
             .find(|s| s.stage == stage)
@@ -253,10 +255,10 @@ pub enum SimError {
 }
 
 /// The two directions of data, each with its own links.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Direction {
-    Activation = 0,
-    Gradient = 1,
+    Activation,
+    Gradient,
 }
 
 /// Checks PIPE-1: every instruction in range and with the right peer, every required
@@ -267,8 +269,8 @@ pub fn validate(schedule: &PipelineSchedule) -> Result<(), SimError> {
     let last = schedule.blocks() - 1;
     for (d, list) in schedule.lists().iter().enumerate() {
         let stage = StageIndex(d as u32);
-        // counts[(chunk · M + mb) · 6 + kind]
-        let mut counts = vec![0u32; (v * m) as usize * KINDS.len()];
+        // Sized by the list, not by v·M: a short hand-made list is cheap to reject.
+        let mut counts: HashMap<(InstrKind, MicroBatch, Chunk), u32> = HashMap::new();
         for (index, instr) in list.iter().enumerate() {
             let (mb, chunk) = (instr.mb(), instr.chunk());
             if mb.0 >= m || chunk.0 >= v {
@@ -296,7 +298,7 @@ pub fn validate(schedule: &PipelineSchedule) -> Result<(), SimError> {
                     expected,
                 });
             }
-            counts[slot(m, mb, chunk, instr.kind())] += 1;
+            *counts.entry((instr.kind(), mb, chunk)).or_default() += 1;
         }
         for c in 0..v {
             let chunk = Chunk(c);
@@ -308,7 +310,7 @@ pub fn validate(schedule: &PipelineSchedule) -> Result<(), SimError> {
                         InstrKind::RecvActivation | InstrKind::SendGradient => block > 0,
                         InstrKind::SendActivation | InstrKind::RecvGradient => block < last,
                     };
-                    let count = counts[slot(m, mb, chunk, kind)];
+                    let count = counts.get(&(kind, mb, chunk)).copied().unwrap_or(0);
                     if required && count != 1 {
                         return Err(SimError::MissingOrDuplicate {
                             stage,
@@ -334,11 +336,6 @@ const KINDS: [InstrKind; 6] = [
     InstrKind::SendGradient,
 ];
 
-fn slot(m: u32, mb: MicroBatch, chunk: Chunk, kind: InstrKind) -> usize {
-    let kind = KINDS.iter().position(|k| *k == kind).unwrap_or(0);
-    (chunk.0 as usize * m as usize + mb.0 as usize) * KINDS.len() + kind
-}
-
 /// A FIFO link: what was sent (message tag and when it can be received) and when each message
 /// was taken.
 #[derive(Debug, Default)]
@@ -357,10 +354,6 @@ struct StageRun {
     forwarded: Vec<bool>,
     gradient: Vec<bool>,
     backwarded: Vec<bool>,
-    live: u32,
-    peak: u32,
-    compute: u64,
-    communication: u64,
     timeline: Vec<TimedInstr>,
 }
 
@@ -377,7 +370,7 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
     let k = schedule.stages();
     let m = schedule.micro_batches();
     let v = schedule.virtual_stages();
-    if let Some(bad) = costs.stages.iter().find(|s| s.stage.0 >= k) {
+    if let Some(bad) = costs.per_stage.iter().find(|s| s.stage.0 >= k) {
         return Err(SimError::UnknownStageInCosts {
             stage: bad.stage,
             stages: k,
@@ -386,10 +379,8 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
     let capacity = schedule.link_capacity() as usize;
     let last = schedule.blocks() - 1;
     let pairs = (v * m) as usize;
-    let mut links: Vec<Link> = (0..2 * k * k).map(|_| Link::default()).collect();
-    let link_of = |dir: Direction, from: StageIndex, to: StageIndex| {
-        ((dir as u32 * k + from.0) * k + to.0) as usize
-    };
+    // Only the links the lists use: K² of them would be too many for large K.
+    let mut links: HashMap<(Direction, StageIndex, StageIndex), Link> = HashMap::new();
     let mut runs: Vec<StageRun> = (0..k)
         .map(|_| StageRun {
             pc: 0,
@@ -398,10 +389,6 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
             forwarded: vec![false; pairs],
             gradient: vec![false; pairs],
             backwarded: vec![false; pairs],
-            live: 0,
-            peak: 0,
-            compute: 0,
-            communication: 0,
             timeline: Vec::new(),
         })
         .collect();
@@ -431,7 +418,7 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
                         } else {
                             Direction::Gradient
                         };
-                        let link = &mut links[link_of(dir, from, stage)];
+                        let link = links.entry((dir, from, stage)).or_default();
                         let n = link.taken.len();
                         let Some(&(found_mb, found_chunk, ready)) = link.sent.get(n) else {
                             break; // blocked: the message is not sent yet
@@ -465,7 +452,7 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
                             }
                             (Direction::Gradient, block - 1)
                         };
-                        let link = &mut links[link_of(dir, stage, to)];
+                        let link = links.entry((dir, stage, to)).or_default();
                         let n = link.sent.len();
                         let free_slot_at = if n < capacity {
                             0
@@ -476,10 +463,10 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
                             }
                         };
                         let start = run.clock.max(free_slot_at);
-                        let end = start + costs.send;
+                        let end = start.saturating_add(costs.send);
                         let receiver_chunk = schedule.placement(peer_block).1;
-                        link.sent.push((mb, receiver_chunk, end + costs.latency));
-                        run.communication += costs.send;
+                        link.sent
+                            .push((mb, receiver_chunk, end.saturating_add(costs.latency)));
                         (start, end)
                     }
                     Instr::Forward { .. } => {
@@ -487,10 +474,7 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
                             return Err(order(Needs::Input));
                         }
                         run.forwarded[pair] = true;
-                        run.live += 1;
-                        run.peak = run.peak.max(run.live);
-                        run.compute += forward_cost;
-                        (run.clock, run.clock + forward_cost)
+                        (run.clock, run.clock.saturating_add(forward_cost))
                     }
                     Instr::Backward { .. } => {
                         if !run.forwarded[pair] {
@@ -500,9 +484,7 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
                             return Err(order(Needs::OutputGradient));
                         }
                         run.backwarded[pair] = true;
-                        run.live -= 1;
-                        run.compute += backward_cost;
-                        (run.clock, run.clock + backward_cost)
+                        (run.clock, run.clock.saturating_add(backward_cost))
                     }
                 };
                 run.clock = end;
@@ -528,31 +510,86 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
         });
     }
 
-    let makespan = runs.iter().map(|r| r.clock).max().unwrap_or(0);
-    let compute: u64 = runs.iter().map(|r| r.compute).sum();
-    let bubble = if makespan == 0 {
-        0.0
-    } else {
-        1.0 - compute as f64 / (f64::from(k) * makespan as f64)
-    };
-    let per_stage = runs
-        .iter()
-        .enumerate()
-        .map(|(d, r)| StageReport {
-            stage: StageIndex(d as u32),
-            compute: r.compute,
-            communication: r.communication,
-            idle: makespan - r.compute - r.communication,
-            peak_stash: r.peak,
-        })
-        .collect();
+    let timeline: Vec<Vec<TimedInstr>> = runs.into_iter().map(|r| r.timeline).collect();
+    let summary = summarize(&timeline);
     Ok(SimReport {
         stages: k,
         micro_batches: m,
         virtual_stages: v,
+        makespan: summary.makespan,
+        bubble: summary.bubble,
+        per_stage: summary.per_stage,
+        timeline,
+    })
+}
+
+/// A step's shares of time, from a timeline (simulated, or measured by an executor).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TimelineSummary {
+    /// Ticks from the earliest instruction start to the latest instruction end.
+    pub makespan: u64,
+    /// `1 − Σ compute / (K · makespan)`: the share of the step a stage spends not computing,
+    /// averaged over the K stages (PIPE-5); 0 for an empty step.
+    pub bubble: f64,
+    /// Per stage, in the timeline's order.
+    pub per_stage: Vec<StageReport>,
+}
+
+/// Summarizes `timeline` (one list per stage, each in execution order, instructions of a
+/// stage not overlapping): per stage, time in forwards and backwards (compute), in sends
+/// (communication), and the rest of the step (idle: waiting in receives or for work, or
+/// finished early), and the peak stash from the order of forwards and backwards; the bubble
+/// from those. [`simulate`] reports exactly this for its timeline, so a measured step and
+/// its simulation are compared on the same definitions.
+pub fn summarize(timeline: &[Vec<TimedInstr>]) -> TimelineSummary {
+    let all = || timeline.iter().flatten();
+    let first = all().map(|t| t.start).min().unwrap_or(0);
+    let last = all().map(|t| t.end).max().unwrap_or(first);
+    let makespan = last.saturating_sub(first);
+    let per_stage: Vec<StageReport> = timeline
+        .iter()
+        .enumerate()
+        .map(|(d, instrs)| {
+            let (mut compute, mut communication) = (0u64, 0u64);
+            let (mut live, mut peak_stash) = (0u32, 0u32);
+            for t in instrs {
+                let took = t.end.saturating_sub(t.start);
+                match t.instr {
+                    Instr::Forward { .. } => {
+                        compute = compute.saturating_add(took);
+                        live += 1;
+                        peak_stash = peak_stash.max(live);
+                    }
+                    Instr::Backward { .. } => {
+                        compute = compute.saturating_add(took);
+                        live = live.saturating_sub(1);
+                    }
+                    Instr::SendActivation { .. } | Instr::SendGradient { .. } => {
+                        communication = communication.saturating_add(took);
+                    }
+                    Instr::RecvActivation { .. } | Instr::RecvGradient { .. } => {}
+                }
+            }
+            StageReport {
+                stage: StageIndex(d as u32),
+                compute,
+                communication,
+                idle: makespan
+                    .saturating_sub(compute)
+                    .saturating_sub(communication),
+                peak_stash,
+            }
+        })
+        .collect();
+    let compute: f64 = per_stage.iter().map(|s| s.compute as f64).sum();
+    let bubble = if makespan == 0 || per_stage.is_empty() {
+        0.0
+    } else {
+        1.0 - compute / (per_stage.len() as f64 * makespan as f64)
+    };
+    TimelineSummary {
         makespan,
         bubble,
         per_stage,
-        timeline: runs.into_iter().map(|r| r.timeline).collect(),
-    })
+    }
 }

@@ -521,6 +521,39 @@ fn pipe4_lists_needing_more_buffering_than_the_links_hold_deadlock_on_a_full_lin
     assert_eq!(report.per_stage[0].peak_stash, 4);
 }
 
+// --- Summaries of measured timelines ----------------------------------------------------------
+
+#[test]
+fn pipe5_summary_of_a_measured_step_counts_receive_waits_as_idle() {
+    let at = |instr, start, end| TimedInstr { instr, start, end };
+    // A measured step starting at tick 100; receives last as long as they waited.
+    let timeline = vec![
+        vec![
+            at(f(0), 100, 110),
+            at(send_act(0, 1), 110, 112),
+            at(recv_grad(0, 1), 112, 143),
+            at(b(0), 143, 163),
+        ],
+        vec![
+            at(recv_act(0, 0), 100, 112),
+            at(f(0), 112, 122),
+            at(b(0), 122, 142),
+            at(send_grad(0, 0), 142, 143),
+        ],
+    ];
+    let summary = summarize(&timeline);
+    assert_eq!(summary.makespan, 63);
+    let shares: Vec<(u64, u64, u64)> = summary
+        .per_stage
+        .iter()
+        .map(|s| (s.compute, s.communication, s.idle))
+        .collect();
+    assert_eq!(shares, [(30, 2, 31), (30, 1, 32)]);
+    assert!((summary.bubble - (1.0 - 60.0 / 126.0)).abs() < 1e-12);
+    assert_eq!(summary.per_stage[0].peak_stash, 1);
+    assert_eq!(summarize(&[]).bubble, 0.0);
+}
+
 // --- SVG ---------------------------------------------------------------------------------------
 
 #[test]
@@ -589,6 +622,26 @@ proptest! {
             report.per_stage.iter().map(|s| s.peak_stash).collect::<Vec<_>>(),
             lists.peak_stash()
         );
+        // The report is the timeline's summary: measured from it, not from a formula.
+        let summary = summarize(&report.timeline);
+        prop_assert_eq!(summary.makespan, report.makespan);
+        prop_assert_eq!(&summary.per_stage, &report.per_stage);
+        // Receives sit right before the compute that needs them, sends right after the
+        // compute that produced what they send.
+        for list in lists.lists() {
+            for (n, instr) in list.iter().enumerate() {
+                let same = |i: Option<&Instr>, kind| {
+                    i.is_some_and(|i| i.kind() == kind && i.mb() == instr.mb() && i.chunk() == instr.chunk())
+                };
+                match instr.kind() {
+                    InstrKind::RecvActivation => prop_assert!(same(list.get(n + 1), InstrKind::Forward)),
+                    InstrKind::RecvGradient => prop_assert!(same(list.get(n + 1), InstrKind::Backward)),
+                    InstrKind::SendActivation => prop_assert!(same(list.get(n.wrapping_sub(1)), InstrKind::Forward)),
+                    InstrKind::SendGradient => prop_assert!(same(list.get(n.wrapping_sub(1)), InstrKind::Backward)),
+                    InstrKind::Forward | InstrKind::Backward => {}
+                }
+            }
+        }
     }
 
     #[test]
