@@ -3,8 +3,8 @@
 //! Pure (no tokio, no ractor, no Burn, no I/O). [`Schedule::instructions`] turns a schedule
 //! (GPipe, 1F1B, interleaved 1F1B) and a number of stages K into a [`PipelineSchedule`]: one
 //! list of [`Instr`] per stage, which a stage actor runs literally, communication included.
-//! [`simulate`] runs any such lists with given [`Costs`] and checks them; [`render_svg`] draws
-//! the simulated (or a measured) timeline.
+//! [`simulate`] runs any such lists with given [`Costs`] and checks them; [`summarize`]
+//! measures a timeline (simulated, or recorded by an executor) and [`render_svg`] draws it.
 //!
 //! # Model
 //!
@@ -24,9 +24,10 @@
 //! until the receiver takes one. A receive takes the message at the head of the link, waiting
 //! while the link is empty. The generated lists need a capacity of [`LINK_CAPACITY`] = 1
 //! message (more is allowed and never causes a deadlock); [`simulate`] enforces exactly the
-//! capacity the schedule states, so lists that would need more buffering end in
-//! [`SimError::Deadlock`] on a send into a full link. Messages carry their (micro-batch,
-//! chunk) so an executor can check them, but never needs to reorder them (PIPE-3).
+//! capacity the schedule states (sends block on a full link), so lists that would need more
+//! buffering end in [`SimError::Deadlock`] on a send into a full link. Messages carry their
+//! (micro-batch, chunk) so an executor can check them, but never needs to reorder them
+//! (PIPE-3).
 //!
 //! # Invariants
 //!
@@ -47,21 +48,23 @@
 //! - PIPE-5: with unit costs (forward = backward = 1 per chunk, free communication) the
 //!   simulated bubble is exactly (K−1)/(M+K−1) for GPipe and 1F1B and (K−1)/(v·M+K−1) for
 //!   interleaved 1F1B. The bubble is measured from the simulated timeline:
-//!   `1 − Σ compute time / (K · makespan)`, i.e. the idle share of the interval from the
-//!   step's first instruction start to its last instruction end, averaged over stages.
+//!   `1 − Σ compute time / (K · makespan)`, i.e. the share of the interval from the step's
+//!   first instruction start to its last instruction end that a stage spends not computing
+//!   (waiting, sending, or done), averaged over stages ([`summarize`]).
 //!   The equalities also hold exactly for any forward cost f and backward cost b when every
 //!   stage has the same f and b and communication is free; with uneven stages or costly
 //!   communication they do not (the simulator then measures what the lists really give).
 //! - PIPE-6: peak stash (micro-batch chunks forwarded and not yet backwarded on a stage):
-//!   GPipe M on every stage; 1F1B min(K − d, M) on stage d, so ≤ K; interleaved at most
-//!   min((K−d−1)·2 + (v−1)·K + 1, v·M) chunks on stage d.
+//!   GPipe M on every stage; 1F1B min(K − d, M) on stage d, so ≤ K; interleaved with v ≥ 2
+//!   min((K−d−1)·2 + (v−1)·K + 1, v·M) chunks on stage d (Megatron-LM's warm-up + 1).
 //! - PIPE-7: schedules a configuration cannot serve are refused with a [`ScheduleError`]
 //!   naming the numbers, never a panic.
 //!
 //! # Choices
 //!
-//! - 1F1B accepts M < K: every stage then does all its forwards before its backwards (the
-//!   warm-up covers every micro-batch), which is GPipe's order; the bubble formula still holds.
+//! - 1F1B accepts M < K: the schedule stays correct and the bubble formula still holds; stages
+//!   whose warm-up (K−d−1) covers every micro-batch run GPipe's order, and no stage stashes
+//!   more than M. Nothing is gained over GPipe there, but nothing is wrong either.
 //! - Interleaved 1F1B needs M to be a multiple of K (micro-batches go round in groups of K,
 //!   Megatron-LM's original rule); with v = 1 it gives the 1F1B lists.
 //! - Receives sit immediately before the compute that needs them: with free communication no

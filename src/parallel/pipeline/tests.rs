@@ -697,6 +697,11 @@ proptest! {
             costs = costs.with_stage(StageIndex(d as u32), *fw, *bw);
         }
         let report = simulate(&lists, &costs).expect("no deadlock, no order violation");
+        // More room in the links never makes the lists deadlock.
+        for capacity in [2, 3] {
+            let roomy = lists.clone().with_link_capacity(capacity).expect("capacity ≥ 1");
+            prop_assert!(simulate(&roomy, &costs).is_ok());
+        }
         // No stage can finish before its own work is done.
         for s in &report.per_stage {
             prop_assert!(s.compute + s.communication <= report.makespan);
