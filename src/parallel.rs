@@ -2,10 +2,12 @@
 //!
 //! - [`sampler`]: which sample ids each replica reads at each step (pure);
 //! - [`buckets`]: how the flat gradient buffer is cut into all-reduce buckets (pure);
-//! - [`gradients`]: flattening a model's gradients into one buffer and back (Burn).
+//! - [`gradients`]: flattening a model's gradients into one buffer and back (Burn);
+//! - [`pipeline`]: pipeline schedules as instruction lists, their simulator and picture (pure).
 
 pub mod buckets;
 pub mod gradients;
+pub mod pipeline;
 pub mod sampler;
 
 use burn::tensor::Device;
