@@ -18,6 +18,12 @@ pub enum Error {
     /// A collective operation failed (time-out, mismatch, shut-down group).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// A pipeline schedule cannot serve the configuration (PIPE-7).
+    #[error(transparent)]
+    Schedule(#[from] crate::parallel::pipeline::ScheduleError),
+    /// A pipeline schedule failed validation or simulation (missing instruction, deadlock).
+    #[error(transparent)]
+    ScheduleCheck(#[from] crate::parallel::pipeline::SimError),
     /// Code running on a device thread failed (a panic in the model's forward, backward or the
     /// optimizer): the job ends with this error.
     #[error("{stage} on device {device} failed during {during}: {reason}")]

@@ -31,4 +31,5 @@ pub mod prelude {
         EventStream, Job, JobBuilder, JobHandle, ModelContext, NonFinitePolicy, Trained,
     };
     pub use crate::mesh::{Layout, Rank};
+    pub use crate::parallel::pipeline::Schedule;
 }
