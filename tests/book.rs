@@ -104,6 +104,31 @@ fn every_book_block_is_included_from_a_checked_file() {
 }
 
 #[test]
+fn schedule_pictures_are_what_the_library_draws_today() {
+    use meshwork::parallel::pipeline::{Costs, Schedule, render_svg, simulate};
+    for schedule in [
+        Schedule::GPipe { micro_batches: 8 },
+        Schedule::OneFOneB { micro_batches: 8 },
+        Schedule::Interleaved {
+            micro_batches: 8,
+            virtual_stages: 2,
+        },
+    ] {
+        let v = u64::from(schedule.virtual_stages());
+        let plan = schedule.instructions(4).expect("valid schedule");
+        let report = simulate(&plan, &Costs::new(2 / v, 4 / v)).expect("simulates");
+        let path = root().join(format!("book/src/images/{}.svg", schedule.name()));
+        let committed = std::fs::read_to_string(&path).expect("picture committed");
+        assert_eq!(
+            committed,
+            render_svg(&report.timeline),
+            "{} is stale: rerun `cargo run --example pipeline_schedules -- book/src/images`",
+            path.display()
+        );
+    }
+}
+
+#[test]
 fn dependency_snippet_parses_and_pins_our_burn_version() {
     let snippet: toml::Table = toml::from_str(
         &std::fs::read_to_string(root().join("book/snippets/Cargo-dependency.toml")).unwrap(),
