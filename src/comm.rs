@@ -3,7 +3,7 @@
 //! [`Communicator`] from its own OS thread.
 //!
 //! Owns: the [`Communicator`] API, the element types ([`Element`]), the pure algorithm plans
-//! ([`plan`]), the in-process transport ([`LocalGroup`]) and its bandwidth probe ([`bench`]).
+//! ([`plan`]), the in-process transport ([`LocalGroup`]) and its bandwidth probe ([`bench`](mod@bench)).
 //!
 //! ```
 //! use meshwork::comm::{CommConfig, LocalGroup, ReduceOp};
