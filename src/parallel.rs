@@ -8,6 +8,7 @@
 pub mod buckets;
 pub mod gradients;
 pub mod pipeline;
+pub mod pipeline_exec;
 pub mod sampler;
 
 use burn::tensor::Device;
