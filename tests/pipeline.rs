@@ -14,7 +14,9 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
+use meshwork::comm::{CommConfig, Communicator, LocalGroup};
 use meshwork::demo::{Sample, TeacherTask, batch_tensors};
+use meshwork::mesh::Generation;
 use meshwork::optim::{LearningRate, OptimizerConfig};
 use meshwork::parallel::pipeline::{Instr, Schedule, StageIndex};
 use meshwork::parallel::pipeline_exec::{
@@ -109,25 +111,36 @@ fn data() -> Vec<Sample> {
 }
 
 /// Run the pipeline; return the trained blocks and each stage's records.
+/// Run `dp` replicas of the pipeline (dp × K threads); return replica 0's trained blocks and
+/// its stages' records, after checking every replica ended identical (EXEC-3).
 fn run_pipeline(
     schedule: Schedule,
     init: Vec<Block>,
     shape: Shape,
+    dp: usize,
 ) -> (Vec<Block>, Vec<Vec<StageStepRecord>>) {
     let k = init.len() as u32;
     let plan = Arc::new(schedule.instructions(k).expect("valid schedule"));
     let m = schedule.micro_batches() as usize;
     let samples = Arc::new(data());
     let optimizer: OptimizerConfig = SgdConfig::new().into();
-    let handles: Vec<_> = init
-        .into_iter()
-        .zip(links(k, Duration::from_secs(20)))
-        .enumerate()
-        .map(|(i, (block, link))| {
+    // One data-parallel group per stage index: that stage in every replica.
+    let mut groups: Vec<Vec<Communicator>> = (0..k)
+        .map(|_| LocalGroup::new(dp, Generation(0), CommConfig::default()).communicators())
+        .collect();
+    let mut handles = Vec::new();
+    for replica in 0..dp {
+        for (i, (block, link)) in init
+            .clone()
+            .into_iter()
+            .zip(links(k, Duration::from_secs(20)))
+            .enumerate()
+        {
             let plan = plan.clone();
             let samples = samples.clone();
             let optimizer = optimizer.clone();
-            std::thread::spawn(move || {
+            let mut comm = groups[i].remove(0);
+            handles.push(std::thread::spawn(move || {
                 let device = Device::flex();
                 let last = k as usize - 1;
                 let mut stage: Box<dyn StageWork<Sample>> = if i == last {
@@ -155,10 +168,13 @@ fn run_pipeline(
                 let inputs =
                     move |items: &[Sample]| vec![AnyTensor::D2(batch_tensors(items, &ad).0)];
                 let mut records = Vec::new();
+                let share = BATCH / dp;
                 for step in 0..STEPS {
-                    let batch = &samples[step * BATCH..(step + 1) * BATCH];
+                    // This replica's share of the global batch, cut into M micro-batches.
+                    let start = step * BATCH + replica * share;
+                    let batch = &samples[start..start + share];
                     let micro: Vec<Vec<Sample>> =
-                        batch.chunks(BATCH / m).map(<[Sample]>::to_vec).collect();
+                        batch.chunks(share / m).map(<[Sample]>::to_vec).collect();
                     records.push(
                         run_stage_step(
                             stage.as_mut(),
@@ -168,19 +184,31 @@ fn run_pipeline(
                             &micro,
                             &inputs,
                             &device,
+                            (dp > 1).then_some(&mut comm),
                         )
-                        .unwrap_or_else(|e| panic!("stage {i} step {step}: {e}")),
+                        .unwrap_or_else(|e| panic!("replica {replica} stage {i} step {step}: {e}")),
                     );
                 }
                 let block = *stage.into_module().downcast::<Block>().expect("a Block");
                 (block, records)
-            })
-        })
-        .collect();
-    handles
+            }));
+        }
+    }
+    let mut results: Vec<(Block, Vec<StageStepRecord>)> = handles
         .into_iter()
         .map(|h| h.join().expect("stage thread"))
-        .unzip()
+        .collect();
+    let others = results.split_off(k as usize);
+    for (i, (block, _)) in others.iter().enumerate() {
+        let stage = i % k as usize;
+        compare_parameters(block, &results[stage].0, 0.0).unwrap_or_else(|e| {
+            panic!(
+                "replica {} of stage {stage} differs: {e}",
+                i / k as usize + 1
+            )
+        });
+    }
+    results.into_iter().unzip()
 }
 
 /// The plain loop: all stage functions in sequence on one device, one batch per step.
@@ -214,10 +242,19 @@ fn run_reference(init: Vec<Block>, shape: Shape) -> Vec<Block> {
 }
 
 fn check(schedule: Schedule, widths: &[usize], shape: Shape) -> Vec<Vec<StageStepRecord>> {
+    check_mesh(schedule, widths, shape, 1)
+}
+
+fn check_mesh(
+    schedule: Schedule,
+    widths: &[usize],
+    shape: Shape,
+    dp: usize,
+) -> Vec<Vec<StageStepRecord>> {
     // One initial record for both sides: Flex's generator is process-global and tests run
     // in parallel.
     let init = blocks(widths, shape, &Device::flex());
-    let (trained, records) = run_pipeline(schedule, init.clone(), shape);
+    let (trained, records) = run_pipeline(schedule, init.clone(), shape, dp);
     for (a, b) in trained.iter().zip(&init) {
         assert!(
             compare_parameters(a, b, 1e-4).is_err(),
@@ -297,4 +334,14 @@ fn stages_compute_at_the_same_time() {
         overlaps,
         "stage 0 and stage 1 never computed at the same time"
     );
+}
+
+#[test]
+fn exec_3_dp_2_by_pp_2_matches_one_device() {
+    for schedule in [
+        Schedule::GPipe { micro_batches: 4 },
+        Schedule::OneFOneB { micro_batches: 4 },
+    ] {
+        check_mesh(schedule, &[8, 32, 3], Shape::Plain, 2);
+    }
 }

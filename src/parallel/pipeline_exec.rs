@@ -18,6 +18,9 @@
 //!   stage, the micro-batch and the instruction, never a hang.
 //! - EXEC-2: the gradient of a step is the mean over the M micro-batches of each micro-batch's
 //!   mean loss: the same as one device on the whole batch.
+//! - EXEC-3: with data-parallel replicas of the pipeline (dp × pp), each stage's gradients are
+//!   averaged over its replicas before the update, so replicas stay identical and the step
+//!   equals one device on the global batch.
 
 use std::collections::HashMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
@@ -27,7 +30,14 @@ use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor, TensorData};
 
-use super::gradients::{GradientBuffers, ParamLayout, parameter_fingerprint};
+use super::buckets::plan_buckets;
+use super::gradients::{GradientBuffers, ParamLayout, parameter_fingerprint, reduce_buckets};
+use crate::comm::{CommError, Communicator, ReduceOp};
+
+/// Gradient buckets of the data-parallel reduction between pipeline replicas.
+const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
+/// Tensors below this many elements are fused into one bucket.
+const FUSE_BELOW: usize = 64 * 1024;
 use super::pipeline::{Instr, PipelineSchedule, StageIndex};
 use crate::optim::{LearningRate, OptimizerConfig};
 
@@ -124,7 +134,7 @@ impl AnyTensor {
 }
 
 /// Why a stage could not execute an instruction.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum ExecError {
     /// A receive waited longer than the time-out.
@@ -175,6 +185,9 @@ pub enum ExecError {
         /// The micro-batch.
         mb: u32,
     },
+    /// The all-reduce of gradients across data-parallel replicas failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
     /// The schedule needs something this executor does not do yet.
     #[error("unsupported schedule: {0}")]
     Unsupported(String),
@@ -193,8 +206,9 @@ pub trait StageWork<I>: Send {
         mb: u32,
         grad_out: Option<Vec<WireTensor>>,
     ) -> Result<Vec<WireTensor>, ExecError>;
-    /// Optimizer step with the accumulated gradients scaled by `scale`.
-    fn step(&mut self, scale: f32);
+    /// Optimizer step with the accumulated gradients: summed over the data-parallel replicas
+    /// of this stage through `replicas` (when given), then scaled by `scale`.
+    fn step(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<(), ExecError>;
     /// The loss of each micro-batch seen since the last step (last stage only).
     fn take_losses(&mut self) -> Vec<f32>;
     /// Fingerprint of the stage's parameters.
@@ -348,16 +362,35 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         Ok(upstream)
     }
 
-    fn step(&mut self, scale: f32) {
+    fn step(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<(), ExecError> {
         let grads = self.accumulated.grads();
         let mut buffers = GradientBuffers::take(&self.model, &self.layout, grads);
-        for v in buffers.slices_mut() {
+        let mut views = buffers.slices_mut();
+        if let Some(comm) = replicas {
+            let buckets = plan_buckets(
+                &self
+                    .layout
+                    .slots()
+                    .iter()
+                    .map(|s| s.range.len())
+                    .collect::<Vec<_>>(),
+                BUCKET_ELEMS,
+                FUSE_BELOW,
+            );
+            let mut fusion = Vec::new();
+            reduce_buckets(&mut views, &buckets, &mut fusion, |b| {
+                comm.all_reduce(b, ReduceOp::Sum)
+            })?;
+        }
+        for v in views.iter_mut() {
             v.iter_mut().for_each(|g| *g *= scale);
         }
+        drop(views);
         let grads = buffers.into_gradients(&self.model, &self.device.clone().inner());
         let lr = self.lr.next_rate();
         let model = self.model.clone();
         self.model = self.optimizer.step(lr, model, grads);
+        Ok(())
     }
 
     fn take_losses(&mut self) -> Vec<f32> {
@@ -481,7 +514,10 @@ pub struct StageStepRecord {
 /// Run one training step of `stage` (index `me`) by executing its list of `schedule`
 /// literally (EXEC-1), then the optimizer step over the mean of the micro-batches (EXEC-2).
 /// `micro_batches[m]` are the items of micro-batch `m`; `inputs` builds the first stage's
-/// boundary from them.
+/// boundary from them. With `replicas` (the communicator of this stage's data-parallel
+/// group: the same stage in every pipeline replica), gradients are averaged over the replicas
+/// before the update (EXEC-3).
+#[allow(clippy::too_many_arguments)]
 pub fn run_stage_step<I>(
     stage: &mut dyn StageWork<I>,
     schedule: &PipelineSchedule,
@@ -490,6 +526,7 @@ pub fn run_stage_step<I>(
     micro_batches: &[Vec<I>],
     inputs: &dyn Fn(&[I]) -> Boundary,
     device: &Device,
+    replicas: Option<&mut Communicator>,
 ) -> Result<StageStepRecord, ExecError> {
     if schedule.virtual_stages() != 1 {
         return Err(ExecError::Unsupported(
@@ -564,7 +601,11 @@ pub fn run_stage_step<I>(
         }
         record.executed.push((*instr, t0, Instant::now()));
     }
-    stage.step(1.0 / schedule.micro_batches() as f32);
+    let world = replicas.as_ref().map_or(1, |c| c.world());
+    stage.step(
+        1.0 / (schedule.micro_batches() as usize * world) as f32,
+        replicas,
+    )?;
     record.losses = stage.take_losses();
     Ok(record)
 }
