@@ -345,3 +345,37 @@ fn exec_3_dp_2_by_pp_2_matches_one_device() {
         check_mesh(schedule, &[8, 32, 3], Shape::Plain, 2);
     }
 }
+
+#[test]
+fn recorded_steps_give_stash_bounds_memory_and_a_measured_bubble() {
+    use meshwork::parallel::pipeline::{render_svg, summarize};
+    use meshwork::parallel::pipeline_exec::{chrome_trace, recorded_timeline};
+    let widths = [8, 64, 3];
+    let gpipe = check(Schedule::GPipe { micro_batches: 8 }, &widths, Shape::Plain);
+    let one_f_one_b = check(
+        Schedule::OneFOneB { micro_batches: 8 },
+        &widths,
+        Shape::Plain,
+    );
+    // Stage 0 of 2: GPipe stashes every micro-batch, 1F1B at most K = 2.
+    assert!(gpipe[0].iter().all(|r| r.peak_stash == 8));
+    assert!(one_f_one_b[0].iter().all(|r| r.peak_stash <= 2));
+    let bytes = |rs: &Vec<Vec<StageStepRecord>>| rs[0].iter().map(|r| r.peak_stash_bytes).max();
+    assert!(
+        bytes(&one_f_one_b) < bytes(&gpipe),
+        "1F1B holds fewer activations"
+    );
+    // The last step's measured timeline: a bubble in (0, 1), a picture, a Chrome trace.
+    let last: Vec<&StageStepRecord> = gpipe.iter().map(|s| s.last().unwrap()).collect();
+    let timeline = recorded_timeline(&last);
+    let summary = summarize(&timeline);
+    assert!(
+        summary.bubble > 0.0 && summary.bubble < 1.0,
+        "{}",
+        summary.bubble
+    );
+    assert!(render_svg(&timeline).starts_with("<svg"));
+    let trace: serde_json::Value = serde_json::from_str(&chrome_trace(&last)).unwrap();
+    let boxes = trace["traceEvents"].as_array().unwrap().len();
+    assert_eq!(boxes, last.iter().map(|r| r.executed.len()).sum::<usize>());
+}

@@ -38,7 +38,7 @@ use crate::comm::{CommError, Communicator, ReduceOp};
 const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
 /// Tensors below this many elements are fused into one bucket.
 const FUSE_BELOW: usize = 64 * 1024;
-use super::pipeline::{Instr, PipelineSchedule, StageIndex};
+use super::pipeline::{Instr, PipelineSchedule, StageIndex, TimedInstr};
 use crate::optim::{LearningRate, OptimizerConfig};
 
 /// A tensor of rank 1 to 4 crossing a stage boundary.
@@ -211,6 +211,8 @@ pub trait StageWork<I>: Send {
     fn step(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<(), ExecError>;
     /// The loss of each micro-batch seen since the last step (last stage only).
     fn take_losses(&mut self) -> Vec<f32>;
+    /// Micro-batches stashed now and the bytes of their boundary tensors.
+    fn stashed(&self) -> (u32, u64);
     /// Fingerprint of the stage's parameters.
     fn fingerprint(&self) -> u64;
     /// The module, type-erased (for `downcast`).
@@ -397,6 +399,21 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         std::mem::take(&mut self.losses)
     }
 
+    fn stashed(&self) -> (u32, u64) {
+        let bytes = self
+            .stash
+            .values()
+            .map(|(inputs, kept)| {
+                boundary_bytes(inputs)
+                    + match kept {
+                        Stashed::Outputs(o) => boundary_bytes(o),
+                        Stashed::Loss(_) => 4,
+                    }
+            })
+            .sum();
+        (self.stash.len() as u32, bytes)
+    }
+
     fn fingerprint(&self) -> u64 {
         parameter_fingerprint(&self.model)
     }
@@ -509,6 +526,72 @@ pub struct StageStepRecord {
     pub executed: Vec<(Instr, Instant, Instant)>,
     /// Micro-batch losses (last stage only).
     pub losses: Vec<f32>,
+    /// The most bytes of boundary tensors (stashed inputs and outputs of micro-batches
+    /// awaiting their backward) held at once during the step. A proxy for activation memory:
+    /// the autodiff graph inside the stage is not counted.
+    pub peak_stash_bytes: u64,
+    /// The most micro-batches stashed at once.
+    pub peak_stash: u32,
+}
+
+/// The recorded step of every stage as one timeline in microseconds from the step's first
+/// instruction, ready for [`summarize`](super::pipeline::summarize) (the measured bubble, with
+/// the simulator's definitions) and [`render_svg`](super::pipeline::render_svg).
+pub fn recorded_timeline(stages: &[&StageStepRecord]) -> Vec<Vec<TimedInstr>> {
+    let Some(origin) = stages
+        .iter()
+        .flat_map(|r| r.executed.iter().map(|(_, s, _)| *s))
+        .min()
+    else {
+        return Vec::new();
+    };
+    stages
+        .iter()
+        .map(|r| {
+            r.executed
+                .iter()
+                .map(|(instr, s, e)| TimedInstr {
+                    instr: *instr,
+                    start: s.duration_since(origin).as_micros() as u64,
+                    end: e.duration_since(origin).as_micros() as u64,
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The recorded steps as a Chrome trace (Perfetto, `chrome://tracing`): one row per stage,
+/// one box per instruction.
+pub fn chrome_trace(stages: &[&StageStepRecord]) -> String {
+    let timeline = recorded_timeline(stages);
+    let events: Vec<serde_json::Value> = timeline
+        .iter()
+        .enumerate()
+        .flat_map(|(stage, list)| {
+            list.iter().map(move |t| {
+                serde_json::json!({
+                    "name": format!("{:?} mb{}", t.instr.kind(), t.instr.mb().0),
+                    "ph": "X", "ts": t.start, "dur": t.end - t.start,
+                    "pid": 0, "tid": stage,
+                })
+            })
+        })
+        .collect();
+    serde_json::json!({ "traceEvents": events }).to_string()
+}
+
+fn boundary_bytes(b: &Boundary) -> u64 {
+    b.iter()
+        .map(|t| {
+            let n: usize = match t {
+                AnyTensor::D1(t) => t.dims().iter().product(),
+                AnyTensor::D2(t) => t.dims().iter().product(),
+                AnyTensor::D3(t) => t.dims().iter().product(),
+                AnyTensor::D4(t) => t.dims().iter().product(),
+            };
+            4 * n as u64
+        })
+        .sum()
 }
 
 /// Run one training step of `stage` (index `me`) by executing its list of `schedule`
@@ -600,6 +683,9 @@ pub fn run_stage_step<I>(
             }
         }
         record.executed.push((*instr, t0, Instant::now()));
+        let (count, bytes) = stage.stashed();
+        record.peak_stash = record.peak_stash.max(count);
+        record.peak_stash_bytes = record.peak_stash_bytes.max(bytes);
     }
     let world = replicas.as_ref().map_or(1, |c| c.world());
     stage.step(
