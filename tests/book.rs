@@ -176,14 +176,28 @@ fn every_command_of_the_book_runs() {
             for l in stdout.lines() {
                 let v: serde_json::Value =
                     serde_json::from_str(l).expect("one JSON object per line");
-                for key in [
-                    "world",
-                    "bytes",
-                    "algo",
-                    "algbw_gbps",
-                    "busbw_gbps",
-                    "memcpy_gbps",
-                ] {
+                let keys: &[&str] = if args.contains("pipeline") {
+                    &[
+                        "pp",
+                        "micro_batches",
+                        "schedule",
+                        "samples_per_s",
+                        "bubble_measured",
+                        "bubble_theoretical",
+                        "peak_stash",
+                        "peak_activation_bytes",
+                    ]
+                } else {
+                    &[
+                        "world",
+                        "bytes",
+                        "algo",
+                        "algbw_gbps",
+                        "busbw_gbps",
+                        "memcpy_gbps",
+                    ]
+                };
+                for key in keys {
                     assert!(v.get(key).is_some(), "key {key} in {l}");
                 }
             }

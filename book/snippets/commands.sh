@@ -6,3 +6,5 @@ cargo run --release -- train --dp 2 --batch-size 128 --steps 50 --save-model dem
 cargo run --release -- bench allreduce --world 2 --bytes 16MiB --algo direct --json
 # data-parallel weak scaling against a plain Burn loop
 cargo run --release -- bench dp --world 2 --steps 5
+# a two-stage pipeline (1F1B, 4 micro-batches): samples/s, measured vs theoretical bubble
+cargo run --release -- bench pipeline --pp 2 --micro-batches 4 --schedule 1f1b --hidden 64 --steps 2 --json

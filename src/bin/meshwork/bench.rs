@@ -13,6 +13,7 @@ use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::error::{Error, Result};
 use meshwork::events::JobEvent;
 use meshwork::job::{EventsError, Job};
+use meshwork::parallel::pipeline::Schedule;
 use meshwork::parallel::sampler::DistributedSampler;
 use serde::{Deserialize, Serialize};
 
@@ -43,6 +44,31 @@ pub(crate) enum BenchCommand {
         /// Timed steps (after 3 warm-up steps).
         #[arg(long, default_value_t = 60)]
         steps: u64,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Pipeline parallelism: MLP 784 → 8×hidden → 10 split into `pp` stages on `pp` threads;
+    /// samples/s, measured and theoretical bubble, peak stash, activation bytes per stage.
+    Pipeline {
+        /// Stages.
+        #[arg(long, default_value_t = 2)]
+        pp: u32,
+        /// Micro-batches per step.
+        #[arg(long, default_value_t = 8)]
+        micro_batches: u32,
+        /// gpipe or 1f1b.
+        #[arg(long, default_value = "1f1b")]
+        schedule: String,
+        /// Global batch size.
+        #[arg(long, default_value_t = 64)]
+        batch_size: usize,
+        /// Width of the hidden layers.
+        #[arg(long, default_value_t = 1024)]
+        hidden: usize,
+        /// Timed steps (after 2 warm-up steps).
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
@@ -107,6 +133,28 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
         } => allreduce(world, bytes, algo.into(), json),
         BenchCommand::Dp { world, steps, json } => dp(world, steps, json),
         BenchCommand::DpWorker { mode, world, steps } => dp_worker(&mode, world, steps),
+        BenchCommand::Pipeline {
+            pp,
+            micro_batches,
+            schedule,
+            batch_size,
+            hidden,
+            steps,
+            json,
+        } => {
+            let schedule = match schedule.as_str() {
+                "gpipe" => Schedule::GPipe { micro_batches },
+                "1f1b" => Schedule::OneFOneB { micro_batches },
+                other => {
+                    return Err(Error::InvalidConfig(format!(
+                        "--schedule {other}: gpipe or 1f1b (interleaved is not executed yet)"
+                    )));
+                }
+            };
+            let f = crate::pipeline_bench::run(pp, schedule, batch_size, hidden, steps)?;
+            crate::pipeline_bench::print(&f, json);
+            Ok(())
+        }
     }
 }
 

@@ -10,6 +10,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod pipeline_bench;
 mod train;
 
 /// Train Burn models on many devices at once.
