@@ -21,6 +21,9 @@ pub enum Error {
     /// A pipeline schedule cannot serve the configuration (PIPE-7).
     #[error(transparent)]
     Schedule(#[from] crate::parallel::pipeline::ScheduleError),
+    /// A pipeline stage could not execute its schedule (a neighbour never sent, a panic).
+    #[error(transparent)]
+    Pipeline(#[from] crate::parallel::pipeline_exec::ExecError),
     /// A pipeline schedule failed validation or simulation (missing instruction, deadlock).
     #[error(transparent)]
     ScheduleCheck(#[from] crate::parallel::pipeline::SimError),

@@ -695,3 +695,111 @@ pub fn run_stage_step<I>(
     record.losses = stage.take_losses();
     Ok(record)
 }
+
+/// The outcome of [`train_pipeline`]: the stages (with their trained modules) and what each
+/// did at every step.
+pub struct PipelineRun<I> {
+    /// The stages, in pipeline order.
+    pub stages: Vec<Box<dyn StageWork<I>>>,
+    /// `records[stage][step]`.
+    pub records: Vec<Vec<StageStepRecord>>,
+}
+
+impl<I> std::fmt::Debug for PipelineRun<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PipelineRun({} stages)", self.stages.len())
+    }
+}
+
+/// Train a pipeline in this process: one OS thread per stage, bounded links between
+/// neighbours, `schedule` executed literally on every stage, one optimizer step per entry of
+/// `batches` (each global batch cut into the schedule's micro-batches). `inputs` builds the
+/// first stage's boundary from a micro-batch's items on that stage's device. Every wait is
+/// bounded by `timeout`; the first stage error ends the run (its neighbours then fail on
+/// their closed links) and is returned.
+pub fn train_pipeline<I: Clone + Send + Sync + 'static>(
+    stages: Vec<Box<dyn StageWork<I>>>,
+    schedule: &super::pipeline::Schedule,
+    batches: Vec<Vec<I>>,
+    inputs: std::sync::Arc<dyn Fn(&[I], &Device) -> Boundary + Send + Sync>,
+    device: &Device,
+    timeout: Duration,
+) -> Result<PipelineRun<I>, crate::error::Error> {
+    let k = stages.len() as u32;
+    let plan = std::sync::Arc::new(schedule.instructions(k)?);
+    let m = schedule.micro_batches() as usize;
+    if let Some(b) = batches.iter().find(|b| b.is_empty() || b.len() % m != 0) {
+        return Err(crate::error::Error::InvalidConfig(format!(
+            "a batch of {} samples does not split into {m} micro-batches",
+            b.len()
+        )));
+    }
+    let batches = std::sync::Arc::new(batches);
+    let handles: Vec<_> = stages
+        .into_iter()
+        .zip(links(k, timeout))
+        .enumerate()
+        .map(|(i, (mut stage, link))| {
+            let (plan, batches, inputs, device) =
+                (plan.clone(), batches.clone(), inputs.clone(), device.clone());
+            std::thread::Builder::new()
+                .name(format!("meshwork-stage-{i}"))
+                .spawn(move || {
+                    let ad = device.clone().autodiff();
+                    let build = move |items: &[I]| inputs(items, &ad);
+                    let mut records = Vec::with_capacity(batches.len());
+                    for batch in batches.iter() {
+                        let micro: Vec<Vec<I>> =
+                            batch.chunks(batch.len() / m).map(<[I]>::to_vec).collect();
+                        let r = run_stage_step(
+                            stage.as_mut(),
+                            &plan,
+                            StageIndex(i as u32),
+                            &link,
+                            &micro,
+                            &build,
+                            &device,
+                            None,
+                        );
+                        match r {
+                            Ok(r) => records.push(r),
+                            // Dropping `link` here closes this stage's links: neighbours fail
+                            // fast instead of waiting for their time-out.
+                            Err(e) => return Err(e),
+                        }
+                    }
+                    Ok((stage, records))
+                })
+        })
+        .collect::<Result<_, _>>()
+        .map_err(|e| crate::error::Error::Runtime(format!("could not start a stage thread: {e}")))?;
+    let mut out = PipelineRun {
+        stages: Vec::new(),
+        records: Vec::new(),
+    };
+    let mut first_error = None;
+    for h in handles {
+        match h.join() {
+            Ok(Ok((stage, records))) => {
+                out.stages.push(stage);
+                out.records.push(records);
+            }
+            Ok(Err(e)) => {
+                // A closed link is the consequence of another stage's failure.
+                if first_error.is_none() || !matches!(e, ExecError::LinkClosed { .. }) {
+                    first_error = Some(e);
+                }
+            }
+            Err(p) => {
+                first_error.get_or_insert(ExecError::Unsupported(format!(
+                    "a stage panicked: {}",
+                    crate::actors::panic_text(p.as_ref())
+                )));
+            }
+        }
+    }
+    match first_error {
+        Some(e) => Err(crate::error::Error::Pipeline(e)),
+        None => Ok(out),
+    }
+}
