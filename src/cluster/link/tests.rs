@@ -88,7 +88,8 @@ fn link_1_connection_without_hello_is_refused() {
     let (listener, addr) = listener(quick().with_handshake_timeout(Duration::from_millis(300)));
     // Garbage instead of a Hello.
     let mut raw = TcpStream::connect(addr).unwrap();
-    raw.write_all(b"GET / HTTP/1.1\r\nHost: example.org\r\n\r\n").unwrap();
+    raw.write_all(b"GET / HTTP/1.1\r\nHost: example.org\r\n\r\n")
+        .unwrap();
     let accepted = listener.accept();
     assert!(
         matches!(
