@@ -37,7 +37,15 @@
 //! The token keeps processes that were not given it (another job, a port scanner, a stale
 //! process of an earlier job) from joining a collective. It is sent in clear text: the data
 //! plane is not encrypted, and someone who can read the network can read the token and the
-//! data.
+//! data. The Ack does not prove the acceptor knows the token: the connector authenticates the
+//! acceptor only by the address the control plane gave it and the rank it announces.
+//!
+//! # Limits, known and accepted for now
+//!
+//! [`LinkListener::accept`] runs one handshake at a time: a connector that connects and stays
+//! silent holds the listener for up to the handshake time-out. A transport that accepts many
+//! peers at once should accept in a loop until its expected ranks are in, or hand each
+//! accepted stream's handshake to its own thread.
 
 use std::fmt;
 use std::io::{self, IoSlice, Read, Write};
