@@ -5,6 +5,8 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 pub mod actors;
+#[cfg(feature = "cluster")]
+pub mod cluster;
 pub mod comm;
 pub mod data;
 pub mod demo;
