@@ -740,8 +740,12 @@ pub fn train_pipeline<I: Clone + Send + Sync + 'static>(
         .zip(links(k, timeout))
         .enumerate()
         .map(|(i, (mut stage, link))| {
-            let (plan, batches, inputs, device) =
-                (plan.clone(), batches.clone(), inputs.clone(), device.clone());
+            let (plan, batches, inputs, device) = (
+                plan.clone(),
+                batches.clone(),
+                inputs.clone(),
+                device.clone(),
+            );
             std::thread::Builder::new()
                 .name(format!("meshwork-stage-{i}"))
                 .spawn(move || {
@@ -772,7 +776,9 @@ pub fn train_pipeline<I: Clone + Send + Sync + 'static>(
                 })
         })
         .collect::<Result<_, _>>()
-        .map_err(|e| crate::error::Error::Runtime(format!("could not start a stage thread: {e}")))?;
+        .map_err(|e| {
+            crate::error::Error::Runtime(format!("could not start a stage thread: {e}"))
+        })?;
     let mut out = PipelineRun {
         stages: Vec::new(),
         records: Vec::new(),
