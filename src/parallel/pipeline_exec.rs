@@ -696,6 +696,9 @@ pub fn run_stage_step<I>(
     Ok(record)
 }
 
+/// Builds the first stage's boundary from a micro-batch's items on that stage's device.
+pub type InputsFn<I> = std::sync::Arc<dyn Fn(&[I], &Device) -> Boundary + Send + Sync>;
+
 /// The outcome of [`train_pipeline`]: the stages (with their trained modules) and what each
 /// did at every step.
 pub struct PipelineRun<I> {
@@ -721,7 +724,7 @@ pub fn train_pipeline<I: Clone + Send + Sync + 'static>(
     stages: Vec<Box<dyn StageWork<I>>>,
     schedule: &super::pipeline::Schedule,
     batches: Vec<Vec<I>>,
-    inputs: std::sync::Arc<dyn Fn(&[I], &Device) -> Boundary + Send + Sync>,
+    inputs: InputsFn<I>,
     device: &Device,
     timeout: Duration,
 ) -> Result<PipelineRun<I>, crate::error::Error> {
