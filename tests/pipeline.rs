@@ -118,6 +118,7 @@ fn run_pipeline(
     init: Vec<Block>,
     shape: Shape,
     dp: usize,
+    recompute: bool,
 ) -> (Vec<Block>, Vec<Vec<StageStepRecord>>) {
     let k = init.len() as u32;
     let plan = Arc::new(schedule.instructions(k).expect("valid schedule"));
@@ -156,13 +157,16 @@ fn run_pipeline(
                         &device,
                     ))
                 } else {
-                    Box::new(TypedStage::new(
-                        block,
-                        stage_forward(i, last, shape),
-                        &optimizer,
-                        LearningRate::Constant(0.05),
-                        &device,
-                    ))
+                    Box::new(
+                        TypedStage::new(
+                            block,
+                            stage_forward(i, last, shape),
+                            &optimizer,
+                            LearningRate::Constant(0.05),
+                            &device,
+                        )
+                        .with_recompute(recompute),
+                    )
                 };
                 let ad = device.clone().autodiff();
                 let inputs =
@@ -242,7 +246,7 @@ fn run_reference(init: Vec<Block>, shape: Shape) -> Vec<Block> {
 }
 
 fn check(schedule: Schedule, widths: &[usize], shape: Shape) -> Vec<Vec<StageStepRecord>> {
-    check_mesh(schedule, widths, shape, 1)
+    check_mesh(schedule, widths, shape, 1, false)
 }
 
 fn check_mesh(
@@ -250,11 +254,12 @@ fn check_mesh(
     widths: &[usize],
     shape: Shape,
     dp: usize,
+    recompute: bool,
 ) -> Vec<Vec<StageStepRecord>> {
     // One initial record for both sides: Flex's generator is process-global and tests run
     // in parallel.
     let init = blocks(widths, shape, &Device::flex());
-    let (trained, records) = run_pipeline(schedule, init.clone(), shape, dp);
+    let (trained, records) = run_pipeline(schedule, init.clone(), shape, dp, recompute);
     for (a, b) in trained.iter().zip(&init) {
         assert!(
             compare_parameters(a, b, 1e-4).is_err(),
@@ -342,7 +347,7 @@ fn exec_3_dp_2_by_pp_2_matches_one_device() {
         Schedule::GPipe { micro_batches: 4 },
         Schedule::OneFOneB { micro_batches: 4 },
     ] {
-        check_mesh(schedule, &[8, 32, 3], Shape::Plain, 2);
+        check_mesh(schedule, &[8, 32, 3], Shape::Plain, 2, false);
     }
 }
 
@@ -378,4 +383,25 @@ fn recorded_steps_give_stash_bounds_memory_and_a_measured_bubble() {
     let trace: serde_json::Value = serde_json::from_str(&chrome_trace(&last)).unwrap();
     let boxes = trace["traceEvents"].as_array().unwrap().len();
     assert_eq!(boxes, last.iter().map(|r| r.executed.len()).sum::<usize>());
+}
+
+#[test]
+fn recompute_keeps_only_inputs_and_still_matches_one_device() {
+    let widths = [8, 64, 32, 3];
+    let kept = check_mesh(
+        Schedule::GPipe { micro_batches: 4 },
+        &widths,
+        Shape::Skip,
+        1,
+        false,
+    );
+    let recomputed = check_mesh(
+        Schedule::GPipe { micro_batches: 4 },
+        &widths,
+        Shape::Skip,
+        1,
+        true,
+    );
+    let bytes = |r: &Vec<Vec<StageStepRecord>>| r[0].iter().map(|s| s.peak_stash_bytes).max();
+    assert!(bytes(&recomputed) < bytes(&kept), "recompute stashes less");
 }

@@ -107,6 +107,10 @@ impl AnyTensor {
         each_rank!(self, t => t.require_grad())
     }
 
+    fn detached(&self) -> Self {
+        each_rank!(self.clone(), t => t.detach())
+    }
+
     /// `(self · other).sum()` for tensors of the same rank.
     fn dot(&self, other: &AnyTensor) -> Option<Tensor<1>> {
         Some(match (self, other) {
@@ -234,11 +238,14 @@ pub struct TypedStage<M: Module, I> {
     stash: HashMap<u32, (Boundary, Stashed)>,
     accumulated: GradientsAccumulator<M>,
     losses: Vec<f32>,
+    recompute: bool,
 }
 
 enum Stashed {
     Outputs(Boundary),
     Loss(Box<Tensor<1>>),
+    /// Only the inputs are kept; the forward runs again during backward (recompute).
+    Nothing,
 }
 
 impl<M: Module, I> std::fmt::Debug for TypedStage<M, I> {
@@ -291,7 +298,17 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             stash: HashMap::new(),
             accumulated: GradientsAccumulator::new(),
             losses: Vec::new(),
+            recompute: false,
         }
+    }
+
+    /// Keep only each micro-batch's inputs between its forward and its backward, and run the
+    /// forward again during backward: less memory for more compute (activation
+    /// checkpointing). Has no effect on the last stage, whose backward follows its forward. A
+    /// forward that draws random numbers (dropout) draws them again when recomputed.
+    pub fn with_recompute(mut self, recompute: bool) -> Self {
+        self.recompute = recompute;
+        self
     }
 
     /// The device (with autodiff) the stage computes on.
@@ -314,8 +331,14 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                 .as_ref()
                 .expect("a stage has a forward or a loss");
             let out = forward(&self.model, leaves.clone());
-            self.stash
-                .insert(mb, (leaves, Stashed::Outputs(out.clone())));
+            if self.recompute {
+                // Keep the inputs' values only: no graph survives until the backward.
+                let inputs = leaves.iter().map(AnyTensor::detached).collect();
+                self.stash.insert(mb, (inputs, Stashed::Nothing));
+            } else {
+                self.stash
+                    .insert(mb, (leaves, Stashed::Outputs(out.clone())));
+            }
             Some(out)
         }
     }
@@ -331,6 +354,18 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
             instr: what.to_string(),
         };
         let (leaves, stashed) = self.stash.remove(&mb).ok_or_else(|| missing("backward"))?;
+        let (leaves, stashed) = match stashed {
+            Stashed::Nothing => {
+                let forward = self
+                    .forward
+                    .as_ref()
+                    .expect("recompute is for middle stages");
+                let leaves: Boundary = leaves.into_iter().map(AnyTensor::require_grad).collect();
+                let out = forward(&self.model, leaves.clone());
+                (leaves, Stashed::Outputs(out))
+            }
+            other => (leaves, other),
+        };
         let mut grads = match (stashed, grad_out) {
             (Stashed::Loss(l), _) => l.backward(),
             (Stashed::Outputs(out), Some(g)) => {
@@ -357,6 +392,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                     .backward()
             }
             (Stashed::Outputs(_), None) => return Err(missing("backward (no gradient)")),
+            (Stashed::Nothing, _) => unreachable!("recomputed above"),
         };
         let upstream = leaves.iter().map(|x| x.grad_wire(&grads)).collect();
         let params = GradientsParams::from_module(&mut grads, &self.model);
@@ -408,6 +444,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                     + match kept {
                         Stashed::Outputs(o) => boundary_bytes(o),
                         Stashed::Loss(_) => 4,
+                        Stashed::Nothing => 0,
                     }
             })
             .sum();
