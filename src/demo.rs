@@ -127,3 +127,113 @@ pub fn mse_loss(model: &Mlp, samples: &[Sample], device: &Device) -> Tensor<1> {
     let diff = model.forward(x) - y;
     (diff.clone() * diff).mean()
 }
+
+/// A run of consecutive linear layers of an MLP: one pipeline stage of it.
+#[derive(Module, Debug)]
+pub struct MlpStage {
+    layers: Vec<Linear>,
+    /// Whether this stage holds the model's last layer (no ReLU after it).
+    ends_model: bool,
+}
+
+impl MlpStage {
+    /// The stage's output for `x`: ReLU after every layer except the model's last.
+    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        let n = self.layers.len();
+        self.layers.iter().enumerate().fold(x, |h, (i, l)| {
+            let h = l.forward(h);
+            if self.ends_model && i + 1 == n {
+                h
+            } else {
+                relu(h)
+            }
+        })
+    }
+}
+
+/// An MLP with these widths cut into `stages` runs of consecutive layers of (almost) equal
+/// count, the extra layers on the later stages; `None` when there are fewer layers than stages.
+pub fn split_mlp(widths: &[usize], stages: usize, device: &Device) -> Option<Vec<MlpStage>> {
+    let layers: Vec<Linear> = widths
+        .windows(2)
+        .map(|w| LinearConfig::new(w[0], w[1]).init(device))
+        .collect();
+    let n = layers.len();
+    if stages == 0 || n < stages {
+        return None;
+    }
+    let mut it = layers.into_iter();
+    Some(
+        (0..stages)
+            .map(|s| MlpStage {
+                layers: it
+                    .by_ref()
+                    .take(n / stages + usize::from(s >= stages - n % stages))
+                    .collect(),
+                ends_model: s + 1 == stages,
+            })
+            .collect(),
+    )
+}
+
+/// The demo MLP as pipeline stages ready to train with
+/// [`train_pipeline`](crate::parallel::pipeline_exec::train_pipeline): every stage but the
+/// last sends its activation on, the last ends in the mean-squared error. `None` when the MLP
+/// has fewer layers than `stages`.
+pub fn mlp_pipeline(
+    widths: &[usize],
+    stages: usize,
+    optimizer: &crate::optim::OptimizerConfig,
+    learning_rate: f64,
+    device: &Device,
+) -> Option<Vec<Box<dyn crate::parallel::pipeline_exec::StageWork<Sample>>>> {
+    use crate::optim::LearningRate;
+    use crate::parallel::pipeline_exec::{AnyTensor, Boundary, StageWork, TypedStage};
+    fn rank2(b: &Boundary) -> Tensor<2> {
+        match b.first() {
+            Some(AnyTensor::D2(t)) => t.clone(),
+            other => panic!("the demo pipeline passes one rank-2 tensor, got {other:?}"),
+        }
+    }
+    let parts = split_mlp(widths, stages, device)?;
+    let last = parts.len() - 1;
+    Some(
+        parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, part)| -> Box<dyn StageWork<Sample>> {
+                let lr = LearningRate::Constant(learning_rate);
+                if i == last {
+                    Box::new(TypedStage::last(
+                        part,
+                        |m: &MlpStage, x: Boundary, items: &[Sample], d: &Device| {
+                            let (_, y) = batch_tensors(items, d);
+                            let diff = m.forward(rank2(&x)) - y;
+                            (diff.clone() * diff).mean()
+                        },
+                        optimizer,
+                        lr,
+                        device,
+                    ))
+                } else {
+                    Box::new(TypedStage::new(
+                        part,
+                        |m: &MlpStage, x: Boundary| vec![AnyTensor::D2(m.forward(rank2(&x)))],
+                        optimizer,
+                        lr,
+                        device,
+                    ))
+                }
+            })
+            .collect(),
+    )
+}
+
+/// The first stage's input for a micro-batch of demo samples.
+pub fn mlp_pipeline_inputs() -> crate::parallel::pipeline_exec::InputsFn<Sample> {
+    std::sync::Arc::new(|items: &[Sample], d: &Device| {
+        vec![crate::parallel::pipeline_exec::AnyTensor::D2(
+            batch_tensors(items, d).0,
+        )]
+    })
+}

@@ -202,6 +202,10 @@ fn every_command_of_the_book_runs() {
                 }
             }
         }
+        if args.contains("--timeline") {
+            let svg = std::fs::read_to_string(dir.join("pipeline.svg")).expect("timeline written");
+            assert!(svg.starts_with("<svg"));
+        }
         if args.contains("--save-model") {
             assert!(dir.join("demo-model.mpk").exists(), "the model was written");
         }

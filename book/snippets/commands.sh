@@ -2,6 +2,8 @@
 cargo run --release -- train --steps 100
 # two replicas, global batch 128, then save the trained model
 cargo run --release -- train --dp 2 --batch-size 128 --steps 50 --save-model demo-model.mpk
+# the same model cut into two pipeline stages (1F1B), with a picture of the last step
+cargo run --release -- train --pp 2 --micro-batches 4 --steps 20 --timeline pipeline.svg
 # collective bandwidth (algbw, busbw) against memcpy, one size, as JSON
 cargo run --release -- bench allreduce --world 2 --bytes 16MiB --algo direct --json
 # data-parallel weak scaling against a plain Burn loop

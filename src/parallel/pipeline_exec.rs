@@ -569,6 +569,8 @@ pub struct StageStepRecord {
     pub peak_stash_bytes: u64,
     /// The most micro-batches stashed at once.
     pub peak_stash: u32,
+    /// When the step began (before its first instruction) and ended (after the optimizer).
+    pub span: Option<(Instant, Instant)>,
 }
 
 /// The recorded step of every stage as one timeline in microseconds from the step's first
@@ -654,6 +656,7 @@ pub fn run_stage_step<I>(
         ));
     }
     let mut record = StageStepRecord::default();
+    let began = Instant::now();
     let mut inbox: HashMap<u32, Vec<WireTensor>> = HashMap::new();
     let mut outbox: HashMap<u32, Vec<WireTensor>> = HashMap::new();
     let mut grads_in: HashMap<u32, Vec<WireTensor>> = HashMap::new();
@@ -730,6 +733,7 @@ pub fn run_stage_step<I>(
         replicas,
     )?;
     record.losses = stage.take_losses();
+    record.span = Some((began, Instant::now()));
     Ok(record)
 }
 
