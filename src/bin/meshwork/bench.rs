@@ -69,6 +69,9 @@ pub(crate) enum BenchCommand {
         /// Timed steps (after 2 warm-up steps).
         #[arg(long, default_value_t = 5)]
         steps: usize,
+        /// Write the last timed step's timeline as an SVG picture.
+        #[arg(long)]
+        timeline: Option<std::path::PathBuf>,
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
@@ -140,6 +143,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             batch_size,
             hidden,
             steps,
+            timeline,
             json,
         } => {
             let schedule = match schedule.as_str() {
@@ -151,7 +155,14 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                     )));
                 }
             };
-            let f = crate::pipeline_bench::run(pp, schedule, batch_size, hidden, steps)?;
+            let f = crate::pipeline_bench::run(
+                pp,
+                schedule,
+                batch_size,
+                hidden,
+                steps,
+                timeline.as_deref(),
+            )?;
             crate::pipeline_bench::print(&f, json);
             Ok(())
         }

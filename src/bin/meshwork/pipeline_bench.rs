@@ -73,6 +73,7 @@ pub(crate) fn run(
     batch: usize,
     hidden: usize,
     steps: usize,
+    timeline: Option<&std::path::Path>,
 ) -> Result<PipelineFigures> {
     // MLP 784 → 8 × hidden → 10.
     let mut widths = vec![784];
@@ -114,6 +115,14 @@ pub(crate) fn run(
         .into_iter()
         .map(|r| r.into_iter().skip(WARMUP).collect())
         .collect();
+    if let Some(path) = timeline {
+        let last: Vec<&StageStepRecord> = timed.iter().filter_map(|r| r.last()).collect();
+        let svg = meshwork::parallel::pipeline::render_svg(&recorded_timeline(&last));
+        std::fs::write(path, svg).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+    }
     Ok(figures(&schedule, pp, batch, &timed))
 }
 
