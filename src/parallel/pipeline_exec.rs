@@ -202,7 +202,15 @@ pub trait StageWork<I>: Send {
     /// Forward of a micro-batch: `input` (from the previous stage, or built from `items` on the
     /// first stage); returns the activations to send on, or `None` on the last stage (which
     /// computed and stashed the loss).
-    fn forward(&mut self, mb: u32, input: Boundary, items: &[I]) -> Option<Boundary>;
+    /// `input_grads` is false on the first stage: its inputs come from the data, so no
+    /// gradient of them is computed.
+    fn forward(
+        &mut self,
+        mb: u32,
+        input: Boundary,
+        items: &[I],
+        input_grads: bool,
+    ) -> Option<Boundary>;
     /// Backward of a micro-batch from the received output gradient (`None` on the last stage);
     /// returns the gradients of the stage's inputs, to send upstream.
     fn backward(
@@ -239,6 +247,8 @@ pub struct TypedStage<M: Module, I> {
     accumulated: GradientsAccumulator<M>,
     losses: Vec<f32>,
     recompute: bool,
+    /// False on the first stage (set by each forward).
+    input_grads: bool,
 }
 
 enum Stashed {
@@ -299,6 +309,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             accumulated: GradientsAccumulator::new(),
             losses: Vec::new(),
             recompute: false,
+            input_grads: true,
         }
     }
 
@@ -318,8 +329,19 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
 }
 
 impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
-    fn forward(&mut self, mb: u32, input: Boundary, items: &[I]) -> Option<Boundary> {
-        let leaves: Boundary = input.into_iter().map(AnyTensor::require_grad).collect();
+    fn forward(
+        &mut self,
+        mb: u32,
+        input: Boundary,
+        items: &[I],
+        input_grads: bool,
+    ) -> Option<Boundary> {
+        self.input_grads = input_grads;
+        let leaves: Boundary = if input_grads {
+            input.into_iter().map(AnyTensor::require_grad).collect()
+        } else {
+            input
+        };
         if let Some(loss) = &self.loss {
             let l = loss(&self.model, leaves.clone(), items, &self.device);
             self.losses.push(l.clone().into_scalar());
@@ -360,7 +382,11 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                     .forward
                     .as_ref()
                     .expect("recompute is for middle stages");
-                let leaves: Boundary = leaves.into_iter().map(AnyTensor::require_grad).collect();
+                let leaves: Boundary = if self.input_grads {
+                    leaves.into_iter().map(AnyTensor::require_grad).collect()
+                } else {
+                    leaves
+                };
                 let out = forward(&self.model, leaves.clone());
                 (leaves, Stashed::Outputs(out))
             }
@@ -394,7 +420,11 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
             (Stashed::Outputs(_), None) => return Err(missing("backward (no gradient)")),
             (Stashed::Nothing, _) => unreachable!("recomputed above"),
         };
-        let upstream = leaves.iter().map(|x| x.grad_wire(&grads)).collect();
+        let upstream = if self.input_grads {
+            leaves.iter().map(|x| x.grad_wire(&grads)).collect()
+        } else {
+            Vec::new()
+        };
         let params = GradientsParams::from_module(&mut grads, &self.model);
         self.accumulated.accumulate(&self.model, params);
         Ok(upstream)
@@ -688,7 +718,7 @@ pub fn run_stage_step<I>(
                         .map(|w| AnyTensor::from_wire(w, &ad))
                         .collect::<Result<_, _>>()?
                 };
-                if let Some(out) = stage.forward(mb.0, input, items) {
+                if let Some(out) = stage.forward(mb.0, input, items, me.0 != 0) {
                     outbox.insert(mb.0, out.iter().map(AnyTensor::to_wire).collect());
                 }
             }
