@@ -175,6 +175,14 @@ where
     (outcome, events)
 }
 
+/// Each rank's final parameter fingerprint, from the `Finished` event among `events`.
+pub fn final_fingerprints(events: &[crate::events::JobEvent]) -> Option<Vec<u64>> {
+    events.iter().find_map(|e| match e {
+        crate::events::JobEvent::Finished { fingerprints, .. } => Some(fingerprints.clone()),
+        _ => None,
+    })
+}
+
 /// The step-done events among `events`.
 pub fn steps_of(events: &[crate::events::JobEvent]) -> Vec<StepDone> {
     events

@@ -13,11 +13,11 @@ use burn::module::Module;
 use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::Device;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
-use meshwork::events::JobEvent;
 use meshwork::optim::{LearningRate, OptimizerConfig};
 use meshwork::prelude::*;
 use meshwork::testing::{
-    Reference, batches_from_events, compare_parameters, reference_train, run_recording, steps_of,
+    Reference, batches_from_events, compare_parameters, final_fingerprints, reference_train,
+    run_recording, steps_of,
 };
 use meshwork::trace::TraceKind;
 
@@ -132,11 +132,7 @@ async fn check_equivalence(
     let worst = compare_parameters(&trained.model, &reference, TOLERANCE)
         .unwrap_or_else(|e| panic!("dp={dp}: {e}"));
     eprintln!("dp={dp} k={accumulation}: worst relative difference {worst:e}");
-    let finished = events.iter().find_map(|e| match e {
-        JobEvent::Finished { fingerprints, .. } => Some(fingerprints.clone()),
-        _ => None,
-    });
-    let fps = finished.expect("a Finished event");
+    let fps = final_fingerprints(&events).expect("a Finished event");
     assert_eq!(fps.len(), dp as usize);
     assert!(
         fps.windows(2).all(|w| w[0] == w[1]),
@@ -318,13 +314,7 @@ async fn dp_4_batch_norm_buffers_stay_identical_across_replicas() {
         )
         .await;
         let trained = outcome.expect("job succeeds");
-        let fingerprints = events
-            .iter()
-            .find_map(|e| match e {
-                JobEvent::Finished { fingerprints, .. } => Some(fingerprints.clone()),
-                _ => None,
-            })
-            .expect("a Finished event");
+        let fingerprints = final_fingerprints(&events).expect("a Finished event");
         assert_eq!(
             fingerprints[0], fingerprints[1],
             "buffers broadcast from rank 0"

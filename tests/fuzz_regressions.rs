@@ -6,10 +6,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use meshwork::cluster::frame::{self, FrameDecoder, FrameKind, HEADER_LEN};
-
-/// The fuzz target's maximum, so replays take the same paths.
-const MAX_PAYLOAD: u64 = 4096;
+use meshwork::cluster::frame::{self, FrameKind, HEADER_LEN, exercise_decoder};
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")
@@ -31,30 +28,6 @@ fn inputs(kind: &str) -> Vec<PathBuf> {
     files
 }
 
-/// What the fuzz target does with one input (kept in step with
-/// `fuzz/fuzz_targets/frame_decoder.rs`).
-fn decode_like_the_fuzzer(data: &[u8]) {
-    if let Ok((frame, used)) = frame::decode(data, MAX_PAYLOAD) {
-        assert_eq!(
-            frame::encode(frame.kind, frame.seq, &frame.payload),
-            &data[..used]
-        );
-    }
-    let piece = usize::from(data.first().copied().unwrap_or(1).max(1));
-    let mut decoder = FrameDecoder::new(MAX_PAYLOAD);
-    for chunk in data.chunks(piece) {
-        decoder.extend(chunk);
-        loop {
-            match decoder.next_frame() {
-                Ok(Some(_)) => {}
-                Ok(None) => break,
-                Err(_) => return,
-            }
-        }
-    }
-    let _ = decoder.finish();
-}
-
 #[test]
 fn frame_5_committed_fuzz_inputs_never_panic() {
     let corpus = inputs("corpus");
@@ -65,7 +38,7 @@ fn frame_5_committed_fuzz_inputs_never_panic() {
     );
     for path in corpus.iter().chain(&inputs("artifacts")) {
         let data = fs::read(path).unwrap();
-        let outcome = std::panic::catch_unwind(|| decode_like_the_fuzzer(&data));
+        let outcome = std::panic::catch_unwind(|| exercise_decoder(&data));
         assert!(outcome.is_ok(), "{} panicked the decoder", path.display());
     }
 }

@@ -15,7 +15,8 @@ use meshwork::optim::LearningRate;
 use meshwork::parallel::sampler::DistributedSampler;
 use meshwork::prelude::*;
 use meshwork::testing::{
-    Reference, batches_from_events, compare_parameters, reference_train, run_recording, steps_of,
+    Reference, batches_from_events, compare_parameters, final_fingerprints, reference_train,
+    run_recording, steps_of,
 };
 use ractor::Actor;
 
@@ -202,13 +203,7 @@ async fn dp_3_nan_loss_is_skipped_by_all_replicas_together() {
         assert_eq!(skipped[0].1.len(), 1);
         let steps = steps_of(&events);
         assert!(steps.iter().filter(|s| s.skipped).count() == 1);
-        let fps = events
-            .iter()
-            .find_map(|e| match e {
-                JobEvent::Finished { fingerprints, .. } => Some(fingerprints.clone()),
-                _ => None,
-            })
-            .unwrap();
+        let fps = final_fingerprints(&events).unwrap();
         assert_eq!(fps[0], fps[1], "replicas stay identical after a skip");
         // The skipped step changed nothing: the result equals a reference that never saw it.
         let device = Device::flex();

@@ -423,3 +423,31 @@ pub fn get_f32s(payload: &[u8], out: &mut [f32]) -> Result<(), FrameError> {
     }
     Ok(())
 }
+
+/// Maximum payload used by [`exercise_decoder`]: small, so arbitrary inputs also reach the
+/// over-the-maximum path.
+pub const FUZZ_MAX_PAYLOAD: u64 = 4096;
+
+/// The body of the `frame_decoder` fuzz target, shared with the test that replays its corpus:
+/// whole-buffer and incremental decoding of arbitrary bytes must give a frame or a typed error,
+/// never a panic (FRAME-5), and an accepted frame must re-encode to the bytes it came from.
+/// Panics (the fuzzer's signal) when that does not hold.
+pub fn exercise_decoder(data: &[u8]) {
+    if let Ok((frame, used)) = decode(data, FUZZ_MAX_PAYLOAD) {
+        assert_eq!(encode(frame.kind, frame.seq, &frame.payload), &data[..used]);
+    }
+    // The same bytes fed in pieces whose sizes come from the first byte.
+    let piece = usize::from(data.first().copied().unwrap_or(1).max(1));
+    let mut decoder = FrameDecoder::new(FUZZ_MAX_PAYLOAD);
+    for chunk in data.chunks(piece) {
+        decoder.extend(chunk);
+        loop {
+            match decoder.next_frame() {
+                Ok(Some(_)) => {}
+                Ok(None) => break,
+                Err(_) => return,
+            }
+        }
+    }
+    let _ = decoder.finish();
+}

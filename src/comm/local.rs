@@ -1037,34 +1037,7 @@ impl Communicator {
             peer: None,
             reduce: Some(op),
         };
-        if as_f32_mut(buf).is_some() && call.algorithm != Some(Algorithm::Direct) {
-            // f32 message plans run in the caller's buffer itself.
-            let ptr = buf.as_mut_ptr();
-            return self.message_in_place(call, buf, ptr);
-        }
-        let ptr = buf.as_mut_ptr();
-        let buffers = Buffers {
-            source: (ptr.cast_const(), 0),
-            target: Target { ptr, offset: 0 },
-        };
-        let len = buf.len();
-        // SAFETY (for the closures below): they run only for message plans, where no peer
-        // reads `buf`, and never concurrently with the direct path.
-        self.collective(
-            call,
-            buffers,
-            || {},
-            |work| {
-                work.clear();
-                work.resize(len, 0.0);
-                // SAFETY: `ptr` is `buf`, borrowed for this call; nothing else reads it now.
-                widen(work, unsafe { std::slice::from_raw_parts(ptr, len) });
-            },
-            |work| {
-                // SAFETY: as above.
-                narrow(unsafe { std::slice::from_raw_parts_mut(ptr, len) }, work);
-            },
-        )
+        self.in_place(call, buf)
     }
 
     /// The algorithm this rank resolves for a collective of `kind` over `len` elements of `T`.
@@ -1202,6 +1175,40 @@ impl Communicator {
         )
     }
 
+    /// The shared tail of the in-place collectives (all-reduce, broadcast) once their call is
+    /// described: f32 message plans run in `buf` itself; other element types go through the
+    /// f32 working buffer; the direct plan reads and writes `buf` in place.
+    fn in_place<T: Element>(&mut self, call: CallShape, buf: &mut [T]) -> Result<(), CommError> {
+        if as_f32_mut(buf).is_some() && call.algorithm != Some(Algorithm::Direct) {
+            // f32 message plans run in the caller's buffer itself.
+            let ptr = buf.as_mut_ptr();
+            return self.message_in_place(call, buf, ptr);
+        }
+        let ptr = buf.as_mut_ptr();
+        let len = buf.len();
+        let buffers = Buffers {
+            source: (ptr.cast_const(), 0),
+            target: Target { ptr, offset: 0 },
+        };
+        // SAFETY (for the closures below): they run only for message plans, where no peer
+        // reads `buf`, and never concurrently with the direct path.
+        self.collective(
+            call,
+            buffers,
+            || {},
+            |work| {
+                work.clear();
+                work.resize(len, 0.0);
+                // SAFETY: `ptr` is `buf`, borrowed for this call; nothing else reads it now.
+                widen(work, unsafe { std::slice::from_raw_parts(ptr, len) });
+            },
+            |work| {
+                // SAFETY: as above.
+                narrow(unsafe { std::slice::from_raw_parts_mut(ptr, len) }, work);
+            },
+        )
+    }
+
     /// Broadcast: afterwards every rank's `buf` equals `root`'s. Ranks must pass equal
     /// lengths, the same type and the same root (inside the group).
     pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: Rank) -> Result<(), CommError> {
@@ -1216,31 +1223,7 @@ impl Communicator {
             peer: Some(root),
             reduce: None,
         };
-        if as_f32_mut(buf).is_some() && call.algorithm != Some(Algorithm::Direct) {
-            let ptr = buf.as_mut_ptr();
-            return self.message_in_place(call, buf, ptr);
-        }
-        let ptr = buf.as_mut_ptr();
-        let buffers = Buffers {
-            source: (ptr.cast_const(), 0),
-            target: Target { ptr, offset: 0 },
-        };
-        self.collective(
-            call,
-            buffers,
-            || {},
-            |work| {
-                work.clear();
-                work.resize(len, 0.0);
-                // SAFETY: `ptr` is `buf`, borrowed for this call; no peer reads it in a
-                // message plan.
-                widen(work, unsafe { std::slice::from_raw_parts(ptr, len) });
-            },
-            |work| {
-                // SAFETY: as above.
-                narrow(unsafe { std::slice::from_raw_parts_mut(ptr, len) }, work);
-            },
-        )
+        self.in_place(call, buf)
     }
 
     /// Barrier: returns once every rank of the group called it (or with an error).

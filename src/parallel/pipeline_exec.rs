@@ -247,6 +247,10 @@ pub struct TypedStage<M: Module, I> {
     accumulated: GradientsAccumulator<M>,
     losses: Vec<f32>,
     recompute: bool,
+    /// How gradients are grouped for the replicas' all-reduce (planned once).
+    buckets: Vec<super::buckets::Bucket>,
+    /// The buffer fused buckets are copied into (reused across steps).
+    fusion: Vec<f32>,
     /// False on the first stage (set by each forward).
     input_grads: bool,
 }
@@ -297,8 +301,19 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     ) -> Self {
         let device = device.clone().autodiff();
         let model = model.fork(&device).train();
+        let layout = ParamLayout::trainable(&model);
         Self {
-            layout: ParamLayout::trainable(&model),
+            buckets: plan_buckets(
+                &layout
+                    .slots()
+                    .iter()
+                    .map(|s| s.range.len())
+                    .collect::<Vec<_>>(),
+                BUCKET_ELEMS,
+                FUSE_BELOW,
+            ),
+            fusion: Vec::new(),
+            layout,
             model,
             device,
             forward,
@@ -435,18 +450,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         let mut buffers = GradientBuffers::take(&self.model, &self.layout, grads);
         let mut views = buffers.slices_mut();
         if let Some(comm) = replicas {
-            let buckets = plan_buckets(
-                &self
-                    .layout
-                    .slots()
-                    .iter()
-                    .map(|s| s.range.len())
-                    .collect::<Vec<_>>(),
-                BUCKET_ELEMS,
-                FUSE_BELOW,
-            );
-            let mut fusion = Vec::new();
-            reduce_buckets(&mut views, &buckets, &mut fusion, |b| {
+            reduce_buckets(&mut views, &self.buckets, &mut self.fusion, |b| {
                 comm.all_reduce(b, ReduceOp::Sum)
             })?;
         }
