@@ -4,7 +4,8 @@
 //! |---|---|---|
 //! | [`supervisor::Supervisor`] | the job: layout, step clock, policies | spawns everything linked to itself, drives steps, ends the job on failure, publishes events |
 //! | [`device::DeviceActor`] | one logical device and its compute thread | runs compute tasks on its thread; answers heartbeats while compute runs |
-//! | [`stage::StageActor`] | one model partition, its optimizer state, its communicator | runs a step's work on its device's thread |
+//! | [`stage::StageActor`] | one data-parallel replica's model, its optimizer state, its communicator | runs a step's work on its device's thread |
+//! | [`pipeline_stage::PipelineStageActor`] | one pipeline stage of one replica: its model chunks, optimizers, links to the neighbouring stages, data-parallel communicator | runs its schedule's instruction list on its device's thread |
 //! | [`group::GroupActor`] | one collective group (members, generation) | owns the group's lifecycle: status for hang diagnosis, shutdown |
 //!
 //! Invariants:
@@ -19,6 +20,7 @@
 
 pub mod device;
 pub mod group;
+pub mod pipeline_stage;
 pub mod stage;
 pub mod supervisor;
 

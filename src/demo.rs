@@ -151,89 +151,100 @@ impl MlpStage {
     }
 }
 
-/// An MLP with these widths cut into `stages` runs of consecutive layers of (almost) equal
-/// count, the extra layers on the later stages; `None` when there are fewer layers than stages.
-pub fn split_mlp(widths: &[usize], stages: usize, device: &Device) -> Option<Vec<MlpStage>> {
+/// An MLP with these widths cut into blocks of consecutive layers, `sizes[b]` layers in block
+/// `b` (see [`even_split`](crate::parallel::pipeline::even_split) and
+/// [`balanced_split`](crate::parallel::pipeline::balanced_split)); `None` when the sizes do not
+/// add up to the number of layers or one is zero.
+pub fn split_mlp(widths: &[usize], sizes: &[usize], device: &Device) -> Option<Vec<MlpStage>> {
     let layers: Vec<Linear> = widths
         .windows(2)
         .map(|w| LinearConfig::new(w[0], w[1]).init(device))
         .collect();
-    let n = layers.len();
-    if stages == 0 || n < stages {
+    if sizes.contains(&0) || sizes.iter().sum::<usize>() != layers.len() {
         return None;
     }
     let mut it = layers.into_iter();
+    let last = sizes.len() - 1;
     Some(
-        (0..stages)
-            .map(|s| MlpStage {
-                layers: it
-                    .by_ref()
-                    .take(n / stages + usize::from(s >= stages - n % stages))
-                    .collect(),
-                ends_model: s + 1 == stages,
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(b, &n)| MlpStage {
+                layers: it.by_ref().take(n).collect(),
+                ends_model: b == last,
             })
             .collect(),
     )
 }
 
-/// The demo MLP as pipeline stages ready to train with
-/// [`train_pipeline`](crate::parallel::pipeline_exec::train_pipeline): every stage but the
-/// last sends its activation on, the last ends in the mean-squared error. `None` when the MLP
-/// has fewer layers than `stages`.
+/// The one rank-2 tensor crossing every boundary of the demo pipeline.
+pub fn rank2(b: &crate::parallel::pipeline_exec::Boundary) -> Tensor<2> {
+    match b.first() {
+        Some(crate::parallel::pipeline_exec::AnyTensor::D2(t)) => t.clone(),
+        other => panic!("the demo pipeline passes one rank-2 tensor, got {other:?}"),
+    }
+}
+
+/// The demo MLP as pipeline blocks for [`Job::builder().pipeline(..)`](crate::job::JobBuilder):
+/// `sizes[b]` layers in block `b`, every block but the last sends its activation on, the last
+/// ends in the mean-squared error. `None` when the sizes do not fit the MLP.
 pub fn mlp_pipeline(
     widths: &[usize],
-    stages: usize,
-    optimizer: &crate::optim::OptimizerConfig,
-    learning_rate: f64,
+    sizes: &[usize],
     device: &Device,
-) -> Option<Vec<Box<dyn crate::parallel::pipeline_exec::StageWork<Sample>>>> {
-    use crate::optim::LearningRate;
-    use crate::parallel::pipeline_exec::{AnyTensor, Boundary, StageWork, TypedStage};
-    fn rank2(b: &Boundary) -> Tensor<2> {
-        match b.first() {
-            Some(AnyTensor::D2(t)) => t.clone(),
-            other => panic!("the demo pipeline passes one rank-2 tensor, got {other:?}"),
-        }
-    }
-    let parts = split_mlp(widths, stages, device)?;
+) -> Option<crate::parallel::stages::PipelineStages<Sample>> {
+    use crate::parallel::pipeline_exec::{AnyTensor, Boundary};
+    let parts = split_mlp(widths, sizes, device)?;
     let last = parts.len() - 1;
-    Some(
-        parts
-            .into_iter()
-            .enumerate()
-            .map(|(i, part)| -> Box<dyn StageWork<Sample>> {
-                let lr = LearningRate::Constant(learning_rate);
-                if i == last {
-                    Box::new(TypedStage::last(
-                        part,
-                        |m: &MlpStage, x: Boundary, items: &[Sample], d: &Device| {
-                            let (_, y) = batch_tensors(items, d);
-                            let diff = m.forward(rank2(&x)) - y;
-                            (diff.clone() * diff).mean()
-                        },
-                        optimizer,
-                        lr,
-                        device,
-                    ))
-                } else {
-                    Box::new(TypedStage::new(
-                        part,
-                        |m: &MlpStage, x: Boundary| vec![AnyTensor::D2(m.forward(rank2(&x)))],
-                        optimizer,
-                        lr,
-                        device,
-                    ))
-                }
+    let mut stages =
+        crate::parallel::stages::PipelineStages::new(|items: &[Sample], d: &Device| {
+            vec![AnyTensor::D2(batch_tensors(items, d).0)]
+        });
+    for (i, part) in parts.into_iter().enumerate() {
+        stages = if i == last {
+            stages.last(
+                part,
+                |m: &MlpStage, x: Boundary, items: &[Sample], d: &Device| {
+                    let (_, y) = batch_tensors(items, d);
+                    let diff = m.forward(rank2(&x)) - y;
+                    (diff.clone() * diff).mean()
+                },
+            )
+        } else {
+            stages.stage(part, |m: &MlpStage, x: Boundary| {
+                vec![AnyTensor::D2(m.forward(rank2(&x)))]
             })
-            .collect(),
-    )
+        };
+    }
+    Some(stages)
 }
 
-/// The first stage's input for a micro-batch of demo samples.
-pub fn mlp_pipeline_inputs() -> crate::parallel::pipeline_exec::InputsFn<Sample> {
-    std::sync::Arc::new(|items: &[Sample], d: &Device| {
-        vec![crate::parallel::pipeline_exec::AnyTensor::D2(
-            batch_tensors(items, d).0,
-        )]
-    })
+/// The measured cost of each layer of the demo MLP: the median time, in microseconds, of its
+/// forward and backward on a micro-batch of `batch` random inputs (the first layer computes no
+/// gradient of its input, like the first pipeline stage). What
+/// [`balanced_split`](crate::parallel::pipeline::balanced_split) balances.
+pub fn measure_mlp_layers(widths: &[usize], batch: usize, device: &Device) -> Vec<u64> {
+    use burn::tensor::Distribution;
+    let ad = device.clone().autodiff();
+    widths
+        .windows(2)
+        .enumerate()
+        .map(|(i, w)| {
+            let layer = LinearConfig::new(w[0], w[1]).init(&ad);
+            let mut times: Vec<u64> = (0..7)
+                .map(|_| {
+                    let x = Tensor::<2>::random([batch, w[0]], Distribution::Default, &ad);
+                    let x = if i == 0 { x } else { x.require_grad() };
+                    let g = Tensor::<2>::random([batch, w[1]], Distribution::Default, &ad);
+                    let t = std::time::Instant::now();
+                    let h = relu(layer.forward(x));
+                    let grads = (h * g).sum().backward();
+                    drop(grads);
+                    t.elapsed().as_micros() as u64
+                })
+                .collect();
+            times.sort_unstable();
+            times[times.len() / 2]
+        })
+        .collect()
 }

@@ -67,19 +67,49 @@ pub struct StepDone {
     pub learning_rate: Option<f64>,
     /// True when the non-finite policy skipped the update.
     pub skipped: bool,
-    /// What each replica did, by rank.
+    /// What each rank did, by rank (with pipelines, every stage of every replica).
     pub replicas: Vec<ReplicaStep>,
+    /// With pipeline parallelism: the step's measured timeline and memory figures.
+    pub pipeline: Option<PipelineStep>,
+}
+
+/// What one pipeline stage ran in a step.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PipelineStageStep {
+    /// Its instructions with their start and end, in microseconds since the job started.
+    pub executed: Vec<crate::parallel::pipeline::TimedInstr>,
+    /// The most micro-batch chunks it stashed at once.
+    pub peak_stash: u32,
+    /// The most bytes of boundary tensors it stashed at once.
+    pub peak_activation_bytes: u64,
+}
+
+/// What a pipeline step looked like, measured from the instructions the stages ran.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PipelineStep {
+    /// The measured bubble of replica 0's pipeline: for each stage, the share of the interval
+    /// from the step's first instruction start to its last instruction end spent not
+    /// computing, averaged over stages (PIPE-5's definition, on real times).
+    pub bubble: f64,
+    /// Per stage: the most micro-batch chunks stashed at once (largest over replicas).
+    pub peak_stash: Vec<u32>,
+    /// Per stage: the most bytes of boundary tensors stashed at once (largest over replicas).
+    pub peak_activation_bytes: Vec<u64>,
+    /// Replica 0's timeline: per stage, every instruction with its start and end in
+    /// microseconds from the step's first instruction (for `render_svg` and traces).
+    pub timeline: Vec<Vec<crate::parallel::pipeline::TimedInstr>>,
 }
 
 /// One replica's part of a step.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ReplicaStep {
-    /// The replica's rank.
+    /// The rank.
     pub rank: Rank,
     /// The ids of the samples it trained on, in the order used.
     pub sample_ids: Vec<usize>,
-    /// Its mean loss over its samples.
-    pub loss: f32,
+    /// Its mean loss over its samples (`None` on pipeline stages that do not compute the
+    /// loss: all but the last).
+    pub loss: Option<f32>,
     /// Where its time went.
     pub breakdown: TimeBreakdown,
     /// Its trace records of this step.

@@ -19,17 +19,20 @@ use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorRef};
 use tokio::sync::{broadcast, oneshot};
 
-use crate::actors::stage::{LossFn, ModelFn, StageSpec};
+use crate::actors::pipeline_stage::{PipelineSpec, spawn_pipeline};
+use crate::actors::stage::{LossFn, ModelFn, StageSpec, spawn_replicas};
 pub use crate::actors::supervisor::{JobStatus, RunSummary, Trained};
-use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
+use crate::actors::supervisor::{SpawnStages, Supervisor, SupervisorArgs, SupervisorMsg};
 use crate::comm::{Algorithm, CommConfig};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
 use crate::error::{Error, Result};
-pub use crate::events::{JobEvent, ReplicaStep, StepDone};
+pub use crate::events::{JobEvent, PipelineStageStep, PipelineStep, ReplicaStep, StepDone};
 use crate::mesh::Layout;
 pub use crate::optim::{LearningRate, OptimizerConfig};
+pub use crate::parallel::pipeline::Schedule;
 use crate::parallel::sampler::DistributedSampler;
+pub use crate::parallel::stages::{PipelineModel, PipelineStages};
 pub use crate::parallel::{ModelContext, NonFinitePolicy};
 
 /// Default size of a gradient bucket (PyTorch DDP's default).
@@ -41,7 +44,8 @@ pub struct Job<M, I> {
 }
 
 struct JobParts<M, I> {
-    spec: Arc<StageSpec<M, I>>,
+    spawn: SpawnStages<M>,
+    items: std::marker::PhantomData<fn() -> I>,
     devices: Vec<MeshDevice>,
     layout: Layout,
     steps: u64,
@@ -65,6 +69,10 @@ impl<M, I> std::fmt::Debug for Job<M, I> {
 pub struct JobBuilder<M, I> {
     model: Option<ModelFn<M>>,
     loss: Option<LossFn<M, I>>,
+    /// Spawns data-parallel replicas of `model` (set with it, where `M` is a Burn module).
+    replicas: Option<fn(Arc<StageSpec<M, I>>) -> SpawnStages<M>>,
+    /// The pipeline's stages, schedule and how to spawn them.
+    pipeline: Option<PipelineParts<M, I>>,
     data: Option<Arc<dyn Dataset<Item = I>>>,
     optimizer: OptimizerConfig,
     learning_rate: LearningRate,
@@ -82,6 +90,13 @@ pub struct JobBuilder<M, I> {
     event_capacity: usize,
 }
 
+/// What `.pipeline(..)` sets.
+struct PipelineParts<M, I> {
+    stages: PipelineStages<I>,
+    schedule: Schedule,
+    spawn: fn(Arc<PipelineSpec<I>>) -> SpawnStages<M>,
+}
+
 impl<M, I> std::fmt::Debug for JobBuilder<M, I> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("JobBuilder")
@@ -94,7 +109,7 @@ impl<M, I> std::fmt::Debug for JobBuilder<M, I> {
 
 impl<M, I> Job<M, I>
 where
-    M: Module + 'static,
+    M: Send + 'static,
     I: Send + Sync + 'static,
 {
     /// A builder with the defaults: SGD at learning rate 0.01, one replica, no accumulation,
@@ -104,6 +119,8 @@ where
         JobBuilder {
             model: None,
             loss: None,
+            replicas: None,
+            pipeline: None,
             data: None,
             optimizer: OptimizerConfig::Sgd(burn::optim::SgdConfig::new()),
             learning_rate: LearningRate::Constant(0.01),
@@ -134,7 +151,8 @@ where
             None,
             Supervisor::<M, I>::default(),
             SupervisorArgs {
-                spec: a.spec,
+                spawn: a.spawn,
+                items: std::marker::PhantomData,
                 devices: a.devices,
                 layout: a.layout,
                 steps: a.steps,
@@ -167,6 +185,7 @@ where
     /// (broadcast), whatever the factory returned on the other ranks.
     pub fn model(mut self, f: impl Fn(&ModelContext) -> M + Send + Sync + 'static) -> Self {
         self.model = Some(Arc::new(f));
+        self.replicas = Some(spawn_replicas::<M, I>);
         self
     }
 
@@ -184,7 +203,33 @@ where
         self.loss = Some(Arc::new(f));
         self
     }
+}
 
+impl<I> JobBuilder<PipelineModel, I>
+where
+    I: Send + Sync + 'static,
+{
+    /// Train `stages` as a pipeline running `schedule`, in place of a single model and loss.
+    /// With `Schedule::Interleaved { virtual_stages: v, .. }` the list holds K·v blocks and
+    /// each of the K stages runs v of them; otherwise each block is one stage. Combine with
+    /// [`data_parallel`](JobBuilder::data_parallel) for a dp × pp mesh; `batch_size` stays the
+    /// global batch, cut per replica into the schedule's micro-batches. The trained blocks
+    /// come back in a [`PipelineModel`].
+    pub fn pipeline(mut self, stages: PipelineStages<I>, schedule: Schedule) -> Self {
+        self.pipeline = Some(PipelineParts {
+            stages,
+            schedule,
+            spawn: spawn_pipeline::<I>,
+        });
+        self
+    }
+}
+
+impl<M, I> JobBuilder<M, I>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
     /// The training data.
     pub fn data(mut self, data: impl Dataset<Item = I>) -> Self {
         self.data = Some(Arc::new(data));
@@ -290,15 +335,9 @@ where
     }
 
     /// Check the configuration (JOB-1) and produce the job.
-    pub fn build(self) -> Result<Job<M, I>> {
+    pub fn build(mut self) -> Result<Job<M, I>> {
         let invalid = |m: String| Err(Error::InvalidConfig(m));
-        let Some(model_fn) = self.model else {
-            return invalid("no model: call .model(..) or .initial_model(..)".into());
-        };
-        let Some(loss_fn) = self.loss else {
-            return invalid("no loss: call .loss(|model, samples, device| ..)".into());
-        };
-        let Some(dataset) = self.data else {
+        let Some(dataset) = self.data.clone() else {
             return invalid("no data: call .data(dataset)".into());
         };
         let Some(global) = self.batch_size else {
@@ -310,6 +349,66 @@ where
         if self.accumulation == 0 {
             return invalid("gradient_accumulation(0): use at least 1 micro-batch".into());
         }
+        if self.bucket_bytes < 4 {
+            return invalid("bucket_bytes below one f32: use at least 4 bytes".into());
+        }
+        if self.event_capacity == 0 {
+            return invalid("event_capacity(0): keep at least 1 event".into());
+        }
+        if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
+            return invalid("a time-out of zero: use a positive duration".into());
+        }
+        let (spawn, layout, accumulation) = match self.pipeline.take() {
+            Some(p) => self.pipeline_parts(p, global, dataset.clone())?,
+            None => self.replica_parts(global, dataset.clone())?,
+        };
+        let world = layout.world_size() as usize;
+        let devices = match self.devices {
+            Some(d) => d,
+            None => MeshDevice::of_kind(crate::device::BackendKind::Flex, world)?,
+        };
+        if devices.len() < world {
+            return invalid(format!(
+                "a {} × {} mesh (data × pipeline) needs {world} devices but {} were given: add \
+                 devices or use a smaller mesh",
+                layout.dp(),
+                layout.pp(),
+                devices.len()
+            ));
+        }
+        let sampler = DistributedSampler::new(dataset.len(), global, self.seed)?;
+        Ok(Job {
+            args: Some(JobParts {
+                spawn,
+                items: std::marker::PhantomData,
+                devices,
+                layout,
+                steps: self.steps,
+                accumulation,
+                sampler,
+                comm: self.comm,
+                step_timeout: self.step_timeout,
+                event_capacity: self.event_capacity,
+            }),
+        })
+    }
+
+    /// The data-parallel job's spawner, layout and accumulation.
+    fn replica_parts(
+        &mut self,
+        global: usize,
+        dataset: Arc<dyn Dataset<Item = I>>,
+    ) -> Result<(SpawnStages<M>, Layout, u32)> {
+        let invalid = |m: String| Err(Error::InvalidConfig(m));
+        let (Some(model_fn), Some(spawn)) = (self.model.take(), self.replicas) else {
+            return invalid(
+                "no model: call .model(..) or .initial_model(..), or .pipeline(stages, schedule)"
+                    .into(),
+            );
+        };
+        let Some(loss_fn) = self.loss.take() else {
+            return invalid("no loss: call .loss(|model, samples, device| ..)".into());
+        };
         let dp = self.dp as usize;
         let k = self.accumulation as usize;
         if global == 0 || global % (dp * k) != 0 {
@@ -320,51 +419,85 @@ where
                 (global / unit).max(1) * unit
             ));
         }
-        if self.bucket_bytes < 4 {
-            return invalid("bucket_bytes below one f32: use at least 4 bytes".into());
+        let spec = Arc::new(StageSpec {
+            model_fn,
+            loss_fn,
+            dataset,
+            optimizer: self.optimizer.clone(),
+            learning_rate: self.learning_rate.clone(),
+            bucket_elems: self.bucket_bytes / 4,
+            clip_norm: self.clip_norm,
+            non_finite: self.non_finite,
+            epoch: Instant::now(),
+        });
+        Ok((
+            spawn(spec),
+            Layout::data_parallel(self.dp)?,
+            self.accumulation,
+        ))
+    }
+
+    /// The pipeline job's spawner, layout and accumulation (its micro-batches).
+    fn pipeline_parts(
+        &mut self,
+        p: PipelineParts<M, I>,
+        global: usize,
+        dataset: Arc<dyn Dataset<Item = I>>,
+    ) -> Result<(SpawnStages<M>, Layout, u32)> {
+        let invalid = |m: String| Err(Error::InvalidConfig(m));
+        if let Some(problem) = p.stages.problem() {
+            return invalid(problem);
         }
-        let layout = Layout::data_parallel(self.dp)?;
-        let devices = match self.devices {
-            Some(d) => d,
-            None => MeshDevice::of_kind(crate::device::BackendKind::Flex, dp)?,
-        };
-        if devices.len() < dp {
+        if self.accumulation != 1 {
+            return invalid(
+                "gradient_accumulation with a pipeline: the schedule's micro-batches are the \
+                 accumulation; set micro_batches in the schedule instead"
+                    .into(),
+            );
+        }
+        if self.clip_norm.is_some() {
+            return invalid(
+                "clip_grad_norm is not supported with a pipeline yet (the global norm spans \
+                 the stages); remove it or train without .pipeline(..)"
+                    .into(),
+            );
+        }
+        if self.non_finite == NonFinitePolicy::Skip {
+            return invalid(
+                "on_non_finite_loss(Skip) is not supported with a pipeline yet (stages update \
+                 before the last stage's loss is known to all); use Stop"
+                    .into(),
+            );
+        }
+        let v = p.schedule.virtual_stages() as usize;
+        let blocks = p.stages.len();
+        if blocks % v != 0 {
             return invalid(format!(
-                "data_parallel({dp}) needs {dp} devices but {} were given: add devices or lower \
-                 data_parallel",
-                devices.len()
+                "{blocks} blocks do not split into stages of {v} virtual stages each: give a \
+                 multiple of {v} blocks"
             ));
         }
-        if self.event_capacity == 0 {
-            return invalid("event_capacity(0): keep at least 1 event".into());
+        let pp = (blocks / v) as u32;
+        let plan = p.schedule.instructions(pp)?;
+        let dp = self.dp as usize;
+        let m = p.schedule.micro_batches() as usize;
+        if global == 0 || global % (dp * m) != 0 {
+            let unit = dp * m;
+            return invalid(format!(
+                "batch_size {global} does not divide into {dp} replica(s) × {m} micro-batch(es): \
+                 use a positive multiple of {unit} (e.g. {})",
+                (global / unit).max(1) * unit
+            ));
         }
-        if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
-            return invalid("a time-out of zero: use a positive duration".into());
-        }
-        let sampler = DistributedSampler::new(dataset.len(), global, self.seed)?;
-        Ok(Job {
-            args: Some(JobParts {
-                spec: Arc::new(StageSpec {
-                    model_fn,
-                    loss_fn,
-                    dataset,
-                    optimizer: self.optimizer,
-                    learning_rate: self.learning_rate,
-                    bucket_elems: self.bucket_bytes / 4,
-                    clip_norm: self.clip_norm,
-                    non_finite: self.non_finite,
-                    epoch: Instant::now(),
-                }),
-                devices,
-                layout,
-                steps: self.steps,
-                accumulation: self.accumulation,
-                sampler,
-                comm: self.comm,
-                step_timeout: self.step_timeout,
-                event_capacity: self.event_capacity,
-            }),
-        })
+        let spec = Arc::new(PipelineSpec {
+            stages: p.stages,
+            plan: Arc::new(plan),
+            dataset,
+            optimizer: self.optimizer.clone(),
+            learning_rate: self.learning_rate.clone(),
+            epoch: Instant::now(),
+        });
+        Ok(((p.spawn)(spec), Layout::new(self.dp, pp, 1)?, m as u32))
     }
 }
 

@@ -3,13 +3,16 @@
 //! - [`sampler`]: which sample ids each replica reads at each step (pure);
 //! - [`buckets`]: how the flat gradient buffer is cut into all-reduce buckets (pure);
 //! - [`gradients`]: flattening a model's gradients into one buffer and back (Burn);
-//! - [`pipeline`]: pipeline schedules as instruction lists, their simulator and picture (pure).
+//! - [`pipeline`]: pipeline schedules as instruction lists, their simulator and picture (pure);
+//! - [`pipeline_exec`]: a stage running its list (links, VJP backward, stash, update);
+//! - [`stages`]: the user's model as pipeline stages, and the trained blocks.
 
 pub mod buckets;
 pub mod gradients;
 pub mod pipeline;
 pub mod pipeline_exec;
 pub mod sampler;
+pub mod stages;
 
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};

@@ -38,6 +38,21 @@ pub enum TraceKind {
     },
     /// The optimizer's update.
     OptimizerStep,
+    /// Pipeline: putting a micro-batch's activation or gradient on the link to stage `to`.
+    Send {
+        /// Index of the micro-batch inside the step.
+        micro_batch: u32,
+        /// The receiving stage.
+        to: u32,
+    },
+    /// Pipeline: waiting for and taking a micro-batch's activation or gradient from stage
+    /// `from` (waiting, not work).
+    Recv {
+        /// Index of the micro-batch inside the step.
+        micro_batch: u32,
+        /// The sending stage.
+        from: u32,
+    },
     /// Reading samples and building the batch tensors is part of `Forward`; this is anything
     /// else the rank ran on request (tests, diagnostics).
     Task {
@@ -50,9 +65,10 @@ impl TraceKind {
     /// Which share of the step this counts towards.
     pub fn category(&self) -> TimeCategory {
         match self {
-            TraceKind::AllReduce { .. } | TraceKind::Broadcast { .. } => {
+            TraceKind::AllReduce { .. } | TraceKind::Broadcast { .. } | TraceKind::Send { .. } => {
                 TimeCategory::Communication
             }
+            TraceKind::Recv { .. } => TimeCategory::Waiting,
             _ => TimeCategory::Compute,
         }
     }
@@ -65,6 +81,8 @@ impl TraceKind {
             TraceKind::AllReduce { .. } => "all_reduce".into(),
             TraceKind::Broadcast { .. } => "broadcast".into(),
             TraceKind::OptimizerStep => "optimizer".into(),
+            TraceKind::Send { micro_batch, to } => format!("send mb{micro_batch} to {to}"),
+            TraceKind::Recv { micro_batch, from } => format!("recv mb{micro_batch} from {from}"),
             TraceKind::Task { label } => label.clone(),
         }
     }
@@ -75,8 +93,10 @@ impl TraceKind {
 pub enum TimeCategory {
     /// Forward, backward, optimizer, flattening.
     Compute,
-    /// Collectives (including the wait for the slowest peer inside them).
+    /// Collectives (including the wait for the slowest peer inside them) and pipeline sends.
     Communication,
+    /// Waiting for a pipeline neighbour (counted in the waiting share).
+    Waiting,
 }
 
 /// One span of work on one rank.
@@ -125,6 +145,7 @@ impl TimeBreakdown {
             match r.kind.category() {
                 TimeCategory::Compute => b.compute_s += s,
                 TimeCategory::Communication => b.communication_s += s,
+                TimeCategory::Waiting => {}
             }
         }
         b.waiting_s = (wall_s - b.compute_s - b.communication_s).max(0.0);

@@ -22,11 +22,13 @@ use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::device::{DeviceMsg, run_on};
-use crate::comm::{Communicator, ReduceOp};
+use super::group::{GroupActor, GroupArgs};
+use super::supervisor::{SpawnContext, SpawnStages, Spawned};
+use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
 use crate::error::{Error, Result, StageId};
-use crate::mesh::Rank;
+use crate::mesh::{Generation, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::buckets::{Bucket, plan_buckets};
 use crate::parallel::gradients::{
@@ -71,14 +73,14 @@ pub struct StepReport {
     pub rank: Rank,
     /// The sample ids it trained on, micro-batch after micro-batch.
     pub sample_ids: Vec<usize>,
-    /// Its mean loss.
-    pub local_loss: f32,
-    /// Every replica's loss, by rank (all-reduced).
-    pub losses: Vec<f32>,
+    /// Its mean loss (`None` on a pipeline stage other than the last).
+    pub local_loss: Option<f32>,
     /// The learning rate used (`None` when the update was skipped).
     pub learning_rate: Option<f64>,
     /// Its trace records.
     pub trace: Vec<TraceRecord>,
+    /// A pipeline stage's instructions and stash figures.
+    pub pipeline: Option<crate::events::PipelineStageStep>,
 }
 
 /// Messages a [`StageActor`] handles.
@@ -109,6 +111,66 @@ impl<M> std::fmt::Debug for StageMsg<M> {
             StageMsg::TakeModel(_) => write!(f, "TakeModel"),
         }
     }
+}
+
+/// Spawns one data-parallel replica per rank, all in one collective group.
+pub(crate) fn spawn_replicas<M, I>(spec: Arc<StageSpec<M, I>>) -> SpawnStages<M>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    Box::new(move |cx: SpawnContext| {
+        Box::pin(async move {
+            let world = cx.layout.world_size() as usize;
+            let group = LocalGroup::new(world, Generation(0), cx.comm.clone());
+            let local_group = group.clone();
+            let comms = group.communicators();
+            let members: Vec<Rank> = cx.layout.ranks().collect();
+            let (group_ref, _) = Actor::spawn_linked(
+                None,
+                GroupActor,
+                GroupArgs {
+                    members: members.clone(),
+                    group,
+                },
+                cx.supervisor.clone(),
+            )
+            .await?;
+            let mut stages = Vec::with_capacity(world);
+            for ((rank, comm), (device, device_ref)) in members.iter().zip(comms).zip(&cx.devices) {
+                let coord = cx
+                    .layout
+                    .coord_of(*rank)
+                    .expect("rank inside its own layout");
+                let id = StageId {
+                    replica: coord.dp,
+                    stage: coord.pp,
+                };
+                let (r, _) = Actor::spawn_linked(
+                    None,
+                    StageActor::<M, I>::default(),
+                    StageArgs {
+                        id,
+                        rank: *rank,
+                        device: device.clone(),
+                        device_actor: device_ref.clone(),
+                        comm,
+                        spec: spec.clone(),
+                    },
+                    cx.supervisor.clone(),
+                )
+                .await?;
+                stages.push((r, id));
+            }
+            Ok(Spawned {
+                stages,
+                shutdown: Arc::new(move || local_group.shutdown()),
+                others: vec![group_ref.get_cell()],
+                model_ranks: vec![0],
+                assemble: |mut models: Vec<M>| models.pop(),
+            })
+        })
+    })
 }
 
 /// The actor of one stage.
@@ -467,10 +529,10 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
                 StepReport {
                     rank,
                     sample_ids,
-                    local_loss,
-                    losses,
+                    local_loss: Some(local_loss),
                     learning_rate: None,
                     trace,
+                    pipeline: None,
                 },
                 None,
             )),
@@ -530,10 +592,10 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
         StepReport {
             rank,
             sample_ids,
-            local_loss,
-            losses,
+            local_loss: Some(local_loss),
             learning_rate: None,
             trace,
+            pipeline: None,
         },
         (!non_finite_gradient).then_some(grads),
     ))

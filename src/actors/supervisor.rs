@@ -16,20 +16,20 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use burn::module::Module;
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::{broadcast, oneshot};
 use tokio::task::JoinSet;
 
 use super::device::{DeviceActor, DeviceMsg, heartbeat};
-use super::group::{GroupActor, GroupArgs, GroupMsg};
-use super::stage::{StageActor, StageArgs, StageMsg, StageSpec, StepReport};
-use crate::comm::{CommConfig, CommError, LocalGroup};
+use super::stage::{StageMsg, StepReport};
+use crate::comm::{CommConfig, CommError};
 use crate::device::MeshDevice;
 use crate::error::{DeviceId, Error, Result, StageId};
-use crate::events::{JobEvent, ReplicaStep, StepDone};
-use crate::mesh::{Generation, Layout, Rank};
+use crate::events::{JobEvent, PipelineStep, ReplicaStep, StepDone};
+use crate::mesh::{Generation, Layout};
+use crate::parallel::pipeline::{TimedInstr, summarize};
+use crate::parallel::pipeline_exec::ExecError;
 use crate::parallel::sampler::DistributedSampler;
 use crate::trace::TimeBreakdown;
 
@@ -111,9 +111,47 @@ impl<M, I> std::fmt::Debug for Supervisor<M, I> {
     }
 }
 
+/// What a job's stage actors are spawned with.
+pub(crate) struct SpawnContext {
+    /// The Supervisor: every actor is linked to it.
+    pub(crate) supervisor: ractor::ActorCell,
+    /// One device (and its actor) per rank, in rank order.
+    pub(crate) devices: Vec<(MeshDevice, ActorRef<DeviceMsg>)>,
+    /// The mesh.
+    pub(crate) layout: Layout,
+    /// Collective settings.
+    pub(crate) comm: CommConfig,
+    /// Bound of every wait inside a step.
+    pub(crate) step_timeout: Duration,
+}
+
+/// The stage actors of a job and how to handle them as a whole.
+pub(crate) struct Spawned<M> {
+    /// One stage actor per rank, in rank order.
+    pub(crate) stages: Vec<(ActorRef<StageMsg<M>>, StageId)>,
+    /// Wakes every stage blocked in a collective or a pipeline link (RT-4).
+    pub(crate) shutdown: Arc<dyn Fn() + Send + Sync>,
+    /// Other actors of the job (collective groups), stopped with it.
+    pub(crate) others: Vec<ractor::ActorCell>,
+    /// The ranks whose models make up the trained model.
+    pub(crate) model_ranks: Vec<usize>,
+    /// Puts the trained model together from those ranks' models.
+    pub(crate) assemble: fn(Vec<M>) -> Option<M>,
+}
+
+/// Spawns a job's stage actors: data-parallel replicas or pipeline stages.
+pub(crate) type SpawnStages<M> = Box<
+    dyn FnOnce(
+            SpawnContext,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<Spawned<M>, ActorProcessingErr>> + Send>,
+        > + Send,
+>;
+
 /// What the Supervisor starts from (built by [`crate::job::Job::spawn`]).
 pub struct SupervisorArgs<M, I> {
-    pub(crate) spec: Arc<StageSpec<M, I>>,
+    pub(crate) spawn: SpawnStages<M>,
+    pub(crate) items: std::marker::PhantomData<fn() -> I>,
     pub(crate) devices: Vec<MeshDevice>,
     pub(crate) layout: Layout,
     pub(crate) steps: u64,
@@ -144,10 +182,13 @@ pub struct SupervisorState<M, I> {
     outcome: Option<oneshot::Sender<Result<Trained<M>>>>,
     devices: Vec<(ActorRef<DeviceMsg>, DeviceId)>,
     stages: Vec<(ActorRef<StageMsg<M>>, StageId)>,
-    group: ActorRef<GroupMsg>,
-    /// The transport group itself, so that a failure shuts it down at once, whatever happens
-    /// to the GroupActor's mailbox (RT-4).
-    local_group: Arc<LocalGroup>,
+    /// Collective groups and other actors of the job.
+    others: Vec<ractor::ActorCell>,
+    /// Wakes every stage blocked in a collective or a link, whatever happens to the actors'
+    /// mailboxes (RT-4).
+    shutdown: Arc<dyn Fn() + Send + Sync>,
+    model_ranks: Vec<usize>,
+    assemble: fn(Vec<M>) -> Option<M>,
     stop_requested: bool,
     finished: bool,
     summary: RunSummary,
@@ -162,7 +203,7 @@ impl<M, I> std::fmt::Debug for SupervisorState<M, I> {
 
 impl<M, I> Actor for Supervisor<M, I>
 where
-    M: Module + 'static,
+    M: Send + 'static,
     I: Send + Sync + 'static,
 {
     type Msg = SupervisorMsg;
@@ -179,48 +220,16 @@ where
         for d in a.devices.iter().take(world) {
             let (r, _) =
                 Actor::spawn_linked(None, DeviceActor, d.clone(), myself.get_cell()).await?;
-            devices.push((r, d.id()));
+            devices.push((d.clone(), r));
         }
-        let group = LocalGroup::new(world, Generation(0), a.comm.clone());
-        let local_group = group.clone();
-        let comms = group.communicators();
-        let members: Vec<Rank> = a.layout.ranks().collect();
-        let (group_ref, _) = Actor::spawn_linked(
-            None,
-            GroupActor,
-            GroupArgs {
-                members: members.clone(),
-                group,
-            },
-            myself.get_cell(),
-        )
+        let spawned = (a.spawn)(SpawnContext {
+            supervisor: myself.get_cell(),
+            devices: devices.clone(),
+            layout: a.layout,
+            comm: a.comm.clone(),
+            step_timeout: a.step_timeout,
+        })
         .await?;
-        let mut stages = Vec::with_capacity(world);
-        for ((rank, comm), (device_ref, _)) in members.iter().zip(comms).zip(&devices) {
-            let coord = a
-                .layout
-                .coord_of(*rank)
-                .expect("rank inside its own layout");
-            let id = StageId {
-                replica: coord.dp,
-                stage: coord.pp,
-            };
-            let (r, _) = Actor::spawn_linked(
-                None,
-                StageActor::<M, I>::default(),
-                StageArgs {
-                    id,
-                    rank: *rank,
-                    device: a.devices[rank.index()].clone(),
-                    device_actor: device_ref.clone(),
-                    comm,
-                    spec: a.spec.clone(),
-                },
-                myself.get_cell(),
-            )
-            .await?;
-            stages.push((r, id));
-        }
         myself.send_message(SupervisorMsg::Init)?;
         Ok(SupervisorState {
             layout: a.layout,
@@ -231,10 +240,12 @@ where
             step_timeout: a.step_timeout,
             events: a.events,
             outcome: Some(a.outcome),
-            devices,
-            stages,
-            group: group_ref,
-            local_group,
+            devices: devices.into_iter().map(|(d, r)| (r, d.id())).collect(),
+            stages: spawned.stages,
+            others: spawned.others,
+            shutdown: spawned.shutdown,
+            model_ranks: spawned.model_ranks,
+            assemble: spawned.assemble,
             stop_requested: false,
             finished: false,
             summary: RunSummary::default(),
@@ -299,7 +310,7 @@ where
         if !state.finished {
             // Stopped from outside before the job ended: still end it cleanly (SV-1, SV-2).
             state.finished = true;
-            state.local_group.shutdown();
+            (state.shutdown)();
             let e = Error::Runtime("the supervisor stopped before the job ended".into());
             publish(state, JobEvent::Failed(e.clone()));
             if let Some(tx) = state.outcome.take() {
@@ -311,7 +322,9 @@ where
             for (d, _) in &state.devices {
                 d.stop(None);
             }
-            state.group.stop(None);
+            for o in &state.others {
+                o.stop(None);
+            }
         }
         Ok(())
     }
@@ -364,6 +377,11 @@ fn root_cause(errors: Vec<Error>) -> Option<Error> {
         matches!(
             e,
             Error::Comm(CommError::Shutdown { .. } | CommError::Poisoned { .. })
+                | Error::Pipeline(
+                    ExecError::Aborted { .. }
+                        | ExecError::LinkClosed { .. }
+                        | ExecError::Comm(CommError::Shutdown { .. } | CommError::Poisoned { .. })
+                )
         )
     };
     let mut it = errors.into_iter();
@@ -376,7 +394,7 @@ fn root_cause(errors: Vec<Error>) -> Option<Error> {
 
 async fn init_all<M, I>(state: &mut SupervisorState<M, I>) -> Result<(Vec<u64>, Vec<u64>)>
 where
-    M: Module + 'static,
+    M: Send + 'static,
     I: Send + Sync + 'static,
 {
     let timeout = state.step_timeout;
@@ -393,7 +411,7 @@ async fn call_all<M, I, T, F>(
     timeout: Duration,
 ) -> Result<Vec<T>>
 where
-    M: Module + 'static,
+    M: Send + 'static,
     I: Send + Sync + 'static,
     T: Send + 'static,
     F: Fn(usize) -> Option<fn(ractor::RpcReplyPort<Result<T>>) -> StageMsg<M>>,
@@ -419,7 +437,7 @@ async fn call_all_with<M, I, T, F>(
     step: Option<u64>,
 ) -> Result<Vec<T>>
 where
-    M: Module + 'static,
+    M: Send + 'static,
     I: Send + Sync + 'static,
     T: Send + 'static,
     F: Fn(usize) -> Option<MsgBuilder<M, T>>,
@@ -456,13 +474,13 @@ where
         if let Some(e) = failure {
             if errors.is_empty() {
                 // RT-4: wake every peer blocked in a collective now.
-                state.local_group.shutdown();
+                (state.shutdown)();
             }
             errors.push(e);
         }
     }
     if !missing.is_empty() && errors.is_empty() {
-        state.local_group.shutdown();
+        (state.shutdown)();
         let mut devices = Vec::new();
         for &r in &missing {
             let (d, id) = &state.devices[r];
@@ -489,7 +507,7 @@ where
 
 async fn run_step<M, I>(state: &mut SupervisorState<M, I>, step: u64) -> Result<()>
 where
-    M: Module + 'static,
+    M: Send + 'static,
     I: Send + Sync + 'static,
 {
     let dp = state.layout.dp() as usize;
@@ -502,10 +520,16 @@ where
     let shares = state.sampler.split_in(order, step, dp);
     let started = Instant::now();
     let timeout = state.step_timeout;
+    // Every stage of a replica's pipeline gets that replica's share.
+    let replica_of: Vec<usize> = state
+        .stages
+        .iter()
+        .map(|(_, id)| id.replica as usize)
+        .collect();
     let reports: Vec<StepReport> = call_all_with(
         state,
         |r| {
-            let share = &shares[r];
+            let share = &shares[replica_of[r]];
             let micro = share.len() / k;
             let micro_batches: Vec<Vec<usize>> =
                 share.chunks(micro.max(1)).map(<[usize]>::to_vec).collect();
@@ -520,18 +544,15 @@ where
     )
     .await?;
     let wall_s = started.elapsed().as_secs_f64();
-    let losses = reports
-        .first()
-        .map(|r| r.losses.clone())
-        .unwrap_or_default();
+    // The mean over replicas of each replica's mean loss (equal shares: the global mean).
+    let losses: Vec<f32> = reports.iter().filter_map(|r| r.local_loss).collect();
     let loss = losses.iter().sum::<f32>() / losses.len().max(1) as f32;
     let skipped = reports.iter().any(|r| r.learning_rate.is_none());
     if skipped {
-        let ranks = losses
+        let ranks = reports
             .iter()
-            .enumerate()
-            .filter(|(_, l)| !l.is_finite())
-            .map(|(r, _)| Rank(r as u32))
+            .filter(|r| r.local_loss.is_some_and(|l| !l.is_finite()))
+            .map(|r| r.rank)
             .collect();
         publish(
             state,
@@ -542,8 +563,9 @@ where
             },
         );
     }
-    let samples: usize = reports.iter().map(|r| r.sample_ids.len()).sum();
-    let learning_rate = reports.first().and_then(|r| r.learning_rate);
+    let samples: usize = shares.iter().map(Vec::len).sum();
+    let learning_rate = reports.iter().find_map(|r| r.learning_rate);
+    let pipeline = pipeline_step(&state.stages, &reports, state.layout);
     let replicas: Vec<ReplicaStep> = reports
         .into_iter()
         .map(|r| ReplicaStep {
@@ -582,9 +604,57 @@ where
             learning_rate,
             skipped,
             replicas,
+            pipeline,
         }),
     );
     Ok(())
+}
+
+/// The pipeline figures of a step from the stages' reports: the measured bubble and timeline of
+/// replica 0's pipeline (times from its first instruction), every stage's peak stash and
+/// activation bytes (the largest over replicas).
+fn pipeline_step<M>(
+    stages: &[(ActorRef<StageMsg<M>>, StageId)],
+    reports: &[StepReport],
+    layout: Layout,
+) -> Option<PipelineStep> {
+    let pp = layout.pp() as usize;
+    let mut timeline: Vec<Vec<TimedInstr>> = vec![Vec::new(); pp];
+    let mut peak_stash = vec![0u32; pp];
+    let mut peak_activation_bytes = vec![0u64; pp];
+    let mut any = false;
+    for (report, (_, id)) in reports.iter().zip(stages) {
+        let Some(p) = &report.pipeline else { continue };
+        any = true;
+        let s = id.stage as usize;
+        if s >= pp {
+            continue;
+        }
+        peak_stash[s] = peak_stash[s].max(p.peak_stash);
+        peak_activation_bytes[s] = peak_activation_bytes[s].max(p.peak_activation_bytes);
+        if id.replica == 0 {
+            timeline[s] = p.executed.clone();
+        }
+    }
+    if !any {
+        return None;
+    }
+    let origin = timeline
+        .iter()
+        .flatten()
+        .map(|t| t.start)
+        .min()
+        .unwrap_or(0);
+    for t in timeline.iter_mut().flatten() {
+        t.start -= origin;
+        t.end -= origin;
+    }
+    Some(PipelineStep {
+        bubble: summarize(&timeline).bubble,
+        peak_stash,
+        peak_activation_bytes,
+        timeline,
+    })
 }
 
 async fn finish<M, I>(
@@ -592,7 +662,7 @@ async fn finish<M, I>(
     state: &mut SupervisorState<M, I>,
     result: Result<()>,
 ) where
-    M: Module + 'static,
+    M: Send + 'static,
     I: Send + Sync + 'static,
 {
     state.finished = true;
@@ -616,7 +686,7 @@ async fn finish<M, I>(
             publish(state, JobEvent::Failed(e.clone()));
         }
     }
-    state.local_group.shutdown();
+    (state.shutdown)();
     if let Some(tx) = state.outcome.take() {
         let _ = tx.send(outcome);
     }
@@ -627,22 +697,29 @@ async fn finish<M, I>(
     for (d, _) in &state.devices {
         d.stop(None);
     }
-    state.group.stop(None);
+    for o in &state.others {
+        o.stop(None);
+    }
     myself.stop(None);
 }
 
 async fn collect_model<M, I>(state: &mut SupervisorState<M, I>) -> Result<Trained<M>>
 where
-    M: Module + 'static,
+    M: Send + 'static,
     I: Send + Sync + 'static,
 {
     let timeout = state.step_timeout;
     let fingerprints = call_all(state, |_| Some(StageMsg::Fingerprint), timeout).await?;
-    let (rank0, _) = &state.stages[0];
-    let model = match rank0.call(StageMsg::TakeModel, Some(timeout)).await {
-        Ok(CallResult::Success(Some(model))) => model,
-        _ => return Err(Error::Runtime("rank 0 did not hand over its model".into())),
-    };
+    let mut parts = Vec::with_capacity(state.model_ranks.len());
+    for &r in &state.model_ranks {
+        let (stage, id) = &state.stages[r];
+        match stage.call(StageMsg::TakeModel, Some(timeout)).await {
+            Ok(CallResult::Success(Some(model))) => parts.push(model),
+            _ => return Err(Error::Runtime(format!("{id} did not hand over its model"))),
+        }
+    }
+    let model = (state.assemble)(parts)
+        .ok_or_else(|| Error::Runtime("the trained model could not be put together".into()))?;
     // The last event: published only once the model is in hand.
     publish(
         state,

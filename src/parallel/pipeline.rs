@@ -70,6 +70,7 @@
 //! - Receives sit immediately before the compute that needs them: with free communication no
 //!   list makes a stage wait earlier than the data it needs.
 
+mod partition;
 mod schedule;
 mod simulate;
 mod svg;
@@ -78,6 +79,7 @@ mod tests;
 
 use serde::{Deserialize, Serialize};
 
+pub use partition::{balanced_split, even_split};
 pub use simulate::{
     Costs, Needs, SimError, SimReport, StageCosts, StageReport, TimedInstr, TimelineSummary,
 };
@@ -347,6 +349,20 @@ impl Schedule {
         match *self {
             Schedule::Interleaved { virtual_stages, .. } => virtual_stages,
             Schedule::GPipe { .. } | Schedule::OneFOneB { .. } => 1,
+        }
+    }
+
+    /// The schedule called `name` (`gpipe`, `1f1b` or `interleaved`, the CLI's spelling) with
+    /// `micro_batches` per step and, for `interleaved`, `virtual_stages` chunks per stage.
+    pub fn from_name(name: &str, micro_batches: u32, virtual_stages: u32) -> Option<Self> {
+        match name {
+            "gpipe" => Some(Schedule::GPipe { micro_batches }),
+            "1f1b" => Some(Schedule::OneFOneB { micro_batches }),
+            "interleaved" => Some(Schedule::Interleaved {
+                micro_batches,
+                virtual_stages,
+            }),
+            _ => None,
         }
     }
 

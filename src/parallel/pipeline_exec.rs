@@ -23,6 +23,8 @@
 //!   equals one device on the global batch.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::time::{Duration, Instant};
 
@@ -39,6 +41,7 @@ const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
 /// Tensors below this many elements are fused into one bucket.
 const FUSE_BELOW: usize = 64 * 1024;
 use super::pipeline::{Instr, PipelineSchedule, StageIndex, TimedInstr};
+
 use crate::optim::{LearningRate, OptimizerConfig};
 
 /// A tensor of rank 1 to 4 crossing a stage boundary.
@@ -192,6 +195,25 @@ pub enum ExecError {
     /// The all-reduce of gradients across data-parallel replicas failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// The step was aborted because another stage failed.
+    #[error("stage {stage}: stopped because another stage of the job failed")]
+    Aborted {
+        /// This stage.
+        stage: u32,
+    },
+    /// A message arrived for another micro-batch than the instruction names (a schedule that
+    /// breaks PIPE-3).
+    #[error("stage {stage}: expected micro-batch {expected} from stage {from}, got {got}")]
+    OutOfOrder {
+        /// This stage.
+        stage: u32,
+        /// The sender.
+        from: u32,
+        /// The micro-batch the instruction names.
+        expected: u32,
+        /// The micro-batch that arrived.
+        got: u32,
+    },
     /// The schedule needs something this executor does not do yet.
     #[error("unsupported schedule: {0}")]
     Unsupported(String),
@@ -220,13 +242,16 @@ pub trait StageWork<I>: Send {
     ) -> Result<Vec<WireTensor>, ExecError>;
     /// Optimizer step with the accumulated gradients: summed over the data-parallel replicas
     /// of this stage through `replicas` (when given), then scaled by `scale`.
-    fn step(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<(), ExecError>;
+    /// Returns the learning rate used.
+    fn step(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<f64, ExecError>;
     /// The loss of each micro-batch seen since the last step (last stage only).
     fn take_losses(&mut self) -> Vec<f32>;
     /// Micro-batches stashed now and the bytes of their boundary tensors.
     fn stashed(&self) -> (u32, u64);
     /// Fingerprint of the stage's parameters.
     fn fingerprint(&self) -> u64;
+    /// The device (with autodiff) the stage computes on.
+    fn device(&self) -> &Device;
     /// The module, type-erased (for `downcast`).
     fn into_module(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
 }
@@ -336,11 +361,6 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
         self.recompute = recompute;
         self
     }
-
-    /// The device (with autodiff) the stage computes on.
-    pub fn device(&self) -> &Device {
-        &self.device
-    }
 }
 
 impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
@@ -445,7 +465,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         Ok(upstream)
     }
 
-    fn step(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<(), ExecError> {
+    fn step(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<f64, ExecError> {
         let grads = self.accumulated.grads();
         let mut buffers = GradientBuffers::take(&self.model, &self.layout, grads);
         let mut views = buffers.slices_mut();
@@ -460,9 +480,10 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         drop(views);
         let grads = buffers.into_gradients(&self.model, &self.device.clone().inner());
         let lr = self.lr.next_rate();
+        let rate = lr.base();
         let model = self.model.clone();
         self.model = self.optimizer.step(lr, model, grads);
-        Ok(())
+        Ok(rate)
     }
 
     fn take_losses(&mut self) -> Vec<f32> {
@@ -489,104 +510,166 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         parameter_fingerprint(&self.model)
     }
 
+    fn device(&self) -> &Device {
+        &self.device
+    }
+
     fn into_module(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
         Box::new(self.model)
     }
 }
 
-/// The two ends of one stage's links: to and from each neighbour.
+/// Which way data moves on a link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Flow {
+    /// Activations, towards later blocks.
+    Activation,
+    /// Gradients, towards earlier blocks.
+    Gradient,
+}
+
+/// One message on a link: the micro-batch it belongs to and the tensors.
+#[derive(Debug)]
+struct Packet {
+    mb: u32,
+    tensors: Vec<WireTensor>,
+}
+
+/// A stage's ends of the links its list uses: one bounded FIFO per (peer, direction of data),
+/// created from the schedule's sends (PIPE-3), holding
+/// [`link_capacity`](PipelineSchedule::link_capacity) messages.
 #[derive(Debug)]
 pub struct StageLinks {
     stage: u32,
-    to_next: Option<SyncSender<Vec<WireTensor>>>,
-    from_next: Option<Receiver<Vec<WireTensor>>>,
-    to_prev: Option<SyncSender<Vec<WireTensor>>>,
-    from_prev: Option<Receiver<Vec<WireTensor>>>,
+    to: HashMap<(u32, Flow), SyncSender<Packet>>,
+    from: HashMap<(u32, Flow), Receiver<Packet>>,
     timeout: Duration,
+    abort: Arc<AtomicBool>,
 }
 
-/// Bounded links for a line of `stages` stages, one message of capacity per direction (the
-/// capacity the schedules assume, PIPE-4).
-pub fn links(stages: u32, timeout: Duration) -> Vec<StageLinks> {
-    let mut out: Vec<StageLinks> = (0..stages)
+/// How often a blocked send or receive looks at the abort flag.
+const ABORT_POLL: Duration = Duration::from_millis(20);
+
+/// The links of a pipeline running `plan`: for every stage its ends, in stage order. Every
+/// wait on them is bounded by `timeout`, and ends early (with [`ExecError::Aborted`]) once
+/// `abort` is set, so a failure elsewhere wakes every stage at once.
+pub fn links(
+    plan: &PipelineSchedule,
+    timeout: Duration,
+    abort: Arc<AtomicBool>,
+) -> Vec<StageLinks> {
+    let k = plan.stages();
+    let mut out: Vec<StageLinks> = (0..k)
         .map(|stage| StageLinks {
             stage,
-            to_next: None,
-            from_next: None,
-            to_prev: None,
-            from_prev: None,
+            to: HashMap::new(),
+            from: HashMap::new(),
             timeout,
+            abort: abort.clone(),
         })
         .collect();
-    for s in 1..stages as usize {
-        let (fwd_tx, fwd_rx) = sync_channel(1);
-        let (bwd_tx, bwd_rx) = sync_channel(1);
-        out[s - 1].to_next = Some(fwd_tx);
-        out[s].from_prev = Some(fwd_rx);
-        out[s].to_prev = Some(bwd_tx);
-        out[s - 1].from_next = Some(bwd_rx);
+    for stage in 0..k {
+        for instr in plan.list(StageIndex(stage)) {
+            let (peer, flow) = match *instr {
+                Instr::SendActivation { to, .. } => (to.0, Flow::Activation),
+                Instr::SendGradient { to, .. } => (to.0, Flow::Gradient),
+                _ => continue,
+            };
+            if peer >= k || out[stage as usize].to.contains_key(&(peer, flow)) {
+                continue;
+            }
+            let (tx, rx) = sync_channel(plan.link_capacity() as usize);
+            out[stage as usize].to.insert((peer, flow), tx);
+            out[peer as usize].from.insert((stage, flow), rx);
+        }
     }
     out
 }
 
 impl StageLinks {
-    fn send(&self, to_next: bool, msg: Vec<WireTensor>) -> Result<(), ExecError> {
-        let (tx, peer) = if to_next {
-            (&self.to_next, self.stage + 1)
-        } else {
-            (&self.to_prev, self.stage.wrapping_sub(1))
-        };
+    fn aborted(&self) -> ExecError {
+        ExecError::Aborted { stage: self.stage }
+    }
+
+    fn send(&self, peer: u32, flow: Flow, packet: Packet) -> Result<(), ExecError> {
         let closed = ExecError::LinkClosed {
             stage: self.stage,
             peer,
         };
-        let tx = tx.as_ref().ok_or(closed.clone())?;
+        let tx = self.to.get(&(peer, flow)).ok_or(closed.clone())?;
         // Bounded: wait for room, but never forever (the receiver may have failed).
         let deadline = Instant::now() + self.timeout;
-        let mut msg = msg;
+        let mut packet = packet;
+        let mut pause = Duration::from_micros(20);
         loop {
-            match tx.try_send(msg) {
+            match tx.try_send(packet) {
                 Ok(()) => return Ok(()),
                 Err(TrySendError::Disconnected(_)) => return Err(closed),
-                Err(TrySendError::Full(m)) => {
-                    if Instant::now() >= deadline {
-                        return Err(closed);
+                Err(TrySendError::Full(p)) => {
+                    if self.abort.load(Ordering::Relaxed) {
+                        return Err(self.aborted());
                     }
-                    msg = m;
-                    std::thread::sleep(Duration::from_micros(50));
+                    if Instant::now() >= deadline {
+                        return Err(ExecError::Timeout {
+                            stage: self.stage,
+                            from: peer,
+                            mb: p.mb,
+                            what: "room on the link",
+                            waited: self.timeout,
+                        });
+                    }
+                    packet = p;
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(Duration::from_millis(1));
                 }
             }
         }
     }
 
-    fn recv(
-        &self,
-        from_prev: bool,
-        mb: u32,
-        what: &'static str,
-    ) -> Result<Vec<WireTensor>, ExecError> {
-        let (rx, peer) = if from_prev {
-            (&self.from_prev, self.stage.wrapping_sub(1))
-        } else {
-            (&self.from_next, self.stage + 1)
+    fn recv(&self, peer: u32, flow: Flow, mb: u32) -> Result<Vec<WireTensor>, ExecError> {
+        let what = match flow {
+            Flow::Activation => "activation",
+            Flow::Gradient => "gradient",
         };
-        let rx = rx.as_ref().ok_or(ExecError::LinkClosed {
+        let rx = self.from.get(&(peer, flow)).ok_or(ExecError::LinkClosed {
             stage: self.stage,
             peer,
         })?;
-        rx.recv_timeout(self.timeout).map_err(|e| match e {
-            RecvTimeoutError::Timeout => ExecError::Timeout {
-                stage: self.stage,
-                from: peer,
-                mb,
-                what,
-                waited: self.timeout,
-            },
-            RecvTimeoutError::Disconnected => ExecError::LinkClosed {
-                stage: self.stage,
-                peer,
-            },
-        })
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left.min(ABORT_POLL)) {
+                Ok(p) if p.mb == mb => return Ok(p.tensors),
+                Ok(p) => {
+                    return Err(ExecError::OutOfOrder {
+                        stage: self.stage,
+                        from: peer,
+                        expected: mb,
+                        got: p.mb,
+                    });
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    return Err(ExecError::LinkClosed {
+                        stage: self.stage,
+                        peer,
+                    });
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.abort.load(Ordering::Relaxed) {
+                        return Err(self.aborted());
+                    }
+                    if left.is_zero() {
+                        return Err(ExecError::Timeout {
+                            stage: self.stage,
+                            from: peer,
+                            mb,
+                            what,
+                            waited: self.timeout,
+                        });
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -605,6 +688,10 @@ pub struct StageStepRecord {
     pub peak_stash: u32,
     /// When the step began (before its first instruction) and ended (after the optimizer).
     pub span: Option<(Instant, Instant)>,
+    /// When the gradient reduction and optimizer step began and ended.
+    pub update: Option<(Instant, Instant)>,
+    /// The learning rate of the update.
+    pub learning_rate: Option<f64>,
 }
 
 /// The recorded step of every stage as one timeline in microseconds from the step's first
@@ -633,17 +720,16 @@ pub fn recorded_timeline(stages: &[&StageStepRecord]) -> Vec<Vec<TimedInstr>> {
         .collect()
 }
 
-/// The recorded steps as a Chrome trace (Perfetto, `chrome://tracing`): one row per stage,
-/// one box per instruction.
-pub fn chrome_trace(stages: &[&StageStepRecord]) -> String {
-    let timeline = recorded_timeline(stages);
+/// A timeline (microseconds) as a Chrome trace (Perfetto, `chrome://tracing`): one row per
+/// stage, one box per instruction.
+pub fn chrome_trace(timeline: &[Vec<TimedInstr>]) -> String {
     let events: Vec<serde_json::Value> = timeline
         .iter()
         .enumerate()
         .flat_map(|(stage, list)| {
             list.iter().map(move |t| {
                 serde_json::json!({
-                    "name": format!("{:?} mb{}", t.instr.kind(), t.instr.mb().0),
+                    "name": format!("{:?} mb{} chunk{}", t.instr.kind(), t.instr.mb().0, t.instr.chunk().0),
                     "ph": "X", "ts": t.start, "dur": t.end - t.start,
                     "pid": 0, "tid": stage,
                 })
@@ -667,76 +753,106 @@ fn boundary_bytes(b: &Boundary) -> u64 {
         .sum()
 }
 
-/// Run one training step of `stage` (index `me`) by executing its list of `schedule`
-/// literally (EXEC-1), then the optimizer step over the mean of the micro-batches (EXEC-2).
-/// `micro_batches[m]` are the items of micro-batch `m`; `inputs` builds the first stage's
-/// boundary from them. With `replicas` (the communicator of this stage's data-parallel
-/// group: the same stage in every pipeline replica), gradients are averaged over the replicas
-/// before the update (EXEC-3).
-#[allow(clippy::too_many_arguments)]
+/// What one stage needs to run one step of a schedule.
+pub struct StepContext<'a, I> {
+    /// The lists of every stage.
+    pub schedule: &'a PipelineSchedule,
+    /// Which stage this is.
+    pub stage: StageIndex,
+    /// This stage's ends of the links.
+    pub links: &'a StageLinks,
+    /// The items of each micro-batch (the same on every stage of a pipeline).
+    pub micro_batches: &'a [Vec<I>],
+    /// Builds the first block's boundary from a micro-batch's items (autodiff device).
+    pub inputs: &'a dyn Fn(&[I], &Device) -> Boundary,
+    /// The communicator of this stage's data-parallel group (the same stage in every
+    /// pipeline replica), if there is more than one replica.
+    pub replicas: Option<&'a mut Communicator>,
+    /// Called before each instruction runs (progress for heartbeats and failure reports).
+    pub on_instr: &'a dyn Fn(&Instr),
+}
+
+impl<I> std::fmt::Debug for StepContext<'_, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "StepContext(stage {})", self.stage.0)
+    }
+}
+
+/// Run one training step of a stage holding `chunks` (its v model chunks, in chunk order) by
+/// executing its list literally (EXEC-1), then the optimizer step of every chunk over the mean
+/// of the micro-batches (EXEC-2), averaged over the data-parallel replicas when there are
+/// several (EXEC-3).
 pub fn run_stage_step<I>(
-    stage: &mut dyn StageWork<I>,
-    schedule: &PipelineSchedule,
-    me: StageIndex,
-    links: &StageLinks,
-    micro_batches: &[Vec<I>],
-    inputs: &dyn Fn(&[I]) -> Boundary,
-    device: &Device,
-    replicas: Option<&mut Communicator>,
+    chunks: &mut [Box<dyn StageWork<I>>],
+    cx: StepContext<'_, I>,
 ) -> Result<StageStepRecord, ExecError> {
-    if schedule.virtual_stages() != 1 {
-        return Err(ExecError::Unsupported(
-            "interleaved schedules need chunked stage modules".into(),
-        ));
+    let me = cx.stage;
+    let plan = cx.schedule;
+    let v = plan.virtual_stages();
+    if chunks.len() != v as usize {
+        return Err(ExecError::Unsupported(format!(
+            "stage {} holds {} model chunks but the schedule has {v} per stage",
+            me.0,
+            chunks.len()
+        )));
     }
     let mut record = StageStepRecord::default();
     let began = Instant::now();
-    let mut inbox: HashMap<u32, Vec<WireTensor>> = HashMap::new();
-    let mut outbox: HashMap<u32, Vec<WireTensor>> = HashMap::new();
-    let mut grads_in: HashMap<u32, Vec<WireTensor>> = HashMap::new();
-    let mut grads_out: HashMap<u32, Vec<WireTensor>> = HashMap::new();
-    let ad = device.clone().autodiff();
-    let missing = |mb: u32, instr: &Instr| ExecError::MissingInput {
+    // Keyed by (micro-batch, local chunk).
+    let mut inbox: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
+    let mut outbox: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
+    let mut grads_in: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
+    let mut grads_out: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
+    let missing = |instr: &Instr| ExecError::MissingInput {
         stage: me.0,
-        mb,
+        mb: instr.mb().0,
         instr: format!("{instr:?}"),
     };
-    for instr in schedule.list(me) {
+    for instr in plan.list(me) {
+        (cx.on_instr)(instr);
         let t0 = Instant::now();
-        match instr {
-            Instr::RecvActivation { mb, .. } => {
-                let msg = links.recv(true, mb.0, "activation")?;
-                inbox.insert(mb.0, msg);
+        let key = (instr.mb().0, instr.chunk().0);
+        let first_block = plan.block(me, instr.chunk()) == 0;
+        let work = chunks
+            .get_mut(instr.chunk().0 as usize)
+            .ok_or_else(|| missing(instr))?;
+        match *instr {
+            Instr::RecvActivation { mb, from, .. } => {
+                let msg = cx.links.recv(from.0, Flow::Activation, mb.0)?;
+                inbox.insert(key, msg);
             }
             Instr::Forward { mb, .. } => {
-                let items = micro_batches
+                let items = cx
+                    .micro_batches
                     .get(mb.0 as usize)
-                    .ok_or_else(|| missing(mb.0, instr))?;
-                let input = if me.0 == 0 {
-                    inputs(items)
+                    .ok_or_else(|| missing(instr))?;
+                let device = work.device().clone();
+                let input = if first_block {
+                    (cx.inputs)(items, &device)
                 } else {
                     inbox
-                        .remove(&mb.0)
-                        .ok_or_else(|| missing(mb.0, instr))?
+                        .remove(&key)
+                        .ok_or_else(|| missing(instr))?
                         .into_iter()
-                        .map(|w| AnyTensor::from_wire(w, &ad))
+                        .map(|w| AnyTensor::from_wire(w, &device))
                         .collect::<Result<_, _>>()?
                 };
-                if let Some(out) = stage.forward(mb.0, input, items, me.0 != 0) {
-                    outbox.insert(mb.0, out.iter().map(AnyTensor::to_wire).collect());
+                if let Some(out) = work.forward(mb.0, input, items, !first_block) {
+                    outbox.insert(key, out.iter().map(AnyTensor::to_wire).collect());
                 }
             }
-            Instr::SendActivation { mb, .. } => {
-                let msg = outbox.remove(&mb.0).ok_or_else(|| missing(mb.0, instr))?;
-                links.send(true, msg)?;
+            Instr::SendActivation { mb, to, .. } => {
+                let tensors = outbox.remove(&key).ok_or_else(|| missing(instr))?;
+                cx.links
+                    .send(to.0, Flow::Activation, Packet { mb: mb.0, tensors })?;
             }
-            Instr::RecvGradient { mb, .. } => {
-                let msg = links.recv(false, mb.0, "gradient")?;
-                grads_in.insert(mb.0, msg);
+            Instr::RecvGradient { mb, from, .. } => {
+                let msg = cx.links.recv(from.0, Flow::Gradient, mb.0)?;
+                grads_in.insert(key, msg);
             }
             Instr::Backward { mb, .. } => {
-                let g = grads_in.remove(&mb.0);
-                let upstream = stage.backward(mb.0, g).map_err(|e| match e {
+                let g = grads_in.remove(&key);
+                let upstream = work.backward(mb.0, g).map_err(|e| match e {
                     ExecError::MissingInput { mb, instr, .. } => ExecError::MissingInput {
                         stage: me.0,
                         mb,
@@ -747,143 +863,34 @@ pub fn run_stage_step<I>(
                     }
                     other => other,
                 })?;
-                grads_out.insert(mb.0, upstream);
+                grads_out.insert(key, upstream);
             }
-            Instr::SendGradient { mb, .. } => {
-                let msg = grads_out
-                    .remove(&mb.0)
-                    .ok_or_else(|| missing(mb.0, instr))?;
-                links.send(false, msg)?;
+            Instr::SendGradient { mb, to, .. } => {
+                let tensors = grads_out.remove(&key).ok_or_else(|| missing(instr))?;
+                cx.links
+                    .send(to.0, Flow::Gradient, Packet { mb: mb.0, tensors })?;
             }
         }
         record.executed.push((*instr, t0, Instant::now()));
-        let (count, bytes) = stage.stashed();
+        let (count, bytes) = chunks
+            .iter()
+            .map(|c| c.stashed())
+            .fold((0, 0), |(n, b), (n2, b2)| (n + n2, b + b2));
         record.peak_stash = record.peak_stash.max(count);
         record.peak_stash_bytes = record.peak_stash_bytes.max(bytes);
     }
+    let mut replicas = cx.replicas;
     let world = replicas.as_ref().map_or(1, |c| c.world());
-    stage.step(
-        1.0 / (schedule.micro_batches() as usize * world) as f32,
-        replicas,
-    )?;
-    record.losses = stage.take_losses();
+    let scale = 1.0 / (plan.micro_batches() as usize * world) as f32;
+    let t = Instant::now();
+    for chunk in chunks.iter_mut() {
+        record.learning_rate = Some(chunk.step(scale, replicas.as_deref_mut())?);
+        record.losses.extend(chunk.take_losses());
+    }
+    record.update = Some((t, Instant::now()));
     record.span = Some((began, Instant::now()));
     Ok(record)
 }
 
-/// Builds the first stage's boundary from a micro-batch's items on that stage's device.
-pub type InputsFn<I> = std::sync::Arc<dyn Fn(&[I], &Device) -> Boundary + Send + Sync>;
-
-/// The outcome of [`train_pipeline`]: the stages (with their trained modules) and what each
-/// did at every step.
-pub struct PipelineRun<I> {
-    /// The stages, in pipeline order.
-    pub stages: Vec<Box<dyn StageWork<I>>>,
-    /// `records[stage][step]`.
-    pub records: Vec<Vec<StageStepRecord>>,
-}
-
-impl<I> std::fmt::Debug for PipelineRun<I> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PipelineRun({} stages)", self.stages.len())
-    }
-}
-
-/// Train a pipeline in this process: one OS thread per stage, bounded links between
-/// neighbours, `schedule` executed literally on every stage, one optimizer step per entry of
-/// `batches` (each global batch cut into the schedule's micro-batches). `inputs` builds the
-/// first stage's boundary from a micro-batch's items on that stage's device. Every wait is
-/// bounded by `timeout`; the first stage error ends the run (its neighbours then fail on
-/// their closed links) and is returned.
-pub fn train_pipeline<I: Clone + Send + Sync + 'static>(
-    stages: Vec<Box<dyn StageWork<I>>>,
-    schedule: &super::pipeline::Schedule,
-    batches: Vec<Vec<I>>,
-    inputs: InputsFn<I>,
-    device: &Device,
-    timeout: Duration,
-) -> Result<PipelineRun<I>, crate::error::Error> {
-    let k = stages.len() as u32;
-    let plan = std::sync::Arc::new(schedule.instructions(k)?);
-    let m = schedule.micro_batches() as usize;
-    if let Some(b) = batches.iter().find(|b| b.is_empty() || b.len() % m != 0) {
-        return Err(crate::error::Error::InvalidConfig(format!(
-            "a batch of {} samples does not split into {m} micro-batches",
-            b.len()
-        )));
-    }
-    let batches = std::sync::Arc::new(batches);
-    let handles: Vec<_> = stages
-        .into_iter()
-        .zip(links(k, timeout))
-        .enumerate()
-        .map(|(i, (mut stage, link))| {
-            let (plan, batches, inputs, device) = (
-                plan.clone(),
-                batches.clone(),
-                inputs.clone(),
-                device.clone(),
-            );
-            std::thread::Builder::new()
-                .name(format!("meshwork-stage-{i}"))
-                .spawn(move || {
-                    let ad = device.clone().autodiff();
-                    let build = move |items: &[I]| inputs(items, &ad);
-                    let mut records = Vec::with_capacity(batches.len());
-                    for batch in batches.iter() {
-                        let micro: Vec<Vec<I>> =
-                            batch.chunks(batch.len() / m).map(<[I]>::to_vec).collect();
-                        let r = run_stage_step(
-                            stage.as_mut(),
-                            &plan,
-                            StageIndex(i as u32),
-                            &link,
-                            &micro,
-                            &build,
-                            &device,
-                            None,
-                        );
-                        match r {
-                            Ok(r) => records.push(r),
-                            // Dropping `link` here closes this stage's links: neighbours fail
-                            // fast instead of waiting for their time-out.
-                            Err(e) => return Err(e),
-                        }
-                    }
-                    Ok((stage, records))
-                })
-        })
-        .collect::<Result<_, _>>()
-        .map_err(|e| {
-            crate::error::Error::Runtime(format!("could not start a stage thread: {e}"))
-        })?;
-    let mut out = PipelineRun {
-        stages: Vec::new(),
-        records: Vec::new(),
-    };
-    let mut first_error = None;
-    for h in handles {
-        match h.join() {
-            Ok(Ok((stage, records))) => {
-                out.stages.push(stage);
-                out.records.push(records);
-            }
-            Ok(Err(e)) => {
-                // A closed link is the consequence of another stage's failure.
-                if first_error.is_none() || !matches!(e, ExecError::LinkClosed { .. }) {
-                    first_error = Some(e);
-                }
-            }
-            Err(p) => {
-                first_error.get_or_insert(ExecError::Unsupported(format!(
-                    "a stage panicked: {}",
-                    crate::actors::panic_text(p.as_ref())
-                )));
-            }
-        }
-    }
-    match first_error {
-        Some(e) => Err(crate::error::Error::Pipeline(e)),
-        None => Ok(out),
-    }
-}
+/// Builds the first block's boundary from a micro-batch's items on a device.
+pub type InputsFn<I> = Arc<dyn Fn(&[I], &Device) -> Boundary + Send + Sync>;

@@ -48,18 +48,25 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Pipeline parallelism: MLP 784 → 8×hidden → 10 split into `pp` stages on `pp` threads;
-    /// samples/s, measured and theoretical bubble, peak stash, activation bytes per stage.
+    /// Pipeline parallelism: MLP 784 → 8×hidden → 10 split into `pp` stage actors (one
+    /// device each); samples/s, measured and theoretical bubble, peak stash, activation bytes
+    /// per stage.
     Pipeline {
         /// Stages.
         #[arg(long, default_value_t = 2)]
         pp: u32,
+        /// Data-parallel replicas of the pipeline.
+        #[arg(long, default_value_t = 1)]
+        dp: u32,
         /// Micro-batches per step.
         #[arg(long, default_value_t = 8)]
         micro_batches: u32,
-        /// gpipe or 1f1b.
+        /// gpipe, 1f1b or interleaved.
         #[arg(long, default_value = "1f1b")]
         schedule: String,
+        /// Model chunks per stage (interleaved only).
+        #[arg(long, default_value_t = 2)]
+        virtual_stages: u32,
         /// Global batch size.
         #[arg(long, default_value_t = 64)]
         batch_size: usize,
@@ -69,7 +76,11 @@ pub(crate) enum BenchCommand {
         /// Timed steps (after 2 warm-up steps).
         #[arg(long, default_value_t = 5)]
         steps: usize,
-        /// Write the last timed step's timeline as an SVG picture.
+        /// How the layers are cut into blocks: `balanced` (by each layer's measured time) or
+        /// `even` (by count).
+        #[arg(long, default_value = "balanced")]
+        split: String,
+        /// Write the last timed step's timeline: `.svg` for a picture, `.json` for a Chrome trace.
         #[arg(long)]
         timeline: Option<std::path::PathBuf>,
         /// One JSON object per line.
@@ -138,29 +149,42 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::DpWorker { mode, world, steps } => dp_worker(&mode, world, steps),
         BenchCommand::Pipeline {
             pp,
+            dp,
             micro_batches,
             schedule,
+            virtual_stages,
             batch_size,
             hidden,
             steps,
+            split,
             timeline,
             json,
         } => {
-            let schedule = match schedule.as_str() {
-                "gpipe" => Schedule::GPipe { micro_batches },
-                "1f1b" => Schedule::OneFOneB { micro_batches },
+            let schedule = Schedule::from_name(&schedule, micro_batches, virtual_stages)
+                .ok_or_else(|| {
+                    Error::InvalidConfig(format!(
+                        "--schedule {schedule}: gpipe, 1f1b or interleaved"
+                    ))
+                })?;
+            let balanced = match split.as_str() {
+                "balanced" => true,
+                "even" => false,
                 other => {
                     return Err(Error::InvalidConfig(format!(
-                        "--schedule {other}: gpipe or 1f1b (interleaved is not executed yet)"
+                        "--split {other}: balanced or even"
                     )));
                 }
             };
             let f = crate::pipeline_bench::run(
-                pp,
-                schedule,
-                batch_size,
-                hidden,
-                steps,
+                crate::pipeline_bench::PipelineBench {
+                    pp,
+                    dp,
+                    schedule,
+                    batch: batch_size,
+                    hidden,
+                    steps,
+                    balanced,
+                },
                 timeline.as_deref(),
             )?;
             crate::pipeline_bench::print(&f, json);

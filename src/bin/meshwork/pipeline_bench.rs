@@ -1,21 +1,27 @@
-//! `meshwork bench pipeline`: a pipeline of K stages on K threads, measured.
+//! `meshwork bench pipeline`: a pipeline job (stage actors, one device each), measured.
 
 use std::time::Duration;
 
 use burn::optim::SgdConfig;
 use burn::tensor::Device;
-use meshwork::demo::{Sample, TeacherTask, mlp_pipeline, mlp_pipeline_inputs};
+use meshwork::demo::{TeacherTask, measure_mlp_layers, mlp_pipeline};
 use meshwork::error::{Error, Result};
-use meshwork::parallel::pipeline::{Schedule, summarize};
-use meshwork::parallel::pipeline_exec::{StageStepRecord, recorded_timeline, train_pipeline};
+use meshwork::events::{JobEvent, PipelineStep};
+use meshwork::job::{EventsError, Job};
+use meshwork::parallel::pipeline::{Schedule, balanced_split, even_split, render_svg};
+use meshwork::parallel::pipeline_exec::chrome_trace;
 
 /// What `bench pipeline` measures.
 #[derive(Debug, serde::Serialize)]
 pub(crate) struct PipelineFigures {
     pp: u32,
+    dp: u32,
     micro_batches: u32,
+    virtual_stages: u32,
     schedule: String,
     batch_size: usize,
+    /// Layers per block, in block order.
+    split: Vec<usize>,
     samples_per_s: f64,
     bubble_measured: f64,
     bubble_theoretical: f64,
@@ -23,107 +29,129 @@ pub(crate) struct PipelineFigures {
     peak_activation_bytes: Vec<u64>,
 }
 
+/// What to run.
+#[derive(Debug, Clone)]
+pub(crate) struct PipelineBench {
+    pub(crate) pp: u32,
+    pub(crate) dp: u32,
+    pub(crate) schedule: Schedule,
+    pub(crate) batch: usize,
+    pub(crate) hidden: usize,
+    pub(crate) steps: usize,
+    /// Cut the layers by measured cost (`true`) or by count.
+    pub(crate) balanced: bool,
+}
+
 /// Steps run before the timed ones.
 const WARMUP: usize = 2;
 
-/// Measured figures of timed steps `records[stage][step]` (warm-up steps excluded by the caller).
-pub(crate) fn figures(
-    schedule: &Schedule,
-    pp: u32,
-    batch: usize,
-    records: &[Vec<StageStepRecord>],
-) -> PipelineFigures {
-    let steps = records.first().map_or(0, Vec::len);
-    let step = |s: usize| -> Vec<&StageStepRecord> { records.iter().map(|r| &r[s]).collect() };
-    let mut wall = Duration::ZERO;
-    let mut bubble = 0.0;
-    for s in 0..steps {
-        let stages = step(s);
-        bubble += summarize(&recorded_timeline(&stages)).bubble;
-        // Wall time of the step, optimizer included: first stage start to last stage end.
-        let begin = stages.iter().filter_map(|r| r.span.map(|x| x.0)).min();
-        let end = stages.iter().filter_map(|r| r.span.map(|x| x.1)).max();
-        if let (Some(b), Some(e)) = (begin, end) {
-            wall += e - b;
-        }
-    }
+/// Measured figures of the timed steps (warm-up steps excluded by the caller).
+fn figures(b: &PipelineBench, split: Vec<usize>, steps: &[(f64, PipelineStep)]) -> PipelineFigures {
+    let n = steps.len().max(1) as f64;
+    let wall: f64 = steps.iter().map(|(w, _)| w).sum();
+    let pp = b.pp as usize;
     PipelineFigures {
-        pp,
-        micro_batches: schedule.micro_batches(),
-        schedule: schedule.name().into(),
-        batch_size: batch,
-        samples_per_s: (batch * steps) as f64 / wall.as_secs_f64().max(1e-12),
-        bubble_measured: bubble / steps.max(1) as f64,
-        bubble_theoretical: schedule.theoretical_bubble(pp),
-        peak_stash: records
+        pp: b.pp,
+        dp: b.dp,
+        micro_batches: b.schedule.micro_batches(),
+        virtual_stages: b.schedule.virtual_stages(),
+        schedule: b.schedule.name().into(),
+        batch_size: b.batch,
+        split,
+        samples_per_s: (b.batch * steps.len()) as f64 / wall.max(1e-12),
+        bubble_measured: steps.iter().map(|(_, p)| p.bubble).sum::<f64>() / n,
+        bubble_theoretical: b.schedule.theoretical_bubble(b.pp),
+        peak_stash: steps
             .iter()
-            .flat_map(|r| r.iter().map(|x| x.peak_stash))
+            .flat_map(|(_, p)| p.peak_stash.iter().copied())
             .max()
             .unwrap_or(0),
-        peak_activation_bytes: records
-            .iter()
-            .map(|r| r.iter().map(|x| x.peak_stash_bytes).max().unwrap_or(0))
+        peak_activation_bytes: (0..pp)
+            .map(|s| {
+                steps
+                    .iter()
+                    .filter_map(|(_, p)| p.peak_activation_bytes.get(s).copied())
+                    .max()
+                    .unwrap_or(0)
+            })
             .collect(),
     }
 }
 
-pub(crate) fn run(
-    pp: u32,
-    schedule: Schedule,
-    batch: usize,
-    hidden: usize,
-    steps: usize,
-    timeline: Option<&std::path::Path>,
-) -> Result<PipelineFigures> {
+pub(crate) fn run(b: PipelineBench, timeline: Option<&std::path::Path>) -> Result<PipelineFigures> {
     // MLP 784 → 8 × hidden → 10.
     let mut widths = vec![784];
-    widths.extend(std::iter::repeat_n(hidden, 8));
+    widths.extend(std::iter::repeat_n(b.hidden, 8));
     widths.push(10);
+    let blocks = (b.pp * b.schedule.virtual_stages()) as usize;
+    let micro = b.batch / (b.dp as usize * b.schedule.micro_batches().max(1) as usize);
     let device = Device::flex();
-    let stages = mlp_pipeline(
-        &widths,
-        pp as usize,
-        &SgdConfig::new().into(),
-        0.01,
-        &device,
-    )
+    let split = if b.balanced {
+        // Cut by each layer's measured forward + backward time on one micro-batch.
+        let costs = measure_mlp_layers(&widths, micro.max(1), &device);
+        balanced_split(&costs, blocks)
+    } else {
+        even_split(widths.len() - 1, blocks)
+    }
     .ok_or_else(|| {
         Error::InvalidConfig(format!(
-            "--pp {pp}: the 9-layer benchmark model has 1 to 9 stages"
+            "{blocks} blocks (pp × virtual stages): the 9-layer benchmark model has 1 to 9"
         ))
     })?;
+    device.seed(7);
+    let stages = mlp_pipeline(&widths, &split, &device)
+        .ok_or_else(|| Error::InvalidConfig(format!("split {split:?} does not fit the MLP")))?;
     let data = TeacherTask {
         d_in: 784,
         d_out: 10,
         noise: 0.1,
         seed: 3,
     }
-    .dataset(batch);
-    let items: Vec<Sample> = (0..batch)
-        .filter_map(|j| meshwork::data::Dataset::get(&data, j))
-        .collect();
-    let run = train_pipeline(
-        stages,
-        &schedule,
-        vec![items; WARMUP + steps],
-        mlp_pipeline_inputs(),
-        &device,
-        Duration::from_secs(120),
-    )?;
-    let timed: Vec<Vec<StageStepRecord>> = run
-        .records
-        .into_iter()
-        .map(|r| r.into_iter().skip(WARMUP).collect())
-        .collect();
-    if let Some(path) = timeline {
-        let last: Vec<&StageStepRecord> = timed.iter().filter_map(|r| r.last()).collect();
-        let svg = meshwork::parallel::pipeline::render_svg(&recorded_timeline(&last));
-        std::fs::write(path, svg).map_err(|e| Error::Io {
+    .dataset(b.batch);
+    let job = Job::builder()
+        .pipeline(stages, b.schedule)
+        .data_parallel(b.dp)
+        .data(data)
+        .batch_size(b.batch)
+        .optimizer(SgdConfig::new())
+        .learning_rate(0.01)
+        .steps((WARMUP + b.steps) as u64)
+        .step_timeout(Duration::from_secs(300))
+        .build()?;
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| Error::Io {
+        path: "tokio runtime".into(),
+        reason: e.to_string(),
+    })?;
+    let steps = runtime.block_on(async move {
+        let handle = job.spawn().await?;
+        let mut events = handle.events();
+        let mut steps = Vec::new();
+        loop {
+            match events.recv().await {
+                Ok(JobEvent::StepDone(s)) if s.step as usize >= WARMUP => {
+                    if let Some(p) = s.pipeline {
+                        steps.push((s.wall_s, p));
+                    }
+                }
+                Ok(_) | Err(EventsError::Missed(_)) => {}
+                Err(EventsError::Closed) => break,
+            }
+        }
+        handle.join().await?;
+        Ok::<_, Error>(steps)
+    })?;
+    if let (Some(path), Some((_, last))) = (timeline, steps.last()) {
+        let text = if path.extension().is_some_and(|e| e == "json") {
+            chrome_trace(&last.timeline)
+        } else {
+            render_svg(&last.timeline)
+        };
+        std::fs::write(path, text).map_err(|e| Error::Io {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
     }
-    Ok(figures(&schedule, pp, batch, &timed))
+    Ok(figures(&b, split, &steps))
 }
 
 /// Print the figures as a line of text or JSON.
@@ -132,11 +160,14 @@ pub(crate) fn print(f: &PipelineFigures, json: bool) {
         println!("{}", serde_json::to_string(f).unwrap_or_default());
     } else {
         println!(
-            "pipeline {} pp={} M={} batch={}: {:.0} samples/s; bubble measured {:.3} vs theory {:.3}; peak stash {}; peak activation bytes per stage {:?}",
+            "pipeline {} pp={} dp={} M={} v={} batch={} split {:?}: {:.0} samples/s; bubble measured {:.3} vs theory {:.3}; peak stash {}; peak activation bytes per stage {:?}",
             f.schedule,
             f.pp,
+            f.dp,
             f.micro_batches,
+            f.virtual_stages,
             f.batch_size,
+            f.split,
             f.samples_per_s,
             f.bubble_measured,
             f.bubble_theoretical,

@@ -6,10 +6,13 @@ use std::time::Duration;
 use burn::module::Module;
 use burn::optim::AdamConfig;
 use indicatif::{ProgressBar, ProgressStyle};
-use meshwork::demo::{Mlp, TeacherTask, mse_loss};
+use meshwork::demo::{Mlp, TeacherTask, mlp_pipeline, mse_loss};
 use meshwork::device::{BackendKind, MeshDevice};
-use meshwork::events::JobEvent;
-use meshwork::job::{EventsError, Job};
+use meshwork::error::Error;
+use meshwork::events::{JobEvent, PipelineStep};
+use meshwork::job::{EventsError, Job, JobHandle, RunSummary, Trained};
+use meshwork::parallel::pipeline::{Schedule, even_split, render_svg};
+use meshwork::parallel::pipeline_exec::chrome_trace;
 
 /// Flags of `meshwork train`.
 #[derive(Debug, clap::Args)]
@@ -35,16 +38,19 @@ pub(crate) struct TrainArgs {
     /// Write the trained model (Burn record) to this file.
     #[arg(long)]
     save_model: Option<PathBuf>,
-    /// Pipeline stages (> 1 splits the model into stages on their own threads; in-process,
-    /// one pipeline: not combined with --dp yet).
+    /// Pipeline stages: > 1 cuts the demo MLP into that many stages, one stage actor (and
+    /// device) each; combined with --dp for a dp × pp mesh.
     #[arg(long, default_value_t = 1)]
     pp: u32,
     /// Micro-batches per step (pipeline only).
     #[arg(long, default_value_t = 4)]
     micro_batches: u32,
-    /// Pipeline schedule: gpipe or 1f1b.
+    /// Pipeline schedule: gpipe, 1f1b or interleaved.
     #[arg(long, default_value = "1f1b")]
     schedule: String,
+    /// Model chunks per stage (interleaved only).
+    #[arg(long, default_value_t = 2)]
+    virtual_stages: u32,
     /// Write the last step's pipeline timeline: `.svg` for a picture, `.json` for a Chrome
     /// trace (Perfetto, chrome://tracing).
     #[arg(long)]
@@ -59,13 +65,21 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
     runtime.block_on(train(args))
 }
 
+/// The demo MLP's widths.
+const WIDTHS: [usize; 4] = [32, 128, 128, 4];
+/// The demo MLP of pipeline jobs: deeper, so that it cuts into up to 5 blocks.
+const PIPELINE_WIDTHS: [usize; 6] = [32, 128, 128, 128, 128, 4];
+
 async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
-    if args.pp > 1 || args.timeline.is_some() {
-        return train_pipeline_demo(args);
-    }
-    let dp = args
-        .dp
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32));
+    let pipelined = args.pp > 1 || args.timeline.is_some();
+    let dp = args.dp.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
+        if pipelined {
+            (cores / args.pp).max(1)
+        } else {
+            cores
+        }
+    });
     let task = TeacherTask {
         d_in: 32,
         d_out: 4,
@@ -73,10 +87,85 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         seed: args.seed,
     };
     let data = task.dataset(16_384);
-    let devices = MeshDevice::of_kind(args.device, dp as usize)?;
+    let world = (dp * if pipelined { args.pp } else { 1 }) as usize;
+    let devices = MeshDevice::of_kind(args.device, world)?;
     let model_device = devices[0].burn().clone();
     model_device.seed(args.seed);
-    let init = Mlp::new(&[32, 128, 128, 4], &model_device);
+    let mesh = if pipelined {
+        format!("{dp} × {} (data × pipeline)", args.pp)
+    } else {
+        format!("{dp}")
+    };
+    println!(
+        "meshwork train: {mesh} × {:?} device(s), global batch {}, {} steps, attainable loss {:.4}",
+        args.device,
+        args.batch_size,
+        args.steps,
+        task.attainable_loss()
+    );
+    if pipelined {
+        let schedule = Schedule::from_name(&args.schedule, args.micro_batches, args.virtual_stages)
+            .ok_or_else(|| {
+                Error::InvalidConfig(format!(
+                    "--schedule {}: gpipe, 1f1b or interleaved",
+                    args.schedule
+                ))
+            })?;
+        let blocks = (args.pp * schedule.virtual_stages()) as usize;
+        let layers = PIPELINE_WIDTHS.len() - 1;
+        let stages = even_split(layers, blocks)
+            .and_then(|split| mlp_pipeline(&PIPELINE_WIDTHS, &split, &model_device))
+            .ok_or_else(|| {
+                Error::InvalidConfig(format!(
+                    "--pp {} × {} virtual stages: the demo MLP has {layers} layers, so at most \
+                     {layers} blocks",
+                    args.pp,
+                    schedule.virtual_stages()
+                ))
+            })?;
+        let job = Job::builder()
+            .pipeline(stages, schedule)
+            .data(data)
+            .optimizer(AdamConfig::new())
+            .learning_rate(args.lr)
+            .data_parallel(dp)
+            .devices(devices)
+            .batch_size(args.batch_size)
+            .steps(args.steps)
+            .seed(args.seed)
+            .step_timeout(Duration::from_secs(120))
+            .build()?;
+        let (trained, last) = drive(job.spawn().await?, args.steps).await;
+        report(&trained?.summary, &task);
+        if let Some(p) = last {
+            println!(
+                "last step: measured bubble {:.3} (theory {:.3}), peak stash per stage {:?}, peak activation bytes per stage {:?}",
+                p.bubble,
+                schedule.theoretical_bubble(args.pp),
+                p.peak_stash,
+                p.peak_activation_bytes
+            );
+            if let Some(path) = &args.timeline {
+                let text = if path.extension().is_some_and(|e| e == "json") {
+                    chrome_trace(&p.timeline)
+                } else {
+                    render_svg(&p.timeline)
+                };
+                std::fs::write(path, text).map_err(|e| Error::Io {
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?;
+                println!("timeline written to {}", path.display());
+            }
+        }
+        if args.save_model.is_some() {
+            println!(
+                "--save-model: not available for pipeline jobs yet (the blocks are returned separately)"
+            );
+        }
+        return Ok(());
+    }
+    let init = Mlp::new(&WIDTHS, &model_device);
     let job = Job::builder()
         .initial_model(init)
         .loss(mse_loss)
@@ -90,22 +179,34 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         .seed(args.seed)
         .step_timeout(Duration::from_secs(120))
         .build()?;
-    println!(
-        "meshwork train: {dp} × {:?} device(s), global batch {}, {} steps, attainable loss {:.4}",
-        args.device,
-        args.batch_size,
-        args.steps,
-        task.attainable_loss()
-    );
-    let handle = job.spawn().await?;
+    let (trained, _) = drive(job.spawn().await?, args.steps).await;
+    let trained = trained?;
+    report(&trained.summary, &task);
+    if let Some(path) = args.save_model {
+        trained.model.save_file(&path).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            reason: format!("{e:?}"),
+        })?;
+        println!("model written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// Show a progress bar until the job ends; return its outcome and the last step's pipeline
+/// figures (pipeline jobs).
+async fn drive<M: Send + 'static>(
+    handle: JobHandle<M>,
+    steps: u64,
+) -> (meshwork::error::Result<Trained<M>>, Option<PipelineStep>) {
     let mut events = handle.events();
-    let bar = ProgressBar::new(args.steps);
+    let bar = ProgressBar::new(steps);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}]")
             .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     let progress = bar.clone();
     let watcher = tokio::spawn(async move {
+        let mut last = None;
         loop {
             match events.recv().await {
                 Ok(JobEvent::StepDone(s)) => {
@@ -114,18 +215,23 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
                         "loss {:.4}  {:.0} samples/s",
                         s.loss, s.samples_per_s
                     ));
+                    last = s.pipeline.or(last);
                 }
                 Ok(JobEvent::Failed(e)) => progress.println(format!("job failed: {e}")),
                 Ok(_) | Err(EventsError::Missed(_)) => {}
                 Err(EventsError::Closed) => break,
             }
         }
+        last
     });
     let trained = handle.join().await;
-    let _ = watcher.await;
+    let last = watcher.await.unwrap_or(None);
     bar.finish();
-    let trained = trained?;
-    let s = &trained.summary;
+    (trained, last)
+}
+
+/// The loss from first to last step and where the time went.
+fn report(s: &RunSummary, task: &TeacherTask) {
     let (compute, comm, wait) = s.breakdown.shares();
     println!(
         "loss {:.4} → {:.4} (attainable {:.4})",
@@ -141,126 +247,4 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         comm * 100.0,
         wait * 100.0
     );
-    if let Some(path) = args.save_model {
-        trained
-            .model
-            .save_file(&path)
-            .map_err(|e| meshwork::error::Error::Io {
-                path: path.display().to_string(),
-                reason: format!("{e:?}"),
-            })?;
-        println!("model written to {}", path.display());
-    }
-    Ok(())
-}
-
-/// `meshwork train --pp K`: the demo MLP cut into K stages, trained with a pipeline schedule.
-fn train_pipeline_demo(args: TrainArgs) -> meshwork::error::Result<()> {
-    use meshwork::demo::{mlp_pipeline, mlp_pipeline_inputs};
-    use meshwork::error::Error;
-    use meshwork::parallel::pipeline::{Schedule, render_svg, summarize};
-    use meshwork::parallel::pipeline_exec::{chrome_trace, recorded_timeline, train_pipeline};
-    use meshwork::parallel::sampler::DistributedSampler;
-
-    if args.dp.is_some_and(|d| d > 1) {
-        return Err(Error::InvalidConfig(
-            "--pp with --dp > 1 is not wired into `train` yet: use --dp 1".into(),
-        ));
-    }
-    let m = args.micro_batches;
-    let schedule = match args.schedule.as_str() {
-        "gpipe" => Schedule::GPipe { micro_batches: m },
-        "1f1b" => Schedule::OneFOneB { micro_batches: m },
-        other => {
-            return Err(Error::InvalidConfig(format!(
-                "--schedule {other}: gpipe or 1f1b (interleaved is planned, not executed yet)"
-            )));
-        }
-    };
-    let task = TeacherTask {
-        d_in: 32,
-        d_out: 4,
-        noise: 0.1,
-        seed: args.seed,
-    };
-    let data = task.dataset(16_384);
-    let device = meshwork::device::MeshDevice::of_kind(args.device, 1)?
-        .remove(0)
-        .burn()
-        .clone();
-    device.seed(args.seed);
-    let widths = [32, 128, 128, 4];
-    let stages = mlp_pipeline(
-        &widths,
-        args.pp as usize,
-        &AdamConfig::new().into(),
-        args.lr,
-        &device,
-    )
-    .ok_or_else(|| {
-        Error::InvalidConfig(format!("--pp {}: the demo MLP has 1 to 3 stages", args.pp))
-    })?;
-    let sampler = DistributedSampler::new(16_384, args.batch_size, args.seed)?;
-    let batches = (0..args.steps)
-        .map(|s| {
-            sampler
-                .global_batch(s)
-                .into_iter()
-                .filter_map(|i| meshwork::data::Dataset::get(&data, i))
-                .collect()
-        })
-        .collect();
-    println!(
-        "meshwork train: pipeline of {} stages ({} schedule, {m} micro-batches), global batch {}, {} steps, attainable loss {:.4}",
-        args.pp,
-        schedule.name(),
-        args.batch_size,
-        args.steps,
-        task.attainable_loss()
-    );
-    let started = std::time::Instant::now();
-    let run = train_pipeline(
-        stages,
-        &schedule,
-        batches,
-        mlp_pipeline_inputs(),
-        &device,
-        Duration::from_secs(120),
-    )?;
-    let wall = started.elapsed().as_secs_f64();
-    let last_stage = run.records.last().map(Vec::as_slice).unwrap_or_default();
-    let mean = |r: &meshwork::parallel::pipeline_exec::StageStepRecord| {
-        r.losses.iter().sum::<f32>() / r.losses.len().max(1) as f32
-    };
-    if let (Some(first), Some(last)) = (last_stage.first(), last_stage.last()) {
-        println!(
-            "loss {:.4} → {:.4} (attainable {:.4})",
-            mean(first),
-            mean(last),
-            task.attainable_loss()
-        );
-    }
-    let step: Vec<_> = run.records.iter().filter_map(|r| r.last()).collect();
-    let timeline = recorded_timeline(&step);
-    println!(
-        "{} steps, {:.0} samples/s; last step: measured bubble {:.3} (theory {:.3}), peak stash {:?}",
-        args.steps,
-        (args.steps as usize * args.batch_size) as f64 / wall,
-        summarize(&timeline).bubble,
-        schedule.theoretical_bubble(args.pp),
-        step.iter().map(|r| r.peak_stash).collect::<Vec<_>>()
-    );
-    if let Some(path) = &args.timeline {
-        let text = if path.extension().is_some_and(|e| e == "json") {
-            chrome_trace(&step)
-        } else {
-            render_svg(&timeline)
-        };
-        std::fs::write(path, text).map_err(|e| Error::Io {
-            path: path.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        println!("timeline written to {}", path.display());
-    }
-    Ok(())
 }

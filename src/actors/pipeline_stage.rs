@@ -1,0 +1,507 @@
+//! `PipelineStageActor`: one pipeline stage of one data-parallel replica.
+//!
+//! It holds the stage's model chunks (one, or v with an interleaved schedule), its ends of the
+//! pipeline links and the communicator of its data-parallel group (the same stage in every
+//! replica). For a step, all of it moves onto the device's compute thread, which runs the
+//! stage's instruction list literally ([`run_stage_step`], EXEC-1..3), and comes back with the
+//! record (RT-1). It answers the same [`StageMsg`]s as a data-parallel [`super::stage::StageActor`],
+//! so the Supervisor drives both the same way.
+//!
+//! - PP-1: a failure anywhere in the pipeline (an error, a panic, a neighbour that never sends)
+//!   ends the step on every stage within the step time-out: the Supervisor's shutdown sets the
+//!   links' abort flag and shuts the data-parallel groups down, a panicking stage drops its
+//!   links (its neighbours see them closed), and every wait on a link is bounded.
+//! - PP-2: the error names the stage (replica and stage index), and the micro-batch: for a
+//!   panic through the phase ("backward of micro-batch 3, chunk 0"), for a link through
+//!   [`ExecError`].
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use ractor::{Actor, ActorProcessingErr, ActorRef};
+
+use super::device::{DeviceMsg, run_on};
+use super::group::{GroupActor, GroupArgs};
+use super::stage::{InitReport, StageMsg, StepReport};
+use super::supervisor::{SpawnContext, SpawnStages, Spawned};
+use crate::comm::{Communicator, LocalGroup};
+use crate::data::Dataset;
+use crate::device::MeshDevice;
+use crate::error::{Error, Result, StageId};
+use crate::events::PipelineStageStep;
+use crate::mesh::{Coord, Generation, Rank};
+use crate::optim::{LearningRate, OptimizerConfig};
+use crate::parallel::pipeline::{Chunk, Instr, PipelineSchedule, StageIndex, TimedInstr};
+use crate::parallel::pipeline_exec::{
+    StageLinks, StageStepRecord, StageWork, StepContext, links, run_stage_step,
+};
+use crate::parallel::stages::{PipelineModel, PipelineStages};
+use crate::trace::{TraceKind, TraceRecord};
+
+/// Everything the stages of a pipeline job share.
+pub(crate) struct PipelineSpec<I> {
+    pub(crate) stages: PipelineStages<I>,
+    pub(crate) plan: Arc<PipelineSchedule>,
+    pub(crate) dataset: Arc<dyn Dataset<Item = I>>,
+    pub(crate) optimizer: OptimizerConfig,
+    pub(crate) learning_rate: LearningRate,
+    /// The job's start: trace times are measured from it.
+    pub(crate) epoch: Instant,
+}
+
+/// Spawns one stage actor per rank of a dp × pp layout: every replica's stages connected by
+/// their own links, every stage index's replicas in one collective group.
+pub(crate) fn spawn_pipeline<I>(spec: Arc<PipelineSpec<I>>) -> SpawnStages<PipelineModel>
+where
+    I: Send + Sync + 'static,
+{
+    Box::new(move |cx: SpawnContext| {
+        Box::pin(async move {
+            let (dp, pp) = (cx.layout.dp(), cx.layout.pp());
+            let abort = Arc::new(AtomicBool::new(false));
+            // links[replica][stage]
+            let mut replica_links: Vec<Vec<Option<StageLinks>>> = (0..dp)
+                .map(|_| {
+                    links(&spec.plan, cx.step_timeout, abort.clone())
+                        .into_iter()
+                        .map(Some)
+                        .collect()
+                })
+                .collect();
+            // comms[stage][replica]: one data-parallel group per stage index.
+            let mut groups = Vec::new();
+            let mut others = Vec::new();
+            let mut comms: Vec<Vec<Option<Communicator>>> = Vec::new();
+            for stage in 0..pp {
+                if dp == 1 {
+                    comms.push(vec![None]);
+                    continue;
+                }
+                let group = LocalGroup::new(dp as usize, Generation(0), cx.comm.clone());
+                groups.push(group.clone());
+                comms.push(group.communicators().into_iter().map(Some).collect());
+                let members = (0..dp)
+                    .filter_map(|replica| {
+                        cx.layout.rank_of(Coord {
+                            dp: replica,
+                            pp: stage,
+                            tp: 0,
+                        })
+                    })
+                    .collect();
+                let (g, _) = Actor::spawn_linked(
+                    None,
+                    GroupActor,
+                    GroupArgs { members, group },
+                    cx.supervisor.clone(),
+                )
+                .await?;
+                others.push(g.get_cell());
+            }
+            let mut stages = Vec::new();
+            for (rank, (device, device_ref)) in cx.layout.ranks().zip(&cx.devices) {
+                let coord = cx
+                    .layout
+                    .coord_of(rank)
+                    .expect("rank inside its own layout");
+                let (r, s) = (coord.dp as usize, coord.pp as usize);
+                let id = StageId {
+                    replica: coord.dp,
+                    stage: coord.pp,
+                };
+                let args = PipelineStageArgs {
+                    id,
+                    rank,
+                    device: device.clone(),
+                    device_actor: device_ref.clone(),
+                    spec: spec.clone(),
+                    links: replica_links[r][s].take(),
+                    comm: comms[s][r].take(),
+                };
+                let (a, _) = Actor::spawn_linked(
+                    None,
+                    PipelineStageActor::<I>::default(),
+                    args,
+                    cx.supervisor.clone(),
+                )
+                .await?;
+                stages.push((a, id));
+            }
+            let model_ranks = (0..pp)
+                .filter_map(|stage| {
+                    cx.layout.rank_of(Coord {
+                        dp: 0,
+                        pp: stage,
+                        tp: 0,
+                    })
+                })
+                .map(Rank::index)
+                .collect();
+            Ok(Spawned {
+                stages,
+                shutdown: Arc::new(move || {
+                    abort.store(true, std::sync::atomic::Ordering::Relaxed);
+                    for g in &groups {
+                        g.shutdown();
+                    }
+                }),
+                others,
+                model_ranks,
+                assemble: |parts| Some(PipelineModel::merge(parts)),
+            })
+        })
+    })
+}
+
+/// The actor of one pipeline stage.
+pub struct PipelineStageActor<I>(std::marker::PhantomData<fn() -> I>);
+
+impl<I> Default for PipelineStageActor<I> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<I> std::fmt::Debug for PipelineStageActor<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PipelineStageActor")
+    }
+}
+
+/// What a pipeline stage starts from.
+pub struct PipelineStageArgs<I> {
+    id: StageId,
+    rank: Rank,
+    device: MeshDevice,
+    device_actor: ActorRef<DeviceMsg>,
+    spec: Arc<PipelineSpec<I>>,
+    links: Option<StageLinks>,
+    comm: Option<Communicator>,
+}
+
+impl<I> std::fmt::Debug for PipelineStageArgs<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PipelineStageArgs({})", self.id)
+    }
+}
+
+/// What moves onto the device thread for a step.
+struct Slot<I> {
+    chunks: Vec<Box<dyn StageWork<I>>>,
+    links: StageLinks,
+    comm: Option<Communicator>,
+}
+
+/// State of a [`PipelineStageActor`].
+pub struct PipelineStageState<I> {
+    id: StageId,
+    rank: Rank,
+    device: MeshDevice,
+    device_actor: ActorRef<DeviceMsg>,
+    spec: Arc<PipelineSpec<I>>,
+    /// Links and communicator until `Init` builds the chunks.
+    pending: Option<(StageLinks, Option<Communicator>)>,
+    slot: Option<Slot<I>>,
+}
+
+impl<I> std::fmt::Debug for PipelineStageState<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PipelineStageState({})", self.id)
+    }
+}
+
+impl<I> Actor for PipelineStageActor<I>
+where
+    I: Send + Sync + 'static,
+{
+    type Msg = StageMsg<PipelineModel>;
+    type State = PipelineStageState<I>;
+    type Arguments = PipelineStageArgs<I>;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        a: PipelineStageArgs<I>,
+    ) -> Result<PipelineStageState<I>, ActorProcessingErr> {
+        let links = a
+            .links
+            .ok_or_else(|| format!("{}: no pipeline links", a.id))?;
+        Ok(PipelineStageState {
+            id: a.id,
+            rank: a.rank,
+            device: a.device,
+            device_actor: a.device_actor,
+            spec: a.spec,
+            pending: Some((links, a.comm)),
+            slot: None,
+        })
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        msg: Self::Msg,
+        state: &mut PipelineStageState<I>,
+    ) -> Result<(), ActorProcessingErr> {
+        match msg {
+            StageMsg::Init(reply) => {
+                let _ = reply.send(init(state).await);
+            }
+            StageMsg::Step {
+                step,
+                micro_batches,
+                reply,
+            } => {
+                let _ = reply.send(step_on_device(state, step, micro_batches).await);
+            }
+            StageMsg::Fingerprint(reply) => {
+                let r = match state.slot.take() {
+                    None => Err(lost(state)),
+                    Some(slot) => {
+                        let out = run_on(&state.device_actor, "fingerprint", move || {
+                            let f = fingerprint(&slot.chunks);
+                            (slot, f)
+                        })
+                        .await;
+                        match out {
+                            Ok(Ok((slot, f))) => {
+                                state.slot = Some(slot);
+                                Ok(f)
+                            }
+                            Ok(Err(panic)) => Err(failed(state, "fingerprint", panic)),
+                            Err(e) => Err(e),
+                        }
+                    }
+                };
+                let _ = reply.send(r);
+            }
+            StageMsg::TakeModel(reply) => {
+                let plan = state.spec.plan.clone();
+                let stage = StageIndex(state.id.stage);
+                let model = state.slot.take().map(|slot| {
+                    PipelineModel::from_blocks(
+                        slot.chunks
+                            .into_iter()
+                            .enumerate()
+                            .map(|(c, w)| (plan.block(stage, Chunk(c as u32)), w.into_module()))
+                            .collect(),
+                    )
+                });
+                let _ = reply.send(model);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One fingerprint of all the stage's chunks.
+fn fingerprint<I>(chunks: &[Box<dyn StageWork<I>>]) -> u64 {
+    chunks.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, c| {
+        (h ^ c.fingerprint()).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+fn lost<I>(state: &PipelineStageState<I>) -> Error {
+    Error::StageFailed {
+        device: state.device.id(),
+        stage: state.id,
+        during: "a previous failure".into(),
+        reason: "the stage lost its state in an earlier failure".into(),
+    }
+}
+
+fn failed<I>(state: &PipelineStageState<I>, during: &str, reason: String) -> Error {
+    Error::StageFailed {
+        device: state.device.id(),
+        stage: state.id,
+        during: during.into(),
+        reason,
+    }
+}
+
+async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Result<InitReport> {
+    let Some((links, comm)) = state.pending.take() else {
+        return Err(Error::Runtime(format!("{} initialized twice", state.id)));
+    };
+    let spec = state.spec.clone();
+    let stage = StageIndex(state.id.stage);
+    let device = state.device.burn().clone();
+    let out = run_on(&state.device_actor, "init", move || {
+        // Every replica builds its chunks from the same records: they start identical.
+        let chunks: Vec<Box<dyn StageWork<I>>> = (0..spec.plan.virtual_stages())
+            .map(|c| {
+                let block = &spec.stages.blocks[spec.plan.block(stage, Chunk(c)) as usize];
+                (block.build)(&device, &spec.optimizer, spec.learning_rate.clone())
+            })
+            .collect();
+        let f = fingerprint(&chunks);
+        (chunks, f)
+    })
+    .await?;
+    match out {
+        Ok((chunks, f)) => {
+            state.slot = Some(Slot {
+                chunks,
+                links,
+                comm,
+            });
+            Ok(InitReport {
+                before: f,
+                after: f,
+            })
+        }
+        Err(panic) => Err(failed(state, "building the stage", panic)),
+    }
+}
+
+/// What a running instruction is called in a failure report.
+fn describe(instr: &Instr) -> String {
+    let what = match instr {
+        Instr::RecvActivation { .. } => "receiving the activation",
+        Instr::Forward { .. } => "forward",
+        Instr::SendActivation { .. } => "sending the activation",
+        Instr::RecvGradient { .. } => "receiving the gradient",
+        Instr::Backward { .. } => "backward",
+        Instr::SendGradient { .. } => "sending the gradient",
+    };
+    format!(
+        "{what} of micro-batch {} (chunk {})",
+        instr.mb().0,
+        instr.chunk().0
+    )
+}
+
+async fn step_on_device<I: Send + Sync + 'static>(
+    state: &mut PipelineStageState<I>,
+    step: u64,
+    micro_batches: Vec<Vec<usize>>,
+) -> Result<StepReport> {
+    let Some(mut slot) = state.slot.take() else {
+        return Err(lost(state));
+    };
+    let spec = state.spec.clone();
+    let stage = StageIndex(state.id.stage);
+    let phase = Arc::new(Mutex::new(String::from("loading the micro-batches")));
+    let thread_phase = phase.clone();
+    let ids = micro_batches.clone();
+    let out = run_on(&state.device_actor, format!("step {step}"), move || {
+        let items: Result<Vec<Vec<I>>> = ids
+            .iter()
+            .map(|mb| {
+                mb.iter()
+                    .map(|&i| {
+                        spec.dataset
+                            .get(i)
+                            .ok_or_else(|| Error::Data(format!("sample {i} could not be read")))
+                    })
+                    .collect()
+            })
+            .collect();
+        let items = match items {
+            Ok(items) => items,
+            Err(e) => return (slot, Err(e)),
+        };
+        let on_instr = |instr: &Instr| {
+            *thread_phase.lock().unwrap_or_else(|e| e.into_inner()) = describe(instr);
+        };
+        let inputs = |items: &[I], d: &burn::tensor::Device| (spec.stages.inputs)(items, d);
+        let r = run_stage_step(
+            &mut slot.chunks,
+            StepContext {
+                schedule: &spec.plan,
+                stage,
+                links: &slot.links,
+                micro_batches: &items,
+                inputs: &inputs,
+                replicas: slot.comm.as_mut(),
+                on_instr: &on_instr,
+            },
+        );
+        (slot, r.map_err(Error::from))
+    })
+    .await?;
+    match out {
+        Ok((slot, r)) => {
+            state.slot = Some(slot);
+            let record = r?;
+            Ok(report(state, step, micro_batches, record))
+        }
+        Err(panic) => {
+            let during = phase.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            Err(failed(state, &during, panic))
+        }
+    }
+}
+
+/// The step's report: trace records and the timeline in microseconds since the job started.
+fn report<I>(
+    state: &PipelineStageState<I>,
+    step: u64,
+    micro_batches: Vec<Vec<usize>>,
+    record: StageStepRecord,
+) -> StepReport {
+    let epoch = state.spec.epoch;
+    let us = |t: Instant| t.saturating_duration_since(epoch).as_micros() as u64;
+    let samples = micro_batches.first().map_or(0, Vec::len) as u32;
+    let mut trace: Vec<TraceRecord> = record
+        .executed
+        .iter()
+        .map(|(instr, s, e)| TraceRecord {
+            rank: state.rank,
+            step,
+            kind: match *instr {
+                Instr::Forward { mb, .. } => TraceKind::Forward {
+                    micro_batch: mb.0,
+                    samples,
+                },
+                Instr::Backward { mb, .. } => TraceKind::Backward { micro_batch: mb.0 },
+                Instr::SendActivation { mb, to, .. } | Instr::SendGradient { mb, to, .. } => {
+                    TraceKind::Send {
+                        micro_batch: mb.0,
+                        to: to.0,
+                    }
+                }
+                Instr::RecvActivation { mb, from, .. } | Instr::RecvGradient { mb, from, .. } => {
+                    TraceKind::Recv {
+                        micro_batch: mb.0,
+                        from: from.0,
+                    }
+                }
+            },
+            start_us: us(*s),
+            duration_us: e.saturating_duration_since(*s).as_micros() as u64,
+        })
+        .collect();
+    if let Some((s, e)) = record.update {
+        trace.push(TraceRecord {
+            rank: state.rank,
+            step,
+            kind: TraceKind::OptimizerStep,
+            start_us: us(s),
+            duration_us: e.saturating_duration_since(s).as_micros() as u64,
+        });
+    }
+    let local_loss = (!record.losses.is_empty())
+        .then(|| record.losses.iter().sum::<f32>() / record.losses.len() as f32);
+    StepReport {
+        rank: state.rank,
+        sample_ids: micro_batches.concat(),
+        local_loss,
+        learning_rate: record.learning_rate,
+        trace,
+        pipeline: Some(PipelineStageStep {
+            executed: record
+                .executed
+                .iter()
+                .map(|(instr, s, e)| TimedInstr {
+                    instr: *instr,
+                    start: us(*s),
+                    end: us(*e),
+                })
+                .collect(),
+            peak_stash: record.peak_stash,
+            peak_activation_bytes: record.peak_stash_bytes,
+        }),
+    }
+}

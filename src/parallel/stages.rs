@@ -1,0 +1,217 @@
+//! How a user hands a model to a pipeline job: an ordered list of stage modules, each with its
+//! forward (or, for the last, its loss), and what comes back: the trained modules.
+//!
+//! ```text
+//! let stages = PipelineStages::new(|items: &[Sample], d: &Device| vec![AnyTensor::D2(x(items, d))])
+//!     .stage(encoder, |m: &Encoder, x: Boundary| vec![AnyTensor::D2(m.forward(two(&x)))])
+//!     .last(head, |m: &Head, x: Boundary, items: &[Sample], d: &Device| mse(m.forward(two(&x)), y(items, d)));
+//! Job::builder().pipeline(stages, Schedule::OneFOneB { micro_batches: 8 }).data_parallel(2) …
+//! ```
+//!
+//! The modules are ordinary Burn modules: nothing in them knows about meshwork. With an
+//! interleaved schedule of v virtual stages per device, the list holds K·v blocks; block `b`
+//! runs on device `b mod K` (Megatron-LM's layout).
+
+use std::any::Any;
+use std::sync::{Arc, Mutex};
+
+use burn::module::Module;
+use burn::tensor::{Device, Tensor};
+
+use super::pipeline_exec::{Boundary, InputsFn, StageWork, TypedStage};
+use crate::optim::{LearningRate, OptimizerConfig};
+
+/// Builds one block's stage on a device (called once per data-parallel replica).
+type BuildFn<I> =
+    Arc<dyn Fn(&Device, &OptimizerConfig, LearningRate) -> Box<dyn StageWork<I>> + Send + Sync>;
+
+/// One block of the model: how to build its stage.
+pub(crate) struct Block<I> {
+    pub(crate) build: BuildFn<I>,
+    pub(crate) is_last: bool,
+}
+
+impl<I> Clone for Block<I> {
+    fn clone(&self) -> Self {
+        Self {
+            build: self.build.clone(),
+            is_last: self.is_last,
+        }
+    }
+}
+
+/// The model of a pipeline job: its blocks in order, and how the first block's input is built.
+pub struct PipelineStages<I> {
+    pub(crate) inputs: InputsFn<I>,
+    pub(crate) blocks: Vec<Block<I>>,
+}
+
+impl<I> Clone for PipelineStages<I> {
+    fn clone(&self) -> Self {
+        Self {
+            inputs: self.inputs.clone(),
+            blocks: self.blocks.clone(),
+        }
+    }
+}
+
+impl<I> std::fmt::Debug for PipelineStages<I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PipelineStages({} blocks)", self.blocks.len())
+    }
+}
+
+impl<I: 'static> PipelineStages<I> {
+    /// An empty list; `inputs` builds the first block's boundary from a micro-batch's items on
+    /// the first stage's device.
+    pub fn new(inputs: impl Fn(&[I], &Device) -> Boundary + Send + Sync + 'static) -> Self {
+        Self {
+            inputs: Arc::new(inputs),
+            blocks: Vec::new(),
+        }
+    }
+
+    /// Add a block computing `forward`: its output crosses to the next block.
+    pub fn stage<M: Module + 'static>(
+        self,
+        module: M,
+        forward: impl Fn(&M, Boundary) -> Boundary + Send + Sync + Clone + 'static,
+    ) -> Self {
+        self.push(module, false, move |m, d, o, lr| {
+            Box::new(TypedStage::new(m, forward.clone(), o, lr, d))
+        })
+    }
+
+    /// Like [`stage`](Self::stage), keeping only the block's inputs between a micro-batch's
+    /// forward and its backward and running the forward again during the backward
+    /// (activation checkpointing): less memory for more compute.
+    pub fn stage_recomputed<M: Module + 'static>(
+        self,
+        module: M,
+        forward: impl Fn(&M, Boundary) -> Boundary + Send + Sync + Clone + 'static,
+    ) -> Self {
+        self.push(module, false, move |m, d, o, lr| {
+            Box::new(TypedStage::new(m, forward.clone(), o, lr, d).with_recompute(true))
+        })
+    }
+
+    /// Add the last block: its forward ends in the mean loss over the micro-batch's items
+    /// (targets are read from the items on the last stage).
+    pub fn last<M: Module + 'static>(
+        self,
+        module: M,
+        loss: impl Fn(&M, Boundary, &[I], &Device) -> Tensor<1> + Send + Sync + Clone + 'static,
+    ) -> Self {
+        self.push(module, true, move |m, d, o, lr| {
+            Box::new(TypedStage::last(m, loss.clone(), o, lr, d))
+        })
+    }
+
+    fn push<M: Module + 'static>(
+        mut self,
+        module: M,
+        is_last: bool,
+        make: impl Fn(M, &Device, &OptimizerConfig, LearningRate) -> Box<dyn StageWork<I>>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        // Each replica builds its stage from a copy of the same record.
+        let module = Mutex::new(module);
+        self.blocks.push(Block {
+            build: Arc::new(move |device, optimizer, lr| {
+                let m = module.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                make(m, device, optimizer, lr)
+            }),
+            is_last,
+        });
+        self
+    }
+
+    /// Number of blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether no block was added.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Why these blocks cannot form a pipeline, if they cannot: at least one block, exactly one
+    /// `last` block and it is the final one.
+    pub(crate) fn problem(&self) -> Option<String> {
+        let lasts = self.blocks.iter().filter(|b| b.is_last).count();
+        if self.blocks.is_empty() {
+            return Some(
+                "the pipeline has no stages: add them with .stage(..) and .last(..)".into(),
+            );
+        }
+        if lasts != 1 || !self.blocks.last().is_some_and(|b| b.is_last) {
+            return Some(format!(
+                "the pipeline needs exactly one .last(..) block, at the end ({lasts} found)"
+            ));
+        }
+        None
+    }
+}
+
+/// The trained modules of a pipeline job, block by block.
+pub struct PipelineModel {
+    blocks: Vec<(u32, Box<dyn Any + Send>)>,
+}
+
+impl std::fmt::Debug for PipelineModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PipelineModel({} blocks)", self.blocks.len())
+    }
+}
+
+impl Clone for PipelineModel {
+    /// Only the block indices survive a clone (the modules are type-erased); the runtime never
+    /// clones a pipeline model.
+    fn clone(&self) -> Self {
+        Self { blocks: Vec::new() }
+    }
+}
+
+impl PipelineModel {
+    pub(crate) fn from_blocks(blocks: Vec<(u32, Box<dyn Any + Send>)>) -> Self {
+        Self { blocks }
+    }
+
+    /// Merge the blocks of several stages, in block order.
+    pub(crate) fn merge(parts: Vec<PipelineModel>) -> Self {
+        let mut blocks: Vec<_> = parts.into_iter().flat_map(|p| p.blocks).collect();
+        blocks.sort_by_key(|(i, _)| *i);
+        Self { blocks }
+    }
+
+    /// Number of blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether there is no block.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// Block `index`, if it is an `M`.
+    pub fn block<M: 'static>(&self, index: usize) -> Option<&M> {
+        self.blocks
+            .iter()
+            .find(|(i, _)| *i as usize == index)
+            .and_then(|(_, b)| b.downcast_ref::<M>())
+    }
+
+    /// Take block `index` out, if it is an `M`.
+    pub fn take_block<M: 'static>(&mut self, index: usize) -> Option<M> {
+        let pos = self
+            .blocks
+            .iter()
+            .position(|(i, b)| *i as usize == index && b.downcast_ref::<M>().is_some())?;
+        let (_, b) = self.blocks.remove(pos);
+        b.downcast::<M>().ok().map(|b| *b)
+    }
+}
