@@ -105,6 +105,8 @@ pub struct PipelineStep {
 pub struct ReplicaStep {
     /// The rank.
     pub rank: Rank,
+    /// Its replica and pipeline stage (stage 0 without pipeline parallelism).
+    pub stage: crate::error::StageId,
     /// The ids of the samples it trained on, in the order used.
     pub sample_ids: Vec<usize>,
     /// Its mean loss over its samples (`None` on pipeline stages that do not compute the
@@ -114,4 +116,6 @@ pub struct ReplicaStep {
     pub breakdown: TimeBreakdown,
     /// Its trace records of this step.
     pub trace: Vec<TraceRecord>,
+    /// A pipeline stage's instructions as they ran, and its stash figures.
+    pub pipeline: Option<PipelineStageStep>,
 }

@@ -101,6 +101,8 @@ pub fn batches_from_events(steps: &[StepDone]) -> Vec<Vec<usize>> {
         .map(|s| {
             s.replicas
                 .iter()
+                // A pipeline's stages all report their replica's samples: count them once.
+                .filter(|r| r.stage.stage == 0)
                 .flat_map(|r| r.sample_ids.clone())
                 .collect()
         })
@@ -151,7 +153,7 @@ pub async fn run_recording<M, I>(
     Vec<crate::events::JobEvent>,
 )
 where
-    M: Module + 'static,
+    M: Send + 'static,
     I: Send + Sync + 'static,
 {
     let handle = match job.spawn().await {

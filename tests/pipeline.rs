@@ -1,32 +1,33 @@
-//! Pipeline execution equals one device (first slice: stages in one process, dp = 1).
+//! Pipeline jobs equal one device.
 //!
-//! Each configuration trains the same initial stage modules on the same data with the pipeline
-//! executor and with a plain single-device Burn loop that runs the same stage functions one
-//! after the other on the whole batch; every parameter tensor must match:
-//! `max|a − b| ≤ 1e-5 · max|reference|` (f32). The trace proves each stage ran exactly its
-//! schedule's list and, for M ≥ 2, that stages computed at the same time.
+//! Each configuration trains the same initial blocks on the same data with a pipeline job
+//! (stage actors, one device each, `Job::builder().pipeline(..)`) and with a plain
+//! single-device Burn loop that runs the same block functions one after the other on each
+//! step's global batch (the sample ids the step events report); after 10 steps every parameter
+//! tensor must match: `max|a − b| ≤ 1e-5 · max|reference|` (f32). The recorded instructions
+//! prove every stage of every replica ran exactly its schedule's list, on its own device, and,
+//! for M ≥ 2, that stages computed at the same time (a job that quietly ran every stage on one
+//! actor fails this).
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
-use meshwork::comm::{CommConfig, Communicator, LocalGroup};
+use meshwork::data::{Dataset, InMemoryDataset};
 use meshwork::demo::{Sample, TeacherTask, batch_tensors};
-use meshwork::mesh::Generation;
-use meshwork::optim::{LearningRate, OptimizerConfig};
+use meshwork::events::{JobEvent, StepDone};
+use meshwork::job::{Job, PipelineModel, PipelineStages};
 use meshwork::parallel::pipeline::{Instr, Schedule, StageIndex};
-use meshwork::parallel::pipeline_exec::{
-    AnyTensor, Boundary, StageStepRecord, StageWork, TypedStage, links, run_stage_step,
-};
-use meshwork::testing::compare_parameters;
+use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
+use meshwork::testing::{batches_from_events, compare_parameters, run_recording, steps_of};
 
 const TOLERANCE: f32 = 1e-5;
-const STEPS: usize = 4;
+const STEPS: u64 = 10;
 const BATCH: usize = 16;
+const LR: f64 = 0.05;
 
 #[derive(Module, Debug)]
 struct Block {
@@ -34,14 +35,14 @@ struct Block {
     skip: Option<Linear>,
 }
 
-/// How the stages of a test model hand tensors on.
+/// How the blocks of a test model hand tensors on.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Shape {
     /// One rank-2 tensor crosses each boundary.
     Plain,
-    /// Stage 0 sends a rank-3 tensor.
+    /// Block 0 sends a rank-3 tensor.
     Rank3,
-    /// Stage 0 sends two tensors (its output and its input: a skip connection).
+    /// Block 0 sends two tensors (its output and its input: a skip connection into block 1).
     Skip,
 }
 
@@ -56,7 +57,7 @@ fn two(b: &Boundary, i: usize) -> Tensor<2> {
     }
 }
 
-fn stage_forward(
+fn block_forward(
     index: usize,
     last: usize,
     shape: Shape,
@@ -97,311 +98,470 @@ fn blocks(widths: &[usize], shape: Shape, device: &Device) -> Vec<Block> {
         .collect()
 }
 
-fn data() -> Vec<Sample> {
-    let t = TeacherTask {
-        d_in: 8,
-        d_out: 3,
+fn data(d_in: usize, d_out: usize) -> InMemoryDataset<Sample> {
+    TeacherTask {
+        d_in,
+        d_out,
         noise: 0.1,
         seed: 4,
-    };
-    let d = t.dataset(BATCH * STEPS);
-    (0..BATCH * STEPS)
-        .map(|i| meshwork::data::Dataset::get(&d, i).unwrap())
-        .collect()
+    }
+    .dataset(BATCH * 4)
 }
 
-/// Run the pipeline; return the trained blocks and each stage's records.
-/// Run `dp` replicas of the pipeline (dp × K threads); return replica 0's trained blocks and
-/// its stages' records, after checking every replica ended identical (EXEC-3).
-fn run_pipeline(
-    schedule: Schedule,
+/// The blocks as a pipeline: every block forwards, the last ends in the loss.
+fn as_stages(init: &[Block], shape: Shape) -> PipelineStages<Sample> {
+    let last = init.len() - 1;
+    let mut stages = PipelineStages::new(|items: &[Sample], d: &Device| {
+        vec![AnyTensor::D2(batch_tensors(items, d).0)]
+    });
+    for (i, b) in init.iter().enumerate() {
+        let f = block_forward(i, last, shape);
+        stages = if i == last {
+            stages.last(
+                b.clone(),
+                move |m: &Block, x: Boundary, items: &[Sample], d: &Device| {
+                    let (_, y) = batch_tensors(items, d);
+                    mse(two(&f(m, x), 0), y)
+                },
+            )
+        } else {
+            stages.stage(b.clone(), f)
+        };
+    }
+    stages
+}
+
+/// The plain loop: all block functions in sequence on one device, one global batch per step.
+fn run_reference(
     init: Vec<Block>,
     shape: Shape,
-    dp: usize,
-    recompute: bool,
-) -> (Vec<Block>, Vec<Vec<StageStepRecord>>) {
-    let k = init.len() as u32;
-    let plan = Arc::new(schedule.instructions(k).expect("valid schedule"));
-    let m = schedule.micro_batches() as usize;
-    let samples = Arc::new(data());
-    let optimizer: OptimizerConfig = SgdConfig::new().into();
-    // One data-parallel group per stage index: that stage in every replica.
-    let mut groups: Vec<Vec<Communicator>> = (0..k)
-        .map(|_| LocalGroup::new(dp, Generation(0), CommConfig::default()).communicators())
-        .collect();
-    let mut handles = Vec::new();
-    for replica in 0..dp {
-        for (i, (block, link)) in init
-            .clone()
-            .into_iter()
-            .zip(links(k, Duration::from_secs(20)))
-            .enumerate()
-        {
-            let plan = plan.clone();
-            let samples = samples.clone();
-            let optimizer = optimizer.clone();
-            let mut comm = groups[i].remove(0);
-            handles.push(std::thread::spawn(move || {
-                let device = Device::flex();
-                let last = k as usize - 1;
-                let mut stage: Box<dyn StageWork<Sample>> = if i == last {
-                    let f = stage_forward(i, last, shape);
-                    Box::new(TypedStage::last(
-                        block,
-                        move |b: &Block, x: Boundary, items: &[Sample], d: &Device| {
-                            let (_, y) = batch_tensors(items, d);
-                            mse(two(&f(b, x), 0), y)
-                        },
-                        &optimizer,
-                        LearningRate::Constant(0.05),
-                        &device,
-                    ))
-                } else {
-                    Box::new(
-                        TypedStage::new(
-                            block,
-                            stage_forward(i, last, shape),
-                            &optimizer,
-                            LearningRate::Constant(0.05),
-                            &device,
-                        )
-                        .with_recompute(recompute),
-                    )
-                };
-                let ad = device.clone().autodiff();
-                let inputs =
-                    move |items: &[Sample]| vec![AnyTensor::D2(batch_tensors(items, &ad).0)];
-                let mut records = Vec::new();
-                let share = BATCH / dp;
-                for step in 0..STEPS {
-                    // This replica's share of the global batch, cut into M micro-batches.
-                    let start = step * BATCH + replica * share;
-                    let batch = &samples[start..start + share];
-                    let micro: Vec<Vec<Sample>> =
-                        batch.chunks(share / m).map(<[Sample]>::to_vec).collect();
-                    records.push(
-                        run_stage_step(
-                            stage.as_mut(),
-                            &plan,
-                            StageIndex(i as u32),
-                            &link,
-                            &micro,
-                            &inputs,
-                            &device,
-                            (dp > 1).then_some(&mut comm),
-                        )
-                        .unwrap_or_else(|e| panic!("replica {replica} stage {i} step {step}: {e}")),
-                    );
-                }
-                let block = *stage.into_module().downcast::<Block>().expect("a Block");
-                (block, records)
-            }));
-        }
-    }
-    let mut results: Vec<(Block, Vec<StageStepRecord>)> = handles
-        .into_iter()
-        .map(|h| h.join().expect("stage thread"))
-        .collect();
-    let others = results.split_off(k as usize);
-    for (i, (block, _)) in others.iter().enumerate() {
-        let stage = i % k as usize;
-        compare_parameters(block, &results[stage].0, 0.0).unwrap_or_else(|e| {
-            panic!(
-                "replica {} of stage {stage} differs: {e}",
-                i / k as usize + 1
-            )
-        });
-    }
-    results.into_iter().unzip()
-}
-
-/// The plain loop: all stage functions in sequence on one device, one batch per step.
-fn run_reference(init: Vec<Block>, shape: Shape) -> Vec<Block> {
+    data: &InMemoryDataset<Sample>,
+    batches: &[Vec<usize>],
+) -> Vec<Block> {
     let device = Device::flex();
     let ad = device.clone().autodiff();
     let mut model: Vec<Block> = init.into_iter().map(|b| b.fork(&ad).train()).collect();
     let mut optims: Vec<_> = model.iter().map(|_| SgdConfig::new().init()).collect();
-    let samples = data();
     let last = model.len() - 1;
-    for step in 0..STEPS {
-        let batch = &samples[step * BATCH..(step + 1) * BATCH];
-        let (x, y) = batch_tensors(batch, &ad);
+    for ids in batches {
+        let batch: Vec<Sample> = ids.iter().filter_map(|&i| data.get(i)).collect();
+        let (x, y) = batch_tensors(&batch, &ad);
         let mut h: Boundary = vec![AnyTensor::D2(x)];
         for (i, b) in model.iter().enumerate() {
-            h = stage_forward(i, last, shape)(b, h);
+            h = block_forward(i, last, shape)(b, h);
         }
         let mut grads = mse(two(&h, 0), y).backward();
-        let per_stage: Vec<GradientsParams> = model
+        let per_block: Vec<GradientsParams> = model
             .iter()
             .map(|b| GradientsParams::from_module(&mut grads, b))
             .collect();
         model = model
             .into_iter()
-            .zip(per_stage)
+            .zip(per_block)
             .zip(optims.iter_mut())
-            .map(|((b, g), o)| o.step(0.05, b, g))
+            .map(|((b, g), o)| o.step(LR, b, g))
             .collect();
     }
     model
 }
 
-fn check(schedule: Schedule, widths: &[usize], shape: Shape) -> Vec<Vec<StageStepRecord>> {
-    check_mesh(schedule, widths, shape, 1, false)
-}
-
-fn check_mesh(
-    schedule: Schedule,
-    widths: &[usize],
-    shape: Shape,
-    dp: usize,
-    recompute: bool,
-) -> Vec<Vec<StageStepRecord>> {
-    // One initial record for both sides: Flex's generator is process-global and tests run
-    // in parallel.
+/// Train `widths` as a dp × pp pipeline job and check it against the plain loop; returns the
+/// step events.
+async fn check(schedule: Schedule, widths: &[usize], shape: Shape, dp: u32) -> Vec<StepDone> {
     let init = blocks(widths, shape, &Device::flex());
-    let (trained, records) = run_pipeline(schedule, init.clone(), shape, dp, recompute);
-    for (a, b) in trained.iter().zip(&init) {
+    let d = data(widths[0], *widths.last().unwrap());
+    let v = schedule.virtual_stages() as usize;
+    let pp = init.len() / v;
+    let job = Job::builder()
+        .pipeline(as_stages(&init, shape), schedule)
+        .data_parallel(dp)
+        .data(d.clone())
+        .batch_size(BATCH)
+        .optimizer(SgdConfig::new())
+        .learning_rate(LR)
+        .steps(STEPS)
+        .seed(3)
+        .step_timeout(Duration::from_secs(60))
+        .build()
+        .expect("a valid pipeline job");
+    let (trained, events) = tokio::time::timeout(Duration::from_secs(300), run_recording(job))
+        .await
+        .expect("the job ends");
+    let mut trained: PipelineModel = trained
+        .unwrap_or_else(|e| panic!("{schedule:?}: {e}"))
+        .model;
+    let steps = steps_of(&events);
+    assert_eq!(steps.len() as u64, STEPS);
+    let reference = run_reference(init.clone(), shape, &d, &batches_from_events(&steps));
+    let label = format!("{schedule:?} dp={dp} {widths:?} {shape:?}");
+    for (i, (r, b0)) in reference.iter().zip(&init).enumerate() {
+        let b = trained
+            .take_block::<Block>(i)
+            .unwrap_or_else(|| panic!("{label}: block {i} came back"));
         assert!(
-            compare_parameters(a, b, 1e-4).is_err(),
-            "training moved every stage"
+            compare_parameters(&b, b0, 1e-4).is_err(),
+            "{label}: block {i} trained"
         );
+        compare_parameters(&b, r, TOLERANCE).unwrap_or_else(|e| panic!("{label} block {i}: {e}"));
     }
-    let reference = run_reference(init, shape);
-    let plan = schedule.instructions(trained.len() as u32).unwrap();
-    for (i, (a, b)) in trained.iter().zip(&reference).enumerate() {
-        compare_parameters(a, b, TOLERANCE)
-            .unwrap_or_else(|e| panic!("{schedule:?} {shape:?} stage {i}: {e}"));
-        for r in &records[i] {
-            let ran: Vec<Instr> = r.executed.iter().map(|(instr, _, _)| *instr).collect();
+    // Replicas of a stage end identical.
+    let fingerprints = events
+        .iter()
+        .find_map(|e| match e {
+            JobEvent::Finished { fingerprints, .. } => Some(fingerprints.clone()),
+            _ => None,
+        })
+        .expect("a Finished event");
+    assert_eq!(fingerprints.len(), dp as usize * pp);
+    // Every stage of every replica ran exactly its list, every step.
+    let plan = schedule.instructions(pp as u32).unwrap();
+    for s in &steps {
+        assert_eq!(s.replicas.len(), dp as usize * pp, "one report per stage");
+        for r in &s.replicas {
+            let ran: Vec<Instr> = r
+                .pipeline
+                .as_ref()
+                .expect("a pipeline record")
+                .executed
+                .iter()
+                .map(|t| t.instr)
+                .collect();
             assert_eq!(
                 ran,
-                plan.list(StageIndex(i as u32)),
-                "stage {i} ran exactly its list"
+                plan.list(StageIndex(r.stage.stage)),
+                "{label}: {} ran exactly its list",
+                r.stage
             );
         }
+        let p = s.pipeline.as_ref().expect("pipeline figures");
+        assert_eq!(p.timeline.len(), pp);
+        assert!(p.bubble >= 0.0 && p.bubble < 1.0, "{}", p.bubble);
     }
-    let last = records.last().unwrap();
-    assert!(
-        last.iter()
-            .all(|r| r.losses.len() == schedule.micro_batches() as usize)
-    );
-    records
+    steps
 }
 
-#[test]
-fn pp_2_and_4_gpipe_and_1f1b_match_one_device() {
+/// Whether stage 0 and stage 1 of replica 0 ever computed at the same time.
+fn stages_overlap(steps: &[StepDone]) -> bool {
+    let compute = |stage: u32| -> Vec<(u64, u64)> {
+        steps
+            .iter()
+            .flat_map(|s| s.replicas.iter())
+            .filter(|r| r.stage.replica == 0 && r.stage.stage == stage)
+            .flat_map(|r| r.pipeline.iter().flat_map(|p| p.executed.iter()))
+            .filter(|t| t.instr.is_compute())
+            .map(|t| (t.start, t.end))
+            .collect()
+    };
+    let (a, b) = (compute(0), compute(1));
+    a.iter()
+        .any(|(s0, e0)| b.iter().any(|(s1, e1)| s0 < e1 && s1 < e0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pp_2_and_4_every_schedule_and_micro_batch_count_match_one_device() {
+    let started = Instant::now();
     for m in [1, 4, 8] {
         for schedule in [
             Schedule::GPipe { micro_batches: m },
             Schedule::OneFOneB { micro_batches: m },
         ] {
-            check(schedule, &[8, 32, 3], Shape::Plain);
-            check(schedule, &[8, 32, 16, 12, 3], Shape::Plain);
+            check(schedule, &[8, 32, 3], Shape::Plain, 1).await;
+            check(schedule, &[8, 32, 16, 12, 3], Shape::Plain, 1).await;
         }
     }
+    // Interleaved needs M to be a multiple of K: K·v blocks, v = 2.
+    for m in [4, 8] {
+        let schedule = Schedule::Interleaved {
+            micro_batches: m,
+            virtual_stages: 2,
+        };
+        check(schedule, &[8, 32, 16, 12, 3], Shape::Plain, 1).await;
+        check(
+            schedule,
+            &[8, 32, 16, 16, 16, 16, 16, 12, 3],
+            Shape::Plain,
+            1,
+        )
+        .await;
+    }
+    eprintln!("20 configurations in {:?}", started.elapsed());
 }
 
-#[test]
-fn a_rank_3_boundary_and_two_tensors_across_a_boundary_match_one_device() {
-    check(
-        Schedule::OneFOneB { micro_batches: 4 },
-        &[8, 32, 3],
-        Shape::Rank3,
-    );
-    check(
-        Schedule::GPipe { micro_batches: 4 },
-        &[8, 32, 16, 3],
-        Shape::Skip,
-    );
-}
-
-#[test]
-fn stages_compute_at_the_same_time() {
-    // Wide layers so a forward takes long enough to overlap with the neighbour's.
-    let records = check(
-        Schedule::GPipe { micro_batches: 8 },
-        &[8, 512, 512, 3],
-        Shape::Plain,
-    );
-    let compute = |stage: usize| -> Vec<(std::time::Instant, std::time::Instant)> {
-        records[stage]
-            .iter()
-            .flat_map(|r| r.executed.iter())
-            .filter(|(i, _, _)| matches!(i, Instr::Forward { .. } | Instr::Backward { .. }))
-            .map(|(_, s, e)| (*s, *e))
-            .collect()
-    };
-    let (a, b) = (compute(0), compute(1));
-    let overlaps = a
-        .iter()
-        .any(|(s0, e0)| b.iter().any(|(s1, e1)| s0 < e1 && s1 < e0));
-    assert!(
-        overlaps,
-        "stage 0 and stage 1 never computed at the same time"
-    );
-}
-
-#[test]
-fn exec_3_dp_2_by_pp_2_matches_one_device() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stages_with_different_activation_shapes_match_one_device() {
+    // 784 → 1024 → 256 → 10: three blocks, three different activation widths.
     for schedule in [
         Schedule::GPipe { micro_batches: 4 },
         Schedule::OneFOneB { micro_batches: 4 },
     ] {
-        check_mesh(schedule, &[8, 32, 3], Shape::Plain, 2, false);
+        check(schedule, &[784, 1024, 256, 10], Shape::Plain, 1).await;
     }
 }
 
-#[test]
-fn recorded_steps_give_stash_bounds_memory_and_a_measured_bubble() {
-    use meshwork::parallel::pipeline::{render_svg, summarize};
-    use meshwork::parallel::pipeline_exec::{chrome_trace, recorded_timeline};
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_3_boundary_and_two_tensors_across_a_boundary_match_one_device() {
+    check(
+        Schedule::OneFOneB { micro_batches: 4 },
+        &[8, 32, 3],
+        Shape::Rank3,
+        1,
+    )
+    .await;
+    check(
+        Schedule::GPipe { micro_batches: 4 },
+        &[8, 32, 16, 3],
+        Shape::Skip,
+        1,
+    )
+    .await;
+    check(
+        Schedule::Interleaved {
+            micro_batches: 4,
+            virtual_stages: 2,
+        },
+        &[8, 32, 16, 12, 3],
+        Shape::Skip,
+        1,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp_2_by_pp_2_matches_one_device_for_every_schedule() {
+    for schedule in [
+        Schedule::GPipe { micro_batches: 4 },
+        Schedule::OneFOneB { micro_batches: 4 },
+        Schedule::Interleaved {
+            micro_batches: 4,
+            virtual_stages: 2,
+        },
+    ] {
+        let blocks: &[usize] = if schedule.virtual_stages() == 2 {
+            &[8, 32, 16, 12, 3]
+        } else {
+            &[8, 32, 3]
+        };
+        let steps = check(schedule, blocks, Shape::Plain, 2).await;
+        // Two replicas, each a whole pipeline: four stage reports per step.
+        assert!(steps.iter().all(|s| s.replicas.len() == 4));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stages_compute_at_the_same_time() {
+    // Wide enough blocks that a forward lasts long enough to overlap with the neighbour's.
+    for schedule in [
+        Schedule::GPipe { micro_batches: 8 },
+        Schedule::OneFOneB { micro_batches: 4 },
+        Schedule::Interleaved {
+            micro_batches: 4,
+            virtual_stages: 2,
+        },
+    ] {
+        let widths: &[usize] = if schedule.virtual_stages() == 2 {
+            &[8, 256, 256, 256, 3]
+        } else {
+            &[8, 512, 512, 3]
+        };
+        let steps = check(schedule, widths, Shape::Plain, 1).await;
+        assert!(
+            stages_overlap(&steps),
+            "{schedule:?}: stage 0 and stage 1 never computed at the same time"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recorded_steps_give_stash_bounds_memory_and_a_measured_bubble() {
+    use meshwork::parallel::pipeline::render_svg;
+    use meshwork::parallel::pipeline_exec::chrome_trace;
     let widths = [8, 64, 3];
-    let gpipe = check(Schedule::GPipe { micro_batches: 8 }, &widths, Shape::Plain);
+    let gpipe = check(
+        Schedule::GPipe { micro_batches: 8 },
+        &widths,
+        Shape::Plain,
+        1,
+    )
+    .await;
     let one_f_one_b = check(
         Schedule::OneFOneB { micro_batches: 8 },
         &widths,
         Shape::Plain,
-    );
+        1,
+    )
+    .await;
+    let stash = |s: &[StepDone]| -> Vec<u32> {
+        s.iter()
+            .map(|s| s.pipeline.as_ref().unwrap().peak_stash[0])
+            .collect()
+    };
     // Stage 0 of 2: GPipe stashes every micro-batch, 1F1B at most K = 2.
-    assert!(gpipe[0].iter().all(|r| r.peak_stash == 8));
-    assert!(one_f_one_b[0].iter().all(|r| r.peak_stash <= 2));
-    let bytes = |rs: &Vec<Vec<StageStepRecord>>| rs[0].iter().map(|r| r.peak_stash_bytes).max();
+    assert!(stash(&gpipe).iter().all(|&p| p == 8));
+    assert!(stash(&one_f_one_b).iter().all(|&p| p <= 2));
+    let bytes = |s: &[StepDone]| {
+        s.iter()
+            .map(|s| s.pipeline.as_ref().unwrap().peak_activation_bytes[0])
+            .max()
+    };
     assert!(
         bytes(&one_f_one_b) < bytes(&gpipe),
         "1F1B holds fewer activations"
     );
-    // The last step's measured timeline: a bubble in (0, 1), a picture, a Chrome trace.
-    let last: Vec<&StageStepRecord> = gpipe.iter().map(|s| s.last().unwrap()).collect();
-    let timeline = recorded_timeline(&last);
-    let summary = summarize(&timeline);
-    assert!(
-        summary.bubble > 0.0 && summary.bubble < 1.0,
-        "{}",
-        summary.bubble
-    );
-    assert!(render_svg(&timeline).starts_with("<svg"));
-    let trace: serde_json::Value = serde_json::from_str(&chrome_trace(&last)).unwrap();
+    // The last step's measured timeline: a picture and a Chrome trace with one box per
+    // instruction.
+    let last = gpipe.last().unwrap().pipeline.as_ref().unwrap();
+    assert!(render_svg(&last.timeline).starts_with("<svg"));
+    let trace: serde_json::Value = serde_json::from_str(&chrome_trace(&last.timeline)).unwrap();
     let boxes = trace["traceEvents"].as_array().unwrap().len();
-    assert_eq!(boxes, last.iter().map(|r| r.executed.len()).sum::<usize>());
+    assert_eq!(boxes, last.timeline.iter().map(Vec::len).sum::<usize>());
 }
 
-#[test]
-fn recompute_keeps_only_inputs_and_still_matches_one_device() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recompute_keeps_only_inputs_and_still_matches_one_device() {
     let widths = [8, 64, 32, 3];
-    let kept = check_mesh(
+    let init = blocks(&widths, Shape::Plain, &Device::flex());
+    let last = init.len() - 1;
+    let d = data(8, 3);
+    let mut stages = PipelineStages::new(|items: &[Sample], dev: &Device| {
+        vec![AnyTensor::D2(batch_tensors(items, dev).0)]
+    });
+    for (i, b) in init.iter().enumerate() {
+        let f = block_forward(i, last, Shape::Plain);
+        stages = if i == last {
+            stages.last(
+                b.clone(),
+                move |m: &Block, x: Boundary, items: &[Sample], dev: &Device| {
+                    mse(two(&f(m, x), 0), batch_tensors(items, dev).1)
+                },
+            )
+        } else {
+            stages.stage_recomputed(b.clone(), f)
+        };
+    }
+    let job = Job::builder()
+        .pipeline(stages, Schedule::GPipe { micro_batches: 4 })
+        .data(d.clone())
+        .batch_size(BATCH)
+        .optimizer(SgdConfig::new())
+        .learning_rate(LR)
+        .steps(STEPS)
+        .seed(3)
+        .build()
+        .unwrap();
+    let (trained, events) = tokio::time::timeout(Duration::from_secs(300), run_recording(job))
+        .await
+        .expect("the job ends");
+    let mut trained = trained.unwrap().model;
+    let steps = steps_of(&events);
+    let reference = run_reference(init, Shape::Plain, &d, &batches_from_events(&steps));
+    for (i, r) in reference.iter().enumerate() {
+        compare_parameters(&trained.take_block::<Block>(i).unwrap(), r, TOLERANCE).unwrap();
+    }
+    // Stage 0 stashed only its inputs: 4 micro-batches × 4 samples × 8 features × 4 bytes.
+    let p = steps[0].pipeline.as_ref().unwrap();
+    assert_eq!(p.peak_activation_bytes[0], 4 * 4 * 8 * 4);
+    let kept = check(
         Schedule::GPipe { micro_batches: 4 },
         &widths,
-        Shape::Skip,
+        Shape::Plain,
         1,
-        false,
+    )
+    .await;
+    assert!(
+        kept[0].pipeline.as_ref().unwrap().peak_activation_bytes[0] > p.peak_activation_bytes[0]
     );
-    let recomputed = check_mesh(
-        Schedule::GPipe { micro_batches: 4 },
-        &widths,
-        Shape::Skip,
-        1,
-        true,
+}
+
+/// A two-block job whose blocks call `hook` with the number of forwards the block has run
+/// (on this replica) before each forward.
+fn hooked_job(
+    hook0: impl Fn(u32) + Send + Sync + Clone + 'static,
+    hook1: impl Fn(u32) + Send + Sync + Clone + 'static,
+    collective_timeout: Duration,
+) -> Job<PipelineModel, Sample> {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let init = blocks(&[8, 16, 3], Shape::Plain, &Device::flex());
+    let (c0, c1) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let stages = PipelineStages::new(|items: &[Sample], d: &Device| {
+        vec![AnyTensor::D2(batch_tensors(items, d).0)]
+    })
+    .stage(init[0].clone(), move |m: &Block, x: Boundary| {
+        hook0(c0.fetch_add(1, Ordering::SeqCst));
+        vec![AnyTensor::D2(relu(m.linear.forward(two(&x, 0))))]
+    })
+    .last(
+        init[1].clone(),
+        move |m: &Block, x: Boundary, items: &[Sample], d: &Device| {
+            hook1(c1.fetch_add(1, Ordering::SeqCst));
+            mse(m.linear.forward(two(&x, 0)), batch_tensors(items, d).1)
+        },
     );
-    let bytes = |r: &Vec<Vec<StageStepRecord>>| r[0].iter().map(|s| s.peak_stash_bytes).max();
-    assert!(bytes(&recomputed) < bytes(&kept), "recompute stashes less");
+    Job::builder()
+        .pipeline(stages, Schedule::GPipe { micro_batches: 4 })
+        .data(data(8, 3))
+        .batch_size(BATCH)
+        .steps(STEPS)
+        .collective_timeout(collective_timeout)
+        .step_timeout(Duration::from_secs(60))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pp_1_a_panicking_stage_ends_the_job_naming_the_stage_and_micro_batch() {
+    use meshwork::Error;
+    // The last stage panics in the forward of micro-batch 2 of step 1 (its 7th forward).
+    let job = hooked_job(
+        |_| {},
+        |n| assert!(n != 6, "injected failure"),
+        Duration::from_secs(30),
+    );
+    let started = Instant::now();
+    let (outcome, events) = tokio::time::timeout(Duration::from_secs(60), run_recording(job))
+        .await
+        .expect("the job ends");
+    match outcome {
+        Err(Error::StageFailed { stage, during, .. }) => {
+            assert_eq!((stage.replica, stage.stage), (0, 1));
+            assert_eq!(during, "forward of micro-batch 2 (chunk 0)");
+        }
+        other => panic!("expected StageFailed, got {other:?}"),
+    }
+    // The neighbour was woken at once, not after the 30 s link time-out.
+    assert!(started.elapsed() < Duration::from_secs(20));
+    assert_eq!(steps_of(&events).len(), 1, "step 0 finished, step 1 failed");
+    assert!(matches!(events.last(), Some(JobEvent::Failed(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pp_1_a_neighbour_that_never_sends_is_a_typed_time_out_not_a_hang() {
+    use meshwork::Error;
+    use meshwork::parallel::pipeline_exec::ExecError;
+    // Stage 0 stalls for 4 s in its first forward of step 1; links time out after 500 ms.
+    let job = hooked_job(
+        |n| {
+            if n == 4 {
+                std::thread::sleep(Duration::from_secs(4));
+            }
+        },
+        |_| {},
+        Duration::from_millis(500),
+    );
+    let started = Instant::now();
+    let (outcome, _) = tokio::time::timeout(Duration::from_secs(60), run_recording(job))
+        .await
+        .expect("the job ends");
+    match outcome {
+        Err(Error::Pipeline(ExecError::Timeout {
+            stage, from, mb, ..
+        })) => assert_eq!((stage, from, mb), (1, 0, 0)),
+        other => panic!("expected a link time-out, got {other:?}"),
+    }
+    // The time-out plus the failure grace, not the stalled stage's 4 s.
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        started.elapsed()
+    );
 }

@@ -63,7 +63,8 @@ where
             // links[replica][stage]
             let mut replica_links: Vec<Vec<Option<StageLinks>>> = (0..dp)
                 .map(|_| {
-                    links(&spec.plan, cx.step_timeout, abort.clone())
+                    // A link is point-to-point communication: bounded like a collective.
+                    links(&spec.plan, cx.comm.timeout, abort.clone())
                         .into_iter()
                         .map(Some)
                         .collect()

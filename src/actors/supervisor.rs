@@ -119,10 +119,8 @@ pub(crate) struct SpawnContext {
     pub(crate) devices: Vec<(MeshDevice, ActorRef<DeviceMsg>)>,
     /// The mesh.
     pub(crate) layout: Layout,
-    /// Collective settings.
+    /// Collective settings (their time-out also bounds pipeline links).
     pub(crate) comm: CommConfig,
-    /// Bound of every wait inside a step.
-    pub(crate) step_timeout: Duration,
 }
 
 /// The stage actors of a job and how to handle them as a whole.
@@ -227,7 +225,6 @@ where
             devices: devices.clone(),
             layout: a.layout,
             comm: a.comm.clone(),
-            step_timeout: a.step_timeout,
         })
         .await?;
         myself.send_message(SupervisorMsg::Init)?;
@@ -428,6 +425,9 @@ where
     .await
 }
 
+/// How long the other stages may take to report once one has failed.
+const FAILURE_GRACE: Duration = Duration::from_secs(2);
+
 type MsgBuilder<M, T> = Box<dyn FnOnce(ractor::RpcReplyPort<Result<T>>) -> StageMsg<M> + Send>;
 
 async fn call_all_with<M, I, T, F>(
@@ -451,7 +451,18 @@ where
     let mut results: Vec<Option<T>> = (0..state.stages.len()).map(|_| None).collect();
     let mut errors = Vec::new();
     let mut missing = Vec::new();
-    while let Some(joined) = set.join_next().await {
+    loop {
+        // Once a stage has failed (and the shutdown woke every wait), the others get a short
+        // grace to report; one stuck in user code does not hold the job's end back.
+        let next = if errors.is_empty() {
+            set.join_next().await
+        } else {
+            match tokio::time::timeout(FAILURE_GRACE.min(timeout), set.join_next()).await {
+                Ok(next) => next,
+                Err(_) => break,
+            }
+        };
+        let Some(joined) = next else { break };
         let Ok((r, reply)) = joined else {
             errors.push(Error::Runtime("a request task panicked".into()));
             continue;
@@ -568,8 +579,11 @@ where
     let pipeline = pipeline_step(&state.stages, &reports, state.layout);
     let replicas: Vec<ReplicaStep> = reports
         .into_iter()
-        .map(|r| ReplicaStep {
+        .zip(&state.stages)
+        .map(|(r, (_, id))| ReplicaStep {
             rank: r.rank,
+            stage: *id,
+            pipeline: r.pipeline,
             breakdown: TimeBreakdown::from_records(&r.trace, wall_s),
             sample_ids: r.sample_ids,
             loss: r.local_loss,
