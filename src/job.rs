@@ -70,7 +70,7 @@ pub struct JobBuilder<M, I> {
     model: Option<ModelFn<M>>,
     loss: Option<LossFn<M, I>>,
     /// Spawns data-parallel replicas of `model` (set with it, where `M` is a Burn module).
-    replicas: Option<fn(Arc<StageSpec<M, I>>) -> SpawnStages<M>>,
+    replicas: Option<SpawnReplicas<M, I>>,
     /// The pipeline's stages, schedule and how to spawn them.
     pipeline: Option<PipelineParts<M, I>>,
     data: Option<Arc<dyn Dataset<Item = I>>>,
@@ -88,6 +88,22 @@ pub struct JobBuilder<M, I> {
     comm: CommConfig,
     step_timeout: Duration,
     event_capacity: usize,
+}
+
+/// Spawns data-parallel replicas from a stage spec.
+type SpawnReplicas<M, I> = fn(Arc<StageSpec<M, I>>) -> SpawnStages<M>;
+
+/// Refuse a global batch that does not cut into `dp` replicas × `k` micro-batches (JOB-1).
+fn check_batch(global: usize, dp: usize, k: usize) -> Result<()> {
+    let unit = dp * k;
+    if global == 0 || !global.is_multiple_of(unit) {
+        return Err(Error::InvalidConfig(format!(
+            "batch_size {global} does not divide into {dp} replica(s) × {k} micro-batch(es): \
+             use a positive multiple of {unit} (e.g. {})",
+            (global / unit).max(1) * unit
+        )));
+    }
+    Ok(())
 }
 
 /// What `.pipeline(..)` sets.
@@ -411,14 +427,7 @@ where
         };
         let dp = self.dp as usize;
         let k = self.accumulation as usize;
-        if global == 0 || global % (dp * k) != 0 {
-            let unit = dp * k;
-            return invalid(format!(
-                "batch_size {global} does not divide into {dp} replica(s) × {k} micro-batch(es): \
-                 use a positive multiple of {unit} (e.g. {})",
-                (global / unit).max(1) * unit
-            ));
-        }
+        check_batch(global, dp, k)?;
         let spec = Arc::new(StageSpec {
             model_fn,
             loss_fn,
@@ -471,7 +480,7 @@ where
         }
         let v = p.schedule.virtual_stages() as usize;
         let blocks = p.stages.len();
-        if blocks % v != 0 {
+        if !blocks.is_multiple_of(v) {
             return invalid(format!(
                 "{blocks} blocks do not split into stages of {v} virtual stages each: give a \
                  multiple of {v} blocks"
@@ -481,14 +490,7 @@ where
         let plan = p.schedule.instructions(pp)?;
         let dp = self.dp as usize;
         let m = p.schedule.micro_batches() as usize;
-        if global == 0 || global % (dp * m) != 0 {
-            let unit = dp * m;
-            return invalid(format!(
-                "batch_size {global} does not divide into {dp} replica(s) × {m} micro-batch(es): \
-                 use a positive multiple of {unit} (e.g. {})",
-                (global / unit).max(1) * unit
-            ));
-        }
+        check_batch(global, dp, m)?;
         let spec = Arc::new(PipelineSpec {
             stages: p.stages,
             plan: Arc::new(plan),

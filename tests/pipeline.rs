@@ -565,3 +565,110 @@ async fn pp_1_a_neighbour_that_never_sends_is_a_typed_time_out_not_a_hang() {
         started.elapsed()
     );
 }
+
+#[test]
+fn job_1_pipeline_configurations_that_cannot_work_are_refused_with_what_to_change() {
+    let init = blocks(&[8, 16, 12, 3], Shape::Plain, &Device::flex());
+    let refused = |build: &dyn Fn() -> meshwork::Result<Job<PipelineModel, Sample>>,
+                   needle: &str| {
+        match build() {
+            Err(meshwork::Error::InvalidConfig(m)) => {
+                assert!(m.contains(needle), "{m:?} should mention {needle:?}")
+            }
+            Err(meshwork::Error::Schedule(e)) => {
+                assert!(
+                    e.to_string().contains(needle),
+                    "{e} should mention {needle:?}"
+                )
+            }
+            Err(other) => panic!("expected a refusal mentioning {needle:?}, got {other}"),
+            Ok(_) => panic!("expected a refusal mentioning {needle:?}"),
+        }
+    };
+    let base = |schedule: Schedule, batch: usize| {
+        Job::builder()
+            .pipeline(as_stages(&init, Shape::Plain), schedule)
+            .data(data(8, 3))
+            .batch_size(batch)
+    };
+    let one_f_one_b = Schedule::OneFOneB { micro_batches: 4 };
+    // 3 blocks do not make stages of 2 chunks each.
+    let interleaved = Schedule::Interleaved {
+        micro_batches: 4,
+        virtual_stages: 2,
+    };
+    refused(&|| base(interleaved, 16).build(), "multiple of 2 blocks");
+    // 16 samples do not cut into 2 replicas × 3 micro-batches.
+    refused(
+        &|| {
+            base(Schedule::GPipe { micro_batches: 3 }, 16)
+                .data_parallel(2)
+                .build()
+        },
+        "multiple of 6",
+    );
+    refused(
+        &|| base(one_f_one_b, 16).gradient_accumulation(2).build(),
+        "micro_batches in the schedule",
+    );
+    refused(
+        &|| base(one_f_one_b, 16).clip_grad_norm(1.0).build(),
+        "clip_grad_norm",
+    );
+    refused(
+        &|| {
+            base(one_f_one_b, 16)
+                .on_non_finite_loss(meshwork::job::NonFinitePolicy::Skip)
+                .build()
+        },
+        "Skip",
+    );
+    // Interleaved 1F1B needs M to be a multiple of K (here K = 2, M = 3).
+    let four = blocks(&[8, 16, 16, 12, 3], Shape::Plain, &Device::flex());
+    refused(
+        &|| {
+            Job::builder()
+                .pipeline(
+                    as_stages(&four, Shape::Plain),
+                    Schedule::Interleaved {
+                        micro_batches: 3,
+                        virtual_stages: 2,
+                    },
+                )
+                .data(data(8, 3))
+                .batch_size(12)
+                .build()
+        },
+        "multiple",
+    );
+    // A pipeline without its loss block.
+    refused(
+        &|| {
+            Job::builder()
+                .pipeline(
+                    PipelineStages::new(|items: &[Sample], d: &Device| {
+                        vec![AnyTensor::D2(batch_tensors(items, d).0)]
+                    })
+                    .stage(init[0].clone(), block_forward(0, 2, Shape::Plain)),
+                    one_f_one_b,
+                )
+                .data(data(8, 3))
+                .batch_size(16)
+                .build()
+        },
+        ".last(..)",
+    );
+    // Too few devices for 2 × 3.
+    refused(
+        &|| {
+            base(one_f_one_b, 16)
+                .data_parallel(2)
+                .devices(meshwork::device::MeshDevice::of_kind(
+                    meshwork::device::BackendKind::Flex,
+                    4,
+                )?)
+                .build()
+        },
+        "needs 6 devices",
+    );
+}
