@@ -4,9 +4,13 @@ cargo run --release -- train --steps 100
 cargo run --release -- train --dp 2 --batch-size 128 --steps 50 --save-model demo-model.mpk
 # the same model cut into two pipeline stages (1F1B), with a picture of the last step
 cargo run --release -- train --pp 2 --micro-batches 4 --steps 20 --timeline pipeline.svg
+# two replicas of a two-stage interleaved pipeline (2 × 2 devices, 2 chunks per stage)
+cargo run --release -- train --pp 2 --dp 2 --schedule interleaved --virtual-stages 2 --micro-batches 4 --steps 20
 # collective bandwidth (algbw, busbw) against memcpy, one size, as JSON
 cargo run --release -- bench allreduce --world 2 --bytes 16MiB --algo direct --json
 # data-parallel weak scaling against a plain Burn loop
 cargo run --release -- bench dp --world 2 --steps 5
 # a two-stage pipeline (1F1B, 4 micro-batches): samples/s, measured vs theoretical bubble
 cargo run --release -- bench pipeline --pp 2 --micro-batches 4 --schedule 1f1b --hidden 64 --steps 2 --json
+# the same with interleaved 1F1B (2 chunks per stage), layers cut by count
+cargo run --release -- bench pipeline --pp 2 --micro-batches 4 --schedule interleaved --virtual-stages 2 --split even --hidden 64 --steps 2

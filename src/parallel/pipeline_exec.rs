@@ -1,10 +1,13 @@
 //! Executing pipeline schedules: a stage runs its instruction list literally.
 //!
-//! First slice of pipeline execution (issue 3): stages in one process, one OS thread each,
-//! connected by bounded links (a queue of one message per direction and neighbour pair, the
-//! capacity the schedules assume — a fast stage cannot run ahead without limit), schedules with
-//! one model chunk per stage (GPipe, 1F1B; interleaved needs chunked stage modules and is
-//! refused). Not yet wired into `Job` nor combined with data parallelism.
+//! [`run_stage_step`] is one stage's step, called on its device thread by
+//! [`PipelineStageActor`](crate::actors::pipeline_stage::PipelineStageActor): it walks the
+//! stage's list over the stage's v model chunks ([`StageWork`], usually a [`TypedStage`]),
+//! moving activations and gradients over [`StageLinks`]: one bounded FIFO per peer and direction
+//! of data, built from the schedule's sends (so interleaved schedules get their wrap-around
+//! links), holding [`link_capacity`](PipelineSchedule::link_capacity) messages (a fast stage
+//! cannot run ahead without limit). Every wait is bounded by a time-out and ends early when the
+//! job's abort flag is set.
 //!
 //! What crosses a stage boundary is a [`Boundary`]: one or several tensors of rank 1 to 4, so a
 //! skip connection can cross. Backward from a received output gradient uses the
