@@ -73,6 +73,17 @@ pub struct StepDone {
     pub pipeline: Option<PipelineStep>,
 }
 
+/// How one pipeline stage spent a step's measured interval; the three add up to 1.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct StageShares {
+    /// Forwards and backwards.
+    pub compute: f64,
+    /// Sends to the neighbouring stages.
+    pub communication: f64,
+    /// Waiting in receives, or done before the other stages.
+    pub waiting: f64,
+}
+
 /// What one pipeline stage ran in a step.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PipelineStageStep {
@@ -91,6 +102,9 @@ pub struct PipelineStep {
     /// from the step's first instruction start to its last instruction end spent not
     /// computing, averaged over stages (PIPE-5's definition, on real times).
     pub bubble: f64,
+    /// Per stage of replica 0: the shares of the measured interval spent computing,
+    /// communicating (sends) and waiting (receives, or done before the others).
+    pub shares: Vec<StageShares>,
     /// Per stage: the most micro-batch chunks stashed at once (largest over replicas).
     pub peak_stash: Vec<u32>,
     /// Per stage: the most bytes of boundary tensors stashed at once (largest over replicas).

@@ -26,7 +26,7 @@ use super::stage::{StageMsg, StepReport};
 use crate::comm::{CommConfig, CommError};
 use crate::device::MeshDevice;
 use crate::error::{DeviceId, Error, Result, StageId};
-use crate::events::{JobEvent, PipelineStep, ReplicaStep, StepDone};
+use crate::events::{JobEvent, PipelineStep, ReplicaStep, StageShares, StepDone};
 use crate::mesh::{Generation, Layout};
 use crate::parallel::pipeline::{TimedInstr, summarize};
 use crate::parallel::pipeline_exec::ExecError;
@@ -663,8 +663,19 @@ fn pipeline_step<M>(
         t.start -= origin;
         t.end -= origin;
     }
+    let summary = summarize(&timeline);
+    let span = summary.makespan.max(1) as f64;
     Some(PipelineStep {
-        bubble: summarize(&timeline).bubble,
+        bubble: summary.bubble,
+        shares: summary
+            .per_stage
+            .iter()
+            .map(|s| StageShares {
+                compute: s.compute as f64 / span,
+                communication: s.communication as f64 / span,
+                waiting: s.idle as f64 / span,
+            })
+            .collect(),
         peak_stash,
         peak_activation_bytes,
         timeline,

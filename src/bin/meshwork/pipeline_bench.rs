@@ -27,6 +27,9 @@ pub(crate) struct PipelineFigures {
     bubble_theoretical: f64,
     peak_stash: u32,
     peak_activation_bytes: Vec<u64>,
+    /// Per stage, `[compute, communication, waiting]` shares of the measured interval,
+    /// averaged over the timed steps.
+    stage_shares: Vec<[f64; 3]>,
 }
 
 /// What to run.
@@ -66,6 +69,19 @@ fn figures(b: &PipelineBench, split: Vec<usize>, steps: &[(f64, PipelineStep)]) 
             .flat_map(|(_, p)| p.peak_stash.iter().copied())
             .max()
             .unwrap_or(0),
+        stage_shares: (0..pp)
+            .map(|s| {
+                let mut sum = [0.0; 3];
+                for (_, p) in steps {
+                    if let Some(x) = p.shares.get(s) {
+                        sum[0] += x.compute / n;
+                        sum[1] += x.communication / n;
+                        sum[2] += x.waiting / n;
+                    }
+                }
+                sum
+            })
+            .collect(),
         peak_activation_bytes: (0..pp)
             .map(|s| {
                 steps
@@ -160,7 +176,7 @@ pub(crate) fn print(f: &PipelineFigures, json: bool) {
         println!("{}", serde_json::to_string(f).unwrap_or_default());
     } else {
         println!(
-            "pipeline {} pp={} dp={} M={} v={} batch={} split {:?}: {:.0} samples/s; bubble measured {:.3} vs theory {:.3}; peak stash {}; peak activation bytes per stage {:?}",
+            "pipeline {} pp={} dp={} M={} v={} batch={} split {:?}: {:.0} samples/s; bubble measured {:.3} vs theory {:.3}; peak stash {}; peak activation bytes per stage {:?}; per stage compute/communication/waiting {}",
             f.schedule,
             f.pp,
             f.dp,
@@ -172,7 +188,12 @@ pub(crate) fn print(f: &PipelineFigures, json: bool) {
             f.bubble_measured,
             f.bubble_theoretical,
             f.peak_stash,
-            f.peak_activation_bytes
+            f.peak_activation_bytes,
+            f.stage_shares
+                .iter()
+                .map(|[c, m, w]| format!("{:.0}/{:.0}/{:.0}%", c * 100.0, m * 100.0, w * 100.0))
+                .collect::<Vec<_>>()
+                .join(" ")
         );
     }
 }

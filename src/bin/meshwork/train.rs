@@ -145,6 +145,14 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
                 p.peak_stash,
                 p.peak_activation_bytes
             );
+            for (s, x) in p.shares.iter().enumerate() {
+                println!(
+                    "  stage {s}: compute {:.0}%, communication {:.0}%, waiting {:.0}%",
+                    x.compute * 100.0,
+                    x.communication * 100.0,
+                    x.waiting * 100.0
+                );
+            }
             if let Some(path) = &args.timeline {
                 let text = if path.extension().is_some_and(|e| e == "json") {
                     chrome_trace(&p.timeline)
