@@ -48,7 +48,7 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Pipeline parallelism: MLP 784 → 8×hidden → 10 split into `pp` stage actors (one
+    /// Pipeline parallelism: MLP 784 → depth×hidden → 10 (8 × 1024 by default) split into `pp` stage actors (one
     /// device each); samples/s, measured and theoretical bubble, peak stash, activation bytes
     /// per stage.
     Pipeline {
@@ -73,6 +73,9 @@ pub(crate) enum BenchCommand {
         /// Width of the hidden layers.
         #[arg(long, default_value_t = 1024)]
         hidden: usize,
+        /// Number of hidden layers.
+        #[arg(long, default_value_t = 8)]
+        depth: usize,
         /// Timed steps (after 2 warm-up steps).
         #[arg(long, default_value_t = 5)]
         steps: usize,
@@ -155,6 +158,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             virtual_stages,
             batch_size,
             hidden,
+            depth,
             steps,
             split,
             timeline,
@@ -182,6 +186,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                     schedule,
                     batch: batch_size,
                     hidden,
+                    depth,
                     steps,
                     balanced,
                 },

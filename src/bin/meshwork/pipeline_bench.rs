@@ -40,6 +40,8 @@ pub(crate) struct PipelineBench {
     pub(crate) schedule: Schedule,
     pub(crate) batch: usize,
     pub(crate) hidden: usize,
+    /// Hidden layers of the MLP (8 by default).
+    pub(crate) depth: usize,
     pub(crate) steps: usize,
     /// Cut the layers by measured cost (`true`) or by count.
     pub(crate) balanced: bool,
@@ -95,9 +97,9 @@ fn figures(b: &PipelineBench, split: Vec<usize>, steps: &[(f64, PipelineStep)]) 
 }
 
 pub(crate) fn run(b: PipelineBench, timeline: Option<&std::path::Path>) -> Result<PipelineFigures> {
-    // MLP 784 → 8 × hidden → 10.
+    // MLP 784 → depth × hidden → 10.
     let mut widths = vec![784];
-    widths.extend(std::iter::repeat_n(b.hidden, 8));
+    widths.extend(std::iter::repeat_n(b.hidden, b.depth.max(1)));
     widths.push(10);
     let blocks = (b.pp * b.schedule.virtual_stages()) as usize;
     let micro = b.batch / (b.dp as usize * b.schedule.micro_batches().max(1) as usize);
@@ -111,7 +113,9 @@ pub(crate) fn run(b: PipelineBench, timeline: Option<&std::path::Path>) -> Resul
     }
     .ok_or_else(|| {
         Error::InvalidConfig(format!(
-            "{blocks} blocks (pp × virtual stages): the 9-layer benchmark model has 1 to 9"
+            "{blocks} blocks (pp × virtual stages): the {}-layer benchmark model has 1 to {}",
+            widths.len() - 1,
+            widths.len() - 1
         ))
     })?;
     device.seed(7);
