@@ -40,6 +40,28 @@ pub enum Error {
         /// The panic message or error text.
         reason: String,
     },
+    /// A stage's actor is gone (its device was killed or stopped) and did not answer.
+    #[error("{stage} on device {device} was lost: {reason}")]
+    StageLost {
+        /// The device.
+        device: DeviceId,
+        /// The stage.
+        stage: StageId,
+        /// What was seen.
+        reason: String,
+    },
+    /// The job recovered from too many failures within the policy's window (REC-2).
+    #[error(
+        "{count} recoveries within {window:?}, more than the policy allows; the last failure: {last}"
+    )]
+    TooManyFailures {
+        /// Recoveries counted in the window.
+        count: u32,
+        /// The window.
+        window: Duration,
+        /// The failure that went over the limit.
+        last: Box<Error>,
+    },
     /// A device did not answer within its time-out.
     #[error("device {device} did not answer {what} within {waited:?}")]
     DeviceUnresponsive {

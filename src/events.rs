@@ -41,6 +41,30 @@ pub enum JobEvent {
         /// Whether the job skipped the step (else it stops).
         skipped: bool,
     },
+    /// A device (and the stage on it) was lost at `step`.
+    DeviceLost {
+        /// The step during which it was lost.
+        step: u64,
+        /// Its rank in the generation it was lost in.
+        rank: Rank,
+        /// The device.
+        device: crate::error::DeviceId,
+        /// The error that named it.
+        error: Error,
+    },
+    /// The mesh was rebuilt without the lost devices; `step` is redone by the survivors.
+    Recovered {
+        /// The step that is redone.
+        step: u64,
+        /// The new generation of the mesh.
+        generation: Generation,
+        /// The new mesh.
+        layout: Layout,
+        /// The devices that left.
+        lost: Vec<crate::error::DeviceId>,
+    },
+    /// A fault of the job's fault plan fired.
+    FaultInjected(crate::faults::FiredFault),
     /// The job failed and is ending with this error.
     Failed(Error),
     /// The job finished; the trained model is available from `join()`.

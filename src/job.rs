@@ -28,12 +28,14 @@ use crate::data::Dataset;
 use crate::device::MeshDevice;
 use crate::error::{Error, Result};
 pub use crate::events::{JobEvent, PipelineStageStep, PipelineStep, ReplicaStep, StepDone};
+use crate::faults::{FaultHooks, FaultPlan};
 use crate::mesh::Layout;
 pub use crate::optim::{LearningRate, OptimizerConfig};
 pub use crate::parallel::pipeline::Schedule;
 use crate::parallel::sampler::DistributedSampler;
 pub use crate::parallel::stages::{PipelineModel, PipelineStages};
 pub use crate::parallel::{ModelContext, NonFinitePolicy};
+use crate::recovery::RecoveryPolicy;
 
 /// Default size of a gradient bucket (PyTorch DDP's default).
 pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
@@ -54,6 +56,8 @@ struct JobParts<M, I> {
     comm: CommConfig,
     step_timeout: Duration,
     event_capacity: usize,
+    faults: Option<Arc<FaultHooks>>,
+    recovery: RecoveryPolicy,
 }
 
 impl<M, I> std::fmt::Debug for Job<M, I> {
@@ -88,6 +92,8 @@ pub struct JobBuilder<M, I> {
     comm: CommConfig,
     step_timeout: Duration,
     event_capacity: usize,
+    faults: Option<Arc<FaultHooks>>,
+    recovery: RecoveryPolicy,
 }
 
 /// Spawns data-parallel replicas from a stage spec.
@@ -152,6 +158,8 @@ where
             comm: CommConfig::default(),
             step_timeout: Duration::from_secs(600),
             event_capacity: 1024,
+            faults: None,
+            recovery: RecoveryPolicy::default(),
         }
     }
 
@@ -176,6 +184,8 @@ where
                 sampler: a.sampler,
                 comm: a.comm,
                 step_timeout: a.step_timeout,
+                faults: a.faults,
+                recovery: a.recovery,
                 events: events.clone(),
                 outcome: outcome_tx,
             },
@@ -344,6 +354,18 @@ where
         self
     }
 
+    /// Inject the faults of `plan` (a rehearsal of failures: see [`crate::faults`]).
+    pub fn fault_plan(mut self, plan: FaultPlan) -> Self {
+        self.faults = Some(FaultHooks::new(plan));
+        self
+    }
+
+    /// How to recover from a lost device (default: the job fails with the device's error).
+    pub fn recovery(mut self, policy: RecoveryPolicy) -> Self {
+        self.recovery = policy;
+        self
+    }
+
     /// How many events are kept for a slow consumer before the oldest are dropped for it.
     pub fn event_capacity(mut self, events: usize) -> Self {
         self.event_capacity = events;
@@ -392,6 +414,9 @@ where
                 devices.len()
             ));
         }
+        if let Some(f) = &self.faults {
+            f.plan().check()?;
+        }
         let sampler = DistributedSampler::new(dataset.len(), global, self.seed)?;
         Ok(Job {
             args: Some(JobParts {
@@ -405,6 +430,8 @@ where
                 comm: self.comm,
                 step_timeout: self.step_timeout,
                 event_capacity: self.event_capacity,
+                faults: self.faults,
+                recovery: self.recovery,
             }),
         })
     }
@@ -438,6 +465,7 @@ where
             clip_norm: self.clip_norm,
             non_finite: self.non_finite,
             epoch: Instant::now(),
+            faults: self.faults.clone(),
         });
         Ok((
             spawn(spec),
@@ -498,6 +526,7 @@ where
             optimizer: self.optimizer.clone(),
             learning_rate: self.learning_rate.clone(),
             epoch: Instant::now(),
+            faults: self.faults.clone(),
         });
         Ok(((p.spawn)(spec), Layout::new(self.dp, pp, 1)?, m as u32))
     }

@@ -13,10 +13,12 @@ pub mod demo;
 pub mod device;
 pub mod error;
 pub mod events;
+pub mod faults;
 pub mod job;
 pub mod mesh;
 pub mod optim;
 pub mod parallel;
+pub mod recovery;
 pub mod testing;
 pub mod trace;
 

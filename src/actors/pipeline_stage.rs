@@ -48,6 +48,8 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) learning_rate: LearningRate,
     /// The job's start: trace times are measured from it.
     pub(crate) epoch: Instant,
+    /// The fault plan's hooks, if the job has one.
+    pub(crate) faults: Option<Arc<crate::faults::FaultHooks>>,
 }
 
 /// Spawns one stage actor per rank of a dp × pp layout: every replica's stages connected by
@@ -150,6 +152,7 @@ where
                 others,
                 model_ranks,
                 assemble: |parts| Some(PipelineModel::merge(parts)),
+                replicas_only: false,
             })
         })
     })
@@ -253,6 +256,7 @@ where
                 step,
                 micro_batches,
                 reply,
+                ..
             } => {
                 let _ = reply.send(step_on_device(state, step, micro_batches).await);
             }
@@ -276,6 +280,11 @@ where
                     }
                 };
                 let _ = reply.send(r);
+            }
+            StageMsg::Regroup { reply, .. } => {
+                let _ = reply.send(Err(Error::InvalidConfig(
+                    "pipeline stages cannot join a rebuilt group yet".into(),
+                )));
             }
             StageMsg::TakeModel(reply) => {
                 let plan = state.spec.plan.clone();
@@ -383,6 +392,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
     };
     let spec = state.spec.clone();
     let stage = StageIndex(state.id.stage);
+    let device_id = state.device.id();
     let phase = Arc::new(Mutex::new(String::from("loading the micro-batches")));
     let thread_phase = phase.clone();
     let ids = micro_batches.clone();
@@ -417,6 +427,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
                 inputs: &inputs,
                 replicas: slot.comm.as_mut(),
                 on_instr: &on_instr,
+                faults: spec.faults.as_deref().map(|h| (h, device_id, step)),
             },
         );
         (slot, r.map_err(Error::from))

@@ -27,7 +27,8 @@ use super::supervisor::{SpawnContext, SpawnStages, Spawned};
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
-use crate::error::{Error, Result, StageId};
+use crate::error::{DeviceId, Error, Result, StageId};
+use crate::faults::{FaultHooks, Phase, with_hooks};
 use crate::mesh::{Generation, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::buckets::{Bucket, plan_buckets};
@@ -55,6 +56,8 @@ pub(crate) struct StageSpec<M, I> {
     pub(crate) non_finite: NonFinitePolicy,
     /// The job's start: trace times are measured from it.
     pub(crate) epoch: Instant,
+    /// The fault plan's hooks, if the job has one.
+    pub(crate) faults: Option<Arc<FaultHooks>>,
 }
 
 /// What a stage reports after the initial synchronization.
@@ -93,6 +96,10 @@ pub enum StageMsg<M> {
         step: u64,
         /// The sample ids of each micro-batch.
         micro_batches: Vec<Vec<usize>>,
+        /// Samples in the whole step over all replicas: each micro-batch's gradient is
+        /// weighted by its share of them (DP-2), so uneven shares after a replica was lost
+        /// still give the global mean.
+        global_samples: usize,
         /// Where the report goes.
         reply: RpcReplyPort<Result<StepReport>>,
     },
@@ -100,6 +107,17 @@ pub enum StageMsg<M> {
     Fingerprint(RpcReplyPort<Result<u64>>),
     /// Hand the model over (the stage keeps nothing).
     TakeModel(RpcReplyPort<Option<M>>),
+    /// Join a rebuilt group (after a recovery) as `id` with rank `rank`.
+    Regroup {
+        /// The stage's place in the new mesh.
+        id: StageId,
+        /// Its rank in the new mesh.
+        rank: Rank,
+        /// Its communicator in the new group.
+        comm: Communicator,
+        /// `Ok` once it holds its state and the new communicator.
+        reply: RpcReplyPort<Result<()>>,
+    },
 }
 
 impl<M> std::fmt::Debug for StageMsg<M> {
@@ -109,6 +127,7 @@ impl<M> std::fmt::Debug for StageMsg<M> {
             StageMsg::Step { step, .. } => write!(f, "Step({step})"),
             StageMsg::Fingerprint(_) => write!(f, "Fingerprint"),
             StageMsg::TakeModel(_) => write!(f, "TakeModel"),
+            StageMsg::Regroup { id, .. } => write!(f, "Regroup({id})"),
         }
     }
 }
@@ -168,6 +187,7 @@ where
                 others: vec![group_ref.get_cell()],
                 model_ranks: vec![0],
                 assemble: |mut models: Vec<M>| models.pop(),
+                replicas_only: true,
             })
         })
     })
@@ -278,9 +298,11 @@ where
             StageMsg::Step {
                 step,
                 micro_batches,
+                global_samples,
                 reply,
             } => {
-                let _ = reply.send(step_on_device(state, step, micro_batches).await);
+                let _ =
+                    reply.send(step_on_device(state, step, micro_batches, global_samples).await);
             }
             StageMsg::Fingerprint(reply) => {
                 let r = match state.slot.take() {
@@ -305,6 +327,23 @@ where
             }
             StageMsg::TakeModel(reply) => {
                 let _ = reply.send(state.slot.take().map(|s| s.model));
+            }
+            StageMsg::Regroup {
+                id,
+                rank,
+                comm,
+                reply,
+            } => {
+                let r = match state.slot.as_mut() {
+                    Some(slot) => {
+                        slot.comm = comm;
+                        state.id = id;
+                        state.rank = rank;
+                        Ok(())
+                    }
+                    None => Err(lost(state)),
+                };
+                let _ = reply.send(r);
             }
         }
         Ok(())
@@ -393,6 +432,7 @@ async fn step_on_device<M, I>(
     state: &mut StageState<M, I>,
     step: u64,
     micro_batches: Vec<Vec<usize>>,
+    global: usize,
 ) -> Result<StepReport>
 where
     M: Module + 'static,
@@ -403,6 +443,7 @@ where
     };
     let spec = state.spec.clone();
     let rank = state.rank;
+    let device_id = state.device.id();
     let device = state.device.burn().clone();
     let phase = Arc::new(Mutex::new("starting"));
     let thread_phase = phase.clone();
@@ -410,9 +451,9 @@ where
         let r = train_step(
             &mut slot,
             &spec,
-            &device,
+            (&device, device_id),
             rank,
-            step,
+            (step, global),
             &micro_batches,
             &thread_phase,
         );
@@ -443,12 +484,13 @@ where
 fn train_step<M: Module, I: Send + Sync + 'static>(
     slot: &mut Slot<M>,
     spec: &StageSpec<M, I>,
-    device: &Device,
+    (device, device_id): (&Device, DeviceId),
     rank: Rank,
-    step: u64,
+    (step, global): (u64, usize),
     micro_batches: &[Vec<usize>],
     phase: &Mutex<&'static str>,
 ) -> Result<(StepReport, Option<GradientsParams>)> {
+    let hooks = spec.faults.as_deref();
     let set_phase = |p: &'static str| *phase.lock().unwrap_or_else(|e| e.into_inner()) = p;
     let world = slot.comm.world();
     let k = micro_batches.len();
@@ -480,9 +522,11 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
                     .ok_or_else(|| Error::Data(format!("sample {i} could not be read")))
             })
             .collect::<Result<Vec<I>>>()?;
-        let loss = (spec.loss_fn)(&slot.model, &items, &ad);
+        let loss = with_hooks(hooks, device_id, step, m as u32, Phase::Forward, || {
+            (spec.loss_fn)(&slot.model, &items, &ad)
+        });
         let value: f32 = loss.clone().into_scalar();
-        loss_sum += value;
+        loss_sum += value * ids.len() as f32;
         span(
             TraceKind::Forward {
                 micro_batch: m as u32,
@@ -492,7 +536,12 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
         );
         set_phase("backward");
         let t = Instant::now();
-        let grads = GradientsParams::from_grads(loss.backward(), &slot.model);
+        // DP-2: this micro-batch's share of the step's samples.
+        let weight = ids.len() as f32 / global.max(1) as f32;
+        let grads = with_hooks(hooks, device_id, step, m as u32, Phase::Backward, || {
+            let loss = if weight == 1.0 { loss } else { loss * weight };
+            GradientsParams::from_grads(loss.backward(), &slot.model)
+        });
         if k == 1 {
             last = Some(grads);
         } else {
@@ -506,7 +555,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
         );
     }
     let grads = last.unwrap_or_else(|| accumulated.grads());
-    let local_loss = loss_sum / k.max(1) as f32;
+    let local_loss = loss_sum / micro_batches.iter().map(Vec::len).sum::<usize>().max(1) as f32;
 
     // DP-3: every replica learns every replica's loss and decides the same thing.
     set_phase("all-reduce of losses");
@@ -567,14 +616,8 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
                 );
             }
         }
-        set_phase("gradient scaling and clipping");
+        set_phase("gradient clipping");
         let t = Instant::now();
-        let scale = 1.0 / (world * k) as f32;
-        if scale != 1.0 {
-            for v in views.iter_mut() {
-                v.iter_mut().for_each(|g| *g *= scale);
-            }
-        }
         if let Some(max_norm) = spec.clip_norm {
             // The norm of the all-reduced gradient is the same on every replica, so every
             // replica takes the same decision here (DP-3).

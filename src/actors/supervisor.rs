@@ -21,16 +21,23 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::{broadcast, oneshot};
 use tokio::task::JoinSet;
 
+use std::collections::HashSet;
+
 use super::device::{DeviceActor, DeviceMsg, heartbeat};
+use super::group::{GroupActor, GroupArgs};
 use super::stage::{StageMsg, StepReport};
+use crate::comm::LocalGroup;
 use crate::comm::{CommConfig, CommError};
 use crate::device::MeshDevice;
 use crate::error::{DeviceId, Error, Result, StageId};
 use crate::events::{JobEvent, PipelineStep, ReplicaStep, StageShares, StepDone};
+use crate::faults::FaultHooks;
+use crate::mesh::Rank;
 use crate::mesh::{Generation, Layout};
 use crate::parallel::pipeline::{TimedInstr, summarize};
 use crate::parallel::pipeline_exec::ExecError;
 use crate::parallel::sampler::DistributedSampler;
+use crate::recovery::{Decision, OnReplicaLoss, RecoveryPolicy, RestartLog, decide};
 use crate::trace::TimeBreakdown;
 
 /// A trained model and how the run went.
@@ -135,6 +142,8 @@ pub(crate) struct Spawned<M> {
     pub(crate) model_ranks: Vec<usize>,
     /// Puts the trained model together from those ranks' models.
     pub(crate) assemble: fn(Vec<M>) -> Option<M>,
+    /// Whether every rank is a whole data-parallel replica (a lost one can be dropped).
+    pub(crate) replicas_only: bool,
 }
 
 /// Spawns a job's stage actors: data-parallel replicas or pipeline stages.
@@ -157,6 +166,8 @@ pub struct SupervisorArgs<M, I> {
     pub(crate) sampler: DistributedSampler,
     pub(crate) comm: CommConfig,
     pub(crate) step_timeout: Duration,
+    pub(crate) faults: Option<Arc<FaultHooks>>,
+    pub(crate) recovery: RecoveryPolicy,
     pub(crate) events: broadcast::Sender<JobEvent>,
     pub(crate) outcome: oneshot::Sender<Result<Trained<M>>>,
 }
@@ -187,6 +198,19 @@ pub struct SupervisorState<M, I> {
     shutdown: Arc<dyn Fn() + Send + Sync>,
     model_ranks: Vec<usize>,
     assemble: fn(Vec<M>) -> Option<M>,
+    replicas_only: bool,
+    /// Collective settings, for rebuilt groups.
+    comm: CommConfig,
+    /// The Supervisor itself, to link rebuilt actors to.
+    myself: ractor::ActorCell,
+    generation: Generation,
+    faults: Option<Arc<FaultHooks>>,
+    recovery: RecoveryPolicy,
+    restarts: RestartLog,
+    /// Actors the Supervisor stopped or gave up on: their exit is not a new failure.
+    departed: HashSet<ractor::ActorId>,
+    /// Ranks found dead between steps (a supervision event): recovered at the next step.
+    pending_lost: Vec<(usize, Error)>,
     stop_requested: bool,
     finished: bool,
     summary: RunSummary,
@@ -243,6 +267,15 @@ where
             shutdown: spawned.shutdown,
             model_ranks: spawned.model_ranks,
             assemble: spawned.assemble,
+            replicas_only: spawned.replicas_only,
+            comm: a.comm.clone(),
+            myself: myself.get_cell(),
+            generation: Generation(0),
+            faults: a.faults,
+            recovery: a.recovery,
+            restarts: RestartLog::default(),
+            departed: HashSet::new(),
+            pending_lost: Vec::new(),
             stop_requested: false,
             finished: false,
             summary: RunSummary::default(),
@@ -281,9 +314,18 @@ where
                     finish(&myself, state, Ok(())).await;
                     return Ok(());
                 }
-                match run_step(state, step).await {
+                let outcome = match std::mem::take(&mut state.pending_lost) {
+                    lost if lost.is_empty() => run_step(state, step).await.map_err(LostRanks::from),
+                    lost => Err(LostRanks(lost)),
+                };
+                publish_fired(state);
+                match outcome {
                     Ok(()) => myself.send_message(SupervisorMsg::RunStep(step + 1))?,
-                    Err(e) => finish(&myself, state, Err(e)).await,
+                    Err(failure) => match recover(state, step, failure).await {
+                        // REC-1: the survivors redo the step.
+                        Ok(()) => myself.send_message(SupervisorMsg::RunStep(step))?,
+                        Err(e) => finish(&myself, state, Err(e)).await,
+                    },
                 }
             }
             SupervisorMsg::Stop => state.stop_requested = true,
@@ -335,6 +377,14 @@ where
         if state.finished {
             return Ok(());
         }
+        let cell = match &event {
+            SupervisionEvent::ActorFailed(cell, _)
+            | SupervisionEvent::ActorTerminated(cell, ..) => cell.clone(),
+            _ => return Ok(()),
+        };
+        if state.departed.contains(&cell.get_id()) {
+            return Ok(());
+        }
         let error = match event {
             SupervisionEvent::ActorFailed(cell, err) => {
                 Error::Runtime(format!("{} failed: {err}", describe(state, &cell)))
@@ -346,9 +396,200 @@ where
             )),
             _ => return Ok(()),
         };
+        // A stage or device lost between steps: the next step recovers (or fails) with it.
+        if let Some(rank) = rank_of_actor(state, &cell)
+            && state.recovery.on_replica_loss == OnReplicaLoss::Shrink
+        {
+            state.departed.insert(cell.get_id());
+            state.pending_lost.push((rank, error));
+            return Ok(());
+        }
         finish(&myself, state, Err(error)).await;
         Ok(())
     }
+}
+
+/// The rank whose stage or device actor `cell` is.
+fn rank_of_actor<M, I>(state: &SupervisorState<M, I>, cell: &ractor::ActorCell) -> Option<usize> {
+    let id = cell.get_id();
+    state
+        .stages
+        .iter()
+        .position(|(r, _)| r.get_id() == id)
+        .or_else(|| state.devices.iter().position(|(r, _)| r.get_id() == id))
+}
+
+/// Publish the faults of the plan that fired (FAULT-1).
+fn publish_fired<M, I>(state: &SupervisorState<M, I>) {
+    if let Some(h) = &state.faults {
+        for f in h.take_fired() {
+            publish(state, JobEvent::FaultInjected(f));
+        }
+    }
+}
+
+/// A step's failure: an error, with the ranks it names as lost.
+struct LostRanks(Vec<(usize, Error)>);
+
+impl From<Error> for LostRanks {
+    fn from(e: Error) -> Self {
+        LostRanks(vec![(usize::MAX, e)])
+    }
+}
+
+/// The ranks a failure names as lost (a stage that failed on its device or whose actor is
+/// gone).
+fn lost_ranks<M, I>(state: &SupervisorState<M, I>, failure: &LostRanks) -> Vec<usize> {
+    let mut lost: Vec<usize> = failure
+        .0
+        .iter()
+        .filter_map(|(rank, e)| {
+            if *rank != usize::MAX {
+                return Some(*rank);
+            }
+            match e {
+                Error::StageFailed { stage, .. } | Error::StageLost { stage, .. } => {
+                    state.stages.iter().position(|(_, id)| id == stage)
+                }
+                _ => None,
+            }
+        })
+        .collect();
+    lost.sort_unstable();
+    lost.dedup();
+    lost
+}
+
+/// Recover from `failure` at `step` by the job's policy (REC-1..3): on `Ok` the mesh holds the
+/// survivors under a new generation and the step is to be redone.
+async fn recover<M, I>(
+    state: &mut SupervisorState<M, I>,
+    step: u64,
+    failure: LostRanks,
+) -> Result<()>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let first = failure
+        .0
+        .first()
+        .map(|(_, e)| e.clone())
+        .unwrap_or_else(|| Error::Runtime("a failure without an error".into()));
+    let lost = lost_ranks(state, &failure);
+    let decision = decide(
+        &state.recovery,
+        &mut state.restarts,
+        state.stages.len(),
+        &lost,
+        state.replicas_only,
+        Instant::now(),
+    );
+    let survivors = match decision {
+        Decision::Shrink { survivors } => survivors,
+        Decision::Fail(_) => return Err(first),
+        Decision::TooMany { count } => {
+            return Err(Error::TooManyFailures {
+                count,
+                window: state.recovery.window,
+                last: Box::new(first),
+            });
+        }
+    };
+    for &r in &lost {
+        let (stage, id) = &state.stages[r];
+        let (device, device_id) = &state.devices[r];
+        let error = failure
+            .0
+            .iter()
+            .find(|(rank, e)| {
+                *rank == r
+                    || matches!(e, Error::StageFailed { stage, .. } | Error::StageLost { stage, .. } if stage == id)
+            })
+            .map_or_else(|| first.clone(), |(_, e)| e.clone());
+        publish(
+            state,
+            JobEvent::DeviceLost {
+                step,
+                rank: Rank(r as u32),
+                device: *device_id,
+                error,
+            },
+        );
+        state.departed.insert(stage.get_id());
+        state.departed.insert(device.get_id());
+        stage.stop(None);
+        device.stop(None);
+    }
+    // The old group is over: wake anything still waiting in it, stop its actors.
+    (state.shutdown)();
+    for o in state.others.drain(..) {
+        state.departed.insert(o.get_id());
+        o.stop(None);
+    }
+    let generation = Generation(state.generation.0 + 1);
+    let group = LocalGroup::new(survivors.len(), generation, state.comm.clone());
+    let comms = group.communicators();
+    let mut stages = Vec::with_capacity(survivors.len());
+    let mut devices = Vec::with_capacity(survivors.len());
+    for (new_rank, (&old, comm)) in survivors.iter().zip(comms).enumerate() {
+        let (stage, _) = state.stages[old].clone();
+        let id = StageId {
+            replica: new_rank as u32,
+            stage: 0,
+        };
+        let joined = stage
+            .call(
+                |reply| StageMsg::Regroup {
+                    id,
+                    rank: Rank(new_rank as u32),
+                    comm,
+                    reply,
+                },
+                Some(state.step_timeout),
+            )
+            .await;
+        match joined {
+            Ok(CallResult::Success(Ok(()))) => {}
+            Ok(CallResult::Success(Err(e))) => return Err(e),
+            _ => {
+                return Err(Error::Runtime(format!(
+                    "{id} did not join the rebuilt group of generation {}",
+                    generation.0
+                )));
+            }
+        }
+        stages.push((stage, id));
+        devices.push(state.devices[old].clone());
+    }
+    let (group_ref, _) = Actor::spawn_linked(
+        None,
+        GroupActor,
+        GroupArgs {
+            members: (0..survivors.len() as u32).map(Rank).collect(),
+            group: group.clone(),
+        },
+        state.myself.clone(),
+    )
+    .await
+    .map_err(|e| Error::Runtime(format!("could not start the rebuilt group: {e}")))?;
+    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
+    state.stages = stages;
+    state.devices = devices;
+    state.others = vec![group_ref.get_cell()];
+    state.shutdown = Arc::new(move || group.shutdown());
+    state.generation = generation;
+    state.layout = Layout::data_parallel(survivors.len() as u32)?;
+    publish(
+        state,
+        JobEvent::Recovered {
+            step,
+            generation,
+            layout: state.layout,
+            lost: lost_devices,
+        },
+    );
+    Ok(())
 }
 
 fn describe<M, I>(state: &SupervisorState<M, I>, cell: &ractor::ActorCell) -> String {
@@ -477,10 +718,11 @@ where
                 missing.push(r);
                 None
             }
-            Ok(CallResult::SenderError) | Err(_) => Some(Error::Runtime(format!(
-                "{} stopped without answering",
-                state.stages[r].1
-            ))),
+            Ok(CallResult::SenderError) | Err(_) => Some(Error::StageLost {
+                device: state.devices[r].1,
+                stage: state.stages[r].1,
+                reason: "its actor stopped without answering".into(),
+            }),
         };
         if let Some(e) = failure {
             if errors.is_empty() {
@@ -521,6 +763,15 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
+    // FaultPlan: devices killed at the start of this step (their actors disappear).
+    if let Some(h) = state.faults.clone() {
+        for device in h.kills_at(step) {
+            if let Some(r) = state.devices.iter().position(|(_, d)| *d == device) {
+                state.stages[r].0.kill();
+                state.devices[r].0.kill();
+            }
+        }
+    }
     let dp = state.layout.dp() as usize;
     let k = state.accumulation as usize;
     let epoch = state.sampler.cursor(step).epoch;
@@ -529,6 +780,7 @@ where
     }
     let (_, order) = state.epoch_order.as_ref().expect("set just above");
     let shares = state.sampler.split_in(order, step, dp);
+    let global_samples: usize = shares.iter().map(Vec::len).sum();
     let started = Instant::now();
     let timeout = state.step_timeout;
     // Every stage of a replica's pipeline gets that replica's share.
@@ -541,12 +793,15 @@ where
         state,
         |r| {
             let share = &shares[replica_of[r]];
-            let micro = share.len() / k;
-            let micro_batches: Vec<Vec<usize>> =
-                share.chunks(micro.max(1)).map(<[usize]>::to_vec).collect();
+            // k micro-batches whose sizes differ by at most one.
+            let micro_batches: Vec<Vec<usize>> = (0..k)
+                .map(|m| share[crate::comm::chunk_range(share.len(), k, m)].to_vec())
+                .filter(|mb| !mb.is_empty())
+                .collect();
             Some(Box::new(move |reply| StageMsg::Step {
                 step,
                 micro_batches,
+                global_samples,
                 reply,
             }) as MsgBuilder<M, StepReport>)
         },
@@ -555,9 +810,14 @@ where
     )
     .await?;
     let wall_s = started.elapsed().as_secs_f64();
-    // The mean over replicas of each replica's mean loss (equal shares: the global mean).
-    let losses: Vec<f32> = reports.iter().filter_map(|r| r.local_loss).collect();
-    let loss = losses.iter().sum::<f32>() / losses.len().max(1) as f32;
+    // The mean over the global batch: each replica's mean weighted by its share.
+    let (weighted, counted) = reports
+        .iter()
+        .filter_map(|r| r.local_loss.map(|l| (l, r.sample_ids.len())))
+        .fold((0.0f64, 0usize), |(s, n), (l, k)| {
+            (s + f64::from(l) * k as f64, n + k)
+        });
+    let loss = (weighted / counted.max(1) as f64) as f32;
     let skipped = reports.iter().any(|r| r.learning_rate.is_none());
     if skipped {
         let ranks = reports

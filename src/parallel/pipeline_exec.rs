@@ -38,6 +38,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use super::buckets::plan_buckets;
 use super::gradients::{GradientBuffers, ParamLayout, parameter_fingerprint, reduce_buckets};
 use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::faults::{Phase, with_hooks};
 
 /// Gradient buckets of the data-parallel reduction between pipeline replicas.
 const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
@@ -773,6 +774,9 @@ pub struct StepContext<'a, I> {
     pub replicas: Option<&'a mut Communicator>,
     /// Called before each instruction runs (progress for heartbeats and failure reports).
     pub on_instr: &'a dyn Fn(&Instr),
+    /// The fault plan's hooks, called around every forward and backward, with the device
+    /// and the step they are called for.
+    pub faults: Option<(&'a crate::faults::FaultHooks, crate::error::DeviceId, u64)>,
 }
 
 impl<I> std::fmt::Debug for StepContext<'_, I> {
@@ -840,7 +844,10 @@ pub fn run_stage_step<I>(
                         .map(|w| AnyTensor::from_wire(w, &device))
                         .collect::<Result<_, _>>()?
                 };
-                if let Some(out) = work.forward(mb.0, input, items, !first_block) {
+                let out = hooked(&cx, mb.0, Phase::Forward, || {
+                    work.forward(mb.0, input, items, !first_block)
+                });
+                if let Some(out) = out {
                     outbox.insert(key, out.iter().map(AnyTensor::to_wire).collect());
                 }
             }
@@ -855,7 +862,8 @@ pub fn run_stage_step<I>(
             }
             Instr::Backward { mb, .. } => {
                 let g = grads_in.remove(&key);
-                let upstream = work.backward(mb.0, g).map_err(|e| match e {
+                let upstream = hooked(&cx, mb.0, Phase::Backward, || work.backward(mb.0, g));
+                let upstream = upstream.map_err(|e| match e {
                     ExecError::MissingInput { mb, instr, .. } => ExecError::MissingInput {
                         stage: me.0,
                         mb,
@@ -893,6 +901,14 @@ pub fn run_stage_step<I>(
     record.update = Some((t, Instant::now()));
     record.span = Some((began, Instant::now()));
     Ok(record)
+}
+
+/// Run a forward or backward under the fault plan's hooks, if any.
+fn hooked<I, R>(cx: &StepContext<'_, I>, mb: u32, phase: Phase, f: impl FnOnce() -> R) -> R {
+    match cx.faults {
+        Some((hooks, device, step)) => with_hooks(Some(hooks), device, step, mb, phase, f),
+        None => f(),
+    }
 }
 
 /// Builds the first block's boundary from a micro-batch's items on a device.

@@ -83,12 +83,12 @@ impl DistributedSampler {
         self.epoch_order(c.epoch)[start..start + self.global_batch].to_vec()
     }
 
-    /// The ids replica `replica` of `replicas` reads at `step` (SAMPLER-1).
-    /// `global_batch` must divide by `replicas` (checked when the job is built).
+    /// The ids replica `replica` of `replicas` reads at `step` (SAMPLER-1). When the global
+    /// batch does not divide by `replicas` (after a replica was lost), the first
+    /// `global % replicas` replicas take one sample more (SAMPLER-4).
     pub fn replica_batch(&self, step: u64, replica: usize, replicas: usize) -> Vec<usize> {
-        let local = self.global_batch / replicas;
         let global = self.global_batch(step);
-        global[replica * local..(replica + 1) * local].to_vec()
+        global[crate::comm::chunk_range(global.len(), replicas.max(1), replica)].to_vec()
     }
 
     /// Every replica's ids at `step`, in replica order (one permutation computed once).
@@ -100,11 +100,10 @@ impl DistributedSampler {
     /// Like [`split`](Self::split), reading the ids from `order`, which must be
     /// `epoch_order` of `step`'s epoch (so a caller computes each epoch's order once).
     pub fn split_in(&self, order: &[usize], step: u64, replicas: usize) -> Vec<Vec<usize>> {
-        let local = self.global_batch / replicas.max(1);
         let start = self.cursor(step).batch as usize * self.global_batch;
-        order[start..start + self.global_batch]
-            .chunks(local.max(1))
-            .map(<[usize]>::to_vec)
+        let global = &order[start..start + self.global_batch];
+        (0..replicas.max(1))
+            .map(|r| global[crate::comm::chunk_range(global.len(), replicas.max(1), r)].to_vec())
             .collect()
     }
 }
@@ -136,9 +135,10 @@ mod tests {
     proptest! {
         #[test]
         fn sampler_1_replica_shares_are_disjoint_and_make_the_global_batch(
-            dp in 1usize..8, local in 1usize..16, extra in 0usize..40, seed in any::<u64>(), step in 0u64..50,
+            dp in 1usize..8, local in 1usize..16, odd in 0usize..8, extra in 0usize..40, seed in any::<u64>(), step in 0u64..50,
         ) {
-            let global = dp * local;
+            // SAMPLER-4: also when the global batch does not divide by dp.
+            let global = dp * local + odd;
             let s = DistributedSampler::new(global + extra, global, seed).unwrap();
             let shares = s.split(step, dp);
             prop_assert_eq!(shares.len(), dp);
@@ -149,6 +149,8 @@ mod tests {
             }
             let global_ids: HashSet<usize> = s.global_batch(step).into_iter().collect();
             prop_assert_eq!(seen, global_ids);
+            let sizes: Vec<usize> = shares.iter().map(Vec::len).collect();
+            prop_assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1);
         }
 
         #[test]

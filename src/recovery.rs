@@ -1,0 +1,218 @@
+//! What the Supervisor does when a device is lost: the policy a user picks, and the pure
+//! decision it implies.
+//!
+//! - REC-1: a lost data-parallel replica with `Shrink` and enough survivors (≥
+//!   `min_replicas`) shrinks the group under a new generation; the failed step is redone by
+//!   the survivors on the same global batch (`KeepGlobal`: the survivors split it, shares
+//!   differing by at most one sample, each weighted by its share) so no sample is dropped.
+//! - REC-2: more than `max_restarts` recoveries within `window` end the job with
+//!   `Error::TooManyFailures`, carrying the last failure.
+//! - REC-3: anything else (pipeline jobs, too few survivors, `Fail`) ends the job with the
+//!   failure's own typed error, as without a policy.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// What to do when a data-parallel replica is lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub enum OnReplicaLoss {
+    /// End the job with the failure's error (the default).
+    #[default]
+    Fail,
+    /// Continue with the survivors (REC-1).
+    Shrink,
+}
+
+/// How the Supervisor recovers from lost devices.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct RecoveryPolicy {
+    /// What a lost replica does.
+    pub on_replica_loss: OnReplicaLoss,
+    /// Fewer survivors than this end the job.
+    pub min_replicas: u32,
+    /// At most this many recoveries within `window` (REC-2).
+    pub max_restarts: u32,
+    /// The restart window.
+    pub window: Duration,
+}
+
+impl Default for RecoveryPolicy {
+    fn default() -> Self {
+        Self {
+            on_replica_loss: OnReplicaLoss::Fail,
+            min_replicas: 1,
+            max_restarts: 3,
+            window: Duration::from_secs(60),
+        }
+    }
+}
+
+impl RecoveryPolicy {
+    /// Shrink to the survivors (at least one), at most 3 recoveries a minute.
+    pub fn shrink() -> Self {
+        Self {
+            on_replica_loss: OnReplicaLoss::Shrink,
+            ..Self::default()
+        }
+    }
+
+    /// The same policy with a different minimum number of replicas.
+    pub fn min_replicas(mut self, n: u32) -> Self {
+        self.min_replicas = n;
+        self
+    }
+
+    /// The same policy with a different restart limit.
+    pub fn max_restarts(mut self, n: u32, window: Duration) -> Self {
+        self.max_restarts = n;
+        self.window = window;
+        self
+    }
+}
+
+/// What to do about a failure.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    /// Continue with these replicas (indices into the current ranks, in rank order).
+    Shrink {
+        /// The surviving ranks' indices.
+        survivors: Vec<usize>,
+    },
+    /// End the job: why recovery does not apply.
+    Fail(String),
+    /// End the job: too many recoveries in the window.
+    TooMany {
+        /// Recoveries counted in the window (this one included).
+        count: u32,
+    },
+}
+
+/// Recent recoveries, for the restart limit (REC-2).
+#[derive(Debug, Clone, Default)]
+pub struct RestartLog {
+    times: VecDeque<Instant>,
+}
+
+impl RestartLog {
+    /// Recoveries in the window ending at `now`, after recording one at `now`.
+    fn record(&mut self, now: Instant, window: Duration) -> u32 {
+        self.times.push_back(now);
+        while self
+            .times
+            .front()
+            .is_some_and(|t| now.saturating_duration_since(*t) > window)
+        {
+            self.times.pop_front();
+        }
+        self.times.len() as u32
+    }
+}
+
+/// Decide what to do when `lost` ranks (indices) of a `world`-rank job fail at `now`.
+/// `data_parallel_only` says whether every rank is a whole replica (no pipeline).
+pub fn decide(
+    policy: &RecoveryPolicy,
+    log: &mut RestartLog,
+    world: usize,
+    lost: &[usize],
+    data_parallel_only: bool,
+    now: Instant,
+) -> Decision {
+    if policy.on_replica_loss == OnReplicaLoss::Fail {
+        return Decision::Fail("the recovery policy is to fail".into());
+    }
+    if !data_parallel_only {
+        return Decision::Fail(
+            "pipeline jobs do not recover from a lost stage yet (no twin restore)".into(),
+        );
+    }
+    if lost.is_empty() {
+        return Decision::Fail("no lost device could be named".into());
+    }
+    let survivors: Vec<usize> = (0..world).filter(|r| !lost.contains(r)).collect();
+    if survivors.len() < policy.min_replicas.max(1) as usize {
+        return Decision::Fail(format!(
+            "{} survivor(s), fewer than the minimum of {}",
+            survivors.len(),
+            policy.min_replicas.max(1)
+        ));
+    }
+    let count = log.record(now, policy.window);
+    if count > policy.max_restarts {
+        return Decision::TooMany { count };
+    }
+    Decision::Shrink { survivors }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn rec_1_survivors_are_everyone_not_lost_in_rank_order(
+            world in 1usize..9, lost_mask in any::<u16>(), min in 1u32..4,
+        ) {
+            let lost: Vec<usize> = (0..world).filter(|r| lost_mask & (1 << r) != 0).collect();
+            let policy = RecoveryPolicy::shrink().min_replicas(min).max_restarts(100, Duration::from_secs(1));
+            let d = decide(&policy, &mut RestartLog::default(), world, &lost, true, Instant::now());
+            let alive = world - lost.len();
+            match d {
+                Decision::Shrink { survivors } => {
+                    prop_assert!(!lost.is_empty() && alive >= min as usize);
+                    prop_assert_eq!(survivors.len(), alive);
+                    prop_assert!(survivors.windows(2).all(|w| w[0] < w[1]));
+                    prop_assert!(survivors.iter().all(|s| !lost.contains(s)));
+                }
+                Decision::Fail(_) => prop_assert!(lost.is_empty() || alive < min as usize),
+                Decision::TooMany { .. } => prop_assert!(false, "limit not reached"),
+            }
+        }
+    }
+
+    #[test]
+    fn rec_2_the_restart_limit_counts_recoveries_inside_the_window() {
+        let policy = RecoveryPolicy::shrink().max_restarts(2, Duration::from_secs(10));
+        let mut log = RestartLog::default();
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert!(matches!(
+            decide(&policy, &mut log, 8, &[1], true, at(0)),
+            Decision::Shrink { .. }
+        ));
+        assert!(matches!(
+            decide(&policy, &mut log, 7, &[1], true, at(1)),
+            Decision::Shrink { .. }
+        ));
+        assert_eq!(
+            decide(&policy, &mut log, 6, &[1], true, at(2)),
+            Decision::TooMany { count: 3 }
+        );
+        // Outside the window the old ones no longer count.
+        let mut log = RestartLog::default();
+        for s in [0, 20, 40, 60] {
+            assert!(matches!(
+                decide(&policy, &mut log, 8, &[0], true, at(s)),
+                Decision::Shrink { .. }
+            ));
+        }
+    }
+
+    #[test]
+    fn rec_3_fail_policy_and_pipelines_do_not_shrink() {
+        let mut log = RestartLog::default();
+        let now = Instant::now();
+        assert!(matches!(
+            decide(&RecoveryPolicy::default(), &mut log, 4, &[0], true, now),
+            Decision::Fail(_)
+        ));
+        assert!(matches!(
+            decide(&RecoveryPolicy::shrink(), &mut log, 4, &[0], false, now),
+            Decision::Fail(_)
+        ));
+    }
+}

@@ -1,0 +1,468 @@
+//! Fault-injection scenarios: each states its one expected outcome, asserts it, and asserts that
+//! the injected faults fired (a `FaultInjected` event per fault).
+//!
+//! Completed runs are compared with a plain single-device Burn loop that consumed exactly the
+//! samples the step events report (`max|a − b| ≤ 1e-5 · max|reference|` per tensor); runs that
+//! must fail end with the documented typed error within their time-out.
+
+use std::time::{Duration, Instant};
+
+use burn::optim::AdamConfig;
+use burn::tensor::Device;
+use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
+use meshwork::error::DeviceId;
+use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
+use meshwork::optim::LearningRate;
+use meshwork::prelude::*;
+use meshwork::recovery::RecoveryPolicy;
+use meshwork::testing::{
+    Reference, batches_from_events, compare_parameters, reference_train, run_recording, steps_of,
+};
+
+const TOLERANCE: f32 = 1e-5;
+const STEPS: u64 = 8;
+const GLOBAL_BATCH: usize = 24;
+const LR: f64 = 3e-3;
+
+fn data() -> InMemoryDataset<Sample> {
+    TeacherTask {
+        d_in: 8,
+        d_out: 3,
+        noise: 0.1,
+        seed: 21,
+    }
+    .dataset(240)
+}
+
+fn initial_model() -> Mlp {
+    let device = Device::flex();
+    device.seed(9);
+    Mlp::new(&[8, 32, 16, 3], &device)
+}
+
+fn fault(device: u32, step: u64, phase: Phase, kind: FaultKind) -> Fault {
+    Fault {
+        device,
+        step,
+        micro_batch: Some(0),
+        phase,
+        kind,
+    }
+}
+
+/// A dp-replica job of the demo MLP (Adam) under `plan` and `policy`.
+fn job(
+    dp: u32,
+    init: &Mlp,
+    plan: FaultPlan,
+    policy: RecoveryPolicy,
+    collective_timeout: Duration,
+) -> Job<Mlp, Sample> {
+    Job::builder()
+        .initial_model(init.clone())
+        .loss(mse_loss)
+        .data(data())
+        .optimizer(AdamConfig::new())
+        .learning_rate(LR)
+        .data_parallel(dp)
+        .batch_size(GLOBAL_BATCH)
+        .steps(STEPS)
+        .seed(5)
+        .fault_plan(plan)
+        .recovery(policy)
+        .collective_timeout(collective_timeout)
+        .step_timeout(Duration::from_secs(60))
+        .build()
+        .expect("a valid job")
+}
+
+async fn run(job: Job<Mlp, Sample>) -> (Result<Trained<Mlp>>, Vec<JobEvent>, Duration) {
+    let started = Instant::now();
+    let (outcome, events) = tokio::time::timeout(Duration::from_secs(120), run_recording(job))
+        .await
+        .expect("the job ends within 120 s");
+    (outcome, events, started.elapsed())
+}
+
+fn fired(events: &[JobEvent]) -> Vec<usize> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::FaultInjected(f) => Some(f.index),
+            _ => None,
+        })
+        .collect()
+}
+
+fn lost_devices(events: &[JobEvent]) -> Vec<DeviceId> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::DeviceLost { device, .. } => Some(*device),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The trained model equals a reference that consumed exactly the reported samples.
+fn assert_matches_reference(init: Mlp, trained: &Mlp, events: &[JobEvent]) {
+    let steps = steps_of(events);
+    assert_eq!(steps.len() as u64, STEPS, "every step completed once");
+    let batches = batches_from_events(&steps);
+    for (s, b) in batches.iter().enumerate() {
+        assert_eq!(
+            b.len(),
+            GLOBAL_BATCH,
+            "step {s} trained on the whole global batch"
+        );
+    }
+    let reference = reference_train(
+        init,
+        mse_loss,
+        &data(),
+        &batches,
+        &Reference {
+            optimizer: AdamConfig::new().into(),
+            learning_rate: LearningRate::Constant(LR),
+            clip_norm: None,
+        },
+        &Device::flex(),
+    );
+    compare_parameters(trained, &reference, TOLERANCE).unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// Replicas per step, from the step events.
+fn replicas_per_step(events: &[JobEvent]) -> Vec<usize> {
+    steps_of(events).iter().map(|s| s.replicas.len()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_1_a_panic_in_forward_shrinks_the_group_and_training_equals_the_reference() {
+    let init = initial_model();
+    let plan = FaultPlan::new(1).with(fault(1, 3, Phase::Forward, FaultKind::Panic));
+    let (outcome, events, _) = run(job(
+        4,
+        &init,
+        plan,
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let trained = outcome.expect("the job recovers");
+    assert_eq!(fired(&events), vec![0]);
+    assert_eq!(lost_devices(&events), vec![DeviceId(1)]);
+    assert!(events.iter().any(|e| matches!(
+        e,
+        JobEvent::Recovered { step: 3, generation, layout, .. }
+            if generation.0 == 1 && layout.dp() == 3
+    )));
+    assert_eq!(replicas_per_step(&events), vec![4, 4, 4, 3, 3, 3, 3, 3]);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_1_a_panic_in_backward_shrinks_the_group_and_training_equals_the_reference() {
+    let init = initial_model();
+    let plan = FaultPlan::new(2).with(fault(0, 5, Phase::Backward, FaultKind::Panic));
+    let (outcome, events, _) = run(job(
+        3,
+        &init,
+        plan,
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let trained = outcome.expect("the job recovers");
+    assert_eq!(fired(&events), vec![0]);
+    assert_eq!(lost_devices(&events), vec![DeviceId(0)]);
+    // 24 samples over 2 survivors; the surviving rank 0 (device 1) hands the model back.
+    assert_eq!(replicas_per_step(&events), vec![3, 3, 3, 3, 3, 2, 2, 2]);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_1_a_killed_device_is_dropped_and_its_share_is_redone_by_the_survivors() {
+    let init = initial_model();
+    // 24 samples over 4, then over 3 (8 each): the killed device's samples are not lost.
+    let plan = FaultPlan::new(3).with(fault(2, 2, Phase::Forward, FaultKind::Kill));
+    let (outcome, events, _) = run(job(
+        4,
+        &init,
+        plan,
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let trained = outcome.expect("the job recovers");
+    assert_eq!(fired(&events), vec![0]);
+    assert_eq!(lost_devices(&events), vec![DeviceId(2)]);
+    let lost_as = events.iter().find_map(|e| match e {
+        JobEvent::DeviceLost { error, .. } => Some(error.clone()),
+        _ => None,
+    });
+    assert!(
+        matches!(
+            lost_as,
+            Some(Error::StageLost {
+                device: DeviceId(2),
+                ..
+            })
+        ),
+        "{lost_as:?}"
+    );
+    assert_eq!(replicas_per_step(&events), vec![4, 4, 3, 3, 3, 3, 3, 3]);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_1_two_failures_shrink_twice_with_uneven_shares() {
+    let init = initial_model();
+    // 4 → 3 → 2 replicas; 24 samples split 8/8/8 then 12/12. With 5 replicas the shares
+    // would be uneven (5/5/5/5/4): see the next scenario.
+    let plan = FaultPlan::new(4)
+        .with(fault(3, 1, Phase::Forward, FaultKind::Kill))
+        .with(fault(0, 4, Phase::Backward, FaultKind::Panic));
+    let (outcome, events, _) = run(job(
+        4,
+        &init,
+        plan,
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let trained = outcome.expect("the job recovers twice");
+    assert_eq!(fired(&events), vec![0, 1]);
+    assert_eq!(lost_devices(&events), vec![DeviceId(3), DeviceId(0)]);
+    assert_eq!(replicas_per_step(&events), vec![4, 3, 3, 3, 2, 2, 2, 2]);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampler_4_survivors_that_do_not_divide_the_batch_take_uneven_weighted_shares() {
+    let init = initial_model();
+    // 24 samples over 5 survivors: 5, 5, 5, 5, 4.
+    let plan = FaultPlan::new(5).with(fault(5, 2, Phase::Forward, FaultKind::Panic));
+    let (outcome, events, _) = run(job(
+        6,
+        &init,
+        plan,
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let trained = outcome.expect("the job recovers");
+    let after = &steps_of(&events)[2];
+    let sizes: Vec<usize> = after.replicas.iter().map(|r| r.sample_ids.len()).collect();
+    assert_eq!(sizes, vec![5, 5, 5, 5, 4]);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_2_more_failures_than_the_restart_limit_end_the_job_with_too_many_failures() {
+    let init = initial_model();
+    let plan = FaultPlan::new(6)
+        .with(fault(1, 1, Phase::Forward, FaultKind::Panic))
+        .with(fault(2, 2, Phase::Forward, FaultKind::Panic));
+    let policy = RecoveryPolicy::shrink().max_restarts(1, Duration::from_secs(600));
+    let (outcome, events, _) = run(job(4, &init, plan, policy, Duration::from_secs(30))).await;
+    match outcome {
+        Err(Error::TooManyFailures { count: 2, last, .. }) => {
+            assert!(
+                matches!(
+                    *last,
+                    Error::StageFailed {
+                        device: DeviceId(2),
+                        ..
+                    }
+                ),
+                "{last}"
+            )
+        }
+        other => panic!("expected TooManyFailures, got {other:?}"),
+    }
+    assert_eq!(fired(&events), vec![0, 1]);
+    assert!(matches!(events.last(), Some(JobEvent::Failed(_))));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_3_below_the_minimum_size_the_job_ends_with_the_devices_error() {
+    let init = initial_model();
+    let plan = FaultPlan::new(7).with(fault(0, 1, Phase::Forward, FaultKind::Panic));
+    let (outcome, events, _) = run(job(
+        2,
+        &init,
+        plan,
+        RecoveryPolicy::shrink().min_replicas(2),
+        Duration::from_secs(30),
+    ))
+    .await;
+    match outcome {
+        Err(Error::StageFailed { device, during, .. }) => {
+            assert_eq!(device, DeviceId(0));
+            assert_eq!(during, "forward");
+        }
+        other => panic!("expected StageFailed, got {other:?}"),
+    }
+    assert_eq!(fired(&events), vec![0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_3_without_a_recovery_policy_a_lost_device_ends_the_job() {
+    let init = initial_model();
+    let plan = FaultPlan::new(8).with(fault(1, 2, Phase::Forward, FaultKind::Kill));
+    let (outcome, events, elapsed) = run(job(
+        2,
+        &init,
+        plan,
+        RecoveryPolicy::default(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    assert!(
+        matches!(
+            outcome,
+            Err(Error::StageLost {
+                device: DeviceId(1),
+                ..
+            })
+        ),
+        "{outcome:?}"
+    );
+    assert_eq!(fired(&events), vec![0]);
+    // Found at once, not after the 30 s collective time-out.
+    assert!(elapsed < Duration::from_secs(20), "{elapsed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_device_slows_its_replica_and_training_still_equals_the_reference() {
+    let init = initial_model();
+    let plan = FaultPlan::new(9).with(Fault {
+        device: 1,
+        step: 0,
+        micro_batch: None,
+        phase: Phase::Forward,
+        kind: FaultKind::Slow { factor: 20.0 },
+    });
+    let (outcome, events, _) = run(job(
+        2,
+        &init,
+        plan,
+        RecoveryPolicy::default(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let trained = outcome.expect("a slow device is not a failure");
+    assert_eq!(fired(&events), vec![0]);
+    // Device 1's forwards take longer than device 0's, step after step.
+    let compute = |rank: u32| -> u64 {
+        steps_of(&events)
+            .iter()
+            .flat_map(|s| s.replicas.iter())
+            .filter(|r| r.rank.0 == rank)
+            .flat_map(|r| r.trace.iter())
+            .filter(|t| matches!(t.kind, meshwork::trace::TraceKind::Forward { .. }))
+            .map(|t| t.duration_us)
+            .sum()
+    };
+    assert!(
+        compute(1) > 3 * compute(0),
+        "{} vs {}",
+        compute(1),
+        compute(0)
+    );
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_device_is_a_typed_collective_time_out_naming_it_not_a_hang() {
+    let init = initial_model();
+    // Device 1 stops making progress for 5 s; collectives give up after 500 ms.
+    let plan = FaultPlan::new(10).with(fault(
+        1,
+        2,
+        Phase::Backward,
+        FaultKind::Stall { seconds: 5.0 },
+    ));
+    let (outcome, events, elapsed) = run(job(
+        2,
+        &init,
+        plan,
+        RecoveryPolicy::shrink(),
+        Duration::from_millis(500),
+    ))
+    .await;
+    match outcome {
+        Err(Error::Comm(meshwork::comm::CommError::Timeout { missing, .. })) => {
+            assert_eq!(missing, vec![Rank(1)])
+        }
+        other => panic!("expected a collective time-out naming rank 1, got {other:?}"),
+    }
+    assert_eq!(fired(&events), vec![0]);
+    assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_2_the_same_plan_gives_the_same_events_and_bitwise_equal_parameters() {
+    let init = initial_model();
+    let plan = FaultPlan::new(11)
+        .with(fault(2, 1, Phase::Forward, FaultKind::Kill))
+        .with(fault(0, 3, Phase::Backward, FaultKind::Panic));
+    let summary = |events: &[JobEvent]| -> Vec<String> {
+        events
+            .iter()
+            .map(|e| match e {
+                JobEvent::StepDone(s) => format!("step {} {:?}", s.step, s.loss),
+                JobEvent::DeviceLost { step, device, .. } => format!("lost {device} at {step}"),
+                JobEvent::Recovered {
+                    step, generation, ..
+                } => format!("recovered {} at {step}", generation.0),
+                JobEvent::FaultInjected(f) => format!("fault {}", f.index),
+                JobEvent::Finished { fingerprints, .. } => format!("finished {fingerprints:?}"),
+                other => format!("{other:?}").chars().take(12).collect(),
+            })
+            .collect()
+    };
+    let (a, ea, _) = run(job(
+        4,
+        &init,
+        plan.clone(),
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let (b, eb, _) = run(job(
+        4,
+        &init,
+        plan,
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    assert_eq!(summary(&ea), summary(&eb));
+    compare_parameters(&a.unwrap().model, &b.unwrap().model, 0.0).expect("bitwise equal");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_3_a_pipeline_stage_lost_without_twin_restore_ends_the_job_with_its_error() {
+    use meshwork::demo::mlp_pipeline;
+    let device = Device::flex();
+    device.seed(3);
+    let stages = mlp_pipeline(&[8, 16, 16, 3], &[1, 2], &device).unwrap();
+    let job = Job::builder()
+        .pipeline(stages, Schedule::OneFOneB { micro_batches: 4 })
+        .data(data())
+        .batch_size(GLOBAL_BATCH)
+        .steps(STEPS)
+        .fault_plan(FaultPlan::new(12).with(fault(1, 2, Phase::Backward, FaultKind::Panic)))
+        .recovery(RecoveryPolicy::shrink())
+        .build()
+        .unwrap();
+    let (outcome, events) = tokio::time::timeout(Duration::from_secs(120), run_recording(job))
+        .await
+        .expect("the job ends");
+    assert!(
+        matches!(&outcome, Err(Error::StageFailed { stage, .. }) if stage.stage == 1),
+        "{outcome:?}"
+    );
+    assert_eq!(fired(&events), vec![0]);
+}
