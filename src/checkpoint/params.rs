@@ -261,6 +261,10 @@ pub fn restore_module<M: Module>(module: M, params: &ShardParams) -> Result<M, C
 /// A shard's optimizer state, as the bytes Burn serializes it to (burnpack, through
 /// `ModuleOptimizer::into_bytes`). Burn keys it by parameter id, so it applies to a module
 /// restored by [`restore_module`] from the same shard (CKPT-5).
+///
+/// Burn 0.22 gives no public way to merge or split an optimizer record (its fields are
+/// crate-private and `load_record` replaces the whole state), so after a different pipeline
+/// split the parameters restore but each new stage starts with fresh optimizer state.
 #[derive(Clone, PartialEq, Eq)]
 pub struct OptimizerState {
     bytes: Vec<u8>,
