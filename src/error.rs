@@ -110,6 +110,10 @@ pub enum Error {
     /// The job was stopped before it produced a model.
     #[error("job stopped: {0}")]
     Stopped(String),
+    /// A checkpoint could not be written, or was refused when read (CKPT-1..5 in
+    /// `src/checkpoint.rs`).
+    #[error(transparent)]
+    Checkpoint(#[from] crate::checkpoint::CheckpointError),
     /// Reading or writing a file failed.
     #[error("i/o error on {path}: {reason}")]
     Io {

@@ -5,6 +5,7 @@
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
 pub mod actors;
+pub mod checkpoint;
 #[cfg(feature = "cluster")]
 pub mod cluster;
 pub mod comm;

@@ -1,0 +1,271 @@
+//! Checkpoint storage: what a checkpoint holds, how it is laid out on disk, how it is written
+//! atomically, verified when read, and pruned.
+//!
+//! This module owns the storage layer only. Deciding when to checkpoint, taking the snapshot on
+//! the device threads and writing it off the training path belong to the runtime, which calls
+//! [`CheckpointStore::write`] from a background thread.
+//!
+//! # Layout on disk
+//!
+//! ```text
+//! <root>/step-00000120/
+//!     shard-pp0000-tp0000.bin   one file per stage shard: parameters by name + optimizer state
+//!     shard-pp0001-tp0000.bin
+//!     manifest                  format version, step, layout, data cursor, RNG state,
+//!                               every shard file with its byte length and CRC-32
+//! ```
+//!
+//! Parameters are stored by their structural path in the module (`layers.0.weight`), never by
+//! Burn's `ParamId` (random per module instance), so a checkpoint restores onto a model built
+//! afresh and, after renaming, onto a different pipeline split ([`ShardParams::merge`],
+//! [`ShardParams::renamed`]).
+//!
+//! # Invariants
+//!
+//! Tests name the id they check.
+//!
+//! - **CKPT-1 atomicity.** Every file is written to `<name>.tmp`, fsynced, renamed to its
+//!   final name, and then its directory is fsynced; the manifest is written last. A checkpoint
+//!   directory without a valid manifest is incomplete and is never loaded, so a crash at any
+//!   moment leaves either the previous checkpoints or a complete new one, never a partial
+//!   file that is loaded.
+//! - **CKPT-2 verification.** A checkpoint is loaded only if its manifest decodes (magic,
+//!   format version, its own CRC-32, a valid layout, the step of its directory) and every
+//!   shard file it lists is present with exactly the listed length and CRC-32 and decodes.
+//!   Anything else is refused with a typed [`CheckpointError`], and
+//!   [`CheckpointStore::latest_valid`] falls back to the next older checkpoint, reporting each
+//!   refusal.
+//! - **CKPT-3 retention.** After a write, the store keeps the newest `k` complete checkpoints
+//!   (manifest valid, every shard file present with its listed length) and every directory
+//!   newer than the oldest of them; older directories, complete or not, are removed, the
+//!   manifest first so a half-removed checkpoint is incomplete rather than corrupt.
+//! - **CKPT-4 bounded decoding.** Decoding never panics on bad input and never allocates a
+//!   declared length before checking it against the bytes actually there: strings are
+//!   borrowed from the file, sequence pre-allocation is capped, and the parameter values'
+//!   declared sizes must add up exactly to the file's size before any is allocated.
+//! - **CKPT-5 restore by name.** [`restore_module`] sets every float parameter from the entry
+//!   of the same path, refusing a missing name or a different shape before changing anything,
+//!   and gives each parameter back the id it had when snapshotted, so that the optimizer state
+//!   (which Burn keys by parameter id) applies to the restored module.
+
+mod format;
+mod fs;
+mod params;
+mod store;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::mesh::Layout;
+pub use crate::parallel::sampler::DataCursor;
+
+pub use fs::{
+    CheckpointFile, CheckpointFs, FaultyFile, FaultyFs, FsOp, MemoryFile, MemoryFs, RealFs,
+};
+pub use params::{NamedParam, OptimizerState, ShardParams, restore_module, snapshot_module};
+pub use store::{CheckpointStore, Loaded, Refused};
+
+/// The on-disk format version this build writes and the only one it reads.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Which part of the model a shard file holds: one pipeline stage (and one tensor-parallel
+/// slice of it). Data-parallel replicas hold the same shard; one copy is stored.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize,
+)]
+pub struct ShardId {
+    /// The pipeline stage.
+    pub pp: u32,
+    /// The tensor-parallel slice (0 without tensor parallelism).
+    pub tp: u32,
+}
+
+impl ShardId {
+    /// The shard of pipeline stage `pp` without tensor parallelism.
+    pub fn stage(pp: u32) -> Self {
+        Self { pp, tp: 0 }
+    }
+
+    /// The name of this shard's file inside a checkpoint directory.
+    pub fn file_name(&self) -> String {
+        format!("shard-pp{:04}-tp{:04}.bin", self.pp, self.tp)
+    }
+}
+
+impl fmt::Display for ShardId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "shard pp{}/tp{}", self.pp, self.tp)
+    }
+}
+
+/// The random generator's state at the checkpointed step, so a resumed run draws the same
+/// numbers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+pub struct RngState {
+    /// The run's seed.
+    pub seed: u64,
+    /// The generator's state word after the checkpointed step.
+    pub state: u64,
+}
+
+/// One stage shard's state: its parameters by name and its optimizer state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ShardSnapshot {
+    /// Which shard.
+    pub shard: ShardId,
+    /// The shard's float parameters by structural path.
+    pub params: ShardParams,
+    /// The shard's optimizer state, if it has one yet.
+    pub optimizer: Option<OptimizerState>,
+}
+
+/// Everything a run needs to resume at a step boundary: what [`CheckpointStore::write`]
+/// stores and [`CheckpointStore::latest_valid`] gives back.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// The number of steps completed when the snapshot was taken.
+    pub step: u64,
+    /// The mesh the run had.
+    pub layout: Layout,
+    /// Where the next step's data starts.
+    pub cursor: DataCursor,
+    /// The random generator's state.
+    pub rng: RngState,
+    /// One entry per stage shard, each shard at most once.
+    pub shards: Vec<ShardSnapshot>,
+}
+
+/// Why a checkpoint could not be written, or why one was refused when read. Every variant
+/// names the file or the parameter concerned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// A file-system operation failed.
+    #[error("checkpoint i/o: {op} {path} failed: {reason}")]
+    Io {
+        /// The operation (`create`, `write`, `sync`, `rename`, …).
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The operating system's error text.
+        reason: String,
+    },
+    /// The directory has no manifest: the checkpoint was never completed (CKPT-1).
+    #[error("{dir} is incomplete: it has no manifest")]
+    MissingManifest {
+        /// The checkpoint directory.
+        dir: PathBuf,
+    },
+    /// The file does not start with the magic bytes of its kind.
+    #[error("{path} is not a meshwork checkpoint file (bad magic)")]
+    BadMagic {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The file was written in another format version.
+    #[error("{path} has format version {found}, this build reads version {expected}")]
+    VersionMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The version in the file.
+        found: u32,
+        /// [`FORMAT_VERSION`].
+        expected: u32,
+    },
+    /// The file is shorter than its contents declare.
+    #[error("{path} is truncated: {declared} bytes declared, {actual} present")]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// The length the contents declare.
+        declared: u64,
+        /// The length of the file.
+        actual: u64,
+    },
+    /// The manifest's own checksum does not match its contents.
+    #[error("{path}: checksum {computed:08x} does not match the stored {stored:08x}")]
+    ManifestChecksum {
+        /// The manifest.
+        path: PathBuf,
+        /// The checksum stored in the manifest.
+        stored: u32,
+        /// The checksum of the bytes read.
+        computed: u32,
+    },
+    /// The contents do not decode (a structural error the checksums did not catch).
+    #[error("{path} is malformed: {what}")]
+    Malformed {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        what: String,
+    },
+    /// A shard file the manifest lists is absent.
+    #[error("{shard} is missing: {path} does not exist")]
+    MissingShard {
+        /// The shard.
+        shard: ShardId,
+        /// Its file.
+        path: PathBuf,
+    },
+    /// A shard file has another length than the manifest lists.
+    #[error("{path} has {actual} bytes, the manifest lists {expected}")]
+    ShardLength {
+        /// The file.
+        path: PathBuf,
+        /// The length in the manifest.
+        expected: u64,
+        /// The file's length.
+        actual: u64,
+    },
+    /// A shard file's CRC-32 differs from the manifest's.
+    #[error("{path}: checksum {computed:08x} does not match the manifest's {expected:08x}")]
+    ShardChecksum {
+        /// The file.
+        path: PathBuf,
+        /// The checksum in the manifest.
+        expected: u32,
+        /// The checksum of the bytes read.
+        computed: u32,
+    },
+    /// A snapshot to write holds the same shard twice.
+    #[error("the snapshot holds {shard} twice")]
+    DuplicateShard {
+        /// The shard.
+        shard: ShardId,
+    },
+    /// Two parameter sets to merge both hold this name.
+    #[error("parameter {name} is present in more than one shard")]
+    DuplicateParameter {
+        /// The parameter's path.
+        name: String,
+    },
+    /// The module has a parameter the checkpoint does not hold (CKPT-5).
+    #[error("the checkpoint has no parameter {name}")]
+    MissingParameter {
+        /// The parameter's path in the module.
+        name: String,
+    },
+    /// The checkpoint holds the parameter with another shape than the module (CKPT-5).
+    #[error(
+        "parameter {name} has shape {module:?} in the module but {checkpoint:?} in the checkpoint"
+    )]
+    ShapeMismatch {
+        /// The parameter's path.
+        name: String,
+        /// Its shape in the module.
+        module: Vec<usize>,
+        /// Its shape in the checkpoint.
+        checkpoint: Vec<usize>,
+    },
+    /// Burn could not serialize or load the optimizer state.
+    #[error("optimizer state: {reason}")]
+    Optimizer {
+        /// Burn's error text.
+        reason: String,
+    },
+}

@@ -1,0 +1,377 @@
+//! The byte layout of shard files and manifests, as pure encode and decode functions.
+//!
+//! ```text
+//! shard file: "MWCKSHRD" | version u32 | header_len u64 | header (bincode)
+//!             | every parameter's values, f32 little-endian, in header order
+//!             | optimizer state bytes
+//! manifest:   "MWCKMANF" | version u32 | body_len u64 | body (bincode) | crc32 u32 of all before
+//! ```
+//!
+//! Integers outside the bincode parts are little-endian. Decoding follows CKPT-4: headers are
+//! decoded with bincode's borrowing serde decoder, so a string is a slice of the bytes that
+//! are there (a declared length beyond them is an error, not an allocation) and serde caps the
+//! pre-allocation of every sequence; parameter values are allocated only after their declared
+//! sizes have been added up, overflow-checked, and found equal to the bytes present.
+
+use std::collections::HashSet;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use super::{
+    Checkpoint, CheckpointError, DataCursor, FORMAT_VERSION, NamedParam, OptimizerState, RngState,
+    ShardId, ShardParams, ShardSnapshot,
+};
+use crate::mesh::Layout;
+
+const SHARD_MAGIC: &[u8; 8] = b"MWCKSHRD";
+const MANIFEST_MAGIC: &[u8; 8] = b"MWCKMANF";
+/// Magic, version and the length of the bincode part.
+const PREFIX_LEN: usize = 8 + 4 + 8;
+const CRC_LEN: usize = 4;
+
+fn config() -> impl bincode::config::Config {
+    bincode::config::standard()
+}
+
+#[derive(Serialize, Deserialize)]
+struct ParamHeader<'a> {
+    name: &'a str,
+    id: u64,
+    dims: Vec<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ShardHeader<'a> {
+    shard: ShardId,
+    #[serde(borrow)]
+    params: Vec<ParamHeader<'a>>,
+    optimizer_len: Option<u64>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ShardEntryRef<'a> {
+    shard: ShardId,
+    file: &'a str,
+    len: u64,
+    crc32: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+struct ManifestBody<'a> {
+    step: u64,
+    layout: Layout,
+    cursor: DataCursor,
+    rng: RngState,
+    #[serde(borrow)]
+    shards: Vec<ShardEntryRef<'a>>,
+}
+
+/// One shard file as the manifest lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ShardEntry {
+    pub(crate) shard: ShardId,
+    pub(crate) file: String,
+    pub(crate) len: u64,
+    pub(crate) crc32: u32,
+}
+
+/// A decoded manifest.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Manifest {
+    pub(crate) step: u64,
+    pub(crate) layout: Layout,
+    pub(crate) cursor: DataCursor,
+    pub(crate) rng: RngState,
+    pub(crate) shards: Vec<ShardEntry>,
+}
+
+impl Manifest {
+    /// The manifest of `checkpoint` whose shard files have these lengths and checksums.
+    pub(crate) fn of(checkpoint: &Checkpoint, shards: Vec<ShardEntry>) -> Self {
+        Self {
+            step: checkpoint.step,
+            layout: checkpoint.layout,
+            cursor: checkpoint.cursor,
+            rng: checkpoint.rng,
+            shards,
+        }
+    }
+}
+
+fn malformed(path: &Path, what: impl Into<String>) -> CheckpointError {
+    CheckpointError::Malformed {
+        path: path.to_path_buf(),
+        what: what.into(),
+    }
+}
+
+fn encode_bincode<T: Serialize>(value: &T) -> Vec<u8> {
+    bincode::serde::encode_to_vec(value, config())
+        .expect("encoding plain structs into a Vec cannot fail")
+}
+
+fn put_prefix(out: &mut Vec<u8>, magic: &[u8; 8], body_len: usize) {
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(body_len as u64).to_le_bytes());
+}
+
+/// Checks magic and version, and returns the declared length of the bincode part.
+fn read_prefix(bytes: &[u8], magic: &[u8; 8], path: &Path) -> Result<u64, CheckpointError> {
+    let actual = bytes.len() as u64;
+    if bytes.len() < PREFIX_LEN {
+        if bytes.len() >= 8 && &bytes[..8] != magic {
+            return Err(CheckpointError::BadMagic {
+                path: path.to_path_buf(),
+            });
+        }
+        return Err(CheckpointError::Truncated {
+            path: path.to_path_buf(),
+            declared: PREFIX_LEN as u64,
+            actual,
+        });
+    }
+    if &bytes[..8] != magic {
+        return Err(CheckpointError::BadMagic {
+            path: path.to_path_buf(),
+        });
+    }
+    let version = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+    if version != FORMAT_VERSION {
+        return Err(CheckpointError::VersionMismatch {
+            path: path.to_path_buf(),
+            found: version,
+            expected: FORMAT_VERSION,
+        });
+    }
+    let mut len = [0u8; 8];
+    len.copy_from_slice(&bytes[12..20]);
+    Ok(u64::from_le_bytes(len))
+}
+
+/// Borrow-decodes exactly `bytes` as one `T`: trailing bytes are an error.
+fn decode_exact<'a, T: Deserialize<'a>>(
+    bytes: &'a [u8],
+    path: &Path,
+    what: &str,
+) -> Result<T, CheckpointError> {
+    let (value, used) = bincode::serde::borrow_decode_from_slice::<T, _>(bytes, config())
+        .map_err(|e| malformed(path, format!("{what}: {e}")))?;
+    if used != bytes.len() {
+        return Err(malformed(
+            path,
+            format!("{what}: {} trailing bytes", bytes.len() - used),
+        ));
+    }
+    Ok(value)
+}
+
+/// The bytes of one shard's file.
+pub(crate) fn encode_shard(shard: &ShardSnapshot) -> Vec<u8> {
+    let header = ShardHeader {
+        shard: shard.shard,
+        params: shard
+            .params
+            .params()
+            .iter()
+            .map(|p| ParamHeader {
+                name: &p.name,
+                id: p.id,
+                dims: p.dims.iter().map(|&d| d as u64).collect(),
+            })
+            .collect(),
+        optimizer_len: shard.optimizer.as_ref().map(|o| o.as_bytes().len() as u64),
+    };
+    let header = encode_bincode(&header);
+    let values: usize = shard.params.params().iter().map(|p| p.values.len()).sum();
+    let optimizer = shard.optimizer.as_ref().map_or(&[][..], |o| o.as_bytes());
+    let mut out = Vec::with_capacity(PREFIX_LEN + header.len() + 4 * values + optimizer.len());
+    put_prefix(&mut out, SHARD_MAGIC, header.len());
+    out.extend_from_slice(&header);
+    for p in shard.params.params() {
+        for v in &p.values {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    out.extend_from_slice(optimizer);
+    out
+}
+
+/// Decodes a shard file (CKPT-4).
+pub(crate) fn decode_shard(bytes: &[u8], path: &Path) -> Result<ShardSnapshot, CheckpointError> {
+    let header_len = read_prefix(bytes, SHARD_MAGIC, path)?;
+    let rest = &bytes[PREFIX_LEN..];
+    let truncated = |declared: u64| CheckpointError::Truncated {
+        path: path.to_path_buf(),
+        declared,
+        actual: bytes.len() as u64,
+    };
+    let header_end = usize::try_from(header_len)
+        .ok()
+        .filter(|&n| n <= rest.len())
+        .ok_or_else(|| truncated((PREFIX_LEN as u64).saturating_add(header_len)))?;
+    let header: ShardHeader<'_> = decode_exact(&rest[..header_end], path, "shard header")?;
+    let body = &rest[header_end..];
+
+    // Every declared size, added up with overflow checks, must equal the bytes present
+    // before anything is allocated.
+    let overflow = || malformed(path, "declared sizes overflow");
+    let mut sizes = Vec::with_capacity(header.params.len());
+    let mut declared: u64 = 0;
+    for p in &header.params {
+        let count = p
+            .dims
+            .iter()
+            .try_fold(1u64, |n, &d| n.checked_mul(d))
+            .ok_or_else(overflow)?;
+        let size = count.checked_mul(4).ok_or_else(overflow)?;
+        declared = declared.checked_add(size).ok_or_else(overflow)?;
+        sizes.push(size);
+    }
+    declared = declared
+        .checked_add(header.optimizer_len.unwrap_or(0))
+        .ok_or_else(overflow)?;
+    let body_len = body.len() as u64;
+    if declared > body_len {
+        return Err(truncated(
+            (PREFIX_LEN as u64 + header_len).saturating_add(declared),
+        ));
+    }
+    if declared < body_len {
+        return Err(malformed(
+            path,
+            format!("{} bytes after the declared contents", body_len - declared),
+        ));
+    }
+
+    let mut names = HashSet::with_capacity(header.params.len());
+    let mut params = Vec::with_capacity(header.params.len());
+    let mut at = 0usize;
+    for (p, size) in header.params.iter().zip(sizes) {
+        if !names.insert(p.name) {
+            return Err(malformed(path, format!("parameter {} twice", p.name)));
+        }
+        // Sizes sum to at most `body.len()`, so they fit in usize.
+        let size = size as usize;
+        let raw = &body[at..at + size];
+        at += size;
+        let dims = p
+            .dims
+            .iter()
+            .map(|&d| usize::try_from(d).map_err(|_| overflow()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let values = raw
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        params.push(NamedParam {
+            name: p.name.to_owned(),
+            id: p.id,
+            dims,
+            values,
+        });
+    }
+    let optimizer = header
+        .optimizer_len
+        .map(|_| OptimizerState::from_bytes(body[at..].to_vec()));
+    Ok(ShardSnapshot {
+        shard: header.shard,
+        params: ShardParams::from_params(params),
+        optimizer,
+    })
+}
+
+/// The bytes of a manifest.
+pub(crate) fn encode_manifest(manifest: &Manifest) -> Vec<u8> {
+    let body = ManifestBody {
+        step: manifest.step,
+        layout: manifest.layout,
+        cursor: manifest.cursor,
+        rng: manifest.rng,
+        shards: manifest
+            .shards
+            .iter()
+            .map(|s| ShardEntryRef {
+                shard: s.shard,
+                file: &s.file,
+                len: s.len,
+                crc32: s.crc32,
+            })
+            .collect(),
+    };
+    let body = encode_bincode(&body);
+    let mut out = Vec::with_capacity(PREFIX_LEN + body.len() + CRC_LEN);
+    put_prefix(&mut out, MANIFEST_MAGIC, body.len());
+    out.extend_from_slice(&body);
+    let crc = crc32fast::hash(&out);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out
+}
+
+/// Decodes a manifest: magic, version, length, checksum, then the body (CKPT-2, CKPT-4).
+pub(crate) fn decode_manifest(bytes: &[u8], path: &Path) -> Result<Manifest, CheckpointError> {
+    let body_len = read_prefix(bytes, MANIFEST_MAGIC, path)?;
+    let expected = (PREFIX_LEN as u64 + CRC_LEN as u64).saturating_add(body_len);
+    let actual = bytes.len() as u64;
+    if expected > actual {
+        return Err(CheckpointError::Truncated {
+            path: path.to_path_buf(),
+            declared: expected,
+            actual,
+        });
+    }
+    if expected < actual {
+        return Err(malformed(
+            path,
+            format!("{} bytes after the checksum", actual - expected),
+        ));
+    }
+    // `expected == actual`, so the body length fits in usize.
+    let crc_at = PREFIX_LEN + body_len as usize;
+    let stored = u32::from_le_bytes([
+        bytes[crc_at],
+        bytes[crc_at + 1],
+        bytes[crc_at + 2],
+        bytes[crc_at + 3],
+    ]);
+    let computed = crc32fast::hash(&bytes[..crc_at]);
+    if stored != computed {
+        return Err(CheckpointError::ManifestChecksum {
+            path: path.to_path_buf(),
+            stored,
+            computed,
+        });
+    }
+    let body: ManifestBody<'_> = decode_exact(&bytes[PREFIX_LEN..crc_at], path, "manifest")?;
+    let layout = Layout::new(body.layout.dp(), body.layout.pp(), body.layout.tp())
+        .map_err(|e| malformed(path, format!("layout: {e}")))?;
+    let mut seen = HashSet::with_capacity(body.shards.len());
+    let mut shards = Vec::with_capacity(body.shards.len());
+    for s in body.shards {
+        if !seen.insert(s.shard) {
+            return Err(malformed(path, format!("{} listed twice", s.shard)));
+        }
+        // The file name is derived from the shard id: a manifest cannot point outside its
+        // directory.
+        if s.file != s.shard.file_name() {
+            return Err(malformed(
+                path,
+                format!("{} has file name {:?}", s.shard, s.file),
+            ));
+        }
+        shards.push(ShardEntry {
+            shard: s.shard,
+            file: s.file.to_owned(),
+            len: s.len,
+            crc32: s.crc32,
+        });
+    }
+    Ok(Manifest {
+        step: body.step,
+        layout,
+        cursor: body.cursor,
+        rng: body.rng,
+        shards,
+    })
+}

@@ -1,0 +1,311 @@
+//! A module's float parameters by structural path, and its optimizer state as bytes.
+//!
+//! Paths come from the `enter_module`/`exit_module` calls Burn's derived `Module::visit` and
+//! `Module::map` make around every field (`layers.0.weight`); `Option` fields add no level.
+
+use std::collections::{HashMap, HashSet};
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::ModuleOptimizer;
+use burn::tensor::{Bytes, DType, Tensor, TensorData};
+
+use super::CheckpointError;
+
+/// One float parameter's values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NamedParam {
+    /// Its structural path in the module, e.g. `layers.0.weight`.
+    pub name: String,
+    /// The id (`ParamId`) it had when snapshotted; [`restore_module`] gives it back (CKPT-5).
+    pub id: u64,
+    /// Its shape.
+    pub dims: Vec<usize>,
+    /// Its values in row-major order, as `f32` (`dims`' product of them).
+    pub values: Vec<f32>,
+}
+
+/// A shard's float parameters, in the module's visit order, names unique.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ShardParams {
+    params: Vec<NamedParam>,
+}
+
+impl ShardParams {
+    /// Parameters whose names the caller guarantees unique (decoded files are checked).
+    pub(crate) fn from_params(params: Vec<NamedParam>) -> Self {
+        Self { params }
+    }
+
+    /// The parameters, in visit order.
+    pub fn params(&self) -> &[NamedParam] {
+        &self.params
+    }
+
+    /// The parameter with this path.
+    pub fn get(&self, name: &str) -> Option<&NamedParam> {
+        self.params.iter().find(|p| p.name == name)
+    }
+
+    /// How many parameters.
+    pub fn len(&self) -> usize {
+        self.params.len()
+    }
+
+    /// Whether there is none.
+    pub fn is_empty(&self) -> bool {
+        self.params.is_empty()
+    }
+
+    /// The union of several shards' parameters (e.g. the stages a new pipeline split puts
+    /// together); a name held by two of them is an error.
+    pub fn merge(shards: impl IntoIterator<Item = ShardParams>) -> Result<Self, CheckpointError> {
+        let mut seen = HashSet::new();
+        let mut params = Vec::new();
+        for shard in shards {
+            for p in shard.params {
+                if !seen.insert(p.name.clone()) {
+                    return Err(CheckpointError::DuplicateParameter { name: p.name });
+                }
+                params.push(p);
+            }
+        }
+        Ok(Self { params })
+    }
+
+    /// The same parameters under new names, e.g. a stage's `layers.0.weight` as the whole
+    /// model's `layers.3.weight`; two parameters renamed alike are an error.
+    pub fn renamed(self, mut rename: impl FnMut(&str) -> String) -> Result<Self, CheckpointError> {
+        let params = self
+            .params
+            .into_iter()
+            .map(|p| NamedParam {
+                name: rename(&p.name),
+                ..p
+            })
+            .collect();
+        Self::merge([Self { params }])
+    }
+
+    /// Only the parameters whose name `keep` accepts, e.g. one stage's share of a whole
+    /// model's parameters.
+    pub fn filtered(self, mut keep: impl FnMut(&str) -> bool) -> Self {
+        Self {
+            params: self.params.into_iter().filter(|p| keep(&p.name)).collect(),
+        }
+    }
+}
+
+/// Tracks the path of the parameter being visited; a path seen twice (a module that visits
+/// the same field twice) gets a `#n` suffix so names stay unique, the same way every time.
+#[derive(Default)]
+struct PathTracker {
+    stack: Vec<String>,
+    seen: HashMap<String, usize>,
+}
+
+impl PathTracker {
+    fn enter(&mut self, name: &str) {
+        self.stack.push(name.to_owned());
+    }
+
+    fn exit(&mut self) {
+        self.stack.pop();
+    }
+
+    fn next_name(&mut self) -> String {
+        let path = self.stack.join(".");
+        let n = self.seen.entry(path.clone()).or_insert(0);
+        *n += 1;
+        if *n == 1 {
+            path
+        } else {
+            format!("{path}#{}", *n - 1)
+        }
+    }
+}
+
+/// A copy of every float parameter of `module`, by structural path, as `f32`.
+///
+/// Integer and boolean parameters are not stored. Call it where the module lives (its
+/// device thread): reading values back may wait for the device.
+pub fn snapshot_module<M: Module>(module: &M) -> ShardParams {
+    struct Snapshot {
+        path: PathTracker,
+        params: Vec<NamedParam>,
+    }
+    impl ModuleVisitor for Snapshot {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.enter(name);
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.exit();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let tensor = param.val();
+            let dims = tensor.shape().to_vec();
+            let data = tensor.into_data();
+            let data = if data.dtype() == DType::F32 {
+                data
+            } else {
+                data.convert::<f32>()
+            };
+            let values = data
+                .try_into_vec::<f32>()
+                .expect("tensor data converted to f32 reads as f32");
+            self.params.push(NamedParam {
+                name: self.path.next_name(),
+                id: param.id.val(),
+                dims,
+                values,
+            });
+        }
+    }
+    let mut s = Snapshot {
+        path: PathTracker::default(),
+        params: Vec::new(),
+    };
+    module.visit(&mut s);
+    ShardParams { params: s.params }
+}
+
+/// `module` with every float parameter set from the entry of the same path in `params`
+/// (CKPT-5): values, shape-checked, converted to the parameter's dtype, on its device, with
+/// its `require_grad`, and with the id recorded in the checkpoint so a restored optimizer
+/// state applies. Every name is checked before anything changes: a missing name or another
+/// shape is an error naming the parameter. Entries the module does not have are ignored, so
+/// a merged set of several shards can restore each of them.
+pub fn restore_module<M: Module>(module: M, params: &ShardParams) -> Result<M, CheckpointError> {
+    let by_name: HashMap<&str, &NamedParam> =
+        params.params.iter().map(|p| (p.name.as_str(), p)).collect();
+
+    struct Check<'a> {
+        path: PathTracker,
+        by_name: &'a HashMap<&'a str, &'a NamedParam>,
+        error: Option<CheckpointError>,
+    }
+    impl ModuleVisitor for Check<'_> {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.enter(name);
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.exit();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let name = self.path.next_name();
+            if self.error.is_some() {
+                return;
+            }
+            let shape = param.val().shape().to_vec();
+            self.error = match self.by_name.get(name.as_str()) {
+                None => Some(CheckpointError::MissingParameter { name }),
+                Some(p) if p.dims != shape || p.values.len() != shape.iter().product::<usize>() => {
+                    Some(CheckpointError::ShapeMismatch {
+                        name,
+                        module: shape,
+                        checkpoint: p.dims.clone(),
+                    })
+                }
+                Some(_) => None,
+            };
+        }
+    }
+    let mut check = Check {
+        path: PathTracker::default(),
+        by_name: &by_name,
+        error: None,
+    };
+    module.visit(&mut check);
+    if let Some(e) = check.error {
+        return Err(e);
+    }
+
+    struct Restore<'a> {
+        path: PathTracker,
+        by_name: &'a HashMap<&'a str, &'a NamedParam>,
+    }
+    impl ModuleMapper for Restore<'_> {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.enter(name);
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.exit();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let name = self.path.next_name();
+            let stored = *self
+                .by_name
+                .get(name.as_str())
+                .expect("every name was checked before mapping");
+            let mut param = param.map(|old| {
+                let device = old.device();
+                let dtype = old.dtype();
+                let grad = old.is_require_grad();
+                let data = TensorData::new(stored.values.clone(), stored.dims.clone());
+                let mut t = Tensor::<D>::from_data(data, &device);
+                if t.dtype() != dtype {
+                    t = t.cast(dtype);
+                }
+                if grad { t.require_grad() } else { t }
+            });
+            param.id = ParamId::from(stored.id);
+            param
+        }
+    }
+    let mut restore = Restore {
+        path: PathTracker::default(),
+        by_name: &by_name,
+    };
+    Ok(module.map(&mut restore))
+}
+
+/// A shard's optimizer state, as the bytes Burn serializes it to (burnpack, through
+/// `ModuleOptimizer::into_bytes`). Burn keys it by parameter id, so it applies to a module
+/// restored by [`restore_module`] from the same shard (CKPT-5).
+///
+/// Burn 0.22 gives no public way to merge or split an optimizer record (its fields are
+/// crate-private and `load_record` replaces the whole state), so after a different pipeline
+/// split the parameters restore but each new stage starts with fresh optimizer state.
+#[derive(Clone, PartialEq, Eq)]
+pub struct OptimizerState {
+    bytes: Vec<u8>,
+}
+
+impl std::fmt::Debug for OptimizerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "OptimizerState({} bytes)", self.bytes.len())
+    }
+}
+
+impl OptimizerState {
+    /// The state of `optimizer` (moments, step counts) for every parameter it has stepped.
+    pub fn capture(optimizer: &ModuleOptimizer) -> Result<Self, CheckpointError> {
+        let bytes = optimizer
+            .into_bytes()
+            .map_err(|e| CheckpointError::Optimizer {
+                reason: e.to_string(),
+            })?;
+        Ok(Self {
+            bytes: bytes.to_vec(),
+        })
+    }
+
+    /// `optimizer` (built from the same configuration) with this state loaded in place of its
+    /// own.
+    pub fn restore(&self, optimizer: ModuleOptimizer) -> Result<ModuleOptimizer, CheckpointError> {
+        optimizer
+            .from_bytes(Bytes::from_bytes_vec(self.bytes.clone()))
+            .map_err(|e| CheckpointError::Optimizer {
+                reason: e.to_string(),
+            })
+    }
+
+    /// State bytes as stored (opaque: Burn's format).
+    pub fn from_bytes(bytes: Vec<u8>) -> Self {
+        Self { bytes }
+    }
+
+    /// The stored bytes.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
