@@ -62,6 +62,25 @@ pub enum Error {
         /// The failure that went over the limit.
         last: Box<Error>,
     },
+    /// A collective timed out because these ranks never arrived; the Supervisor probed each
+    /// one's device: alive but not progressing (stuck), alive and progressing (slow), or not
+    /// answering (dead).
+    #[error(
+        "{op} #{seq} ({generation}) timed out after {waited:?} waiting for {}",
+        health_list(ranks)
+    )]
+    RanksUnresponsive {
+        /// The collective.
+        op: crate::comm::CollectiveKind,
+        /// Its sequence number.
+        seq: u64,
+        /// The group's generation.
+        generation: crate::mesh::Generation,
+        /// The time-out that expired.
+        waited: Duration,
+        /// Each missing rank and what its device said.
+        ranks: Vec<RankHealth>,
+    },
     /// A device did not answer within its time-out.
     #[error("device {device} did not answer {what} within {waited:?}")]
     DeviceUnresponsive {
@@ -122,6 +141,56 @@ pub enum Error {
         /// The operating system's error text.
         reason: String,
     },
+}
+
+/// A rank that did not arrive at a collective, and what its device said.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct RankHealth {
+    /// The rank.
+    pub rank: Rank,
+    /// Its device.
+    pub device: DeviceId,
+    /// What the probe found.
+    pub health: Health,
+}
+
+/// What a heartbeat probe found about a rank that did not arrive.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum Health {
+    /// The device answers, but its task has reported no progress for `since`.
+    Stuck {
+        /// The last progress it reported.
+        progress: String,
+        /// How long ago.
+        since: Duration,
+    },
+    /// The device answers and its task is still moving (a slow device).
+    Progressing {
+        /// The last progress it reported.
+        progress: String,
+    },
+    /// The device did not answer the probe.
+    Dead {
+        /// What the probe saw.
+        reason: String,
+    },
+}
+
+fn health_list(ranks: &[RankHealth]) -> String {
+    ranks
+        .iter()
+        .map(|r| {
+            let what = match &r.health {
+                Health::Stuck { progress, since } => {
+                    format!("stuck (alive, no progress for {since:?}, last: {progress})")
+                }
+                Health::Progressing { progress } => format!("alive and progressing ({progress})"),
+                Health::Dead { reason } => format!("dead ({reason})"),
+            };
+            format!("rank {} on device {}: {what}", r.rank.0, r.device)
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 /// A logical device of the job (one OS thread).

@@ -373,32 +373,67 @@ async fn a_slow_device_slows_its_replica_and_training_still_equals_the_reference
     assert_matches_reference(init, &trained.model, &events);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stalled_device_is_a_typed_collective_time_out_naming_it_not_a_hang() {
-    let init = initial_model();
+fn stall_plan() -> FaultPlan {
     // Device 1 stops making progress for 5 s; collectives give up after 500 ms.
-    let plan = FaultPlan::new(10).with(fault(
+    FaultPlan::new(10).with(fault(
         1,
         2,
         Phase::Backward,
         FaultKind::Stall { seconds: 5.0 },
-    ));
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_device_is_named_stuck_but_alive_within_the_time_out_not_a_hang() {
+    use meshwork::error::Health;
+    let init = initial_model();
     let (outcome, events, elapsed) = run(job(
         2,
         &init,
-        plan,
-        RecoveryPolicy::shrink(),
+        stall_plan(),
+        RecoveryPolicy::default(),
         Duration::from_millis(500),
     ))
     .await;
     match outcome {
-        Err(Error::Comm(meshwork::comm::CommError::Timeout { missing, .. })) => {
-            assert_eq!(missing, vec![Rank(1)])
+        Err(Error::RanksUnresponsive {
+            ranks, generation, ..
+        }) => {
+            assert_eq!(generation.0, 0);
+            assert_eq!(ranks.len(), 1);
+            assert_eq!((ranks[0].rank, ranks[0].device), (Rank(1), DeviceId(1)));
+            match &ranks[0].health {
+                Health::Stuck { progress, .. } => {
+                    assert_eq!(progress, "step 2: backward of micro-batch 0")
+                }
+                other => panic!("expected stuck, got {other:?}"),
+            }
         }
-        other => panic!("expected a collective time-out naming rank 1, got {other:?}"),
+        other => panic!("expected RanksUnresponsive naming rank 1, got {other:?}"),
     }
     assert_eq!(fired(&events), vec![0]);
     assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_1_a_stuck_replica_is_evicted_and_the_survivor_finishes_the_run() {
+    let init = initial_model();
+    let (outcome, events, elapsed) = run(job(
+        2,
+        &init,
+        stall_plan(),
+        RecoveryPolicy::shrink(),
+        Duration::from_millis(500),
+    ))
+    .await;
+    let trained = outcome.expect("the stuck replica is evicted");
+    assert_eq!(lost_devices(&events), vec![DeviceId(1)]);
+    assert!(
+        elapsed < Duration::from_secs(5),
+        "did not wait for the stall: {elapsed:?}"
+    );
+    assert_eq!(replicas_per_step(&events), vec![2, 2, 1, 1, 1, 1, 1, 1]);
+    assert_matches_reference(init, &trained.model, &events);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

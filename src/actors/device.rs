@@ -27,12 +27,33 @@ pub struct Heartbeat {
     pub busy: Option<(String, Duration)>,
     /// Tasks finished so far.
     pub tasks_done: u64,
+    /// The last progress the running task reported (step, micro-batch, instruction) and how
+    /// long ago: a task whose progress does not move is stuck, though its device answers.
+    pub progress: Option<(String, Duration)>,
 }
 
 #[derive(Debug, Default)]
 struct ThreadStatus {
     busy: Option<(String, Instant)>,
     tasks_done: u64,
+    progress: Option<(String, Instant)>,
+}
+
+std::thread_local! {
+    /// The status of the device thread this code runs on (none elsewhere).
+    static THREAD_STATUS: std::cell::RefCell<Option<Arc<Mutex<ThreadStatus>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Report where the running task is (e.g. "step 3, forward of micro-batch 1"), for heartbeats.
+/// Cheap; does nothing off device threads.
+pub fn report_progress(progress: impl FnOnce() -> String) {
+    THREAD_STATUS.with(|s| {
+        if let Some(status) = s.borrow().as_ref() {
+            status.lock().unwrap_or_else(|e| e.into_inner()).progress =
+                Some((progress(), Instant::now()));
+        }
+    });
 }
 
 /// Messages a [`DeviceActor`] handles.
@@ -85,6 +106,7 @@ impl Actor for DeviceActor {
         std::thread::Builder::new()
             .name(format!("meshwork-device-{}", device.id()))
             .spawn(move || {
+                THREAD_STATUS.with(|s| *s.borrow_mut() = Some(thread_status.clone()));
                 // The thread ends when the actor drops its sender.
                 while let Ok((label, task)) = rx.recv() {
                     set_status(&thread_status, Some(label));
@@ -114,6 +136,7 @@ impl Actor for DeviceActor {
                     device: state.device.id(),
                     busy: s.busy.as_ref().map(|(l, t)| (l.clone(), t.elapsed())),
                     tasks_done: s.tasks_done,
+                    progress: s.progress.as_ref().map(|(p, t)| (p.clone(), t.elapsed())),
                 });
             }
             DeviceMsg::Run { label, task } => {

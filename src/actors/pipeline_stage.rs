@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::device::{DeviceMsg, run_on};
+use super::device::{DeviceMsg, report_progress, run_on};
 use super::group::{GroupActor, GroupArgs};
 use super::stage::{InitReport, StageMsg, StepReport};
 use super::supervisor::{SpawnContext, SpawnStages, Spawned};
@@ -414,7 +414,9 @@ async fn step_on_device<I: Send + Sync + 'static>(
             Err(e) => return (slot, Err(e)),
         };
         let on_instr = |instr: &Instr| {
-            *thread_phase.lock().unwrap_or_else(|e| e.into_inner()) = describe(instr);
+            let what = describe(instr);
+            report_progress(|| format!("step {step}: {what}"));
+            *thread_phase.lock().unwrap_or_else(|e| e.into_inner()) = what;
         };
         let inputs = |items: &[I], d: &burn::tensor::Device| (spec.stages.inputs)(items, d);
         let r = run_stage_step(

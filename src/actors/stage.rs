@@ -21,7 +21,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-use super::device::{DeviceMsg, run_on};
+use super::device::{DeviceMsg, report_progress, run_on};
 use super::group::{GroupActor, GroupArgs};
 use super::supervisor::{SpawnContext, SpawnStages, Spawned};
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
@@ -491,7 +491,10 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     phase: &Mutex<&'static str>,
 ) -> Result<(StepReport, Option<GradientsParams>)> {
     let hooks = spec.faults.as_deref();
-    let set_phase = |p: &'static str| *phase.lock().unwrap_or_else(|e| e.into_inner()) = p;
+    let set_phase = |p: &'static str| {
+        *phase.lock().unwrap_or_else(|e| e.into_inner()) = p;
+        report_progress(|| format!("step {step}: {p}"));
+    };
     let world = slot.comm.world();
     let k = micro_batches.len();
     // One device, one micro-batch, no clipping: Burn's gradients go straight to the optimizer.
@@ -513,6 +516,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     let mut last = None;
     for (m, ids) in micro_batches.iter().enumerate() {
         set_phase("forward");
+        report_progress(|| format!("step {step}: forward of micro-batch {m}"));
         let t = Instant::now();
         let items = ids
             .iter()
@@ -535,6 +539,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
             t,
         );
         set_phase("backward");
+        report_progress(|| format!("step {step}: backward of micro-batch {m}"));
         let t = Instant::now();
         // DP-2: this micro-batch's share of the step's samples.
         let weight = ids.len() as f32 / global.max(1) as f32;

@@ -29,7 +29,7 @@ use super::stage::{StageMsg, StepReport};
 use crate::comm::LocalGroup;
 use crate::comm::{CommConfig, CommError};
 use crate::device::MeshDevice;
-use crate::error::{DeviceId, Error, Result, StageId};
+use crate::error::{DeviceId, Error, Health, RankHealth, Result, StageId};
 use crate::events::{JobEvent, PipelineStep, ReplicaStep, StageShares, StepDone};
 use crate::faults::FaultHooks;
 use crate::mesh::Rank;
@@ -454,6 +454,13 @@ fn lost_ranks<M, I>(state: &SupervisorState<M, I>, failure: &LostRanks) -> Vec<u
                 _ => None,
             }
         })
+        .chain(failure.0.iter().flat_map(|(_, e)| match e {
+            // Stuck, slow or dead: a rank that did not arrive in time is evicted.
+            Error::RanksUnresponsive { ranks, .. } => {
+                ranks.iter().map(|r| r.rank.index()).collect()
+            }
+            _ => Vec::new(),
+        }))
         .collect();
     lost.sort_unstable();
     lost.dedup();
@@ -518,8 +525,9 @@ where
         );
         state.departed.insert(stage.get_id());
         state.departed.insert(device.get_id());
-        stage.stop(None);
-        device.stop(None);
+        // Killed, not stopped: a stuck stage is still inside its step.
+        stage.kill();
+        device.kill();
     }
     // The old group is over: wake anything still waiting in it, stop its actors.
     (state.shutdown)();
@@ -666,6 +674,9 @@ where
     .await
 }
 
+/// How long a device may take to answer a heartbeat probe.
+const HEARTBEAT_PROBE: Duration = Duration::from_secs(2);
+
 /// How long the other stages may take to report once one has failed.
 const FAILURE_GRACE: Duration = Duration::from_secs(2);
 
@@ -789,7 +800,7 @@ where
         .iter()
         .map(|(_, id)| id.replica as usize)
         .collect();
-    let reports: Vec<StepReport> = call_all_with(
+    let reports: Result<Vec<StepReport>> = call_all_with(
         state,
         |r| {
             let share = &shares[replica_of[r]];
@@ -808,7 +819,53 @@ where
         timeout,
         Some(step),
     )
-    .await?;
+    .await;
+    let reports = match reports {
+        Ok(r) => r,
+        Err(Error::Comm(CommError::Timeout {
+            generation,
+            seq,
+            op,
+            missing,
+            waited,
+        })) if state.replicas_only => {
+            // Tell stuck from dead: probe the missing ranks' devices.
+            let mut ranks = Vec::new();
+            for rank in missing {
+                let Some((device, id)) = state.devices.get(rank.index()) else {
+                    continue;
+                };
+                let health = match heartbeat(device, *id, HEARTBEAT_PROBE).await {
+                    Err(e) => Health::Dead {
+                        reason: e.to_string(),
+                    },
+                    Ok(h) => match h.progress {
+                        Some((progress, since)) if since >= waited => {
+                            Health::Stuck { progress, since }
+                        }
+                        Some((progress, _)) => Health::Progressing { progress },
+                        None => Health::Stuck {
+                            progress: "no progress reported".into(),
+                            since: waited,
+                        },
+                    },
+                };
+                ranks.push(RankHealth {
+                    rank,
+                    device: *id,
+                    health,
+                });
+            }
+            return Err(Error::RanksUnresponsive {
+                op,
+                seq,
+                generation,
+                waited,
+                ranks,
+            });
+        }
+        Err(e) => return Err(e),
+    };
     let wall_s = started.elapsed().as_secs_f64();
     // The mean over the global batch: each replica's mean weighted by its share.
     let (weighted, counted) = reports
