@@ -231,7 +231,8 @@ pub fn measure_mlp_layers(widths: &[usize], batch: usize, device: &Device) -> Ve
         .enumerate()
         .map(|(i, w)| {
             let layer = LinearConfig::new(w[0], w[1]).init(&ad);
-            let mut times: Vec<u64> = (0..7)
+            // Two untimed runs first: the allocator and the caches warm up.
+            let mut times: Vec<u64> = (0..11)
                 .map(|_| {
                     let x = Tensor::<2>::random([batch, w[0]], Distribution::Default, &ad);
                     let x = if i == 0 { x } else { x.require_grad() };
@@ -243,6 +244,7 @@ pub fn measure_mlp_layers(widths: &[usize], batch: usize, device: &Device) -> Ve
                     t.elapsed().as_micros() as u64
                 })
                 .collect();
+            let mut times = times.split_off(2);
             times.sort_unstable();
             times[times.len() / 2]
         })

@@ -95,6 +95,7 @@ fn every_book_block_is_included_from_a_checked_file() {
     for f in [
         "book/snippets/Cargo-dependency.toml",
         "book/snippets/commands.sh",
+        "book/snippets/faults.json",
     ] {
         assert!(
             included.contains(Path::new(f)),
@@ -129,6 +130,19 @@ fn schedule_pictures_are_what_the_library_draws_today() {
 }
 
 #[test]
+fn the_books_fault_plan_parses_and_names_every_kind_it_shows() {
+    use meshwork::faults::{FaultKind, FaultPlan};
+    let text = std::fs::read_to_string(root().join("book/snippets/faults.json")).unwrap();
+    let plan = FaultPlan::from_json(&text).expect("the book's fault plan is valid");
+    assert_eq!(plan.seed, 42);
+    let kinds: Vec<&FaultKind> = plan.faults.iter().map(|f| &f.kind).collect();
+    assert!(matches!(
+        kinds[..],
+        [FaultKind::Kill, FaultKind::Panic, FaultKind::Slow { .. }]
+    ));
+}
+
+#[test]
 fn dependency_snippet_parses_and_pins_our_burn_version() {
     let snippet: toml::Table = toml::from_str(
         &std::fs::read_to_string(root().join("book/snippets/Cargo-dependency.toml")).unwrap(),
@@ -160,6 +174,18 @@ fn every_command_of_the_book_runs() {
         let args = line
             .strip_prefix("cargo run --release -- ")
             .unwrap_or_else(|| panic!("book command is not `cargo run --release -- …`: {line}"));
+        // Paths into the book are relative to the repository.
+        let args: Vec<String> = args
+            .split_whitespace()
+            .map(|a| {
+                if a.starts_with("book/") {
+                    root().join(a).display().to_string()
+                } else {
+                    a.to_string()
+                }
+            })
+            .collect();
+        let args = args.join(" ");
         let out = Command::new(env!("CARGO_BIN_EXE_meshwork"))
             .args(args.split_whitespace())
             .current_dir(&dir)

@@ -6,6 +6,10 @@ cargo run --release -- train --dp 2 --batch-size 128 --steps 50 --save-model dem
 cargo run --release -- train --pp 2 --micro-batches 4 --steps 20 --timeline pipeline.svg
 # two replicas of a two-stage interleaved pipeline (2 × 2 devices, 2 chunks per stage)
 cargo run --release -- train --pp 2 --dp 2 --schedule interleaved --virtual-stages 2 --micro-batches 4 --steps 20
+# ANCHOR: faults
+# a fault-injection run: four replicas, a kill and a panic from the plan, shrinking to the survivors
+cargo run --release -- train --dp 4 --batch-size 48 --steps 20 --faults book/snippets/faults.json --on-replica-loss shrink
+# ANCHOR_END: faults
 # collective bandwidth (algbw, busbw) against memcpy, one size, as JSON
 cargo run --release -- bench allreduce --world 2 --bytes 16MiB --algo direct --json
 # data-parallel weak scaling against a plain Burn loop

@@ -79,8 +79,8 @@ pub(crate) enum BenchCommand {
         /// Timed steps (after 2 warm-up steps).
         #[arg(long, default_value_t = 5)]
         steps: usize,
-        /// How the layers are cut into blocks: `balanced` (by each layer's measured time) or
-        /// `even` (by count).
+        /// How the layers are cut into blocks: `balanced` (by each layer's measured time),
+        /// `even` (by count), or layers per block (e.g. `4,5`).
         #[arg(long, default_value = "balanced")]
         split: String,
         /// Write the last timed step's timeline: `.svg` for a picture, `.json` for a Chrome trace.
@@ -170,15 +170,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                         "--schedule {schedule}: gpipe, 1f1b or interleaved"
                     ))
                 })?;
-            let balanced = match split.as_str() {
-                "balanced" => true,
-                "even" => false,
-                other => {
-                    return Err(Error::InvalidConfig(format!(
-                        "--split {other}: balanced or even"
-                    )));
-                }
-            };
+            let split: crate::pipeline_bench::Split = split.parse()?;
             let f = crate::pipeline_bench::run(
                 crate::pipeline_bench::PipelineBench {
                     pp,
@@ -188,7 +180,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                     hidden,
                     depth,
                     steps,
-                    balanced,
+                    split,
                 },
                 timeline.as_deref(),
             )?;

@@ -43,8 +43,39 @@ pub(crate) struct PipelineBench {
     /// Hidden layers of the MLP (8 by default).
     pub(crate) depth: usize,
     pub(crate) steps: usize,
-    /// Cut the layers by measured cost (`true`) or by count.
-    pub(crate) balanced: bool,
+    /// How the layers are cut into blocks.
+    pub(crate) split: Split,
+}
+
+/// How `bench pipeline` cuts the MLP's layers into blocks.
+#[derive(Debug, Clone)]
+pub(crate) enum Split {
+    /// By each layer's measured forward + backward time.
+    Balanced,
+    /// By count.
+    Even,
+    /// These many layers per block.
+    Sizes(Vec<usize>),
+}
+
+impl std::str::FromStr for Split {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "balanced" => Ok(Split::Balanced),
+            "even" => Ok(Split::Even),
+            sizes => sizes
+                .split(',')
+                .map(|n| n.trim().parse::<usize>())
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map(Split::Sizes)
+                .map_err(|_| {
+                    Error::InvalidConfig(format!(
+                        "--split {s}: balanced, even, or layers per block such as 4,5"
+                    ))
+                }),
+        }
+    }
 }
 
 /// Steps run before the timed ones.
@@ -104,12 +135,13 @@ pub(crate) fn run(b: PipelineBench, timeline: Option<&std::path::Path>) -> Resul
     let blocks = (b.pp * b.schedule.virtual_stages()) as usize;
     let micro = b.batch / (b.dp as usize * b.schedule.micro_batches().max(1) as usize);
     let device = Device::flex();
-    let split = if b.balanced {
+    let split = match &b.split {
         // Cut by each layer's measured forward + backward time on one micro-batch.
-        let costs = measure_mlp_layers(&widths, micro.max(1), &device);
-        balanced_split(&costs, blocks)
-    } else {
-        even_split(widths.len() - 1, blocks)
+        Split::Balanced => {
+            balanced_split(&measure_mlp_layers(&widths, micro.max(1), &device), blocks)
+        }
+        Split::Even => even_split(widths.len() - 1, blocks),
+        Split::Sizes(sizes) => Some(sizes.clone()).filter(|s| s.len() == blocks),
     }
     .ok_or_else(|| {
         Error::InvalidConfig(format!(

@@ -10,9 +10,11 @@ use meshwork::demo::{Mlp, TeacherTask, mlp_pipeline, mse_loss};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
 use meshwork::events::{JobEvent, PipelineStep};
+use meshwork::faults::FaultPlan;
 use meshwork::job::{EventsError, Job, JobHandle, RunSummary, Trained};
 use meshwork::parallel::pipeline::{Schedule, even_split, render_svg};
 use meshwork::parallel::pipeline_exec::chrome_trace;
+use meshwork::recovery::RecoveryPolicy;
 
 /// Flags of `meshwork train`.
 #[derive(Debug, clap::Args)]
@@ -55,6 +57,47 @@ pub(crate) struct TrainArgs {
     /// trace (Perfetto, chrome://tracing).
     #[arg(long)]
     timeline: Option<PathBuf>,
+    /// Inject the faults of this plan (JSON, see the book's "Fault-injection runs").
+    #[arg(long)]
+    faults: Option<PathBuf>,
+    /// What a lost replica does: fail (end the job) or shrink (continue with the survivors).
+    #[arg(long, default_value = "fail")]
+    on_replica_loss: String,
+    /// The collective time-out in seconds (a rank that does not arrive within it is named).
+    #[arg(long, default_value_t = 60.0)]
+    collective_timeout: f64,
+}
+
+/// The fault plan and recovery policy the flags ask for.
+fn fault_settings(
+    args: &TrainArgs,
+) -> meshwork::error::Result<(Option<FaultPlan>, RecoveryPolicy)> {
+    let plan = match &args.faults {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            })?;
+            Some(FaultPlan::from_json(&text)?)
+        }
+        None => None,
+    };
+    let policy = match args.on_replica_loss.as_str() {
+        "fail" => RecoveryPolicy::default(),
+        "shrink" => RecoveryPolicy::shrink(),
+        other => {
+            return Err(Error::InvalidConfig(format!(
+                "--on-replica-loss {other}: fail or shrink"
+            )));
+        }
+    };
+    if !(args.collective_timeout > 0.0 && args.collective_timeout.is_finite()) {
+        return Err(Error::InvalidConfig(format!(
+            "--collective-timeout {}: a positive number of seconds",
+            args.collective_timeout
+        )));
+    }
+    Ok((plan, policy))
 }
 
 pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
@@ -87,6 +130,8 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         seed: args.seed,
     };
     let data = task.dataset(16_384);
+    let (plan, policy) = fault_settings(&args)?;
+    let collective_timeout = Duration::from_secs_f64(args.collective_timeout);
     let world = (dp * if pipelined { args.pp } else { 1 }) as usize;
     let devices = MeshDevice::of_kind(args.device, world)?;
     let model_device = devices[0].burn().clone();
@@ -123,7 +168,7 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
                     schedule.virtual_stages()
                 ))
             })?;
-        let job = Job::builder()
+        let mut builder = Job::builder()
             .pipeline(stages, schedule)
             .data(data)
             .optimizer(AdamConfig::new())
@@ -133,9 +178,13 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
             .batch_size(args.batch_size)
             .steps(args.steps)
             .seed(args.seed)
-            .step_timeout(Duration::from_secs(120))
-            .build()?;
-        let (trained, last) = drive(job.spawn().await?, args.steps).await;
+            .recovery(policy)
+            .collective_timeout(collective_timeout)
+            .step_timeout(Duration::from_secs(120));
+        if let Some(plan) = plan {
+            builder = builder.fault_plan(plan);
+        }
+        let (trained, last) = drive(builder.build()?.spawn().await?, args.steps).await;
         report(&trained?.summary, &task);
         if let Some(p) = last {
             println!(
@@ -174,7 +223,7 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         return Ok(());
     }
     let init = Mlp::new(&WIDTHS, &model_device);
-    let job = Job::builder()
+    let mut builder = Job::builder()
         .initial_model(init)
         .loss(mse_loss)
         .data(data)
@@ -185,9 +234,13 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         .batch_size(args.batch_size)
         .steps(args.steps)
         .seed(args.seed)
-        .step_timeout(Duration::from_secs(120))
-        .build()?;
-    let (trained, _) = drive(job.spawn().await?, args.steps).await;
+        .recovery(policy)
+        .collective_timeout(collective_timeout)
+        .step_timeout(Duration::from_secs(120));
+    if let Some(plan) = plan {
+        builder = builder.fault_plan(plan);
+    }
+    let (trained, _) = drive(builder.build()?.spawn().await?, args.steps).await;
     let trained = trained?;
     report(&trained.summary, &task);
     if let Some(path) = args.save_model {
@@ -226,6 +279,26 @@ async fn drive<M: Send + 'static>(
                     last = s.pipeline.or(last);
                 }
                 Ok(JobEvent::Failed(e)) => progress.println(format!("job failed: {e}")),
+                Ok(JobEvent::FaultInjected(f)) => progress.println(format!(
+                    "fault {} fired on device {} at step {}: {:?}",
+                    f.index, f.fault.device, f.fault.step, f.fault.kind
+                )),
+                Ok(JobEvent::DeviceLost {
+                    step,
+                    device,
+                    error,
+                    ..
+                }) => progress.println(format!("step {step}: lost device {device}: {error}")),
+                Ok(JobEvent::Recovered {
+                    step,
+                    generation,
+                    layout,
+                    ..
+                }) => progress.println(format!(
+                    "step {step}: recovered (generation {}, {} replicas), redoing the step",
+                    generation.0,
+                    layout.dp()
+                )),
                 Ok(_) | Err(EventsError::Missed(_)) => {}
                 Err(EventsError::Closed) => break,
             }
