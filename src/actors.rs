@@ -18,6 +18,7 @@
 //!   error naming the device, the stage and the phase; the group is shut down so peers blocked
 //!   in a collective wake up at once instead of waiting for their time-out.
 
+pub mod checkpointer;
 pub mod device;
 pub mod group;
 pub mod pipeline_stage;

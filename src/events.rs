@@ -63,6 +63,51 @@ pub enum JobEvent {
         /// The devices that left.
         lost: Vec<crate::error::DeviceId>,
     },
+    /// A checkpoint of the state after `step` steps was written.
+    CheckpointWritten {
+        /// Steps completed when the snapshot was taken.
+        step: u64,
+        /// Its directory.
+        path: std::path::PathBuf,
+    },
+    /// Writing a checkpoint failed; training goes on and older checkpoints stay valid.
+    CheckpointFailed {
+        /// Steps completed when the snapshot was taken.
+        step: u64,
+        /// Why.
+        error: Error,
+    },
+    /// The job restored a checkpoint and continues after its `step` steps.
+    Restored {
+        /// Steps completed in the checkpoint: the next step run is this one.
+        step: u64,
+        /// The checkpoint's directory.
+        path: std::path::PathBuf,
+        /// Newer checkpoints that were refused, and why.
+        refused: Vec<String>,
+    },
+    /// The data-parallel group was resized at a step boundary (`scale_to`).
+    Resized {
+        /// The first step run at the new size.
+        step: u64,
+        /// The new generation of the mesh.
+        generation: Generation,
+        /// Replicas before.
+        from: u32,
+        /// Replicas after.
+        to: u32,
+    },
+    /// A `scale_to` was not applied.
+    ResizeRefused {
+        /// The size asked for.
+        requested: u32,
+        /// Why.
+        reason: String,
+    },
+    /// The job paused (`pause()`): no step starts until `resume()`.
+    Paused,
+    /// The job resumed after a pause.
+    Resumed,
     /// A fault of the job's fault plan fired.
     FaultInjected(crate::faults::FiredFault),
     /// The job failed and is ending with this error.

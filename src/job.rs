@@ -19,10 +19,13 @@ use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorRef};
 use tokio::sync::{broadcast, oneshot};
 
+use crate::actors::checkpointer::CheckpointSink;
 use crate::actors::pipeline_stage::{PipelineSpec, spawn_pipeline};
 use crate::actors::stage::{LossFn, ModelFn, StageSpec, spawn_replicas};
+use crate::actors::supervisor::CheckpointSettings;
 pub use crate::actors::supervisor::{JobStatus, RunSummary, Trained};
 use crate::actors::supervisor::{SpawnStages, Supervisor, SupervisorArgs, SupervisorMsg};
+use crate::checkpoint::CheckpointStore;
 use crate::comm::{Algorithm, CommConfig};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
@@ -58,6 +61,9 @@ struct JobParts<M, I> {
     event_capacity: usize,
     faults: Option<Arc<FaultHooks>>,
     recovery: RecoveryPolicy,
+    checkpoints: Option<CheckpointSettings>,
+    seed: u64,
+    elastic: (u32, u32),
 }
 
 impl<M, I> std::fmt::Debug for Job<M, I> {
@@ -94,6 +100,12 @@ pub struct JobBuilder<M, I> {
     event_capacity: usize,
     faults: Option<Arc<FaultHooks>>,
     recovery: RecoveryPolicy,
+    checkpoint_dir: Option<std::path::PathBuf>,
+    checkpoint_sink: Option<Arc<dyn CheckpointSink>>,
+    checkpoint_every: Option<u64>,
+    keep_checkpoints: usize,
+    resume: bool,
+    elastic: (u32, u32),
 }
 
 /// Spawns data-parallel replicas from a stage spec.
@@ -160,6 +172,12 @@ where
             event_capacity: 1024,
             faults: None,
             recovery: RecoveryPolicy::default(),
+            checkpoint_dir: None,
+            checkpoint_sink: None,
+            checkpoint_every: None,
+            keep_checkpoints: 3,
+            resume: false,
+            elastic: (1, u32::MAX),
         }
     }
 
@@ -186,6 +204,9 @@ where
                 step_timeout: a.step_timeout,
                 faults: a.faults,
                 recovery: a.recovery,
+                checkpoints: a.checkpoints,
+                seed: a.seed,
+                elastic: a.elastic,
                 events: events.clone(),
                 outcome: outcome_tx,
             },
@@ -366,6 +387,46 @@ where
         self
     }
 
+    /// Write checkpoints into `dir` (one subdirectory per checkpoint; see
+    /// [`crate::checkpoint`]): every [`checkpoint_every`](Self::checkpoint_every) steps, at
+    /// the end of the run, and on [`JobHandle::checkpoint_now`].
+    pub fn checkpoint_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.checkpoint_dir = Some(dir.into());
+        self
+    }
+
+    /// Write checkpoints through `sink` (a [`crate::checkpoint::CheckpointStore`] over any
+    /// file system) instead of a directory.
+    pub fn checkpoint_store(mut self, sink: impl CheckpointSink + 'static) -> Self {
+        self.checkpoint_sink = Some(Arc::new(sink));
+        self
+    }
+
+    /// Checkpoint every `n` steps (needs a checkpoint directory or store).
+    pub fn checkpoint_every(mut self, n: u64) -> Self {
+        self.checkpoint_every = Some(n);
+        self
+    }
+
+    /// Keep the newest `k` complete checkpoints (default 3).
+    pub fn keep_checkpoints(mut self, k: usize) -> Self {
+        self.keep_checkpoints = k;
+        self
+    }
+
+    /// Start from the newest valid checkpoint of the directory or store, if there is one
+    /// (newer ones that do not verify are refused and reported in the `Restored` event).
+    pub fn resume_from_checkpoint(mut self, resume: bool) -> Self {
+        self.resume = resume;
+        self
+    }
+
+    /// The data-parallel sizes [`JobHandle::scale_to`] may ask for (default: 1 and up).
+    pub fn elastic(mut self, min: u32, max: u32) -> Self {
+        self.elastic = (min, max);
+        self
+    }
+
     /// How many events are kept for a slow consumer before the oldest are dropped for it.
     pub fn event_capacity(mut self, events: usize) -> Self {
         self.event_capacity = events;
@@ -417,6 +478,32 @@ where
         if let Some(f) = &self.faults {
             f.plan().check()?;
         }
+        let sink = match (self.checkpoint_sink.take(), &self.checkpoint_dir) {
+            (Some(sink), _) => Some(sink),
+            (None, Some(dir)) => Some(Arc::new(CheckpointStore::open(
+                dir.clone(),
+                self.keep_checkpoints,
+            )?) as Arc<dyn CheckpointSink>),
+            (None, None) => None,
+        };
+        let checkpoints = match sink {
+            Some(sink) => Some(CheckpointSettings {
+                sink,
+                every: self.checkpoint_every,
+                resume: self.resume,
+            }),
+            None if self.checkpoint_every.is_some() || self.resume => {
+                return invalid(
+                    "checkpoint_every or resume without a place for checkpoints: add \
+                     .checkpoint_dir(dir)"
+                        .into(),
+                );
+            }
+            None => None,
+        };
+        if self.checkpoint_every == Some(0) {
+            return invalid("checkpoint_every(0): use at least 1 step".into());
+        }
         let sampler = DistributedSampler::new(dataset.len(), global, self.seed)?;
         Ok(Job {
             args: Some(JobParts {
@@ -432,6 +519,9 @@ where
                 event_capacity: self.event_capacity,
                 faults: self.faults,
                 recovery: self.recovery,
+                checkpoints,
+                seed: self.seed,
+                elastic: self.elastic,
             }),
         })
     }
@@ -496,6 +586,13 @@ where
             return invalid(
                 "clip_grad_norm is not supported with a pipeline yet (the global norm spans \
                  the stages); remove it or train without .pipeline(..)"
+                    .into(),
+            );
+        }
+        if self.checkpoint_dir.is_some() || self.checkpoint_sink.is_some() {
+            return invalid(
+                "checkpoints of pipeline jobs are not written yet: remove .checkpoint_dir(..) \
+                 or train without .pipeline(..)"
                     .into(),
             );
         }
@@ -564,16 +661,13 @@ impl<M: Send + 'static> JobHandle<M> {
     /// Where the job is. Answered between steps (the Supervisor is busy during a step), so
     /// this waits at most one step, bounded by `timeout`.
     pub async fn status(&self, timeout: Duration) -> Result<JobStatus> {
-        match self
-            .supervisor
-            .call(SupervisorMsg::Status, Some(timeout))
-            .await
-        {
-            Ok(ractor::rpc::CallResult::Success(s)) => Ok(s),
-            Ok(ractor::rpc::CallResult::Timeout) => Err(Error::Runtime(format!(
-                "the supervisor did not answer a status request within {timeout:?}"
-            ))),
-            _ => Err(Error::Stopped("the job has ended".into())),
+        status_of(&self.supervisor, timeout).await
+    }
+
+    /// A cloneable handle on every control of the job (stop, checkpoint, resize, pause).
+    pub fn control(&self) -> JobControl {
+        JobControl {
+            supervisor: self.supervisor.clone(),
         }
     }
 
@@ -594,10 +688,85 @@ impl<M: Send + 'static> JobHandle<M> {
         })
     }
 
+    /// Write a checkpoint at the next step boundary (needs a checkpoint directory or store);
+    /// a `CheckpointWritten` event follows once it is on disk.
+    pub fn checkpoint_now(&self) {
+        let _ = self.supervisor.send_message(SupervisorMsg::CheckpointNow);
+    }
+
+    /// Resize a data-parallel job to `n` replicas at the next step boundary: joining replicas
+    /// take rank 0's parameters and optimizer state, the global batch stays the same. A
+    /// `Resized` event follows, or `ResizeRefused` saying why (outside
+    /// [`JobBuilder::elastic`]'s range, a pipeline job).
+    pub fn scale_to(&self, n: u32) {
+        let _ = self.supervisor.send_message(SupervisorMsg::ScaleTo(n));
+    }
+
+    /// Start no new step until [`resume`](Self::resume) (the running step finishes); a
+    /// `Paused` event follows.
+    pub fn pause(&self) {
+        let _ = self.supervisor.send_message(SupervisorMsg::Pause);
+    }
+
+    /// Continue after [`pause`](Self::pause).
+    pub fn resume(&self) {
+        let _ = self.supervisor.send_message(SupervisorMsg::Resume);
+    }
+
     /// Ask the job to stop at the next step boundary and return the model trained so far.
     pub async fn stop(self) -> Result<Trained<M>> {
         let _ = self.supervisor.send_message(SupervisorMsg::Stop);
         self.join().await
+    }
+}
+
+async fn status_of(supervisor: &ActorRef<SupervisorMsg>, timeout: Duration) -> Result<JobStatus> {
+    match supervisor.call(SupervisorMsg::Status, Some(timeout)).await {
+        Ok(ractor::rpc::CallResult::Success(s)) => Ok(s),
+        Ok(ractor::rpc::CallResult::Timeout) => Err(Error::Runtime(format!(
+            "the supervisor did not answer a status request within {timeout:?}"
+        ))),
+        _ => Err(Error::Stopped("the job has ended".into())),
+    }
+}
+
+/// Every control of a running job, cheap to clone and send anywhere (a signal handler, a
+/// service's endpoints): stop, checkpoint, resize, pause and resume. Each takes effect at the
+/// next step boundary and is answered by an event.
+#[derive(Debug, Clone)]
+pub struct JobControl {
+    supervisor: ActorRef<SupervisorMsg>,
+}
+
+impl JobControl {
+    /// See [`JobHandle::stop`] (this one does not wait).
+    pub fn stop(&self) {
+        let _ = self.supervisor.send_message(SupervisorMsg::Stop);
+    }
+
+    /// See [`JobHandle::checkpoint_now`].
+    pub fn checkpoint_now(&self) {
+        let _ = self.supervisor.send_message(SupervisorMsg::CheckpointNow);
+    }
+
+    /// See [`JobHandle::scale_to`].
+    pub fn scale_to(&self, n: u32) {
+        let _ = self.supervisor.send_message(SupervisorMsg::ScaleTo(n));
+    }
+
+    /// See [`JobHandle::pause`].
+    pub fn pause(&self) {
+        let _ = self.supervisor.send_message(SupervisorMsg::Pause);
+    }
+
+    /// See [`JobHandle::resume`].
+    pub fn resume(&self) {
+        let _ = self.supervisor.send_message(SupervisorMsg::Resume);
+    }
+
+    /// See [`JobHandle::status`].
+    pub async fn status(&self, timeout: Duration) -> Result<JobStatus> {
+        status_of(&self.supervisor, timeout).await
     }
 }
 
@@ -612,6 +781,11 @@ impl JobStopper {
     /// `join()` then returns the model trained so far.
     pub fn stop(&self) {
         let _ = self.supervisor.send_message(SupervisorMsg::Stop);
+    }
+
+    /// Write a checkpoint at the next step boundary (see [`JobHandle::checkpoint_now`]).
+    pub fn checkpoint_now(&self) {
+        let _ = self.supervisor.send_message(SupervisorMsg::CheckpointNow);
     }
 }
 

@@ -501,3 +501,156 @@ async fn rec_3_a_pipeline_stage_lost_without_twin_restore_ends_the_job_with_its_
     );
     assert_eq!(fired(&events), vec![0]);
 }
+
+/// Run `job`, calling `on_step` with the job's controls after each step event.
+async fn run_controlled(
+    job: Job<Mlp, Sample>,
+    on_step: impl Fn(u64, &meshwork::job::JobControl) + Send + 'static,
+) -> (Result<Trained<Mlp>>, Vec<JobEvent>) {
+    let handle = job.spawn().await.expect("spawned");
+    let control = handle.control();
+    let mut stream = handle.events();
+    let recorder = tokio::spawn(async move {
+        let mut events = Vec::new();
+        loop {
+            match stream.recv().await {
+                Ok(e) => {
+                    if let JobEvent::StepDone(s) = &e {
+                        on_step(s.step, &control);
+                    }
+                    events.push(e);
+                }
+                Err(meshwork::job::EventsError::Missed(_)) => continue,
+                Err(meshwork::job::EventsError::Closed) => break,
+            }
+        }
+        events
+    });
+    let outcome = tokio::time::timeout(Duration::from_secs(120), handle.join())
+        .await
+        .expect("the job ends within 120 s");
+    (outcome, recorder.await.unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elastic_1_growing_and_shrinking_at_step_boundaries_equals_the_reference() {
+    let init = initial_model();
+    let job = job(
+        2,
+        &init,
+        FaultPlan::new(0),
+        RecoveryPolicy::default(),
+        Duration::from_secs(30),
+    );
+    let (outcome, events) = run_controlled(job, |step, control| match step {
+        1 => control.scale_to(4),
+        4 => control.scale_to(3),
+        _ => {}
+    })
+    .await;
+    let trained = outcome.expect("the job resizes and finishes");
+    let resized: Vec<(u32, u32)> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::Resized { from, to, .. } => Some((*from, *to)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(resized, vec![(2, 4), (4, 3)]);
+    let sizes = replicas_per_step(&events);
+    assert_eq!(sizes.first(), Some(&2));
+    assert_eq!(sizes.last(), Some(&3));
+    assert!(sizes.contains(&4), "{sizes:?}");
+    // New replicas joined with rank 0's state: all replicas end identical.
+    let fingerprints = meshwork::testing::final_fingerprints(&events).unwrap();
+    assert_eq!(fingerprints.len(), 3);
+    assert!(fingerprints.windows(2).all(|w| w[0] == w[1]));
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elastic_2_sizes_outside_the_range_are_refused_and_the_job_goes_on() {
+    let init = initial_model();
+    let job = Job::builder()
+        .initial_model(init.clone())
+        .loss(mse_loss)
+        .data(data())
+        .optimizer(AdamConfig::new())
+        .learning_rate(LR)
+        .data_parallel(2)
+        .batch_size(GLOBAL_BATCH)
+        .steps(STEPS)
+        .seed(5)
+        .elastic(2, 3)
+        .build()
+        .unwrap();
+    let (outcome, events) = run_controlled(job, |step, control| {
+        if step == 1 {
+            control.scale_to(1);
+            control.scale_to(8);
+        }
+    })
+    .await;
+    outcome.expect("refusals do not end the job");
+    let refused: Vec<u32> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::ResizeRefused { requested, .. } => Some(*requested),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refused, vec![1, 8]);
+    assert!(replicas_per_step(&events).iter().all(|&n| n == 2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_job_starts_no_step_until_resumed() {
+    let init = initial_model();
+    let job = job(
+        2,
+        &init,
+        FaultPlan::new(0),
+        RecoveryPolicy::default(),
+        Duration::from_secs(30),
+    );
+    let handle = job.spawn().await.unwrap();
+    let control = handle.control();
+    let mut events = handle.events();
+    // Pause after the first step.
+    loop {
+        if let Ok(JobEvent::StepDone(_)) = events.recv().await {
+            control.pause();
+            break;
+        }
+    }
+    let mut during = Vec::new();
+    let until = tokio::time::Instant::now() + Duration::from_millis(500);
+    while let Ok(Ok(e)) = tokio::time::timeout_at(until, events.recv()).await {
+        during.push(e);
+    }
+    let status = control.status(Duration::from_secs(5)).await.unwrap();
+    assert!(status.paused);
+    // At most the step already running when the pause arrived finishes.
+    let steps_while_paused = during
+        .iter()
+        .filter(|e| matches!(e, JobEvent::StepDone(_)))
+        .count();
+    assert!(steps_while_paused <= 1, "{during:?}");
+    assert!(during.iter().any(|e| matches!(e, JobEvent::Paused)));
+    let held_at = status.steps_done;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        control
+            .status(Duration::from_secs(5))
+            .await
+            .unwrap()
+            .steps_done,
+        held_at
+    );
+    control.resume();
+    let trained = tokio::time::timeout(Duration::from_secs(60), handle.join())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(trained.summary.steps, STEPS);
+}

@@ -153,6 +153,7 @@ where
                 model_ranks,
                 assemble: |parts| Some(PipelineModel::merge(parts)),
                 replicas_only: false,
+                grow: None,
             })
         })
     })
@@ -280,6 +281,16 @@ where
                     }
                 };
                 let _ = reply.send(r);
+            }
+            StageMsg::Snapshot(reply) => {
+                let _ = reply.send(Err(Error::InvalidConfig(
+                    "checkpoints of pipeline jobs are not written yet".into(),
+                )));
+            }
+            StageMsg::Restore { reply, .. } => {
+                let _ = reply.send(Err(Error::InvalidConfig(
+                    "checkpoints of pipeline jobs are not restored yet".into(),
+                )));
             }
             StageMsg::Regroup { reply, .. } => {
                 let _ = reply.send(Err(Error::InvalidConfig(

@@ -23,7 +23,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::device::{DeviceMsg, report_progress, run_on};
 use super::group::{GroupActor, GroupArgs};
-use super::supervisor::{SpawnContext, SpawnStages, Spawned};
+use super::supervisor::{GrowArgs, GrowStage, SpawnContext, SpawnStages, Spawned};
+use crate::checkpoint::{OptimizerState, ShardId, ShardSnapshot, restore_module, snapshot_module};
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
@@ -107,6 +108,15 @@ pub enum StageMsg<M> {
     Fingerprint(RpcReplyPort<Result<u64>>),
     /// Hand the model over (the stage keeps nothing).
     TakeModel(RpcReplyPort<Option<M>>),
+    /// Copy the parameters and optimizer state (on the device thread) for a checkpoint.
+    Snapshot(RpcReplyPort<Result<ShardSnapshot>>),
+    /// Take the parameters and optimizer state of a checkpoint shard.
+    Restore {
+        /// The shard.
+        shard: Box<ShardSnapshot>,
+        /// `Ok` once restored.
+        reply: RpcReplyPort<Result<()>>,
+    },
     /// Join a rebuilt group (after a recovery) as `id` with rank `rank`.
     Regroup {
         /// The stage's place in the new mesh.
@@ -128,6 +138,8 @@ impl<M> std::fmt::Debug for StageMsg<M> {
             StageMsg::Fingerprint(_) => write!(f, "Fingerprint"),
             StageMsg::TakeModel(_) => write!(f, "TakeModel"),
             StageMsg::Regroup { id, .. } => write!(f, "Regroup({id})"),
+            StageMsg::Snapshot(_) => write!(f, "Snapshot"),
+            StageMsg::Restore { .. } => write!(f, "Restore"),
         }
     }
 }
@@ -188,7 +200,36 @@ where
                 model_ranks: vec![0],
                 assemble: |mut models: Vec<M>| models.pop(),
                 replicas_only: true,
+                grow: Some(grow_replica(spec)),
             })
+        })
+    })
+}
+
+/// Spawns the stage actor of a replica that joins a running job.
+fn grow_replica<M, I>(spec: Arc<StageSpec<M, I>>) -> GrowStage<M>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    Arc::new(move |g: GrowArgs| {
+        let spec = spec.clone();
+        Box::pin(async move {
+            let (r, _) = Actor::spawn_linked(
+                None,
+                StageActor::<M, I>::default(),
+                StageArgs {
+                    id: g.id,
+                    rank: g.rank,
+                    device: g.device,
+                    device_actor: g.device_actor,
+                    comm: g.comm,
+                    spec,
+                },
+                g.supervisor,
+            )
+            .await?;
+            Ok(r)
         })
     })
 }
@@ -328,6 +369,12 @@ where
             StageMsg::TakeModel(reply) => {
                 let _ = reply.send(state.slot.take().map(|s| s.model));
             }
+            StageMsg::Snapshot(reply) => {
+                let _ = reply.send(snapshot(state).await);
+            }
+            StageMsg::Restore { shard, reply } => {
+                let _ = reply.send(restore(state, *shard).await);
+            }
             StageMsg::Regroup {
                 id,
                 rank,
@@ -347,6 +394,66 @@ where
             }
         }
         Ok(())
+    }
+}
+
+/// The stage's parameters and optimizer state, copied on its device thread.
+async fn snapshot<M: Module + 'static, I>(state: &mut StageState<M, I>) -> Result<ShardSnapshot> {
+    let Some(slot) = state.slot.take() else {
+        return Err(lost(state));
+    };
+    let shard = ShardId::stage(state.id.stage);
+    let out = run_on(&state.device_actor, "checkpoint snapshot", move || {
+        let params = snapshot_module(&slot.model);
+        let optimizer = OptimizerState::capture(&slot.optimizer);
+        (slot, params, optimizer)
+    })
+    .await?;
+    match out {
+        Ok((slot, params, optimizer)) => {
+            state.slot = Some(slot);
+            Ok(ShardSnapshot {
+                shard,
+                params,
+                optimizer: Some(optimizer?),
+            })
+        }
+        Err(panic) => Err(failed(state, "checkpoint snapshot", panic)),
+    }
+}
+
+/// Take a checkpoint shard's parameters (by name) and optimizer state.
+async fn restore<M: Module + 'static, I>(
+    state: &mut StageState<M, I>,
+    shard: ShardSnapshot,
+) -> Result<()> {
+    let Some(mut slot) = state.slot.take() else {
+        return Err(lost(state));
+    };
+    let out = run_on(&state.device_actor, "checkpoint restore", move || {
+        let r = restore_module(slot.model.clone(), &shard.params).and_then(|model| {
+            let optimizer = match &shard.optimizer {
+                Some(o) => o.restore(slot.optimizer.clone())?,
+                None => slot.optimizer.clone(),
+            };
+            Ok((model, optimizer))
+        });
+        match r {
+            Ok((model, optimizer)) => {
+                slot.model = model;
+                slot.optimizer = optimizer;
+                (slot, Ok(()))
+            }
+            Err(e) => (slot, Err(e)),
+        }
+    })
+    .await?;
+    match out {
+        Ok((slot, r)) => {
+            state.slot = Some(slot);
+            r.map_err(Error::from)
+        }
+        Err(panic) => Err(failed(state, "checkpoint restore", panic)),
     }
 }
 

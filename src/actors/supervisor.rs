@@ -23,9 +23,11 @@ use tokio::task::JoinSet;
 
 use std::collections::HashSet;
 
+use super::checkpointer::{CheckpointSink, Checkpointer, DRAIN_TIMEOUT};
 use super::device::{DeviceActor, DeviceMsg, heartbeat};
 use super::group::{GroupActor, GroupArgs};
 use super::stage::{StageMsg, StepReport};
+use crate::checkpoint::{Checkpoint, RngState, ShardId};
 use crate::comm::LocalGroup;
 use crate::comm::{CommConfig, CommError};
 use crate::device::MeshDevice;
@@ -88,6 +90,14 @@ pub enum SupervisorMsg {
     Stop,
     /// Reply with where the job is.
     Status(ractor::RpcReplyPort<JobStatus>),
+    /// Write a checkpoint at the next step boundary.
+    CheckpointNow,
+    /// Resize the data-parallel group at the next step boundary.
+    ScaleTo(u32),
+    /// Stop starting steps until `Resume`.
+    Pause,
+    /// Start steps again after `Pause`.
+    Resume,
 }
 
 /// Where a running job is.
@@ -101,6 +111,10 @@ pub struct JobStatus {
     pub steps_total: u64,
     /// Whether a stop was asked for.
     pub stopping: bool,
+    /// Whether the job is paused.
+    pub paused: bool,
+    /// The mesh's generation (it goes up with each recovery or resize).
+    pub generation: Generation,
 }
 
 /// The job's root actor.
@@ -116,6 +130,16 @@ impl<M, I> std::fmt::Debug for Supervisor<M, I> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Supervisor")
     }
+}
+
+/// Where and how often a job writes checkpoints, and whether it starts from one.
+#[derive(Debug, Clone)]
+pub(crate) struct CheckpointSettings {
+    pub(crate) sink: Arc<dyn CheckpointSink>,
+    /// Every this many steps (none: only on request).
+    pub(crate) every: Option<u64>,
+    /// Start from the newest valid checkpoint, if there is one.
+    pub(crate) resume: bool,
 }
 
 /// What a job's stage actors are spawned with.
@@ -144,7 +168,32 @@ pub(crate) struct Spawned<M> {
     pub(crate) assemble: fn(Vec<M>) -> Option<M>,
     /// Whether every rank is a whole data-parallel replica (a lost one can be dropped).
     pub(crate) replicas_only: bool,
+    /// Starts one more data-parallel replica (jobs that can grow).
+    pub(crate) grow: Option<GrowStage<M>>,
 }
+
+/// What a replica added to a running job starts from.
+pub(crate) struct GrowArgs {
+    pub(crate) supervisor: ractor::ActorCell,
+    pub(crate) id: StageId,
+    pub(crate) rank: Rank,
+    pub(crate) device: MeshDevice,
+    pub(crate) device_actor: ActorRef<DeviceMsg>,
+    pub(crate) comm: crate::comm::Communicator,
+}
+
+/// Spawns the stage actor of a replica added to a running job.
+pub(crate) type GrowStage<M> = Arc<
+    dyn Fn(
+            GrowArgs,
+        ) -> std::pin::Pin<
+            Box<
+                dyn std::future::Future<Output = Result<ActorRef<StageMsg<M>>, ActorProcessingErr>>
+                    + Send,
+            >,
+        > + Send
+        + Sync,
+>;
 
 /// Spawns a job's stage actors: data-parallel replicas or pipeline stages.
 pub(crate) type SpawnStages<M> = Box<
@@ -168,6 +217,9 @@ pub struct SupervisorArgs<M, I> {
     pub(crate) step_timeout: Duration,
     pub(crate) faults: Option<Arc<FaultHooks>>,
     pub(crate) recovery: RecoveryPolicy,
+    pub(crate) checkpoints: Option<CheckpointSettings>,
+    pub(crate) seed: u64,
+    pub(crate) elastic: (u32, u32),
     pub(crate) events: broadcast::Sender<JobEvent>,
     pub(crate) outcome: oneshot::Sender<Result<Trained<M>>>,
 }
@@ -211,6 +263,24 @@ pub struct SupervisorState<M, I> {
     departed: HashSet<ractor::ActorId>,
     /// Ranks found dead between steps (a supervision event): recovered at the next step.
     pending_lost: Vec<(usize, Error)>,
+    checkpoints: Option<CheckpointSettings>,
+    checkpointer: Option<Checkpointer>,
+    checkpoint_requested: bool,
+    /// The step boundary of the last checkpoint taken or restored.
+    last_checkpoint: Option<u64>,
+    seed: u64,
+    grow: Option<GrowStage<M>>,
+    /// Devices of the builder's list beyond the mesh, for replicas that join.
+    spare_devices: Vec<MeshDevice>,
+    /// What a new logical device is made like.
+    device_template: MeshDevice,
+    next_device_id: u32,
+    /// The size asked by `scale_to`, applied at the next step boundary.
+    scale_target: Option<u32>,
+    /// Smallest and largest data-parallel size `scale_to` accepts.
+    elastic: (u32, u32),
+    /// The step a pause held back, run on `Resume`.
+    paused: Option<Option<u64>>,
     stop_requested: bool,
     finished: bool,
     summary: RunSummary,
@@ -251,6 +321,10 @@ where
             comm: a.comm.clone(),
         })
         .await?;
+        let checkpointer = match &a.checkpoints {
+            Some(c) => Some(Checkpointer::spawn(c.sink.clone(), a.events.clone())?),
+            None => None,
+        };
         myself.send_message(SupervisorMsg::Init)?;
         Ok(SupervisorState {
             layout: a.layout,
@@ -276,6 +350,22 @@ where
             restarts: RestartLog::default(),
             departed: HashSet::new(),
             pending_lost: Vec::new(),
+            checkpointer,
+            checkpoints: a.checkpoints,
+            checkpoint_requested: false,
+            last_checkpoint: None,
+            seed: a.seed,
+            grow: spawned.grow,
+            spare_devices: a.devices.iter().skip(world).rev().cloned().collect(),
+            device_template: a
+                .devices
+                .first()
+                .cloned()
+                .ok_or("a job needs at least one device")?,
+            next_device_id: a.devices.iter().map(|d| d.id().0).max().unwrap_or(0),
+            scale_target: None,
+            elastic: a.elastic,
+            paused: None,
             stop_requested: false,
             finished: false,
             summary: RunSummary::default(),
@@ -301,15 +391,54 @@ where
                         generation: Generation(0),
                     },
                 );
-                match init_all(state).await {
+                let started = match init_all(state).await {
                     Ok((before, after)) => {
                         publish(state, JobEvent::ReplicasSynchronized { before, after });
-                        myself.send_message(SupervisorMsg::RunStep(0))?;
+                        resume(state).await
                     }
+                    Err(e) => Err(e),
+                };
+                match started {
+                    Ok(first) => myself.send_message(SupervisorMsg::RunStep(first))?,
                     Err(e) => finish(&myself, state, Err(e)).await,
                 }
             }
             SupervisorMsg::RunStep(step) => {
+                if let Some(held) = state.paused.as_mut() {
+                    // Paused: hold the step until Resume.
+                    *held = Some(step);
+                    return Ok(());
+                }
+                if let Some(n) = state.scale_target.take()
+                    && !state.stop_requested
+                    && step < state.steps
+                    && let Err(error) = resize(state, step, n as usize).await
+                {
+                    // A refused resize leaves the mesh as it was; one that failed half-way
+                    // (the group could not be rebuilt) ends the job.
+                    if matches!(error, Error::InvalidConfig(_)) {
+                        publish(
+                            state,
+                            JobEvent::ResizeRefused {
+                                requested: n,
+                                reason: error.to_string(),
+                            },
+                        );
+                    } else {
+                        finish(&myself, state, Err(error)).await;
+                        return Ok(());
+                    }
+                }
+                let every = state.checkpoints.as_ref().and_then(|c| c.every);
+                let due = state.checkpoint_requested
+                    || every.is_some_and(|n| n > 0 && step > 0 && step % n == 0)
+                    || (state.checkpoints.is_some()
+                        && (state.stop_requested || step >= state.steps)
+                        && every.is_some());
+                if due && state.last_checkpoint != Some(step) {
+                    checkpoint(state, step).await;
+                }
+                state.checkpoint_requested = false;
                 if state.stop_requested || step >= state.steps {
                     finish(&myself, state, Ok(())).await;
                     return Ok(());
@@ -328,13 +457,50 @@ where
                     },
                 }
             }
-            SupervisorMsg::Stop => state.stop_requested = true,
+            SupervisorMsg::Stop => {
+                state.stop_requested = true;
+                // A paused job stops at once: its held step sees the stop and finishes.
+                if let Some(Some(step)) = state.paused.take() {
+                    myself.send_message(SupervisorMsg::RunStep(step))?;
+                }
+            }
+            SupervisorMsg::CheckpointNow => state.checkpoint_requested = true,
+            SupervisorMsg::ScaleTo(n) => {
+                let (min, max) = state.elastic;
+                if n < min.max(1) || n > max {
+                    publish(
+                        state,
+                        JobEvent::ResizeRefused {
+                            requested: n,
+                            reason: format!("outside the elastic range {}..={max}", min.max(1)),
+                        },
+                    );
+                } else {
+                    state.scale_target = Some(n);
+                }
+            }
+            SupervisorMsg::Pause => {
+                if state.paused.is_none() {
+                    state.paused = Some(None);
+                    publish(state, JobEvent::Paused);
+                }
+            }
+            SupervisorMsg::Resume => {
+                if let Some(held) = state.paused.take() {
+                    publish(state, JobEvent::Resumed);
+                    if let Some(step) = held {
+                        myself.send_message(SupervisorMsg::RunStep(step))?;
+                    }
+                }
+            }
             SupervisorMsg::Status(reply) => {
                 let _ = reply.send(JobStatus {
                     layout: state.layout,
                     steps_done: state.summary.steps,
                     steps_total: state.steps,
                     stopping: state.stop_requested,
+                    paused: state.paused.is_some(),
+                    generation: state.generation,
                 });
             }
         }
@@ -529,19 +695,51 @@ where
         stage.kill();
         device.kill();
     }
+    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
+    let members = survivors
+        .iter()
+        .map(|&r| (state.stages[r].0.clone(), state.devices[r].clone()))
+        .collect();
+    rebuild_group(state, members).await?;
+    publish(
+        state,
+        JobEvent::Recovered {
+            step,
+            generation: state.generation,
+            layout: state.layout,
+            lost: lost_devices,
+        },
+    );
+    Ok(())
+}
+
+/// One data-parallel member: its stage and its device.
+type Member<M> = (ActorRef<StageMsg<M>>, (ActorRef<DeviceMsg>, DeviceId));
+
+/// Make `members` (in their new rank order) the job's data-parallel group under the next
+/// generation: the old group is shut down and its actors stopped, every member joins a new
+/// collective group (`StageMsg::Regroup`), the layout follows.
+async fn rebuild_group<M, I>(
+    state: &mut SupervisorState<M, I>,
+    members: Vec<Member<M>>,
+) -> Result<()>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
     // The old group is over: wake anything still waiting in it, stop its actors.
     (state.shutdown)();
     for o in state.others.drain(..) {
         state.departed.insert(o.get_id());
         o.stop(None);
     }
+    let n = members.len();
     let generation = Generation(state.generation.0 + 1);
-    let group = LocalGroup::new(survivors.len(), generation, state.comm.clone());
+    let group = LocalGroup::new(n, generation, state.comm.clone());
     let comms = group.communicators();
-    let mut stages = Vec::with_capacity(survivors.len());
-    let mut devices = Vec::with_capacity(survivors.len());
-    for (new_rank, (&old, comm)) in survivors.iter().zip(comms).enumerate() {
-        let (stage, _) = state.stages[old].clone();
+    let mut stages = Vec::with_capacity(n);
+    let mut devices = Vec::with_capacity(n);
+    for (new_rank, ((stage, device), comm)) in members.into_iter().zip(comms).enumerate() {
         let id = StageId {
             replica: new_rank as u32,
             stage: 0,
@@ -568,33 +766,141 @@ where
             }
         }
         stages.push((stage, id));
-        devices.push(state.devices[old].clone());
+        devices.push(device);
     }
     let (group_ref, _) = Actor::spawn_linked(
         None,
         GroupActor,
         GroupArgs {
-            members: (0..survivors.len() as u32).map(Rank).collect(),
+            members: (0..n as u32).map(Rank).collect(),
             group: group.clone(),
         },
         state.myself.clone(),
     )
     .await
     .map_err(|e| Error::Runtime(format!("could not start the rebuilt group: {e}")))?;
-    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
     state.stages = stages;
     state.devices = devices;
     state.others = vec![group_ref.get_cell()];
     state.shutdown = Arc::new(move || group.shutdown());
     state.generation = generation;
-    state.layout = Layout::data_parallel(survivors.len() as u32)?;
+    state.layout = Layout::data_parallel(n as u32)?;
+    Ok(())
+}
+
+/// Resize a data-parallel job to `n` replicas at a step boundary (ELASTIC-1): leaving replicas
+/// are stopped; joining ones get a device (a spare of the builder's list, else a new logical
+/// device of the same backend), build the model, take rank 0's parameters and optimizer state,
+/// and everyone regroups under the next generation. The global batch stays the same.
+async fn resize<M, I>(state: &mut SupervisorState<M, I>, step: u64, n: usize) -> Result<()>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let from = state.stages.len();
+    if !state.replicas_only {
+        return Err(Error::InvalidConfig(
+            "only data-parallel jobs can be resized yet".into(),
+        ));
+    }
+    if n == from {
+        return Ok(());
+    }
+    let mut members: Vec<Member<M>> = state
+        .stages
+        .iter()
+        .zip(&state.devices)
+        .take(n)
+        .map(|((s, _), d)| (s.clone(), d.clone()))
+        .collect();
+    // Leaving replicas: the last ranks.
+    for r in n..from {
+        let (stage, _) = &state.stages[r];
+        let (device, _) = &state.devices[r];
+        state.departed.insert(stage.get_id());
+        state.departed.insert(device.get_id());
+        stage.stop(None);
+        device.stop(None);
+    }
+    if n > from {
+        let Some(grow) = state.grow.clone() else {
+            return Err(Error::InvalidConfig("this job cannot grow".into()));
+        };
+        let (rank0, _) = state.stages[0].clone();
+        let snapshot = match rank0
+            .call(StageMsg::Snapshot, Some(state.step_timeout))
+            .await
+        {
+            Ok(CallResult::Success(r)) => r?,
+            _ => {
+                return Err(Error::Runtime(
+                    "rank 0 did not answer the snapshot request".into(),
+                ));
+            }
+        };
+        for r in from..n {
+            let device = match state.spare_devices.pop() {
+                Some(d) => d,
+                None => {
+                    state.next_device_id += 1;
+                    let like = &state.device_template;
+                    MeshDevice::from_burn(
+                        DeviceId(state.next_device_id),
+                        like.kind(),
+                        like.burn().clone(),
+                    )
+                }
+            };
+            let (device_ref, _) =
+                Actor::spawn_linked(None, DeviceActor, device.clone(), state.myself.clone())
+                    .await
+                    .map_err(|e| {
+                        Error::Runtime(format!("could not start device {}: {e}", device.id()))
+                    })?;
+            // Alone in a group of one until everyone regroups.
+            let comm = LocalGroup::new(1, state.generation, state.comm.clone())
+                .communicators()
+                .remove(0);
+            let id = StageId {
+                replica: r as u32,
+                stage: 0,
+            };
+            let stage = grow(GrowArgs {
+                supervisor: state.myself.clone(),
+                id,
+                rank: Rank(r as u32),
+                device: device.clone(),
+                device_actor: device_ref.clone(),
+                comm,
+            })
+            .await
+            .map_err(|e| Error::Runtime(format!("could not start {id}: {e}")))?;
+            let timeout = Some(state.step_timeout);
+            match stage.call(StageMsg::Init, timeout).await {
+                Ok(CallResult::Success(Ok(_))) => {}
+                Ok(CallResult::Success(Err(e))) => return Err(e),
+                _ => return Err(Error::Runtime(format!("{id} did not initialize"))),
+            }
+            let shard = Box::new(snapshot.clone());
+            match stage
+                .call(|reply| StageMsg::Restore { shard, reply }, timeout)
+                .await
+            {
+                Ok(CallResult::Success(Ok(()))) => {}
+                Ok(CallResult::Success(Err(e))) => return Err(e),
+                _ => return Err(Error::Runtime(format!("{id} did not take rank 0's state"))),
+            }
+            members.push((stage, (device_ref, device.id())));
+        }
+    }
+    rebuild_group(state, members).await?;
     publish(
         state,
-        JobEvent::Recovered {
+        JobEvent::Resized {
             step,
-            generation,
-            layout: state.layout,
-            lost: lost_devices,
+            generation: state.generation,
+            from: from as u32,
+            to: n as u32,
         },
     );
     Ok(())
@@ -999,6 +1305,100 @@ fn pipeline_step<M>(
     })
 }
 
+/// Take a snapshot of the state after `step` steps and hand it to the writer thread (CKW-1).
+/// A failure is published, not fatal (CKW-2).
+async fn checkpoint<M, I>(state: &mut SupervisorState<M, I>, step: u64)
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    state.last_checkpoint = Some(step);
+    let Some(queue) = state.checkpointer.as_ref().and_then(Checkpointer::queue) else {
+        return;
+    };
+    // Data-parallel replicas hold the same parameters: rank 0's is the shard.
+    let Some((stage, _)) = state.stages.first() else {
+        return;
+    };
+    let shard = match stage
+        .call(StageMsg::Snapshot, Some(state.step_timeout))
+        .await
+    {
+        Ok(CallResult::Success(r)) => r,
+        _ => Err(Error::Runtime(
+            "rank 0 did not answer the snapshot request".into(),
+        )),
+    };
+    match shard {
+        Ok(shard) => drop(queue.send(Checkpoint {
+            step,
+            layout: state.layout,
+            cursor: state.sampler.cursor(step),
+            rng: RngState {
+                seed: state.seed,
+                state: step,
+            },
+            shards: vec![shard],
+        })),
+        Err(error) => publish(state, JobEvent::CheckpointFailed { step, error }),
+    }
+}
+
+/// Restore the newest valid checkpoint if the job asks to resume; the first step to run.
+async fn resume<M, I>(state: &mut SupervisorState<M, I>) -> Result<u64>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let Some(settings) = state.checkpoints.clone().filter(|c| c.resume) else {
+        return Ok(0);
+    };
+    let sink = settings.sink.clone();
+    let loaded = tokio::task::spawn_blocking(move || sink.latest_valid())
+        .await
+        .map_err(|e| Error::Runtime(format!("reading checkpoints: {e}")))??;
+    let Some(loaded) = loaded else {
+        return Ok(0);
+    };
+    let c = loaded.checkpoint;
+    let Some(shard) = c.shards.iter().find(|s| s.shard == ShardId::stage(0)) else {
+        return Err(Error::InvalidConfig(format!(
+            "{} has no shard of stage 0 to restore",
+            loaded.dir.display()
+        )));
+    };
+    let timeout = state.step_timeout;
+    for (stage, id) in state.stages.clone() {
+        let shard = Box::new(shard.clone());
+        match stage
+            .call(|reply| StageMsg::Restore { shard, reply }, Some(timeout))
+            .await
+        {
+            Ok(CallResult::Success(Ok(()))) => {}
+            Ok(CallResult::Success(Err(e))) => return Err(e),
+            _ => {
+                return Err(Error::Runtime(format!(
+                    "{id} did not restore the checkpoint"
+                )));
+            }
+        }
+    }
+    state.last_checkpoint = Some(c.step);
+    publish(
+        state,
+        JobEvent::Restored {
+            step: c.step,
+            path: loaded.dir,
+            refused: loaded
+                .refused
+                .iter()
+                .map(|r| format!("{}: {}", r.dir.display(), r.error))
+                .collect(),
+        },
+    );
+    Ok(c.step)
+}
+
 async fn finish<M, I>(
     myself: &ActorRef<SupervisorMsg>,
     state: &mut SupervisorState<M, I>,
@@ -1008,6 +1408,10 @@ async fn finish<M, I>(
     I: Send + Sync + 'static,
 {
     state.finished = true;
+    // CKW-1: the checkpoints asked for are on disk before the job's last event.
+    if let Some(mut writer) = state.checkpointer.take() {
+        let _ = tokio::task::spawn_blocking(move || writer.drain(DRAIN_TIMEOUT)).await;
+    }
     let outcome = match result {
         Ok(()) => collect_model(state).await,
         Err(e) => Err(e),

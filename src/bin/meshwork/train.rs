@@ -63,6 +63,16 @@ pub(crate) struct TrainArgs {
     /// What a lost replica does: fail (end the job) or shrink (continue with the survivors).
     #[arg(long, default_value = "fail")]
     on_replica_loss: String,
+    /// Write checkpoints into this directory (every --checkpoint-every steps, at the end, and
+    /// on Ctrl-C or SIGTERM, which then stop the job cleanly).
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint every this many steps.
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    /// Start from the newest valid checkpoint in --checkpoint-dir.
+    #[arg(long)]
+    resume: bool,
     /// The collective time-out in seconds (a rank that does not arrive within it is named).
     #[arg(long, default_value_t = 60.0)]
     collective_timeout: f64,
@@ -223,7 +233,7 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         return Ok(());
     }
     let init = Mlp::new(&WIDTHS, &model_device);
-    let mut builder = Job::builder()
+    let mut builder = checkpoint_settings(&args, Job::builder())
         .initial_model(init)
         .loss(mse_loss)
         .data(data)
@@ -253,6 +263,45 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
     Ok(())
 }
 
+/// The checkpoint flags on a builder.
+fn checkpoint_settings<M: Send + 'static, I: Send + Sync + 'static>(
+    args: &TrainArgs,
+    mut builder: meshwork::job::JobBuilder<M, I>,
+) -> meshwork::job::JobBuilder<M, I> {
+    if let Some(dir) = &args.checkpoint_dir {
+        builder = builder
+            .checkpoint_dir(dir)
+            .resume_from_checkpoint(args.resume);
+    }
+    if let Some(n) = args.checkpoint_every {
+        builder = builder.checkpoint_every(n);
+    }
+    builder
+}
+
+/// Resolves on Ctrl-C or (on Unix) SIGTERM.
+async fn interrupted() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
 /// Show a progress bar until the job ends; return its outcome and the last step's pipeline
 /// figures (pipeline jobs).
 async fn drive<M: Send + 'static>(
@@ -279,6 +328,23 @@ async fn drive<M: Send + 'static>(
                     last = s.pipeline.or(last);
                 }
                 Ok(JobEvent::Failed(e)) => progress.println(format!("job failed: {e}")),
+                Ok(JobEvent::CheckpointWritten { step, path }) => progress.println(format!(
+                    "checkpoint after step {step} written to {}",
+                    path.display()
+                )),
+                Ok(JobEvent::CheckpointFailed { step, error }) => {
+                    progress.println(format!("checkpoint after step {step} failed: {error}"))
+                }
+                Ok(JobEvent::Restored {
+                    step,
+                    path,
+                    refused,
+                }) => {
+                    for r in refused {
+                        progress.println(format!("refused checkpoint {r}"));
+                    }
+                    progress.println(format!("resumed after step {step} from {}", path.display()))
+                }
                 Ok(JobEvent::FaultInjected(f)) => progress.println(format!(
                     "fault {} fired on device {} at step {}: {:?}",
                     f.index, f.fault.device, f.fault.step, f.fault.kind
@@ -305,7 +371,15 @@ async fn drive<M: Send + 'static>(
         }
         last
     });
+    // Ctrl-C or SIGTERM: checkpoint (when the job has a checkpoint directory) and stop.
+    let stopper = handle.stopper();
+    let signals = tokio::spawn(async move {
+        interrupted().await;
+        stopper.checkpoint_now();
+        stopper.stop();
+    });
     let trained = handle.join().await;
+    signals.abort();
     let last = watcher.await.unwrap_or(None);
     bar.finish();
     (trained, last)

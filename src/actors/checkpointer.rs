@@ -1,0 +1,95 @@
+//! Writing checkpoints off the training path.
+//!
+//! The Supervisor takes a snapshot at a step boundary (each stage copies its parameters and
+//! optimizer state on its device thread: short) and hands it to the [`Checkpointer`], a thread
+//! of its own that writes it through a [`CheckpointSink`] (normally a
+//! [`CheckpointStore`](crate::checkpoint::CheckpointStore): atomic, verified, pruned) while
+//! training goes on, and publishes `CheckpointWritten` or `CheckpointFailed`.
+//!
+//! - CKW-1: training never waits for a write, except when the job ends: the last requested
+//!   checkpoint is written before `join()` returns (bounded by [`DRAIN_TIMEOUT`]).
+//! - CKW-2: a failed write is an event, not a job failure; the previous checkpoints stay valid
+//!   (CKPT-1).
+
+use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use tokio::sync::broadcast;
+
+use crate::checkpoint::{Checkpoint, CheckpointFs, CheckpointStore, Loaded};
+use crate::error::Result;
+use crate::events::JobEvent;
+
+/// How long the end of a job waits for the checkpoint being written.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Where checkpoints go and where a resumed job finds them.
+pub trait CheckpointSink: Send + Sync + std::fmt::Debug {
+    /// Write one checkpoint (atomically); its directory.
+    fn write(&self, checkpoint: &Checkpoint) -> Result<PathBuf>;
+    /// The newest checkpoint that verifies, with the newer ones refused.
+    fn latest_valid(&self) -> Result<Option<Loaded>>;
+}
+
+impl<F: CheckpointFs + 'static> CheckpointSink for CheckpointStore<F> {
+    fn write(&self, checkpoint: &Checkpoint) -> Result<PathBuf> {
+        CheckpointStore::write(self, checkpoint)
+    }
+
+    fn latest_valid(&self) -> Result<Option<Loaded>> {
+        CheckpointStore::latest_valid(self)
+    }
+}
+
+/// The writer thread.
+#[derive(Debug)]
+pub struct Checkpointer {
+    tx: Option<mpsc::Sender<Checkpoint>>,
+    done: Option<mpsc::Receiver<()>>,
+}
+
+impl Checkpointer {
+    /// Start the writer thread for `sink`; results are published on `events`.
+    pub fn spawn(
+        sink: std::sync::Arc<dyn CheckpointSink>,
+        events: broadcast::Sender<JobEvent>,
+    ) -> Result<Self> {
+        let (tx, rx) = mpsc::channel::<Checkpoint>();
+        let (done_tx, done) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("meshwork-checkpointer".into())
+            .spawn(move || {
+                while let Ok(c) = rx.recv() {
+                    let event = match sink.write(&c) {
+                        Ok(path) => JobEvent::CheckpointWritten { step: c.step, path },
+                        Err(error) => JobEvent::CheckpointFailed {
+                            step: c.step,
+                            error,
+                        },
+                    };
+                    let _ = events.send(event);
+                }
+                let _ = done_tx.send(());
+            })
+            .map_err(|e| crate::error::Error::Runtime(format!("checkpoint thread: {e}")))?;
+        Ok(Self {
+            tx: Some(tx),
+            done: Some(done),
+        })
+    }
+
+    /// Where checkpoints are queued for writing (a send returns at once, CKW-1).
+    pub fn queue(&self) -> Option<mpsc::Sender<Checkpoint>> {
+        self.tx.clone()
+    }
+
+    /// Finish the queued writes, waiting at most `timeout`; false if they did not finish.
+    pub fn drain(&mut self, timeout: Duration) -> bool {
+        self.tx = None;
+        match self.done.take() {
+            Some(done) => done.recv_timeout(timeout).is_ok(),
+            None => true,
+        }
+    }
+}

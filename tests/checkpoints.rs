@@ -1,0 +1,287 @@
+//! Checkpoints of running jobs: written every n steps off the training path, kept k at a time,
+//! restored on resume (same or different data-parallel size) so that the resumed run equals
+//! the uninterrupted one; a corrupt newest checkpoint is refused and the previous one used; a
+//! failing write is an event, not a failure.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use burn::optim::AdamConfig;
+use burn::tensor::Device;
+use meshwork::checkpoint::{CheckpointStore, FaultyFs, RealFs};
+use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
+use meshwork::prelude::*;
+use meshwork::testing::{compare_parameters, run_recording, steps_of};
+
+const GLOBAL_BATCH: usize = 16;
+
+fn data() -> InMemoryDataset<Sample> {
+    TeacherTask {
+        d_in: 8,
+        d_out: 3,
+        noise: 0.1,
+        seed: 31,
+    }
+    .dataset(128)
+}
+
+fn initial_model() -> Mlp {
+    let device = Device::flex();
+    device.seed(13);
+    Mlp::new(&[8, 32, 16, 3], &device)
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("meshwork-ckpt-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn builder(dp: u32, steps: u64, init: &Mlp) -> JobBuilder<Mlp, Sample> {
+    Job::builder()
+        .initial_model(init.clone())
+        .loss(mse_loss)
+        .data(data())
+        .optimizer(AdamConfig::new())
+        .learning_rate(3e-3)
+        .data_parallel(dp)
+        .batch_size(GLOBAL_BATCH)
+        .steps(steps)
+        .seed(2)
+}
+
+async fn run(job: Job<Mlp, Sample>) -> (Result<Trained<Mlp>>, Vec<JobEvent>) {
+    tokio::time::timeout(Duration::from_secs(120), run_recording(job))
+        .await
+        .expect("the job ends within 120 s")
+}
+
+fn written(events: &[JobEvent]) -> Vec<u64> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::CheckpointWritten { step, .. } => Some(*step),
+            _ => None,
+        })
+        .collect()
+}
+
+fn checkpoint_dirs(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ckpt_every_2_steps_keeps_the_newest_2_and_a_resumed_run_equals_the_uninterrupted_one() {
+    let init = initial_model();
+    let (whole, _) = run(builder(2, 8, &init).build().unwrap()).await;
+    let whole = whole.unwrap().model;
+
+    let dir = temp_dir("resume");
+    let (first, events) = run(builder(2, 5, &init)
+        .checkpoint_dir(&dir)
+        .checkpoint_every(2)
+        .keep_checkpoints(2)
+        .build()
+        .unwrap())
+    .await;
+    first.unwrap();
+    // Steps 2 and 4, and the end of the run (5).
+    assert_eq!(written(&events), vec![2, 4, 5]);
+    assert_eq!(
+        checkpoint_dirs(&dir),
+        vec!["step-00000004", "step-00000005"]
+    );
+
+    // Resume onto one replica: parameters and Adam's state come back, the data continues.
+    let (resumed, events) = run(builder(1, 8, &init)
+        .checkpoint_dir(&dir)
+        .resume_from_checkpoint(true)
+        .build()
+        .unwrap())
+    .await;
+    let resumed = resumed.unwrap().model;
+    assert!(events.iter().any(|e| matches!(
+        e,
+        JobEvent::Restored { step: 5, refused, .. } if refused.is_empty()
+    )));
+    let steps: Vec<u64> = steps_of(&events).iter().map(|s| s.step).collect();
+    assert_eq!(steps, vec![5, 6, 7]);
+    compare_parameters(&resumed, &whole, 1e-5).unwrap_or_else(|e| panic!("{e}"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ckpt_2_a_corrupt_newest_checkpoint_is_refused_and_the_previous_one_resumes() {
+    let init = initial_model();
+    let dir = temp_dir("corrupt");
+    let (first, _) = run(builder(2, 4, &init)
+        .checkpoint_dir(&dir)
+        .checkpoint_every(2)
+        .build()
+        .unwrap())
+    .await;
+    first.unwrap();
+    // Flip a byte in the newest checkpoint's shard.
+    let shard = dir.join("step-00000004").join("shard-pp0000-tp0000.bin");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&shard, bytes).unwrap();
+    let (resumed, events) = run(builder(2, 6, &init)
+        .checkpoint_dir(&dir)
+        .resume_from_checkpoint(true)
+        .build()
+        .unwrap())
+    .await;
+    resumed.unwrap();
+    let resumed_at = events.iter().find_map(|e| match e {
+        JobEvent::Restored { step, refused, .. } => Some((*step, refused.clone())),
+        _ => None,
+    });
+    let (step, refused) = resumed_at.expect("a Resumed event");
+    assert_eq!(step, 2, "the previous good checkpoint");
+    assert_eq!(refused.len(), 1);
+    assert!(refused[0].contains("step-00000004"), "{refused:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A file system whose writes take `delay` each.
+#[derive(Debug)]
+struct SlowFs {
+    inner: RealFs,
+    delay: Duration,
+}
+
+#[derive(Debug)]
+struct SlowFile {
+    inner: <RealFs as meshwork::checkpoint::CheckpointFs>::File,
+    delay: Duration,
+}
+
+impl meshwork::checkpoint::CheckpointFile for SlowFile {
+    fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        std::thread::sleep(self.delay);
+        self.inner.write_all(buf)
+    }
+    fn sync(&mut self) -> std::io::Result<()> {
+        self.inner.sync()
+    }
+}
+
+impl meshwork::checkpoint::CheckpointFs for SlowFs {
+    type File = SlowFile;
+    fn create_dir_all(&self, p: &Path) -> std::io::Result<()> {
+        self.inner.create_dir_all(p)
+    }
+    fn create(&self, p: &Path) -> std::io::Result<SlowFile> {
+        Ok(SlowFile {
+            inner: self.inner.create(p)?,
+            delay: self.delay,
+        })
+    }
+    fn rename(&self, a: &Path, b: &Path) -> std::io::Result<()> {
+        self.inner.rename(a, b)
+    }
+    fn sync_dir(&self, p: &Path) -> std::io::Result<()> {
+        self.inner.sync_dir(p)
+    }
+    fn remove_file(&self, p: &Path) -> std::io::Result<()> {
+        self.inner.remove_file(p)
+    }
+    fn remove_dir_all(&self, p: &Path) -> std::io::Result<()> {
+        self.inner.remove_dir_all(p)
+    }
+    fn read(&self, p: &Path) -> std::io::Result<Vec<u8>> {
+        self.inner.read(p)
+    }
+    fn file_len(&self, p: &Path) -> std::io::Result<u64> {
+        self.inner.file_len(p)
+    }
+    fn list(&self, p: &Path) -> std::io::Result<Vec<String>> {
+        self.inner.list(p)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ckw_1_step_events_keep_arriving_while_a_slow_checkpoint_write_is_in_progress() {
+    let init = initial_model();
+    let dir = temp_dir("slow");
+    let store = CheckpointStore::with_fs(
+        SlowFs {
+            inner: RealFs,
+            delay: Duration::from_millis(400),
+        },
+        &dir,
+        2,
+    )
+    .unwrap();
+    let started = Instant::now();
+    let (outcome, events) = run(builder(2, 30, &init)
+        .checkpoint_store(store)
+        .checkpoint_every(10)
+        .build()
+        .unwrap())
+    .await;
+    outcome.unwrap();
+    // The checkpoint of step 10 is written while steps 10.. run: step events come between
+    // the snapshot and its CheckpointWritten event.
+    let written_at = events
+        .iter()
+        .position(|e| matches!(e, JobEvent::CheckpointWritten { step: 10, .. }))
+        .expect("step 10's checkpoint was written");
+    let steps_before: Vec<u64> = events[..written_at]
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::StepDone(s) => Some(s.step),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        steps_before.iter().filter(|s| **s >= 10).count() >= 3,
+        "training went on during the write: {steps_before:?}"
+    );
+    assert_eq!(written(&events), vec![10, 20, 30]);
+    // Each write is at least three slow file writes.
+    assert!(started.elapsed() >= Duration::from_millis(1200));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ckw_2_a_write_failing_halfway_is_an_event_and_training_goes_on() {
+    let init = initial_model();
+    let dir = temp_dir("faulty");
+    let fs = FaultyFs::new(RealFs);
+    fs.fail_after_bytes(100);
+    let store = CheckpointStore::with_fs(fs, &dir, 2).unwrap();
+    let (outcome, events) = run(builder(2, 4, &init)
+        .checkpoint_store(store)
+        .checkpoint_every(2)
+        .build()
+        .unwrap())
+    .await;
+    outcome.expect("a failed checkpoint write does not end the job");
+    let failed: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::CheckpointFailed { step, .. } => Some(*step),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed, vec![2, 4]);
+    assert_eq!(steps_of(&events).len(), 4);
+    // Nothing half-written is ever loaded.
+    let loaded = CheckpointStore::open(&dir, 2)
+        .unwrap()
+        .latest_valid()
+        .unwrap();
+    assert!(loaded.is_none());
+    let _ = std::fs::remove_dir_all(&dir);
+}
