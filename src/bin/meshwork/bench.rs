@@ -90,6 +90,19 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Recovery: time from a killed replica to its detection and to the next completed step
+    /// (collective time-out 200 ms), and the per-step cost of checkpoints every 50 steps.
+    Recovery {
+        /// Replicas (one is killed).
+        #[arg(long, default_value_t = 2)]
+        dp: u32,
+        /// Steps of each overhead run.
+        #[arg(long, default_value_t = 1000)]
+        steps: u64,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
     /// (internal) One side of `bench dp`, run in a child process.
     #[command(hide = true)]
     DpWorker {
@@ -150,6 +163,11 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
         } => allreduce(world, bytes, algo.into(), json),
         BenchCommand::Dp { world, steps, json } => dp(world, steps, json),
         BenchCommand::DpWorker { mode, world, steps } => dp_worker(&mode, world, steps),
+        BenchCommand::Recovery { dp, steps, json } => {
+            let f = crate::recovery_bench::run(dp, steps)?;
+            crate::recovery_bench::print(&f, json);
+            Ok(())
+        }
         BenchCommand::Pipeline {
             pp,
             dp,

@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 
 mod bench;
 mod pipeline_bench;
+mod recovery_bench;
 mod train;
 
 /// Train Burn models on many devices at once.
