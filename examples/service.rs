@@ -42,9 +42,15 @@ async fn scale(State(s): State<Arc<Service>>, body: String) -> (StatusCode, Stri
     match body.trim().parse::<u32>() {
         Ok(n) => {
             s.control.scale_to(n);
-            (StatusCode::ACCEPTED, format!("scaling to {n} at the next step"))
+            (
+                StatusCode::ACCEPTED,
+                format!("scaling to {n} at the next step"),
+            )
         }
-        Err(_) => (StatusCode::BAD_REQUEST, format!("not a replica count: {body:?}")),
+        Err(_) => (
+            StatusCode::BAD_REQUEST,
+            format!("not a replica count: {body:?}"),
+        ),
     }
 }
 
@@ -103,7 +109,9 @@ async fn main() -> meshwork::Result<()> {
         path: "127.0.0.1:0".into(),
         reason: e.to_string(),
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.map_err(io)?;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .map_err(io)?;
     println!("listening on {}", listener.local_addr().map_err(io)?);
     axum::serve(listener, app)
         .with_graceful_shutdown(async {

@@ -66,7 +66,11 @@ fn job_2_threads_registry_and_process_groups_return_to_where_they_started() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(before.0.is_some(), "this test needs /proc/self/status");
-    assert_eq!(thread_count(), before.0, "threads return to where they started");
+    assert_eq!(
+        thread_count(),
+        before.0,
+        "threads return to where they started"
+    );
     assert_eq!(ractor::registry::registered(), before.1);
     assert_eq!(ractor::pg::which_groups(), before.2);
 }

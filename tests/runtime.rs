@@ -394,4 +394,3 @@ async fn rt_3_a_stuck_stage_ends_the_step_with_a_timeout_naming_it() {
     })
     .await;
 }
-

@@ -45,7 +45,11 @@ fn request(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let body = text.split("\r\n\r\n").nth(1).unwrap_or_default().to_string();
+    let body = text
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
     (code, body)
 }
 
@@ -94,7 +98,10 @@ fn the_service_example_reports_scales_and_stops_its_job() {
     let (code, body) = request(&addr, "POST", "/stop", "");
     assert_eq!(code, 200, "{body}");
     let summary: serde_json::Value = serde_json::from_str(&body).expect("JSON summary");
-    assert!(summary["steps"].as_u64().is_some_and(|s| s > 0), "{summary}");
+    assert!(
+        summary["steps"].as_u64().is_some_and(|s| s > 0),
+        "{summary}"
+    );
     // The service ends by itself after a stop.
     let deadline = Instant::now() + Duration::from_secs(30);
     while guard.0.try_wait().expect("wait").is_none() {
