@@ -85,7 +85,7 @@ async fn main() -> meshwork::Result<()> {
         .optimizer(AdamConfig::new())
         .learning_rate(3e-3)
         .steps(40)
-        .step_timeout(Duration::from_secs(60))
+        .step_timeout(Duration::from_secs(120))
         .build()?
         .spawn()
         .await?;

@@ -34,6 +34,11 @@ use serde::{Deserialize, Serialize};
 use crate::error::{DeviceId, Error, Result};
 use crate::parallel::sampler::SplitMix64;
 
+/// The largest slow-down factor a plan may ask for.
+pub const MAX_SLOWDOWN: f64 = 1000.0;
+/// The longest stall a plan may ask for, in seconds (a day).
+pub const MAX_STALL_S: f64 = 86_400.0;
+
 /// Where on the device thread a fault fires.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -42,6 +47,8 @@ pub enum Phase {
     Forward,
     /// Before the backward of a micro-batch.
     Backward,
+    /// Before the optimizer update, after the step's last collective (micro-batch 0).
+    Update,
 }
 
 /// What a fault does.
@@ -165,14 +172,16 @@ impl FaultPlan {
     pub fn check(&self) -> Result<()> {
         for (i, f) in self.faults.iter().enumerate() {
             match f.kind {
-                FaultKind::Slow { factor } if !(factor >= 1.0 && factor.is_finite()) => {
+                FaultKind::Slow { factor } if !(1.0..=MAX_SLOWDOWN).contains(&factor) => {
                     return Err(Error::InvalidConfig(format!(
-                        "fault plan entry {i}: slow factor {factor} must be a finite number ≥ 1"
+                        "fault plan entry {i}: slow factor {factor} must be between 1 and \
+                         {MAX_SLOWDOWN}"
                     )));
                 }
-                FaultKind::Stall { seconds } if !(seconds >= 0.0 && seconds.is_finite()) => {
+                FaultKind::Stall { seconds } if !(0.0..=MAX_STALL_S).contains(&seconds) => {
                     return Err(Error::InvalidConfig(format!(
-                        "fault plan entry {i}: stall of {seconds} s must be finite and ≥ 0"
+                        "fault plan entry {i}: a stall of {seconds} s must be between 0 and \
+                         {MAX_STALL_S} s"
                     )));
                 }
                 _ => {}

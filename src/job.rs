@@ -64,6 +64,7 @@ struct JobParts<M, I> {
     checkpoints: Option<CheckpointSettings>,
     seed: u64,
     elastic: (u32, u32),
+    lr_scheduled: bool,
 }
 
 impl<M, I> std::fmt::Debug for Job<M, I> {
@@ -207,6 +208,7 @@ where
                 checkpoints: a.checkpoints,
                 seed: a.seed,
                 elastic: a.elastic,
+                lr_scheduled: a.lr_scheduled,
                 events: events.clone(),
                 outcome: outcome_tx,
             },
@@ -501,6 +503,28 @@ where
             }
             None => None,
         };
+        let lr_scheduled = matches!(self.learning_rate, LearningRate::Scheduler(_));
+        if lr_scheduled && self.resume {
+            return invalid(
+                "resume_from_checkpoint with an lr_scheduler: the scheduler's state is not in \
+                 checkpoints yet, so the resumed run would restart its schedule; use a constant \
+                 learning rate"
+                    .into(),
+            );
+        }
+        if self.comm.timeout >= self.step_timeout {
+            return invalid(format!(
+                "collective_timeout {:?} is not below step_timeout {:?}: a rank that never \
+                 arrives must be named by its collective before the step gives up",
+                self.comm.timeout, self.step_timeout
+            ));
+        }
+        if self.elastic.0 > self.elastic.1 {
+            return invalid(format!(
+                "elastic({}, {}): the minimum is above the maximum",
+                self.elastic.0, self.elastic.1
+            ));
+        }
         if self.checkpoint_every == Some(0) {
             return invalid("checkpoint_every(0): use at least 1 step".into());
         }
@@ -522,6 +546,7 @@ where
                 checkpoints,
                 seed: self.seed,
                 elastic: self.elastic,
+                lr_scheduled,
             }),
         })
     }

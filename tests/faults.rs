@@ -654,3 +654,30 @@ async fn a_paused_job_starts_no_step_until_resumed() {
         .unwrap();
     assert_eq!(trained.summary.steps, STEPS);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_1_a_replica_lost_after_the_last_collective_does_not_make_the_step_apply_twice() {
+    let init = initial_model();
+    // Device 2 panics in its optimizer update at step 3: the all-reduce had finished, so the
+    // survivors have applied step 3 already; it must not be redone.
+    let plan = FaultPlan::new(13).with(fault(2, 3, Phase::Update, FaultKind::Panic));
+    let (outcome, events, _) = run(job(
+        3,
+        &init,
+        plan,
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let trained = outcome.expect("the job recovers");
+    assert_eq!(fired(&events), vec![0]);
+    assert_eq!(lost_devices(&events), vec![DeviceId(2)]);
+    assert!(events.iter().any(|e| matches!(
+        e,
+        JobEvent::Recovered { step: 4, layout, .. } if layout.dp() == 2
+    )));
+    // Step 3 is reported once, with all three replicas' samples (the lost one's gradient was
+    // in the all-reduce), then the survivors go on.
+    assert_eq!(replicas_per_step(&events), vec![3, 3, 3, 3, 2, 2, 2, 2]);
+    assert_matches_reference(init, &trained.model, &events);
+}

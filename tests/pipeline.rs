@@ -181,7 +181,7 @@ async fn check(schedule: Schedule, widths: &[usize], shape: Shape, dp: u32) -> V
         .learning_rate(LR)
         .steps(STEPS)
         .seed(3)
-        .step_timeout(Duration::from_secs(60))
+        .step_timeout(Duration::from_secs(120))
         .build()
         .expect("a valid pipeline job");
     let (trained, events) = tokio::time::timeout(Duration::from_secs(300), run_recording(job))
@@ -504,7 +504,7 @@ fn hooked_job(
         .batch_size(BATCH)
         .steps(STEPS)
         .collective_timeout(collective_timeout)
-        .step_timeout(Duration::from_secs(60))
+        .step_timeout(Duration::from_secs(120))
         .build()
         .unwrap()
 }

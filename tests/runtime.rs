@@ -365,13 +365,15 @@ async fn rt_3_a_stuck_stage_ends_the_step_with_a_timeout_naming_it() {
         let mut data = samples(64);
         const SLOW: f32 = 777.0;
         data[5].features[0] = SLOW;
-        let job = small_job(data, 2, 8)
+        // One replica: no collective to name it, so the step time-out is what fires.
+        let job = small_job(data, 1, 8)
             .loss(|m: &Mlp, items: &[Sample], d: &Device| {
                 if items.iter().any(|s| s.features[0] == SLOW) {
                     std::thread::sleep(Duration::from_secs(4));
                 }
                 mse_loss(m, items, d)
             })
+            .collective_timeout(Duration::from_millis(1000))
             .step_timeout(Duration::from_millis(1500))
             .build()
             .unwrap();

@@ -61,7 +61,16 @@ impl Checkpointer {
             .name("meshwork-checkpointer".into())
             .spawn(move || {
                 while let Ok(c) = rx.recv() {
-                    let event = match sink.write(&c) {
+                    // A sink that panics fails this checkpoint, not the writer (CKW-2).
+                    let written =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink.write(&c)))
+                            .unwrap_or_else(|p| {
+                                Err(crate::error::Error::Runtime(format!(
+                                    "the checkpoint sink panicked: {}",
+                                    crate::actors::panic_text(p.as_ref())
+                                )))
+                            });
+                    let event = match written {
                         Ok(path) => JobEvent::CheckpointWritten { step: c.step, path },
                         Err(error) => JobEvent::CheckpointFailed {
                             step: c.step,

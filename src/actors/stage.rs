@@ -564,15 +564,30 @@ where
             &micro_batches,
             &thread_phase,
         );
-        let (slot, r) = match r {
-            Ok((mut report, Some(grads))) => {
-                let slot = apply_update(slot, grads, &mut report, step, &spec, &thread_phase);
-                (slot, Ok(report))
-            }
-            Ok((report, None)) => (slot, Ok(report)),
+        let (report, grads) = match r {
+            Ok(x) => x,
             Err(e) => return (slot, Err(e)),
         };
-        sync_buffers(slot, r, &thread_phase)
+        // DP-4 before the update: the buffer broadcast is the step's last collective, so a
+        // peer failing can no longer leave the update applied on some replicas and not on
+        // others (REC-1 redoes a step only where nothing was applied).
+        let (slot, report) = sync_buffers(slot, Ok(report), &thread_phase);
+        let mut report = match report {
+            Ok(r) => r,
+            Err(e) => return (slot, Err(e)),
+        };
+        let slot = match grads {
+            Some(grads) => with_hooks(
+                spec.faults.as_deref(),
+                device_id,
+                step,
+                0,
+                Phase::Update,
+                || apply_update(slot, grads, &mut report, step, &spec, &thread_phase),
+            ),
+            None => slot,
+        };
+        (slot, Ok(report))
     })
     .await?;
     match out {

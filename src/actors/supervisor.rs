@@ -220,6 +220,7 @@ pub struct SupervisorArgs<M, I> {
     pub(crate) checkpoints: Option<CheckpointSettings>,
     pub(crate) seed: u64,
     pub(crate) elastic: (u32, u32),
+    pub(crate) lr_scheduled: bool,
     pub(crate) events: broadcast::Sender<JobEvent>,
     pub(crate) outcome: oneshot::Sender<Result<Trained<M>>>,
 }
@@ -263,6 +264,8 @@ pub struct SupervisorState<M, I> {
     departed: HashSet<ractor::ActorId>,
     /// Ranks found dead between steps (a supervision event): recovered at the next step.
     pending_lost: Vec<(usize, Error)>,
+    /// The step that failed last, for the recovery that follows.
+    interrupted: Option<Interrupted>,
     checkpoints: Option<CheckpointSettings>,
     checkpointer: Option<Checkpointer>,
     checkpoint_requested: bool,
@@ -279,6 +282,8 @@ pub struct SupervisorState<M, I> {
     scale_target: Option<u32>,
     /// Smallest and largest data-parallel size `scale_to` accepts.
     elastic: (u32, u32),
+    /// Whether the learning rate comes from a scheduler (whose state is not transferred).
+    lr_scheduled: bool,
     /// The step a pause held back, run on `Resume`.
     paused: Option<Option<u64>>,
     stop_requested: bool,
@@ -350,6 +355,7 @@ where
             restarts: RestartLog::default(),
             departed: HashSet::new(),
             pending_lost: Vec::new(),
+            interrupted: None,
             checkpointer,
             checkpoints: a.checkpoints,
             checkpoint_requested: false,
@@ -365,6 +371,7 @@ where
             next_device_id: a.devices.iter().map(|d| d.id().0).max().unwrap_or(0),
             scale_target: None,
             elastic: a.elastic,
+            lr_scheduled: a.lr_scheduled,
             paused: None,
             stop_requested: false,
             finished: false,
@@ -409,9 +416,27 @@ where
                     *held = Some(step);
                     return Ok(());
                 }
+                // Devices lost between steps are dealt with first (their ranks are current).
+                let lost = std::mem::take(&mut state.pending_lost);
+                if !lost.is_empty()
+                    && let Err(e) = recover(state, step, LostRanks(lost)).await
+                {
+                    finish(&myself, state, Err(e)).await;
+                    return Ok(());
+                }
+                if let Some(n) = state.scale_target
+                    && (state.stop_requested || step >= state.steps)
+                {
+                    state.scale_target = None;
+                    publish(
+                        state,
+                        JobEvent::ResizeRefused {
+                            requested: n,
+                            reason: "the job is ending".into(),
+                        },
+                    );
+                }
                 if let Some(n) = state.scale_target.take()
-                    && !state.stop_requested
-                    && step < state.steps
                     && let Err(error) = resize(state, step, n as usize).await
                 {
                     // A refused resize leaves the mesh as it was; one that failed half-way
@@ -443,16 +468,17 @@ where
                     finish(&myself, state, Ok(())).await;
                     return Ok(());
                 }
-                let outcome = match std::mem::take(&mut state.pending_lost) {
-                    lost if lost.is_empty() => run_step(state, step).await.map_err(LostRanks::from),
-                    lost => Err(LostRanks(lost)),
-                };
+                let outcome = run_step(state, step).await.map_err(LostRanks::from);
                 publish_fired(state);
                 match outcome {
                     Ok(()) => myself.send_message(SupervisorMsg::RunStep(step + 1))?,
                     Err(failure) => match recover(state, step, failure).await {
-                        // REC-1: the survivors redo the step.
-                        Ok(()) => myself.send_message(SupervisorMsg::RunStep(step))?,
+                        // REC-1: the survivors redo the step, unless it had completed on all
+                        // of them before the failure ended it.
+                        Ok(Redo::Step) => myself.send_message(SupervisorMsg::RunStep(step))?,
+                        Ok(Redo::Nothing) => {
+                            myself.send_message(SupervisorMsg::RunStep(step + 1))?
+                        }
                         Err(e) => finish(&myself, state, Err(e)).await,
                     },
                 }
@@ -475,8 +501,14 @@ where
                             reason: format!("outside the elastic range {}..={max}", min.max(1)),
                         },
                     );
-                } else {
-                    state.scale_target = Some(n);
+                } else if let Some(old) = state.scale_target.replace(n) {
+                    publish(
+                        state,
+                        JobEvent::ResizeRefused {
+                            requested: old,
+                            reason: format!("replaced by a later request for {n}"),
+                        },
+                    );
                 }
             }
             SupervisorMsg::Pause => {
@@ -594,6 +626,23 @@ fn publish_fired<M, I>(state: &SupervisorState<M, I>) {
     }
 }
 
+/// What the survivors of a recovery run next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Redo {
+    /// The failed step, again (nothing of it was applied).
+    Step,
+    /// The next step: the failed one had completed, and been applied, on every survivor.
+    Nothing,
+}
+
+/// A step that failed: what each rank was given and what the ones that finished reported.
+#[derive(Debug)]
+struct Interrupted {
+    shares: Vec<Vec<usize>>,
+    done: Vec<Option<StepReport>>,
+    started: Instant,
+}
+
 /// A step's failure: an error, with the ranks it names as lost.
 struct LostRanks(Vec<(usize, Error)>);
 
@@ -639,7 +688,7 @@ async fn recover<M, I>(
     state: &mut SupervisorState<M, I>,
     step: u64,
     failure: LostRanks,
-) -> Result<()>
+) -> Result<Redo>
 where
     M: Send + 'static,
     I: Send + Sync + 'static,
@@ -695,22 +744,84 @@ where
         stage.kill();
         device.kill();
     }
+    // REC-1: a step is redone only where nothing of it was applied. The update follows the
+    // step's last collective, so either every survivor finished it or none did.
+    let interrupted = state.interrupted.take();
+    let finished: Vec<bool> = survivors
+        .iter()
+        .map(|&r| {
+            interrupted
+                .as_ref()
+                .is_some_and(|i| i.done.get(r).is_some_and(Option::is_some))
+        })
+        .collect();
+    let completed = !finished.is_empty() && finished.iter().all(|f| *f);
+    if !completed && finished.iter().any(|f| *f) {
+        return Err(Error::Runtime(format!(
+            "step {step} was applied on some survivors and not on others; the replicas \
+             diverged and only a checkpoint can restore them (after: {first})"
+        )));
+    }
+    let old_ids: Vec<StageId> = state.stages.iter().map(|(_, id)| *id).collect();
     let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
     let members = survivors
         .iter()
         .map(|&r| (state.stages[r].0.clone(), state.devices[r].clone()))
         .collect();
     rebuild_group(state, members).await?;
+    let next = if completed { step + 1 } else { step };
     publish(
         state,
         JobEvent::Recovered {
-            step,
+            step: next,
             generation: state.generation,
             layout: state.layout,
             lost: lost_devices,
         },
     );
-    Ok(())
+    let Some(interrupted) = interrupted.filter(|_| completed) else {
+        return Ok(Redo::Step);
+    };
+    // The step completed: publish it, with the lost ranks' samples (their gradients were in
+    // the all-reduce, so their samples were trained on).
+    let learning_rate = interrupted
+        .done
+        .iter()
+        .flatten()
+        .find_map(|r| r.learning_rate);
+    let samples = interrupted.shares.iter().map(Vec::len).sum();
+    let reports = interrupted
+        .done
+        .into_iter()
+        .enumerate()
+        .map(|(r, report)| {
+            let id = old_ids.get(r).copied().unwrap_or(StageId {
+                replica: r as u32,
+                stage: 0,
+            });
+            let report = report.unwrap_or_else(|| StepReport {
+                rank: Rank(r as u32),
+                sample_ids: interrupted
+                    .shares
+                    .get(id.replica as usize)
+                    .cloned()
+                    .unwrap_or_default(),
+                local_loss: None,
+                learning_rate,
+                trace: Vec::new(),
+                pipeline: None,
+            });
+            (report, id)
+        })
+        .collect();
+    step_done(
+        state,
+        step,
+        reports,
+        samples,
+        interrupted.started.elapsed().as_secs_f64(),
+    );
+    Ok(Redo::Nothing)
 }
 
 /// One data-parallel member: its stage and its device.
@@ -804,7 +915,16 @@ where
         ));
     }
     if n == from {
-        return Ok(());
+        return Err(Error::InvalidConfig(format!(
+            "the job already has {n} replicas"
+        )));
+    }
+    if n > from && state.lr_scheduled {
+        return Err(Error::InvalidConfig(
+            "a job with a learning-rate scheduler cannot grow yet: a joining replica's \
+             scheduler would start from its first step"
+                .into(),
+        ));
     }
     let mut members: Vec<Member<M>> = state
         .stages
@@ -1000,6 +1120,26 @@ where
     T: Send + 'static,
     F: Fn(usize) -> Option<MsgBuilder<M, T>>,
 {
+    match call_all_partial(state, make, timeout, step).await {
+        (results, None) => Ok(results.into_iter().flatten().collect()),
+        (_, Some(e)) => Err(e),
+    }
+}
+
+/// Like [`call_all_with`], also returning the replies of the stages that succeeded when
+/// another failed (by rank), with the root cause.
+async fn call_all_partial<M, I, T, F>(
+    state: &mut SupervisorState<M, I>,
+    make: F,
+    timeout: Duration,
+    step: Option<u64>,
+) -> (Vec<Option<T>>, Option<Error>)
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+    T: Send + 'static,
+    F: Fn(usize) -> Option<MsgBuilder<M, T>>,
+{
     let mut set = JoinSet::new();
     for (r, (stage, _)) in state.stages.iter().enumerate() {
         let Some(build) = make(r) else { continue };
@@ -1062,17 +1202,16 @@ where
                 Err(e) => e.to_string(),
             });
         }
-        return Err(Error::StepTimeout {
+        let e = Error::StepTimeout {
             step: step.unwrap_or(0),
             missing: missing.iter().map(|&r| state.stages[r].1).collect(),
             waited: timeout,
             devices,
-        });
+        };
+        return (results, Some(e));
     }
-    if let Some(e) = root_cause(errors) {
-        return Err(e);
-    }
-    Ok(results.into_iter().flatten().collect())
+    let cause = root_cause(errors);
+    (results, cause)
 }
 
 async fn run_step<M, I>(state: &mut SupervisorState<M, I>, step: u64) -> Result<()>
@@ -1106,7 +1245,7 @@ where
         .iter()
         .map(|(_, id)| id.replica as usize)
         .collect();
-    let reports: Result<Vec<StepReport>> = call_all_with(
+    let (partial, failure) = call_all_partial(
         state,
         |r| {
             let share = &shares[replica_of[r]];
@@ -1126,6 +1265,19 @@ where
         Some(step),
     )
     .await;
+    let reports = match failure {
+        None => Ok(partial.into_iter().flatten().collect::<Vec<_>>()),
+        Some(e) => {
+            // Kept for recovery: who finished this step (and applied its update) before the
+            // failure ended it.
+            state.interrupted = Some(Interrupted {
+                shares: shares.clone(),
+                done: partial,
+                started,
+            });
+            Err(e)
+        }
+    };
     let reports = match reports {
         Ok(r) => r,
         Err(Error::Comm(CommError::Timeout {
@@ -1173,6 +1325,28 @@ where
         Err(e) => return Err(e),
     };
     let wall_s = started.elapsed().as_secs_f64();
+    let samples: usize = shares.iter().map(Vec::len).sum();
+    let ids: Vec<StageId> = state.stages.iter().map(|(_, id)| *id).collect();
+    step_done(
+        state,
+        step,
+        reports.into_iter().zip(ids).collect(),
+        samples,
+        wall_s,
+    );
+    Ok(())
+}
+
+/// Publish a finished step: its loss, samples, time breakdown and pipeline figures.
+fn step_done<M, I>(
+    state: &mut SupervisorState<M, I>,
+    step: u64,
+    reports: Vec<(StepReport, StageId)>,
+    samples: usize,
+    wall_s: f64,
+) {
+    let stage_ids: Vec<StageId> = reports.iter().map(|(_, id)| *id).collect();
+    let reports: Vec<StepReport> = reports.into_iter().map(|(r, _)| r).collect();
     // The mean over the global batch: each replica's mean weighted by its share.
     let (weighted, counted) = reports
         .iter()
@@ -1197,13 +1371,12 @@ where
             },
         );
     }
-    let samples: usize = shares.iter().map(Vec::len).sum();
     let learning_rate = reports.iter().find_map(|r| r.learning_rate);
-    let pipeline = pipeline_step(&state.stages, &reports, state.layout);
+    let pipeline = pipeline_step(&stage_ids, &reports, state.layout);
     let replicas: Vec<ReplicaStep> = reports
         .into_iter()
-        .zip(&state.stages)
-        .map(|(r, (_, id))| ReplicaStep {
+        .zip(&stage_ids)
+        .map(|(r, id)| ReplicaStep {
             rank: r.rank,
             stage: *id,
             pipeline: r.pipeline,
@@ -1244,14 +1417,13 @@ where
             pipeline,
         }),
     );
-    Ok(())
 }
 
 /// The pipeline figures of a step from the stages' reports: the measured bubble and timeline of
 /// replica 0's pipeline (times from its first instruction), every stage's peak stash and
 /// activation bytes (the largest over replicas).
-fn pipeline_step<M>(
-    stages: &[(ActorRef<StageMsg<M>>, StageId)],
+fn pipeline_step(
+    stages: &[StageId],
     reports: &[StepReport],
     layout: Layout,
 ) -> Option<PipelineStep> {
@@ -1260,7 +1432,7 @@ fn pipeline_step<M>(
     let mut peak_stash = vec![0u32; pp];
     let mut peak_activation_bytes = vec![0u64; pp];
     let mut any = false;
-    for (report, (_, id)) in reports.iter().zip(stages) {
+    for (report, id) in reports.iter().zip(stages) {
         let Some(p) = &report.pipeline else { continue };
         any = true;
         let s = id.stage as usize;
@@ -1312,7 +1484,6 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    state.last_checkpoint = Some(step);
     let Some(queue) = state.checkpointer.as_ref().and_then(Checkpointer::queue) else {
         return;
     };
@@ -1330,16 +1501,24 @@ where
         )),
     };
     match shard {
-        Ok(shard) => drop(queue.send(Checkpoint {
-            step,
-            layout: state.layout,
-            cursor: state.sampler.cursor(step),
-            rng: RngState {
-                seed: state.seed,
-                state: step,
-            },
-            shards: vec![shard],
-        })),
+        Ok(shard) => {
+            let sent = queue.send(Checkpoint {
+                step,
+                layout: state.layout,
+                cursor: state.sampler.cursor(step),
+                rng: RngState {
+                    seed: state.seed,
+                    state: step,
+                },
+                shards: vec![shard],
+            });
+            if sent.is_ok() {
+                state.last_checkpoint = Some(step);
+            } else {
+                let error = Error::Runtime("the checkpoint writer thread has stopped".into());
+                publish(state, JobEvent::CheckpointFailed { step, error });
+            }
+        }
         Err(error) => publish(state, JobEvent::CheckpointFailed { step, error }),
     }
 }
@@ -1354,13 +1533,32 @@ where
         return Ok(0);
     };
     let sink = settings.sink.clone();
-    let loaded = tokio::task::spawn_blocking(move || sink.latest_valid())
+    let read = tokio::task::spawn_blocking(move || sink.latest_valid());
+    let loaded = tokio::time::timeout(state.step_timeout, read)
         .await
+        .map_err(|_| {
+            Error::Runtime(format!(
+                "reading the checkpoints took longer than the step time-out ({:?})",
+                state.step_timeout
+            ))
+        })?
         .map_err(|e| Error::Runtime(format!("reading checkpoints: {e}")))??;
     let Some(loaded) = loaded else {
         return Ok(0);
     };
     let c = loaded.checkpoint;
+    // The data must continue where it stopped: same seed, same batches.
+    if c.rng.seed != state.seed || c.cursor != state.sampler.cursor(c.step) {
+        return Err(Error::InvalidConfig(format!(
+            "{} was written with seed {} at data position {:?}; this job has seed {} and \
+             would read position {:?}: resume with the same seed, batch size and data",
+            loaded.dir.display(),
+            c.rng.seed,
+            c.cursor,
+            state.seed,
+            state.sampler.cursor(c.step)
+        )));
+    }
     let Some(shard) = c.shards.iter().find(|s| s.shard == ShardId::stage(0)) else {
         return Err(Error::InvalidConfig(format!(
             "{} has no shard of stage 0 to restore",

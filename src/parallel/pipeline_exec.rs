@@ -890,12 +890,19 @@ pub fn run_stage_step<I>(
         record.peak_stash = record.peak_stash.max(count);
         record.peak_stash_bytes = record.peak_stash_bytes.max(bytes);
     }
+    let cx_faults = StepContext {
+        replicas: None,
+        ..cx
+    };
     let mut replicas = cx.replicas;
     let world = replicas.as_ref().map_or(1, |c| c.world());
     let scale = 1.0 / (plan.micro_batches() as usize * world) as f32;
     let t = Instant::now();
     for chunk in chunks.iter_mut() {
-        record.learning_rate = Some(chunk.step(scale, replicas.as_deref_mut())?);
+        let rate = hooked(&cx_faults, 0, Phase::Update, || {
+            chunk.step(scale, replicas.as_deref_mut())
+        })?;
+        record.learning_rate = Some(rate);
         record.losses.extend(chunk.take_losses());
     }
     record.update = Some((t, Instant::now()));
