@@ -716,7 +716,7 @@ impl<M: Send + 'static> JobHandle<M> {
     /// Write a checkpoint at the next step boundary (needs a checkpoint directory or store);
     /// a `CheckpointWritten` event follows once it is on disk.
     pub fn checkpoint_now(&self) {
-        let _ = self.supervisor.send_message(SupervisorMsg::CheckpointNow);
+        self.control().checkpoint_now();
     }
 
     /// Resize a data-parallel job to `n` replicas at the next step boundary: joining replicas
@@ -724,18 +724,18 @@ impl<M: Send + 'static> JobHandle<M> {
     /// `Resized` event follows, or `ResizeRefused` saying why (outside
     /// [`JobBuilder::elastic`]'s range, a pipeline job).
     pub fn scale_to(&self, n: u32) {
-        let _ = self.supervisor.send_message(SupervisorMsg::ScaleTo(n));
+        self.control().scale_to(n);
     }
 
     /// Start no new step until [`resume`](Self::resume) (the running step finishes); a
     /// `Paused` event follows.
     pub fn pause(&self) {
-        let _ = self.supervisor.send_message(SupervisorMsg::Pause);
+        self.control().pause();
     }
 
     /// Continue after [`pause`](Self::pause).
     pub fn resume(&self) {
-        let _ = self.supervisor.send_message(SupervisorMsg::Resume);
+        self.control().resume();
     }
 
     /// Ask the job to stop at the next step boundary and return the model trained so far.

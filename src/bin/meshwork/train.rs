@@ -178,23 +178,18 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
                     schedule.virtual_stages()
                 ))
             })?;
-        let mut builder = Job::builder()
-            .pipeline(stages, schedule)
-            .data(data)
-            .optimizer(AdamConfig::new())
-            .learning_rate(args.lr)
-            .data_parallel(dp)
-            .devices(devices)
-            .batch_size(args.batch_size)
-            .steps(args.steps)
-            .seed(args.seed)
-            .recovery(policy)
-            .collective_timeout(collective_timeout)
-            .step_timeout(Duration::from_secs(120));
-        if let Some(plan) = plan {
-            builder = builder.fault_plan(plan);
-        }
-        let (trained, last) = drive(builder.build()?.spawn().await?, args.steps).await;
+        let builder = Job::builder().pipeline(stages, schedule).data(data);
+        let job = settings(
+            &args,
+            builder,
+            dp,
+            devices,
+            plan,
+            policy,
+            collective_timeout,
+        )
+        .build()?;
+        let (trained, last) = drive(job.spawn().await?, args.steps).await;
         report(&trained?.summary, &task);
         if let Some(p) = last {
             println!(
@@ -233,24 +228,21 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         return Ok(());
     }
     let init = Mlp::new(&WIDTHS, &model_device);
-    let mut builder = checkpoint_settings(&args, Job::builder())
+    let builder = checkpoint_settings(&args, Job::builder())
         .initial_model(init)
         .loss(mse_loss)
-        .data(data)
-        .optimizer(AdamConfig::new())
-        .learning_rate(args.lr)
-        .data_parallel(dp)
-        .devices(devices)
-        .batch_size(args.batch_size)
-        .steps(args.steps)
-        .seed(args.seed)
-        .recovery(policy)
-        .collective_timeout(collective_timeout)
-        .step_timeout(Duration::from_secs(120));
-    if let Some(plan) = plan {
-        builder = builder.fault_plan(plan);
-    }
-    let (trained, _) = drive(builder.build()?.spawn().await?, args.steps).await;
+        .data(data);
+    let job = settings(
+        &args,
+        builder,
+        dp,
+        devices,
+        plan,
+        policy,
+        collective_timeout,
+    )
+    .build()?;
+    let (trained, _) = drive(job.spawn().await?, args.steps).await;
     let trained = trained?;
     report(&trained.summary, &task);
     if let Some(path) = args.save_model {
@@ -261,6 +253,33 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         println!("model written to {}", path.display());
     }
     Ok(())
+}
+
+/// The settings both kinds of demo job share: optimizer, mesh, batch, steps, failures.
+fn settings<M: Send + 'static, I: Send + Sync + 'static>(
+    args: &TrainArgs,
+    builder: meshwork::job::JobBuilder<M, I>,
+    dp: u32,
+    devices: Vec<MeshDevice>,
+    plan: Option<FaultPlan>,
+    policy: RecoveryPolicy,
+    collective_timeout: Duration,
+) -> meshwork::job::JobBuilder<M, I> {
+    let builder = builder
+        .optimizer(AdamConfig::new())
+        .learning_rate(args.lr)
+        .data_parallel(dp)
+        .devices(devices)
+        .batch_size(args.batch_size)
+        .steps(args.steps)
+        .seed(args.seed)
+        .recovery(policy)
+        .collective_timeout(collective_timeout)
+        .step_timeout(Duration::from_secs(120));
+    match plan {
+        Some(plan) => builder.fault_plan(plan),
+        None => builder,
+    }
 }
 
 /// The checkpoint flags on a builder.
