@@ -72,6 +72,12 @@ pub enum FaultKind {
         /// ≥ 1.
         factor: f64,
     },
+    /// The device is cut off from the others for `seconds` when the step's first collective
+    /// begins: its messages reach no peer until then (a network partition).
+    Partition {
+        /// How long.
+        seconds: f64,
+    },
 }
 
 /// One fault of a plan.
@@ -178,7 +184,9 @@ impl FaultPlan {
                          {MAX_SLOWDOWN}"
                     )));
                 }
-                FaultKind::Stall { seconds } if !(0.0..=MAX_STALL_S).contains(&seconds) => {
+                FaultKind::Stall { seconds } | FaultKind::Partition { seconds }
+                    if !(0.0..=MAX_STALL_S).contains(&seconds) =>
+                {
                     return Err(Error::InvalidConfig(format!(
                         "fault plan entry {i}: a stall of {seconds} s must be between 0 and \
                          {MAX_STALL_S} s"
@@ -288,6 +296,23 @@ impl FaultHooks {
             }
         }
         factor
+    }
+
+    /// How long `device` is cut off when its first collective of `step` begins, if a
+    /// `Partition` fault says so (each entry fires once).
+    pub fn partition(&self, device: DeviceId, step: u64) -> Option<Duration> {
+        self.plan
+            .faults
+            .iter()
+            .enumerate()
+            .find_map(|(i, f)| match f.kind {
+                FaultKind::Partition { seconds }
+                    if f.device == device.0 && f.step == step && self.fire(i, None) =>
+                {
+                    Some(Duration::from_secs_f64(seconds))
+                }
+                _ => None,
+            })
     }
 
     /// The devices the Supervisor kills at the start of `step` (each entry fires once).

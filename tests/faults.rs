@@ -681,3 +681,63 @@ async fn rec_1_a_replica_lost_after_the_last_collective_does_not_make_the_step_a
     assert_eq!(replicas_per_step(&events), vec![3, 3, 3, 3, 2, 2, 2, 2]);
     assert_matches_reference(init, &trained.model, &events);
 }
+
+fn partition_plan(seconds: f64) -> FaultPlan {
+    FaultPlan::new(14).with(fault(
+        1,
+        2,
+        Phase::Forward,
+        FaultKind::Partition { seconds },
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_partition_shorter_than_the_time_out_only_delays_the_step() {
+    let init = initial_model();
+    let (outcome, events, _) = run(job(
+        2,
+        &init,
+        partition_plan(0.3),
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let trained = outcome.expect("the partition heals before the time-out");
+    assert_eq!(fired(&events), vec![0]);
+    assert!(lost_devices(&events).is_empty());
+    let step2 = &steps_of(&events)[2];
+    assert!(
+        step2.wall_s >= 0.3,
+        "step 2 waited for the partition: {}",
+        step2.wall_s
+    );
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_1_a_partition_longer_than_the_time_out_evicts_the_cut_off_device() {
+    use meshwork::error::Health;
+    let init = initial_model();
+    let (outcome, events, elapsed) = run(job(
+        3,
+        &init,
+        partition_plan(5.0),
+        RecoveryPolicy::shrink(),
+        Duration::from_millis(500),
+    ))
+    .await;
+    let trained = outcome.expect("the survivors go on");
+    assert_eq!(lost_devices(&events), vec![DeviceId(1)]);
+    let why = events.iter().find_map(|e| match e {
+        JobEvent::DeviceLost { error, .. } => Some(error.clone()),
+        _ => None,
+    });
+    match why {
+        Some(Error::RanksUnresponsive { ranks, .. }) => {
+            assert!(matches!(ranks[0].health, Health::Stuck { .. }), "{ranks:?}")
+        }
+        other => panic!("expected RanksUnresponsive, got {other:?}"),
+    }
+    assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+    assert_matches_reference(init, &trained.model, &events);
+}

@@ -686,6 +686,10 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
 
     // DP-3: every replica learns every replica's loss and decides the same thing.
     set_phase("all-reduce of losses");
+    // FaultPlan: a partition holds this device's messages back for a while.
+    if let Some(cut_off) = hooks.and_then(|h| h.partition(device_id, step)) {
+        std::thread::sleep(cut_off);
+    }
     let mut losses = vec![0.0f32; world];
     losses[rank.index() % world.max(1)] = local_loss;
     if world > 1 {
