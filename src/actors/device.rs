@@ -193,6 +193,29 @@ pub async fn run_on<R: Send + 'static>(
         .map_err(|_| Error::Runtime("compute thread dropped a task".into()))
 }
 
+/// Run `f` on `device`'s compute thread on the state held in `slot`, and put the state back.
+/// `None` when the slot is empty (its state was lost earlier); `Some(Ok(Err(panic)))` when `f`
+/// panicked, which loses the state.
+pub(crate) async fn run_on_slot<S: Send + 'static, R: Send + 'static>(
+    device: &ActorRef<DeviceMsg>,
+    label: &str,
+    slot: &mut Option<S>,
+    f: impl FnOnce(&mut S) -> R + Send + 'static,
+) -> Option<Result<std::result::Result<R, String>>> {
+    let mut state = slot.take()?;
+    let out = run_on(device, label, move || {
+        let r = f(&mut state);
+        (state, r)
+    })
+    .await;
+    Some(out.map(|r| {
+        r.map(|(state, r)| {
+            *slot = Some(state);
+            r
+        })
+    }))
+}
+
 /// Ask `device` for a heartbeat, waiting at most `timeout`.
 pub async fn heartbeat(
     device: &ActorRef<DeviceMsg>,

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef};
 
-use super::device::{DeviceMsg, report_progress, run_on};
+use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
 use super::stage::{InitReport, StageMsg, StepReport};
 use super::supervisor::{SpawnContext, SpawnStages, Spawned};
@@ -262,23 +262,15 @@ where
                 let _ = reply.send(step_on_device(state, step, micro_batches).await);
             }
             StageMsg::Fingerprint(reply) => {
-                let r = match state.slot.take() {
+                let out = run_on_slot(&state.device_actor, "fingerprint", &mut state.slot, |s| {
+                    fingerprint(&s.chunks)
+                })
+                .await;
+                let r = match out {
                     None => Err(lost(state)),
-                    Some(slot) => {
-                        let out = run_on(&state.device_actor, "fingerprint", move || {
-                            let f = fingerprint(&slot.chunks);
-                            (slot, f)
-                        })
-                        .await;
-                        match out {
-                            Ok(Ok((slot, f))) => {
-                                state.slot = Some(slot);
-                                Ok(f)
-                            }
-                            Ok(Err(panic)) => Err(failed(state, "fingerprint", panic)),
-                            Err(e) => Err(e),
-                        }
-                    }
+                    Some(Ok(Ok(f))) => Ok(f),
+                    Some(Ok(Err(panic))) => Err(failed(state, "fingerprint", panic)),
+                    Some(Err(e)) => Err(e),
                 };
                 let _ = reply.send(r);
             }

@@ -21,7 +21,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
-use super::device::{DeviceMsg, report_progress, run_on};
+use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
 use super::supervisor::{GrowArgs, GrowStage, SpawnContext, SpawnStages, Spawned};
 use crate::checkpoint::{OptimizerState, ShardId, ShardSnapshot, restore_module, snapshot_module};
@@ -346,23 +346,15 @@ where
                     reply.send(step_on_device(state, step, micro_batches, global_samples).await);
             }
             StageMsg::Fingerprint(reply) => {
-                let r = match state.slot.take() {
+                let out = run_on_slot(&state.device_actor, "fingerprint", &mut state.slot, |s| {
+                    parameter_fingerprint(&s.model)
+                })
+                .await;
+                let r = match out {
                     None => Err(lost(state)),
-                    Some(slot) => {
-                        let out = run_on(&state.device_actor, "fingerprint", move || {
-                            let f = parameter_fingerprint(&slot.model);
-                            (slot, f)
-                        })
-                        .await;
-                        match out {
-                            Ok(Ok((slot, f))) => {
-                                state.slot = Some(slot);
-                                Ok(f)
-                            }
-                            Ok(Err(panic)) => Err(failed(state, "fingerprint", panic)),
-                            Err(e) => Err(e),
-                        }
-                    }
+                    Some(Ok(Ok(f))) => Ok(f),
+                    Some(Ok(Err(panic))) => Err(failed(state, "fingerprint", panic)),
+                    Some(Err(e)) => Err(e),
                 };
                 let _ = reply.send(r);
             }
