@@ -50,6 +50,14 @@
 //!   divided by the world size. Every rank ends with bit-identical results.
 //! - COMM-6 (layout): [`chunk_range`] is the public rule that splits a buffer among ranks.
 //! - COMM-7 (never a panic): bad input from the caller gives a typed error, never a panic.
+//! - COMM-8 (messages): in a message plan (ring, tree) every message names its op and its
+//!   index among the sender's messages to that receiver in the op, so a lost message is
+//!   detected when a later one arrives ([`CommError::MessageLost`]) or when the time-out
+//!   expires ([`CommError::MessageTimeout`]) — never consumed in its place. With
+//!   [`CommConfig::verify_payloads`] every message also carries a crc32 of its payload and a
+//!   mismatch fails the op with [`CommError::CorruptMessage`]. Verified groups and
+//!   communicators with a [`MessageHook`] run message plans only (direct resolves to ring):
+//!   a direct plan reads peers' memory and has no messages to check or tamper with.
 
 use std::fmt;
 use std::ops::Range;
@@ -67,6 +75,26 @@ pub mod plan;
 mod tests;
 
 pub use element::Element;
+
+/// What a [`MessageHook`] does to one message of a message plan.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Tamper {
+    /// Deliver it as sent.
+    Deliver,
+    /// Hold it back this long (on the sender's thread), then deliver it.
+    Delay(Duration),
+    /// Never deliver it.
+    Drop,
+    /// Deliver it with one bit of its payload flipped after its checksum was taken.
+    Corrupt,
+}
+
+/// Consulted for every message a communicator sends in a message plan (ring, tree): how
+/// fault-injection runs delay, drop or corrupt a given message (`faults::FaultHooks` is one).
+pub trait MessageHook: Send + Sync + fmt::Debug {
+    /// What happens to the `index`-th message `from` sends to `to` in op `seq` of kind `op`.
+    fn on_send(&self, from: Rank, to: Rank, seq: u64, op: CollectiveKind, index: u32) -> Tamper;
+}
 pub use local::{Communicator, GroupState, GroupStatus, LocalGroup, RankStatus};
 
 /// The element types a collective can move.
@@ -191,6 +219,10 @@ pub struct CommConfig {
     pub timeout: Duration,
     /// The algorithm collectives use unless a communicator overrides it.
     pub algorithm: Algorithm,
+    /// Whether every message carries a checksum of its payload that receivers verify
+    /// (COMM-8). Off by default in-process, where memory is not corrupted in transit.
+    #[serde(default)]
+    pub verify_payloads: bool,
 }
 
 impl Default for CommConfig {
@@ -199,6 +231,7 @@ impl Default for CommConfig {
         Self {
             timeout: Duration::from_secs(60),
             algorithm: Algorithm::Auto,
+            verify_payloads: false,
         }
     }
 }
@@ -213,6 +246,12 @@ impl CommConfig {
     /// This config with another algorithm.
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
+        self
+    }
+
+    /// This config with payload checksums on or off (COMM-8).
+    pub fn with_verified_payloads(mut self, on: bool) -> Self {
+        self.verify_payloads = on;
         self
     }
 }
@@ -364,6 +403,59 @@ pub enum CommError {
         #[source]
         cause: Box<CommError>,
     },
+    /// A message of a message plan did not arrive within the time-out although its sender
+    /// had joined the op (COMM-8): the link, or the sender's thread, failed mid-op. The group
+    /// is poisoned.
+    #[error("{op} #{seq} ({generation}): message {index} from rank {} did not arrive within {waited:?}", from.0)]
+    MessageTimeout {
+        /// The group's generation.
+        generation: Generation,
+        /// The op's sequence number.
+        seq: u64,
+        /// The op.
+        op: CollectiveKind,
+        /// The sender.
+        from: Rank,
+        /// The message's index among the sender's messages to this rank in the op.
+        index: u32,
+        /// The time-out that expired.
+        waited: Duration,
+    },
+    /// A later message of the op arrived before this one: this one was lost (COMM-8). The
+    /// group is poisoned.
+    #[error("{op} #{seq} ({generation}): message {index} from rank {} was lost (message {got} arrived instead)", from.0)]
+    MessageLost {
+        /// The group's generation.
+        generation: Generation,
+        /// The op's sequence number.
+        seq: u64,
+        /// The op.
+        op: CollectiveKind,
+        /// The sender.
+        from: Rank,
+        /// The index expected.
+        index: u32,
+        /// The index that arrived.
+        got: u32,
+    },
+    /// A message's payload does not match its checksum (COMM-8). The group is poisoned.
+    #[error("{op} #{seq} ({generation}): message {index} from rank {} is corrupt (checksum {declared:#010x}, payload {computed:#010x})", from.0)]
+    CorruptMessage {
+        /// The group's generation.
+        generation: Generation,
+        /// The op's sequence number.
+        seq: u64,
+        /// The op.
+        op: CollectiveKind,
+        /// The sender.
+        from: Rank,
+        /// The message's index among the sender's messages to this rank in the op.
+        index: u32,
+        /// The checksum the sender declared.
+        declared: u32,
+        /// The checksum of what arrived.
+        computed: u32,
+    },
     /// A send or recv named a peer that is not another rank of the group.
     #[error("{op} ({generation}): rank {} cannot talk to rank {} in a group of {world}", rank.0, peer.0)]
     InvalidPeer {
@@ -387,8 +479,25 @@ impl CommError {
             CommError::Timeout { seq, .. }
             | CommError::Mismatch { seq, .. }
             | CommError::Shutdown { seq, .. }
-            | CommError::Poisoned { seq, .. } => Some(*seq),
+            | CommError::Poisoned { seq, .. }
+            | CommError::MessageTimeout { seq, .. }
+            | CommError::MessageLost { seq, .. }
+            | CommError::CorruptMessage { seq, .. } => Some(*seq),
             CommError::InvalidPeer { .. } => None,
+        }
+    }
+
+    /// Whether this failure (or the one that poisoned the group) lost or spoiled a message
+    /// whose sender had joined the op: every rank is alive and the op can be run again on a
+    /// new group ([`CommError::MessageTimeout`], [`CommError::MessageLost`],
+    /// [`CommError::CorruptMessage`]).
+    pub fn is_message_fault(&self) -> bool {
+        match self {
+            CommError::MessageTimeout { .. }
+            | CommError::MessageLost { .. }
+            | CommError::CorruptMessage { .. } => true,
+            CommError::Poisoned { cause, .. } => cause.is_message_fault(),
+            _ => false,
         }
     }
 }

@@ -199,6 +199,14 @@ fn health_list(ranks: &[RankHealth]) -> String {
 )]
 pub struct DeviceId(pub u32);
 
+impl Error {
+    /// Whether this is a collective message lost or spoiled while every rank stayed alive
+    /// (`CommError::is_message_fault`): retried by a recovering job (REC-4).
+    pub fn is_message_fault(&self) -> bool {
+        matches!(self, Error::Comm(c) if c.is_message_fault())
+    }
+}
+
 impl std::fmt::Display for DeviceId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}", self.0)

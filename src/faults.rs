@@ -31,7 +31,9 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::comm::{CollectiveKind, MessageHook, Tamper};
 use crate::error::{DeviceId, Error, Result};
+use crate::mesh::Rank;
 use crate::parallel::sampler::SplitMix64;
 
 /// The largest slow-down factor a plan may ask for.
@@ -78,6 +80,43 @@ pub enum FaultKind {
         /// How long.
         seconds: f64,
     },
+    /// The `message`-th collective message the device sends in the step is held back for
+    /// `seconds` (a slow or congested link).
+    DelayMessage {
+        /// How long.
+        seconds: f64,
+        /// Which of the step's messages (0: the first).
+        #[serde(default)]
+        message: u32,
+    },
+    /// The `message`-th collective message the device sends in the step is lost.
+    DropMessage {
+        /// Which of the step's messages (0: the first).
+        #[serde(default)]
+        message: u32,
+    },
+    /// The `message`-th collective message the device sends in the step arrives with a bit
+    /// flipped. The job verifies payload checksums when its plan holds such a fault.
+    CorruptMessage {
+        /// Which of the step's messages (0: the first).
+        #[serde(default)]
+        message: u32,
+    },
+    /// The checkpoint taken at the step fails half-way through writing (the device is
+    /// ignored): the writer has written part of a shard file when the file system fails.
+    FailCheckpointWrite,
+}
+
+impl FaultKind {
+    /// Whether the fault acts on a collective message.
+    pub fn is_message_fault(&self) -> bool {
+        matches!(
+            self,
+            FaultKind::DelayMessage { .. }
+                | FaultKind::DropMessage { .. }
+                | FaultKind::CorruptMessage { .. }
+        )
+    }
 }
 
 /// One fault of a plan.
@@ -184,7 +223,9 @@ impl FaultPlan {
                          {MAX_SLOWDOWN}"
                     )));
                 }
-                FaultKind::Stall { seconds } | FaultKind::Partition { seconds }
+                FaultKind::Stall { seconds }
+                | FaultKind::Partition { seconds }
+                | FaultKind::DelayMessage { seconds, .. }
                     if !(0.0..=MAX_STALL_S).contains(&seconds) =>
                 {
                     return Err(Error::InvalidConfig(format!(
@@ -221,6 +262,8 @@ pub struct FaultHooks {
 struct HookState {
     fired: Vec<bool>,
     log: Vec<FiredFault>,
+    /// Per device: the step it is in and the collective messages it sent in it so far.
+    messages: std::collections::HashMap<u32, (u64, u32)>,
 }
 
 impl FaultHooks {
@@ -231,7 +274,7 @@ impl FaultHooks {
             plan,
             state: Mutex::new(HookState {
                 fired: vec![false; n],
-                log: Vec::new(),
+                ..HookState::default()
             }),
         })
     }
@@ -315,6 +358,61 @@ impl FaultHooks {
             })
     }
 
+    /// Whether the plan holds message faults (the job then hooks its communicators and, for
+    /// corrupt messages, verifies payload checksums).
+    pub fn has_message_faults(&self) -> bool {
+        self.plan.faults.iter().any(|f| f.kind.is_message_fault())
+    }
+
+    /// Whether the plan corrupts messages.
+    pub fn corrupts_messages(&self) -> bool {
+        self.plan
+            .faults
+            .iter()
+            .any(|f| matches!(f.kind, FaultKind::CorruptMessage { .. }))
+    }
+
+    /// Called on `device`'s thread when it starts `step`: its message count starts again.
+    pub fn begin_step(&self, device: DeviceId, step: u64) {
+        self.state().messages.insert(device.0, (step, 0));
+    }
+
+    /// The fate of the next collective message `device` sends (counted from its
+    /// [`FaultHooks::begin_step`]).
+    pub fn next_message(&self, device: DeviceId) -> Tamper {
+        let (step, n) = {
+            let mut s = self.state();
+            let entry = s.messages.entry(device.0).or_insert((u64::MAX, 0));
+            let at = *entry;
+            entry.1 += 1;
+            at
+        };
+        for (i, f) in self.plan.faults.iter().enumerate() {
+            if f.device != device.0 || f.step != step {
+                continue;
+            }
+            let fate = match f.kind {
+                FaultKind::DelayMessage { seconds, message } if message == n => {
+                    Tamper::Delay(Duration::from_secs_f64(seconds))
+                }
+                FaultKind::DropMessage { message } if message == n => Tamper::Drop,
+                FaultKind::CorruptMessage { message } if message == n => Tamper::Corrupt,
+                _ => continue,
+            };
+            if self.fire(i, None) {
+                return fate;
+            }
+        }
+        Tamper::Deliver
+    }
+
+    /// Whether the checkpoint of `step` is to fail half-way (each entry fires once).
+    pub fn fails_checkpoint(&self, step: u64) -> bool {
+        self.plan.faults.iter().enumerate().any(|(i, f)| {
+            matches!(f.kind, FaultKind::FailCheckpointWrite) && f.step == step && self.fire(i, None)
+        })
+    }
+
     /// The devices the Supervisor kills at the start of `step` (each entry fires once).
     pub fn kills_at(&self, step: u64) -> Vec<DeviceId> {
         self.plan
@@ -331,6 +429,27 @@ impl FaultHooks {
     /// The faults that fired since the last call, in firing order.
     pub fn take_fired(&self) -> Vec<FiredFault> {
         std::mem::take(&mut self.state().log)
+    }
+}
+
+/// [`FaultHooks`] seen from one device's communicator: its collective messages go through
+/// the plan's message faults (COMM-8's hook).
+#[derive(Debug)]
+pub struct DeviceMessages {
+    hooks: Arc<FaultHooks>,
+    device: DeviceId,
+}
+
+impl DeviceMessages {
+    /// The hook for `device`'s communicators.
+    pub fn new(hooks: Arc<FaultHooks>, device: DeviceId) -> Arc<Self> {
+        Arc::new(Self { hooks, device })
+    }
+}
+
+impl MessageHook for DeviceMessages {
+    fn on_send(&self, _: Rank, _: Rank, _: u64, _: CollectiveKind, _: u32) -> Tamper {
+        self.hooks.next_message(self.device)
     }
 }
 

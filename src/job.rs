@@ -479,6 +479,10 @@ where
         }
         if let Some(f) = &self.faults {
             f.plan().check()?;
+            // COMM-8: a corrupted message is only caught where payloads are checked.
+            if f.corrupts_messages() {
+                self.comm.verify_payloads = true;
+            }
         }
         let sink = match (self.checkpoint_sink.take(), &self.checkpoint_dir) {
             (Some(sink), _) => Some(sink),

@@ -5,6 +5,10 @@
 //!   `min_replicas`) shrinks the group under a new generation; the failed step is redone by
 //!   the survivors on the same global batch (`KeepGlobal`: the survivors split it, shares
 //!   differing by at most one sample, each weighted by its share) so no sample is dropped.
+//! - REC-4: a failure that lost or spoiled a collective message while every rank stayed
+//!   alive (`CommError::is_message_fault`) is retried: the same members regroup under a new
+//!   generation and redo the step (nothing of it was applied), if the policy recovers at
+//!   all; it counts against the restart limit.
 //! - REC-2: more than `max_restarts` recoveries within `window` end the job with
 //!   `Error::TooManyFailures`, carrying the last failure.
 //! - REC-3: anything else (pipeline jobs, too few survivors, `Fail`) ends the job with the
@@ -82,6 +86,8 @@ pub enum Decision {
     },
     /// End the job: why recovery does not apply.
     Fail(String),
+    /// Every rank is alive; regroup them all and redo the step (REC-4).
+    Retry,
     /// End the job: too many recoveries in the window.
     TooMany {
         /// Recoveries counted in the window (this one included).
@@ -111,17 +117,25 @@ impl RestartLog {
 }
 
 /// Decide what to do when `lost` ranks (indices) of a `world`-rank job fail at `now`.
-/// `data_parallel_only` says whether every rank is a whole replica (no pipeline).
+/// `data_parallel_only` says whether every rank is a whole replica (no pipeline);
+/// `message_fault` whether the failure was a lost or spoiled message (REC-4).
 pub fn decide(
     policy: &RecoveryPolicy,
     log: &mut RestartLog,
     world: usize,
-    lost: &[usize],
+    (lost, message_fault): (&[usize], bool),
     data_parallel_only: bool,
     now: Instant,
 ) -> Decision {
     if policy.on_replica_loss == OnReplicaLoss::Fail {
         return Decision::Fail("the recovery policy is to fail".into());
+    }
+    if lost.is_empty() && message_fault && data_parallel_only {
+        let count = log.record(now, policy.window);
+        if count > policy.max_restarts {
+            return Decision::TooMany { count };
+        }
+        return Decision::Retry;
     }
     if !data_parallel_only {
         return Decision::Fail(
@@ -159,9 +173,9 @@ mod tests {
         ) {
             let lost: Vec<usize> = (0..world).filter(|r| lost_mask & (1 << r) != 0).collect();
             let policy = RecoveryPolicy::shrink().min_replicas(min).max_restarts(100, Duration::from_secs(1));
-            let d = decide(&policy, &mut RestartLog::default(), world, &lost, true, Instant::now());
+            let d = decide(&policy, &mut RestartLog::default(), world, (&lost, false), true, Instant::now());
             let alive = world - lost.len();
-            match d {
+            match d.clone() {
                 Decision::Shrink { survivors } => {
                     prop_assert!(!lost.is_empty() && alive >= min as usize);
                     prop_assert_eq!(survivors.len(), alive);
@@ -169,7 +183,7 @@ mod tests {
                     prop_assert!(survivors.iter().all(|s| !lost.contains(s)));
                 }
                 Decision::Fail(_) => prop_assert!(lost.is_empty() || alive < min as usize),
-                Decision::TooMany { .. } => prop_assert!(false, "limit not reached"),
+                Decision::TooMany { .. } | Decision::Retry => prop_assert!(false, "{:?}", d),
             }
         }
     }
@@ -181,22 +195,22 @@ mod tests {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         assert!(matches!(
-            decide(&policy, &mut log, 8, &[1], true, at(0)),
+            decide(&policy, &mut log, 8, (&[1], false), true, at(0)),
             Decision::Shrink { .. }
         ));
         assert!(matches!(
-            decide(&policy, &mut log, 7, &[1], true, at(1)),
+            decide(&policy, &mut log, 7, (&[1], false), true, at(1)),
             Decision::Shrink { .. }
         ));
         assert_eq!(
-            decide(&policy, &mut log, 6, &[1], true, at(2)),
+            decide(&policy, &mut log, 6, (&[1], false), true, at(2)),
             Decision::TooMany { count: 3 }
         );
         // Outside the window the old ones no longer count.
         let mut log = RestartLog::default();
         for s in [0, 20, 40, 60] {
             assert!(matches!(
-                decide(&policy, &mut log, 8, &[0], true, at(s)),
+                decide(&policy, &mut log, 8, (&[0], false), true, at(s)),
                 Decision::Shrink { .. }
             ));
         }
@@ -207,11 +221,57 @@ mod tests {
         let mut log = RestartLog::default();
         let now = Instant::now();
         assert!(matches!(
-            decide(&RecoveryPolicy::default(), &mut log, 4, &[0], true, now),
+            decide(
+                &RecoveryPolicy::default(),
+                &mut log,
+                4,
+                (&[0], false),
+                true,
+                now
+            ),
             Decision::Fail(_)
         ));
         assert!(matches!(
-            decide(&RecoveryPolicy::shrink(), &mut log, 4, &[0], false, now),
+            decide(
+                &RecoveryPolicy::shrink(),
+                &mut log,
+                4,
+                (&[0], false),
+                false,
+                now
+            ),
+            Decision::Fail(_)
+        ));
+    }
+
+    #[test]
+    fn rec_4_a_message_fault_with_nobody_lost_is_retried_within_the_limit() {
+        let policy = RecoveryPolicy::shrink().max_restarts(1, Duration::from_secs(10));
+        let mut log = RestartLog::default();
+        let now = Instant::now();
+        assert_eq!(
+            decide(&policy, &mut log, 3, (&[], true), true, now),
+            Decision::Retry
+        );
+        assert_eq!(
+            decide(&policy, &mut log, 3, (&[], true), true, now),
+            Decision::TooMany { count: 2 }
+        );
+        // Not without a recovering policy, nor when nothing says a message was lost.
+        let mut log = RestartLog::default();
+        assert!(matches!(
+            decide(
+                &RecoveryPolicy::default(),
+                &mut log,
+                3,
+                (&[], true),
+                true,
+                now
+            ),
+            Decision::Fail(_)
+        ));
+        assert!(matches!(
+            decide(&policy, &mut log, 3, (&[], false), true, now),
             Decision::Fail(_)
         ));
     }

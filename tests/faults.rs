@@ -741,3 +741,188 @@ async fn rec_1_a_partition_longer_than_the_time_out_evicts_the_cut_off_device() 
     assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
     assert_matches_reference(init, &trained.model, &events);
 }
+
+/// A plan whose one fault acts on the first collective message device 1 sends at step 2.
+fn message_plan(kind: FaultKind) -> FaultPlan {
+    FaultPlan::new(11).with(fault(1, 2, Phase::Forward, kind))
+}
+
+/// The `Recovered` events' (step, generation, lost devices).
+fn recoveries(events: &[JobEvent]) -> Vec<(u64, u64, Vec<DeviceId>)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::Recovered {
+                step,
+                generation,
+                lost,
+                ..
+            } => Some((*step, generation.0, lost.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_delayed_less_than_the_time_out_only_delays_the_step() {
+    let init = initial_model();
+    let plan = message_plan(FaultKind::DelayMessage {
+        seconds: 0.3,
+        message: 0,
+    });
+    let (outcome, events, _) = run(job(
+        3,
+        &init,
+        plan,
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let trained = outcome.expect("a delayed message still arrives");
+    assert_eq!(fired(&events), vec![0]);
+    assert!(recoveries(&events).is_empty(), "nothing to recover from");
+    assert!(steps_of(&events)[2].wall_s >= 0.3);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_4_a_dropped_message_is_detected_and_the_step_is_retried_by_everyone() {
+    let init = initial_model();
+    let (outcome, events, elapsed) = run(job(
+        3,
+        &init,
+        message_plan(FaultKind::DropMessage { message: 0 }),
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(2),
+    ))
+    .await;
+    let trained = outcome.expect("the step is retried");
+    assert_eq!(fired(&events), vec![0]);
+    // Detected when a later message arrives in its place, or at the 2 s time-out.
+    assert!(elapsed < Duration::from_secs(20), "{elapsed:?}");
+    assert_eq!(recoveries(&events), vec![(2, 1, vec![])]);
+    assert!(lost_devices(&events).is_empty());
+    assert_eq!(replicas_per_step(&events), vec![3; STEPS as usize]);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_4_a_corrupt_message_fails_its_checksum_and_the_step_is_retried() {
+    let init = initial_model();
+    let (outcome, events, _) = run(job(
+        2,
+        &init,
+        message_plan(FaultKind::CorruptMessage { message: 0 }),
+        RecoveryPolicy::shrink(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let trained = outcome.expect("the step is retried");
+    assert_eq!(fired(&events), vec![0]);
+    assert_eq!(recoveries(&events), vec![(2, 1, vec![])]);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_4_a_message_held_past_the_time_out_is_retried_without_evicting_its_sender() {
+    let init = initial_model();
+    let plan = message_plan(FaultKind::DelayMessage {
+        seconds: 1.2,
+        message: 0,
+    });
+    let (outcome, events, _) = run(job(
+        2,
+        &init,
+        plan,
+        RecoveryPolicy::shrink(),
+        Duration::from_millis(400),
+    ))
+    .await;
+    let trained = outcome.expect("the step is retried");
+    assert_eq!(fired(&events), vec![0]);
+    assert_eq!(recoveries(&events), vec![(2, 1, vec![])]);
+    assert_eq!(replicas_per_step(&events), vec![2; STEPS as usize]);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_3_a_corrupt_message_without_a_recovery_policy_ends_the_job_naming_its_sender() {
+    let init = initial_model();
+    let (outcome, events, elapsed) = run(job(
+        2,
+        &init,
+        message_plan(FaultKind::CorruptMessage { message: 0 }),
+        RecoveryPolicy::default(),
+        Duration::from_secs(30),
+    ))
+    .await;
+    let error = outcome.expect_err("no recovery policy");
+    assert_eq!(fired(&events), vec![0]);
+    let corrupt = |e: &meshwork::comm::CommError| matches!(e, meshwork::comm::CommError::CorruptMessage { from, .. } if from.0 == 1);
+    match &error {
+        Error::Comm(c) if corrupt(c) => {}
+        Error::Comm(meshwork::comm::CommError::Poisoned { cause, .. }) if corrupt(cause) => {}
+        other => panic!("expected the corrupt message from rank 1, got {other}"),
+    }
+    assert!(elapsed < Duration::from_secs(20), "{elapsed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_write_that_fails_half_way_leaves_the_previous_one_and_training_goes_on() {
+    let init = initial_model();
+    let dir = std::env::temp_dir().join(format!("meshwork-faults-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let plan = FaultPlan::new(3).with(fault(0, 4, Phase::Forward, FaultKind::FailCheckpointWrite));
+    let job = Job::builder()
+        .initial_model(init.clone())
+        .loss(mse_loss)
+        .data(data())
+        .optimizer(AdamConfig::new())
+        .learning_rate(LR)
+        .data_parallel(2)
+        .batch_size(GLOBAL_BATCH)
+        .steps(STEPS)
+        .seed(5)
+        .fault_plan(plan)
+        .checkpoint_dir(&dir)
+        .checkpoint_every(2)
+        .keep_checkpoints(10)
+        .build()
+        .expect("a valid job");
+    let (outcome, events, _) = run(job).await;
+    let trained = outcome.expect("a failed checkpoint does not stop training");
+    assert_eq!(fired(&events), vec![0]);
+    let written: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::CheckpointWritten { step, .. } => Some(*step),
+            _ => None,
+        })
+        .collect();
+    let failed: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::CheckpointFailed { step, error } => {
+                assert!(error.to_string().contains("half-way"), "{error}");
+                Some(*step)
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(failed, vec![4]);
+    assert_eq!(written, vec![2, 6, 8]);
+    // The half-written directory is gone; every checkpoint left loads.
+    let store = meshwork::checkpoint::CheckpointStore::open(&dir, 10).expect("store");
+    let steps: Vec<u64> = store
+        .steps()
+        .expect("list")
+        .iter()
+        .map(|(s, _)| *s)
+        .collect();
+    assert_eq!(steps, vec![8, 6, 2]);
+    let latest = store.latest_valid().expect("read").expect("one is valid");
+    assert_eq!(latest.checkpoint.step, 8);
+    assert!(latest.refused.is_empty());
+    assert_matches_reference(init, &trained.model, &events);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -28,6 +28,14 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
 pub trait CheckpointSink: Send + Sync + std::fmt::Debug {
     /// Write one checkpoint (atomically); its directory.
     fn write(&self, checkpoint: &Checkpoint) -> Result<PathBuf>;
+    /// Write one checkpoint, failing half-way on purpose (a FaultPlan's
+    /// `FailCheckpointWrite`). By default nothing is written and the write fails.
+    fn write_failing_half_way(&self, checkpoint: &Checkpoint) -> Result<PathBuf> {
+        Err(crate::error::Error::Runtime(format!(
+            "injected fault: the checkpoint of step {} failed before it was written",
+            checkpoint.step
+        )))
+    }
     /// The newest checkpoint that verifies, with the newer ones refused.
     fn latest_valid(&self) -> Result<Option<Loaded>>;
 }
@@ -37,15 +45,28 @@ impl<F: CheckpointFs + 'static> CheckpointSink for CheckpointStore<F> {
         CheckpointStore::write(self, checkpoint)
     }
 
+    fn write_failing_half_way(&self, checkpoint: &Checkpoint) -> Result<PathBuf> {
+        CheckpointStore::write_or_fail_half_way(self, checkpoint, true)
+    }
+
     fn latest_valid(&self) -> Result<Option<Loaded>> {
         CheckpointStore::latest_valid(self)
     }
 }
 
+/// A checkpoint waiting for the writer thread.
+#[derive(Debug)]
+pub struct Queued {
+    /// What to write.
+    pub checkpoint: Checkpoint,
+    /// Whether the plan fails this write half-way (FaultKind::FailCheckpointWrite).
+    pub fail_half_way: bool,
+}
+
 /// The writer thread.
 #[derive(Debug)]
 pub struct Checkpointer {
-    tx: Option<mpsc::Sender<Checkpoint>>,
+    tx: Option<mpsc::Sender<Queued>>,
     done: Option<mpsc::Receiver<()>>,
 }
 
@@ -55,21 +76,31 @@ impl Checkpointer {
         sink: std::sync::Arc<dyn CheckpointSink>,
         events: broadcast::Sender<JobEvent>,
     ) -> Result<Self> {
-        let (tx, rx) = mpsc::channel::<Checkpoint>();
+        let (tx, rx) = mpsc::channel::<Queued>();
         let (done_tx, done) = mpsc::channel();
         std::thread::Builder::new()
             .name("meshwork-checkpointer".into())
             .spawn(move || {
-                while let Ok(c) = rx.recv() {
+                while let Ok(Queued {
+                    checkpoint: c,
+                    fail_half_way,
+                }) = rx.recv()
+                {
                     // A sink that panics fails this checkpoint, not the writer (CKW-2).
-                    let written =
-                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| sink.write(&c)))
-                            .unwrap_or_else(|p| {
-                                Err(crate::error::Error::Runtime(format!(
-                                    "the checkpoint sink panicked: {}",
-                                    crate::actors::panic_text(p.as_ref())
-                                )))
-                            });
+                    let write = || {
+                        if fail_half_way {
+                            sink.write_failing_half_way(&c)
+                        } else {
+                            sink.write(&c)
+                        }
+                    };
+                    let written = std::panic::catch_unwind(std::panic::AssertUnwindSafe(write))
+                        .unwrap_or_else(|p| {
+                            Err(crate::error::Error::Runtime(format!(
+                                "the checkpoint sink panicked: {}",
+                                crate::actors::panic_text(p.as_ref())
+                            )))
+                        });
                     let event = match written {
                         Ok(path) => JobEvent::CheckpointWritten { step: c.step, path },
                         Err(error) => JobEvent::CheckpointFailed {
@@ -89,7 +120,7 @@ impl Checkpointer {
     }
 
     /// Where checkpoints are queued for writing (a send returns at once, CKW-1).
-    pub fn queue(&self) -> Option<mpsc::Sender<Checkpoint>> {
+    pub fn queue(&self) -> Option<mpsc::Sender<Queued>> {
         self.tx.clone()
     }
 

@@ -29,7 +29,7 @@ use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
 use crate::error::{DeviceId, Error, Result, StageId};
-use crate::faults::{FaultHooks, Phase, with_hooks};
+use crate::faults::{DeviceMessages, FaultHooks, Phase, with_hooks};
 use crate::mesh::{Generation, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::buckets::{Bucket, plan_buckets};
@@ -605,6 +605,14 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     phase: &Mutex<&'static str>,
 ) -> Result<(StepReport, Option<GradientsParams>)> {
     let hooks = spec.faults.as_deref();
+    if let Some(h) = &spec.faults {
+        // FaultPlan: this step's collective messages are counted from here (COMM-8 hook).
+        h.begin_step(device_id, step);
+        if h.has_message_faults() {
+            slot.comm
+                .set_message_hook(Some(DeviceMessages::new(h.clone(), device_id)));
+        }
+    }
     let set_phase = |p: &'static str| {
         *phase.lock().unwrap_or_else(|e| e.into_inner()) = p;
         report_progress(|| format!("step {step}: {p}"));

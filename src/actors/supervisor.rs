@@ -23,7 +23,7 @@ use tokio::task::JoinSet;
 
 use std::collections::HashSet;
 
-use super::checkpointer::{CheckpointSink, Checkpointer, DRAIN_TIMEOUT};
+use super::checkpointer::{CheckpointSink, Checkpointer, DRAIN_TIMEOUT, Queued};
 use super::device::{DeviceActor, DeviceMsg, heartbeat};
 use super::group::{GroupActor, GroupArgs};
 use super::stage::{StageMsg, StepReport};
@@ -699,16 +699,19 @@ where
         .map(|(_, e)| e.clone())
         .unwrap_or_else(|| Error::Runtime("a failure without an error".into()));
     let lost = lost_ranks(state, &failure);
+    let message_fault = failure.0.iter().any(|(_, e)| e.is_message_fault());
     let decision = decide(
         &state.recovery,
         &mut state.restarts,
         state.stages.len(),
-        &lost,
+        (&lost, message_fault),
         state.replicas_only,
         Instant::now(),
     );
     let survivors = match decision {
         Decision::Shrink { survivors } => survivors,
+        // REC-4: everyone is alive; the same members regroup and redo the step.
+        Decision::Retry => (0..state.stages.len()).collect(),
         Decision::Fail(_) => return Err(first),
         Decision::TooMany { count } => {
             return Err(Error::TooManyFailures {
@@ -1502,15 +1505,23 @@ where
     };
     match shard {
         Ok(shard) => {
-            let sent = queue.send(Checkpoint {
-                step,
-                layout: state.layout,
-                cursor: state.sampler.cursor(step),
-                rng: RngState {
-                    seed: state.seed,
-                    state: step,
+            // FaultPlan: this checkpoint's write fails half-way.
+            let fail_half_way = state
+                .faults
+                .as_ref()
+                .is_some_and(|h| h.fails_checkpoint(step));
+            let sent = queue.send(Queued {
+                checkpoint: Checkpoint {
+                    step,
+                    layout: state.layout,
+                    cursor: state.sampler.cursor(step),
+                    rng: RngState {
+                        seed: state.seed,
+                        state: step,
+                    },
+                    shards: vec![shard],
                 },
-                shards: vec![shard],
+                fail_half_way,
             });
             if sent.is_ok() {
                 state.last_checkpoint = Some(step);

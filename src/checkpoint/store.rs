@@ -97,6 +97,17 @@ impl<F: CheckpointFs> CheckpointStore<F> {
     /// failure the partial directory is removed as far as possible; whatever remains has no
     /// manifest and is never loaded.
     pub fn write(&self, checkpoint: &Checkpoint) -> Result<PathBuf> {
+        self.write_or_fail_half_way(checkpoint, false)
+    }
+
+    /// [`CheckpointStore::write`], or with `fail_half_way` a write that stops after half of
+    /// the first shard file's bytes with an I/O error, as a failing disk would (a FaultPlan's
+    /// `FailCheckpointWrite`); the partial directory is then cleaned up as after any failure.
+    pub fn write_or_fail_half_way(
+        &self,
+        checkpoint: &Checkpoint,
+        fail_half_way: bool,
+    ) -> Result<PathBuf> {
         let mut seen = HashSet::new();
         for s in &checkpoint.shards {
             if !seen.insert(s.shard) {
@@ -104,7 +115,7 @@ impl<F: CheckpointFs> CheckpointStore<F> {
             }
         }
         let dir = self.dir_of(checkpoint.step);
-        if let Err(e) = self.write_dir(&dir, checkpoint) {
+        if let Err(e) = self.write_dir(&dir, checkpoint, fail_half_way) {
             let _ = self.fs.remove_dir_all(&dir);
             return Err(e.into());
         }
@@ -112,7 +123,12 @@ impl<F: CheckpointFs> CheckpointStore<F> {
         Ok(dir)
     }
 
-    fn write_dir(&self, dir: &Path, checkpoint: &Checkpoint) -> Result<(), CheckpointError> {
+    fn write_dir(
+        &self,
+        dir: &Path,
+        checkpoint: &Checkpoint,
+        fail_half_way: bool,
+    ) -> Result<(), CheckpointError> {
         self.fs
             .create_dir_all(&self.root)
             .map_err(io_error("create_dir", &self.root))?;
@@ -129,6 +145,17 @@ impl<F: CheckpointFs> CheckpointStore<F> {
         for shard in &checkpoint.shards {
             let bytes = format::encode_shard(shard);
             let file = shard.shard.file_name();
+            if fail_half_way {
+                let tmp = dir.join(format!("{file}{TMP_SUFFIX}"));
+                let mut f = self.fs.create(&tmp).map_err(io_error("create", &tmp))?;
+                f.write_all(&bytes[..bytes.len() / 2])
+                    .map_err(io_error("write", &tmp))?;
+                return Err(CheckpointError::Io {
+                    op: "write",
+                    path: tmp,
+                    reason: "injected fault: the write stopped half-way".into(),
+                });
+            }
             self.write_file(dir, &file, &bytes)?;
             entries.push(ShardEntry {
                 shard: shard.shard,

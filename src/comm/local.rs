@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 use super::element::{Element, as_f32_mut, combine, finish, narrow, reduce_into, widen};
 use super::plan::{self, Plan, Step};
 use super::{
-    Algorithm, CallShape, CollectiveKind, CommConfig, CommError, RankCall, ReduceOp, chunk_range,
+    Algorithm, CallShape, CollectiveKind, CommConfig, CommError, MessageHook, RankCall, ReduceOp,
+    Tamper, chunk_range,
 };
 use crate::mesh::{Generation, Rank};
 
@@ -177,7 +178,19 @@ impl PhaseBarrier {
 #[derive(Debug)]
 struct Message {
     seq: u64,
+    /// Its index among the sender's messages to this receiver in op `seq` (COMM-8).
+    index: u32,
     data: Vec<f32>,
+    /// crc32 of `data`'s bytes as sent, when the group verifies payloads.
+    crc: Option<u32>,
+}
+
+/// crc32 of an f32 slice's bytes.
+fn checksum(data: &[f32]) -> u32 {
+    // SAFETY: f32 has no padding and every byte of it is initialised; u8 has alignment 1.
+    let bytes =
+        unsafe { std::slice::from_raw_parts(data.as_ptr().cast::<u8>(), size_of_val(data)) };
+    crc32fast::hash(bytes)
 }
 
 #[derive(Debug, Default)]
@@ -290,6 +303,7 @@ impl LocalGroup {
                 received: vec![0; self.world],
                 work: Vec::new(),
                 plan_cache: None,
+                hook: None,
             })
             .collect()
     }
@@ -595,11 +609,12 @@ impl LocalGroup {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn receive(
         &self,
         me: usize,
         from: usize,
-        seq: u64,
+        (seq, index): (u64, u32),
         op: CollectiveKind,
         deadline: Instant,
         timeout: Duration,
@@ -612,7 +627,35 @@ impl LocalGroup {
                 state.queues[from].pop_front();
             }
             if let Some(message) = state.queues[from].pop_front() {
-                return Ok(message);
+                drop(state);
+                // COMM-8: a later message in the place of this one means this one was lost.
+                let error = if message.seq != seq || message.index != index {
+                    CommError::MessageLost {
+                        generation: self.generation,
+                        seq,
+                        op,
+                        from: rank_of(from),
+                        index,
+                        got: message.index,
+                    }
+                } else {
+                    match message.crc.map(|c| (c, checksum(&message.data))) {
+                        Some((declared, computed)) if declared != computed => {
+                            CommError::CorruptMessage {
+                                generation: self.generation,
+                                seq,
+                                op,
+                                from: rank_of(from),
+                                index,
+                                declared,
+                                computed,
+                            }
+                        }
+                        _ => return Ok(message),
+                    }
+                };
+                self.poison(error.clone(), Some(seq));
+                return Err(self.refusal(seq, op, true).unwrap_or(error));
             }
             if self.closed.load(Ordering::Acquire) != OPEN {
                 drop(state);
@@ -621,11 +664,12 @@ impl LocalGroup {
             let now = Instant::now();
             if now >= deadline {
                 drop(state);
-                let error = CommError::Timeout {
+                let error = CommError::MessageTimeout {
                     generation: self.generation,
                     seq,
                     op,
-                    missing: vec![rank_of(from)],
+                    from: rank_of(from),
+                    index,
                     waited: timeout,
                 };
                 self.poison(error.clone(), Some(seq));
@@ -650,7 +694,8 @@ impl LocalGroup {
     }
 }
 
-/// Runs a message plan (ring, tree) on an f32 working buffer of the op's full length.
+/// Runs a message plan (ring, tree) on an f32 working buffer of the op's full length, with
+/// `hook` deciding each message's fate (COMM-8).
 #[allow(clippy::too_many_arguments)]
 fn execute_messages(
     group: &LocalGroup,
@@ -662,15 +707,48 @@ fn execute_messages(
     kind: CollectiveKind,
     deadline: Instant,
     timeout: Duration,
+    hook: Option<&dyn MessageHook>,
 ) -> Result<(), CommError> {
+    // Messages sent to / received from each peer so far in this op (COMM-8).
+    let mut sent = vec![0u32; group.world];
+    let mut received = vec![0u32; group.world];
     for step in steps {
         match step {
             Step::Send { to, range } => {
-                let data = group.take_buffer(&work[range.clone()]);
-                group.deliver(me, to.index(), Message { seq, data });
+                let to = to.index();
+                let index = sent[to];
+                sent[to] += 1;
+                let mut data = group.take_buffer(&work[range.clone()]);
+                let crc = group.config.verify_payloads.then(|| checksum(&data));
+                let fate = hook.map_or(Tamper::Deliver, |h| {
+                    h.on_send(rank_of(me), rank_of(to), seq, kind, index)
+                });
+                match fate {
+                    Tamper::Deliver => {}
+                    Tamper::Delay(d) => std::thread::sleep(d),
+                    Tamper::Drop => {
+                        group.give_buffer(data);
+                        continue;
+                    }
+                    Tamper::Corrupt => {
+                        if let Some(x) = data.first_mut() {
+                            *x = f32::from_bits(x.to_bits() ^ (1 << 22));
+                        }
+                    }
+                }
+                let message = Message {
+                    seq,
+                    index,
+                    data,
+                    crc,
+                };
+                group.deliver(me, to, message);
             }
             Step::RecvReduce { from, range } | Step::RecvCopy { from, range } => {
-                let message = group.receive(me, from.index(), seq, kind, deadline, timeout)?;
+                let index = received[from.index()];
+                received[from.index()] += 1;
+                let message =
+                    group.receive(me, from.index(), (seq, index), kind, deadline, timeout)?;
                 let dst = &mut work[range.clone()];
                 let n = dst.len().min(message.data.len());
                 debug_assert_eq!(dst.len(), message.data.len(), "PLAN-1");
@@ -804,6 +882,8 @@ pub struct Communicator {
     /// f32 working buffer for message plans over f16/bf16 or read-only inputs.
     work: Vec<f32>,
     plan_cache: Option<(Rank, Plan)>,
+    /// What happens to each message this rank sends (COMM-8).
+    hook: Option<Arc<dyn MessageHook>>,
 }
 
 /// Which buffers an op reads and writes, in terms of its conceptual buffer.
@@ -866,6 +946,13 @@ impl Communicator {
     /// of one op get wrong results or time out.
     pub fn set_algorithm(&mut self, algorithm: Algorithm) {
         self.algorithm = algorithm;
+    }
+
+    /// Sends every later message of this rank's message plans through `hook` (COMM-8), or no
+    /// longer (`None`). A communicator with a hook resolves direct plans to ring, so every
+    /// rank of the group should have one.
+    pub fn set_message_hook(&mut self, hook: Option<Arc<dyn MessageHook>>) {
+        self.hook = hook;
     }
 
     /// The algorithm that moved the data of the last all-reduce, reduce-scatter, all-gather or
@@ -959,6 +1046,7 @@ impl Communicator {
                 kind,
                 deadline,
                 self.timeout,
+                self.hook.as_deref(),
             ),
         };
         self.plan_cache = Some((root, plan));
@@ -1042,12 +1130,19 @@ impl Communicator {
 
     /// The algorithm this rank resolves for a collective of `kind` over `len` elements of `T`.
     fn resolve<T: Element>(&self, kind: CollectiveKind, len: usize) -> Algorithm {
-        plan::choose(
+        let chosen = plan::choose(
             self.algorithm,
             kind,
             self.group.world,
             len.saturating_mul(T::DTYPE.size_bytes()),
-        )
+        );
+        // COMM-8: checked or hooked messages need a plan made of messages.
+        let messages_only = self.group.config.verify_payloads || self.hook.is_some();
+        if messages_only && chosen == Algorithm::Direct {
+            Algorithm::Ring
+        } else {
+            chosen
+        }
     }
 
     /// An f32 message-plan collective that works directly in the caller's buffer.

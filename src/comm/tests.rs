@@ -607,3 +607,198 @@ fn report_all_reduce_bandwidth_at_16_mib_world_2() {
         );
     }
 }
+
+/// Tampers with the `index`-th message `from` sends to `to` in op `seq` (COMM-8 tests).
+#[derive(Debug)]
+struct TamperOne {
+    from: Rank,
+    to: Rank,
+    seq: u64,
+    index: u32,
+    fate: Tamper,
+}
+
+impl MessageHook for TamperOne {
+    fn on_send(&self, from: Rank, to: Rank, seq: u64, _op: CollectiveKind, index: u32) -> Tamper {
+        if (from, to, seq, index) == (self.from, self.to, self.seq, self.index) {
+            self.fate
+        } else {
+            Tamper::Deliver
+        }
+    }
+}
+
+/// Runs one f32 all-reduce per rank on a group whose ranks all send through `hook`.
+fn tampered_all_reduce(
+    world: usize,
+    len: usize,
+    config: CommConfig,
+    hook: Arc<dyn MessageHook>,
+) -> (Vec<f32>, Vec<Result<Vec<f32>, CommError>>) {
+    let inputs: Vec<Vec<f32>> = (0..world).map(|r| input::<f32>(r, len, 3)).collect();
+    let expected: Vec<f32> = (0..len)
+        .map(|i| inputs.iter().map(|x| x[i]).sum::<f32>())
+        .collect();
+    let (_, results) = on_ranks(world, config, |comm| {
+        comm.set_message_hook(Some(hook.clone()));
+        let mut buf = inputs[comm.rank().index()].clone();
+        comm.all_reduce(&mut buf, ReduceOp::Sum).map(|()| buf)
+    });
+    (expected, results)
+}
+
+fn close(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| (x - y).abs() <= 1e-5 * (1.0 + y.abs()))
+}
+
+#[test]
+fn comm_8_a_hooked_group_runs_message_plans_and_a_short_delay_only_delays() {
+    let hook = Arc::new(TamperOne {
+        from: Rank(1),
+        to: Rank(2),
+        seq: 0,
+        index: 0,
+        fate: Tamper::Delay(Duration::from_millis(50)),
+    });
+    let (expected, results) = tampered_all_reduce(3, 3000, quick(), hook);
+    for r in results {
+        assert!(close(
+            &r.expect("a delay shorter than the time-out"),
+            &expected
+        ));
+    }
+}
+
+#[test]
+fn comm_8_a_dropped_message_is_named_never_consumed_in_its_place() {
+    let hook = Arc::new(TamperOne {
+        from: Rank(0),
+        to: Rank(1),
+        seq: 0,
+        index: 0,
+        fate: Tamper::Drop,
+    });
+    let started = Instant::now();
+    let config = quick().with_timeout(Duration::from_millis(300));
+    let (_, results) = tampered_all_reduce(2, 1000, config, hook);
+    assert!(started.elapsed() < Duration::from_secs(3));
+    // Rank 1 sees message 1 of rank 0 arrive where message 0 was due.
+    let error = results[1].as_ref().expect_err("rank 1 lost a message");
+    assert!(
+        matches!(
+            error,
+            CommError::MessageLost {
+                from: Rank(0),
+                index: 0,
+                got: 1,
+                ..
+            }
+        ),
+        "{error}"
+    );
+    assert!(error.is_message_fault());
+    // Rank 0 fails too (the group is poisoned), and the cause is the lost message.
+    let error = results[0].as_ref().expect_err("the group is poisoned");
+    assert!(error.is_message_fault(), "{error}");
+}
+
+#[test]
+fn comm_8_a_corrupt_message_fails_a_verified_group_with_both_checksums() {
+    let hook = Arc::new(TamperOne {
+        from: Rank(2),
+        to: Rank(0),
+        seq: 0,
+        index: 1,
+        fate: Tamper::Corrupt,
+    });
+    let config = quick()
+        .with_verified_payloads(true)
+        .with_algorithm(Algorithm::Ring);
+    let (_, results) = tampered_all_reduce(3, 3000, config, hook);
+    let error = results[0]
+        .as_ref()
+        .expect_err("rank 0 got a corrupt message");
+    let CommError::CorruptMessage {
+        from,
+        index,
+        declared,
+        computed,
+        ..
+    } = error
+    else {
+        panic!("expected a corrupt message, got {error}");
+    };
+    assert_eq!((*from, *index), (Rank(2), 1));
+    assert_ne!(declared, computed);
+    assert!(
+        results
+            .iter()
+            .all(|r| r.as_ref().is_err_and(CommError::is_message_fault))
+    );
+}
+
+#[test]
+fn comm_8_a_message_held_past_the_time_out_is_named_with_its_sender() {
+    let hook = Arc::new(TamperOne {
+        from: Rank(1),
+        to: Rank(0),
+        seq: 0,
+        index: 0,
+        fate: Tamper::Delay(Duration::from_millis(600)),
+    });
+    let config = quick().with_timeout(Duration::from_millis(200));
+    let (_, results) = tampered_all_reduce(2, 1000, config, hook);
+    let error = results[0]
+        .as_ref()
+        .expect_err("rank 0 waited past its time-out");
+    assert!(
+        matches!(
+            error,
+            CommError::MessageTimeout {
+                from: Rank(1),
+                index: 0,
+                ..
+            }
+        ),
+        "{error}"
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    /// COMM-8: whatever message of a verified group is dropped, corrupted or delayed, every
+    /// rank either gets the right sum or a message-fault error; never a wrong sum.
+    #[test]
+    fn comm_8_a_tampered_message_never_gives_a_wrong_result(
+        world in 2usize..5,
+        len in 1usize..64,
+        from in 0u32..4,
+        to_offset in 1u32..4,
+        index in 0u32..3,
+        fate in 0u8..3,
+        algorithm in prop::sample::select(vec![Algorithm::Ring, Algorithm::Tree]),
+    ) {
+        let from = from % world as u32;
+        let to = (from + to_offset % world as u32).max(from + 1) % world as u32;
+        let fate = match fate {
+            0 => Tamper::Drop,
+            1 => Tamper::Corrupt,
+            _ => Tamper::Delay(Duration::from_millis(1)),
+        };
+        let hook = Arc::new(TamperOne { from: Rank(from), to: Rank(to), seq: 0, index, fate });
+        let config = quick()
+            .with_timeout(Duration::from_millis(300))
+            .with_algorithm(algorithm)
+            .with_verified_payloads(true);
+        let (expected, results) = tampered_all_reduce(world, len, config, hook);
+        for r in results {
+            match r {
+                Ok(sum) => prop_assert!(close(&sum, &expected)),
+                Err(e) => prop_assert!(e.is_message_fault(), "{}", e),
+            }
+        }
+    }
+}
