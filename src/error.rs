@@ -81,6 +81,20 @@ pub enum Error {
         /// Each missing rank and what its device said.
         ranks: Vec<RankHealth>,
     },
+    /// Losses left fewer replicas than the elastic minimum and no device joined within the
+    /// wait (ELASTIC-3).
+    #[error(
+        "{replicas} replica(s) left, below the elastic minimum of {min}, and no device joined \
+         within {waited:?}"
+    )]
+    BelowMinimum {
+        /// Replicas left.
+        replicas: u32,
+        /// The elastic minimum.
+        min: u32,
+        /// How long the job waited for devices.
+        waited: Duration,
+    },
     /// A device did not answer within its time-out.
     #[error("device {device} did not answer {what} within {waited:?}")]
     DeviceUnresponsive {

@@ -106,6 +106,19 @@ pub enum JobEvent {
     },
     /// The job paused (`pause()`): no step starts until `resume()`.
     Paused,
+    /// Losses left fewer replicas than the elastic minimum: the job holds its next step until
+    /// `scale_to(n ≥ min)` adds devices (or `resume()` accepts the smaller mesh), and ends
+    /// with `Error::BelowMinimum` after `within` (ELASTIC-3).
+    WaitingForDevices {
+        /// The step that waits.
+        step: u64,
+        /// Replicas left.
+        replicas: u32,
+        /// The elastic minimum.
+        min: u32,
+        /// How long the job waits.
+        within: std::time::Duration,
+    },
     /// The job resumed after a pause.
     Resumed,
     /// A fault of the job's fault plan fired.

@@ -64,6 +64,7 @@ struct JobParts<M, I> {
     checkpoints: Option<CheckpointSettings>,
     seed: u64,
     elastic: (u32, u32),
+    elastic_wait: Duration,
     lr_scheduled: bool,
 }
 
@@ -107,6 +108,7 @@ pub struct JobBuilder<M, I> {
     keep_checkpoints: usize,
     resume: bool,
     elastic: (u32, u32),
+    elastic_wait: Duration,
 }
 
 /// Spawns data-parallel replicas from a stage spec.
@@ -179,6 +181,7 @@ where
             keep_checkpoints: 3,
             resume: false,
             elastic: (1, u32::MAX),
+            elastic_wait: Duration::from_secs(300),
         }
     }
 
@@ -208,6 +211,7 @@ where
                 checkpoints: a.checkpoints,
                 seed: a.seed,
                 elastic: a.elastic,
+                elastic_wait: a.elastic_wait,
                 lr_scheduled: a.lr_scheduled,
                 events: events.clone(),
                 outcome: outcome_tx,
@@ -424,8 +428,20 @@ where
     }
 
     /// The data-parallel sizes [`JobHandle::scale_to`] may ask for (default: 1 and up).
+    ///
+    /// When failures leave fewer than `min` replicas (with a shrinking recovery policy whose
+    /// own `min_replicas` floor still holds), the job waits for devices rather than train on
+    /// (ELASTIC-3): it publishes `WaitingForDevices` and holds its next step until
+    /// `scale_to(n ≥ min)` or `resume()`, and ends with `Error::BelowMinimum` after
+    /// [`JobBuilder::elastic_wait`].
     pub fn elastic(mut self, min: u32, max: u32) -> Self {
         self.elastic = (min, max);
+        self
+    }
+
+    /// How long a job below its elastic minimum waits for devices (default 5 minutes).
+    pub fn elastic_wait(mut self, wait: Duration) -> Self {
+        self.elastic_wait = wait;
         self
     }
 
@@ -550,6 +566,7 @@ where
                 checkpoints,
                 seed: self.seed,
                 elastic: self.elastic,
+                elastic_wait: self.elastic_wait,
                 lr_scheduled,
             }),
         })

@@ -507,6 +507,19 @@ async fn run_controlled(
     job: Job<Mlp, Sample>,
     on_step: impl Fn(u64, &meshwork::job::JobControl) + Send + 'static,
 ) -> (Result<Trained<Mlp>>, Vec<JobEvent>) {
+    run_reacting(job, move |e, control| {
+        if let JobEvent::StepDone(s) = e {
+            on_step(s.step, control);
+        }
+    })
+    .await
+}
+
+/// Run `job`, calling `on_event` with the job's controls for each event.
+async fn run_reacting(
+    job: Job<Mlp, Sample>,
+    on_event: impl Fn(&JobEvent, &meshwork::job::JobControl) + Send + 'static,
+) -> (Result<Trained<Mlp>>, Vec<JobEvent>) {
     let handle = job.spawn().await.expect("spawned");
     let control = handle.control();
     let mut stream = handle.events();
@@ -515,9 +528,7 @@ async fn run_controlled(
         loop {
             match stream.recv().await {
                 Ok(e) => {
-                    if let JobEvent::StepDone(s) = &e {
-                        on_step(s.step, &control);
-                    }
+                    on_event(&e, &control);
                     events.push(e);
                 }
                 Err(meshwork::job::EventsError::Missed(_)) => continue,
@@ -925,4 +936,79 @@ async fn a_checkpoint_write_that_fails_half_way_leaves_the_previous_one_and_trai
     assert!(latest.refused.is_empty());
     assert_matches_reference(init, &trained.model, &events);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A 3-replica job that loses device 1 at step 2 with an elastic minimum of 3.
+fn below_minimum_job(init: &Mlp, wait: Duration) -> Job<Mlp, Sample> {
+    Job::builder()
+        .initial_model(init.clone())
+        .loss(mse_loss)
+        .data(data())
+        .optimizer(AdamConfig::new())
+        .learning_rate(LR)
+        .data_parallel(3)
+        .batch_size(GLOBAL_BATCH)
+        .steps(STEPS)
+        .seed(5)
+        .fault_plan(FaultPlan::new(4).with(fault(1, 2, Phase::Forward, FaultKind::Panic)))
+        .recovery(RecoveryPolicy::shrink())
+        .elastic(3, 4)
+        .elastic_wait(wait)
+        .build()
+        .expect("a valid job")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elastic_3_below_the_minimum_the_job_waits_and_a_joining_device_resumes_it() {
+    let init = initial_model();
+    let job = below_minimum_job(&init, Duration::from_secs(60));
+    let (outcome, events) = run_reacting(job, |e, control| {
+        if let JobEvent::WaitingForDevices { .. } = e {
+            control.scale_to(3);
+        }
+    })
+    .await;
+    let trained = outcome.expect("a device joined");
+    assert_eq!(fired(&events), vec![0]);
+    let waiting: Vec<(u64, u32, u32)> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::WaitingForDevices {
+                step,
+                replicas,
+                min,
+                ..
+            } => Some((*step, *replicas, *min)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(waiting, vec![(2, 2, 3)]);
+    // Step 2 ran once, after the new device joined: no step ran below the minimum.
+    assert_eq!(replicas_per_step(&events), vec![3; STEPS as usize]);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elastic_3_below_the_minimum_with_no_device_joining_ends_with_below_minimum() {
+    let init = initial_model();
+    let started = Instant::now();
+    let (outcome, events) = run_reacting(
+        below_minimum_job(&init, Duration::from_millis(500)),
+        |_, _| {},
+    )
+    .await;
+    match outcome {
+        Err(Error::BelowMinimum {
+            replicas,
+            min,
+            waited,
+        }) => {
+            assert_eq!((replicas, min), (2, 3));
+            assert!(waited >= Duration::from_millis(500), "{waited:?}");
+        }
+        other => panic!("expected BelowMinimum, got {other:?}"),
+    }
+    assert_eq!(fired(&events), vec![0]);
+    assert_eq!(replicas_per_step(&events), vec![3, 3]);
+    assert!(started.elapsed() < Duration::from_secs(20));
 }

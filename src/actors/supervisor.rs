@@ -98,6 +98,8 @@ pub enum SupervisorMsg {
     Pause,
     /// Start steps again after `Pause`.
     Resume,
+    /// The wait for devices of this generation below the elastic minimum is over (ELASTIC-3).
+    MinimumWaitOver(Generation),
 }
 
 /// Where a running job is.
@@ -220,6 +222,8 @@ pub struct SupervisorArgs<M, I> {
     pub(crate) checkpoints: Option<CheckpointSettings>,
     pub(crate) seed: u64,
     pub(crate) elastic: (u32, u32),
+    /// How long the job waits for devices below the elastic minimum (ELASTIC-3).
+    pub(crate) elastic_wait: Duration,
     pub(crate) lr_scheduled: bool,
     pub(crate) events: broadcast::Sender<JobEvent>,
     pub(crate) outcome: oneshot::Sender<Result<Trained<M>>>,
@@ -286,6 +290,10 @@ pub struct SupervisorState<M, I> {
     lr_scheduled: bool,
     /// The step a pause held back, run on `Resume`.
     paused: Option<Option<u64>>,
+    /// Set while the job waits below the elastic minimum: the generation that waits, since.
+    below_min: Option<(Generation, Instant)>,
+    /// How long the job waits for devices below the elastic minimum.
+    elastic_wait: Duration,
     stop_requested: bool,
     finished: bool,
     summary: RunSummary,
@@ -373,6 +381,8 @@ where
             elastic: a.elastic,
             lr_scheduled: a.lr_scheduled,
             paused: None,
+            below_min: None,
+            elastic_wait: a.elastic_wait,
             stop_requested: false,
             finished: false,
             summary: RunSummary::default(),
@@ -493,6 +503,7 @@ where
             SupervisorMsg::CheckpointNow => state.checkpoint_requested = true,
             SupervisorMsg::ScaleTo(n) => {
                 let (min, max) = state.elastic;
+                let waiting = state.below_min.is_some();
                 if n < min.max(1) || n > max {
                     publish(
                         state,
@@ -510,6 +521,28 @@ where
                         },
                     );
                 }
+                // ELASTIC-3: devices joining end the wait below the minimum.
+                if waiting && state.scale_target.is_some() {
+                    state.below_min = None;
+                    if let Some(held) = state.paused.take() {
+                        publish(state, JobEvent::Resumed);
+                        if let Some(step) = held {
+                            myself.send_message(SupervisorMsg::RunStep(step))?;
+                        }
+                    }
+                }
+            }
+            SupervisorMsg::MinimumWaitOver(generation) => {
+                if let Some((g, since)) = state.below_min
+                    && g == generation
+                {
+                    let error = Error::BelowMinimum {
+                        replicas: state.layout.dp(),
+                        min: state.elastic.0,
+                        waited: since.elapsed(),
+                    };
+                    finish(&myself, state, Err(error)).await;
+                }
             }
             SupervisorMsg::Pause => {
                 if state.paused.is_none() {
@@ -518,6 +551,8 @@ where
                 }
             }
             SupervisorMsg::Resume => {
+                // Below the elastic minimum, resume() accepts the smaller mesh.
+                state.below_min = None;
                 if let Some(held) = state.paused.take() {
                     publish(state, JobEvent::Resumed);
                     if let Some(step) = held {
@@ -782,6 +817,26 @@ where
             lost: lost_devices,
         },
     );
+    // ELASTIC-3: below the elastic minimum, wait for devices rather than train on.
+    let min = state.elastic.0;
+    if state.replicas_only && state.layout.dp() < min && state.paused.is_none() {
+        let generation = state.generation;
+        state.below_min = Some((generation, Instant::now()));
+        state.paused = Some(None);
+        publish(
+            state,
+            JobEvent::WaitingForDevices {
+                step: next,
+                replicas: state.layout.dp(),
+                min,
+                within: state.elastic_wait,
+            },
+        );
+        let me: ActorRef<SupervisorMsg> = state.myself.clone().into();
+        me.send_after(state.elastic_wait, move || {
+            SupervisorMsg::MinimumWaitOver(generation)
+        });
+    }
     let Some(interrupted) = interrupted.filter(|_| completed) else {
         return Ok(Redo::Step);
     };
