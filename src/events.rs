@@ -104,6 +104,21 @@ pub enum JobEvent {
         /// Why.
         reason: String,
     },
+    /// A failure was recovered by rolling back to a checkpoint in place (REC-5): lost devices
+    /// were replaced, every replica restored the checkpoint, and training goes on from its
+    /// step (the steps after it are run again).
+    RolledBack {
+        /// The step that failed.
+        failed_step: u64,
+        /// The checkpoint's step: the next step to run.
+        step: u64,
+        /// The new generation of the mesh.
+        generation: Generation,
+        /// The checkpoint's directory.
+        path: std::path::PathBuf,
+        /// The devices that were replaced.
+        lost: Vec<crate::error::DeviceId>,
+    },
     /// The job paused (`pause()`): no step starts until `resume()`.
     Paused,
     /// Losses left fewer replicas than the elastic minimum: the job holds its next step until

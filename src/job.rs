@@ -532,6 +532,21 @@ where
                     .into(),
             );
         }
+        if self.recovery.roll_back && lr_scheduled {
+            return invalid(
+                "a recovery policy that rolls back with an lr_scheduler: the scheduler's state \
+                 is not in checkpoints yet, so a rollback would restart its schedule; use a \
+                 constant learning rate"
+                    .into(),
+            );
+        }
+        if self.recovery.roll_back && checkpoints.is_none() {
+            return invalid(
+                "a recovery policy that rolls back needs checkpoints: add .checkpoint_dir(dir) \
+                 and .checkpoint_every(n)"
+                    .into(),
+            );
+        }
         if self.comm.timeout >= self.step_timeout {
             return invalid(format!(
                 "collective_timeout {:?} is not below step_timeout {:?}: a rank that never \

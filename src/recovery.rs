@@ -9,6 +9,10 @@
 //!   alive (`CommError::is_message_fault`) is retried: the same members regroup under a new
 //!   generation and redo the step (nothing of it was applied), if the policy recovers at
 //!   all; it counts against the restart limit.
+//! - REC-5: with `roll_back`, a failure nothing else recovers (a loss that shrinking may
+//!   not take, replicas that diverged) replaces the lost devices, restores every replica
+//!   from the newest valid checkpoint and trains on from its step, in the same process and
+//!   at the same size; without a checkpoint the job ends with the failure's error.
 //! - REC-2: more than `max_restarts` recoveries within `window` end the job with
 //!   `Error::TooManyFailures`, carrying the last failure.
 //! - REC-3: anything else (pipeline jobs, too few survivors, `Fail`) ends the job with the
@@ -40,6 +44,10 @@ pub struct RecoveryPolicy {
     pub max_restarts: u32,
     /// The restart window.
     pub window: Duration,
+    /// When nothing else recovers a failure, roll back to the last checkpoint in place
+    /// (REC-5).
+    #[serde(default)]
+    pub roll_back: bool,
 }
 
 impl Default for RecoveryPolicy {
@@ -49,6 +57,7 @@ impl Default for RecoveryPolicy {
             min_replicas: 1,
             max_restarts: 3,
             window: Duration::from_secs(60),
+            roll_back: false,
         }
     }
 }
@@ -60,6 +69,22 @@ impl RecoveryPolicy {
             on_replica_loss: OnReplicaLoss::Shrink,
             ..Self::default()
         }
+    }
+
+    /// Keep the job's size: replace lost devices and roll every replica back to the last
+    /// checkpoint (REC-5), at most 3 recoveries a minute. Needs checkpoints.
+    pub fn roll_back() -> Self {
+        Self {
+            roll_back: true,
+            ..Self::default()
+        }
+    }
+
+    /// The same policy, rolling back to the last checkpoint where it would otherwise fail
+    /// (REC-5; e.g. a shrink below `min_replicas`).
+    pub fn or_roll_back(mut self) -> Self {
+        self.roll_back = true;
+        self
     }
 
     /// The same policy with a different minimum number of replicas.
@@ -88,6 +113,9 @@ pub enum Decision {
     Fail(String),
     /// Every rank is alive; regroup them all and redo the step (REC-4).
     Retry,
+    /// Replace the lost devices, restore every replica from the last checkpoint and train
+    /// on from there (REC-5).
+    RollBack,
     /// End the job: too many recoveries in the window.
     TooMany {
         /// Recoveries counted in the window (this one included).
@@ -127,37 +155,38 @@ pub fn decide(
     data_parallel_only: bool,
     now: Instant,
 ) -> Decision {
-    if policy.on_replica_loss == OnReplicaLoss::Fail {
+    if policy.on_replica_loss == OnReplicaLoss::Fail && !policy.roll_back {
         return Decision::Fail("the recovery policy is to fail".into());
-    }
-    if lost.is_empty() && message_fault && data_parallel_only {
-        let count = log.record(now, policy.window);
-        if count > policy.max_restarts {
-            return Decision::TooMany { count };
-        }
-        return Decision::Retry;
     }
     if !data_parallel_only {
         return Decision::Fail(
             "pipeline jobs do not recover from a lost stage yet (no twin restore)".into(),
         );
     }
-    if lost.is_empty() {
-        return Decision::Fail("no lost device could be named".into());
-    }
-    let survivors: Vec<usize> = (0..world).filter(|r| !lost.contains(r)).collect();
-    if survivors.len() < policy.min_replicas.max(1) as usize {
-        return Decision::Fail(format!(
-            "{} survivor(s), fewer than the minimum of {}",
-            survivors.len(),
-            policy.min_replicas.max(1)
-        ));
-    }
+    let choice = if lost.is_empty() {
+        if !message_fault {
+            return Decision::Fail("no lost device could be named".into());
+        }
+        Decision::Retry
+    } else {
+        let survivors: Vec<usize> = (0..world).filter(|r| !lost.contains(r)).collect();
+        let floor = policy.min_replicas.max(1) as usize;
+        if policy.on_replica_loss == OnReplicaLoss::Shrink && survivors.len() >= floor {
+            Decision::Shrink { survivors }
+        } else if policy.roll_back {
+            Decision::RollBack
+        } else {
+            return Decision::Fail(format!(
+                "{} survivor(s), fewer than the minimum of {floor}",
+                survivors.len(),
+            ));
+        }
+    };
     let count = log.record(now, policy.window);
     if count > policy.max_restarts {
         return Decision::TooMany { count };
     }
-    Decision::Shrink { survivors }
+    choice
 }
 
 #[cfg(test)]
@@ -183,7 +212,7 @@ mod tests {
                     prop_assert!(survivors.iter().all(|s| !lost.contains(s)));
                 }
                 Decision::Fail(_) => prop_assert!(lost.is_empty() || alive < min as usize),
-                Decision::TooMany { .. } | Decision::Retry => prop_assert!(false, "{:?}", d),
+                other => prop_assert!(false, "{:?}", other),
             }
         }
     }
@@ -272,6 +301,46 @@ mod tests {
         ));
         assert!(matches!(
             decide(&policy, &mut log, 3, (&[], false), true, now),
+            Decision::Fail(_)
+        ));
+    }
+
+    #[test]
+    fn rec_5_roll_back_takes_what_shrinking_may_not() {
+        let now = Instant::now();
+        let mut log = RestartLog::default();
+        // Roll back alone keeps the size.
+        assert_eq!(
+            decide(
+                &RecoveryPolicy::roll_back(),
+                &mut log,
+                2,
+                (&[1], false),
+                true,
+                now
+            ),
+            Decision::RollBack
+        );
+        // Shrink first; below the floor, roll back.
+        let policy = RecoveryPolicy::shrink().min_replicas(2).or_roll_back();
+        assert!(matches!(
+            decide(&policy, &mut log, 3, (&[1], false), true, now),
+            Decision::Shrink { .. }
+        ));
+        assert_eq!(
+            decide(
+                &policy,
+                &mut RestartLog::default(),
+                2,
+                (&[0], false),
+                true,
+                now
+            ),
+            Decision::RollBack
+        );
+        // Nothing lost and no message fault (a non-finite loss, a data error): no rollback.
+        assert!(matches!(
+            decide(&policy, &mut log, 2, (&[], false), true, now),
             Decision::Fail(_)
         ));
     }

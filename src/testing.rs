@@ -185,13 +185,17 @@ pub fn final_fingerprints(events: &[crate::events::JobEvent]) -> Option<Vec<u64>
     })
 }
 
-/// The step-done events among `events`.
+/// The step-done events among `events` that count: after a rollback (REC-5) the steps run
+/// again replace the ones that were rolled back, so the result is the history the final model
+/// went through, in step order.
 pub fn steps_of(events: &[crate::events::JobEvent]) -> Vec<StepDone> {
-    events
-        .iter()
-        .filter_map(|e| match e {
-            crate::events::JobEvent::StepDone(s) => Some(s.clone()),
-            _ => None,
-        })
-        .collect()
+    let mut steps: Vec<StepDone> = Vec::new();
+    for e in events {
+        if let crate::events::JobEvent::StepDone(s) = e {
+            // After a rollback (REC-5) the steps run again replace the ones rolled back.
+            steps.retain(|t| t.step < s.step);
+            steps.push(s.clone());
+        }
+    }
+    steps
 }

@@ -1012,3 +1012,110 @@ async fn elastic_3_below_the_minimum_with_no_device_joining_ends_with_below_mini
     assert_eq!(replicas_per_step(&events), vec![3, 3]);
     assert!(started.elapsed() < Duration::from_secs(20));
 }
+
+/// A 2-replica job checkpointing every 2 steps into a fresh directory, under `plan` and
+/// `policy`.
+fn checkpointed_job(
+    init: &Mlp,
+    name: &str,
+    plan: FaultPlan,
+    policy: RecoveryPolicy,
+    every: u64,
+) -> (Job<Mlp, Sample>, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("meshwork-faults-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let job = Job::builder()
+        .initial_model(init.clone())
+        .loss(mse_loss)
+        .data(data())
+        .optimizer(AdamConfig::new())
+        .learning_rate(LR)
+        .data_parallel(2)
+        .batch_size(GLOBAL_BATCH)
+        .steps(STEPS)
+        .seed(5)
+        .fault_plan(plan)
+        .recovery(policy)
+        .checkpoint_dir(&dir)
+        .checkpoint_every(every)
+        .build()
+        .expect("a valid job");
+    (job, dir)
+}
+
+/// The `RolledBack` events' (failed step, checkpoint step, generation, replaced devices).
+fn rollbacks(events: &[JobEvent]) -> Vec<(u64, u64, u64, Vec<DeviceId>)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::RolledBack {
+                failed_step,
+                step,
+                generation,
+                lost,
+                ..
+            } => Some((*failed_step, *step, generation.0, lost.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_5_a_lost_replica_is_replaced_and_the_job_rolls_back_to_its_checkpoint_in_place() {
+    let init = initial_model();
+    let plan = FaultPlan::new(8).with(fault(1, 5, Phase::Backward, FaultKind::Panic));
+    let (job, dir) = checkpointed_job(&init, "rollback", plan, RecoveryPolicy::roll_back(), 2);
+    let (outcome, events, _) = run(job).await;
+    let trained = outcome.expect("the job rolls back and finishes");
+    assert_eq!(fired(&events), vec![0]);
+    assert_eq!(lost_devices(&events), vec![DeviceId(1)]);
+    assert_eq!(rollbacks(&events), vec![(5, 4, 1, vec![DeviceId(1)])]);
+    // Step 4 ran twice (before the failure and after the rollback); the size stayed 2.
+    let raw: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::StepDone(s) => Some(s.step),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(raw, vec![0, 1, 2, 3, 4, 4, 5, 6, 7]);
+    assert_eq!(replicas_per_step(&events), vec![2; STEPS as usize]);
+    // The replacement restored the same checkpoint: both replicas end identical.
+    let fingerprints = meshwork::testing::final_fingerprints(&events).expect("finished");
+    assert_eq!(fingerprints.len(), 2);
+    assert_eq!(fingerprints[0], fingerprints[1]);
+    assert_matches_reference(init, &trained.model, &events);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_5_a_loss_that_shrinking_may_not_take_rolls_back_at_the_same_size() {
+    let init = initial_model();
+    let plan = FaultPlan::new(9).with(fault(0, 3, Phase::Forward, FaultKind::Panic));
+    let policy = RecoveryPolicy::shrink().min_replicas(2).or_roll_back();
+    let (job, dir) = checkpointed_job(&init, "floor", plan, policy, 2);
+    let (outcome, events, _) = run(job).await;
+    let trained = outcome.expect("the job rolls back and finishes");
+    assert_eq!(rollbacks(&events), vec![(3, 2, 1, vec![DeviceId(0)])]);
+    assert!(recoveries(&events).is_empty(), "no shrink below the floor");
+    assert_eq!(replicas_per_step(&events), vec![2; STEPS as usize]);
+    assert_matches_reference(init, &trained.model, &events);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_5_a_rollback_before_any_checkpoint_ends_the_job_with_the_failure() {
+    let init = initial_model();
+    let plan = FaultPlan::new(10).with(fault(1, 2, Phase::Forward, FaultKind::Panic));
+    let (job, dir) = checkpointed_job(&init, "nockpt", plan, RecoveryPolicy::roll_back(), 4);
+    let started = Instant::now();
+    let (outcome, events, _) = run(job).await;
+    match outcome {
+        Err(Error::StageFailed { device, .. }) => assert_eq!(device, DeviceId(1)),
+        other => panic!("expected StageFailed, got {other:?}"),
+    }
+    assert_eq!(fired(&events), vec![0]);
+    assert!(rollbacks(&events).is_empty());
+    assert!(started.elapsed() < Duration::from_secs(20));
+    let _ = std::fs::remove_dir_all(&dir);
+}

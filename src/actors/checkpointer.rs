@@ -63,10 +63,37 @@ pub struct Queued {
     pub fail_half_way: bool,
 }
 
+/// What the writer thread is asked to do.
+#[derive(Debug)]
+enum Work {
+    /// Write a checkpoint.
+    Write(Box<Queued>),
+    /// Answer once everything queued before is written.
+    Flush(mpsc::Sender<()>),
+}
+
+/// Where checkpoints are queued for the writer thread.
+#[derive(Debug, Clone)]
+pub struct CheckpointQueue(mpsc::Sender<Work>);
+
+impl CheckpointQueue {
+    /// Queue a write (returns at once, CKW-1); false if the writer has stopped.
+    pub fn send(&self, queued: Queued) -> bool {
+        self.0.send(Work::Write(Box::new(queued))).is_ok()
+    }
+
+    /// Wait (blocking, at most `timeout`) until every write queued before is done; false if
+    /// the writer has stopped or did not finish in time.
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let (done, wait) = mpsc::channel();
+        self.0.send(Work::Flush(done)).is_ok() && wait.recv_timeout(timeout).is_ok()
+    }
+}
+
 /// The writer thread.
 #[derive(Debug)]
 pub struct Checkpointer {
-    tx: Option<mpsc::Sender<Queued>>,
+    tx: Option<mpsc::Sender<Work>>,
     done: Option<mpsc::Receiver<()>>,
 }
 
@@ -76,16 +103,22 @@ impl Checkpointer {
         sink: std::sync::Arc<dyn CheckpointSink>,
         events: broadcast::Sender<JobEvent>,
     ) -> Result<Self> {
-        let (tx, rx) = mpsc::channel::<Queued>();
+        let (tx, rx) = mpsc::channel::<Work>();
         let (done_tx, done) = mpsc::channel();
         std::thread::Builder::new()
             .name("meshwork-checkpointer".into())
             .spawn(move || {
-                while let Ok(Queued {
-                    checkpoint: c,
-                    fail_half_way,
-                }) = rx.recv()
-                {
+                while let Ok(work) = rx.recv() {
+                    let Queued {
+                        checkpoint: c,
+                        fail_half_way,
+                    } = match work {
+                        Work::Write(q) => *q,
+                        Work::Flush(done) => {
+                            let _ = done.send(());
+                            continue;
+                        }
+                    };
                     // A sink that panics fails this checkpoint, not the writer (CKW-2).
                     let write = || {
                         if fail_half_way {
@@ -120,8 +153,8 @@ impl Checkpointer {
     }
 
     /// Where checkpoints are queued for writing (a send returns at once, CKW-1).
-    pub fn queue(&self) -> Option<mpsc::Sender<Queued>> {
-        self.tx.clone()
+    pub fn queue(&self) -> Option<CheckpointQueue> {
+        self.tx.clone().map(CheckpointQueue)
     }
 
     /// Finish the queued writes, waiting at most `timeout`; false if they did not finish.

@@ -489,6 +489,9 @@ where
                         Ok(Redo::Nothing) => {
                             myself.send_message(SupervisorMsg::RunStep(step + 1))?
                         }
+                        Ok(Redo::From(from)) => {
+                            myself.send_message(SupervisorMsg::RunStep(from))?
+                        }
                         Err(e) => finish(&myself, state, Err(e)).await,
                     },
                 }
@@ -631,7 +634,7 @@ where
         };
         // A stage or device lost between steps: the next step recovers (or fails) with it.
         if let Some(rank) = rank_of_actor(state, &cell)
-            && state.recovery.on_replica_loss == OnReplicaLoss::Shrink
+            && (state.recovery.on_replica_loss == OnReplicaLoss::Shrink || state.recovery.roll_back)
         {
             state.departed.insert(cell.get_id());
             state.pending_lost.push((rank, error));
@@ -668,6 +671,8 @@ enum Redo {
     Step,
     /// The next step: the failed one had completed, and been applied, on every survivor.
     Nothing,
+    /// This step: the job rolled back to a checkpoint taken after it (REC-5).
+    From(u64),
 }
 
 /// A step that failed: what each rank was given and what the ones that finished reported.
@@ -743,10 +748,15 @@ where
         state.replicas_only,
         Instant::now(),
     );
+    let roll_back = decision == Decision::RollBack;
     let survivors = match decision {
         Decision::Shrink { survivors } => survivors,
         // REC-4: everyone is alive; the same members regroup and redo the step.
         Decision::Retry => (0..state.stages.len()).collect(),
+        // REC-5: the lost are replaced below; everyone restores the checkpoint.
+        Decision::RollBack => (0..state.stages.len())
+            .filter(|r| !lost.contains(r))
+            .collect(),
         Decision::Fail(_) => return Err(first),
         Decision::TooMany { count } => {
             return Err(Error::TooManyFailures {
@@ -782,6 +792,9 @@ where
         stage.kill();
         device.kill();
     }
+    if roll_back {
+        return roll_back_to_checkpoint(state, step, &lost, first).await;
+    }
     // REC-1: a step is redone only where nothing of it was applied. The update follows the
     // step's last collective, so either every survivor finished it or none did.
     let interrupted = state.interrupted.take();
@@ -795,6 +808,10 @@ where
         .collect();
     let completed = !finished.is_empty() && finished.iter().all(|f| *f);
     if !completed && finished.iter().any(|f| *f) {
+        if state.recovery.roll_back {
+            // REC-5: only a checkpoint can make diverged replicas equal again.
+            return roll_back_to_checkpoint(state, step, &lost, first).await;
+        }
         return Err(Error::Runtime(format!(
             "step {step} was applied on some survivors and not on others; the replicas \
              diverged and only a checkpoint can restore them (after: {first})"
@@ -957,6 +974,179 @@ where
     Ok(())
 }
 
+/// A new data-parallel replica at rank `r`: a device (a spare of the builder's list, else a
+/// new logical device of the same backend), its actor, and an initialized stage alone in a
+/// group of one until everyone regroups.
+async fn spawn_replica<M, I>(state: &mut SupervisorState<M, I>, r: usize) -> Result<Member<M>>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let Some(grow) = state.grow.clone() else {
+        return Err(Error::InvalidConfig(
+            "this job cannot start replicas".into(),
+        ));
+    };
+    let device = match state.spare_devices.pop() {
+        Some(d) => d,
+        None => {
+            state.next_device_id += 1;
+            let like = &state.device_template;
+            MeshDevice::from_burn(
+                DeviceId(state.next_device_id),
+                like.kind(),
+                like.burn().clone(),
+            )
+        }
+    };
+    let (device_ref, _) =
+        Actor::spawn_linked(None, DeviceActor, device.clone(), state.myself.clone())
+            .await
+            .map_err(|e| Error::Runtime(format!("could not start device {}: {e}", device.id())))?;
+    let comm = LocalGroup::new(1, state.generation, state.comm.clone())
+        .communicators()
+        .remove(0);
+    let id = StageId {
+        replica: r as u32,
+        stage: 0,
+    };
+    let stage = grow(GrowArgs {
+        supervisor: state.myself.clone(),
+        id,
+        rank: Rank(r as u32),
+        device: device.clone(),
+        device_actor: device_ref.clone(),
+        comm,
+    })
+    .await
+    .map_err(|e| Error::Runtime(format!("could not start {id}: {e}")))?;
+    match stage.call(StageMsg::Init, Some(state.step_timeout)).await {
+        Ok(CallResult::Success(Ok(_))) => {}
+        Ok(CallResult::Success(Err(e))) => return Err(e),
+        _ => return Err(Error::Runtime(format!("{id} did not initialize"))),
+    }
+    Ok((stage, (device_ref, device.id())))
+}
+
+/// REC-5: replace the `lost` ranks with new replicas, restore every replica from the newest
+/// valid checkpoint, regroup under the next generation, and go on from the checkpoint's
+/// step. Without a checkpoint the job ends with `cause`.
+async fn roll_back_to_checkpoint<M, I>(
+    state: &mut SupervisorState<M, I>,
+    step: u64,
+    lost: &[usize],
+    cause: Error,
+) -> Result<Redo>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    state.interrupted = None;
+    // Checkpoints still queued for writing count: wait for them (bounded).
+    let queue = state.checkpointer.as_ref().and_then(Checkpointer::queue);
+    if let Some(queue) = queue {
+        let timeout = state.step_timeout;
+        let _ = tokio::task::spawn_blocking(move || queue.flush(timeout)).await;
+    }
+    let Some((checkpoint, dir, _)) = latest_checkpoint(state).await? else {
+        return Err(cause);
+    };
+    let Some(shard) = checkpoint
+        .shards
+        .iter()
+        .find(|s| s.shard == ShardId::stage(0))
+        .cloned()
+    else {
+        return Err(cause);
+    };
+    let mut members = Vec::with_capacity(state.stages.len());
+    for r in 0..state.stages.len() {
+        if lost.contains(&r) {
+            members.push(spawn_replica(state, r).await?);
+        } else {
+            members.push((state.stages[r].0.clone(), state.devices[r].clone()));
+        }
+    }
+    let timeout = Some(state.step_timeout);
+    for (stage, (_, device)) in &members {
+        let shard = Box::new(shard.clone());
+        match stage
+            .call(|reply| StageMsg::Restore { shard, reply }, timeout)
+            .await
+        {
+            Ok(CallResult::Success(Ok(()))) => {}
+            Ok(CallResult::Success(Err(e))) => return Err(e),
+            _ => {
+                return Err(Error::Runtime(format!(
+                    "the stage on device {device} did not restore {}",
+                    dir.display()
+                )));
+            }
+        }
+    }
+    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
+    rebuild_group(state, members).await?;
+    state.last_checkpoint = Some(checkpoint.step);
+    publish(
+        state,
+        JobEvent::RolledBack {
+            failed_step: step,
+            step: checkpoint.step,
+            generation: state.generation,
+            path: dir,
+            lost: lost_devices,
+        },
+    );
+    Ok(Redo::From(checkpoint.step))
+}
+
+/// The newest valid checkpoint of the job's store, checked against the job's data order
+/// (same seed, same position), with the newer ones that were refused.
+async fn latest_checkpoint<M, I>(
+    state: &mut SupervisorState<M, I>,
+) -> Result<Option<(Checkpoint, std::path::PathBuf, Vec<String>)>>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let Some(settings) = state.checkpoints.clone() else {
+        return Ok(None);
+    };
+    let sink = settings.sink.clone();
+    let read = tokio::task::spawn_blocking(move || sink.latest_valid());
+    let loaded = tokio::time::timeout(state.step_timeout, read)
+        .await
+        .map_err(|_| {
+            Error::Runtime(format!(
+                "reading the checkpoints took longer than the step time-out ({:?})",
+                state.step_timeout
+            ))
+        })?
+        .map_err(|e| Error::Runtime(format!("reading checkpoints: {e}")))??;
+    let Some(loaded) = loaded else {
+        return Ok(None);
+    };
+    let c = loaded.checkpoint;
+    // The data must continue where it stopped: same seed, same batches.
+    if c.rng.seed != state.seed || c.cursor != state.sampler.cursor(c.step) {
+        return Err(Error::InvalidConfig(format!(
+            "{} was written with seed {} at data position {:?}; this job has seed {} and \
+             would read position {:?}: resume with the same seed, batch size and data",
+            loaded.dir.display(),
+            c.rng.seed,
+            c.cursor,
+            state.seed,
+            state.sampler.cursor(c.step)
+        )));
+    }
+    let refused = loaded
+        .refused
+        .iter()
+        .map(|r| format!("{}: {}", r.dir.display(), r.error))
+        .collect();
+    Ok(Some((c, loaded.dir, refused)))
+}
+
 /// Resize a data-parallel job to `n` replicas at a step boundary (ELASTIC-1): leaving replicas
 /// are stopped; joining ones get a device (a spare of the builder's list, else a new logical
 /// device of the same backend), build the model, take rank 0's parameters and optimizer state,
@@ -1001,9 +1191,9 @@ where
         device.stop(None);
     }
     if n > from {
-        let Some(grow) = state.grow.clone() else {
+        if state.grow.is_none() {
             return Err(Error::InvalidConfig("this job cannot grow".into()));
-        };
+        }
         let (rank0, _) = state.stages[0].clone();
         let snapshot = match rank0
             .call(StageMsg::Snapshot, Some(state.step_timeout))
@@ -1017,48 +1207,12 @@ where
             }
         };
         for r in from..n {
-            let device = match state.spare_devices.pop() {
-                Some(d) => d,
-                None => {
-                    state.next_device_id += 1;
-                    let like = &state.device_template;
-                    MeshDevice::from_burn(
-                        DeviceId(state.next_device_id),
-                        like.kind(),
-                        like.burn().clone(),
-                    )
-                }
-            };
-            let (device_ref, _) =
-                Actor::spawn_linked(None, DeviceActor, device.clone(), state.myself.clone())
-                    .await
-                    .map_err(|e| {
-                        Error::Runtime(format!("could not start device {}: {e}", device.id()))
-                    })?;
-            // Alone in a group of one until everyone regroups.
-            let comm = LocalGroup::new(1, state.generation, state.comm.clone())
-                .communicators()
-                .remove(0);
+            let (stage, device) = spawn_replica(state, r).await?;
             let id = StageId {
                 replica: r as u32,
                 stage: 0,
             };
-            let stage = grow(GrowArgs {
-                supervisor: state.myself.clone(),
-                id,
-                rank: Rank(r as u32),
-                device: device.clone(),
-                device_actor: device_ref.clone(),
-                comm,
-            })
-            .await
-            .map_err(|e| Error::Runtime(format!("could not start {id}: {e}")))?;
             let timeout = Some(state.step_timeout);
-            match stage.call(StageMsg::Init, timeout).await {
-                Ok(CallResult::Success(Ok(_))) => {}
-                Ok(CallResult::Success(Err(e))) => return Err(e),
-                _ => return Err(Error::Runtime(format!("{id} did not initialize"))),
-            }
             let shard = Box::new(snapshot.clone());
             match stage
                 .call(|reply| StageMsg::Restore { shard, reply }, timeout)
@@ -1068,7 +1222,7 @@ where
                 Ok(CallResult::Success(Err(e))) => return Err(e),
                 _ => return Err(Error::Runtime(format!("{id} did not take rank 0's state"))),
             }
-            members.push((stage, (device_ref, device.id())));
+            members.push((stage, device));
         }
     }
     rebuild_group(state, members).await?;
@@ -1578,7 +1732,7 @@ where
                 },
                 fail_half_way,
             });
-            if sent.is_ok() {
+            if sent {
                 state.last_checkpoint = Some(step);
             } else {
                 let error = Error::Runtime("the checkpoint writer thread has stopped".into());
@@ -1595,40 +1749,16 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let Some(settings) = state.checkpoints.clone().filter(|c| c.resume) else {
+    if !state.checkpoints.as_ref().is_some_and(|c| c.resume) {
         return Ok(0);
-    };
-    let sink = settings.sink.clone();
-    let read = tokio::task::spawn_blocking(move || sink.latest_valid());
-    let loaded = tokio::time::timeout(state.step_timeout, read)
-        .await
-        .map_err(|_| {
-            Error::Runtime(format!(
-                "reading the checkpoints took longer than the step time-out ({:?})",
-                state.step_timeout
-            ))
-        })?
-        .map_err(|e| Error::Runtime(format!("reading checkpoints: {e}")))??;
-    let Some(loaded) = loaded else {
-        return Ok(0);
-    };
-    let c = loaded.checkpoint;
-    // The data must continue where it stopped: same seed, same batches.
-    if c.rng.seed != state.seed || c.cursor != state.sampler.cursor(c.step) {
-        return Err(Error::InvalidConfig(format!(
-            "{} was written with seed {} at data position {:?}; this job has seed {} and \
-             would read position {:?}: resume with the same seed, batch size and data",
-            loaded.dir.display(),
-            c.rng.seed,
-            c.cursor,
-            state.seed,
-            state.sampler.cursor(c.step)
-        )));
     }
+    let Some((c, dir, refused)) = latest_checkpoint(state).await? else {
+        return Ok(0);
+    };
     let Some(shard) = c.shards.iter().find(|s| s.shard == ShardId::stage(0)) else {
         return Err(Error::InvalidConfig(format!(
             "{} has no shard of stage 0 to restore",
-            loaded.dir.display()
+            dir.display()
         )));
     };
     let timeout = state.step_timeout;
@@ -1652,12 +1782,8 @@ where
         state,
         JobEvent::Restored {
             step: c.step,
-            path: loaded.dir,
-            refused: loaded
-                .refused
-                .iter()
-                .map(|r| format!("{}: {}", r.dir.display(), r.error))
-                .collect(),
+            path: dir,
+            refused,
         },
     );
     Ok(c.step)
