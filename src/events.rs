@@ -119,6 +119,18 @@ pub enum JobEvent {
         /// The devices that were replaced.
         lost: Vec<crate::error::DeviceId>,
     },
+    /// A lost pipeline stage was replaced by a fresh one on `device` that copied the
+    /// parameters and optimizer state of its twin in another replica (REC-6).
+    StageReplaced {
+        /// The step that is redone.
+        step: u64,
+        /// The replaced stage.
+        stage: crate::error::StageId,
+        /// The twin it copied.
+        twin: crate::error::StageId,
+        /// Its new device.
+        device: crate::error::DeviceId,
+    },
     /// The job paused (`pause()`): no step starts until `resume()`.
     Paused,
     /// Losses left fewer replicas than the elastic minimum: the job holds its next step until

@@ -650,13 +650,6 @@ where
                     .into(),
             );
         }
-        if self.checkpoint_dir.is_some() || self.checkpoint_sink.is_some() {
-            return invalid(
-                "checkpoints of pipeline jobs are not written yet: remove .checkpoint_dir(..) \
-                 or train without .pipeline(..)"
-                    .into(),
-            );
-        }
         if self.non_finite == NonFinitePolicy::Skip {
             return invalid(
                 "on_non_finite_loss(Skip) is not supported with a pipeline yet (stages update \

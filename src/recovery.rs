@@ -13,6 +13,11 @@
 //!   not take, replicas that diverged) replaces the lost devices, restores every replica
 //!   from the newest valid checkpoint and trains on from its step, in the same process and
 //!   at the same size; without a checkpoint the job ends with the failure's error.
+//! - REC-6: in a pipeline job with a recovering policy, lost stages whose stage index still
+//!   has a surviving replica (a twin) are replaced by fresh stages on spare or new devices
+//!   that copy the twin's parameters and optimizer state; the mesh is rewired under a new
+//!   generation and the step is redone, at the same size. Without twins the job rolls back
+//!   (with `roll_back`) or ends with the failure's error.
 //! - REC-2: more than `max_restarts` recoveries within `window` end the job with
 //!   `Error::TooManyFailures`, carrying the last failure.
 //! - REC-3: anything else (pipeline jobs, too few survivors, `Fail`) ends the job with the
@@ -116,6 +121,9 @@ pub enum Decision {
     /// Replace the lost devices, restore every replica from the last checkpoint and train
     /// on from there (REC-5).
     RollBack,
+    /// Replace each lost pipeline stage with a fresh one that copies its twin's parameters
+    /// and optimizer state, rewire the mesh and redo the step (REC-6).
+    ReplaceFromTwins,
     /// End the job: too many recoveries in the window.
     TooMany {
         /// Recoveries counted in the window (this one included).
@@ -146,24 +154,35 @@ impl RestartLog {
 
 /// Decide what to do when `lost` ranks (indices) of a `world`-rank job fail at `now`.
 /// `data_parallel_only` says whether every rank is a whole replica (no pipeline);
-/// `message_fault` whether the failure was a lost or spoiled message (REC-4).
+/// `message_fault` whether the failure was a lost or spoiled message (REC-4); `twins`
+/// whether every lost pipeline stage has a surviving twin in another replica (REC-6).
 pub fn decide(
     policy: &RecoveryPolicy,
     log: &mut RestartLog,
     world: usize,
-    (lost, message_fault): (&[usize], bool),
+    (lost, message_fault, twins): (&[usize], bool, bool),
     data_parallel_only: bool,
     now: Instant,
 ) -> Decision {
     if policy.on_replica_loss == OnReplicaLoss::Fail && !policy.roll_back {
         return Decision::Fail("the recovery policy is to fail".into());
     }
-    if !data_parallel_only {
-        return Decision::Fail(
-            "pipeline jobs do not recover from a lost stage yet (no twin restore)".into(),
-        );
-    }
-    let choice = if lost.is_empty() {
+    let choice = if !data_parallel_only {
+        if lost.is_empty() {
+            return Decision::Fail("no lost pipeline stage could be named".into());
+        }
+        if twins {
+            Decision::ReplaceFromTwins
+        } else if policy.roll_back {
+            Decision::RollBack
+        } else {
+            return Decision::Fail(
+                "a lost pipeline stage has no surviving twin (every replica of that stage was \
+                 lost, or dp = 1) and the policy does not roll back"
+                    .into(),
+            );
+        }
+    } else if lost.is_empty() {
         if !message_fault {
             return Decision::Fail("no lost device could be named".into());
         }
@@ -202,7 +221,7 @@ mod tests {
         ) {
             let lost: Vec<usize> = (0..world).filter(|r| lost_mask & (1 << r) != 0).collect();
             let policy = RecoveryPolicy::shrink().min_replicas(min).max_restarts(100, Duration::from_secs(1));
-            let d = decide(&policy, &mut RestartLog::default(), world, (&lost, false), true, Instant::now());
+            let d = decide(&policy, &mut RestartLog::default(), world, (&lost, false, false), true, Instant::now());
             let alive = world - lost.len();
             match d.clone() {
                 Decision::Shrink { survivors } => {
@@ -224,22 +243,22 @@ mod tests {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         assert!(matches!(
-            decide(&policy, &mut log, 8, (&[1], false), true, at(0)),
+            decide(&policy, &mut log, 8, (&[1], false, false), true, at(0)),
             Decision::Shrink { .. }
         ));
         assert!(matches!(
-            decide(&policy, &mut log, 7, (&[1], false), true, at(1)),
+            decide(&policy, &mut log, 7, (&[1], false, false), true, at(1)),
             Decision::Shrink { .. }
         ));
         assert_eq!(
-            decide(&policy, &mut log, 6, (&[1], false), true, at(2)),
+            decide(&policy, &mut log, 6, (&[1], false, false), true, at(2)),
             Decision::TooMany { count: 3 }
         );
         // Outside the window the old ones no longer count.
         let mut log = RestartLog::default();
         for s in [0, 20, 40, 60] {
             assert!(matches!(
-                decide(&policy, &mut log, 8, (&[0], false), true, at(s)),
+                decide(&policy, &mut log, 8, (&[0], false, false), true, at(s)),
                 Decision::Shrink { .. }
             ));
         }
@@ -254,7 +273,7 @@ mod tests {
                 &RecoveryPolicy::default(),
                 &mut log,
                 4,
-                (&[0], false),
+                (&[0], false, false),
                 true,
                 now
             ),
@@ -265,7 +284,7 @@ mod tests {
                 &RecoveryPolicy::shrink(),
                 &mut log,
                 4,
-                (&[0], false),
+                (&[0], false, false),
                 false,
                 now
             ),
@@ -279,11 +298,11 @@ mod tests {
         let mut log = RestartLog::default();
         let now = Instant::now();
         assert_eq!(
-            decide(&policy, &mut log, 3, (&[], true), true, now),
+            decide(&policy, &mut log, 3, (&[], true, false), true, now),
             Decision::Retry
         );
         assert_eq!(
-            decide(&policy, &mut log, 3, (&[], true), true, now),
+            decide(&policy, &mut log, 3, (&[], true, false), true, now),
             Decision::TooMany { count: 2 }
         );
         // Not without a recovering policy, nor when nothing says a message was lost.
@@ -293,14 +312,14 @@ mod tests {
                 &RecoveryPolicy::default(),
                 &mut log,
                 3,
-                (&[], true),
+                (&[], true, false),
                 true,
                 now
             ),
             Decision::Fail(_)
         ));
         assert!(matches!(
-            decide(&policy, &mut log, 3, (&[], false), true, now),
+            decide(&policy, &mut log, 3, (&[], false, false), true, now),
             Decision::Fail(_)
         ));
     }
@@ -315,7 +334,7 @@ mod tests {
                 &RecoveryPolicy::roll_back(),
                 &mut log,
                 2,
-                (&[1], false),
+                (&[1], false, false),
                 true,
                 now
             ),
@@ -324,7 +343,7 @@ mod tests {
         // Shrink first; below the floor, roll back.
         let policy = RecoveryPolicy::shrink().min_replicas(2).or_roll_back();
         assert!(matches!(
-            decide(&policy, &mut log, 3, (&[1], false), true, now),
+            decide(&policy, &mut log, 3, (&[1], false, false), true, now),
             Decision::Shrink { .. }
         ));
         assert_eq!(
@@ -332,7 +351,7 @@ mod tests {
                 &policy,
                 &mut RestartLog::default(),
                 2,
-                (&[0], false),
+                (&[0], false, false),
                 true,
                 now
             ),
@@ -340,7 +359,44 @@ mod tests {
         );
         // Nothing lost and no message fault (a non-finite loss, a data error): no rollback.
         assert!(matches!(
-            decide(&policy, &mut log, 2, (&[], false), true, now),
+            decide(&policy, &mut log, 2, (&[], false, false), true, now),
+            Decision::Fail(_)
+        ));
+    }
+
+    #[test]
+    fn rec_6_a_pipeline_stage_with_a_twin_is_replaced_else_rolled_back_or_failed() {
+        let now = Instant::now();
+        let mut log = RestartLog::default();
+        let shrink = RecoveryPolicy::shrink();
+        assert_eq!(
+            decide(&shrink, &mut log, 4, (&[1], false, true), false, now),
+            Decision::ReplaceFromTwins
+        );
+        assert!(matches!(
+            decide(&shrink, &mut log, 4, (&[1], false, false), false, now),
+            Decision::Fail(_)
+        ));
+        assert_eq!(
+            decide(
+                &shrink.or_roll_back(),
+                &mut log,
+                2,
+                (&[1], false, false),
+                false,
+                now
+            ),
+            Decision::RollBack
+        );
+        assert!(matches!(
+            decide(
+                &RecoveryPolicy::default(),
+                &mut log,
+                4,
+                (&[1], false, true),
+                false,
+                now
+            ),
             Decision::Fail(_)
         ));
     }

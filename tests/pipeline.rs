@@ -673,3 +673,211 @@ fn job_1_pipeline_configurations_that_cannot_work_are_refused_with_what_to_chang
         "needs 6 devices",
     );
 }
+
+/// A 1F1B (or interleaved) pipeline job of `widths` for `steps` steps, with the extras
+/// `configure` adds (faults, recovery, checkpoints).
+fn recovery_job(
+    init: &[Block],
+    schedule: Schedule,
+    dp: u32,
+    steps: u64,
+    configure: impl FnOnce(
+        meshwork::job::JobBuilder<PipelineModel, Sample>,
+    ) -> meshwork::job::JobBuilder<PipelineModel, Sample>,
+) -> Job<PipelineModel, Sample> {
+    let builder = Job::builder()
+        .pipeline(as_stages(init, Shape::Plain), schedule)
+        .data_parallel(dp)
+        .data(data(8, 3))
+        .batch_size(BATCH)
+        .optimizer(SgdConfig::new())
+        .learning_rate(LR)
+        .steps(steps)
+        .seed(3)
+        .step_timeout(Duration::from_secs(120));
+    configure(builder).build().expect("a valid pipeline job")
+}
+
+/// Every trained block equals the plain loop's after `batches`.
+fn assert_blocks_match(
+    init: Vec<Block>,
+    mut trained: PipelineModel,
+    batches: &[Vec<usize>],
+    label: &str,
+) {
+    let reference = run_reference(init, Shape::Plain, &data(8, 3), batches);
+    for (i, r) in reference.iter().enumerate() {
+        let b = trained
+            .take_block::<Block>(i)
+            .unwrap_or_else(|| panic!("{label}: block {i} came back"));
+        compare_parameters(&b, r, TOLERANCE).unwrap_or_else(|e| panic!("{label} block {i}: {e}"));
+    }
+}
+
+fn fired(events: &[JobEvent]) -> usize {
+    events
+        .iter()
+        .filter(|e| matches!(e, JobEvent::FaultInjected(_)))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_6_a_lost_stage_is_replaced_from_its_twin_and_training_equals_one_device() {
+    use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
+    use meshwork::recovery::RecoveryPolicy;
+    let init = blocks(&[8, 16, 16, 3], Shape::Plain, &Device::flex());
+    // Three blocks on a 2 × 3 mesh; device 3 holds one replica's stage, which panics in a
+    // backward of step 3.
+    let plan = FaultPlan::new(6).with(Fault {
+        device: 3,
+        step: 3,
+        micro_batch: Some(1),
+        phase: Phase::Backward,
+        kind: FaultKind::Panic,
+    });
+    let job = recovery_job(
+        &init,
+        Schedule::OneFOneB { micro_batches: 4 },
+        2,
+        STEPS,
+        |b| b.fault_plan(plan).recovery(RecoveryPolicy::shrink()),
+    );
+    let (trained, events) = tokio::time::timeout(Duration::from_secs(300), run_recording(job))
+        .await
+        .expect("the job ends");
+    let trained = trained.expect("the stage is replaced").model;
+    assert_eq!(fired(&events), 1);
+    type Replaced = (u64, (u32, u32), (u32, u32));
+    let replaced: Vec<Replaced> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::StageReplaced {
+                step, stage, twin, ..
+            } => Some((
+                *step,
+                (stage.replica, stage.stage),
+                (twin.replica, twin.stage),
+            )),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(replaced.len(), 1, "{replaced:?}");
+    let (step, lost, twin) = replaced[0];
+    assert_eq!(step, 3);
+    assert_eq!(lost.1, twin.1, "the twin holds the same stage");
+    assert_ne!(lost.0, twin.0, "in another replica");
+    let steps = steps_of(&events);
+    assert_eq!(steps.len() as u64, STEPS, "every step once, step 3 redone");
+    let sizes: Vec<usize> = steps.iter().map(|s| s.replicas.len()).collect();
+    assert!(
+        sizes.iter().all(|&n| n == 6),
+        "the size stayed 2 × 3: {sizes:?}"
+    );
+    // Replicas of each stage end identical.
+    let fingerprints = meshwork::testing::final_fingerprints(&events).expect("finished");
+    assert_eq!(fingerprints.len(), 6);
+    assert_blocks_match(init, trained, &batches_from_events(&steps), "twin restore");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ckpt_6_a_pipeline_checkpoint_resumes_to_the_same_parameters_as_an_unbroken_run() {
+    let init = blocks(&[8, 16, 16, 16, 3], Shape::Plain, &Device::flex());
+    let dir = std::env::temp_dir().join(format!("meshwork-pp-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let interleaved = Schedule::Interleaved {
+        micro_batches: 4,
+        virtual_stages: 2,
+    };
+    // First run: 4 steps, a checkpoint when it ends (one shard per block).
+    let first = recovery_job(&init, interleaved, 1, 4, |b| {
+        b.checkpoint_dir(&dir).checkpoint_every(4)
+    });
+    let (outcome, first_events) =
+        tokio::time::timeout(Duration::from_secs(300), run_recording(first))
+            .await
+            .expect("the job ends");
+    outcome.expect("the first run");
+    let store = meshwork::checkpoint::CheckpointStore::open(&dir, 3).unwrap();
+    let latest = store.latest_valid().unwrap().expect("a checkpoint");
+    assert_eq!(latest.checkpoint.step, 4);
+    assert_eq!(latest.checkpoint.shards.len(), 4, "one shard per block");
+    // Second run: resumes at step 4 and runs to 8.
+    let second = recovery_job(&init, interleaved, 1, 8, |b| {
+        b.checkpoint_dir(&dir).resume_from_checkpoint(true)
+    });
+    let (outcome, second_events) =
+        tokio::time::timeout(Duration::from_secs(300), run_recording(second))
+            .await
+            .expect("the job ends");
+    let trained = outcome.expect("the resumed run").model;
+    assert!(
+        second_events
+            .iter()
+            .any(|e| matches!(e, JobEvent::Restored { step: 4, .. }))
+    );
+    let mut all = steps_of(&first_events);
+    all.extend(steps_of(&second_events));
+    assert_eq!(
+        all.iter().map(|s| s.step).collect::<Vec<_>>(),
+        (0..8).collect::<Vec<_>>()
+    );
+    assert_blocks_match(
+        init,
+        trained,
+        &batches_from_events(&all),
+        "resumed pipeline",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_5_a_pipeline_without_a_twin_rolls_back_to_its_checkpoint_in_place() {
+    use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
+    use meshwork::recovery::RecoveryPolicy;
+    let init = blocks(&[8, 16, 16, 3], Shape::Plain, &Device::flex());
+    let dir = std::env::temp_dir().join(format!("meshwork-pp-rollback-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let plan = FaultPlan::new(7).with(Fault {
+        device: 1,
+        step: 5,
+        micro_batch: Some(0),
+        phase: Phase::Forward,
+        kind: FaultKind::Panic,
+    });
+    let job = recovery_job(
+        &init,
+        Schedule::OneFOneB { micro_batches: 4 },
+        1,
+        STEPS,
+        |b| {
+            b.fault_plan(plan)
+                .recovery(RecoveryPolicy::roll_back())
+                .checkpoint_dir(&dir)
+                .checkpoint_every(2)
+        },
+    );
+    let (trained, events) = tokio::time::timeout(Duration::from_secs(300), run_recording(job))
+        .await
+        .expect("the job ends");
+    let trained = trained.expect("the job rolls back").model;
+    assert_eq!(fired(&events), 1);
+    let rolled: Vec<(u64, u64)> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::RolledBack {
+                failed_step, step, ..
+            } => Some((*failed_step, *step)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(rolled, vec![(5, 4)]);
+    let steps = steps_of(&events);
+    assert_eq!(steps.len() as u64, STEPS);
+    assert_blocks_match(
+        init,
+        trained,
+        &batches_from_events(&steps),
+        "pipeline rollback",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

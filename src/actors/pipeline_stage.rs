@@ -24,13 +24,14 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
 use super::stage::{InitReport, StageMsg, StepReport};
-use super::supervisor::{SpawnContext, SpawnStages, Spawned};
+use super::supervisor::{RewireArgs, RewireStages, Rewired, SpawnContext, SpawnStages, Spawned};
+use crate::checkpoint::{CheckpointError, ShardId, ShardSnapshot};
 use crate::comm::{Communicator, LocalGroup};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
 use crate::error::{Error, Result, StageId};
 use crate::events::PipelineStageStep;
-use crate::mesh::{Coord, Generation, Rank};
+use crate::mesh::{Coord, Generation, Layout, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::pipeline::{Chunk, Instr, PipelineSchedule, StageIndex, TimedInstr};
 use crate::parallel::pipeline_exec::{
@@ -52,6 +53,124 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) faults: Option<Arc<crate::faults::FaultHooks>>,
 }
 
+/// A mesh's wiring under one generation: per rank its links and data-parallel
+/// communicator, the collective groups' actors, and how to wake everything blocked in it.
+struct Wiring {
+    /// `per_rank[rank]`: links to its replica's other stages, and its stage index's
+    /// communicator (none at dp = 1).
+    per_rank: Vec<Option<(StageLinks, Option<Communicator>)>>,
+    others: Vec<ractor::ActorCell>,
+    shutdown: Arc<dyn Fn() + Send + Sync>,
+}
+
+/// Wire a dp × pp mesh: every replica's stages connected by their own links, every stage
+/// index's replicas in one collective group of `generation`.
+async fn wire<I>(
+    spec: &PipelineSpec<I>,
+    layout: Layout,
+    comm: &crate::comm::CommConfig,
+    generation: Generation,
+    supervisor: &ractor::ActorCell,
+) -> Result<Wiring, ActorProcessingErr> {
+    let (dp, pp) = (layout.dp(), layout.pp());
+    let abort = Arc::new(AtomicBool::new(false));
+    // links[replica][stage]
+    let mut replica_links: Vec<Vec<Option<StageLinks>>> = (0..dp)
+        .map(|_| {
+            // A link is point-to-point communication: bounded like a collective.
+            links(&spec.plan, comm.timeout, abort.clone())
+                .into_iter()
+                .map(Some)
+                .collect()
+        })
+        .collect();
+    // comms[stage][replica]: one data-parallel group per stage index.
+    let mut groups = Vec::new();
+    let mut others = Vec::new();
+    let mut comms: Vec<Vec<Option<Communicator>>> = Vec::new();
+    for stage in 0..pp {
+        if dp == 1 {
+            comms.push(vec![None]);
+            continue;
+        }
+        let group = LocalGroup::new(dp as usize, generation, comm.clone());
+        groups.push(group.clone());
+        comms.push(group.communicators().into_iter().map(Some).collect());
+        let members = (0..dp)
+            .filter_map(|replica| {
+                layout.rank_of(Coord {
+                    dp: replica,
+                    pp: stage,
+                    tp: 0,
+                })
+            })
+            .collect();
+        let (g, _) = Actor::spawn_linked(
+            None,
+            GroupActor,
+            GroupArgs { members, group },
+            supervisor.clone(),
+        )
+        .await?;
+        others.push(g.get_cell());
+    }
+    let per_rank = layout
+        .ranks()
+        .map(|rank| {
+            let coord = layout.coord_of(rank)?;
+            let (r, s) = (coord.dp as usize, coord.pp as usize);
+            let links = replica_links[r][s].take()?;
+            Some((links, comms[s][r].take()))
+        })
+        .collect();
+    Ok(Wiring {
+        per_rank,
+        others,
+        shutdown: Arc::new(move || {
+            abort.store(true, std::sync::atomic::Ordering::Relaxed);
+            for g in &groups {
+                g.shutdown();
+            }
+        }),
+    })
+}
+
+/// Start the stage actor of `rank` with its wiring.
+async fn spawn_stage<I: Send + Sync + 'static>(
+    spec: &Arc<PipelineSpec<I>>,
+    layout: Layout,
+    rank: Rank,
+    (device, device_ref): (&MeshDevice, &ActorRef<DeviceMsg>),
+    wiring: Option<(StageLinks, Option<Communicator>)>,
+    supervisor: &ractor::ActorCell,
+) -> Result<(ActorRef<StageMsg<PipelineModel>>, StageId), ActorProcessingErr> {
+    let coord = layout
+        .coord_of(rank)
+        .ok_or_else(|| format!("rank {rank} is outside the mesh {layout:?}"))?;
+    let id = StageId {
+        replica: coord.dp,
+        stage: coord.pp,
+    };
+    let (links, comm) = wiring.map_or((None, None), |(l, c)| (Some(l), c));
+    let args = PipelineStageArgs {
+        id,
+        rank,
+        device: device.clone(),
+        device_actor: device_ref.clone(),
+        spec: spec.clone(),
+        links,
+        comm,
+    };
+    let (a, _) = Actor::spawn_linked(
+        None,
+        PipelineStageActor::<I>::default(),
+        args,
+        supervisor.clone(),
+    )
+    .await?;
+    Ok((a, id))
+}
+
 /// Spawns one stage actor per rank of a dp × pp layout: every replica's stages connected by
 /// their own links, every stage index's replicas in one collective group.
 pub(crate) fn spawn_pipeline<I>(spec: Arc<PipelineSpec<I>>) -> SpawnStages<PipelineModel>
@@ -60,76 +179,23 @@ where
 {
     Box::new(move |cx: SpawnContext| {
         Box::pin(async move {
-            let (dp, pp) = (cx.layout.dp(), cx.layout.pp());
-            let abort = Arc::new(AtomicBool::new(false));
-            // links[replica][stage]
-            let mut replica_links: Vec<Vec<Option<StageLinks>>> = (0..dp)
-                .map(|_| {
-                    // A link is point-to-point communication: bounded like a collective.
-                    links(&spec.plan, cx.comm.timeout, abort.clone())
-                        .into_iter()
-                        .map(Some)
-                        .collect()
-                })
-                .collect();
-            // comms[stage][replica]: one data-parallel group per stage index.
-            let mut groups = Vec::new();
-            let mut others = Vec::new();
-            let mut comms: Vec<Vec<Option<Communicator>>> = Vec::new();
-            for stage in 0..pp {
-                if dp == 1 {
-                    comms.push(vec![None]);
-                    continue;
-                }
-                let group = LocalGroup::new(dp as usize, Generation(0), cx.comm.clone());
-                groups.push(group.clone());
-                comms.push(group.communicators().into_iter().map(Some).collect());
-                let members = (0..dp)
-                    .filter_map(|replica| {
-                        cx.layout.rank_of(Coord {
-                            dp: replica,
-                            pp: stage,
-                            tp: 0,
-                        })
-                    })
-                    .collect();
-                let (g, _) = Actor::spawn_linked(
-                    None,
-                    GroupActor,
-                    GroupArgs { members, group },
-                    cx.supervisor.clone(),
-                )
-                .await?;
-                others.push(g.get_cell());
-            }
+            let pp = cx.layout.pp();
+            let mut wiring =
+                wire(&spec, cx.layout, &cx.comm, Generation(0), &cx.supervisor).await?;
             let mut stages = Vec::new();
             for (rank, (device, device_ref)) in cx.layout.ranks().zip(&cx.devices) {
-                let coord = cx
-                    .layout
-                    .coord_of(rank)
-                    .expect("rank inside its own layout");
-                let (r, s) = (coord.dp as usize, coord.pp as usize);
-                let id = StageId {
-                    replica: coord.dp,
-                    stage: coord.pp,
-                };
-                let args = PipelineStageArgs {
-                    id,
-                    rank,
-                    device: device.clone(),
-                    device_actor: device_ref.clone(),
-                    spec: spec.clone(),
-                    links: replica_links[r][s].take(),
-                    comm: comms[s][r].take(),
-                };
-                let (a, _) = Actor::spawn_linked(
-                    None,
-                    PipelineStageActor::<I>::default(),
-                    args,
-                    cx.supervisor.clone(),
-                )
-                .await?;
-                stages.push((a, id));
+                let w = wiring.per_rank[rank.index()].take();
+                stages.push(
+                    spawn_stage(
+                        &spec,
+                        cx.layout,
+                        rank,
+                        (device, device_ref),
+                        w,
+                        &cx.supervisor,
+                    )
+                    .await?,
+                );
             }
             let model_ranks = (0..pp)
                 .filter_map(|stage| {
@@ -141,19 +207,52 @@ where
                 })
                 .map(Rank::index)
                 .collect();
+            let rewire_spec = spec.clone();
+            let rewire: RewireStages<PipelineModel> = Arc::new(move |a: RewireArgs| {
+                let spec = rewire_spec.clone();
+                Box::pin(async move {
+                    let mut wiring =
+                        wire(&spec, a.layout, &a.comm, a.generation, &a.supervisor).await?;
+                    let mut fresh = Vec::new();
+                    for &r in &a.fresh {
+                        let rank = Rank(r as u32);
+                        let Some((device, device_ref)) = a.devices.get(r).and_then(Option::as_ref)
+                        else {
+                            return Err(format!("no device for the fresh rank {r}").into());
+                        };
+                        let w = wiring.per_rank[r].take();
+                        let (stage, _) = spawn_stage(
+                            &spec,
+                            a.layout,
+                            rank,
+                            (device, device_ref),
+                            w,
+                            &a.supervisor,
+                        )
+                        .await?;
+                        fresh.push((r, stage));
+                    }
+                    Ok(Rewired {
+                        fresh,
+                        survivors: wiring
+                            .per_rank
+                            .into_iter()
+                            .map(|w| w.map(|(l, c)| (Box::new(l), c)))
+                            .collect(),
+                        others: wiring.others,
+                        shutdown: wiring.shutdown,
+                    })
+                }) as _
+            });
             Ok(Spawned {
                 stages,
-                shutdown: Arc::new(move || {
-                    abort.store(true, std::sync::atomic::Ordering::Relaxed);
-                    for g in &groups {
-                        g.shutdown();
-                    }
-                }),
-                others,
+                shutdown: wiring.shutdown,
+                others: wiring.others,
                 model_ranks,
                 assemble: |parts| Some(PipelineModel::merge(parts)),
                 replicas_only: false,
                 grow: None,
+                rewire: Some(rewire),
             })
         })
     })
@@ -275,14 +374,56 @@ where
                 let _ = reply.send(r);
             }
             StageMsg::Snapshot(reply) => {
-                let _ = reply.send(Err(Error::InvalidConfig(
-                    "checkpoints of pipeline jobs are not written yet".into(),
-                )));
+                let plan = state.spec.plan.clone();
+                let stage = StageIndex(state.id.stage);
+                let out = run_on_slot(&state.device_actor, "snapshot", &mut state.slot, move |s| {
+                    // One shard per block the stage holds (CKPT-6).
+                    s.chunks
+                        .iter()
+                        .enumerate()
+                        .map(|(c, w)| {
+                            let (params, optimizer) = w.snapshot()?;
+                            Ok(ShardSnapshot {
+                                shard: ShardId::stage(plan.block(stage, Chunk(c as u32))),
+                                params,
+                                optimizer: Some(optimizer),
+                            })
+                        })
+                        .collect::<std::result::Result<Vec<_>, CheckpointError>>()
+                })
+                .await;
+                let r = match out {
+                    None => Err(lost(state)),
+                    Some(Ok(Ok(r))) => r.map_err(Error::from),
+                    Some(Ok(Err(panic))) => Err(failed(state, "snapshot", panic)),
+                    Some(Err(e)) => Err(e),
+                };
+                let _ = reply.send(r);
             }
-            StageMsg::Restore { reply, .. } => {
-                let _ = reply.send(Err(Error::InvalidConfig(
-                    "checkpoints of pipeline jobs are not restored yet".into(),
-                )));
+            StageMsg::Restore { shard, reply } => {
+                let plan = state.spec.plan.clone();
+                let stage = StageIndex(state.id.stage);
+                let id = state.id;
+                let out = run_on_slot(&state.device_actor, "restore", &mut state.slot, move |s| {
+                    for (c, w) in s.chunks.iter_mut().enumerate() {
+                        let wanted = ShardId::stage(plan.block(stage, Chunk(c as u32)));
+                        let Some(shard) = shard.iter().find(|x| x.shard == wanted) else {
+                            return Err(Error::InvalidConfig(format!(
+                                "no {wanted} to restore {id} from"
+                            )));
+                        };
+                        w.restore(&shard.params, shard.optimizer.as_ref())?;
+                    }
+                    Ok(())
+                })
+                .await;
+                let r = match out {
+                    None => Err(lost(state)),
+                    Some(Ok(Ok(r))) => r,
+                    Some(Ok(Err(panic))) => Err(failed(state, "restore", panic)),
+                    Some(Err(e)) => Err(e),
+                };
+                let _ = reply.send(r);
             }
             StageMsg::Regroup { reply, .. } => {
                 let _ = reply.send(Err(Error::InvalidConfig(
@@ -302,6 +443,17 @@ where
                     )
                 });
                 let _ = reply.send(model);
+            }
+            StageMsg::Rewire { links, comm, reply } => {
+                let r = match state.slot.as_mut() {
+                    Some(slot) => {
+                        slot.links = *links;
+                        slot.comm = comm;
+                        Ok(())
+                    }
+                    None => Err(lost(state)),
+                };
+                let _ = reply.send(r);
             }
         }
         Ok(())

@@ -108,12 +108,15 @@ pub enum StageMsg<M> {
     Fingerprint(RpcReplyPort<Result<u64>>),
     /// Hand the model over (the stage keeps nothing).
     TakeModel(RpcReplyPort<Option<M>>),
-    /// Copy the parameters and optimizer state (on the device thread) for a checkpoint.
-    Snapshot(RpcReplyPort<Result<ShardSnapshot>>),
-    /// Take the parameters and optimizer state of a checkpoint shard.
+    /// Copy the parameters and optimizer state (on the device thread), one shard per model
+    /// block the stage holds (a data-parallel replica: one; a pipeline stage: one per chunk),
+    /// for a checkpoint, a joining replica or a twin's replacement.
+    Snapshot(RpcReplyPort<Result<Vec<ShardSnapshot>>>),
+    /// Take the parameters and optimizer state of the shards of the blocks the stage holds
+    /// (others in the list are ignored; a missing one is an error).
     Restore {
-        /// The shard.
-        shard: Box<ShardSnapshot>,
+        /// The shards.
+        shard: Box<Vec<ShardSnapshot>>,
         /// `Ok` once restored.
         reply: RpcReplyPort<Result<()>>,
     },
@@ -128,6 +131,16 @@ pub enum StageMsg<M> {
         /// `Ok` once it holds its state and the new communicator.
         reply: RpcReplyPort<Result<()>>,
     },
+    /// A pipeline stage takes new links and a new data-parallel communicator (after a stage
+    /// of the mesh was replaced, REC-6).
+    Rewire {
+        /// Its links to its replica's other stages.
+        links: Box<crate::parallel::pipeline_exec::StageLinks>,
+        /// Its communicator in its stage index's data-parallel group (none at dp = 1).
+        comm: Option<Communicator>,
+        /// `Ok` once it holds its state and the new wiring.
+        reply: RpcReplyPort<Result<()>>,
+    },
 }
 
 impl<M> std::fmt::Debug for StageMsg<M> {
@@ -140,6 +153,7 @@ impl<M> std::fmt::Debug for StageMsg<M> {
             StageMsg::Regroup { id, .. } => write!(f, "Regroup({id})"),
             StageMsg::Snapshot(_) => write!(f, "Snapshot"),
             StageMsg::Restore { .. } => write!(f, "Restore"),
+            StageMsg::Rewire { .. } => write!(f, "Rewire"),
         }
     }
 }
@@ -201,6 +215,7 @@ where
                 assemble: |mut models: Vec<M>| models.pop(),
                 replicas_only: true,
                 grow: Some(grow_replica(spec)),
+                rewire: None,
             })
         })
     })
@@ -362,10 +377,18 @@ where
                 let _ = reply.send(state.slot.take().map(|s| s.model));
             }
             StageMsg::Snapshot(reply) => {
-                let _ = reply.send(snapshot(state).await);
+                let _ = reply.send(snapshot(state).await.map(|s| vec![s]));
             }
             StageMsg::Restore { shard, reply } => {
-                let _ = reply.send(restore(state, *shard).await);
+                let wanted = ShardId::stage(state.id.stage);
+                let r = match shard.into_iter().find(|s| s.shard == wanted) {
+                    Some(s) => restore(state, s).await,
+                    None => Err(Error::InvalidConfig(format!(
+                        "no {wanted} to restore {} from",
+                        state.id
+                    ))),
+                };
+                let _ = reply.send(r);
             }
             StageMsg::Regroup {
                 id,
@@ -383,6 +406,11 @@ where
                     None => Err(lost(state)),
                 };
                 let _ = reply.send(r);
+            }
+            StageMsg::Rewire { reply, .. } => {
+                let _ = reply.send(Err(Error::InvalidConfig(
+                    "a data-parallel replica has no pipeline links".into(),
+                )));
             }
         }
         Ok(())

@@ -27,7 +27,7 @@ use super::checkpointer::{CheckpointSink, Checkpointer, DRAIN_TIMEOUT, Queued};
 use super::device::{DeviceActor, DeviceMsg, heartbeat};
 use super::group::{GroupActor, GroupArgs};
 use super::stage::{StageMsg, StepReport};
-use crate::checkpoint::{Checkpoint, RngState, ShardId};
+use crate::checkpoint::{Checkpoint, RngState};
 use crate::comm::LocalGroup;
 use crate::comm::{CommConfig, CommError};
 use crate::device::MeshDevice;
@@ -172,7 +172,50 @@ pub(crate) struct Spawned<M> {
     pub(crate) replicas_only: bool,
     /// Starts one more data-parallel replica (jobs that can grow).
     pub(crate) grow: Option<GrowStage<M>>,
+    /// Rewires a pipeline mesh under a new generation, starting fresh stages for replaced
+    /// ranks (REC-6).
+    pub(crate) rewire: Option<RewireStages<M>>,
 }
+
+/// What [`RewireStages`] rewires.
+pub(crate) struct RewireArgs {
+    pub(crate) supervisor: ractor::ActorCell,
+    pub(crate) layout: Layout,
+    pub(crate) generation: Generation,
+    pub(crate) comm: CommConfig,
+    /// The devices of the fresh ranks, by rank (`None` for survivors).
+    pub(crate) devices: Vec<Option<(MeshDevice, ActorRef<DeviceMsg>)>>,
+    /// The ranks that get a fresh stage actor.
+    pub(crate) fresh: Vec<usize>,
+}
+
+/// A rewired mesh.
+pub(crate) struct Rewired<M> {
+    /// The fresh stage actors, by rank (not initialized yet).
+    pub(crate) fresh: Vec<(usize, ActorRef<StageMsg<M>>)>,
+    /// Per rank, the wiring a surviving stage takes with `StageMsg::Rewire` (none for fresh
+    /// ranks).
+    pub(crate) survivors: Vec<
+        Option<(
+            Box<crate::parallel::pipeline_exec::StageLinks>,
+            Option<crate::comm::Communicator>,
+        )>,
+    >,
+    /// The new collective groups' actors.
+    pub(crate) others: Vec<ractor::ActorCell>,
+    /// Wakes everything blocked in the new wiring.
+    pub(crate) shutdown: Arc<dyn Fn() + Send + Sync>,
+}
+
+/// Rewires a pipeline mesh (REC-6).
+pub(crate) type RewireStages<M> = Arc<
+    dyn Fn(
+            RewireArgs,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<Rewired<M>, ActorProcessingErr>> + Send>,
+        > + Send
+        + Sync,
+>;
 
 /// What a replica added to a running job starts from.
 pub(crate) struct GrowArgs {
@@ -277,6 +320,7 @@ pub struct SupervisorState<M, I> {
     last_checkpoint: Option<u64>,
     seed: u64,
     grow: Option<GrowStage<M>>,
+    rewire: Option<RewireStages<M>>,
     /// Devices of the builder's list beyond the mesh, for replicas that join.
     spare_devices: Vec<MeshDevice>,
     /// What a new logical device is made like.
@@ -370,6 +414,7 @@ where
             last_checkpoint: None,
             seed: a.seed,
             grow: spawned.grow,
+            rewire: spawned.rewire,
             spare_devices: a.devices.iter().skip(world).rev().cloned().collect(),
             device_template: a
                 .devices
@@ -740,21 +785,23 @@ where
         .unwrap_or_else(|| Error::Runtime("a failure without an error".into()));
     let lost = lost_ranks(state, &failure);
     let message_fault = failure.0.iter().any(|(_, e)| e.is_message_fault());
+    let twins = twins_of(state, &lost);
     let decision = decide(
         &state.recovery,
         &mut state.restarts,
         state.stages.len(),
-        (&lost, message_fault),
+        (&lost, message_fault, twins.is_some()),
         state.replicas_only,
         Instant::now(),
     );
     let roll_back = decision == Decision::RollBack;
+    let from_twins = decision == Decision::ReplaceFromTwins;
     let survivors = match decision {
         Decision::Shrink { survivors } => survivors,
         // REC-4: everyone is alive; the same members regroup and redo the step.
         Decision::Retry => (0..state.stages.len()).collect(),
-        // REC-5: the lost are replaced below; everyone restores the checkpoint.
-        Decision::RollBack => (0..state.stages.len())
+        // REC-5 / REC-6: the lost are replaced below.
+        Decision::RollBack | Decision::ReplaceFromTwins => (0..state.stages.len())
             .filter(|r| !lost.contains(r))
             .collect(),
         Decision::Fail(_) => return Err(first),
@@ -794,6 +841,10 @@ where
     }
     if roll_back {
         return roll_back_to_checkpoint(state, step, &lost, first).await;
+    }
+    if from_twins {
+        let twins = twins.unwrap_or_default();
+        return replace_from_twins(state, step, &twins, first).await;
     }
     // REC-1: a step is redone only where nothing of it was applied. The update follows the
     // step's last collective, so either every survivor finished it or none did.
@@ -1028,6 +1079,194 @@ where
     Ok((stage, (device_ref, device.id())))
 }
 
+/// REC-6: for every lost rank of a pipeline job, a surviving rank with the same stage index
+/// (its twin), or `None` if some lost rank has none.
+fn twins_of<M, I>(state: &SupervisorState<M, I>, lost: &[usize]) -> Option<Vec<(usize, usize)>> {
+    if state.replicas_only || state.rewire.is_none() || lost.is_empty() {
+        return None;
+    }
+    lost.iter()
+        .map(|&r| {
+            let stage = state.stages.get(r)?.1.stage;
+            let twin = state
+                .stages
+                .iter()
+                .enumerate()
+                .position(|(t, (_, id))| id.stage == stage && !lost.contains(&t))?;
+            Some((r, twin))
+        })
+        .collect()
+}
+
+/// Replace the `lost` ranks of a pipeline job with fresh, initialized stage actors on spare
+/// or new devices, and rewire the whole mesh under the next generation (REC-6): the old
+/// links and groups are shut, survivors take their new wiring, the layout stays.
+async fn replace_pipeline_stages<M, I>(
+    state: &mut SupervisorState<M, I>,
+    lost: &[usize],
+) -> Result<()>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let Some(rewire) = state.rewire.clone() else {
+        return Err(Error::InvalidConfig(
+            "this job cannot replace pipeline stages".into(),
+        ));
+    };
+    (state.shutdown)();
+    for o in state.others.drain(..) {
+        state.departed.insert(o.get_id());
+        o.stop(None);
+    }
+    let mut devices = Vec::with_capacity(state.devices.len());
+    for r in 0..state.devices.len() {
+        if !lost.contains(&r) {
+            // A surviving device keeps its actor; its MeshDevice is looked up by id.
+            devices.push(None);
+            continue;
+        }
+        let device = match state.spare_devices.pop() {
+            Some(d) => d,
+            None => {
+                state.next_device_id += 1;
+                let like = &state.device_template;
+                MeshDevice::from_burn(
+                    DeviceId(state.next_device_id),
+                    like.kind(),
+                    like.burn().clone(),
+                )
+            }
+        };
+        let (device_ref, _) =
+            Actor::spawn_linked(None, DeviceActor, device.clone(), state.myself.clone())
+                .await
+                .map_err(|e| {
+                    Error::Runtime(format!("could not start device {}: {e}", device.id()))
+                })?;
+        devices.push(Some((device, device_ref)));
+    }
+    let generation = Generation(state.generation.0 + 1);
+    let rewired = rewire(RewireArgs {
+        supervisor: state.myself.clone(),
+        layout: state.layout,
+        generation,
+        comm: state.comm.clone(),
+        devices: devices.clone(),
+        fresh: lost.to_vec(),
+    })
+    .await
+    .map_err(|e| Error::Runtime(format!("could not rewire the pipeline: {e}")))?;
+    let timeout = Some(state.step_timeout);
+    for (r, stage) in rewired.fresh {
+        let id = state.stages[r].1;
+        match stage.call(StageMsg::Init, timeout).await {
+            Ok(CallResult::Success(Ok(_))) => {}
+            Ok(CallResult::Success(Err(e))) => return Err(e),
+            _ => {
+                return Err(Error::Runtime(format!(
+                    "the replacement of {id} did not start"
+                )));
+            }
+        }
+        state.stages[r].0 = stage;
+        if let Some((device, device_ref)) = &devices[r] {
+            state.devices[r] = (device_ref.clone(), device.id());
+        }
+    }
+    for (r, wiring) in rewired.survivors.into_iter().enumerate() {
+        let Some((links, comm)) = wiring else {
+            continue;
+        };
+        let (stage, id) = state.stages[r].clone();
+        match stage
+            .call(|reply| StageMsg::Rewire { links, comm, reply }, timeout)
+            .await
+        {
+            Ok(CallResult::Success(Ok(()))) => {}
+            Ok(CallResult::Success(Err(e))) => return Err(e),
+            _ => return Err(Error::Runtime(format!("{id} did not take its new wiring"))),
+        }
+    }
+    state.others = rewired.others;
+    state.shutdown = rewired.shutdown;
+    state.generation = generation;
+    Ok(())
+}
+
+/// REC-6: replace each lost pipeline stage with a fresh one holding its twin's parameters
+/// and optimizer state, then redo the step — unless a survivor had already applied it.
+async fn replace_from_twins<M, I>(
+    state: &mut SupervisorState<M, I>,
+    step: u64,
+    twins: &[(usize, usize)],
+    cause: Error,
+) -> Result<Redo>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let lost: Vec<usize> = twins.iter().map(|(r, _)| *r).collect();
+    let applied = state.interrupted.take().is_some_and(|i| {
+        i.done
+            .iter()
+            .enumerate()
+            .any(|(r, d)| d.is_some() && !lost.contains(&r))
+    });
+    if applied {
+        // Some stages updated, others did not: only a checkpoint restores one state.
+        return Err(cause);
+    }
+    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
+    // Snapshots first: the twins' state is the step's starting state (nothing applied).
+    let timeout = Some(state.step_timeout);
+    let mut snapshots = Vec::with_capacity(twins.len());
+    for &(_, twin) in twins {
+        let (stage, id) = state.stages[twin].clone();
+        match stage.call(StageMsg::Snapshot, timeout).await {
+            Ok(CallResult::Success(Ok(s))) => snapshots.push(s),
+            Ok(CallResult::Success(Err(e))) => return Err(e),
+            _ => return Err(Error::Runtime(format!("{id} did not answer a snapshot"))),
+        }
+    }
+    replace_pipeline_stages(state, &lost).await?;
+    for (&(r, twin), shards) in twins.iter().zip(snapshots) {
+        let (stage, id) = state.stages[r].clone();
+        let shard = Box::new(shards);
+        match stage
+            .call(|reply| StageMsg::Restore { shard, reply }, timeout)
+            .await
+        {
+            Ok(CallResult::Success(Ok(()))) => {}
+            Ok(CallResult::Success(Err(e))) => return Err(e),
+            _ => {
+                return Err(Error::Runtime(format!(
+                    "{id} did not take its twin's state"
+                )));
+            }
+        }
+        publish(
+            state,
+            JobEvent::StageReplaced {
+                step,
+                stage: id,
+                twin: state.stages[twin].1,
+                device: state.devices[r].1,
+            },
+        );
+    }
+    publish(
+        state,
+        JobEvent::Recovered {
+            step,
+            generation: state.generation,
+            layout: state.layout,
+            lost: lost_devices,
+        },
+    );
+    Ok(Redo::Step)
+}
+
 /// REC-5: replace the `lost` ranks with new replicas, restore every replica from the newest
 /// valid checkpoint, regroup under the next generation, and go on from the checkpoint's
 /// step. Without a checkpoint the job ends with `cause`.
@@ -1051,21 +1290,26 @@ where
     let Some((checkpoint, dir, _)) = latest_checkpoint(state).await? else {
         return Err(cause);
     };
-    let Some(shard) = checkpoint
-        .shards
-        .iter()
-        .find(|s| s.shard == ShardId::stage(0))
-        .cloned()
-    else {
-        return Err(cause);
-    };
+    let shard = checkpoint.shards.clone();
+    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
     let mut members = Vec::with_capacity(state.stages.len());
-    for r in 0..state.stages.len() {
-        if lost.contains(&r) {
-            members.push(spawn_replica(state, r).await?);
-        } else {
-            members.push((state.stages[r].0.clone(), state.devices[r].clone()));
+    if state.replicas_only {
+        for r in 0..state.stages.len() {
+            if lost.contains(&r) {
+                members.push(spawn_replica(state, r).await?);
+            } else {
+                members.push((state.stages[r].0.clone(), state.devices[r].clone()));
+            }
         }
+    } else {
+        // A pipeline: fresh stages for the lost ranks, the whole mesh rewired.
+        replace_pipeline_stages(state, lost).await?;
+        members = state
+            .stages
+            .iter()
+            .zip(&state.devices)
+            .map(|((s, _), d)| (s.clone(), d.clone()))
+            .collect();
     }
     let timeout = Some(state.step_timeout);
     for (stage, (_, device)) in &members {
@@ -1084,8 +1328,9 @@ where
             }
         }
     }
-    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
-    rebuild_group(state, members).await?;
+    if state.replicas_only {
+        rebuild_group(state, members).await?;
+    }
     state.last_checkpoint = Some(checkpoint.step);
     publish(
         state,
@@ -1699,21 +1944,29 @@ where
     let Some(queue) = state.checkpointer.as_ref().and_then(Checkpointer::queue) else {
         return;
     };
-    // Data-parallel replicas hold the same parameters: rank 0's is the shard.
-    let Some((stage, _)) = state.stages.first() else {
-        return;
-    };
-    let shard = match stage
-        .call(StageMsg::Snapshot, Some(state.step_timeout))
-        .await
-    {
-        Ok(CallResult::Success(r)) => r,
-        _ => Err(Error::Runtime(
-            "rank 0 did not answer the snapshot request".into(),
-        )),
-    };
-    match shard {
-        Ok(shard) => {
+    // Data-parallel replicas hold the same parameters: replica 0's stages hold the shards.
+    let mut shards = Ok(Vec::new());
+    for &r in &state.model_ranks.clone() {
+        let Some((stage, id)) = state.stages.get(r).cloned() else {
+            continue;
+        };
+        let got = match stage
+            .call(StageMsg::Snapshot, Some(state.step_timeout))
+            .await
+        {
+            Ok(CallResult::Success(r)) => r,
+            _ => Err(Error::Runtime(format!(
+                "{id} did not answer the snapshot request"
+            ))),
+        };
+        match (&mut shards, got) {
+            (Ok(all), Ok(mut some)) => all.append(&mut some),
+            (Ok(_), Err(e)) => shards = Err(e),
+            (Err(_), _) => {}
+        }
+    }
+    match shards {
+        Ok(shards) => {
             // FaultPlan: this checkpoint's write fails half-way.
             let fail_half_way = state
                 .faults
@@ -1728,7 +1981,7 @@ where
                         seed: state.seed,
                         state: step,
                     },
-                    shards: vec![shard],
+                    shards,
                 },
                 fail_half_way,
             });
@@ -1755,21 +2008,20 @@ where
     let Some((c, dir, refused)) = latest_checkpoint(state).await? else {
         return Ok(0);
     };
-    let Some(shard) = c.shards.iter().find(|s| s.shard == ShardId::stage(0)) else {
-        return Err(Error::InvalidConfig(format!(
-            "{} has no shard of stage 0 to restore",
-            dir.display()
-        )));
-    };
     let timeout = state.step_timeout;
     for (stage, id) in state.stages.clone() {
-        let shard = Box::new(shard.clone());
+        let shard = Box::new(c.shards.clone());
         match stage
             .call(|reply| StageMsg::Restore { shard, reply }, Some(timeout))
             .await
         {
             Ok(CallResult::Success(Ok(()))) => {}
-            Ok(CallResult::Success(Err(e))) => return Err(e),
+            Ok(CallResult::Success(Err(e))) => {
+                return Err(Error::InvalidConfig(format!(
+                    "{} cannot be restored onto this job: {e}",
+                    dir.display()
+                )));
+            }
             _ => {
                 return Err(Error::Runtime(format!(
                     "{id} did not restore the checkpoint"

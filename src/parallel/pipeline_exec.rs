@@ -24,6 +24,9 @@
 //! - EXEC-3: with data-parallel replicas of the pipeline (dp × pp), each stage's gradients are
 //!   averaged over its replicas before the update, so replicas stay identical and the step
 //!   equals one device on the global batch.
+//! - EXEC-4: every step starts clean: what an unfinished attempt left in a stage (stashed
+//!   micro-batches, accumulated gradients, losses) is dropped, so a step redone after a
+//!   recovery (REC-6) is the step itself.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -37,6 +40,9 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use super::buckets::plan_buckets;
 use super::gradients::{GradientBuffers, ParamLayout, parameter_fingerprint, reduce_buckets};
+use crate::checkpoint::{
+    CheckpointError, OptimizerState, ShardParams, restore_module, snapshot_module,
+};
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::faults::{Phase, with_hooks};
 
@@ -254,6 +260,18 @@ pub trait StageWork<I>: Send {
     fn stashed(&self) -> (u32, u64);
     /// Fingerprint of the stage's parameters.
     fn fingerprint(&self) -> u64;
+    /// Forget what an unfinished step left behind: stashed micro-batches, accumulated
+    /// gradients, losses (EXEC-4).
+    fn begin_step(&mut self);
+    /// The stage's parameters by name and its optimizer state (a checkpoint shard, or what a
+    /// twin's replacement starts from).
+    fn snapshot(&self) -> Result<(ShardParams, OptimizerState), CheckpointError>;
+    /// Take the parameters and optimizer state of a snapshot of the same block.
+    fn restore(
+        &mut self,
+        params: &ShardParams,
+        optimizer: Option<&OptimizerState>,
+    ) -> Result<(), CheckpointError>;
     /// The device (with autodiff) the stage computes on.
     fn device(&self) -> &Device;
     /// The module, type-erased (for `downcast`).
@@ -512,6 +530,32 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
 
     fn fingerprint(&self) -> u64 {
         parameter_fingerprint(&self.model)
+    }
+
+    fn begin_step(&mut self) {
+        self.stash.clear();
+        self.accumulated = GradientsAccumulator::new();
+        self.losses.clear();
+    }
+
+    fn snapshot(&self) -> Result<(ShardParams, OptimizerState), CheckpointError> {
+        Ok((
+            snapshot_module(&self.model),
+            OptimizerState::capture(&self.optimizer)?,
+        ))
+    }
+
+    fn restore(
+        &mut self,
+        params: &ShardParams,
+        optimizer: Option<&OptimizerState>,
+    ) -> Result<(), CheckpointError> {
+        let model = restore_module(self.model.clone(), params)?;
+        if let Some(o) = optimizer {
+            self.optimizer = o.restore(self.optimizer.clone())?;
+        }
+        self.model = model;
+        Ok(())
     }
 
     fn device(&self) -> &Device {
@@ -802,6 +846,11 @@ pub fn run_stage_step<I>(
             me.0,
             chunks.len()
         )));
+    }
+    // EXEC-4: a step starts from nothing of an earlier, failed attempt (stash, accumulated
+    // gradients, losses), so a redone step is the step itself.
+    for chunk in chunks.iter_mut() {
+        chunk.begin_step();
     }
     let mut record = StageStepRecord::default();
     let began = Instant::now();
