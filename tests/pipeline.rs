@@ -780,7 +780,7 @@ async fn rec_6_a_lost_stage_is_replaced_from_its_twin_and_training_equals_one_de
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ckpt_6_a_pipeline_checkpoint_resumes_to_the_same_parameters_as_an_unbroken_run() {
+async fn ckpt_6_a_pipeline_checkpoint_resumes_onto_another_split_and_equals_one_device() {
     let init = blocks(&[8, 16, 16, 16, 3], Shape::Plain, &Device::flex());
     let dir = std::env::temp_dir().join(format!("meshwork-pp-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -801,8 +801,10 @@ async fn ckpt_6_a_pipeline_checkpoint_resumes_to_the_same_parameters_as_an_unbro
     let latest = store.latest_valid().unwrap().expect("a checkpoint");
     assert_eq!(latest.checkpoint.step, 4);
     assert_eq!(latest.checkpoint.shards.len(), 4, "one shard per block");
-    // Second run: resumes at step 4 and runs to 8.
-    let second = recovery_job(&init, interleaved, 1, 8, |b| {
+    // Second run, on another split of the same blocks (four stages of one block each
+    // instead of two stages of two): resumes at step 4 and runs to 8.
+    let split = Schedule::OneFOneB { micro_batches: 4 };
+    let second = recovery_job(&init, split, 1, 8, |b| {
         b.checkpoint_dir(&dir).resume_from_checkpoint(true)
     });
     let (outcome, second_events) =
@@ -827,6 +829,20 @@ async fn ckpt_6_a_pipeline_checkpoint_resumes_to_the_same_parameters_as_an_unbro
         &batches_from_events(&all),
         "resumed pipeline",
     );
+    // A model whose blocks do not fit the checkpoint's is refused, naming the checkpoint.
+    let other = blocks(&[8, 32, 3], Shape::Plain, &Device::flex());
+    let third = recovery_job(&other, split, 1, 8, |b| {
+        b.checkpoint_dir(&dir).resume_from_checkpoint(true)
+    });
+    let (outcome, _) = tokio::time::timeout(Duration::from_secs(300), run_recording(third))
+        .await
+        .expect("the job ends");
+    match outcome {
+        Err(meshwork::Error::InvalidConfig(m)) => {
+            assert!(m.contains("cannot be restored onto this job"), "{m}")
+        }
+        other => panic!("expected a refused checkpoint, got {:?}", other.map(|_| ())),
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -60,7 +60,10 @@ pub(crate) struct TrainArgs {
     /// Inject the faults of this plan (JSON, see the book's "Fault-injection runs").
     #[arg(long)]
     faults: Option<PathBuf>,
-    /// What a lost replica does: fail (end the job) or shrink (continue with the survivors).
+    /// What a lost replica does: fail (end the job), shrink (continue with the survivors;
+    /// a lost pipeline stage is replaced from its twin), rollback (replace the lost device
+    /// and roll back to the last checkpoint; needs --checkpoint-dir and --checkpoint-every),
+    /// or shrink-or-rollback.
     #[arg(long, default_value = "fail")]
     on_replica_loss: String,
     /// Write checkpoints into this directory (every --checkpoint-every steps, at the end, and
@@ -95,9 +98,11 @@ fn fault_settings(
     let policy = match args.on_replica_loss.as_str() {
         "fail" => RecoveryPolicy::default(),
         "shrink" => RecoveryPolicy::shrink(),
+        "rollback" => RecoveryPolicy::roll_back(),
+        "shrink-or-rollback" => RecoveryPolicy::shrink().or_roll_back(),
         other => {
             return Err(Error::InvalidConfig(format!(
-                "--on-replica-loss {other}: fail or shrink"
+                "--on-replica-loss {other}: fail, shrink, rollback or shrink-or-rollback"
             )));
         }
     };
