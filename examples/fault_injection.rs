@@ -1,7 +1,9 @@
 //! A fault-injection rehearsal: four data-parallel replicas train the demo MLP while a
-//! `FaultPlan` kills one device, makes another panic in its backward and slows a third; the
-//! Supervisor shrinks the group each time and the survivors redo the failed step on the same
-//! global batch. Prints every fault, loss and recovery as it happens.
+//! `FaultPlan` kills one device, makes another panic in its backward, drops one collective
+//! message, corrupts another and slows a device. The Supervisor shrinks the group for each
+//! lost device (the survivors redo the failed step on the same global batch) and retries the
+//! step with everyone for each lost or corrupt message. Prints every fault, loss and recovery
+//! as it happens.
 //!
 //! Run with `cargo run --release --example fault_injection [plan.json]` (default: the plan in
 //! `book/snippets/faults.json`).
@@ -45,9 +47,13 @@ async fn main() -> meshwork::Result<()> {
         .batch_size(48)
         .steps(20)
         .fault_plan(plan)
-        // Continue with the survivors, down to 2 replicas, at most 3 recoveries a minute.
-        .recovery(RecoveryPolicy::shrink().min_replicas(2))
-        .collective_timeout(Duration::from_secs(5))
+        // Continue with the survivors, down to 2 replicas, at most 5 recoveries a minute.
+        .recovery(
+            RecoveryPolicy::shrink()
+                .min_replicas(2)
+                .max_restarts(5, Duration::from_secs(60)),
+        )
+        .collective_timeout(Duration::from_secs(2))
         .build()?
         .spawn()
         .await?;
@@ -71,11 +77,16 @@ async fn main() -> meshwork::Result<()> {
                 step,
                 generation,
                 layout,
-                ..
+                lost,
             }) => {
                 recoveries += 1;
+                let why = if lost.is_empty() {
+                    "a message was lost or corrupt"
+                } else {
+                    "a device was lost"
+                };
                 println!(
-                    "step {step}: recovered as generation {} with {} replicas; redoing the step",
+                    "step {step}: {why}; generation {} with {} replicas redoes the step",
                     generation.0,
                     layout.dp()
                 )
@@ -97,7 +108,7 @@ async fn main() -> meshwork::Result<()> {
         trained.summary.first_loss.unwrap_or(f32::NAN),
         trained.summary.last_loss.unwrap_or(f32::NAN)
     );
-    assert_eq!(recoveries, 2, "both failures were recovered");
+    assert_eq!(recoveries, 4, "every failure was recovered");
     Ok(())
 }
 // ANCHOR_END: main

@@ -138,7 +138,13 @@ fn the_books_fault_plan_parses_and_names_every_kind_it_shows() {
     let kinds: Vec<&FaultKind> = plan.faults.iter().map(|f| &f.kind).collect();
     assert!(matches!(
         kinds[..],
-        [FaultKind::Kill, FaultKind::Panic, FaultKind::Slow { .. }]
+        [
+            FaultKind::Kill,
+            FaultKind::DropMessage { message: 0 },
+            FaultKind::Panic,
+            FaultKind::CorruptMessage { message: 1 },
+            FaultKind::Slow { .. }
+        ]
     ));
 }
 
