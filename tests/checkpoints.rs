@@ -285,3 +285,44 @@ async fn ckw_2_a_write_failing_halfway_is_an_event_and_training_goes_on() {
     assert!(loaded.is_none());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ckw_3_periodic_checkpoints_behind_a_slow_writer_are_skipped_not_piled_up() {
+    let init = initial_model();
+    let dir = temp_dir("backlog");
+    let store = CheckpointStore::with_fs(
+        SlowFs {
+            inner: RealFs,
+            delay: Duration::from_millis(300),
+        },
+        &dir,
+        2,
+    )
+    .unwrap();
+    let (outcome, events) = run(builder(2, 12, &init)
+        .checkpoint_store(store)
+        .checkpoint_every(1)
+        .build()
+        .unwrap())
+    .await;
+    outcome.unwrap();
+    let skipped: Vec<u64> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::CheckpointFailed { step, error } => {
+                assert!(error.to_string().contains("skipped"), "{error}");
+                Some(*step)
+            }
+            _ => None,
+        })
+        .collect();
+    let written = written(&events);
+    assert!(
+        !skipped.is_empty(),
+        "a writer 100× slower than a step falls behind"
+    );
+    // Every step's checkpoint is either written or reported skipped; the final one is written.
+    assert_eq!(written.len() + skipped.len(), 12, "{written:?} {skipped:?}");
+    assert_eq!(written.last(), Some(&12));
+    let _ = std::fs::remove_dir_all(&dir);
+}

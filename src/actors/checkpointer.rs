@@ -12,7 +12,8 @@
 //!   (CKPT-1).
 
 use std::path::PathBuf;
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
 use tokio::sync::broadcast;
@@ -72,21 +73,40 @@ enum Work {
     Flush(mpsc::Sender<()>),
 }
 
+/// Periodic checkpoints are skipped while this many earlier ones wait or are being written
+/// (CKW-3): a snapshot is a copy of the model, so a writer slower than the checkpoint interval
+/// must not make them pile up in memory.
+pub const MAX_BACKLOG: usize = 2;
+
 /// Where checkpoints are queued for the writer thread.
 #[derive(Debug, Clone)]
-pub struct CheckpointQueue(mpsc::Sender<Work>);
+pub struct CheckpointQueue {
+    tx: mpsc::Sender<Work>,
+    /// Checkpoints queued and not written yet.
+    backlog: Arc<AtomicUsize>,
+}
 
 impl CheckpointQueue {
     /// Queue a write (returns at once, CKW-1); false if the writer has stopped.
     pub fn send(&self, queued: Queued) -> bool {
-        self.0.send(Work::Write(Box::new(queued))).is_ok()
+        self.backlog.fetch_add(1, Ordering::SeqCst);
+        let sent = self.tx.send(Work::Write(Box::new(queued))).is_ok();
+        if !sent {
+            self.backlog.fetch_sub(1, Ordering::SeqCst);
+        }
+        sent
+    }
+
+    /// Checkpoints queued and not written yet.
+    pub fn backlog(&self) -> usize {
+        self.backlog.load(Ordering::SeqCst)
     }
 
     /// Wait (blocking, at most `timeout`) until every write queued before is done; false if
     /// the writer has stopped or did not finish in time.
     pub fn flush(&self, timeout: Duration) -> bool {
         let (done, wait) = mpsc::channel();
-        self.0.send(Work::Flush(done)).is_ok() && wait.recv_timeout(timeout).is_ok()
+        self.tx.send(Work::Flush(done)).is_ok() && wait.recv_timeout(timeout).is_ok()
     }
 }
 
@@ -95,6 +115,7 @@ impl CheckpointQueue {
 pub struct Checkpointer {
     tx: Option<mpsc::Sender<Work>>,
     done: Option<mpsc::Receiver<()>>,
+    backlog: Arc<AtomicUsize>,
 }
 
 impl Checkpointer {
@@ -105,6 +126,8 @@ impl Checkpointer {
     ) -> Result<Self> {
         let (tx, rx) = mpsc::channel::<Work>();
         let (done_tx, done) = mpsc::channel();
+        let backlog = Arc::new(AtomicUsize::new(0));
+        let left = backlog.clone();
         std::thread::Builder::new()
             .name("meshwork-checkpointer".into())
             .spawn(move || {
@@ -141,6 +164,7 @@ impl Checkpointer {
                             error,
                         },
                     };
+                    left.fetch_sub(1, Ordering::SeqCst);
                     let _ = events.send(event);
                 }
                 let _ = done_tx.send(());
@@ -149,12 +173,16 @@ impl Checkpointer {
         Ok(Self {
             tx: Some(tx),
             done: Some(done),
+            backlog,
         })
     }
 
     /// Where checkpoints are queued for writing (a send returns at once, CKW-1).
     pub fn queue(&self) -> Option<CheckpointQueue> {
-        self.tx.clone().map(CheckpointQueue)
+        self.tx.clone().map(|tx| CheckpointQueue {
+            tx,
+            backlog: self.backlog.clone(),
+        })
     }
 
     /// Finish the queued writes, waiting at most `timeout`; false if they did not finish.

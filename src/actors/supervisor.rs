@@ -23,7 +23,7 @@ use tokio::task::JoinSet;
 
 use std::collections::HashSet;
 
-use super::checkpointer::{CheckpointSink, Checkpointer, DRAIN_TIMEOUT, Queued};
+use super::checkpointer::{CheckpointSink, Checkpointer, DRAIN_TIMEOUT, MAX_BACKLOG, Queued};
 use super::device::{DeviceActor, DeviceMsg, heartbeat};
 use super::group::{GroupActor, GroupArgs};
 use super::stage::{StageMsg, StepReport};
@@ -516,7 +516,11 @@ where
                         && (state.stop_requested || step >= state.steps)
                         && every.is_some());
                 if due && state.last_checkpoint != Some(step) {
-                    checkpoint(state, step).await;
+                    // Asked-for and final checkpoints are always written; periodic ones may
+                    // be skipped behind a slow writer (CKW-3).
+                    let forced =
+                        state.checkpoint_requested || state.stop_requested || step >= state.steps;
+                    checkpoint(state, step, forced).await;
                 }
                 state.checkpoint_requested = false;
                 if state.stop_requested || step >= state.steps {
@@ -1936,7 +1940,7 @@ fn pipeline_step(
 
 /// Take a snapshot of the state after `step` steps and hand it to the writer thread (CKW-1).
 /// A failure is published, not fatal (CKW-2).
-async fn checkpoint<M, I>(state: &mut SupervisorState<M, I>, step: u64)
+async fn checkpoint<M, I>(state: &mut SupervisorState<M, I>, step: u64, forced: bool)
 where
     M: Send + 'static,
     I: Send + Sync + 'static,
@@ -1944,6 +1948,14 @@ where
     let Some(queue) = state.checkpointer.as_ref().and_then(Checkpointer::queue) else {
         return;
     };
+    let backlog = queue.backlog();
+    if !forced && backlog >= MAX_BACKLOG {
+        let error = Error::Runtime(format!(
+            "skipped: the writer is still busy with {backlog} earlier checkpoint(s)"
+        ));
+        publish(state, JobEvent::CheckpointFailed { step, error });
+        return;
+    }
     // Data-parallel replicas hold the same parameters: replica 0's stages hold the shards.
     let mut shards = Ok(Vec::new());
     for &r in &state.model_ranks.clone() {
