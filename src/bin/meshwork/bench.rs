@@ -97,8 +97,12 @@ pub(crate) enum BenchCommand {
         #[arg(long, default_value_t = 2)]
         dp: u32,
         /// Steps of each overhead run.
-        #[arg(long, default_value_t = 1000)]
+        #[arg(long, default_value_t = 600)]
         steps: u64,
+        /// Rounds of the overhead measurement (each runs the job with and without
+        /// checkpoints); the median round is reported.
+        #[arg(long, default_value_t = 7)]
+        rounds: u32,
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
@@ -163,8 +167,13 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
         } => allreduce(world, bytes, algo.into(), json),
         BenchCommand::Dp { world, steps, json } => dp(world, steps, json),
         BenchCommand::DpWorker { mode, world, steps } => dp_worker(&mode, world, steps),
-        BenchCommand::Recovery { dp, steps, json } => {
-            let f = crate::recovery_bench::run(dp, steps)?;
+        BenchCommand::Recovery {
+            dp,
+            steps,
+            rounds,
+            json,
+        } => {
+            let f = crate::recovery_bench::run(dp, steps, rounds)?;
             crate::recovery_bench::print(&f, json);
             Ok(())
         }
