@@ -287,42 +287,39 @@ async fn ckw_2_a_write_failing_halfway_is_an_event_and_training_goes_on() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn ckw_3_periodic_checkpoints_behind_a_slow_writer_are_skipped_not_piled_up() {
+async fn ckw_3_a_writer_slower_than_the_interval_holds_the_step_boundary_not_memory() {
     let init = initial_model();
     let dir = temp_dir("backlog");
     let store = CheckpointStore::with_fs(
         SlowFs {
             inner: RealFs,
-            delay: Duration::from_millis(300),
+            delay: Duration::from_millis(100),
         },
         &dir,
         2,
     )
     .unwrap();
-    let (outcome, events) = run(builder(2, 12, &init)
+    let (outcome, events) = run(builder(2, 6, &init)
         .checkpoint_store(store)
         .checkpoint_every(1)
         .build()
         .unwrap())
     .await;
     outcome.unwrap();
-    let skipped: Vec<u64> = events
-        .iter()
-        .filter_map(|e| match e {
-            JobEvent::CheckpointFailed { step, error } => {
-                assert!(error.to_string().contains("skipped"), "{error}");
-                Some(*step)
-            }
-            _ => None,
-        })
-        .collect();
-    let written = written(&events);
-    assert!(
-        !skipped.is_empty(),
-        "a writer 100× slower than a step falls behind"
-    );
-    // Every step's checkpoint is either written or reported skipped; the final one is written.
-    assert_eq!(written.len() + skipped.len(), 12, "{written:?} {skipped:?}");
-    assert_eq!(written.last(), Some(&12));
+    // Every checkpoint is written: none skipped, none failed.
+    assert_eq!(written(&events), vec![1, 2, 3, 4, 5, 6]);
+    // At most two in flight: step k (after the checkpoint of boundary k) starts only once the
+    // checkpoint of boundary k - 2 is written.
+    let at = |f: &dyn Fn(&JobEvent) -> bool| events.iter().position(f).expect("event");
+    for k in 3..6u64 {
+        let written_k2 =
+            at(&|e| matches!(e, JobEvent::CheckpointWritten { step, .. } if *step == k - 2));
+        let step_k = at(&|e| matches!(e, JobEvent::StepDone(s) if s.step == k));
+        assert!(
+            written_k2 < step_k,
+            "step {k} ran before checkpoint {} was written",
+            k - 2
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

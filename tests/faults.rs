@@ -910,27 +910,32 @@ async fn a_checkpoint_write_that_fails_half_way_leaves_the_previous_one_and_trai
             _ => None,
         })
         .collect();
-    let failed: Vec<u64> = events
-        .iter()
-        .filter_map(|e| match e {
-            JobEvent::CheckpointFailed { step, error } => {
-                assert!(error.to_string().contains("half-way"), "{error}");
-                Some(*step)
+    // Periodic checkpoints may also be skipped behind a slow disk (CKW-3); the faulty one
+    // and the final one are always taken.
+    let mut failed = Vec::new();
+    for e in &events {
+        if let JobEvent::CheckpointFailed { step, error } = e {
+            let text = error.to_string();
+            if text.contains("half-way") {
+                failed.push(*step);
+            } else {
+                assert!(text.contains("skipped"), "{text}");
             }
-            _ => None,
-        })
-        .collect();
+        }
+    }
     assert_eq!(failed, vec![4]);
-    assert_eq!(written, vec![2, 6, 8]);
+    assert!(!written.contains(&4));
+    assert_eq!(written.last(), Some(&8));
     // The half-written directory is gone; every checkpoint left loads.
     let store = meshwork::checkpoint::CheckpointStore::open(&dir, 10).expect("store");
-    let steps: Vec<u64> = store
+    let mut steps: Vec<u64> = store
         .steps()
         .expect("list")
         .iter()
         .map(|(s, _)| *s)
         .collect();
-    assert_eq!(steps, vec![8, 6, 2]);
+    steps.reverse();
+    assert_eq!(steps, written);
     let latest = store.latest_valid().expect("read").expect("one is valid");
     assert_eq!(latest.checkpoint.step, 8);
     assert!(latest.refused.is_empty());

@@ -73,9 +73,9 @@ enum Work {
     Flush(mpsc::Sender<()>),
 }
 
-/// Periodic checkpoints are skipped while this many earlier ones wait or are being written
-/// (CKW-3): a snapshot is a copy of the model, so a writer slower than the checkpoint interval
-/// must not make them pile up in memory.
+/// At most this many checkpoints wait or are being written (CKW-3): a snapshot is a copy of
+/// the model, so a writer slower than the checkpoint interval must not make them pile up in
+/// memory; the next step boundary waits for the oldest instead.
 pub const MAX_BACKLOG: usize = 2;
 
 /// Where checkpoints are queued for the writer thread.

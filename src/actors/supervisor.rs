@@ -516,11 +516,7 @@ where
                         && (state.stop_requested || step >= state.steps)
                         && every.is_some());
                 if due && state.last_checkpoint != Some(step) {
-                    // Asked-for and final checkpoints are always written; periodic ones may
-                    // be skipped behind a slow writer (CKW-3).
-                    let forced =
-                        state.checkpoint_requested || state.stop_requested || step >= state.steps;
-                    checkpoint(state, step, forced).await;
+                    checkpoint(state, step).await;
                 }
                 state.checkpoint_requested = false;
                 if state.stop_requested || step >= state.steps {
@@ -1940,7 +1936,7 @@ fn pipeline_step(
 
 /// Take a snapshot of the state after `step` steps and hand it to the writer thread (CKW-1).
 /// A failure is published, not fatal (CKW-2).
-async fn checkpoint<M, I>(state: &mut SupervisorState<M, I>, step: u64, forced: bool)
+async fn checkpoint<M, I>(state: &mut SupervisorState<M, I>, step: u64)
 where
     M: Send + 'static,
     I: Send + Sync + 'static,
@@ -1948,10 +1944,23 @@ where
     let Some(queue) = state.checkpointer.as_ref().and_then(Checkpointer::queue) else {
         return;
     };
+    // FaultPlan: this checkpoint's write fails half-way (so it is taken whatever the backlog).
+    let fail_half_way = state
+        .faults
+        .as_ref()
+        .is_some_and(|h| h.fails_checkpoint(step));
+    // CKW-3: at most MAX_BACKLOG snapshots in flight; a disk slower than the checkpoint
+    // interval holds the step boundary until the oldest is written (bounded by the step
+    // time-out, after which this checkpoint is skipped and says so).
+    let deadline = Instant::now() + state.step_timeout;
+    while queue.backlog() >= MAX_BACKLOG && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
     let backlog = queue.backlog();
-    if !forced && backlog >= MAX_BACKLOG {
+    if backlog >= MAX_BACKLOG && !fail_half_way {
         let error = Error::Runtime(format!(
-            "skipped: the writer is still busy with {backlog} earlier checkpoint(s)"
+            "skipped: the writer was still busy with {backlog} earlier checkpoint(s) after {:?}",
+            state.step_timeout
         ));
         publish(state, JobEvent::CheckpointFailed { step, error });
         return;
@@ -1979,11 +1988,6 @@ where
     }
     match shards {
         Ok(shards) => {
-            // FaultPlan: this checkpoint's write fails half-way.
-            let fail_half_way = state
-                .faults
-                .as_ref()
-                .is_some_and(|h| h.fails_checkpoint(step));
             let sent = queue.send(Queued {
                 checkpoint: Checkpoint {
                     step,
