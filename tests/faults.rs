@@ -40,6 +40,20 @@ fn initial_model() -> Mlp {
     Mlp::new(&[8, 32, 16, 3], &device)
 }
 
+/// The demo MLP with Adam on `dp` replicas, the suite's batch, steps and seed.
+fn base(dp: u32, init: &Mlp) -> meshwork::job::JobBuilder<Mlp, Sample> {
+    Job::builder()
+        .initial_model(init.clone())
+        .loss(mse_loss)
+        .data(data())
+        .optimizer(AdamConfig::new())
+        .learning_rate(LR)
+        .data_parallel(dp)
+        .batch_size(GLOBAL_BATCH)
+        .steps(STEPS)
+        .seed(5)
+}
+
 fn fault(device: u32, step: u64, phase: Phase, kind: FaultKind) -> Fault {
     Fault {
         device,
@@ -58,16 +72,7 @@ fn job(
     policy: RecoveryPolicy,
     collective_timeout: Duration,
 ) -> Job<Mlp, Sample> {
-    Job::builder()
-        .initial_model(init.clone())
-        .loss(mse_loss)
-        .data(data())
-        .optimizer(AdamConfig::new())
-        .learning_rate(LR)
-        .data_parallel(dp)
-        .batch_size(GLOBAL_BATCH)
-        .steps(STEPS)
-        .seed(5)
+    base(dp, init)
         .fault_plan(plan)
         .recovery(policy)
         .collective_timeout(collective_timeout)
@@ -441,7 +446,13 @@ async fn fault_2_the_same_plan_gives_the_same_events_and_bitwise_equal_parameter
     let init = initial_model();
     let plan = FaultPlan::new(11)
         .with(fault(2, 1, Phase::Forward, FaultKind::Kill))
-        .with(fault(0, 3, Phase::Backward, FaultKind::Panic));
+        .with(fault(0, 3, Phase::Backward, FaultKind::Panic))
+        .with(fault(
+            1,
+            5,
+            Phase::Forward,
+            FaultKind::CorruptMessage { message: 0 },
+        ));
     let summary = |events: &[JobEvent]| -> Vec<String> {
         events
             .iter()
@@ -582,16 +593,7 @@ async fn elastic_1_growing_and_shrinking_at_step_boundaries_equals_the_reference
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn elastic_2_sizes_outside_the_range_are_refused_and_the_job_goes_on() {
     let init = initial_model();
-    let job = Job::builder()
-        .initial_model(init.clone())
-        .loss(mse_loss)
-        .data(data())
-        .optimizer(AdamConfig::new())
-        .learning_rate(LR)
-        .data_parallel(2)
-        .batch_size(GLOBAL_BATCH)
-        .steps(STEPS)
-        .seed(5)
+    let job = base(2, &init)
         .elastic(2, 3)
         .build()
         .unwrap();
@@ -884,16 +886,7 @@ async fn a_checkpoint_write_that_fails_half_way_leaves_the_previous_one_and_trai
     let dir = std::env::temp_dir().join(format!("meshwork-faults-ckpt-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let plan = FaultPlan::new(3).with(fault(0, 4, Phase::Forward, FaultKind::FailCheckpointWrite));
-    let job = Job::builder()
-        .initial_model(init.clone())
-        .loss(mse_loss)
-        .data(data())
-        .optimizer(AdamConfig::new())
-        .learning_rate(LR)
-        .data_parallel(2)
-        .batch_size(GLOBAL_BATCH)
-        .steps(STEPS)
-        .seed(5)
+    let job = base(2, &init)
         .fault_plan(plan)
         .checkpoint_dir(&dir)
         .checkpoint_every(2)
@@ -945,16 +938,7 @@ async fn a_checkpoint_write_that_fails_half_way_leaves_the_previous_one_and_trai
 
 /// A 3-replica job that loses device 1 at step 2 with an elastic minimum of 3.
 fn below_minimum_job(init: &Mlp, wait: Duration) -> Job<Mlp, Sample> {
-    Job::builder()
-        .initial_model(init.clone())
-        .loss(mse_loss)
-        .data(data())
-        .optimizer(AdamConfig::new())
-        .learning_rate(LR)
-        .data_parallel(3)
-        .batch_size(GLOBAL_BATCH)
-        .steps(STEPS)
-        .seed(5)
+    base(3, init)
         .fault_plan(FaultPlan::new(4).with(fault(1, 2, Phase::Forward, FaultKind::Panic)))
         .recovery(RecoveryPolicy::shrink())
         .elastic(3, 4)
@@ -1029,16 +1013,7 @@ fn checkpointed_job(
 ) -> (Job<Mlp, Sample>, std::path::PathBuf) {
     let dir = std::env::temp_dir().join(format!("meshwork-faults-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let job = Job::builder()
-        .initial_model(init.clone())
-        .loss(mse_loss)
-        .data(data())
-        .optimizer(AdamConfig::new())
-        .learning_rate(LR)
-        .data_parallel(2)
-        .batch_size(GLOBAL_BATCH)
-        .steps(STEPS)
-        .seed(5)
+    let job = base(2, init)
         .fault_plan(plan)
         .recovery(policy)
         .checkpoint_dir(&dir)

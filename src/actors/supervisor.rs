@@ -1025,19 +1025,15 @@ where
     Ok(())
 }
 
-/// A new data-parallel replica at rank `r`: a device (a spare of the builder's list, else a
-/// new logical device of the same backend), its actor, and an initialized stage alone in a
-/// group of one until everyone regroups.
-async fn spawn_replica<M, I>(state: &mut SupervisorState<M, I>, r: usize) -> Result<Member<M>>
+/// A device for a replica or stage that joins a running job: a spare of the builder's list,
+/// else a new logical device of the same backend, with its actor started.
+async fn start_device<M, I>(
+    state: &mut SupervisorState<M, I>,
+) -> Result<(MeshDevice, ActorRef<DeviceMsg>)>
 where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let Some(grow) = state.grow.clone() else {
-        return Err(Error::InvalidConfig(
-            "this job cannot start replicas".into(),
-        ));
-    };
     let device = match state.spare_devices.pop() {
         Some(d) => d,
         None => {
@@ -1054,6 +1050,23 @@ where
         Actor::spawn_linked(None, DeviceActor, device.clone(), state.myself.clone())
             .await
             .map_err(|e| Error::Runtime(format!("could not start device {}: {e}", device.id())))?;
+    Ok((device, device_ref))
+}
+
+/// A new data-parallel replica at rank `r`: a device (a spare of the builder's list, else a
+/// new logical device of the same backend), its actor, and an initialized stage alone in a
+/// group of one until everyone regroups.
+async fn spawn_replica<M, I>(state: &mut SupervisorState<M, I>, r: usize) -> Result<Member<M>>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let Some(grow) = state.grow.clone() else {
+        return Err(Error::InvalidConfig(
+            "this job cannot start replicas".into(),
+        ));
+    };
+    let (device, device_ref) = start_device(state).await?;
     let comm = LocalGroup::new(1, state.generation, state.comm.clone())
         .communicators()
         .remove(0);
@@ -1122,29 +1135,11 @@ where
     let mut devices = Vec::with_capacity(state.devices.len());
     for r in 0..state.devices.len() {
         if !lost.contains(&r) {
-            // A surviving device keeps its actor; its MeshDevice is looked up by id.
+            // A surviving stage keeps its device.
             devices.push(None);
             continue;
         }
-        let device = match state.spare_devices.pop() {
-            Some(d) => d,
-            None => {
-                state.next_device_id += 1;
-                let like = &state.device_template;
-                MeshDevice::from_burn(
-                    DeviceId(state.next_device_id),
-                    like.kind(),
-                    like.burn().clone(),
-                )
-            }
-        };
-        let (device_ref, _) =
-            Actor::spawn_linked(None, DeviceActor, device.clone(), state.myself.clone())
-                .await
-                .map_err(|e| {
-                    Error::Runtime(format!("could not start device {}: {e}", device.id()))
-                })?;
-        devices.push(Some((device, device_ref)));
+        devices.push(Some(start_device(state).await?));
     }
     let generation = Generation(state.generation.0 + 1);
     let rewired = rewire(RewireArgs {
