@@ -60,14 +60,18 @@ use serde::{Deserialize, Serialize};
 use crate::mesh::{Generation, Rank};
 
 pub mod bench;
+mod communicator;
 mod element;
 mod local;
 pub mod plan;
+#[cfg(feature = "cluster")]
+pub mod tcp;
 #[cfg(test)]
 mod tests;
 
+pub use communicator::Communicator;
 pub use element::Element;
-pub use local::{Communicator, GroupState, GroupStatus, LocalGroup, RankStatus};
+pub use local::{GroupState, GroupStatus, LocalGroup, RankStatus};
 
 /// The element types a collective can move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -302,9 +306,44 @@ pub struct RankCall {
     pub call: CallShape,
 }
 
+/// What went wrong with the connection to a peer process ([`CommError::Link`]). The variant
+/// is for programs; `detail` is for people and not meant to be parsed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkFailure {
+    /// The peer's end of the connection is gone: end of stream, reset, broken pipe (most
+    /// likely its process ended or closed its communicator).
+    #[error("the connection was closed ({detail})")]
+    Closed {
+        /// What the link layer saw.
+        detail: String,
+    },
+    /// The peer sent bytes that are not a valid frame (checksum, version, truncation); the
+    /// connection was closed.
+    #[error("the peer sent a bad frame ({detail})")]
+    BadFrame {
+        /// What was wrong.
+        detail: String,
+    },
+    /// The peer's frames belong to another op or another step than this rank's (a header of
+    /// another sequence number or kind, a frame of the wrong length): the ranks are out of
+    /// step, so nothing after it can be trusted.
+    #[error("the peer is out of step ({detail})")]
+    OutOfStep {
+        /// What was expected and what came.
+        detail: String,
+    },
+    /// The operating system refused an operation on the connection.
+    #[error("I/O error ({detail})")]
+    Io {
+        /// The system's error.
+        detail: String,
+    },
+}
+
 /// Why a communication op failed. Every variant names the group's generation, the op and its
 /// sequence number, so a failure can be matched without parsing text.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum CommError {
     /// Some ranks did not arrive within the time-out (COMM-3). The group is poisoned.
@@ -364,6 +403,21 @@ pub enum CommError {
         #[source]
         cause: Box<CommError>,
     },
+    /// The TCP link to `peer` failed or the peer broke the protocol (cross-process groups
+    /// only). The group is poisoned; its ranks learn of it through their links.
+    #[error("{op} #{seq} ({generation}): the link to rank {} failed: {failure}", peer.0)]
+    Link {
+        /// The group's generation.
+        generation: Generation,
+        /// The op's sequence number (per-pair number for send/recv).
+        seq: u64,
+        /// The op that failed.
+        op: CollectiveKind,
+        /// The rank at the other end of the link.
+        peer: Rank,
+        /// What went wrong.
+        failure: LinkFailure,
+    },
     /// A send or recv named a peer that is not another rank of the group.
     #[error("{op} ({generation}): rank {} cannot talk to rank {} in a group of {world}", rank.0, peer.0)]
     InvalidPeer {
@@ -387,7 +441,8 @@ impl CommError {
             CommError::Timeout { seq, .. }
             | CommError::Mismatch { seq, .. }
             | CommError::Shutdown { seq, .. }
-            | CommError::Poisoned { seq, .. } => Some(*seq),
+            | CommError::Poisoned { seq, .. }
+            | CommError::Link { seq, .. } => Some(*seq),
             CommError::InvalidPeer { .. } => None,
         }
     }
