@@ -3,7 +3,8 @@
 //! test fails and unwinds), every wait for them bounded.
 //!
 //! The protocol, parent side [`ProcessGroup`], child side [`announce_and_wait_for_peers`]:
-//! each child binds its listener and prints `listening <addr>` as its first stdout line; once
+//! each child binds its listener and prints `listening <addr>` on a line of stdout (other
+//! output before it is skipped: a re-executed test binary prints the harness's own first); once
 //! every child did, the parent writes all addresses, comma-separated in rank order, as one
 //! line to every child's stdin. After that a child's stdout lines are the caller's business
 //! ([`ProcessGroup::next_line`]).
@@ -102,8 +103,15 @@ impl ProcessGroup {
             }
             group.lines.push(rx);
         }
+        let deadline = Instant::now() + timeout;
         for rank in 0..group.children.len() {
-            let line = group.next_line(rank, timeout)?;
+            let line = loop {
+                let left = deadline.saturating_duration_since(Instant::now());
+                let line = group.next_line(rank, left)?;
+                if let Some(at) = line.find(LISTENING) {
+                    break line[at..].to_string();
+                }
+            };
             let addr = line
                 .strip_prefix(LISTENING)
                 .and_then(|a| a.trim().parse().ok())
@@ -128,6 +136,24 @@ impl ProcessGroup {
     /// The children's listening addresses, in rank order.
     pub fn addrs(&self) -> &[SocketAddr] {
         &self.addrs
+    }
+
+    /// Child `rank`'s next stdout line that starts with `prefix`, without the prefix; other
+    /// lines are skipped. Waits at most `timeout` in all.
+    pub fn next_tagged(
+        &mut self,
+        rank: usize,
+        prefix: &str,
+        timeout: Duration,
+    ) -> Result<String, ProcessError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let line = self.next_line(rank, left)?;
+            if let Some(rest) = line.strip_prefix(prefix) {
+                return Ok(rest.to_string());
+            }
+        }
     }
 
     /// Child `rank`'s next stdout line, waiting at most `timeout`.
@@ -195,7 +221,9 @@ impl Drop for ProcessGroup {
 /// the group's addresses from stdin (one line, comma-separated, in rank order).
 pub fn announce_and_wait_for_peers(addr: SocketAddr) -> std::io::Result<Vec<SocketAddr>> {
     let mut stdout = std::io::stdout();
-    writeln!(stdout, "{LISTENING}{addr}")?;
+    // On a line of its own, whatever was printed before (a test harness leaves its "test
+    // name ... " line open).
+    writeln!(stdout, "\n{LISTENING}{addr}")?;
     stdout.flush()?;
     let mut line = String::new();
     std::io::stdin().read_line(&mut line)?;
