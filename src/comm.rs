@@ -1,9 +1,13 @@
-//! Collectives inside one process: all-reduce, reduce-scatter, all-gather, broadcast, barrier
-//! and point-to-point send/recv between the ranks of a [`LocalGroup`], each rank driving its
-//! [`Communicator`] from its own OS thread.
+//! Collectives: all-reduce, reduce-scatter, all-gather, broadcast, barrier and point-to-point
+//! send/recv between the ranks of a group, each rank driving its [`Communicator`] from its own
+//! OS thread. The ranks are threads of one process ([`LocalGroup`]) or, with the `cluster`
+//! feature, processes joined by TCP (`tcp::TcpGroup`); the same [`Communicator`] API, the same
+//! plans and the same semantics (below) for both.
 //!
-//! Owns: the [`Communicator`] API, the element types ([`Element`]), the pure algorithm plans
-//! ([`plan`]), the in-process transport ([`LocalGroup`]) and its bandwidth probe ([`bench`](mod@bench)).
+//! Owns: the [`Communicator`] API and its dispatch to a transport, the element types
+//! ([`Element`]), the pure algorithm plans ([`plan`]), the in-process transport
+//! ([`LocalGroup`]), the TCP transport (`tcp`, feature `cluster`) and the bandwidth probes
+//! ([`bench`](mod@bench)).
 //!
 //! ```
 //! use meshwork::comm::{CommConfig, LocalGroup, ReduceOp};
@@ -40,8 +44,11 @@
 //!   op fails with [`CommError::Timeout`] naming the ranks that never arrived and the op's
 //!   sequence number, and the group is *poisoned*: every later op on any of its
 //!   communicators fails fast with [`CommError::Poisoned`], which carries the first failure.
-//!   A poisoned group is replaced by a new one (a new [`Generation`]).
-//! - COMM-4 (shutdown): after [`LocalGroup::shutdown`], every op that is waiting wakes up and
+//!   A poisoned group is replaced by a new one (a new [`Generation`]). Across processes a
+//!   lost or misbehaving peer is [`CommError::Link`] naming it, and the failing rank tells the
+//!   others, whose ops fail with [`CommError::Poisoned`] carrying that cause (TCP-5).
+//! - COMM-4 (shutdown): after [`LocalGroup::shutdown`] (across processes: a rank's
+//!   `tcp::TcpShutdown`), every op that is waiting wakes up and
 //!   every later op fails with [`CommError::Shutdown`]. An op whose data phase has started
 //!   finishes reading its peers' buffers before it returns, so no buffer is read after its
 //!   owner's call returned.
