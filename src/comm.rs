@@ -1,9 +1,13 @@
-//! Collectives inside one process: all-reduce, reduce-scatter, all-gather, broadcast, barrier
-//! and point-to-point send/recv between the ranks of a [`LocalGroup`], each rank driving its
-//! [`Communicator`] from its own OS thread.
+//! Collectives: all-reduce, reduce-scatter, all-gather, broadcast, barrier and point-to-point
+//! send/recv between the ranks of a group, each rank driving its [`Communicator`] from its own
+//! OS thread. The ranks are threads of one process ([`LocalGroup`]) or, with the `cluster`
+//! feature, processes joined by TCP (`tcp::TcpGroup`); the same [`Communicator`] API, the same
+//! plans and the same semantics (below) for both.
 //!
-//! Owns: the [`Communicator`] API, the element types ([`Element`]), the pure algorithm plans
-//! ([`plan`]), the in-process transport ([`LocalGroup`]) and its bandwidth probe ([`bench`](mod@bench)).
+//! Owns: the [`Communicator`] API and its dispatch to a transport, the element types
+//! ([`Element`]), the pure algorithm plans ([`plan`]), the in-process transport
+//! ([`LocalGroup`]), the TCP transport (`tcp`, feature `cluster`) and the bandwidth probes
+//! ([`bench`](mod@bench)).
 //!
 //! ```
 //! use meshwork::comm::{CommConfig, LocalGroup, ReduceOp};
@@ -40,8 +44,11 @@
 //!   op fails with [`CommError::Timeout`] naming the ranks that never arrived and the op's
 //!   sequence number, and the group is *poisoned*: every later op on any of its
 //!   communicators fails fast with [`CommError::Poisoned`], which carries the first failure.
-//!   A poisoned group is replaced by a new one (a new [`Generation`]).
-//! - COMM-4 (shutdown): after [`LocalGroup::shutdown`], every op that is waiting wakes up and
+//!   A poisoned group is replaced by a new one (a new [`Generation`]). Across processes a
+//!   lost or misbehaving peer is [`CommError::Link`] naming it, and the failing rank tells the
+//!   others, whose ops fail with [`CommError::Poisoned`] carrying that cause (TCP-5).
+//! - COMM-4 (shutdown): after [`LocalGroup::shutdown`] (across processes: a rank's
+//!   `tcp::TcpShutdown`), every op that is waiting wakes up and
 //!   every later op fails with [`CommError::Shutdown`]. An op whose data phase has started
 //!   finishes reading its peers' buffers before it returns, so no buffer is read after its
 //!   owner's call returned.
@@ -68,12 +75,16 @@ use serde::{Deserialize, Serialize};
 use crate::mesh::{Generation, Rank};
 
 pub mod bench;
+mod communicator;
 mod element;
 mod local;
 pub mod plan;
+#[cfg(feature = "cluster")]
+pub mod tcp;
 #[cfg(test)]
 mod tests;
 
+pub use communicator::Communicator;
 pub use element::Element;
 
 /// What a [`MessageHook`] does to one message of a message plan.
@@ -95,7 +106,7 @@ pub trait MessageHook: Send + Sync + fmt::Debug {
     /// What happens to the `index`-th message `from` sends to `to` in op `seq` of kind `op`.
     fn on_send(&self, from: Rank, to: Rank, seq: u64, op: CollectiveKind, index: u32) -> Tamper;
 }
-pub use local::{Communicator, GroupState, GroupStatus, LocalGroup, RankStatus};
+pub use local::{GroupState, GroupStatus, LocalGroup, RankStatus};
 
 /// The element types a collective can move.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -341,9 +352,44 @@ pub struct RankCall {
     pub call: CallShape,
 }
 
+/// What went wrong with the connection to a peer process ([`CommError::Link`]). The variant
+/// is for programs; `detail` is for people and not meant to be parsed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
+pub enum LinkFailure {
+    /// The peer's end of the connection is gone: end of stream, reset, broken pipe (most
+    /// likely its process ended or closed its communicator).
+    #[error("the connection was closed ({detail})")]
+    Closed {
+        /// What the link layer saw.
+        detail: String,
+    },
+    /// The peer sent bytes that are not a valid frame (checksum, version, truncation); the
+    /// connection was closed.
+    #[error("the peer sent a bad frame ({detail})")]
+    BadFrame {
+        /// What was wrong.
+        detail: String,
+    },
+    /// The peer's frames belong to another op or another step than this rank's (a header of
+    /// another sequence number or kind, a frame of the wrong length): the ranks are out of
+    /// step, so nothing after it can be trusted.
+    #[error("the peer is out of step ({detail})")]
+    OutOfStep {
+        /// What was expected and what came.
+        detail: String,
+    },
+    /// The operating system refused an operation on the connection.
+    #[error("I/O error ({detail})")]
+    Io {
+        /// The system's error.
+        detail: String,
+    },
+}
+
 /// Why a communication op failed. Every variant names the group's generation, the op and its
 /// sequence number, so a failure can be matched without parsing text.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum CommError {
     /// Some ranks did not arrive within the time-out (COMM-3). The group is poisoned.
@@ -456,6 +502,21 @@ pub enum CommError {
         /// The checksum of what arrived.
         computed: u32,
     },
+    /// The TCP link to `peer` failed or the peer broke the protocol (cross-process groups
+    /// only). The group is poisoned; its ranks learn of it through their links.
+    #[error("{op} #{seq} ({generation}): the link to rank {} failed: {failure}", peer.0)]
+    Link {
+        /// The group's generation.
+        generation: Generation,
+        /// The op's sequence number (per-pair number for send/recv).
+        seq: u64,
+        /// The op that failed.
+        op: CollectiveKind,
+        /// The rank at the other end of the link.
+        peer: Rank,
+        /// What went wrong.
+        failure: LinkFailure,
+    },
     /// A send or recv named a peer that is not another rank of the group.
     #[error("{op} ({generation}): rank {} cannot talk to rank {} in a group of {world}", rank.0, peer.0)]
     InvalidPeer {
@@ -482,7 +543,8 @@ impl CommError {
             | CommError::Poisoned { seq, .. }
             | CommError::MessageTimeout { seq, .. }
             | CommError::MessageLost { seq, .. }
-            | CommError::CorruptMessage { seq, .. } => Some(*seq),
+            | CommError::CorruptMessage { seq, .. }
+            | CommError::Link { seq, .. } => Some(*seq),
             CommError::InvalidPeer { .. } => None,
         }
     }

@@ -5,6 +5,8 @@
 //! optimizer, on one device, one batch per step. Only the gradient clipping is computed here
 //! with Burn tensor ops (Burn's own clipping is per parameter, meshwork's is by global norm).
 
+pub mod processes;
+
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};

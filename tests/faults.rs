@@ -593,10 +593,7 @@ async fn elastic_1_growing_and_shrinking_at_step_boundaries_equals_the_reference
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn elastic_2_sizes_outside_the_range_are_refused_and_the_job_goes_on() {
     let init = initial_model();
-    let job = base(2, &init)
-        .elastic(2, 3)
-        .build()
-        .unwrap();
+    let job = base(2, &init).elastic(2, 3).build().unwrap();
     let (outcome, events) = run_controlled(job, |step, control| {
         if step == 1 {
             control.scale_to(1);

@@ -57,8 +57,11 @@ use serde::{Deserialize, Serialize};
 use super::frame::{self, FrameError, FrameHeader, FrameKind, HEADER_LEN};
 use crate::mesh::Rank;
 
+mod halves;
 #[cfg(test)]
 mod tests;
+
+pub use halves::{LinkCloser, LinkReader, LinkWriter, PayloadSink};
 
 /// The largest payload a handshake frame may carry.
 pub const HANDSHAKE_MAX_PAYLOAD: u64 = 256;
@@ -305,6 +308,31 @@ pub enum LinkError {
         /// [`LinkConfig::max_payload`].
         max: u64,
     },
+    /// The peer closed the link with a [`FrameKind::Close`] frame that carries a reason (its
+    /// bytes are the layer above's business: the TCP transport sends the failure that made the
+    /// peer give up).
+    #[error("{peer} closed the link with a reason ({} bytes)", reason.len())]
+    Aborted {
+        /// The peer.
+        peer: Peer,
+        /// The Close frame's payload.
+        reason: Vec<u8>,
+    },
+    /// A data frame whose length does not fit what the receiver expects next (the peers are
+    /// out of step).
+    #[error(
+        "{peer} sent a frame of {found} bytes where at most {expected} bytes in whole elements of {granule} bytes belong"
+    )]
+    UnexpectedLength {
+        /// The peer.
+        peer: Peer,
+        /// The most bytes the receiver expected.
+        expected: u64,
+        /// The element size the length must be a multiple of.
+        granule: u64,
+        /// The frame's payload length.
+        found: u64,
+    },
     /// An earlier error closed this link (LINK-4).
     #[error("the link to {peer} is closed after an earlier error")]
     Broken {
@@ -369,13 +397,34 @@ impl LinkListener {
         self.listener.local_addr()
     }
 
+    /// The rank this listener admits connections for.
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    /// The limits of the links it accepts.
+    pub fn config(&self) -> &LinkConfig {
+        &self.config
+    }
+
+    /// The job token connections must show (to connect to the other ranks with).
+    pub(crate) fn token(&self) -> &JobToken {
+        &self.token
+    }
+
     /// Waits up to the handshake time-out for one connection and runs the handshake.
     ///
     /// A connection without the token is closed, logged and returned as
     /// [`LinkError::Rejected`] (LINK-1); call `accept` again to wait for the next one.
     pub fn accept(&self) -> Result<Link, LinkError> {
+        self.accept_within(self.config.handshake_timeout)
+    }
+
+    /// As [`LinkListener::accept`], but waits at most `timeout` for a connection to arrive
+    /// (the handshake that follows still has the handshake time-out).
+    pub fn accept_within(&self, wait: Duration) -> Result<Link, LinkError> {
         let timeout = self.config.handshake_timeout;
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now() + wait;
         let unknown = Peer {
             addr: None,
             rank: None,
@@ -388,7 +437,7 @@ impl LinkListener {
                         return Err(LinkError::Timeout {
                             peer: unknown,
                             awaiting: Awaiting::Accept,
-                            after: timeout,
+                            after: wait,
                         });
                     }
                     std::thread::sleep(ACCEPT_POLL);

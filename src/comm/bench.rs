@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::{Algorithm, CommConfig, CommError, LocalGroup, ReduceOp};
+use super::{Algorithm, CommConfig, CommError, Communicator, LocalGroup, ReduceOp};
 use crate::mesh::Generation;
 
 /// What [`all_reduce_bandwidth`] measured. Bandwidths are in 1e9 bytes per second.
@@ -63,6 +63,66 @@ fn gbps(bytes: usize, time: Duration) -> f64 {
     }
 }
 
+/// `bytes` divided by the median time of one `copy_from_slice` of a buffer of that size.
+pub fn memcpy_gbps(bytes: usize, iterations: usize) -> f64 {
+    let len = bytes / 4;
+    let source = vec![1.0f32; len];
+    let mut copy = vec![0.0f32; len];
+    let mut memcpy = Vec::with_capacity(iterations);
+    for i in 0..iterations.max(1) + WARM_UP {
+        let start = Instant::now();
+        copy.copy_from_slice(&source);
+        std::hint::black_box(&mut copy);
+        if i >= WARM_UP {
+            memcpy.push(start.elapsed());
+        }
+    }
+    gbps(len * 4, median(memcpy))
+}
+
+/// One rank's side of the timing loop, for any transport: `iterations` timed f32 sum
+/// all-reduces of `bytes` bytes (rounded down to whole f32s) after a warm-up, each after a
+/// barrier. Returns this rank's durations and the algorithm that ran.
+pub fn time_all_reduce(
+    comm: &mut Communicator,
+    bytes: usize,
+    iterations: usize,
+) -> Result<(Vec<Duration>, Option<Algorithm>), CommError> {
+    let mut buf = vec![1.0f32; bytes / 4];
+    let mut times = Vec::with_capacity(iterations);
+    for i in 0..iterations.max(1) + WARM_UP {
+        comm.barrier()?;
+        let start = Instant::now();
+        comm.all_reduce(&mut buf, ReduceOp::Sum)?;
+        if i >= WARM_UP {
+            times.push(start.elapsed());
+        }
+    }
+    Ok((times, comm.last_algorithm()))
+}
+
+/// The figures of `world` ranks' all-reduce of `bytes` bytes from rank 0's durations.
+pub fn figures(
+    world: usize,
+    bytes: usize,
+    algorithm: Algorithm,
+    times: Vec<Duration>,
+    memcpy_gbps: f64,
+) -> AllReduceFigures {
+    let time = median(times);
+    let algbw = gbps(bytes, time);
+    let n = world as f64;
+    AllReduceFigures {
+        world,
+        bytes,
+        algorithm,
+        algbw_gbps: algbw,
+        busbw_gbps: algbw * 2.0 * (n - 1.0) / n,
+        memcpy_gbps,
+        seconds_median: time.as_secs_f64(),
+    }
+}
+
 /// Runs `iterations` timed f32 sum all-reduces of `bytes` bytes per rank (rounded down to
 /// whole f32s) on `world` threads with `algorithm`, after a warm-up, and reports the median.
 /// Each op starts after a barrier; rank 0 times it.
@@ -74,43 +134,15 @@ pub fn all_reduce_bandwidth(
 ) -> Result<AllReduceFigures, CommError> {
     let world = world.max(1);
     let iterations = iterations.max(1);
-    let len = bytes / 4;
-    let bytes = len * 4;
-
-    let source = vec![1.0f32; len];
-    let mut copy = vec![0.0f32; len];
-    let mut memcpy = Vec::with_capacity(iterations);
-    for i in 0..iterations + WARM_UP {
-        let start = Instant::now();
-        copy.copy_from_slice(&source);
-        std::hint::black_box(&mut copy);
-        if i >= WARM_UP {
-            memcpy.push(start.elapsed());
-        }
-    }
-    drop((source, copy));
-
+    let bytes = bytes / 4 * 4;
+    let memcpy = memcpy_gbps(bytes, iterations);
     let config = CommConfig::default().with_algorithm(algorithm);
     let group = LocalGroup::new(world, Generation(0), config);
     let results: Vec<Result<RankTimes, CommError>> = std::thread::scope(|scope| {
         let handles: Vec<_> = group
             .communicators()
             .into_iter()
-            .map(|mut comm| {
-                scope.spawn(move || {
-                    let mut buf = vec![1.0f32; len];
-                    let mut times = Vec::with_capacity(iterations);
-                    for i in 0..iterations + WARM_UP {
-                        comm.barrier()?;
-                        let start = Instant::now();
-                        comm.all_reduce(&mut buf, ReduceOp::Sum)?;
-                        if i >= WARM_UP {
-                            times.push(start.elapsed());
-                        }
-                    }
-                    Ok((times, comm.last_algorithm()))
-                })
-            })
+            .map(|mut comm| scope.spawn(move || time_all_reduce(&mut comm, bytes, iterations)))
             .collect();
         handles
             .into_iter()
@@ -123,16 +155,52 @@ pub fn all_reduce_bandwidth(
         rank0.get_or_insert(result);
     }
     let (times, used) = rank0.unwrap_or_default();
-    let time = median(times);
-    let algbw = gbps(bytes, time);
-    let n = world as f64;
-    Ok(AllReduceFigures {
+    Ok(figures(
         world,
         bytes,
-        algorithm: used.unwrap_or(algorithm),
-        algbw_gbps: algbw,
-        busbw_gbps: algbw * 2.0 * (n - 1.0) / n,
-        memcpy_gbps: gbps(bytes, median(memcpy)),
-        seconds_median: time.as_secs_f64(),
-    })
+        used.unwrap_or(algorithm),
+        times,
+        memcpy,
+    ))
+}
+
+/// What one plain loopback TCP stream moves, in 1e9 bytes per second: a thread writes
+/// `total` bytes in 4 MiB writes to a socket of this process, another reads them; the median
+/// of `runs` runs. The ceiling a TCP all-reduce on this machine is compared with.
+#[cfg(feature = "cluster")]
+pub fn tcp_stream_gbps(total: usize, runs: usize) -> std::io::Result<f64> {
+    use std::io::{Read, Write};
+    const CHUNK: usize = 4 << 20;
+    let mut samples = Vec::new();
+    for _ in 0..runs.max(1) {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+        let addr = listener.local_addr()?;
+        let writer = std::thread::spawn(move || -> std::io::Result<()> {
+            let mut stream = std::net::TcpStream::connect(addr)?;
+            stream.set_nodelay(true)?;
+            let chunk = vec![1u8; CHUNK];
+            let mut left = total;
+            while left > 0 {
+                let n = left.min(CHUNK);
+                stream.write_all(&chunk[..n])?;
+                left -= n;
+            }
+            Ok(())
+        });
+        let (mut stream, _) = listener.accept()?;
+        let mut buf = vec![0u8; CHUNK];
+        let mut got = 0;
+        let start = Instant::now();
+        while got < total {
+            match stream.read(&mut buf)? {
+                0 => break,
+                n => got += n,
+            }
+        }
+        samples.push(start.elapsed());
+        writer
+            .join()
+            .map_err(|_| std::io::Error::other("the stream writer panicked"))??;
+    }
+    Ok(gbps(total, median(samples)))
 }

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use super::element::{Element, as_f32_mut, combine, finish, narrow, reduce_into, widen};
 use super::plan::{self, Plan, Step};
 use super::{
-    Algorithm, CallShape, CollectiveKind, CommConfig, CommError, MessageHook, RankCall, ReduceOp,
-    Tamper, chunk_range,
+    Algorithm, CallShape, CollectiveKind, CommConfig, CommError, Communicator, MessageHook,
+    RankCall, ReduceOp, Tamper, chunk_range,
 };
 use crate::mesh::{Generation, Rank};
 
@@ -292,7 +292,7 @@ impl LocalGroup {
             return Vec::new();
         }
         (0..self.world)
-            .map(|r| Communicator {
+            .map(|r| LocalCommunicator {
                 group: Arc::clone(self),
                 rank: rank_of(r),
                 seq: 0,
@@ -305,6 +305,7 @@ impl LocalGroup {
                 plan_cache: None,
                 hook: None,
             })
+            .map(Communicator::local)
             .collect()
     }
 
@@ -864,11 +865,9 @@ unsafe fn execute_direct<T: Element>(
 }
 
 /// One rank's handle on a [`LocalGroup`]: runs that rank's side of every op, from one thread.
-///
-/// Every method blocks until the op completed on this rank or failed. On error a buffer the
-/// op writes holds unspecified values, except after [`CommError::Mismatch`] (untouched).
+/// Wrapped by [`Communicator`], which documents the methods.
 #[derive(Debug)]
-pub struct Communicator {
+pub(crate) struct LocalCommunicator {
     group: Arc<LocalGroup>,
     rank: Rank,
     seq: u64,
@@ -894,70 +893,64 @@ struct Buffers<T> {
     target: Target<T>,
 }
 
-impl Communicator {
+impl LocalCommunicator {
     /// This communicator's rank.
-    pub fn rank(&self) -> Rank {
+    pub(crate) fn rank(&self) -> Rank {
         self.rank
     }
 
     /// Ranks in the group.
-    pub fn world(&self) -> usize {
+    pub(crate) fn world(&self) -> usize {
         self.group.world
     }
 
     /// The group's generation.
-    pub fn generation(&self) -> Generation {
+    pub(crate) fn generation(&self) -> Generation {
         self.group.generation
     }
 
     /// The group this communicator belongs to.
-    pub fn group(&self) -> &Arc<LocalGroup> {
+    pub(crate) fn group(&self) -> &Arc<LocalGroup> {
         &self.group
     }
 
     /// The sequence number the next collective will carry (COMM-1).
-    pub fn next_seq(&self) -> u64 {
+    pub(crate) fn next_seq(&self) -> u64 {
         self.seq
     }
 
     /// The time-out each op gets.
-    pub fn timeout(&self) -> Duration {
+    pub(crate) fn timeout(&self) -> Duration {
         self.timeout
     }
 
     /// Sets the time-out of the following ops.
-    pub fn set_timeout(&mut self, timeout: Duration) {
+    pub(crate) fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
-    }
-
-    /// This communicator with another time-out.
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
-        self.timeout = timeout;
-        self
     }
 
     /// The algorithm requested for the following collectives.
-    pub fn algorithm(&self) -> Algorithm {
+    pub(crate) fn algorithm(&self) -> Algorithm {
         self.algorithm
     }
 
     /// Requests an algorithm for the following collectives. All ranks of a group should
     /// request the same: an algorithm is resolved per rank, and ranks running different plans
     /// of one op get wrong results or time out.
-    pub fn set_algorithm(&mut self, algorithm: Algorithm) {
+    pub(crate) fn set_algorithm(&mut self, algorithm: Algorithm) {
         self.algorithm = algorithm;
     }
 
     /// Sends every later message of this rank's message plans through `hook` (COMM-8), or no
     /// longer (`None`). A communicator with a hook resolves direct plans to ring, so every
     /// rank of the group should have one.
-    pub fn set_message_hook(&mut self, hook: Option<Arc<dyn MessageHook>>) {
+    pub(crate) fn set_message_hook(&mut self, hook: Option<Arc<dyn MessageHook>>) {
         self.hook = hook;
     }
 
     /// The algorithm that moved the data of the last all-reduce, reduce-scatter, all-gather or
     /// broadcast that passed validation (never [`Algorithm::Auto`]).
-    pub fn last_algorithm(&self) -> Option<Algorithm> {
+    pub(crate) fn last_algorithm(&self) -> Option<Algorithm> {
         self.last_algorithm
     }
 
@@ -1114,7 +1107,11 @@ impl Communicator {
     /// All-reduce in place: afterwards every rank's `buf` holds the element-wise reduction
     /// of all ranks' `buf`s, bit-identical on every rank. Ranks must pass equal lengths,
     /// the same type and the same `op`.
-    pub fn all_reduce<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<(), CommError> {
+    pub(crate) fn all_reduce<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
         let call = CallShape {
             kind: CollectiveKind::AllReduce,
             dtype: Some(T::DTYPE),
@@ -1172,7 +1169,7 @@ impl Communicator {
     /// Reduce-scatter: `input` is the full buffer of length L on every rank; afterwards
     /// `output` holds this rank's chunk `chunk_range(L, world, rank)` of the reduction.
     /// `output.len()` must equal that chunk's length (else [`CommError::Mismatch`]).
-    pub fn reduce_scatter<T: Element>(
+    pub(crate) fn reduce_scatter<T: Element>(
         &mut self,
         input: &[T],
         output: &mut [T],
@@ -1220,7 +1217,7 @@ impl Communicator {
     /// All-gather: `output` has the same length L on every rank; rank r contributes `input`
     /// as chunk `chunk_range(L, world, r)` (its length must match, else
     /// [`CommError::Mismatch`]); afterwards every `output` holds all chunks.
-    pub fn all_gather<T: Element>(
+    pub(crate) fn all_gather<T: Element>(
         &mut self,
         input: &[T],
         output: &mut [T],
@@ -1306,7 +1303,11 @@ impl Communicator {
 
     /// Broadcast: afterwards every rank's `buf` equals `root`'s. Ranks must pass equal
     /// lengths, the same type and the same root (inside the group).
-    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: Rank) -> Result<(), CommError> {
+    pub(crate) fn broadcast<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        root: Rank,
+    ) -> Result<(), CommError> {
         let len = buf.len();
         let call = CallShape {
             kind: CollectiveKind::Broadcast,
@@ -1322,7 +1323,7 @@ impl Communicator {
     }
 
     /// Barrier: returns once every rank of the group called it (or with an error).
-    pub fn barrier(&mut self) -> Result<(), CommError> {
+    pub(crate) fn barrier(&mut self) -> Result<(), CommError> {
         let seq = self.take_seq();
         let deadline = self.deadline();
         let call = CallShape {
@@ -1356,7 +1357,7 @@ impl Communicator {
     /// Sends `buf` to rank `to`; returns once `to`'s matching [`Communicator::recv`] copied
     /// it (or failed). The k-th send from a rank to `to` matches the k-th recv of `to` from
     /// that rank; lengths and types must agree (else [`CommError::Mismatch`] on both sides).
-    pub fn send<T: Element>(&mut self, buf: &[T], to: Rank) -> Result<(), CommError> {
+    pub(crate) fn send<T: Element>(&mut self, buf: &[T], to: Rank) -> Result<(), CommError> {
         let op = CollectiveKind::Send;
         let peer = self.check_peer(op, to)?;
         let me = self.me();
@@ -1430,7 +1431,7 @@ impl Communicator {
     }
 
     /// Receives into `buf` the matching [`Communicator::send`] of rank `from` (see there).
-    pub fn recv<T: Element>(&mut self, buf: &mut [T], from: Rank) -> Result<(), CommError> {
+    pub(crate) fn recv<T: Element>(&mut self, buf: &mut [T], from: Rank) -> Result<(), CommError> {
         let op = CollectiveKind::Recv;
         let peer = self.check_peer(op, from)?;
         let me = self.me();

@@ -20,11 +20,16 @@ use serde::{Deserialize, Serialize};
 /// The benchmarks.
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum BenchCommand {
-    /// All-reduce bandwidth (algbw, busbw) against memcpy, for sizes 4 KiB..64 MiB.
+    /// All-reduce bandwidth (algbw, busbw) against memcpy, for sizes 4 KiB..64 MiB; with
+    /// `--transport tcp`, across processes and against one loopback TCP stream.
     Allreduce {
-        /// Ranks (threads) in the group.
+        /// Ranks in the group: threads of this process (local) or processes (tcp).
         #[arg(long, default_value_t = 2)]
         world: usize,
+        /// `local` (one process, shared memory) or `tcp` (one process per rank on 127.0.0.1;
+        /// needs the `cluster` feature).
+        #[arg(long, value_enum, default_value_t = TransportArg::Local)]
+        transport: TransportArg,
         /// One size only (e.g. 16MiB, 4096, 64K); default: 4 KiB..64 MiB.
         #[arg(long, value_parser = parse_size)]
         bytes: Option<usize>,
@@ -107,6 +112,19 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// (internal) One rank of `bench allreduce --transport tcp`, run in a child process.
+    #[command(hide = true)]
+    AllreduceWorker {
+        #[arg(long)]
+        rank: u32,
+        #[arg(long)]
+        world: usize,
+        /// Sizes in bytes, comma-separated.
+        #[arg(long)]
+        sizes: String,
+        #[arg(long, value_enum)]
+        algo: AlgoArg,
+    },
     /// (internal) One side of `bench dp`, run in a child process.
     #[command(hide = true)]
     DpWorker {
@@ -118,6 +136,13 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         steps: u64,
     },
+}
+
+/// Transport choice on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum TransportArg {
+    Local,
+    Tcp,
 }
 
 /// Algorithm choice on the command line.
@@ -161,10 +186,24 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
         BenchCommand::Allreduce {
             world,
+            transport: TransportArg::Local,
             bytes,
             algo,
             json,
         } => allreduce(world, bytes, algo.into(), json),
+        BenchCommand::Allreduce {
+            world,
+            transport: TransportArg::Tcp,
+            bytes,
+            algo,
+            json,
+        } => allreduce_tcp(world, bytes, algo.into(), json),
+        BenchCommand::AllreduceWorker {
+            rank,
+            world,
+            sizes,
+            algo,
+        } => allreduce_worker(rank, world, &sizes, algo.into()),
         BenchCommand::Dp { world, steps, json } => dp(world, steps, json),
         BenchCommand::DpWorker { mode, world, steps } => dp_worker(&mode, world, steps),
         BenchCommand::Recovery {
@@ -217,14 +256,52 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
     }
 }
 
+fn sizes(bytes: Option<usize>) -> Vec<usize> {
+    match bytes {
+        Some(b) => vec![b],
+        None => (12..=26).map(|p| 1usize << p).collect(),
+    }
+}
+
+#[cfg(feature = "cluster")]
+fn allreduce_tcp(world: usize, bytes: Option<usize>, algo: Algorithm, json: bool) -> Result<()> {
+    if world == 0 {
+        return Err(Error::InvalidConfig("--world 0: use at least 1".into()));
+    }
+    crate::tcp_bench::run(world, &sizes(bytes), algo, json)
+}
+
+#[cfg(feature = "cluster")]
+fn allreduce_worker(rank: u32, world: usize, sizes: &str, algo: Algorithm) -> Result<()> {
+    let sizes = sizes
+        .split(',')
+        .map(|s| {
+            s.parse()
+                .map_err(|_| Error::InvalidConfig(format!("--sizes: {s:?} is not a size")))
+        })
+        .collect::<Result<Vec<usize>>>()?;
+    crate::tcp_bench::worker(rank, world, &sizes, algo)
+}
+
+#[cfg(not(feature = "cluster"))]
+fn allreduce_tcp(_: usize, _: Option<usize>, _: Algorithm, _: bool) -> Result<()> {
+    Err(Error::InvalidConfig(
+        "--transport tcp needs meshwork built with the `cluster` feature \
+         (cargo run --release --features cluster -- bench allreduce --transport tcp)"
+            .into(),
+    ))
+}
+
+#[cfg(not(feature = "cluster"))]
+fn allreduce_worker(_: u32, _: usize, _: &str, _: Algorithm) -> Result<()> {
+    allreduce_tcp(0, None, Algorithm::Auto, false)
+}
+
 fn allreduce(world: usize, bytes: Option<usize>, algo: Algorithm, json: bool) -> Result<()> {
     if world == 0 {
         return Err(Error::InvalidConfig("--world 0: use at least 1".into()));
     }
-    let sizes: Vec<usize> = match bytes {
-        Some(b) => vec![b],
-        None => (12..=26).map(|p| 1usize << p).collect(),
-    };
+    let sizes = sizes(bytes);
     if !json {
         println!(
             "# all_reduce, world {world}, f32, sum; GB/s = 1e9 bytes/s; busbw = algbw·2(N−1)/N"

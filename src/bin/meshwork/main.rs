@@ -12,6 +12,8 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod pipeline_bench;
 mod recovery_bench;
+#[cfg(feature = "cluster")]
+mod tcp_bench;
 mod train;
 
 /// Train Burn models on many devices at once.

@@ -1,0 +1,502 @@
+//! The TCP transport with every rank a thread of this process, each with its own listener and
+//! its own TCP links over loopback; results are compared with the in-process transport running
+//! the same code. (Real separate processes: `tests/cluster_tcp.rs`.)
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use half::{bf16, f16};
+use proptest::prelude::*;
+
+use super::schedule::{SendMode, chosen_modes, completes_with, peers_with_role, resolve};
+use super::*;
+use crate::cluster::link::{JobToken, Link, LinkListener};
+use crate::comm::{DType, LocalGroup};
+
+fn token() -> JobToken {
+    JobToken::from_bytes([42; 32])
+}
+
+fn config() -> TcpConfig {
+    TcpConfig::default()
+        .with_timeout(Duration::from_secs(10))
+        .with_link(LinkConfig::default().with_handshake_timeout(Duration::from_secs(10)))
+}
+
+fn listeners(
+    world: usize,
+    token: &JobToken,
+    config: &TcpConfig,
+) -> (Vec<LinkListener>, Vec<SocketAddr>) {
+    let listeners: Vec<LinkListener> = (0..world)
+        .map(|r| {
+            LinkListener::bind("127.0.0.1:0", rank_of(r), token.clone(), config.link)
+                .expect("a loopback port")
+        })
+        .collect();
+    let addrs = listeners
+        .iter()
+        .map(|l| l.local_addr().expect("a bound address"))
+        .collect();
+    (listeners, addrs)
+}
+
+/// Runs `body` on one thread per rank of a fresh TCP group over loopback; returns each rank's
+/// result in rank order.
+fn on_tcp<R: Send>(
+    world: usize,
+    config: TcpConfig,
+    body: impl Fn(&mut Communicator) -> R + Sync,
+) -> Vec<R> {
+    let (listeners, addrs) = listeners(world, &token(), &config);
+    let body = &body;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = listeners
+            .iter()
+            .map(|listener| {
+                let (addrs, config) = (addrs.clone(), config.clone());
+                scope.spawn(move || {
+                    let group = TcpGroup::connect(listener, &addrs, Generation(0), config)
+                        .expect("the group forms");
+                    let mut comm = group.into_communicator();
+                    body(&mut comm)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+/// The same on the in-process transport.
+fn on_local<R: Send>(world: usize, body: impl Fn(&mut Communicator) -> R + Sync) -> Vec<R> {
+    let group = LocalGroup::new(world, Generation(0), CommConfig::default());
+    let body = &body;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = group
+            .communicators()
+            .into_iter()
+            .map(|mut comm| scope.spawn(move || body(&mut comm)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+/// Deterministic inputs in [-1, 1] per rank.
+fn input<T: Element>(rank: usize, len: usize, seed: u64) -> Vec<T> {
+    let mut x = seed ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            T::from_f32(((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32)
+        })
+        .collect()
+}
+
+fn bits<T: Element>(values: &[T]) -> Vec<u32> {
+    values.iter().map(|v| v.to_f32().to_bits()).collect()
+}
+
+/// Every collective of one element type, with one algorithm, over several lengths and reduce
+/// ops: each op's output as bits, in call order.
+fn every_collective<T: Element>(comm: &mut Communicator, algorithm: Algorithm) -> Vec<Vec<u32>> {
+    comm.set_algorithm(algorithm);
+    let (me, world) = (comm.rank().index(), comm.world());
+    let mut out = Vec::new();
+    for (i, len) in [0usize, 1, 5, 64, 1000, 4099].into_iter().enumerate() {
+        let seed = i as u64 + 11;
+        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
+            let mut buf = input::<T>(me, len, seed);
+            comm.all_reduce(&mut buf, op).expect("all_reduce");
+            out.push(bits(&buf));
+            let full = input::<T>(me, len, seed + 1);
+            let mut chunk = vec![T::from_f32(0.0); chunk_range(len, world, me).len()];
+            comm.reduce_scatter(&full, &mut chunk, op)
+                .expect("reduce_scatter");
+            out.push(bits(&chunk));
+        }
+        let mine = input::<T>(me, chunk_range(len, world, me).len(), seed + 2);
+        let mut gathered = vec![T::from_f32(0.0); len];
+        comm.all_gather(&mine, &mut gathered).expect("all_gather");
+        out.push(bits(&gathered));
+        for root in 0..world {
+            let mut buf = input::<T>(me, len, seed + 3);
+            comm.broadcast(&mut buf, rank_of(root)).expect("broadcast");
+            out.push(bits(&buf));
+        }
+        comm.barrier().expect("barrier");
+    }
+    out
+}
+
+#[test]
+fn every_collective_over_tcp_equals_in_process_bit_for_bit() {
+    for world in 1..=4 {
+        for algorithm in [Algorithm::Ring, Algorithm::Tree] {
+            let scenario = |comm: &mut Communicator| {
+                let mut out = every_collective::<f32>(comm, algorithm);
+                out.extend(every_collective::<f16>(comm, algorithm));
+                out.extend(every_collective::<bf16>(comm, algorithm));
+                (out, comm.last_algorithm())
+            };
+            let tcp = on_tcp(world, config(), scenario);
+            let local = on_local(world, scenario);
+            for (r, ((t, t_algo), (l, l_algo))) in tcp.iter().zip(&local).enumerate() {
+                assert_eq!(t_algo, l_algo, "world {world} {algorithm} rank {r}");
+                assert!(
+                    t == l,
+                    "world {world} {algorithm}: rank {r} differs from in-process"
+                );
+            }
+            // PLAN-4 over TCP: every rank ends with the same all-reduced values.
+            assert!(tcp.iter().all(|(t, _)| t[0] == tcp[0].0[0]));
+        }
+    }
+}
+
+#[test]
+fn auto_runs_ring_for_large_buffers_and_tree_for_small_ones_across_processes() {
+    let algos = on_tcp(3, config(), |comm| {
+        let mut small = vec![1.0f32; 16];
+        comm.all_reduce(&mut small, ReduceOp::Sum).unwrap();
+        let small_algo = comm.last_algorithm();
+        let mut large = vec![1.0f32; 100_000];
+        comm.set_algorithm(Algorithm::Direct);
+        comm.all_reduce(&mut large, ReduceOp::Sum).unwrap();
+        assert!(large.iter().all(|v| *v == 3.0));
+        (small_algo, comm.last_algorithm())
+    });
+    assert!(
+        algos
+            .iter()
+            .all(|a| *a == (Some(Algorithm::Tree), Some(Algorithm::Ring)))
+    );
+}
+
+#[test]
+fn multi_frame_steps_and_tree_copies_move_large_buffers_without_deadlock() {
+    // 8 MiB per rank, frames of 64 KiB: many frames per ring step; the tree all-reduce sends
+    // the whole buffer both ways at once (TCP-3: copied sends, no deadlock).
+    let len = 2 << 20;
+    for algorithm in [Algorithm::Ring, Algorithm::Tree] {
+        let scenario = |comm: &mut Communicator| {
+            comm.set_algorithm(algorithm);
+            let mut buf = input::<f32>(comm.rank().index(), len, 5);
+            comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+            bits(&buf)
+        };
+        let tcp = on_tcp(2, config().with_frame_bytes(64 << 10), scenario);
+        let local = on_local(2, scenario);
+        assert!(tcp == local, "{algorithm}");
+    }
+}
+
+#[test]
+fn send_and_recv_match_in_order_and_a_length_mismatch_fails_both_sides() {
+    let values: Vec<f16> = input(7, 3000, 1);
+    let results = on_tcp(2, config(), |comm| {
+        let mut got = vec![f16::ZERO; 3000];
+        if comm.rank() == Rank(0) {
+            comm.send(&values, Rank(1)).unwrap();
+            let mismatch = comm.send(&values[..10], Rank(1));
+            comm.send(&values[..5], Rank(1)).unwrap();
+            comm.recv(&mut got, Rank(1)).unwrap();
+            (mismatch, bits(&got))
+        } else {
+            comm.recv(&mut got, Rank(0)).unwrap();
+            assert_eq!(bits(&got), bits(&values));
+            let mismatch = comm.recv(&mut got[..11], Rank(0));
+            comm.recv(&mut got[..5], Rank(0)).unwrap();
+            comm.send(&values, Rank(0)).unwrap();
+            (mismatch, bits(&got))
+        }
+    });
+    for (r, (mismatch, got)) in results.iter().enumerate() {
+        let Err(CommError::Mismatch {
+            seq: 1, calls, op, ..
+        }) = mismatch
+        else {
+            panic!("rank {r}: expected a mismatch, got {mismatch:?}");
+        };
+        let expected_op = if r == 0 {
+            CollectiveKind::Send
+        } else {
+            CollectiveKind::Recv
+        };
+        assert_eq!(*op, expected_op);
+        assert_eq!((calls[0].call.len, calls[1].call.len), (10, 11));
+        assert_eq!(got, &bits(&values));
+    }
+}
+
+#[test]
+fn comm_2_mismatched_calls_fail_on_every_rank_and_the_group_stays_usable() {
+    let results = on_tcp(3, config(), |comm| {
+        let me = comm.rank().index();
+        let mut buf = vec![1.0f32; if me == 2 { 9 } else { 8 }];
+        let first = comm.all_reduce(&mut buf, ReduceOp::Sum);
+        let untouched = buf.iter().all(|v| *v == 1.0);
+        let mut buf = vec![1.0f32; 8];
+        comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+        (first, untouched, buf[0])
+    });
+    for (first, untouched, after) in results {
+        let Err(CommError::Mismatch { seq, calls, .. }) = first else {
+            panic!("expected a mismatch, got {first:?}");
+        };
+        assert_eq!((seq, calls.len(), calls[2].call.len), (0, 3, 9));
+        assert!(untouched);
+        assert_eq!(after, 3.0);
+    }
+}
+
+/// Forms a TCP group of `world` ranks and runs `bodies[r]` on rank r's thread.
+fn on_tcp_each<R: Send>(
+    world: usize,
+    config: TcpConfig,
+    body: impl Fn(usize, Communicator, TcpShutdown) -> R + Sync,
+) -> Vec<R> {
+    let (listeners, addrs) = listeners(world, &token(), &config);
+    let body = &body;
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = listeners
+            .iter()
+            .enumerate()
+            .map(|(r, listener)| {
+                let (addrs, config) = (addrs.clone(), config.clone());
+                scope.spawn(move || {
+                    let group = TcpGroup::connect(listener, &addrs, Generation(0), config)
+                        .expect("the group forms");
+                    let stop = group.shutdown_handle();
+                    body(r, group.into_communicator(), stop)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank thread panicked"))
+            .collect()
+    })
+}
+
+/// The rank an error blames: the missing rank of a time-out, the peer of a link failure,
+/// through a poisoned op's cause.
+fn blamed(error: &CommError) -> Vec<Rank> {
+    match error {
+        CommError::Timeout { missing, .. } => missing.clone(),
+        CommError::Link { peer, .. } => vec![*peer],
+        CommError::Poisoned { cause, .. } => blamed(cause),
+        _ => Vec::new(),
+    }
+}
+
+#[test]
+fn tcp_5_silent_peer_times_out_naming_it_and_the_group_is_poisoned() {
+    let timeout = Duration::from_millis(400);
+    let results = on_tcp_each(3, config().with_timeout(timeout), |r, mut comm, _| {
+        if r == 2 {
+            std::thread::sleep(timeout * 4);
+            return None;
+        }
+        let started = Instant::now();
+        let mut buf = vec![1.0f32; 1000];
+        let error = comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
+        let waited = started.elapsed();
+        let later = comm.barrier().unwrap_err();
+        Some((error, waited, later))
+    });
+    for (error, waited, later) in results.into_iter().flatten() {
+        assert_eq!(blamed(&error), vec![Rank(2)], "{error}");
+        assert!(waited < timeout + Duration::from_millis(500), "{waited:?}");
+        assert!(matches!(later, CommError::Poisoned { .. }), "{later}");
+        assert_eq!(blamed(&later), vec![Rank(2)]);
+    }
+}
+
+#[test]
+fn tcp_5_peer_gone_mid_collective_is_a_link_error_naming_it_not_a_hang() {
+    let timeout = Duration::from_secs(20);
+    let results = on_tcp_each(3, config().with_timeout(timeout), |r, mut comm, _| {
+        let mut buf = vec![1.0f32; 1 << 20];
+        comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+        if r == 1 {
+            // Rank 1 goes away: its links close.
+            drop(comm);
+            return None;
+        }
+        let started = Instant::now();
+        let error = comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
+        Some((error, started.elapsed()))
+    });
+    for (error, waited) in results.into_iter().flatten() {
+        assert_eq!(blamed(&error), vec![Rank(1)], "{error}");
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+    }
+}
+
+#[test]
+fn tcp_6_shutdown_wakes_a_waiting_op_and_refuses_later_ones() {
+    let results = on_tcp_each(2, config(), |r, mut comm, stop| {
+        if r == 1 {
+            // Never joins the op; holds its links open meanwhile.
+            std::thread::sleep(Duration::from_millis(800));
+            return None;
+        }
+        let stopper = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            stop.shutdown();
+        });
+        let started = Instant::now();
+        let mut buf = vec![1.0f32; 10];
+        let first = comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
+        let waited = started.elapsed();
+        stopper.join().unwrap();
+        Some((first, waited, comm.barrier().unwrap_err()))
+    });
+    let (first, waited, later) = results[0].clone().unwrap();
+    assert!(matches!(first, CommError::Shutdown { .. }), "{first}");
+    assert!(waited < Duration::from_millis(600), "{waited:?}");
+    assert!(matches!(later, CommError::Shutdown { .. }), "{later}");
+}
+
+#[test]
+fn tcp_1_wrong_token_never_becomes_a_link_and_the_group_still_forms() {
+    let config = config();
+    let (listeners, addrs) = listeners(2, &token(), &config);
+    let stranger_addr = addrs[0];
+    let (stranger, results) = std::thread::scope(|scope| {
+        // A stranger claiming to be rank 1, without the token, reaches rank 0's listener
+        // while the group forms.
+        let stranger = scope.spawn(move || {
+            let wrong = JobToken::from_bytes([1; 32]);
+            Link::connect(stranger_addr, Rank(1), Rank(0), &wrong, config.link)
+        });
+        // Let its connection be first in rank 0's backlog, so rank 0 must turn it away before
+        // rank 1's link can be accepted.
+        std::thread::sleep(Duration::from_millis(50));
+        let handles: Vec<_> = listeners
+            .iter()
+            .map(|listener| {
+                let (addrs, config) = (addrs.clone(), config.clone());
+                scope.spawn(move || {
+                    let mut comm = TcpGroup::connect(listener, &addrs, Generation(0), config)
+                        .unwrap()
+                        .into_communicator();
+                    let mut buf = vec![2.0f32; 3];
+                    comm.all_reduce(&mut buf, ReduceOp::Sum).map(|()| buf[0])
+                })
+            })
+            .collect();
+        let results: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        (stranger.join().unwrap(), results)
+    });
+    assert!(
+        matches!(stranger, Err(LinkError::HandshakeRefused { .. })),
+        "{stranger:?}"
+    );
+    assert!(results.iter().all(|r| matches!(r, Ok(4.0))), "{results:?}");
+}
+
+#[test]
+fn tcp_1_a_rank_with_the_wrong_token_cannot_join() {
+    let config = config()
+        .with_link(LinkConfig::default().with_handshake_timeout(Duration::from_millis(500)));
+    let good = LinkListener::bind("127.0.0.1:0", Rank(0), token(), config.link).unwrap();
+    let bad = LinkListener::bind(
+        "127.0.0.1:0",
+        Rank(1),
+        JobToken::from_bytes([9; 32]),
+        config.link,
+    )
+    .unwrap();
+    let addrs = vec![good.local_addr().unwrap(), bad.local_addr().unwrap()];
+    let (zero, one) = std::thread::scope(|scope| {
+        let zero = scope.spawn(|| TcpGroup::connect(&good, &addrs, Generation(0), config.clone()));
+        let one = scope.spawn(|| TcpGroup::connect(&bad, &addrs, Generation(0), config.clone()));
+        (zero.join().unwrap(), one.join().unwrap())
+    });
+    assert!(
+        matches!(&zero, Err(TcpGroupError::Missing { missing, .. }) if missing == &vec![Rank(1)]),
+        "{zero:?}"
+    );
+    assert!(
+        matches!(
+            &one,
+            Err(TcpGroupError::Connect {
+                peer: Rank(0),
+                source: LinkError::HandshakeRefused { .. },
+                ..
+            })
+        ),
+        "{one:?}"
+    );
+}
+
+proptest! {
+    #[test]
+    fn tcp_1_every_pair_has_exactly_one_acceptor_and_one_connector(world in 1usize..24) {
+        for me in 0..world {
+            let accept = peers_with_role(rank_of(me), world, LinkRole::Accept);
+            let connect = peers_with_role(rank_of(me), world, LinkRole::Connect);
+            prop_assert_eq!(accept.len() + connect.len(), world - 1);
+            for peer in 0..world {
+                let (a, b) = (link_role(rank_of(me), rank_of(peer)), link_role(rank_of(peer), rank_of(me)));
+                match (a, b) {
+                    (None, None) => prop_assert_eq!(me, peer),
+                    (Some(LinkRole::Accept), Some(LinkRole::Connect)) => prop_assert!(me < peer),
+                    (Some(LinkRole::Connect), Some(LinkRole::Accept)) => prop_assert!(me > peer),
+                    other => prop_assert!(false, "{me}, {peer}: {other:?}"),
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tcp_2_and_tcp_3_every_tcp_plan_completes_with_its_send_modes(
+        world in 1usize..10,
+        len in 0usize..90,
+        root in 0usize..10,
+        kind in prop::sample::select(vec![
+            CollectiveKind::AllReduce,
+            CollectiveKind::ReduceScatter,
+            CollectiveKind::AllGather,
+            CollectiveKind::Broadcast,
+        ]),
+        requested in prop::sample::select(vec![
+            Algorithm::Auto, Algorithm::Ring, Algorithm::Tree, Algorithm::Direct,
+        ]),
+        bytes in 0usize..100_000,
+    ) {
+        let algorithm = resolve(requested, kind, world, bytes);
+        prop_assert!(matches!(algorithm, Algorithm::Ring | Algorithm::Tree));
+        let root = rank_of(root % world);
+        let plan = plan::plan(kind, algorithm, world, len, root).unwrap();
+        prop_assert!(completes_with(&plan, &chosen_modes(&plan)));
+        if algorithm == Algorithm::Ring {
+            // Ring never copies: every send goes from the caller's buffer.
+            for r in 0..world {
+                prop_assert!(send_modes(&plan, rank_of(r)).iter().all(|m| *m == SendMode::Borrow));
+            }
+        }
+    }
+}
+
+#[test]
+fn tcp_3_tree_all_reduce_would_deadlock_with_borrowed_sends_so_it_copies() {
+    let plan = plan::plan(CollectiveKind::AllReduce, Algorithm::Tree, 2, 10, Rank(0)).unwrap();
+    assert!(!completes_with(&plan, &|_, _| SendMode::Borrow));
+    assert_eq!(send_modes(&plan, Rank(0)), vec![SendMode::Copy]);
+}
+
+#[test]
+fn dtype_sizes_match_the_wire() {
+    assert_eq!(DType::F16.size_bytes(), std::mem::size_of::<f16>());
+    assert_eq!(DType::BF16.size_bytes(), std::mem::size_of::<bf16>());
+}
