@@ -64,5 +64,7 @@
 //! - **Failures.** A [`link::LinkError`] maps to `CommError`: `Timeout` names the peer rank
 //!   (COMM-3), any other error poisons the group; the link is already closed (LINK-4).
 
+pub mod control;
 pub mod frame;
 pub mod link;
+pub mod rendezvous;
