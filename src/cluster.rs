@@ -1,9 +1,17 @@
-//! The multi-process data plane: how bulk bytes move between ranks in different processes
-//! (behind the `cluster` cargo feature).
+//! Several processes and hosts (behind the `cluster` cargo feature), on two planes:
 //!
-//! Owns: the wire format ([`frame`], pure) and authenticated, bounded TCP links between two
-//! ranks ([`link`], blocking `std::net`). Must not depend on `actors`, `job` or Burn; `comm`
-//! will depend on it, not the reverse.
+//! - the **control plane** ([`control`], on ractor_cluster): the head and its nodes find each
+//!   other ([`rendezvous`] reads torchrun's and Slurm's variables), check they speak the same
+//!   protocol and build the same model, agree on ranks, and hand out every rank's data-plane
+//!   address and the per-job token; then heartbeats and shutdown. Small messages only.
+//! - the **data plane**: how bulk bytes move between ranks in different processes: the wire
+//!   format ([`frame`], pure) and authenticated, bounded TCP links between two ranks ([`link`],
+//!   blocking `std::net`).
+//!
+//! `frame`, `link` and `rendezvous` must not depend on `actors`, `job` or Burn; `comm` will
+//! depend on them, not the reverse. `control` sits above the runtime (it uses Burn only to
+//! fingerprint a model's structure) and hands the data plane its inputs
+//! ([`control::World::plan_for`], [`control::link_listeners`]).
 //!
 //! ```
 //! use meshwork::cluster::link::{JobToken, Link, LinkConfig, LinkListener};
@@ -35,7 +43,8 @@
 //!   recursive doubling and direct: every peer). By convention the lower rank listens and the
 //!   higher rank connects ([`link::Link::connect`] names the rank it expects), so each pair has
 //!   exactly one link. The listener's address and the [`link::JobToken`] come from the control
-//!   plane (ractor_cluster; not built yet).
+//!   plane ([`control`]: a node binds its listeners before joining, announces their addresses,
+//!   and gets the world and the token in `Prepare`).
 //! - **`Step::Send { to, range }`**: encode `buf[range]` as little-endian bytes
 //!   ([`frame::put_f32s`] for f32; f16/bf16 likewise, 2 bytes each) into a reusable scratch
 //!   buffer and [`link::Link::send_frame`] it on the link to `to`. One step, one frame; the

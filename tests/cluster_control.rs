@@ -343,3 +343,64 @@ fn ctl_7_node_stops_when_its_head_is_silent() {
     assert!(out.contains("no heartbeat for 3s"), "{out}");
     assert!(took < Duration::from_secs(3 + 5), "took {took:?}");
 }
+
+/// The library's head, in this process, with a node process: `Head::keep_alive` keeps a
+/// prepared node past several of its head time-outs, and reports the node once it is killed.
+#[test]
+fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
+    use meshwork::cluster::control::{
+        ClusterSecret, Head, HeadConfig, JobSpec, ModelSpec, demo_fingerprint,
+    };
+    use meshwork::device::{BackendKind, MeshDevice};
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let mut config =
+            HeadConfig::new("127.0.0.1:0", "kept", ClusterSecret::new(SECRET).unwrap());
+        config.heartbeat_interval = Duration::from_millis(300);
+        config.rpc_timeout = Duration::from_secs(2);
+        let mut head = Head::start(config).await.unwrap();
+        let addr = head.local_addr().to_string();
+        let mut n = node("kept-node", &addr, "kept", &["--head-timeout", "2"], SECRET);
+        let spec = JobSpec {
+            model: ModelSpec::DemoMlp {
+                widths: vec![32, 128, 128, 4],
+            },
+            seed: 0,
+            batch_size: 256,
+            steps: 300,
+            learning_rate: 3e-3,
+            collective_timeout_ms: 60_000,
+        };
+        let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap();
+        let fingerprint = demo_fingerprint(&spec, device[0].burn()).unwrap();
+        let assembled = tokio::time::timeout(
+            Duration::from_secs(60),
+            head.assemble(1, &spec, fingerprint, Vec::new(), Duration::from_secs(60)),
+        )
+        .await
+        .expect("assembled in time")
+        .unwrap_or_else(|e| panic!("{e}\n{}", n.output()));
+        assert_eq!(assembled.world.size(), 1);
+        assert!(assembled.head_plan().ranks.is_empty());
+        assert_eq!(head.nodes()[0].info.name, "kept-node");
+        let mut keep = head.keep_alive();
+        // Three of the node's head time-outs: it is still there.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert!(
+            n.child.try_wait().unwrap().is_none(),
+            "the node left:\n{}",
+            n.output()
+        );
+        assert!(n.output().contains("prepared: process 1, ranks [0] of 1"));
+        n.child.kill().unwrap();
+        let (name, _) = tokio::time::timeout(Duration::from_secs(10), keep.next_lost())
+            .await
+            .expect("the lost node is reported within the RPC time-out")
+            .expect("one node lost");
+        assert_eq!(name, "kept-node");
+        drop(keep);
+        let byes = head.shutdown("test over").await;
+        assert!(byes[0].1.is_err(), "a killed node says no Bye");
+    });
+}

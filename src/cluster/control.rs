@@ -62,7 +62,7 @@ mod session;
 pub mod world;
 
 pub use agent::{AgentMsg, FingerprintFn, NodeConfig, NodeOutcome, NodeReport, run_node};
-pub use head::{Assembled, Head, HeadConfig, JoinedNode};
+pub use head::{Assembled, Head, HeadConfig, JoinedNode, KeepAlive};
 pub use protocol::{
     CodecError, ControlMsg, Hello, Incompatibility, JobSpec, ModelFingerprint, ModelSpec, NodeInfo,
     NodePhase,
@@ -238,6 +238,65 @@ pub fn structure_fingerprint<M: Module>(kind: &str, module: &M) -> ModelFingerpr
     ModelFingerprint(h.0)
 }
 
+/// The fingerprint of `meshwork::demo::Mlp` built from `spec` on `device` (the model of
+/// `meshwork train`). The widths come from the network, so the model is bounded before it is
+/// built: at most 64 layers and 2^28 parameters.
+pub fn demo_fingerprint(
+    spec: &JobSpec,
+    device: &burn::tensor::Device,
+) -> Result<ModelFingerprint, Incompatibility> {
+    let widths = match &spec.model {
+        ModelSpec::DemoMlp { widths } => widths,
+        ModelSpec::Named { kind, .. } => {
+            return Err(Incompatibility::UnknownModel { kind: kind.clone() });
+        }
+    };
+    let params: u64 = widths
+        .windows(2)
+        .map(|w| u64::from(w[0]) * u64::from(w[1]) + u64::from(w[1]))
+        .sum();
+    if widths.len() < 2 || widths.len() > 64 || widths.contains(&0) || params > 1 << 28 {
+        return Err(Incompatibility::Other(format!(
+            "demo MLP widths {widths:?} are not a model this node builds"
+        )));
+    }
+    let widths: Vec<usize> = widths.iter().map(|&w| w as usize).collect();
+    let model = crate::demo::Mlp::new(&widths, device);
+    Ok(structure_fingerprint("demo-mlp", &model))
+}
+
+/// Adopts a node's data-plane listeners ([`NodeOutcome::listeners`], bound before the ranks
+/// were known) as link listeners for its ranks in `plan`, admitting only `token`: the step
+/// from an assembled world to the data plane (`comm::tcp::TcpGroup::connect(&listeners[i],
+/// &plan.addrs, …)` on the `tcp-transport` branch).
+pub fn link_listeners(
+    listeners: Vec<std::net::TcpListener>,
+    plan: &ProcessPlan,
+    token: &super::link::JobToken,
+    config: super::link::LinkConfig,
+) -> Result<Vec<super::link::LinkListener>, ControlError> {
+    if listeners.len() != plan.ranks.len() {
+        return Err(ControlError::InvalidPrepare(format!(
+            "{} listeners for ranks {:?}",
+            listeners.len(),
+            plan.ranks
+        )));
+    }
+    listeners
+        .into_iter()
+        .zip(&plan.ranks)
+        .map(|(l, &rank)| {
+            let addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
+            super::link::LinkListener::from_std(l, rank, token.clone(), config).map_err(|e| {
+                ControlError::Bind {
+                    addr,
+                    reason: e.to_string(),
+                }
+            })
+        })
+        .collect()
+}
+
 /// FNV-1a, 64 bits.
 struct Fnv(u64);
 
@@ -285,3 +344,6 @@ pub fn bind_data_plane(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests;

@@ -17,7 +17,6 @@ use meshwork::cluster::control::{
     ModelFingerprint, ModelSpec, NodeConfig, NodeReport, ProcessIndex, protocol,
 };
 use meshwork::cluster::rendezvous::{self, Rendezvous, Role};
-use meshwork::demo::Mlp;
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
 
@@ -109,31 +108,16 @@ fn demo_fingerprint(
     spec: &JobSpec,
     variant: Option<&str>,
 ) -> Result<ModelFingerprint, Incompatibility> {
-    let ModelSpec::DemoMlp { widths } = &spec.model else {
-        let ModelSpec::Named { kind, .. } = &spec.model else {
-            unreachable!("two model kinds")
-        };
-        return Err(Incompatibility::UnknownModel { kind: kind.clone() });
-    };
-    // The widths come from the network: bound the model before building it.
-    let params: u64 = widths
-        .windows(2)
-        .map(|w| u64::from(w[0]) * u64::from(w[1]) + u64::from(w[1]))
-        .sum();
-    if widths.len() < 2 || widths.len() > 64 || widths.contains(&0) || params > 1 << 28 {
-        return Err(Incompatibility::Other(format!(
-            "demo MLP widths {widths:?} are not a model this node builds"
-        )));
-    }
     let device = MeshDevice::of_kind(BackendKind::Flex, 1)
         .map_err(|e| Incompatibility::Other(e.to_string()))?;
-    let widths: Vec<usize> = widths.iter().map(|&w| w as usize).collect();
-    let model = Mlp::new(&widths, device[0].burn());
-    let kind = match variant {
-        Some(v) => format!("demo-mlp+{v}"),
-        None => "demo-mlp".to_string(),
-    };
-    Ok(control::structure_fingerprint(&kind, &model))
+    let fingerprint = control::demo_fingerprint(spec, device[0].burn())?;
+    Ok(match variant {
+        // Another build's model: its structure hashes differently.
+        Some(v) => ModelFingerprint(v.bytes().fold(fingerprint.0, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })),
+        None => fingerprint,
+    })
 }
 
 /// `meshwork train` with the cluster flags or under a launcher: `None` when this is a plain

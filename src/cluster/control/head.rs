@@ -499,6 +499,59 @@ impl Head {
         out.into_iter().map(|(_, n, r)| (n, r)).collect()
     }
 
+    /// Keeps the nodes' head time-outs from expiring while the job runs: a task sends every
+    /// node a heartbeat each interval; a node that does not answer within the RPC time-out is
+    /// reported once on [`KeepAlive::next_lost`] (the heartbeats ractor_cluster's own ping
+    /// cannot give: it never times out). Dropping the handle stops the heartbeats.
+    pub fn keep_alive(&self) -> KeepAlive {
+        let caller = self.caller();
+        let interval = self.config.heartbeat_interval;
+        let nodes: Vec<(ActorRef<AgentMsg>, String)> = self
+            .nodes
+            .iter()
+            .map(|n| (n.agent.clone(), n.info.name.clone()))
+            .collect();
+        let (tx, lost) = tokio::sync::mpsc::unbounded_channel();
+        let task = tokio::spawn(async move {
+            let mut alive = nodes;
+            let mut seq = 1u64 << 32;
+            let mut tick = tokio::time::interval(interval);
+            while !alive.is_empty() {
+                tick.tick().await;
+                seq += 1;
+                let msg = ControlMsg::Heartbeat { seq };
+                let mut beats = JoinSet::new();
+                for (i, (agent, name)) in alive.iter().enumerate() {
+                    let (agent, name, msg) = (agent.clone(), name.clone(), msg.clone());
+                    beats.spawn(async move {
+                        let result = match caller.call(&agent, &name, &msg).await {
+                            Ok(ControlMsg::Alive { .. }) => Ok(()),
+                            Ok(other) => Err(ControlError::UnexpectedReply {
+                                peer: name,
+                                request: "Heartbeat",
+                                reply: other.kind(),
+                            }),
+                            Err(e) => Err(e),
+                        };
+                        (i, result)
+                    });
+                }
+                let mut dead: Vec<(usize, ControlError)> = beats
+                    .join_all()
+                    .await
+                    .into_iter()
+                    .filter_map(|(i, r)| r.err().map(|e| (i, e)))
+                    .collect();
+                dead.sort_by_key(|(i, _)| std::cmp::Reverse(*i));
+                for (i, error) in dead {
+                    let (_, name) = alive.remove(i);
+                    let _ = tx.send((name, error));
+                }
+            }
+        });
+        KeepAlive { task, lost }
+    }
+
     /// Tells every joined node to stop (`reason` is for their logs), waits for each Bye
     /// within the RPC time-out, then closes every session and the listener.
     pub async fn shutdown(mut self, reason: &str) -> Vec<(String, Result<(), ControlError>)> {
@@ -536,5 +589,25 @@ impl Drop for Head {
     fn drop(&mut self) {
         self.accept.abort();
         self.cluster.stop("head dropped");
+    }
+}
+
+/// Heartbeats running in the background ([`Head::keep_alive`]); dropping it stops them.
+#[derive(Debug)]
+pub struct KeepAlive {
+    task: tokio::task::JoinHandle<()>,
+    lost: tokio::sync::mpsc::UnboundedReceiver<(String, ControlError)>,
+}
+
+impl KeepAlive {
+    /// The next node that missed a heartbeat, with why; `None` once every node is lost.
+    pub async fn next_lost(&mut self) -> Option<(String, ControlError)> {
+        self.lost.recv().await
+    }
+}
+
+impl Drop for KeepAlive {
+    fn drop(&mut self) {
+        self.task.abort();
     }
 }
