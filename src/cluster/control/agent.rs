@@ -433,10 +433,11 @@ impl Actor for NodeAgent {
 /// the head before the process ends.
 const LINGER: Duration = Duration::from_millis(300);
 
-/// Runs a node until the head shuts it down (`Ok`) or the job cannot go on (`Err`): binds a
-/// data-plane listener per device on the address the control connection leaves from, starts
-/// the [`NodeAgent`] in the job's process group, connects to the head (retrying until the
-/// join time-out, so nodes may start before the head), and then follows the head (CTL-6..8).
+/// Runs a node until the head shuts it down (`Ok`) or the job cannot go on (`Err`): connects
+/// to the head (retrying until the join time-out, so nodes may start before the head), binds a
+/// data-plane listener per device on the address that connection leaves from, starts the
+/// `NodeAgent` in the job's process group, lets ractor_cluster authenticate the connection,
+/// and then follows the head (CTL-6..8).
 /// `report` hears of each stage as it is reached.
 pub async fn run_node(
     config: NodeConfig,
