@@ -35,3 +35,14 @@ pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
         "panic with a non-string payload".to_string()
     }
 }
+
+// With the `cluster` feature, ractor no longer implements `Message` for every type (a remote
+// actor must say how its messages serialize). The runtime's own messages never cross a
+// process: they stay local (no serialization), which is what the trait's defaults give.
+#[cfg(feature = "cluster")]
+mod local_messages {
+    impl ractor::Message for super::device::DeviceMsg {}
+    impl ractor::Message for super::group::GroupMsg {}
+    impl<M: Send + 'static> ractor::Message for super::stage::StageMsg<M> {}
+    impl ractor::Message for super::supervisor::SupervisorMsg {}
+}

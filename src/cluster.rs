@@ -1,9 +1,17 @@
-//! The multi-process data plane: how bulk bytes move between ranks in different processes
-//! (behind the `cluster` cargo feature).
+//! Several processes and hosts (behind the `cluster` cargo feature), on two planes:
 //!
-//! Owns: the wire format ([`frame`], pure) and authenticated, bounded TCP links between two
-//! ranks ([`link`], blocking `std::net`), whole or split into a sending and a receiving half.
-//! Must not depend on `actors`, `job` or Burn; `comm::tcp` depends on it, not the reverse.
+//! - the **control plane** ([`control`], on ractor_cluster): the head and its nodes find each
+//!   other ([`rendezvous`] reads torchrun's and Slurm's variables), check they speak the same
+//!   protocol and build the same model, agree on ranks, and hand out every rank's data-plane
+//!   address and the per-job token; then heartbeats and shutdown. Small messages only.
+//! - the **data plane**: how bulk bytes move between ranks in different processes: the wire
+//!   format ([`frame`], pure) and authenticated, bounded TCP links between two ranks ([`link`],
+//!   blocking `std::net`).
+//!
+//! `frame`, `link` and `rendezvous` must not depend on `actors`, `job` or Burn; `comm::tcp`
+//! depends on them, not the reverse. `control` sits above the runtime (it uses Burn only to
+//! fingerprint a model's structure) and hands the data plane its inputs
+//! ([`control::World::plan_for`], [`control::link_listeners`]).
 //!
 //! ```
 //! use meshwork::cluster::link::{JobToken, Link, LinkConfig, LinkListener};
@@ -33,9 +41,12 @@
 //! once never deadlock), and runs the pure [`crate::comm::plan`] plans: one or more data
 //! frames per send step, received piece by piece straight into the buffer, a header frame per
 //! op for COMM-1/COMM-2, and a [`frame::FrameKind::Close`] frame carrying the failure when a
-//! rank gives up. Its module docs hold its invariants (TCP-1..6). Still to come here: the
-//! control plane (ractor_cluster) that hands out the listeners' addresses and the token, and
-//! the hierarchical all-reduce (direct inside a process, ring across processes).
+//! rank gives up. Its module docs hold its invariants (TCP-1..6). The control plane ([`control`]) hands out the listeners' addresses and the token
+//! (`control::link_listeners`, `control::World::plan_for`); wiring the two into a training
+//! job across processes, and the hierarchical all-reduce (direct inside a process, ring across
+//! processes), are still to come.
 
+pub mod control;
 pub mod frame;
 pub mod link;
+pub mod rendezvous;

@@ -18,6 +18,11 @@ pub enum Error {
     /// A collective operation failed (time-out, mismatch, shut-down group).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// The multi-process control plane failed: no secret, a node refused or missing, the
+    /// head lost (feature `cluster`).
+    #[cfg(feature = "cluster")]
+    #[error(transparent)]
+    Control(#[from] crate::cluster::control::ControlError),
     /// A pipeline schedule cannot serve the configuration (PIPE-7).
     #[error(transparent)]
     Schedule(#[from] crate::parallel::pipeline::ScheduleError),

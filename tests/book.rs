@@ -96,6 +96,8 @@ fn every_book_block_is_included_from_a_checked_file() {
         "book/snippets/Cargo-dependency.toml",
         "book/snippets/commands.sh",
         "book/snippets/faults.json",
+        "book/snippets/multi-machine.sh",
+        "book/snippets/meshwork.sbatch",
     ] {
         assert!(
             included.contains(Path::new(f)),
@@ -245,4 +247,51 @@ fn every_command_of_the_book_runs() {
     }
     assert!(ran >= 4);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The multi-machine chapter's shell: both files parse (`bash -n`); with the `cluster`
+/// feature, every flag given to `meshwork train` or `meshwork node` is one the command has.
+#[test]
+fn multi_machine_scripts_parse_and_use_real_flags() {
+    for f in [
+        "book/snippets/multi-machine.sh",
+        "book/snippets/meshwork.sbatch",
+    ] {
+        let out = Command::new("bash")
+            .arg("-n")
+            .arg(root().join(f))
+            .output()
+            .expect("bash runs");
+        assert!(
+            out.status.success(),
+            "{f} does not parse: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = std::fs::read_to_string(root().join(f)).unwrap();
+        let mut commands = 0;
+        for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            let Some(at) = words.iter().position(|w| *w == "meshwork") else {
+                continue;
+            };
+            let sub = words[at + 1];
+            assert!(["train", "node"].contains(&sub), "{line}");
+            commands += 1;
+            #[cfg(feature = "cluster")]
+            {
+                let help = Command::new(env!("CARGO_BIN_EXE_meshwork"))
+                    .args([sub, "--help"])
+                    .output()
+                    .expect("meshwork runs");
+                let help = String::from_utf8_lossy(&help.stdout);
+                for flag in words[at + 2..].iter().filter(|w| w.starts_with("--")) {
+                    assert!(
+                        help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")),
+                        "`meshwork {sub}` has no {flag} (in {f})"
+                    );
+                }
+            }
+        }
+        assert!(commands >= 1, "{f} runs meshwork");
+    }
 }

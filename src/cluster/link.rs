@@ -392,6 +392,24 @@ impl LinkListener {
         })
     }
 
+    /// Adopts a listener bound earlier (the control plane binds one per device before the
+    /// ranks and the token are known, to announce its address) for rank `rank` of the job
+    /// `token`.
+    pub fn from_std(
+        listener: TcpListener,
+        rank: Rank,
+        token: JobToken,
+        config: LinkConfig,
+    ) -> io::Result<Self> {
+        listener.set_nonblocking(true)?;
+        Ok(Self {
+            listener,
+            rank,
+            token,
+            config,
+        })
+    }
+
     /// The address peers connect to.
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
         self.listener.local_addr()

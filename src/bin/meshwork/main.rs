@@ -3,13 +3,17 @@
 //! - `meshwork train …` trains the demo model (a noisy linear teacher, see `meshwork::demo`)
 //!   on logical devices, with a progress bar and a final report;
 //! - `meshwork bench allreduce …` measures collective bandwidth (like nccl-tests);
-//! - `meshwork bench dp …` measures data-parallel weak scaling against a plain Burn loop.
+//! - `meshwork bench dp …` measures data-parallel weak scaling against a plain Burn loop;
+//! - `meshwork node …` (feature `cluster`) joins a multi-process job whose head is
+//!   `meshwork train --listen … --nodes …`.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
 mod bench;
+#[cfg(feature = "cluster")]
+mod cluster;
 mod pipeline_bench;
 mod recovery_bench;
 #[cfg(feature = "cluster")]
@@ -28,6 +32,10 @@ struct Cli {
 enum Command {
     /// Train the demo model (the main job).
     Train(train::TrainArgs),
+    /// Join a multi-process job as a node (feature `cluster`): connect to the head, hold
+    /// devices, follow the head until it ends the job.
+    #[cfg(feature = "cluster")]
+    Node(cluster::NodeArgs),
     /// Benchmarks: collectives and data-parallel scaling.
     Bench {
         #[command(subcommand)]
@@ -52,8 +60,9 @@ fn main() -> ExitCode {
     tune_allocator();
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+                tracing_subscriber::EnvFilter::new("warn,ractor_cluster=error")
+            }),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -61,6 +70,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => train::run(args),
         Command::Bench { which } => bench::run(which),
+        #[cfg(feature = "cluster")]
+        Command::Node(args) => cluster::run_node(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

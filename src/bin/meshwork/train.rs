@@ -79,6 +79,10 @@ pub(crate) struct TrainArgs {
     /// The collective time-out in seconds (a rank that does not arrive within it is named).
     #[arg(long, default_value_t = 60.0)]
     collective_timeout: f64,
+    /// Several processes: the head's flags (see `meshwork node` for the nodes').
+    #[cfg(feature = "cluster")]
+    #[command(flatten)]
+    cluster: crate::cluster::ClusterTrainArgs,
 }
 
 /// The fault plan and recovery policy the flags ask for.
@@ -116,6 +120,22 @@ fn fault_settings(
 }
 
 pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
+    #[cfg(feature = "cluster")]
+    {
+        let spec = || {
+            crate::cluster::demo_spec(
+                &WIDTHS,
+                args.seed,
+                args.batch_size,
+                args.steps,
+                args.lr,
+                args.collective_timeout,
+            )
+        };
+        if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, spec) {
+            return outcome;
+        }
+    }
     let runtime = tokio::runtime::Runtime::new().map_err(|e| meshwork::error::Error::Io {
         path: "tokio runtime".into(),
         reason: e.to_string(),

@@ -1,0 +1,24 @@
+#!/bin/bash
+# Commands of the "Running on several machines" chapter (checked with `bash -n`, and every
+# flag against `meshwork <command> --help`).
+# ANCHOR: secret
+# once, on a shared file system: a long random secret only you can read
+mkdir -p ~/.meshwork && (umask 077; head -c 32 /dev/urandom | base64 > ~/.meshwork/secret)
+# in every shell that starts a meshwork process of the job
+export MESHWORK_SECRET_FILE=~/.meshwork/secret
+# ANCHOR_END: secret
+# ANCHOR: head
+# on the head host: listen on every interface, wait up to 2 minutes for two nodes
+meshwork train --listen 0.0.0.0:29500 --nodes 2 --job demo --join-timeout 120 --dry-run
+# ANCHOR_END: head
+# ANCHOR: nodes
+# on each node host: join the head, holding two devices
+meshwork node --join head-host:29500 --job demo --devices 2
+# ANCHOR_END: nodes
+# ANCHOR: torchrun
+# torchrun-style variables instead of flags: process 0 is the head (holding one device),
+# every other process a node with one device
+RANK=0 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job demo --dry-run
+RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork node --job demo
+RANK=2 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job demo --dry-run
+# ANCHOR_END: torchrun

@@ -1,0 +1,384 @@
+//! `meshwork node` and `meshwork train --listen … --nodes …`: the control plane from the
+//! command line (feature `cluster`).
+//!
+//! Where a process stands in the job, in order of precedence: the flags (`--listen`,
+//! `--join`), then torchrun's `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`, then Slurm's
+//! `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_NODELIST`. Under a launcher, `meshwork train` in
+//! process 0 runs the head and in every other process runs a node with one device, so one
+//! command line serves every process (`srun meshwork train …`).
+
+use std::io::Write;
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::time::Duration;
+
+use meshwork::cluster::control::{
+    self, ControlError, FingerprintFn, Head, HeadConfig, Incompatibility, JobSpec,
+    ModelFingerprint, ModelSpec, NodeConfig, NodeReport, ProcessIndex, protocol,
+};
+use meshwork::cluster::rendezvous::{self, Rendezvous, Role};
+use meshwork::device::{BackendKind, MeshDevice};
+use meshwork::error::Error;
+
+/// The flags `meshwork train` gets with the `cluster` feature.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct ClusterTrainArgs {
+    /// Run the head of a multi-process job: listen for nodes here (`host:port`, port 0 for
+    /// any free port; the address is printed).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Nodes to wait for (with --listen).
+    #[arg(long)]
+    nodes: Option<u32>,
+    /// The job's name: nodes join the job of the same name.
+    #[arg(long, default_value = "meshwork")]
+    job: String,
+    /// How long the head waits for its nodes, in seconds.
+    #[arg(long, default_value_t = 120.0)]
+    join_timeout: f64,
+    /// Devices the head process itself holds (default: 0 with --listen, 1 under a launcher).
+    #[arg(long)]
+    local_devices: Option<u32>,
+    /// The address the head's own data-plane listeners bind (default: the --listen host,
+    /// or MASTER_ADDR under a launcher).
+    #[arg(long)]
+    data_host: Option<IpAddr>,
+    /// Assemble the world, prepare every node, then stop them and exit without training.
+    #[arg(long)]
+    dry_run: bool,
+    /// Testing: speak this control protocol version instead of the build's.
+    #[arg(long, hide = true)]
+    pretend_protocol_version: Option<u16>,
+}
+
+/// Flags of `meshwork node`.
+#[derive(Debug, clap::Args)]
+pub(crate) struct NodeArgs {
+    /// The head's address (`host:port`); default: from torchrun or Slurm variables.
+    #[arg(long)]
+    join: Option<String>,
+    /// Devices this node holds.
+    #[arg(long, default_value_t = 1)]
+    devices: u32,
+    /// The job's name (as given to the head).
+    #[arg(long, default_value = "meshwork")]
+    job: String,
+    /// This node's name (default: host-pid).
+    #[arg(long)]
+    name: Option<String>,
+    /// How long to try to reach the head and be greeted, in seconds.
+    #[arg(long, default_value_t = 120.0)]
+    join_timeout: f64,
+    /// How long the head may stay silent once joined, in seconds.
+    #[arg(long, default_value_t = 10.0)]
+    head_timeout: f64,
+    /// Testing: speak this control protocol version instead of the build's.
+    #[arg(long, hide = true)]
+    pretend_protocol_version: Option<u16>,
+    /// Testing: build a model whose fingerprint differs from the head's.
+    #[arg(long, hide = true)]
+    pretend_model_variant: Option<String>,
+}
+
+fn seconds(flag: &str, s: f64) -> meshwork::error::Result<Duration> {
+    if s > 0.0 && s.is_finite() {
+        Ok(Duration::from_secs_f64(s))
+    } else {
+        Err(Error::InvalidConfig(format!(
+            "{flag} {s}: a positive number of seconds"
+        )))
+    }
+}
+
+fn runtime() -> meshwork::error::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Runtime::new().map_err(|e| Error::Io {
+        path: "tokio runtime".into(),
+        reason: e.to_string(),
+    })
+}
+
+/// The launcher's description of this process, if a launcher started it.
+fn launcher() -> meshwork::error::Result<Option<Rendezvous>> {
+    rendezvous::from_env(|k| std::env::var(k).ok())
+        .map_err(|e| Error::from(ControlError::Rendezvous(e)))
+}
+
+/// The demo model's fingerprint as this build makes it (`variant`: pretend another build).
+fn demo_fingerprint(
+    spec: &JobSpec,
+    variant: Option<&str>,
+) -> Result<ModelFingerprint, Incompatibility> {
+    let device = MeshDevice::of_kind(BackendKind::Flex, 1)
+        .map_err(|e| Incompatibility::Other(e.to_string()))?;
+    let fingerprint = control::demo_fingerprint(spec, device[0].burn())?;
+    Ok(match variant {
+        // Another build's model: its structure hashes differently.
+        Some(v) => ModelFingerprint(v.bytes().fold(fingerprint.0, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })),
+        None => fingerprint,
+    })
+}
+
+/// `meshwork train` with the cluster flags or under a launcher: `None` when this is a plain
+/// single-process run.
+pub(crate) fn dispatch_train(
+    cluster: &ClusterTrainArgs,
+    spec: impl FnOnce() -> JobSpec,
+) -> Option<meshwork::error::Result<()>> {
+    if let Some(listen) = &cluster.listen {
+        let Some(nodes) = cluster.nodes else {
+            return Some(Err(Error::InvalidConfig(
+                "--listen needs --nodes N (how many nodes to wait for)".into(),
+            )));
+        };
+        let data_host = cluster.data_host.or_else(|| {
+            listen
+                .to_socket_addrs()
+                .ok()
+                .and_then(|mut a| a.next())
+                .map(|a| a.ip())
+                .filter(|ip| !ip.is_unspecified())
+        });
+        let local = cluster.local_devices.unwrap_or(0);
+        return Some(run_head(
+            cluster,
+            listen.clone(),
+            nodes,
+            local,
+            data_host,
+            spec(),
+        ));
+    }
+    if cluster.nodes.is_some() {
+        return Some(Err(Error::InvalidConfig("--nodes needs --listen".into())));
+    }
+    let launched = match launcher() {
+        Ok(Some(r)) if r.processes > 1 => r,
+        Ok(_) => return None,
+        Err(e) => return Some(Err(e)),
+    };
+    Some(match launched.role() {
+        Role::Head { listen, nodes } => {
+            let data_host = cluster.data_host.or_else(|| {
+                (launched.head_host.as_str(), 0)
+                    .to_socket_addrs()
+                    .ok()
+                    .and_then(|mut a| a.next())
+                    .map(|a| a.ip())
+            });
+            let local = cluster.local_devices.unwrap_or(1);
+            run_head(cluster, listen, nodes, local, data_host, spec())
+        }
+        Role::Node { join, process } => {
+            let args = NodeArgs {
+                join: Some(join),
+                devices: 1,
+                job: cluster.job.clone(),
+                name: None,
+                join_timeout: cluster.join_timeout,
+                head_timeout: 10.0,
+                pretend_protocol_version: cluster.pretend_protocol_version,
+                pretend_model_variant: None,
+            };
+            run_node_with(args, Some(process))
+        }
+    })
+}
+
+/// The job spec of `meshwork train`'s demo job.
+pub(crate) fn demo_spec(
+    widths: &[usize],
+    seed: u64,
+    batch_size: usize,
+    steps: u64,
+    lr: f64,
+    collective_timeout: f64,
+) -> JobSpec {
+    JobSpec {
+        model: ModelSpec::DemoMlp {
+            widths: widths.iter().map(|&w| w as u32).collect(),
+        },
+        seed,
+        batch_size: batch_size as u64,
+        steps,
+        learning_rate: lr,
+        collective_timeout_ms: (collective_timeout * 1000.0) as u64,
+    }
+}
+
+fn run_head(
+    cluster: &ClusterTrainArgs,
+    listen: String,
+    nodes: u32,
+    local_devices: u32,
+    data_host: Option<IpAddr>,
+    spec: JobSpec,
+) -> meshwork::error::Result<()> {
+    let join_timeout = seconds("--join-timeout", cluster.join_timeout)?;
+    let secret = control::secret_from_env().map_err(ControlError::from)?;
+    let fingerprint = demo_fingerprint(&spec, None).map_err(|reason| {
+        Error::InvalidConfig(format!("the head cannot build its own model: {reason}"))
+    })?;
+    // The head's own data-plane listeners, held until the data plane adopts them (the TCP
+    // transport is not on this branch yet).
+    let head_listeners = if local_devices == 0 {
+        Vec::new()
+    } else {
+        let Some(ip) = data_host else {
+            return Err(Error::InvalidConfig(format!(
+                "--local-devices {local_devices}: give --data-host (the address nodes reach this host at)"
+            )));
+        };
+        control::bind_data_plane(ip, local_devices)?
+    };
+    let head_addrs: Vec<SocketAddr> = head_listeners
+        .iter()
+        .map(|l| l.local_addr())
+        .collect::<Result<_, _>>()
+        .map_err(|e| Error::Io {
+            path: "data-plane listener".into(),
+            reason: e.to_string(),
+        })?;
+    let mut config = HeadConfig::new(listen, cluster.job.clone(), secret);
+    if let Some(v) = cluster.pretend_protocol_version {
+        config.protocol_version = v;
+    }
+    let job = cluster.job.clone();
+    let dry_run = cluster.dry_run;
+    runtime()?.block_on(async move {
+        let mut head = Head::start(config).await?;
+        println!(
+            "meshwork head: listening on {} for job {job}, waiting for {nodes} node(s) (protocol {}, model {fingerprint})",
+            head.local_addr(),
+            protocol::CONTROL_PROTOCOL_VERSION,
+        );
+        let _ = std::io::stdout().flush();
+        let assembled = match head
+            .assemble(nodes as usize, &spec, fingerprint, head_addrs, join_timeout)
+            .await
+        {
+            Ok(a) => a,
+            Err(e) => {
+                head.shutdown(&format!("the head gave up: {e}")).await;
+                return Err(Error::from(e));
+            }
+        };
+        let world = &assembled.world;
+        println!(
+            "world assembled: {} rank(s) over {} process(es); token distributed; every node acknowledged Prepare",
+            world.size(),
+            world.processes.len()
+        );
+        for e in &world.ranks {
+            println!(
+                "  rank {}: process {} ({}) device {} data plane {}",
+                e.rank.0, e.process.0, world.processes[e.process.0 as usize], e.device, e.addr
+            );
+        }
+        for (name, phase) in head.heartbeat().await {
+            match phase {
+                Ok(p) => println!("heartbeat: {name} {p:?}"),
+                Err(e) => println!("heartbeat: {name} failed: {e}"),
+            }
+        }
+        let reason = if dry_run {
+            "dry run over".to_string()
+        } else {
+            "cross-process training needs the TCP data plane, which this build does not have yet"
+                .to_string()
+        };
+        for (name, bye) in head.shutdown(&reason).await {
+            if let Err(e) = bye {
+                println!("shutdown: {name}: {e}");
+            }
+        }
+        drop(head_listeners);
+        if dry_run {
+            println!("dry run: the nodes are stopped; no training");
+            Ok(())
+        } else {
+            Err(Error::InvalidConfig(
+                "world assembled, but cross-process training needs the TCP data plane \
+                 (not on this branch); use --dry-run to stop after assembling"
+                    .into(),
+            ))
+        }
+    })
+}
+
+/// `meshwork node`.
+pub(crate) fn run_node(args: NodeArgs) -> meshwork::error::Result<()> {
+    run_node_with(args, None)
+}
+
+fn run_node_with(args: NodeArgs, requested: Option<ProcessIndex>) -> meshwork::error::Result<()> {
+    let (head, requested) = match (&args.join, requested) {
+        (Some(join), requested) => (join.clone(), requested),
+        (None, _) => match launcher()? {
+            Some(r) => match r.role() {
+                Role::Node { join, process } => (join, Some(process)),
+                Role::Head { .. } => {
+                    return Err(Error::InvalidConfig(format!(
+                        "this is process 0 of the job ({:?} variables): process 0 is the head, run `meshwork train` there",
+                        r.convention
+                    )));
+                }
+            },
+            None => {
+                return Err(Error::InvalidConfig(
+                    "give --join HEAD_ADDR, or run under torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or Slurm (SLURM_PROCID, SLURM_NTASKS, SLURM_NODELIST)".into(),
+                ));
+            }
+        },
+    };
+    if args.devices == 0 {
+        return Err(Error::InvalidConfig(
+            "--devices 0: a node holds at least one device".into(),
+        ));
+    }
+    let secret = control::secret_from_env().map_err(ControlError::from)?;
+    let variant = args.pretend_model_variant.clone();
+    let fingerprint: FingerprintFn =
+        Arc::new(move |spec: &JobSpec| demo_fingerprint(spec, variant.as_deref()));
+    let mut config = NodeConfig::new(
+        head.clone(),
+        args.job.clone(),
+        secret,
+        args.devices,
+        fingerprint,
+    );
+    config.requested = requested;
+    config.join_timeout = seconds("--join-timeout", args.join_timeout)?;
+    config.head_timeout = seconds("--head-timeout", args.head_timeout)?;
+    if let Some(name) = args.name {
+        config.name = name;
+    }
+    if let Some(v) = args.pretend_protocol_version {
+        config.protocol_version = v;
+    }
+    let name = config.name.clone();
+    println!(
+        "meshwork node {name}: joining job {} at {head} with {} device(s)",
+        args.job, args.devices
+    );
+    let _ = std::io::stdout().flush();
+    let outcome = runtime()?.block_on(control::run_node(config, |report| {
+        match report {
+            NodeReport::Authenticated => println!("meshwork node {name}: authenticated"),
+            NodeReport::Welcomed { head } => println!("meshwork node {name}: joined, head {head}"),
+            NodeReport::Prepared { plan } => println!(
+                "meshwork node {name}: prepared: process {}, ranks {:?} of {}",
+                plan.process.0,
+                plan.ranks.iter().map(|r| r.0).collect::<Vec<_>>(),
+                plan.world_size
+            ),
+        }
+        let _ = std::io::stdout().flush();
+    }))?;
+    println!(
+        "meshwork node {name}: stopped by the head: {}",
+        outcome.reason
+    );
+    Ok(())
+}

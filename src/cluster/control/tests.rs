@@ -1,0 +1,71 @@
+use std::net::{IpAddr, Ipv4Addr};
+use std::thread;
+
+use super::*;
+use crate::cluster::link::{JobToken, Link, LinkConfig, LinkError};
+use crate::mesh::Rank;
+
+#[test]
+fn adopted_data_plane_listeners_admit_the_token_for_their_ranks() {
+    let listeners = bind_data_plane(IpAddr::V4(Ipv4Addr::LOCALHOST), 2).unwrap();
+    let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+    let plan = ProcessPlan {
+        process: ProcessIndex(1),
+        ranks: vec![Rank(1), Rank(2)],
+        world_size: 3,
+        addrs: vec![addrs[0], addrs[0], addrs[1]],
+    };
+    let token = JobToken::from_bytes([3; 32]);
+    let config = LinkConfig::default()
+        .with_handshake_timeout(Duration::from_secs(5))
+        .with_io_timeout(Duration::from_secs(5));
+    let links = link_listeners(listeners, &plan, &token, config).unwrap();
+    let to = addrs[1];
+    let good = thread::spawn(move || Link::connect(to, Rank(0), Rank(2), &token, config));
+    let accepted = links[1].accept().unwrap();
+    assert_eq!(accepted.peer().rank, Some(Rank(0)));
+    good.join().unwrap().unwrap();
+    let to = addrs[0];
+    let stranger = thread::spawn(move || {
+        Link::connect(to, Rank(0), Rank(1), &JobToken::from_bytes([4; 32]), config)
+    });
+    assert!(matches!(links[0].accept(), Err(LinkError::Rejected { .. })));
+    assert!(stranger.join().unwrap().is_err());
+    assert!(matches!(
+        link_listeners(Vec::new(), &plan, &JobToken::random(), config),
+        Err(ControlError::InvalidPrepare(_))
+    ));
+}
+
+#[test]
+fn structure_fingerprint_follows_shapes_not_values() {
+    let device = burn::tensor::Device::default();
+    let spec = |widths: Vec<u32>| JobSpec {
+        model: ModelSpec::DemoMlp { widths },
+        seed: 0,
+        batch_size: 1,
+        steps: 1,
+        learning_rate: 0.1,
+        collective_timeout_ms: 1000,
+    };
+    let a = demo_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();
+    let b = demo_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();
+    let c = demo_fingerprint(&spec(vec![4, 9, 2]), &device).unwrap();
+    assert_eq!(a, b, "two initializations of one model");
+    assert_ne!(a, c);
+    assert!(matches!(
+        demo_fingerprint(&spec(vec![1 << 20, 1 << 20]), &device),
+        Err(Incompatibility::Other(_))
+    ));
+    let named = JobSpec {
+        model: ModelSpec::Named {
+            kind: "gpt".into(),
+            config: vec![],
+        },
+        ..spec(vec![1, 1])
+    };
+    assert_eq!(
+        demo_fingerprint(&named, &device),
+        Err(Incompatibility::UnknownModel { kind: "gpt".into() })
+    );
+}

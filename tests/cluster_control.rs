@@ -1,0 +1,406 @@
+//! The control plane across real processes: `meshwork train --listen 127.0.0.1:0 --nodes N`
+//! as the head and `meshwork node --join …` as nodes, all on this machine. Every child is
+//! killed when its handle drops, also when a test fails; every wait is bounded.
+#![cfg(feature = "cluster")]
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const SECRET: &str = "test-secret-0123456789";
+
+/// A child process whose output lines are collected; killed on drop.
+struct Proc {
+    name: String,
+    child: Child,
+    lines: Arc<Mutex<Vec<String>>>,
+    status: Option<ExitStatus>,
+}
+
+fn collect(reader: impl Read + Send + 'static, lines: Arc<Mutex<Vec<String>>>) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(reader).lines().map_while(Result::ok) {
+            lines.lock().unwrap().push(line);
+        }
+    });
+}
+
+impl Proc {
+    fn spawn(name: &str, args: &[&str], secret: Option<&str>) -> Proc {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_meshwork"));
+        cmd.args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .env_remove("MESHWORK_SECRET")
+            .env_remove("MESHWORK_SECRET_FILE")
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env_remove("SLURM_PROCID")
+            .env("RUST_LOG", "warn,ractor_cluster=error");
+        if let Some(s) = secret {
+            cmd.env("MESHWORK_SECRET", s);
+        }
+        let mut child = cmd.spawn().expect("start meshwork");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        collect(child.stdout.take().unwrap(), lines.clone());
+        collect(child.stderr.take().unwrap(), lines.clone());
+        Proc {
+            name: name.to_string(),
+            child,
+            lines,
+            status: None,
+        }
+    }
+
+    fn output(&self) -> String {
+        self.lines.lock().unwrap().join("\n")
+    }
+
+    /// Waits until a line contains `needle`; returns it.
+    fn wait_line(&self, needle: &str, timeout: Duration) -> String {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(l) = self
+                .lines
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|l| l.contains(needle))
+            {
+                return l.clone();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{}: no line with {needle:?} within {timeout:?}; output:\n{}",
+                self.name,
+                self.output()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Waits for the process to exit; returns its status and how long it took.
+    fn wait_exit(&mut self, timeout: Duration) -> (ExitStatus, Duration) {
+        let started = Instant::now();
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                self.status = Some(status);
+                // Let the reader threads take the last lines.
+                std::thread::sleep(Duration::from_millis(50));
+                return (status, started.elapsed());
+            }
+            assert!(
+                started.elapsed() < timeout,
+                "{} still running after {timeout:?}; output:\n{}",
+                self.name,
+                self.output()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if self.status.is_none() {
+            let _ = self.signal_cont();
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Proc {
+    fn signal_cont(&self) -> std::io::Result<ExitStatus> {
+        Command::new("kill")
+            .args(["-CONT", &self.child.id().to_string()])
+            .stderr(Stdio::null())
+            .status()
+    }
+}
+
+/// A head waiting for `nodes` nodes of job `job`; returns it and its address.
+fn head(job: &str, nodes: u32, join_timeout: u32, extra: &[&str]) -> (Proc, String) {
+    let nodes = nodes.to_string();
+    let join_timeout = join_timeout.to_string();
+    let mut args = vec![
+        "train",
+        "--listen",
+        "127.0.0.1:0",
+        "--nodes",
+        &nodes,
+        "--job",
+        job,
+        "--join-timeout",
+        &join_timeout,
+        "--dry-run",
+    ];
+    args.extend_from_slice(extra);
+    let head = Proc::spawn("head", &args, Some(SECRET));
+    let line = head.wait_line("listening on", Duration::from_secs(60));
+    let addr = line
+        .split_whitespace()
+        .find(|w| w.starts_with("127.0.0.1:"))
+        .expect("the head prints its address")
+        .to_string();
+    (head, addr)
+}
+
+fn node(name: &str, addr: &str, job: &str, extra: &[&str], secret: &str) -> Proc {
+    let mut args = vec![
+        "node",
+        "--join",
+        addr,
+        "--job",
+        job,
+        "--name",
+        name,
+        "--join-timeout",
+        "30",
+    ];
+    args.extend_from_slice(extra);
+    Proc::spawn(name, &args, Some(secret))
+}
+
+#[test]
+fn three_nodes_join_and_every_one_acknowledges_prepare() {
+    let (mut head, addr) = head("three", 3, 60, &[]);
+    let mut nodes = [
+        node("node-a", &addr, "three", &["--devices", "2"], SECRET),
+        node("node-b", &addr, "three", &[], SECRET),
+        node("node-c", &addr, "three", &[], SECRET),
+    ];
+    let (status, _) = head.wait_exit(Duration::from_secs(90));
+    let out = head.output();
+    assert!(status.success(), "head failed:\n{out}");
+    assert!(
+        out.contains(
+            "world assembled: 4 rank(s) over 4 process(es); token distributed; every node acknowledged Prepare"
+        ),
+        "{out}"
+    );
+    // CTL-4: ranks 0..4, each once, the two-device node's ranks consecutive.
+    let ranks: Vec<&str> = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with("rank "))
+        .collect();
+    assert_eq!(ranks.len(), 4, "{out}");
+    for (r, line) in ranks.iter().enumerate() {
+        assert!(
+            line.trim_start().starts_with(&format!("rank {r}:")),
+            "{out}"
+        );
+    }
+    let a_ranks: Vec<&&str> = ranks.iter().filter(|l| l.contains("(node-a)")).collect();
+    assert_eq!(a_ranks.len(), 2, "{out}");
+    assert_eq!(out.matches("heartbeat: ").count(), 3, "{out}");
+    assert_eq!(out.matches(" Prepared").count(), 3, "{out}");
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        let nout = n.output();
+        assert!(status.success(), "{} failed:\n{nout}", n.name);
+        assert!(nout.contains(": prepared: process "), "{nout}");
+        assert!(nout.contains("stopped by the head: dry run over"), "{nout}");
+    }
+    assert!(nodes[0].output().contains("of 4"), "{}", nodes[0].output());
+}
+
+#[test]
+fn ctl_8_node_with_a_wrong_secret_is_refused() {
+    let (mut head, addr) = head("secret", 1, 6, &[]);
+    let mut intruder = node("intruder", &addr, "secret", &[], "another-secret");
+    let (status, took) = intruder.wait_exit(Duration::from_secs(30));
+    let out = intruder.output();
+    assert!(!status.success(), "{out}");
+    assert!(
+        out.contains("closed the connection before authentication"),
+        "{out}"
+    );
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    let (status, _) = head.wait_exit(Duration::from_secs(30));
+    let out = head.output();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("only 0 of 1 node(s) joined"), "{out}");
+    assert!(out.contains("failed authentication"), "{out}");
+}
+
+#[test]
+fn ctl_8_missing_secret_is_a_clear_error() {
+    let mut lone = Proc::spawn(
+        "no-secret",
+        &["node", "--join", "127.0.0.1:9", "--join-timeout", "5"],
+        None,
+    );
+    let (status, _) = lone.wait_exit(Duration::from_secs(30));
+    let out = lone.output();
+    assert!(!status.success(), "{out}");
+    assert!(
+        out.contains("no cluster secret: set MESHWORK_SECRET or MESHWORK_SECRET_FILE"),
+        "{out}"
+    );
+}
+
+#[test]
+fn ctl_6_mismatched_version_and_fingerprint_are_refused_on_both_sides() {
+    let (mut head, addr) = head("mismatch", 2, 10, &[]);
+    let mut future = node(
+        "future",
+        &addr,
+        "mismatch",
+        &["--pretend-protocol-version", "999"],
+        SECRET,
+    );
+    let mut other = node(
+        "other-model",
+        &addr,
+        "mismatch",
+        &["--pretend-model-variant", "wider"],
+        SECRET,
+    );
+    let mut good = node("good", &addr, "mismatch", &[], SECRET);
+    let (status, _) = future.wait_exit(Duration::from_secs(30));
+    let out = future.output();
+    assert!(!status.success(), "{out}");
+    assert!(
+        out.contains("this node refused the head")
+            && out.contains("protocol version mismatch: head speaks 1, node speaks 999"),
+        "{out}"
+    );
+    let (status, _) = other.wait_exit(Duration::from_secs(30));
+    let out = other.output();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("model fingerprint mismatch"), "{out}");
+    let (status, _) = head.wait_exit(Duration::from_secs(40));
+    let out = head.output();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("only 1 of 2 node(s) joined"), "{out}");
+    assert!(
+        out.contains("protocol version mismatch: head speaks 1, node speaks 999"),
+        "{out}"
+    );
+    assert!(out.contains("model fingerprint mismatch"), "{out}");
+    // The node that did join is released, not left waiting.
+    let (status, _) = good.wait_exit(Duration::from_secs(30));
+    let gout = good.output();
+    assert!(status.success(), "{gout}");
+    assert!(
+        gout.contains("stopped by the head: the head gave up"),
+        "{gout}"
+    );
+}
+
+#[test]
+fn ctl_7_too_few_nodes_fail_within_the_join_timeout_naming_how_many_came() {
+    let (mut head, addr) = head("few", 3, 5, &[]);
+    let started = Instant::now();
+    let _a = node("few-a", &addr, "few", &[], SECRET);
+    let _b = node("few-b", &addr, "few", &[], SECRET);
+    let (status, _) = head.wait_exit(Duration::from_secs(40));
+    let took = started.elapsed();
+    let out = head.output();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("only 2 of 3 node(s) joined within"), "{out}");
+    assert!(out.contains("few-a") && out.contains("few-b"), "{out}");
+    assert!(took < Duration::from_secs(5 + 10), "took {took:?}");
+}
+
+#[test]
+fn ctl_7_node_stops_when_its_head_dies() {
+    let (head, addr) = head("dies", 2, 60, &[]);
+    let mut n = node("orphan", &addr, "dies", &["--head-timeout", "5"], SECRET);
+    n.wait_line("joined, head", Duration::from_secs(30));
+    let killed = Instant::now();
+    drop(head); // SIGKILL
+    let (status, _) = n.wait_exit(Duration::from_secs(30));
+    let took = killed.elapsed();
+    let out = n.output();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("lost the head at"), "{out}");
+    assert!(took < Duration::from_secs(5 + 5), "took {took:?}");
+}
+
+#[test]
+fn ctl_7_node_stops_when_its_head_is_silent() {
+    let (head, addr) = head("silent", 2, 60, &[]);
+    let mut n = node("waiting", &addr, "silent", &["--head-timeout", "3"], SECRET);
+    n.wait_line("joined, head", Duration::from_secs(30));
+    head.signal("-STOP");
+    let stopped = Instant::now();
+    let (status, _) = n.wait_exit(Duration::from_secs(30));
+    let took = stopped.elapsed();
+    let out = n.output();
+    assert!(!status.success(), "{out}");
+    assert!(out.contains("no heartbeat for 3s"), "{out}");
+    assert!(took < Duration::from_secs(3 + 5), "took {took:?}");
+}
+
+/// The library's head, in this process, with a node process: `Head::keep_alive` keeps a
+/// prepared node past several of its head time-outs, and reports the node once it is killed.
+#[test]
+fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
+    use meshwork::cluster::control::{
+        ClusterSecret, Head, HeadConfig, JobSpec, ModelSpec, demo_fingerprint,
+    };
+    use meshwork::device::{BackendKind, MeshDevice};
+
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    runtime.block_on(async {
+        let mut config =
+            HeadConfig::new("127.0.0.1:0", "kept", ClusterSecret::new(SECRET).unwrap());
+        config.heartbeat_interval = Duration::from_millis(300);
+        config.rpc_timeout = Duration::from_secs(2);
+        let mut head = Head::start(config).await.unwrap();
+        let addr = head.local_addr().to_string();
+        let mut n = node("kept-node", &addr, "kept", &["--head-timeout", "2"], SECRET);
+        let spec = JobSpec {
+            model: ModelSpec::DemoMlp {
+                widths: vec![32, 128, 128, 4],
+            },
+            seed: 0,
+            batch_size: 256,
+            steps: 300,
+            learning_rate: 3e-3,
+            collective_timeout_ms: 60_000,
+        };
+        let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap();
+        let fingerprint = demo_fingerprint(&spec, device[0].burn()).unwrap();
+        let assembled = tokio::time::timeout(
+            Duration::from_secs(60),
+            head.assemble(1, &spec, fingerprint, Vec::new(), Duration::from_secs(60)),
+        )
+        .await
+        .expect("assembled in time")
+        .unwrap_or_else(|e| panic!("{e}\n{}", n.output()));
+        assert_eq!(assembled.world.size(), 1);
+        assert!(assembled.head_plan().ranks.is_empty());
+        assert_eq!(head.nodes()[0].info.name, "kept-node");
+        let mut keep = head.keep_alive();
+        // Three of the node's head time-outs: it is still there.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        assert!(
+            n.child.try_wait().unwrap().is_none(),
+            "the node left:\n{}",
+            n.output()
+        );
+        assert!(n.output().contains("prepared: process 1, ranks [0] of 1"));
+        n.child.kill().unwrap();
+        let (name, _) = tokio::time::timeout(Duration::from_secs(10), keep.next_lost())
+            .await
+            .expect("the lost node is reported within the RPC time-out")
+            .expect("one node lost");
+        assert_eq!(name, "kept-node");
+        drop(keep);
+        let byes = head.shutdown("test over").await;
+        assert!(byes[0].1.is_err(), "a killed node says no Bye");
+    });
+}
