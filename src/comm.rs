@@ -293,6 +293,99 @@ pub struct CallShape {
 }
 
 impl CallShape {
+    /// An all-reduce of `len` elements of `T` with `op`.
+    pub(crate) fn all_reduce<T: Element>(algorithm: Algorithm, len: usize, op: ReduceOp) -> Self {
+        Self {
+            kind: CollectiveKind::AllReduce,
+            dtype: Some(T::DTYPE),
+            algorithm: Some(algorithm),
+            len,
+            chunk_len: None,
+            expected_chunk_len: None,
+            peer: None,
+            reduce: Some(op),
+        }
+    }
+
+    /// A broadcast of `len` elements of `T` from `root`.
+    pub(crate) fn broadcast<T: Element>(algorithm: Algorithm, len: usize, root: Rank) -> Self {
+        Self {
+            kind: CollectiveKind::Broadcast,
+            dtype: Some(T::DTYPE),
+            algorithm: Some(algorithm),
+            len,
+            chunk_len: None,
+            expected_chunk_len: None,
+            peer: Some(root),
+            reduce: None,
+        }
+    }
+
+    /// A reduce-scatter of `len` elements with `op`: the chunk passed and the one expected.
+    pub(crate) fn reduce_scatter<T: Element>(
+        algorithm: Algorithm,
+        len: usize,
+        (chunk, expected): (usize, usize),
+        op: ReduceOp,
+    ) -> Self {
+        Self {
+            kind: CollectiveKind::ReduceScatter,
+            dtype: Some(T::DTYPE),
+            algorithm: Some(algorithm),
+            len,
+            chunk_len: Some(chunk),
+            expected_chunk_len: Some(expected),
+            peer: None,
+            reduce: Some(op),
+        }
+    }
+
+    /// An all-gather into `len` elements: the chunk passed and the one expected.
+    pub(crate) fn all_gather<T: Element>(
+        algorithm: Algorithm,
+        len: usize,
+        (chunk, expected): (usize, usize),
+    ) -> Self {
+        Self {
+            kind: CollectiveKind::AllGather,
+            dtype: Some(T::DTYPE),
+            algorithm: Some(algorithm),
+            len,
+            chunk_len: Some(chunk),
+            expected_chunk_len: Some(expected),
+            peer: None,
+            reduce: None,
+        }
+    }
+
+    /// A barrier.
+    pub(crate) fn barrier() -> Self {
+        Self {
+            kind: CollectiveKind::Barrier,
+            dtype: None,
+            algorithm: None,
+            len: 0,
+            chunk_len: None,
+            expected_chunk_len: None,
+            peer: None,
+            reduce: None,
+        }
+    }
+
+    /// A send or recv (`kind`) of `len` elements of `T` to or from `peer`.
+    pub(crate) fn point_to_point<T: Element>(kind: CollectiveKind, len: usize, peer: Rank) -> Self {
+        Self {
+            kind,
+            dtype: Some(T::DTYPE),
+            algorithm: None,
+            len,
+            chunk_len: None,
+            expected_chunk_len: None,
+            peer: Some(peer),
+            reduce: None,
+        }
+    }
+
     /// Whether this call is fine on its own (its chunk fits the layout).
     pub fn is_well_formed(&self) -> bool {
         self.chunk_len == self.expected_chunk_len

@@ -1112,16 +1112,11 @@ impl LocalCommunicator {
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let call = CallShape {
-            kind: CollectiveKind::AllReduce,
-            dtype: Some(T::DTYPE),
-            algorithm: Some(self.resolve::<T>(CollectiveKind::AllReduce, buf.len())),
-            len: buf.len(),
-            chunk_len: None,
-            expected_chunk_len: None,
-            peer: None,
-            reduce: Some(op),
-        };
+        let call = CallShape::all_reduce::<T>(
+            self.resolve::<T>(CollectiveKind::AllReduce, buf.len()),
+            buf.len(),
+            op,
+        );
         self.in_place(call, buf)
     }
 
@@ -1177,16 +1172,12 @@ impl LocalCommunicator {
     ) -> Result<(), CommError> {
         let len = input.len();
         let mine = chunk_range(len, self.group.world, self.me());
-        let call = CallShape {
-            kind: CollectiveKind::ReduceScatter,
-            dtype: Some(T::DTYPE),
-            algorithm: Some(self.resolve::<T>(CollectiveKind::ReduceScatter, len)),
+        let call = CallShape::reduce_scatter::<T>(
+            self.resolve::<T>(CollectiveKind::ReduceScatter, len),
             len,
-            chunk_len: Some(output.len()),
-            expected_chunk_len: Some(mine.len()),
-            peer: None,
-            reduce: Some(op),
-        };
+            (output.len(), mine.len()),
+            op,
+        );
         let out_ptr = output.as_mut_ptr();
         let out_len = output.len();
         let buffers = Buffers {
@@ -1224,16 +1215,11 @@ impl LocalCommunicator {
     ) -> Result<(), CommError> {
         let len = output.len();
         let mine = chunk_range(len, self.group.world, self.me());
-        let call = CallShape {
-            kind: CollectiveKind::AllGather,
-            dtype: Some(T::DTYPE),
-            algorithm: Some(self.resolve::<T>(CollectiveKind::AllGather, len)),
+        let call = CallShape::all_gather::<T>(
+            self.resolve::<T>(CollectiveKind::AllGather, len),
             len,
-            chunk_len: Some(input.len()),
-            expected_chunk_len: Some(mine.len()),
-            peer: None,
-            reduce: None,
-        };
+            (input.len(), mine.len()),
+        );
         let out_ptr = output.as_mut_ptr();
         let buffers = Buffers {
             source: (input.as_ptr(), mine.start),
@@ -1309,16 +1295,8 @@ impl LocalCommunicator {
         root: Rank,
     ) -> Result<(), CommError> {
         let len = buf.len();
-        let call = CallShape {
-            kind: CollectiveKind::Broadcast,
-            dtype: Some(T::DTYPE),
-            algorithm: Some(self.resolve::<T>(CollectiveKind::Broadcast, len)),
-            len,
-            chunk_len: None,
-            expected_chunk_len: None,
-            peer: Some(root),
-            reduce: None,
-        };
+        let call =
+            CallShape::broadcast::<T>(self.resolve::<T>(CollectiveKind::Broadcast, len), len, root);
         self.in_place(call, buf)
     }
 
@@ -1326,16 +1304,7 @@ impl LocalCommunicator {
     pub(crate) fn barrier(&mut self) -> Result<(), CommError> {
         let seq = self.take_seq();
         let deadline = self.deadline();
-        let call = CallShape {
-            kind: CollectiveKind::Barrier,
-            dtype: None,
-            algorithm: None,
-            len: 0,
-            chunk_len: None,
-            expected_chunk_len: None,
-            peer: None,
-            reduce: None,
-        };
+        let call = CallShape::barrier();
         self.group
             .rendezvous(self.me(), seq, call, deadline, self.timeout)
     }
@@ -1373,16 +1342,7 @@ impl LocalCommunicator {
         pairs[slot].outcome = None;
         pairs[slot].post = Some(SendPost {
             seq,
-            call: CallShape {
-                kind: op,
-                dtype: Some(T::DTYPE),
-                algorithm: None,
-                len: buf.len(),
-                chunk_len: None,
-                expected_chunk_len: None,
-                peer: Some(to),
-                reduce: None,
-            },
+            call: CallShape::point_to_point::<T>(op, buf.len(), to),
             ptr: buf.as_ptr() as usize,
         });
         group.pair_changed.notify_all();
@@ -1443,16 +1403,7 @@ impl LocalCommunicator {
         }
         let group = &*self.group;
         let slot = peer * group.world + me;
-        let mine = CallShape {
-            kind: op,
-            dtype: Some(T::DTYPE),
-            algorithm: None,
-            len: buf.len(),
-            chunk_len: None,
-            expected_chunk_len: None,
-            peer: Some(from),
-            reduce: None,
-        };
+        let mine = CallShape::point_to_point::<T>(op, buf.len(), from);
         let mut pairs = lock(&group.pairs);
         let post = loop {
             if pairs[slot].post.as_ref().is_some_and(|p| p.seq == seq) {

@@ -1360,16 +1360,11 @@ impl TcpCommunicator {
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let call = CallShape {
-            kind: CollectiveKind::AllReduce,
-            dtype: Some(T::DTYPE),
-            algorithm: Some(self.resolve::<T>(CollectiveKind::AllReduce, buf.len())),
-            len: buf.len(),
-            chunk_len: None,
-            expected_chunk_len: None,
-            peer: None,
-            reduce: Some(op),
-        };
+        let call = CallShape::all_reduce::<T>(
+            self.resolve::<T>(CollectiveKind::AllReduce, buf.len()),
+            buf.len(),
+            op,
+        );
         self.in_place(call, buf)
     }
 
@@ -1378,16 +1373,11 @@ impl TcpCommunicator {
         buf: &mut [T],
         root: Rank,
     ) -> Result<(), CommError> {
-        let call = CallShape {
-            kind: CollectiveKind::Broadcast,
-            dtype: Some(T::DTYPE),
-            algorithm: Some(self.resolve::<T>(CollectiveKind::Broadcast, buf.len())),
-            len: buf.len(),
-            chunk_len: None,
-            expected_chunk_len: None,
-            peer: Some(root),
-            reduce: None,
-        };
+        let call = CallShape::broadcast::<T>(
+            self.resolve::<T>(CollectiveKind::Broadcast, buf.len()),
+            buf.len(),
+            root,
+        );
         self.in_place(call, buf)
     }
 
@@ -1418,16 +1408,12 @@ impl TcpCommunicator {
     ) -> Result<(), CommError> {
         let len = input.len();
         let mine = chunk_range(len, self.world, self.me());
-        let call = CallShape {
-            kind: CollectiveKind::ReduceScatter,
-            dtype: Some(T::DTYPE),
-            algorithm: Some(self.resolve::<T>(CollectiveKind::ReduceScatter, len)),
+        let call = CallShape::reduce_scatter::<T>(
+            self.resolve::<T>(CollectiveKind::ReduceScatter, len),
             len,
-            chunk_len: Some(output.len()),
-            expected_chunk_len: Some(mine.len()),
-            peer: None,
-            reduce: Some(op),
-        };
+            (output.len(), mine.len()),
+            op,
+        );
         let id = self.rendezvous(call.clone())?;
         let mut work = self.take_work(len);
         widen(&mut work, input);
@@ -1447,16 +1433,11 @@ impl TcpCommunicator {
     ) -> Result<(), CommError> {
         let len = output.len();
         let mine = chunk_range(len, self.world, self.me());
-        let call = CallShape {
-            kind: CollectiveKind::AllGather,
-            dtype: Some(T::DTYPE),
-            algorithm: Some(self.resolve::<T>(CollectiveKind::AllGather, len)),
+        let call = CallShape::all_gather::<T>(
+            self.resolve::<T>(CollectiveKind::AllGather, len),
             len,
-            chunk_len: Some(input.len()),
-            expected_chunk_len: Some(mine.len()),
-            peer: None,
-            reduce: None,
-        };
+            (input.len(), mine.len()),
+        );
         let id = self.rendezvous(call.clone())?;
         if let Some(values) = as_f32_mut(output) {
             widen(&mut values[mine], input);
@@ -1475,16 +1456,7 @@ impl TcpCommunicator {
     }
 
     pub(crate) fn barrier(&mut self) -> Result<(), CommError> {
-        let call = CallShape {
-            kind: CollectiveKind::Barrier,
-            dtype: None,
-            algorithm: None,
-            len: 0,
-            chunk_len: None,
-            expected_chunk_len: None,
-            peer: None,
-            reduce: None,
-        };
+        let call = CallShape::barrier();
         self.rendezvous(call).map(|_| ())
     }
 
@@ -1568,16 +1540,7 @@ impl TcpCommunicator {
         if let Some(refusal) = self.refusal(id) {
             return Err(refusal);
         }
-        let mine = CallShape {
-            kind: op,
-            dtype: Some(T::DTYPE),
-            algorithm: None,
-            len: buf.len(),
-            chunk_len: None,
-            expected_chunk_len: None,
-            peer: Some(to),
-            reduce: None,
-        };
+        let mine = CallShape::point_to_point::<T>(op, buf.len(), to);
         let header = self.encode_header(id.seq, &mine);
         let result = (|| {
             self.push(peer, Payload::Owned(header), id)?;
@@ -1614,16 +1577,7 @@ impl TcpCommunicator {
         if let Some(refusal) = self.refusal(id) {
             return Err(refusal);
         }
-        let mine = CallShape {
-            kind: op,
-            dtype: Some(T::DTYPE),
-            algorithm: None,
-            len: buf.len(),
-            chunk_len: None,
-            expected_chunk_len: None,
-            peer: Some(from),
-            reduce: None,
-        };
+        let mine = CallShape::point_to_point::<T>(op, buf.len(), from);
         let result = (|| {
             let theirs = self.p2p_header(peer, CollectiveKind::Send, id)?;
             let header = self.encode_header(id.seq, &mine);
