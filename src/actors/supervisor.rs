@@ -571,13 +571,7 @@ where
                 }
                 // ELASTIC-3: devices joining end the wait below the minimum.
                 if waiting && state.scale_target.is_some() {
-                    state.below_min = None;
-                    if let Some(held) = state.paused.take() {
-                        publish(state, JobEvent::Resumed);
-                        if let Some(step) = held {
-                            myself.send_message(SupervisorMsg::RunStep(step))?;
-                        }
-                    }
+                    myself.send_message(SupervisorMsg::Resume)?;
                 }
             }
             SupervisorMsg::MinimumWaitOver(generation) => {
