@@ -27,7 +27,7 @@ use super::checkpointer::{CheckpointSink, Checkpointer, DRAIN_TIMEOUT, MAX_BACKL
 use super::device::{DeviceActor, DeviceMsg, heartbeat};
 use super::group::{GroupActor, GroupArgs};
 use super::stage::{StageMsg, StepReport};
-use crate::checkpoint::{Checkpoint, RngState};
+use crate::checkpoint::{Checkpoint, RngState, ShardSnapshot};
 use crate::comm::LocalGroup;
 use crate::comm::{CommConfig, CommError};
 use crate::device::MeshDevice;
@@ -975,27 +975,19 @@ where
             replica: new_rank as u32,
             stage: 0,
         };
-        let joined = stage
-            .call(
-                |reply| StageMsg::Regroup {
-                    id,
-                    rank: Rank(new_rank as u32),
-                    comm,
-                    reply,
-                },
-                Some(state.step_timeout),
+        let regroup = |reply| StageMsg::Regroup {
+            id,
+            rank: Rank(new_rank as u32),
+            comm,
+            reply,
+        };
+        ask(&stage, regroup, state.step_timeout, || {
+            format!(
+                "{id} did not join the rebuilt group of generation {}",
+                generation.0
             )
-            .await;
-        match joined {
-            Ok(CallResult::Success(Ok(()))) => {}
-            Ok(CallResult::Success(Err(e))) => return Err(e),
-            _ => {
-                return Err(Error::Runtime(format!(
-                    "{id} did not join the rebuilt group of generation {}",
-                    generation.0
-                )));
-            }
-        }
+        })
+        .await?;
         stages.push((stage, id));
         devices.push(device);
     }
@@ -1017,6 +1009,41 @@ where
     state.generation = generation;
     state.layout = Layout::data_parallel(n as u32)?;
     Ok(())
+}
+
+/// Ask `stage` for something whose reply is a `Result`, waiting at most `timeout`; a stage
+/// that does not answer is `Error::Runtime(unanswered())`.
+async fn ask<M, T>(
+    stage: &ActorRef<StageMsg<M>>,
+    msg: impl FnOnce(ractor::RpcReplyPort<Result<T>>) -> StageMsg<M>,
+    timeout: Duration,
+    unanswered: impl FnOnce() -> String,
+) -> Result<T>
+where
+    M: Send + 'static,
+    T: Send + 'static,
+{
+    match stage.call(msg, Some(timeout)).await {
+        Ok(CallResult::Success(r)) => r,
+        _ => Err(Error::Runtime(unanswered())),
+    }
+}
+
+/// Have `stage` take the parameters and optimizer state of `shards` (the blocks it holds).
+async fn restore<M: Send + 'static>(
+    stage: &ActorRef<StageMsg<M>>,
+    shards: Vec<ShardSnapshot>,
+    timeout: Duration,
+    unanswered: impl FnOnce() -> String,
+) -> Result<()> {
+    let shard = Box::new(shards);
+    ask(
+        stage,
+        |reply| StageMsg::Restore { shard, reply },
+        timeout,
+        unanswered,
+    )
+    .await
 }
 
 /// A device for a replica or stage that joins a running job: a spare of the builder's list,
@@ -1078,11 +1105,10 @@ where
     })
     .await
     .map_err(|e| Error::Runtime(format!("could not start {id}: {e}")))?;
-    match stage.call(StageMsg::Init, Some(state.step_timeout)).await {
-        Ok(CallResult::Success(Ok(_))) => {}
-        Ok(CallResult::Success(Err(e))) => return Err(e),
-        _ => return Err(Error::Runtime(format!("{id} did not initialize"))),
-    }
+    ask(&stage, StageMsg::Init, state.step_timeout, || {
+        format!("{id} did not initialize")
+    })
+    .await?;
     Ok((stage, (device_ref, device.id())))
 }
 
@@ -1146,18 +1172,13 @@ where
     })
     .await
     .map_err(|e| Error::Runtime(format!("could not rewire the pipeline: {e}")))?;
-    let timeout = Some(state.step_timeout);
+    let timeout = state.step_timeout;
     for (r, stage) in rewired.fresh {
         let id = state.stages[r].1;
-        match stage.call(StageMsg::Init, timeout).await {
-            Ok(CallResult::Success(Ok(_))) => {}
-            Ok(CallResult::Success(Err(e))) => return Err(e),
-            _ => {
-                return Err(Error::Runtime(format!(
-                    "the replacement of {id} did not start"
-                )));
-            }
-        }
+        ask(&stage, StageMsg::Init, timeout, || {
+            format!("the replacement of {id} did not start")
+        })
+        .await?;
         state.stages[r].0 = stage;
         if let Some((device, device_ref)) = &devices[r] {
             state.devices[r] = (device_ref.clone(), device.id());
@@ -1168,14 +1189,11 @@ where
             continue;
         };
         let (stage, id) = state.stages[r].clone();
-        match stage
-            .call(|reply| StageMsg::Rewire { links, comm, reply }, timeout)
-            .await
-        {
-            Ok(CallResult::Success(Ok(()))) => {}
-            Ok(CallResult::Success(Err(e))) => return Err(e),
-            _ => return Err(Error::Runtime(format!("{id} did not take its new wiring"))),
-        }
+        let rewire = |reply| StageMsg::Rewire { links, comm, reply };
+        ask(&stage, rewire, timeout, || {
+            format!("{id} did not take its new wiring")
+        })
+        .await?;
     }
     state.others = rewired.others;
     state.shutdown = rewired.shutdown;
@@ -1208,32 +1226,23 @@ where
     }
     let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
     // Snapshots first: the twins' state is the step's starting state (nothing applied).
-    let timeout = Some(state.step_timeout);
+    let timeout = state.step_timeout;
     let mut snapshots = Vec::with_capacity(twins.len());
     for &(_, twin) in twins {
         let (stage, id) = state.stages[twin].clone();
-        match stage.call(StageMsg::Snapshot, timeout).await {
-            Ok(CallResult::Success(Ok(s))) => snapshots.push(s),
-            Ok(CallResult::Success(Err(e))) => return Err(e),
-            _ => return Err(Error::Runtime(format!("{id} did not answer a snapshot"))),
-        }
+        let s = ask(&stage, StageMsg::Snapshot, timeout, || {
+            format!("{id} did not answer a snapshot")
+        })
+        .await?;
+        snapshots.push(s);
     }
     replace_pipeline_stages(state, &lost).await?;
     for (&(r, twin), shards) in twins.iter().zip(snapshots) {
         let (stage, id) = state.stages[r].clone();
-        let shard = Box::new(shards);
-        match stage
-            .call(|reply| StageMsg::Restore { shard, reply }, timeout)
-            .await
-        {
-            Ok(CallResult::Success(Ok(()))) => {}
-            Ok(CallResult::Success(Err(e))) => return Err(e),
-            _ => {
-                return Err(Error::Runtime(format!(
-                    "{id} did not take its twin's state"
-                )));
-            }
-        }
+        restore(&stage, shards, timeout, || {
+            format!("{id} did not take its twin's state")
+        })
+        .await?;
         publish(
             state,
             JobEvent::StageReplaced {
@@ -1300,22 +1309,14 @@ where
             .map(|((s, _), d)| (s.clone(), d.clone()))
             .collect();
     }
-    let timeout = Some(state.step_timeout);
     for (stage, (_, device)) in &members {
-        let shard = Box::new(shard.clone());
-        match stage
-            .call(|reply| StageMsg::Restore { shard, reply }, timeout)
-            .await
-        {
-            Ok(CallResult::Success(Ok(()))) => {}
-            Ok(CallResult::Success(Err(e))) => return Err(e),
-            _ => {
-                return Err(Error::Runtime(format!(
-                    "the stage on device {device} did not restore {}",
-                    dir.display()
-                )));
-            }
-        }
+        restore(stage, shard.clone(), state.step_timeout, || {
+            format!(
+                "the stage on device {device} did not restore {}",
+                dir.display()
+            )
+        })
+        .await?;
     }
     if state.replicas_only {
         rebuild_group(state, members).await?;
@@ -1429,33 +1430,20 @@ where
             return Err(Error::InvalidConfig("this job cannot grow".into()));
         }
         let (rank0, _) = state.stages[0].clone();
-        let snapshot = match rank0
-            .call(StageMsg::Snapshot, Some(state.step_timeout))
-            .await
-        {
-            Ok(CallResult::Success(r)) => r?,
-            _ => {
-                return Err(Error::Runtime(
-                    "rank 0 did not answer the snapshot request".into(),
-                ));
-            }
-        };
+        let snapshot = ask(&rank0, StageMsg::Snapshot, state.step_timeout, || {
+            "rank 0 did not answer the snapshot request".into()
+        })
+        .await?;
         for r in from..n {
             let (stage, device) = spawn_replica(state, r).await?;
             let id = StageId {
                 replica: r as u32,
                 stage: 0,
             };
-            let timeout = Some(state.step_timeout);
-            let shard = Box::new(snapshot.clone());
-            match stage
-                .call(|reply| StageMsg::Restore { shard, reply }, timeout)
-                .await
-            {
-                Ok(CallResult::Success(Ok(()))) => {}
-                Ok(CallResult::Success(Err(e))) => return Err(e),
-                _ => return Err(Error::Runtime(format!("{id} did not take rank 0's state"))),
-            }
+            restore(&stage, snapshot.clone(), state.step_timeout, || {
+                format!("{id} did not take rank 0's state")
+            })
+            .await?;
             members.push((stage, device));
         }
     }
@@ -1960,15 +1948,10 @@ where
         let Some((stage, id)) = state.stages.get(r).cloned() else {
             continue;
         };
-        let got = match stage
-            .call(StageMsg::Snapshot, Some(state.step_timeout))
-            .await
-        {
-            Ok(CallResult::Success(r)) => r,
-            _ => Err(Error::Runtime(format!(
-                "{id} did not answer the snapshot request"
-            ))),
-        };
+        let got = ask(&stage, StageMsg::Snapshot, state.step_timeout, || {
+            format!("{id} did not answer the snapshot request")
+        })
+        .await;
         match (&mut shards, got) {
             (Ok(all), Ok(mut some)) => all.append(&mut some),
             (Ok(_), Err(e)) => shards = Err(e),
