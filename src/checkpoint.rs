@@ -48,7 +48,7 @@
 //!   and gives each parameter back the id it had when snapshotted, so that the optimizer state
 //!   (which Burn keys by parameter id) applies to the restored module.
 
-mod format;
+pub(crate) mod format;
 mod fs;
 mod params;
 mod store;

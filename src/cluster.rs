@@ -49,4 +49,5 @@
 pub mod control;
 pub mod frame;
 pub mod link;
+pub mod remote;
 pub mod rendezvous;

@@ -482,7 +482,7 @@ pub enum LinkFailure {
 
 /// Why a communication op failed. Every variant names the group's generation, the op and its
 /// sequence number, so a failure can be matched without parsing text.
-#[derive(Debug, Clone, thiserror::Error, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error, Serialize, Deserialize)]
 #[non_exhaustive]
 pub enum CommError {
     /// Some ranks did not arrive within the time-out (COMM-3). The group is poisoned.

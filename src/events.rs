@@ -194,7 +194,7 @@ pub struct StageShares {
 }
 
 /// What one pipeline stage ran in a step.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PipelineStageStep {
     /// Its instructions with their start and end, in microseconds since the job started.
     pub executed: Vec<crate::parallel::pipeline::TimedInstr>,

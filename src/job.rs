@@ -52,6 +52,9 @@ struct JobParts<M, I> {
     spawn: SpawnStages<M>,
     items: std::marker::PhantomData<fn() -> I>,
     devices: Vec<MeshDevice>,
+    /// A cluster job: the spawner starts every rank's device (on the processes that hold
+    /// them); `devices` is only the template the trained model is assembled on.
+    remote: bool,
     layout: Layout,
     steps: u64,
     accumulation: u32,
@@ -109,7 +112,13 @@ pub struct JobBuilder<M, I> {
     resume: bool,
     elastic: (u32, u32),
     elastic_wait: Duration,
+    /// A job across processes: the world size and the spawner of its stages
+    /// (`JobBuilder::cluster`, feature `cluster`).
+    cluster: Option<(u32, ClusterSpawn<M, I>)>,
 }
+
+/// Spawns the stages of a job across processes from a stage spec.
+type ClusterSpawn<M, I> = Box<dyn FnOnce(Arc<StageSpec<M, I>>) -> SpawnStages<M> + Send>;
 
 /// Spawns data-parallel replicas from a stage spec.
 type SpawnReplicas<M, I> = fn(Arc<StageSpec<M, I>>) -> SpawnStages<M>;
@@ -182,6 +191,7 @@ where
             resume: false,
             elastic: (1, u32::MAX),
             elastic_wait: Duration::from_secs(300),
+            cluster: None,
         }
     }
 
@@ -200,6 +210,7 @@ where
                 spawn: a.spawn,
                 items: std::marker::PhantomData,
                 devices: a.devices,
+                remote: a.remote,
                 layout: a.layout,
                 steps: a.steps,
                 accumulation: a.accumulation,
@@ -255,6 +266,57 @@ where
     ) -> Self {
         self.loss = Some(Arc::new(f));
         self
+    }
+}
+
+#[cfg(feature = "cluster")]
+impl<M, I> JobBuilder<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    /// Train across processes: one data-parallel replica per rank of `mesh` (the world the
+    /// head assembled), each in the process that holds its device, gradients meeting over the
+    /// TCP data plane. Every process builds its stages from the same builder settings
+    /// ([`JobBuilder::stage_host`] on the nodes); `data_parallel` follows the world. A job
+    /// across processes recovers by shrinking (or fails); pipelines, fault plans and
+    /// roll-back are refused at `build` (feature `cluster`).
+    pub fn cluster(mut self, mesh: crate::cluster::remote::ClusterMesh) -> Self {
+        let world = mesh.world_size() as u32;
+        self.cluster = Some((world, Box::new(move |spec| mesh.spawner(spec))));
+        self
+    }
+
+    /// The stages of one process of a job across processes (a node's, or the head's own
+    /// devices'), trained with this builder's model, loss, data, optimizer and settings: what
+    /// a node's [`crate::cluster::control::HostFactory`] returns. Each slot gets a Flex CPU
+    /// device (feature `cluster`).
+    pub fn stage_host(
+        mut self,
+        args: crate::cluster::control::HostArgs,
+    ) -> Result<Arc<dyn crate::cluster::control::StageHost>> {
+        let Some(dataset) = self.data.clone() else {
+            return Err(Error::InvalidConfig("no data: call .data(dataset)".into()));
+        };
+        let Some(global) = self.batch_size else {
+            return Err(Error::InvalidConfig(
+                "no batch size: call .batch_size(global_batch)".into(),
+            ));
+        };
+        self.dp = args.plan.world_size as u32;
+        let spec = self.stage_spec(global, dataset)?;
+        let link = crate::cluster::link::LinkConfig {
+            io_timeout: self.comm.timeout,
+            ..Default::default()
+        };
+        let tcp = crate::comm::tcp::TcpConfig {
+            comm: self.comm.clone(),
+            ..Default::default()
+        }
+        .with_link(link);
+        Ok(Arc::new(crate::cluster::remote::NodeStages::new(
+            spec, args, tcp,
+        )?))
     }
 }
 
@@ -475,16 +537,41 @@ where
         if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
             return invalid("a time-out of zero: use a positive duration".into());
         }
+        let remote = self.cluster.is_some();
+        if remote {
+            if self.pipeline.is_some() {
+                return invalid(
+                    "a pipeline across processes is not supported yet: train the pipeline in                      one process, or a data-parallel job across processes"
+                        .into(),
+                );
+            }
+            if self.faults.is_some() {
+                return invalid(
+                    "a fault plan acts on in-process devices: it is not supported across                      processes yet (kill a node process to rehearse a failure)"
+                        .into(),
+                );
+            }
+            if self.recovery.roll_back {
+                return invalid(
+                    "a recovery policy that rolls back replaces lost devices in the head's                      process, which a job across processes cannot yet: use shrink or fail"
+                        .into(),
+                );
+            }
+        }
         let (spawn, layout, accumulation) = match self.pipeline.take() {
             Some(p) => self.pipeline_parts(p, global, dataset.clone())?,
             None => self.replica_parts(global, dataset.clone())?,
         };
         let world = layout.world_size() as usize;
         let devices = match self.devices {
+            Some(d) if remote => d.into_iter().take(1).collect(),
             Some(d) => d,
-            None => MeshDevice::of_kind(crate::device::BackendKind::Flex, world)?,
+            None => MeshDevice::of_kind(
+                crate::device::BackendKind::Flex,
+                world.min(if remote { 1 } else { world }),
+            )?,
         };
-        if devices.len() < world {
+        if devices.len() < world && !remote {
             return invalid(format!(
                 "a {} × {} mesh (data × pipeline) needs {world} devices but {} were given: add \
                  devices or use a smaller mesh",
@@ -569,6 +656,7 @@ where
                 spawn,
                 items: std::marker::PhantomData,
                 devices,
+                remote,
                 layout,
                 steps: self.steps,
                 accumulation,
@@ -593,8 +681,38 @@ where
         global: usize,
         dataset: Arc<dyn Dataset<Item = I>>,
     ) -> Result<(SpawnStages<M>, Layout, u32)> {
+        let Some(spawn) = self.replicas else {
+            return Err(Error::InvalidConfig(
+                "no model: call .model(..) or .initial_model(..), or .pipeline(stages, schedule)"
+                    .into(),
+            ));
+        };
+        let cluster = self.cluster.take();
+        if let Some((world, _)) = &cluster {
+            if self.dp != 1 && self.dp != *world {
+                return Err(Error::InvalidConfig(format!(
+                    "data_parallel({}) on a cluster of {world} rank(s): a job across processes                      has one replica per rank; leave data_parallel unset",
+                    self.dp
+                )));
+            }
+            self.dp = *world;
+        }
+        let spec = self.stage_spec(global, dataset)?;
+        let spawn = match cluster {
+            Some((_, spawn_on_cluster)) => spawn_on_cluster(spec),
+            None => spawn(spec),
+        };
+        Ok((spawn, Layout::data_parallel(self.dp)?, self.accumulation))
+    }
+
+    /// What every data-parallel stage trains with (JOB-1 checks of the model, loss and batch).
+    fn stage_spec(
+        &mut self,
+        global: usize,
+        dataset: Arc<dyn Dataset<Item = I>>,
+    ) -> Result<Arc<StageSpec<M, I>>> {
         let invalid = |m: String| Err(Error::InvalidConfig(m));
-        let (Some(model_fn), Some(spawn)) = (self.model.take(), self.replicas) else {
+        let Some(model_fn) = self.model.take() else {
             return invalid(
                 "no model: call .model(..) or .initial_model(..), or .pipeline(stages, schedule)"
                     .into(),
@@ -606,7 +724,7 @@ where
         let dp = self.dp as usize;
         let k = self.accumulation as usize;
         check_batch(global, dp, k)?;
-        let spec = Arc::new(StageSpec {
+        Ok(Arc::new(StageSpec {
             model_fn,
             loss_fn,
             dataset,
@@ -617,12 +735,7 @@ where
             non_finite: self.non_finite,
             epoch: Instant::now(),
             faults: self.faults.clone(),
-        });
-        Ok((
-            spawn(spec),
-            Layout::data_parallel(self.dp)?,
-            self.accumulation,
-        ))
+        }))
     }
 
     /// The pipeline job's spawner, layout and accumulation (its micro-batches).

@@ -253,6 +253,8 @@ where
                 replicas_only: false,
                 grow: None,
                 rewire: Some(rewire),
+                devices: None,
+                reconnect: false,
             })
         })
     })
@@ -424,6 +426,11 @@ where
                     Some(Err(e)) => Err(e),
                 };
                 let _ = reply.send(r);
+            }
+            StageMsg::Reconnect { reply, .. } => {
+                let _ = reply.send(Err(Error::InvalidConfig(
+                    "pipeline stages of other processes are not supported yet".into(),
+                )));
             }
             StageMsg::Regroup { reply, .. } => {
                 let _ = reply.send(Err(Error::InvalidConfig(

@@ -71,7 +71,7 @@ pub struct InitReport {
 }
 
 /// What a stage reports after a step.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct StepReport {
     /// The stage's rank.
     pub rank: Rank,
@@ -131,6 +131,21 @@ pub enum StageMsg<M> {
         /// `Ok` once it holds its state and the new communicator.
         reply: RpcReplyPort<Result<()>>,
     },
+    /// A stage of another process (a cluster job's proxy) joins a new data-plane group under
+    /// `generation` as `rank`, with the stages of `slots` (their ranks in the assembled world)
+    /// as members in new-rank order. In-process stages get their group with `Regroup`.
+    Reconnect {
+        /// The stage's place in the new mesh.
+        id: StageId,
+        /// Its rank in the new mesh.
+        rank: Rank,
+        /// The new group's generation.
+        generation: Generation,
+        /// The members, by new rank, as slots of the assembled world.
+        slots: Vec<Rank>,
+        /// `Ok` once connected.
+        reply: RpcReplyPort<Result<()>>,
+    },
     /// A pipeline stage takes new links and a new data-parallel communicator (after a stage
     /// of the mesh was replaced, REC-6).
     Rewire {
@@ -154,6 +169,7 @@ impl<M> std::fmt::Debug for StageMsg<M> {
             StageMsg::Snapshot(_) => write!(f, "Snapshot"),
             StageMsg::Restore { .. } => write!(f, "Restore"),
             StageMsg::Rewire { .. } => write!(f, "Rewire"),
+            StageMsg::Reconnect { id, .. } => write!(f, "Reconnect({id})"),
         }
     }
 }
@@ -216,6 +232,8 @@ where
                 replicas_only: true,
                 grow: Some(grow_replica(spec)),
                 rewire: None,
+                devices: None,
+                reconnect: false,
             })
         })
     })
@@ -410,6 +428,11 @@ where
             StageMsg::Rewire { reply, .. } => {
                 let _ = reply.send(Err(Error::InvalidConfig(
                     "a data-parallel replica has no pipeline links".into(),
+                )));
+            }
+            StageMsg::Reconnect { reply, .. } => {
+                let _ = reply.send(Err(Error::InvalidConfig(
+                    "an in-process stage joins a rebuilt group through Regroup".into(),
                 )));
             }
         }

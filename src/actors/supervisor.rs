@@ -175,6 +175,12 @@ pub(crate) struct Spawned<M> {
     /// Rewires a pipeline mesh under a new generation, starting fresh stages for replaced
     /// ranks (REC-6).
     pub(crate) rewire: Option<RewireStages<M>>,
+    /// The device actors, by rank, when the spawner started them itself (a cluster job's
+    /// proxies of other processes' devices); `None`: the context's devices.
+    pub(crate) devices: Option<Vec<(ActorRef<DeviceMsg>, DeviceId)>>,
+    /// Whether the stages join a rebuilt group by `StageMsg::Reconnect` (each connects its
+    /// own data plane: a cluster job) rather than `Regroup` with an in-process group.
+    pub(crate) reconnect: bool,
 }
 
 /// What [`RewireStages`] rewires.
@@ -254,6 +260,9 @@ pub struct SupervisorArgs<M, I> {
     pub(crate) spawn: SpawnStages<M>,
     pub(crate) items: std::marker::PhantomData<fn() -> I>,
     pub(crate) devices: Vec<MeshDevice>,
+    /// Whether the spawner starts every rank's device itself (a cluster job): then `devices`
+    /// holds only the template of the devices the job's model is assembled on.
+    pub(crate) remote: bool,
     pub(crate) layout: Layout,
     pub(crate) steps: u64,
     pub(crate) accumulation: u32,
@@ -296,6 +305,8 @@ pub struct SupervisorState<M, I> {
     /// Wakes every stage blocked in a collective or a link, whatever happens to the actors'
     /// mailboxes (RT-4).
     shutdown: Arc<dyn Fn() + Send + Sync>,
+    /// Whether stages join a rebuilt group by `Reconnect` (a cluster job).
+    reconnect: bool,
     model_ranks: Vec<usize>,
     assemble: fn(Vec<M>) -> Option<M>,
     replicas_only: bool,
@@ -365,8 +376,9 @@ where
         a: SupervisorArgs<M, I>,
     ) -> Result<SupervisorState<M, I>, ActorProcessingErr> {
         let world = a.layout.world_size() as usize;
-        let mut devices = Vec::with_capacity(world);
-        for d in a.devices.iter().take(world) {
+        let local = if a.remote { 0 } else { world };
+        let mut devices = Vec::with_capacity(local);
+        for d in a.devices.iter().take(local) {
             let (r, _) =
                 Actor::spawn_linked(None, DeviceActor, d.clone(), myself.get_cell()).await?;
             devices.push((d.clone(), r));
@@ -392,7 +404,10 @@ where
             step_timeout: a.step_timeout,
             events: a.events,
             outcome: Some(a.outcome),
-            devices: devices.into_iter().map(|(d, r)| (r, d.id())).collect(),
+            devices: spawned
+                .devices
+                .unwrap_or_else(|| devices.into_iter().map(|(d, r)| (r, d.id())).collect()),
+            reconnect: spawned.reconnect,
             stages: spawned.stages,
             others: spawned.others,
             shutdown: spawned.shutdown,
@@ -415,7 +430,7 @@ where
             seed: a.seed,
             grow: spawned.grow,
             rewire: spawned.rewire,
-            spare_devices: a.devices.iter().skip(world).rev().cloned().collect(),
+            spare_devices: a.devices.iter().skip(local.max(1)).rev().cloned().collect(),
             device_template: a
                 .devices
                 .first()
@@ -745,6 +760,11 @@ fn lost_ranks<M, I>(state: &SupervisorState<M, I>, failure: &LostRanks) -> Vec<u
                 Error::StageFailed { stage, .. } | Error::StageLost { stage, .. } => {
                     state.stages.iter().position(|(_, id)| id == stage)
                 }
+                // Across processes: the link to a peer broke (its process died or was cut
+                // off); in a data-parallel job a rank is its stage's index.
+                Error::Comm(CommError::Link { peer, .. }) if state.replicas_only => {
+                    Some(peer.index()).filter(|&r| r < state.stages.len())
+                }
                 _ => None,
             }
         })
@@ -966,6 +986,9 @@ where
     }
     let n = members.len();
     let generation = Generation(state.generation.0 + 1);
+    if state.reconnect {
+        return reconnect_group(state, members, generation).await;
+    }
     let group = LocalGroup::new(n, generation, state.comm.clone());
     let comms = group.communicators();
     let mut stages = Vec::with_capacity(n);
@@ -1006,6 +1029,64 @@ where
     state.devices = devices;
     state.others = vec![group_ref.get_cell()];
     state.shutdown = Arc::new(move || group.shutdown());
+    state.generation = generation;
+    state.layout = Layout::data_parallel(n as u32)?;
+    Ok(())
+}
+
+/// [`rebuild_group`] for stages that connect their own data plane (a cluster job): every
+/// member is asked at once to join the group of `generation` (each waits for the others while
+/// it connects), the members named by their slots (a cluster job's device ids).
+async fn reconnect_group<M, I>(
+    state: &mut SupervisorState<M, I>,
+    members: Vec<Member<M>>,
+    generation: Generation,
+) -> Result<()>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let n = members.len();
+    let slots: Vec<Rank> = members.iter().map(|(_, (_, d))| Rank(d.0)).collect();
+    let mut joins = JoinSet::new();
+    for (new_rank, (stage, _)) in members.iter().enumerate() {
+        let id = StageId {
+            replica: new_rank as u32,
+            stage: 0,
+        };
+        let (stage, slots, timeout) = (stage.clone(), slots.clone(), state.step_timeout);
+        joins.spawn(async move {
+            let reconnect = |reply| StageMsg::Reconnect {
+                id,
+                rank: Rank(new_rank as u32),
+                generation,
+                slots,
+                reply,
+            };
+            ask(&stage, reconnect, timeout, || {
+                format!(
+                    "{id} did not join the rebuilt group of generation {}",
+                    generation.0
+                )
+            })
+            .await
+        });
+    }
+    while let Some(joined) = joins.join_next().await {
+        joined.map_err(|e| Error::Runtime(format!("a reconnect task failed: {e}")))??;
+    }
+    let mut stages = Vec::with_capacity(n);
+    let mut devices = Vec::with_capacity(n);
+    for (new_rank, (stage, device)) in members.into_iter().enumerate() {
+        let id = StageId {
+            replica: new_rank as u32,
+            stage: 0,
+        };
+        stages.push((stage, id));
+        devices.push(device);
+    }
+    state.stages = stages;
+    state.devices = devices;
     state.generation = generation;
     state.layout = Layout::data_parallel(n as u32)?;
     Ok(())

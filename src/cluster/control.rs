@@ -59,15 +59,19 @@ mod head;
 pub mod protocol;
 pub mod secret;
 mod session;
+pub mod stages;
 pub mod world;
 
 pub use agent::{AgentMsg, FingerprintFn, NodeConfig, NodeOutcome, NodeReport, run_node};
-pub use head::{Assembled, Head, HeadConfig, JoinedNode, KeepAlive};
+pub use head::{Assembled, Head, HeadConfig, JoinedNode, KeepAlive, NodeHandle};
 pub use protocol::{
     CodecError, ControlMsg, Hello, Incompatibility, JobSpec, ModelFingerprint, ModelSpec, NodeInfo,
     NodePhase,
 };
 pub use secret::{ClusterSecret, SecretError, secret_from_env};
+pub use stages::{
+    HostArgs, HostFactory, RemoteError, StageAnswer, StageHost, StageOp, StageRequest,
+};
 pub use world::{ProcessIndex, ProcessPlan, ProcessSlot, RankEntry, World, WorldError};
 
 const _: () = assert!(

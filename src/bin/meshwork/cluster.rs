@@ -12,13 +12,20 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
+use burn::module::Module;
+use burn::optim::AdamConfig;
 use meshwork::cluster::control::{
     self, ControlError, FingerprintFn, Head, HeadConfig, Incompatibility, JobSpec,
     ModelFingerprint, ModelSpec, NodeConfig, NodeReport, ProcessIndex, protocol,
 };
+use meshwork::cluster::control::{HostArgs, HostFactory};
+use meshwork::cluster::remote::ClusterMesh;
 use meshwork::cluster::rendezvous::{self, Rendezvous, Role};
+use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
+use meshwork::job::{Job, JobBuilder};
+use meshwork::recovery::RecoveryPolicy;
 
 /// The flags `meshwork train` gets with the `cluster` feature.
 #[derive(Debug, Clone, clap::Args)]
@@ -120,11 +127,69 @@ fn demo_fingerprint(
     })
 }
 
+/// What the head does with the trained job beyond the spec: where the model goes, how a lost
+/// node is handled.
+#[derive(Debug, Clone)]
+pub(crate) struct HeadJob {
+    pub(crate) save_model: Option<std::path::PathBuf>,
+    pub(crate) policy: RecoveryPolicy,
+}
+
+/// Samples in the demo job's dataset (as in a single-process `meshwork train`).
+const DEMO_SAMPLES: usize = 16_384;
+
+/// The demo job of `meshwork train` as `spec` describes it, built the same way in every
+/// process (the head's and every node's stages train with the same settings) and the same
+/// way as a single-process run: the teacher task, the MLP initialized on a Flex device seeded
+/// with the job's seed, Adam.
+fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(JobBuilder<Mlp, Sample>, TeacherTask)> {
+    let ModelSpec::DemoMlp { widths } = &spec.model else {
+        return Err(Error::InvalidConfig(
+            "meshwork train runs the demo MLP only".into(),
+        ));
+    };
+    let widths: Vec<usize> = widths.iter().map(|&w| w as usize).collect();
+    let (Some(&d_in), Some(&d_out)) = (widths.first(), widths.last()) else {
+        return Err(Error::InvalidConfig("the demo MLP has no layers".into()));
+    };
+    let task = TeacherTask {
+        d_in,
+        d_out,
+        noise: 0.1,
+        seed: spec.seed,
+    };
+    let device = MeshDevice::of_kind(BackendKind::Flex, 1)?.remove(0);
+    device.burn().seed(spec.seed);
+    let init = Mlp::new(&widths, device.burn());
+    let builder = Job::builder()
+        .initial_model(init)
+        .loss(mse_loss)
+        .data(task.dataset(DEMO_SAMPLES))
+        .optimizer(AdamConfig::new())
+        .learning_rate(spec.learning_rate)
+        .batch_size(spec.batch_size as usize)
+        .steps(spec.steps)
+        .seed(spec.seed)
+        .collective_timeout(Duration::from_millis(spec.collective_timeout_ms.max(1)))
+        .step_timeout(Duration::from_secs(120));
+    Ok((builder, task))
+}
+
+/// How a node (and the head, for its own devices) builds its stages: the demo job of the
+/// head's spec.
+fn demo_stages() -> HostFactory {
+    Arc::new(|args: HostArgs| {
+        let (builder, _) = demo_job(&args.spec).map_err(|e| e.to_string())?;
+        builder.stage_host(args).map_err(|e| e.to_string())
+    })
+}
+
 /// `meshwork train` with the cluster flags or under a launcher: `None` when this is a plain
 /// single-process run.
 pub(crate) fn dispatch_train(
     cluster: &ClusterTrainArgs,
     spec: impl FnOnce() -> JobSpec,
+    job: HeadJob,
 ) -> Option<meshwork::error::Result<()>> {
     if let Some(listen) = &cluster.listen {
         let Some(nodes) = cluster.nodes else {
@@ -148,6 +213,7 @@ pub(crate) fn dispatch_train(
             local,
             data_host,
             spec(),
+            job,
         ));
     }
     if cluster.nodes.is_some() {
@@ -168,7 +234,7 @@ pub(crate) fn dispatch_train(
                     .map(|a| a.ip())
             });
             let local = cluster.local_devices.unwrap_or(1);
-            run_head(cluster, listen, nodes, local, data_host, spec())
+            run_head(cluster, listen, nodes, local, data_host, spec(), job)
         }
         Role::Node { join, process } => {
             let args = NodeArgs {
@@ -214,14 +280,14 @@ fn run_head(
     local_devices: u32,
     data_host: Option<IpAddr>,
     spec: JobSpec,
+    head_job: HeadJob,
 ) -> meshwork::error::Result<()> {
     let join_timeout = seconds("--join-timeout", cluster.join_timeout)?;
     let secret = control::secret_from_env().map_err(ControlError::from)?;
     let fingerprint = demo_fingerprint(&spec, None).map_err(|reason| {
         Error::InvalidConfig(format!("the head cannot build its own model: {reason}"))
     })?;
-    // The head's own data-plane listeners, held until the data plane adopts them (the TCP
-    // transport is not on this branch yet).
+    // The head's own data-plane listeners, adopted by its stages once the world is known.
     let head_listeners = if local_devices == 0 {
         Vec::new()
     } else {
@@ -282,29 +348,78 @@ fn run_head(
                 Err(e) => println!("heartbeat: {name} failed: {e}"),
             }
         }
-        let reason = if dry_run {
-            "dry run over".to_string()
-        } else {
-            "cross-process training needs the TCP data plane, which this build does not have yet"
-                .to_string()
+        if dry_run {
+            for (name, bye) in head.shutdown("dry run over").await {
+                if let Err(e) = bye {
+                    println!("shutdown: {name}: {e}");
+                }
+            }
+            println!("dry run: the nodes are stopped; no training");
+            return Ok(());
+        }
+        let trained = train_on_world(&head, &assembled, &spec, head_listeners, &head_job).await;
+        let reason = match &trained {
+            Ok(()) => "the job finished".to_string(),
+            Err(e) => format!("the job failed: {e}"),
         };
         for (name, bye) in head.shutdown(&reason).await {
             if let Err(e) = bye {
                 println!("shutdown: {name}: {e}");
             }
         }
-        drop(head_listeners);
-        if dry_run {
-            println!("dry run: the nodes are stopped; no training");
-            Ok(())
-        } else {
-            Err(Error::InvalidConfig(
-                "world assembled, but cross-process training needs the TCP data plane \
-                 (not on this branch); use --dry-run to stop after assembling"
-                    .into(),
-            ))
-        }
+        trained
     })
+}
+
+/// Trains the demo job on the assembled world: the head's own ranks (if any) in this process,
+/// every other rank on its node; lost nodes are reported as the heartbeats miss them.
+async fn train_on_world(
+    head: &Head,
+    assembled: &control::Assembled,
+    spec: &JobSpec,
+    head_listeners: Vec<std::net::TcpListener>,
+    job: &HeadJob,
+) -> meshwork::error::Result<()> {
+    let head_stages = if head_listeners.is_empty() {
+        None
+    } else {
+        Some(
+            demo_stages()(HostArgs {
+                spec: spec.clone(),
+                plan: assembled.head_plan(),
+                token: assembled.token.clone(),
+                listeners: head_listeners,
+            })
+            .map_err(Error::InvalidConfig)?,
+        )
+    };
+    let mesh = ClusterMesh::new(&assembled.world, &head.node_handles(), head_stages)?;
+    let (builder, task) = demo_job(spec)?;
+    let handle = builder
+        .recovery(job.policy.clone())
+        .cluster(mesh)
+        .build()?
+        .spawn()
+        .await?;
+    let mut keep_alive = head.keep_alive();
+    let watch = tokio::spawn(async move {
+        while let Some((name, why)) = keep_alive.next_lost().await {
+            println!("node {name} lost: {why}");
+            let _ = std::io::stdout().flush();
+        }
+    });
+    let (trained, _) = crate::train::drive(handle, spec.steps).await;
+    watch.abort();
+    let trained = trained?;
+    crate::train::report(&trained.summary, &task);
+    if let Some(path) = &job.save_model {
+        trained.model.save_file(path).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            reason: format!("{e:?}"),
+        })?;
+        println!("model written to {}", path.display());
+    }
+    Ok(())
 }
 
 /// `meshwork node`.
@@ -349,6 +464,7 @@ fn run_node_with(args: NodeArgs, requested: Option<ProcessIndex>) -> meshwork::e
         fingerprint,
     );
     config.requested = requested;
+    config.stages = Some(demo_stages());
     config.join_timeout = seconds("--join-timeout", args.join_timeout)?;
     config.head_timeout = seconds("--head-timeout", args.head_timeout)?;
     if let Some(name) = args.name {

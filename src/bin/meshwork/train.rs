@@ -86,7 +86,7 @@ pub(crate) struct TrainArgs {
 }
 
 /// The fault plan and recovery policy the flags ask for.
-fn fault_settings(
+pub(crate) fn fault_settings(
     args: &TrainArgs,
 ) -> meshwork::error::Result<(Option<FaultPlan>, RecoveryPolicy)> {
     let plan = match &args.faults {
@@ -132,7 +132,12 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                 args.collective_timeout,
             )
         };
-        if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, spec) {
+        let (_, policy) = fault_settings(&args)?;
+        let head = crate::cluster::HeadJob {
+            save_model: args.save_model.clone(),
+            policy,
+        };
+        if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, spec, head) {
             return outcome;
         }
     }
@@ -348,7 +353,7 @@ async fn interrupted() {
 
 /// Show a progress bar until the job ends; return its outcome and the last step's pipeline
 /// figures (pipeline jobs).
-async fn drive<M: Send + 'static>(
+pub(crate) async fn drive<M: Send + 'static>(
     handle: JobHandle<M>,
     steps: u64,
 ) -> (meshwork::error::Result<Trained<M>>, Option<PipelineStep>) {
@@ -430,7 +435,7 @@ async fn drive<M: Send + 'static>(
 }
 
 /// The loss from first to last step and where the time went.
-fn report(s: &RunSummary, task: &TeacherTask) {
+pub(crate) fn report(s: &RunSummary, task: &TeacherTask) {
     let (compute, comm, wait) = s.breakdown.shares();
     println!(
         "loss {:.4} → {:.4} (attainable {:.4})",

@@ -15,6 +15,7 @@ use super::protocol::{
 };
 use super::secret::ClusterSecret;
 use super::session::{ClusterNode, SessionEvent};
+use super::stages::{HostArgs, HostFactory, RemoteError, StageAnswer, StageHost};
 use super::world::{ProcessIndex, ProcessPlan};
 use super::{AGENTS_GROUP, ControlError, HeadLoss, bind_data_plane, host_name, job_scope};
 use crate::cluster::link::JobToken;
@@ -106,6 +107,9 @@ pub struct NodeConfig {
     pub head_timeout: Duration,
     /// The control protocol version to speak (this build's; tests pretend to be another).
     pub protocol_version: u16,
+    /// Builds the node's stages once the head prepared it (`None`: the node joins and is
+    /// prepared, but cannot train; the head's stage requests are refused).
+    pub stages: Option<HostFactory>,
 }
 
 impl std::fmt::Debug for NodeConfig {
@@ -143,6 +147,7 @@ impl NodeConfig {
             join_timeout: Duration::from_secs(60),
             head_timeout: Duration::from_secs(10),
             protocol_version: CONTROL_PROTOCOL_VERSION,
+            stages: None,
         }
     }
 }
@@ -205,6 +210,14 @@ pub(crate) struct AgentState {
     phase: NodePhase,
     greeted: bool,
     events: mpsc::UnboundedSender<AgentEvent>,
+    /// The job of the Hello.
+    spec: Option<JobSpec>,
+    /// Copies of the data-plane listeners (the runner keeps the originals).
+    listeners: Vec<TcpListener>,
+    /// Builds the stage host at Prepare.
+    factory: Option<HostFactory>,
+    /// The stages, once prepared (with a factory).
+    host: Option<Arc<dyn StageHost>>,
 }
 
 impl std::fmt::Debug for AgentState {
@@ -264,6 +277,7 @@ impl AgentState {
                     },
                     Ok(node) => {
                         self.greeted = true;
+                        self.spec = Some(hello.spec.clone());
                         self.tell(AgentEvent::Greeted {
                             head: hello.head.clone(),
                         });
@@ -281,7 +295,10 @@ impl AgentState {
             }
             ControlMsg::Prepare(prepare) => {
                 self.tell(AgentEvent::Heard);
-                match self.check_prepare(&prepare) {
+                match self
+                    .check_prepare(&prepare)
+                    .and_then(|plan| self.start_host(plan, &prepare))
+                {
                     Ok(plan) => {
                         self.phase = NodePhase::Prepared;
                         let ranks = plan.ranks.clone();
@@ -308,8 +325,23 @@ impl AgentState {
                 }
             }
             ControlMsg::Shutdown { reason } => {
+                if let Some(host) = &self.host {
+                    host.stop();
+                }
                 self.tell(AgentEvent::Shutdown { reason });
                 ControlMsg::Bye
+            }
+            ControlMsg::Stage(request) => {
+                ControlMsg::StageDone(StageAnswer::Failed(RemoteError::Other(format!(
+                    "{} for rank {}: this node has no stages ({})",
+                    request.op.kind(),
+                    request.slot.0,
+                    if self.factory.is_none() {
+                        "it cannot train"
+                    } else {
+                        "it was not prepared"
+                    }
+                ))))
             }
             other => ControlMsg::Refused(Incompatibility::Other(format!(
                 "{} is not a request",
@@ -350,12 +382,39 @@ impl AgentState {
         }
         Ok(prepare.world.plan_for(process))
     }
+
+    /// With a factory: builds the stage host for `plan` (once; a second Prepare keeps it).
+    fn start_host(&mut self, plan: ProcessPlan, prepare: &Prepare) -> Result<ProcessPlan, String> {
+        let Some(factory) = &self.factory else {
+            return Ok(plan);
+        };
+        if self.host.is_some() {
+            return Ok(plan);
+        }
+        let spec = self.spec.clone().ok_or("Prepare before Hello")?;
+        let listeners = self
+            .listeners
+            .iter()
+            .map(TcpListener::try_clone)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| format!("the data-plane listeners: {e}"))?;
+        let host = factory(HostArgs {
+            spec,
+            plan: plan.clone(),
+            token: JobToken::from_bytes(prepare.token),
+            listeners,
+        })
+        .map_err(|e| format!("this node cannot build the job's stages: {e}"))?;
+        self.host = Some(host);
+        Ok(plan)
+    }
 }
 
 /// Arguments of [`NodeAgent`].
 pub(crate) struct AgentArgs {
     config: NodeConfig,
     data_addrs: Vec<SocketAddr>,
+    listeners: Vec<TcpListener>,
     events: mpsc::UnboundedSender<AgentEvent>,
 }
 
@@ -392,7 +451,22 @@ impl Actor for NodeAgent {
             phase: NodePhase::Joined,
             greeted: false,
             events: args.events,
+            spec: None,
+            listeners: args.listeners,
+            factory: args.config.stages,
+            host: None,
         })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<Self::Msg>,
+        state: &mut Self::State,
+    ) -> Result<(), ActorProcessingErr> {
+        if let Some(host) = state.host.take() {
+            host.stop();
+        }
+        Ok(())
     }
 
     async fn handle(
@@ -403,6 +477,35 @@ impl Actor for NodeAgent {
     ) -> Result<(), ActorProcessingErr> {
         match message {
             AgentMsg::Request { bytes, reply } => {
+                // A stage request runs on its own task: the steps of several slots run at
+                // once, and heartbeats are answered meanwhile.
+                if let Some(host) = &state.host
+                    && let Ok(ControlMsg::Stage(request)) =
+                        protocol::decode_as(&bytes, state.version, MAX_CONTROL_MESSAGE)
+                {
+                    state.phase = NodePhase::Training;
+                    state.tell(AgentEvent::Heard);
+                    let (host, version) = (host.clone(), state.version);
+                    tokio::spawn(async move {
+                        let answer = ControlMsg::StageDone(host.serve(request).await);
+                        let bytes = protocol::encode_as(&answer, version, MAX_CONTROL_MESSAGE)
+                            .or_else(|e| {
+                                protocol::encode_as(
+                                    &ControlMsg::StageDone(StageAnswer::Failed(
+                                        RemoteError::Other(format!(
+                                            "the node's answer cannot be sent: {e}"
+                                        )),
+                                    )),
+                                    version,
+                                    MAX_CONTROL_MESSAGE,
+                                )
+                            });
+                        if let Ok(bytes) = bytes {
+                            let _ = reply.send(bytes);
+                        }
+                    });
+                    return Ok(());
+                }
                 let answer = state.answer(&bytes).await;
                 match protocol::encode_as(&answer, state.version, MAX_CONTROL_MESSAGE) {
                     Ok(bytes) => {
@@ -479,6 +582,14 @@ pub async fn run_node(
         AgentArgs {
             config,
             data_addrs,
+            listeners: listeners
+                .iter()
+                .map(TcpListener::try_clone)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| ControlError::Bind {
+                    addr: local_ip.to_string(),
+                    reason: e.to_string(),
+                })?,
             events: tx,
         },
     )

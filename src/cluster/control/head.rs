@@ -16,6 +16,7 @@ use super::protocol::{
 };
 use super::secret::ClusterSecret;
 use super::session::{ClusterNode, SessionEvent, adopt};
+use super::stages::{StageAnswer, StageRequest};
 use super::world::{ProcessIndex, ProcessPlan, ProcessSlot, World, assign_ranks};
 use super::{AGENTS_GROUP, ControlError, host_name, job_scope};
 use crate::cluster::link::JobToken;
@@ -164,6 +165,50 @@ impl Caller {
     }
 }
 
+/// How the head asks one node for its stages' work (`Stage` requests), from any task.
+#[derive(Debug, Clone)]
+pub struct NodeHandle {
+    name: String,
+    agent: ActorRef<AgentMsg>,
+    version: u16,
+}
+
+impl NodeHandle {
+    /// The node's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Sends `request` and waits for the answer at most `timeout`: a node that does not answer
+    /// in time, or whose session ended, is [`ControlError::NoReply`].
+    pub async fn stage(
+        &self,
+        request: StageRequest,
+        timeout: Duration,
+    ) -> Result<StageAnswer, ControlError> {
+        let caller = Caller {
+            version: self.version,
+            timeout,
+        };
+        match caller
+            .call(&self.agent, &self.name, &ControlMsg::Stage(request))
+            .await?
+        {
+            ControlMsg::StageDone(answer) => Ok(answer),
+            ControlMsg::Refused(why) => Err(ControlError::Refused {
+                peer: self.name.clone(),
+                by_head: false,
+                reason: why,
+            }),
+            other => Err(ControlError::UnexpectedReply {
+                peer: self.name.clone(),
+                request: "Stage",
+                reply: other.kind(),
+            }),
+        }
+    }
+}
+
 /// The head of a job (see the module's conversation).
 #[derive(Debug)]
 pub struct Head {
@@ -229,6 +274,23 @@ impl Head {
     /// The nodes that joined (in process order once assembled).
     pub fn nodes(&self) -> &[JoinedNode] {
         &self.nodes
+    }
+
+    /// A handle per joined node, by name, to drive its stages.
+    pub fn node_handles(&self) -> HashMap<String, NodeHandle> {
+        self.nodes
+            .iter()
+            .map(|n| {
+                (
+                    n.info.name.clone(),
+                    NodeHandle {
+                        name: n.info.name.clone(),
+                        agent: n.agent.clone(),
+                        version: self.config.protocol_version,
+                    },
+                )
+            })
+            .collect()
     }
 
     fn caller(&self) -> Caller {

@@ -39,7 +39,7 @@ use crate::mesh::Rank;
 pub const CONTROL_MAGIC: [u8; 4] = *b"MWCT";
 
 /// The control protocol version this build speaks.
-pub const CONTROL_PROTOCOL_VERSION: u16 = 1;
+pub const CONTROL_PROTOCOL_VERSION: u16 = 2;
 
 /// Bytes of the fixed header.
 pub const CONTROL_HEADER_LEN: usize = 10;
@@ -214,6 +214,10 @@ pub enum ControlMsg {
     },
     /// Node → head: the answer to `Shutdown`.
     Bye,
+    /// Head → node: a request for one of its stages (version 2).
+    Stage(super::stages::StageRequest),
+    /// Node → head: the answer to `Stage`.
+    StageDone(super::stages::StageAnswer),
 }
 
 impl ControlMsg {
@@ -229,6 +233,8 @@ impl ControlMsg {
             Self::Alive { .. } => "Alive",
             Self::Shutdown { .. } => "Shutdown",
             Self::Bye => "Bye",
+            Self::Stage(_) => "Stage",
+            Self::StageDone(_) => "StageDone",
         }
     }
 }

@@ -1,0 +1,294 @@
+//! How the head drives the stages its nodes hold: one stage message of the Supervisor
+//! (`actors::stage::StageMsg`) as a control message, and the node's side of it
+//! ([`StageHost`]). Pure data and a trait: the host that trains lives in
+//! `crate::cluster::remote`.
+//!
+//! # The conversation (after `Prepare`; each request bounded by the time-out it carries)
+//!
+//! ```text
+//! head (a RemoteStage proxy per rank)            node agent → StageHost
+//!  │ Stage { slot, Start { id } } ───────────────►│ device + stage actor, joins the data plane
+//!  │◄──── StageDone(Started)                       │   (generation 0, every rank of the world)
+//!  │ Stage { slot, Init | Step | Fingerprint | Snapshot | Restore | Heartbeat } ─►│
+//!  │◄──── StageDone(the answer) or StageDone(Failed(RemoteError))
+//!  │ Stage { slot, Regroup { id, rank, generation, addrs } } ─►│ reconnects (after a loss)
+//!  │ Stage { slot, Abort } ──────────────────────►│ shuts its data-plane group (RT-4)
+//! ```
+//!
+//! A slot is a rank of the world as the head assembled it (generation 0); after a recovery
+//! the stage of a slot may hold another rank, but keeps its slot.
+
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::pin::Pin;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use super::protocol::JobSpec;
+use super::world::ProcessPlan;
+use crate::actors::device::Heartbeat;
+use crate::actors::stage::StepReport;
+use crate::cluster::link::JobToken;
+use crate::comm::CommError;
+use crate::error::{DeviceId, Error, StageId};
+use crate::mesh::{Generation, Rank};
+
+/// One request for the stage of `slot`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StageRequest {
+    /// The stage's slot (its rank in the assembled world).
+    pub slot: Rank,
+    /// How long the node may take, in milliseconds (the head waits a little longer).
+    pub timeout_ms: u64,
+    /// What to do.
+    pub op: StageOp,
+}
+
+/// What the head asks of a node's stage.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum StageOp {
+    /// Start the slot's device and stage actor as `id`, joining the data plane of generation 0
+    /// with every rank of the world.
+    Start {
+        /// The stage's place in the mesh.
+        id: StageId,
+    },
+    /// `StageMsg::Init`: build the model, take rank 0's parameters, build the optimizer.
+    Init,
+    /// `StageMsg::Step`.
+    Step {
+        /// The step.
+        step: u64,
+        /// The sample ids of each micro-batch.
+        micro_batches: Vec<Vec<usize>>,
+        /// Samples in the whole step over all replicas.
+        global_samples: usize,
+    },
+    /// `StageMsg::Fingerprint`.
+    Fingerprint,
+    /// `StageMsg::Snapshot`: the answer carries each shard in the checkpoint format.
+    Snapshot,
+    /// `StageMsg::Restore`: each shard in the checkpoint format (checksums verified on
+    /// arrival).
+    Restore {
+        /// The encoded shards.
+        shards: Vec<Vec<u8>>,
+    },
+    /// Join a new data-plane group under `generation` as `rank`: the group's ranks listen at
+    /// `addrs`, in rank order (after a recovery).
+    Regroup {
+        /// The stage's new place.
+        id: StageId,
+        /// Its new rank.
+        rank: Rank,
+        /// The new group's generation.
+        generation: Generation,
+        /// Every member's data-plane address, by new rank.
+        addrs: Vec<SocketAddr>,
+    },
+    /// The device's heartbeat.
+    Heartbeat,
+    /// Shut the stage's data-plane group down, waking anything waiting in it (RT-4), if it is
+    /// of `generation` or older (a late abort never breaks a newer group).
+    Abort {
+        /// The newest generation the abort is for.
+        generation: Generation,
+    },
+}
+
+impl StageOp {
+    /// The op's name, for errors.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Start { .. } => "Start",
+            Self::Init => "Init",
+            Self::Step { .. } => "Step",
+            Self::Fingerprint => "Fingerprint",
+            Self::Snapshot => "Snapshot",
+            Self::Restore { .. } => "Restore",
+            Self::Regroup { .. } => "Regroup",
+            Self::Heartbeat => "Heartbeat",
+            Self::Abort { .. } => "Abort",
+        }
+    }
+}
+
+/// A node's answer to a [`StageRequest`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum StageAnswer {
+    /// Done (Start, Restore, Regroup, Abort).
+    Done,
+    /// The answer to Init.
+    Init {
+        /// Fingerprint of the parameters the factory built.
+        before: u64,
+        /// Fingerprint after receiving rank 0's parameters.
+        after: u64,
+    },
+    /// The answer to Step.
+    Step(StepReport),
+    /// The answer to Fingerprint.
+    Fingerprint(u64),
+    /// The answer to Snapshot: each shard in the checkpoint format.
+    Snapshot(Vec<Vec<u8>>),
+    /// The answer to Heartbeat.
+    Heartbeat(Heartbeat),
+    /// The op failed on the node.
+    Failed(RemoteError),
+}
+
+impl StageAnswer {
+    /// The answer's name, for errors.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Done => "Done",
+            Self::Init { .. } => "Init",
+            Self::Step(_) => "Step",
+            Self::Fingerprint(_) => "Fingerprint",
+            Self::Snapshot(_) => "Snapshot",
+            Self::Heartbeat(_) => "Heartbeat",
+            Self::Failed(_) => "Failed",
+        }
+    }
+}
+
+/// An [`Error`] of a node's stage, as it crosses to the head: the variants the Supervisor's
+/// recovery reads keep their fields (who failed, which peer a link lost), the rest their text.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum RemoteError {
+    /// [`Error::StageFailed`].
+    StageFailed {
+        /// The device.
+        device: DeviceId,
+        /// The stage.
+        stage: StageId,
+        /// What it was doing.
+        during: String,
+        /// Why.
+        reason: String,
+    },
+    /// [`Error::StageLost`].
+    StageLost {
+        /// The device.
+        device: DeviceId,
+        /// The stage.
+        stage: StageId,
+        /// Why.
+        reason: String,
+    },
+    /// [`Error::Comm`]: a collective failed (a lost peer is named in it).
+    Comm(CommError),
+    /// [`Error::NonFiniteLoss`].
+    NonFiniteLoss {
+        /// The step.
+        step: u64,
+        /// The ranks.
+        ranks: Vec<Rank>,
+    },
+    /// [`Error::NonFiniteGradient`].
+    NonFiniteGradient {
+        /// The step.
+        step: u64,
+    },
+    /// Any other error, as text.
+    Other(String),
+}
+
+impl From<&Error> for RemoteError {
+    fn from(e: &Error) -> Self {
+        match e {
+            Error::StageFailed {
+                device,
+                stage,
+                during,
+                reason,
+            } => Self::StageFailed {
+                device: *device,
+                stage: *stage,
+                during: during.clone(),
+                reason: reason.clone(),
+            },
+            Error::StageLost {
+                device,
+                stage,
+                reason,
+            } => Self::StageLost {
+                device: *device,
+                stage: *stage,
+                reason: reason.clone(),
+            },
+            Error::Comm(c) => Self::Comm(c.clone()),
+            Error::NonFiniteLoss { step, ranks } => Self::NonFiniteLoss {
+                step: *step,
+                ranks: ranks.clone(),
+            },
+            Error::NonFiniteGradient { step } => Self::NonFiniteGradient { step: *step },
+            other => Self::Other(other.to_string()),
+        }
+    }
+}
+
+impl RemoteError {
+    /// The error on the head, where a node's stage failed in `node`.
+    pub fn into_error(self, node: &str) -> Error {
+        match self {
+            Self::StageFailed {
+                device,
+                stage,
+                during,
+                reason,
+            } => Error::StageFailed {
+                device,
+                stage,
+                during,
+                reason: format!("{reason} (on {node})"),
+            },
+            Self::StageLost {
+                device,
+                stage,
+                reason,
+            } => Error::StageLost {
+                device,
+                stage,
+                reason: format!("{reason} (on {node})"),
+            },
+            Self::Comm(c) => Error::Comm(c),
+            Self::NonFiniteLoss { step, ranks } => Error::NonFiniteLoss { step, ranks },
+            Self::NonFiniteGradient { step } => Error::NonFiniteGradient { step },
+            Self::Other(text) => Error::Runtime(format!("on {node}: {text}")),
+        }
+    }
+}
+
+/// A boxed future of a stage answer.
+pub type AnswerFuture = Pin<Box<dyn Future<Output = StageAnswer> + Send>>;
+
+/// What serves the head's stage requests for the slots of one process: the node's agent hands
+/// every [`StageRequest`] to it, each on its own task (a step's requests for several slots
+/// run at once; heartbeats are answered meanwhile).
+pub trait StageHost: Send + Sync + 'static {
+    /// Serves one request.
+    fn serve(&self, request: StageRequest) -> AnswerFuture;
+    /// Stops every stage and device of the process and shuts its data plane (the job ended
+    /// or the head was lost).
+    fn stop(&self);
+}
+
+/// What a [`HostFactory`] gets when the head prepared the node.
+#[derive(Debug)]
+pub struct HostArgs {
+    /// The job, as the head described it in its Hello.
+    pub spec: JobSpec,
+    /// This process's place in the world.
+    pub plan: ProcessPlan,
+    /// The data-plane token.
+    pub token: JobToken,
+    /// The data-plane listeners, one per slot of `plan.ranks`, in that order.
+    pub listeners: Vec<TcpListener>,
+}
+
+/// Builds a node's [`StageHost`] once the world is known (the program's own job, built from
+/// the spec with the same code as the head's); an error refuses the `Prepare`.
+pub type HostFactory = Arc<dyn Fn(HostArgs) -> Result<Arc<dyn StageHost>, String> + Send + Sync>;

@@ -1,0 +1,971 @@
+//! Training across processes: the Supervisor on the head drives stages that live in other
+//! processes through proxies, and each process serves its own stages.
+//!
+//! ```text
+//! head process                                   node process (and the head's own devices)
+//! Supervisor ─ RemoteStage ×N (StageMsg) ─┐      NodeAgent ─► NodeStages (StageHost)
+//!            └ RemoteDevice ×N (DeviceMsg)┘──────►   per slot: DeviceActor + StageActor
+//!                 (control plane: StageRequest)       with a TCP Communicator (data plane)
+//! ```
+//!
+//! - Every rank of a cluster job is a proxy on the head: a [`RemoteStage`] answers the
+//!   Supervisor's `StageMsg`s by sending [`StageOp`]s to the process that holds the rank, and
+//!   a [`RemoteDevice`] answers its heartbeats. The head's own devices are served by the same
+//!   [`NodeStages`] in the head's process, without the network: one code path for every rank.
+//! - A node builds its stages with the same [`crate::job::JobBuilder`] code as the head
+//!   ([`crate::job::JobBuilder::stage_host`]), so a stage on a node trains exactly as a
+//!   stage in the head's process would; gradients meet over the TCP data plane
+//!   (`comm::tcp`), never over the control plane.
+//! - Parameters cross the control plane only for snapshots, restores and the trained model,
+//!   as checkpoint shards (CRC-checked on arrival) under the control message limit.
+//!
+//! # Invariants
+//!
+//! - **REMOTE-1** a slot is a rank of the world as assembled (generation 0); its device id is
+//!   `DeviceId(slot)`, so after a recovery the Supervisor names the members of a rebuilt group
+//!   by their slots (`StageMsg::Reconnect`).
+//! - **REMOTE-2** a node that cannot be reached (its process died, its session closed) makes
+//!   every request to its stages fail at once with `Error::StageLost` naming the stage and the
+//!   node: the Supervisor's recovery treats it as a lost device. A peer's broken data-plane
+//!   link (`CommError::Link`) names the lost rank too.
+//! - **REMOTE-3** an abort (the Supervisor's RT-4 shutdown) carries the generation it is for:
+//!   a node ignores an abort older than its slot's group, so a late abort never breaks the
+//!   group a recovery just formed.
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use burn::module::Module;
+use burn::tensor::Device;
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+
+use super::control::{
+    HostArgs, NodeHandle, ProcessIndex, ProcessPlan, RemoteError, StageAnswer, StageHost, StageOp,
+    StageRequest, World,
+};
+use super::link::{JobToken, LinkListener};
+use crate::actors::device::{DeviceActor, DeviceMsg, heartbeat};
+use crate::actors::stage::{InitReport, StageActor, StageArgs, StageMsg, StageSpec};
+use crate::actors::supervisor::{SpawnContext, SpawnStages, Spawned};
+use crate::checkpoint::{ShardSnapshot, restore_module};
+use crate::comm::tcp::{TcpConfig, TcpGroup, TcpShutdown};
+use crate::device::{BackendKind, MeshDevice};
+use crate::error::{DeviceId, Error, Result, StageId};
+use crate::mesh::{Generation, Rank};
+use crate::parallel::ModelContext;
+
+/// How much longer than the time-out a request carries the head waits for its answer (the
+/// node's own bound fires first, with its diagnosis).
+const ANSWER_MARGIN: Duration = Duration::from_secs(2);
+
+/// How long a device heartbeat of another process may take.
+const HEARTBEAT_WAIT: Duration = Duration::from_secs(2);
+
+/// Where the stage of one slot lives.
+#[derive(Clone)]
+enum Endpoint {
+    /// In the head's own process.
+    Local(Arc<dyn StageHost>),
+    /// In a node's process, reached over the control plane.
+    Node(NodeHandle),
+}
+
+impl Endpoint {
+    fn name(&self) -> String {
+        match self {
+            Endpoint::Local(_) => "the head".into(),
+            Endpoint::Node(n) => format!("node {}", n.name()),
+        }
+    }
+
+    /// Sends `op` for `slot` and waits at most `timeout` (plus a margin). A node that cannot
+    /// be reached is `Err` with why (REMOTE-2).
+    async fn call(
+        &self,
+        slot: Rank,
+        op: StageOp,
+        timeout: Duration,
+    ) -> std::result::Result<StageAnswer, String> {
+        let request = StageRequest {
+            slot,
+            timeout_ms: timeout.as_millis().min(u128::from(u64::MAX)) as u64,
+            op,
+        };
+        match self {
+            Endpoint::Local(host) => {
+                tokio::time::timeout(timeout + ANSWER_MARGIN, host.serve(request))
+                    .await
+                    .map_err(|_| format!("no answer within {:?}", timeout + ANSWER_MARGIN))
+            }
+            Endpoint::Node(node) => node
+                .stage(request, timeout + ANSWER_MARGIN)
+                .await
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
+
+impl std::fmt::Debug for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.name())
+    }
+}
+
+/// The ranks of an assembled world and where each one's stage lives: what
+/// [`crate::job::JobBuilder::cluster`] trains on.
+pub struct ClusterMesh {
+    endpoints: Vec<Endpoint>,
+    addrs: Vec<SocketAddr>,
+    /// The device the trained model is assembled on (in the head's process).
+    model_device: MeshDevice,
+}
+
+impl std::fmt::Debug for ClusterMesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterMesh")
+            .field("endpoints", &self.endpoints)
+            .field("addrs", &self.addrs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ClusterMesh {
+    /// The mesh of `world` (from [`super::control::Head::assemble`]): the ranks of process 0
+    /// are served by `head_stages` (the head's own devices; `None` when it holds none), every
+    /// other rank by its node (`nodes`, from [`super::control::Head::node_handles`]). The
+    /// trained model is assembled on a Flex CPU device of the head.
+    pub fn new(
+        world: &World,
+        nodes: &HashMap<String, NodeHandle>,
+        head_stages: Option<Arc<dyn StageHost>>,
+    ) -> Result<Self> {
+        let mut endpoints = Vec::with_capacity(world.ranks.len());
+        for entry in &world.ranks {
+            let endpoint = if entry.process == ProcessIndex(0) {
+                match &head_stages {
+                    Some(h) => Endpoint::Local(h.clone()),
+                    None => {
+                        return Err(Error::InvalidConfig(format!(
+                            "rank {} is the head's, but the head serves no stages",
+                            entry.rank.0
+                        )));
+                    }
+                }
+            } else {
+                let name = world
+                    .processes
+                    .get(entry.process.0 as usize)
+                    .ok_or_else(|| {
+                        Error::InvalidConfig(format!(
+                            "rank {} is on process {}, which the world does not name",
+                            entry.rank.0, entry.process.0
+                        ))
+                    })?;
+                Endpoint::Node(nodes.get(name).cloned().ok_or_else(|| {
+                    Error::InvalidConfig(format!(
+                        "rank {} is on node {name}, which did not join",
+                        entry.rank.0
+                    ))
+                })?)
+            };
+            endpoints.push(endpoint);
+        }
+        let model_device = MeshDevice::of_kind(BackendKind::Flex, 1)?.remove(0);
+        Ok(Self {
+            endpoints,
+            addrs: world.ranks.iter().map(|e| e.addr).collect(),
+            model_device,
+        })
+    }
+
+    /// Ranks in the world.
+    pub fn world_size(&self) -> usize {
+        self.endpoints.len()
+    }
+
+    /// The spawner of a cluster job (`JobBuilder::cluster`): starts every slot's stage where it
+    /// lives (all at once: each waits for the others while it joins the data plane), then a
+    /// proxy pair per slot on the head.
+    pub(crate) fn spawner<M, I>(self, spec: Arc<StageSpec<M, I>>) -> SpawnStages<M>
+    where
+        M: Module + 'static,
+        I: Send + Sync + 'static,
+    {
+        Box::new(move |cx: SpawnContext| {
+            Box::pin(async move {
+                self.spawn_all(spec, cx)
+                    .await
+                    .map_err(ActorProcessingErr::from)
+            })
+        })
+    }
+
+    async fn spawn_all<M, I>(
+        self,
+        spec: Arc<StageSpec<M, I>>,
+        cx: SpawnContext,
+    ) -> Result<Spawned<M>>
+    where
+        M: Module + 'static,
+        I: Send + Sync + 'static,
+    {
+        let timeout = cx.comm.timeout.max(Duration::from_secs(10)) * 2;
+        let mut starts = tokio::task::JoinSet::new();
+        for (slot, endpoint) in self.endpoints.iter().enumerate() {
+            let (endpoint, slot) = (endpoint.clone(), Rank(slot as u32));
+            let id = StageId {
+                replica: slot.0,
+                stage: 0,
+            };
+            starts.spawn(async move {
+                let answer = endpoint.call(slot, StageOp::Start { id }, timeout).await;
+                (slot, endpoint.name(), answer)
+            });
+        }
+        while let Some(started) = starts.join_next().await {
+            let (slot, name, answer) =
+                started.map_err(|e| Error::Runtime(format!("a start task failed: {e}")))?;
+            match answer {
+                Ok(StageAnswer::Done) => {}
+                Ok(StageAnswer::Failed(e)) => return Err(e.into_error(&name)),
+                Ok(other) => {
+                    return Err(Error::Runtime(format!(
+                        "{name} answered Start of rank {} with {}",
+                        slot.0,
+                        other.kind()
+                    )));
+                }
+                Err(why) => {
+                    return Err(Error::Runtime(format!(
+                        "{name} could not start rank {}: {why}",
+                        slot.0
+                    )));
+                }
+            }
+        }
+        let generation = Arc::new(AtomicU64::new(0));
+        let addrs = Arc::new(self.addrs);
+        let mut stages = Vec::new();
+        let mut devices = Vec::new();
+        for (slot, endpoint) in self.endpoints.iter().enumerate() {
+            let slot = Rank(slot as u32);
+            let id = StageId {
+                replica: slot.0,
+                stage: 0,
+            };
+            let device = DeviceId(slot.0);
+            let (device_ref, _) = Actor::spawn_linked(
+                None,
+                RemoteDevice,
+                RemoteDeviceArgs {
+                    slot,
+                    device,
+                    endpoint: endpoint.clone(),
+                },
+                cx.supervisor.clone(),
+            )
+            .await
+            .map_err(|e| Error::Runtime(format!("cannot start a device proxy: {e}")))?;
+            let (stage_ref, _) = Actor::spawn_linked(
+                None,
+                RemoteStage::<M, I>::default(),
+                RemoteStageArgs {
+                    slot,
+                    id,
+                    device,
+                    endpoint: endpoint.clone(),
+                    addrs: addrs.clone(),
+                    spec: spec.clone(),
+                    model_device: self.model_device.burn().clone(),
+                    generation: generation.clone(),
+                },
+                cx.supervisor.clone(),
+            )
+            .await
+            .map_err(|e| Error::Runtime(format!("cannot start a stage proxy: {e}")))?;
+            stages.push((stage_ref, id));
+            devices.push((device_ref, device));
+        }
+        let endpoints = self.endpoints;
+        let shutdown = Arc::new(move || {
+            // RT-4 across processes: every slot shuts the group it is in now; a late
+            // abort never reaches a newer group (REMOTE-3).
+            let generation = Generation(generation.load(Ordering::SeqCst));
+            for (slot, endpoint) in endpoints.iter().enumerate() {
+                let endpoint = endpoint.clone();
+                let slot = Rank(slot as u32);
+                tokio::spawn(async move {
+                    let _ = endpoint
+                        .call(slot, StageOp::Abort { generation }, HEARTBEAT_WAIT)
+                        .await;
+                });
+            }
+        });
+        Ok(Spawned {
+            stages,
+            shutdown,
+            others: Vec::new(),
+            model_ranks: vec![0],
+            assemble: |mut models: Vec<M>| models.pop(),
+            replicas_only: true,
+            grow: None,
+            rewire: None,
+            devices: Some(devices),
+            reconnect: true,
+        })
+    }
+}
+
+/// The head's proxy of a stage in another process (or in the head's own [`NodeStages`]).
+pub struct RemoteStage<M, I>(std::marker::PhantomData<fn() -> (M, I)>);
+
+impl<M, I> Default for RemoteStage<M, I> {
+    fn default() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<M, I> std::fmt::Debug for RemoteStage<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RemoteStage")
+    }
+}
+
+/// What a [`RemoteStage`] starts from, and its state.
+pub struct RemoteStageArgs<M, I> {
+    slot: Rank,
+    id: StageId,
+    device: DeviceId,
+    endpoint: Endpoint,
+    /// Every slot's data-plane address.
+    addrs: Arc<Vec<SocketAddr>>,
+    /// The job's stage spec (its model factory rebuilds the trained model on the head).
+    spec: Arc<StageSpec<M, I>>,
+    model_device: Device,
+    /// The newest generation a group was formed under (REMOTE-3).
+    generation: Arc<AtomicU64>,
+}
+
+impl<M, I> std::fmt::Debug for RemoteStageArgs<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "RemoteStage({}, slot {}, {:?})",
+            self.id, self.slot.0, self.endpoint
+        )
+    }
+}
+
+impl<M, I> RemoteStageArgs<M, I> {
+    /// The stage cannot be reached (REMOTE-2).
+    fn lost(&self, why: String) -> Error {
+        Error::StageLost {
+            device: self.device,
+            stage: self.id,
+            reason: format!("{} is unreachable: {why}", self.endpoint.name()),
+        }
+    }
+
+    /// Sends `op` and reads the answer with `read`; a failure on the node comes back as its
+    /// error, an unreachable node as `StageLost`.
+    async fn ask<T>(
+        &self,
+        op: StageOp,
+        timeout: Duration,
+        read: impl FnOnce(StageAnswer) -> Option<T>,
+    ) -> Result<T> {
+        let kind = op.kind();
+        match self.endpoint.call(self.slot, op, timeout).await {
+            Err(why) => Err(self.lost(why)),
+            Ok(StageAnswer::Failed(e)) => Err(e.into_error(&self.endpoint.name())),
+            Ok(answer) => {
+                let got = answer.kind();
+                read(answer).ok_or_else(|| {
+                    Error::Runtime(format!(
+                        "{} answered {kind} for {} with {got}",
+                        self.endpoint.name(),
+                        self.id
+                    ))
+                })
+            }
+        }
+    }
+
+    async fn snapshot(&self, timeout: Duration) -> Result<Vec<ShardSnapshot>> {
+        let shards = self
+            .ask(StageOp::Snapshot, timeout, |a| match a {
+                StageAnswer::Snapshot(s) => Some(s),
+                _ => None,
+            })
+            .await?;
+        let from = format!("<snapshot of {} from {}>", self.id, self.endpoint.name());
+        shards
+            .iter()
+            .map(|bytes| {
+                crate::checkpoint::format::decode_shard(bytes, Path::new(&from))
+                    .map_err(Error::from)
+            })
+            .collect()
+    }
+}
+
+/// Long enough for any stage request the Supervisor bounds itself (it waits at most its step
+/// time-out, and a proxy never outlives its request).
+const PROXY_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+impl<M, I> Actor for RemoteStage<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    type Msg = StageMsg<M>;
+    type State = RemoteStageArgs<M, I>;
+    type Arguments = RemoteStageArgs<M, I>;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<StageMsg<M>>,
+        args: RemoteStageArgs<M, I>,
+    ) -> std::result::Result<Self::State, ActorProcessingErr> {
+        Ok(args)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<StageMsg<M>>,
+        message: StageMsg<M>,
+        state: &mut Self::State,
+    ) -> std::result::Result<(), ActorProcessingErr> {
+        let wait = PROXY_WAIT;
+        match message {
+            StageMsg::Init(reply) => {
+                let r = state
+                    .ask(StageOp::Init, wait, |a| match a {
+                        StageAnswer::Init { before, after } => Some(InitReport { before, after }),
+                        _ => None,
+                    })
+                    .await;
+                let _ = reply.send(r);
+            }
+            StageMsg::Step {
+                step,
+                micro_batches,
+                global_samples,
+                reply,
+            } => {
+                let op = StageOp::Step {
+                    step,
+                    micro_batches,
+                    global_samples,
+                };
+                let r = state
+                    .ask(op, wait, |a| match a {
+                        StageAnswer::Step(report) => Some(report),
+                        _ => None,
+                    })
+                    .await;
+                let _ = reply.send(r);
+            }
+            StageMsg::Fingerprint(reply) => {
+                let r = state
+                    .ask(StageOp::Fingerprint, wait, |a| match a {
+                        StageAnswer::Fingerprint(f) => Some(f),
+                        _ => None,
+                    })
+                    .await;
+                let _ = reply.send(r);
+            }
+            StageMsg::TakeModel(reply) => {
+                let _ = reply.send(take_model(state, wait).await);
+            }
+            StageMsg::Snapshot(reply) => {
+                let _ = reply.send(state.snapshot(wait).await);
+            }
+            StageMsg::Restore { shard, reply } => {
+                let shards = shard
+                    .iter()
+                    .map(crate::checkpoint::format::encode_shard)
+                    .collect();
+                let r = state
+                    .ask(StageOp::Restore { shards }, wait, |a| {
+                        matches!(a, StageAnswer::Done).then_some(())
+                    })
+                    .await;
+                let _ = reply.send(r);
+            }
+            StageMsg::Reconnect {
+                id,
+                rank,
+                generation,
+                slots,
+                reply,
+            } => {
+                let addrs: Option<Vec<SocketAddr>> = slots
+                    .iter()
+                    .map(|s| state.addrs.get(s.index()).copied())
+                    .collect();
+                let r = match addrs {
+                    None => Err(Error::InvalidConfig(format!(
+                        "reconnect with slots {slots:?}, not all in a world of {}",
+                        state.addrs.len()
+                    ))),
+                    Some(addrs) => {
+                        let op = StageOp::Regroup {
+                            id,
+                            rank,
+                            generation,
+                            addrs,
+                        };
+                        state
+                            .ask(op, wait, |a| matches!(a, StageAnswer::Done).then_some(()))
+                            .await
+                    }
+                };
+                if r.is_ok() {
+                    state.id = id;
+                    state.generation.fetch_max(generation.0, Ordering::SeqCst);
+                }
+                let _ = reply.send(r);
+            }
+            StageMsg::Regroup { reply, .. } | StageMsg::Rewire { reply, .. } => {
+                let _ = reply.send(Err(Error::InvalidConfig(
+                    "a stage of another process joins a rebuilt group through Reconnect".into(),
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The trained model of a stage in another process: its snapshot, restored into a model the
+/// job's factory builds on the head.
+async fn take_model<M: Module + 'static, I>(
+    state: &RemoteStageArgs<M, I>,
+    wait: Duration,
+) -> Option<M> {
+    let shards = match state.snapshot(wait).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!("the trained model of {} is lost: {e}", state.id);
+            return None;
+        }
+    };
+    let shard = shards.into_iter().next()?;
+    let cx = ModelContext {
+        rank: Rank(state.id.replica),
+        device: state.model_device.clone(),
+    };
+    let model = (state.spec.model_fn)(&cx);
+    match restore_module(model, &shard.params) {
+        Ok(m) => Some(m),
+        Err(e) => {
+            tracing::error!("the trained model of {} does not restore: {e}", state.id);
+            None
+        }
+    }
+}
+
+/// The head's proxy of a device in another process: answers the Supervisor's heartbeats with
+/// the device's own.
+#[derive(Debug, Default)]
+pub struct RemoteDevice;
+
+/// What a [`RemoteDevice`] starts from, and its state.
+#[derive(Debug)]
+pub struct RemoteDeviceArgs {
+    slot: Rank,
+    device: DeviceId,
+    endpoint: Endpoint,
+}
+
+impl Actor for RemoteDevice {
+    type Msg = DeviceMsg;
+    type State = RemoteDeviceArgs;
+    type Arguments = RemoteDeviceArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<DeviceMsg>,
+        args: RemoteDeviceArgs,
+    ) -> std::result::Result<Self::State, ActorProcessingErr> {
+        Ok(args)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<DeviceMsg>,
+        message: DeviceMsg,
+        state: &mut Self::State,
+    ) -> std::result::Result<(), ActorProcessingErr> {
+        match message {
+            DeviceMsg::Heartbeat(reply) => {
+                // Answered from a task: a cut-off node must not hold the next heartbeat.
+                let (endpoint, slot) = (state.endpoint.clone(), state.slot);
+                tokio::spawn(async move {
+                    if let Ok(StageAnswer::Heartbeat(h)) = endpoint
+                        .call(slot, StageOp::Heartbeat, HEARTBEAT_WAIT)
+                        .await
+                    {
+                        let _ = reply.send(h);
+                    }
+                });
+            }
+            DeviceMsg::Run { label, .. } => {
+                tracing::error!(
+                    "device {} is in another process: it cannot run {label} from the head",
+                    state.device
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One slot of a process: its device, listener, and (once started) its actors and group.
+struct NodeSlot<M> {
+    device: MeshDevice,
+    listener: TcpListener,
+    device_actor: Option<ActorRef<DeviceMsg>>,
+    stage: Option<ActorRef<StageMsg<M>>>,
+    id: StageId,
+    /// The data-plane group it is in, with its generation.
+    group: Option<(Generation, TcpShutdown)>,
+}
+
+struct NodeInner<M, I> {
+    spec: Arc<StageSpec<M, I>>,
+    token: JobToken,
+    plan: ProcessPlan,
+    tcp: TcpConfig,
+    slots: Mutex<HashMap<u32, NodeSlot<M>>>,
+}
+
+/// A process's stages: serves the head's [`StageRequest`]s for its slots with ordinary
+/// [`StageActor`]s whose communicators are TCP groups (what a node's agent, and the head for
+/// its own devices, hand requests to).
+pub struct NodeStages<M, I> {
+    inner: Arc<NodeInner<M, I>>,
+}
+
+impl<M, I> std::fmt::Debug for NodeStages<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "NodeStages({:?})", self.inner.plan.ranks)
+    }
+}
+
+impl<M, I> NodeStages<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    /// The stages of `args.plan`'s slots, trained from `spec`, one Flex CPU device each.
+    pub(crate) fn new(spec: Arc<StageSpec<M, I>>, args: HostArgs, tcp: TcpConfig) -> Result<Self> {
+        if args.listeners.len() != args.plan.ranks.len() {
+            return Err(Error::InvalidConfig(format!(
+                "{} data-plane listeners for ranks {:?}",
+                args.listeners.len(),
+                args.plan.ranks
+            )));
+        }
+        let devices = MeshDevice::of_kind(BackendKind::Flex, args.plan.ranks.len())?;
+        let slots = args
+            .plan
+            .ranks
+            .iter()
+            .zip(args.listeners)
+            .zip(devices)
+            .map(|((&slot, listener), d)| {
+                let device = MeshDevice::from_burn(DeviceId(slot.0), d.kind(), d.burn().clone());
+                let id = StageId {
+                    replica: slot.0,
+                    stage: 0,
+                };
+                (
+                    slot.0,
+                    NodeSlot {
+                        device,
+                        listener,
+                        device_actor: None,
+                        stage: None,
+                        id,
+                        group: None,
+                    },
+                )
+            })
+            .collect();
+        Ok(Self {
+            inner: Arc::new(NodeInner {
+                spec,
+                token: args.token,
+                plan: args.plan,
+                tcp,
+                slots: Mutex::new(slots),
+            }),
+        })
+    }
+}
+
+impl<M, I> NodeInner<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    fn with_slot<T>(
+        &self,
+        slot: Rank,
+        f: impl FnOnce(&mut NodeSlot<M>) -> T,
+    ) -> std::result::Result<T, RemoteError> {
+        let mut slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        match slots.get_mut(&slot.0) {
+            Some(s) => Ok(f(s)),
+            None => Err(RemoteError::Other(format!(
+                "rank {} is not a slot of this process (it holds {:?})",
+                slot.0, self.plan.ranks
+            ))),
+        }
+    }
+
+    /// Joins the group of `generation` whose ranks listen at `addrs`, as `rank`, through
+    /// `slot`'s listener; the old group (if any) is shut down first.
+    async fn connect(
+        &self,
+        slot: Rank,
+        rank: Rank,
+        generation: Generation,
+        addrs: Vec<SocketAddr>,
+    ) -> std::result::Result<crate::comm::Communicator, RemoteError> {
+        let listener = self.with_slot(slot, |s| {
+            if let Some((_, old)) = s.group.take() {
+                old.shutdown();
+            }
+            s.listener.try_clone()
+        })?;
+        let listener = listener
+            .and_then(|l| LinkListener::from_std(l, rank, self.token.clone(), self.tcp.link))
+            .map_err(|e| RemoteError::Other(format!("the data-plane listener: {e}")))?;
+        let tcp = self.tcp.clone();
+        let group = tokio::task::spawn_blocking(move || {
+            TcpGroup::connect(&listener, &addrs, generation, tcp)
+        })
+        .await
+        .map_err(|e| RemoteError::Other(format!("the connect task failed: {e}")))?
+        .map_err(|e| {
+            RemoteError::Other(format!(
+                "rank {} could not join the data plane of generation {}: {e}",
+                rank.0, generation.0
+            ))
+        })?;
+        let shutdown = group.shutdown_handle();
+        self.with_slot(slot, |s| s.group = Some((generation, shutdown)))?;
+        Ok(group.into_communicator())
+    }
+
+    async fn serve(self: Arc<Self>, request: StageRequest) -> StageAnswer {
+        let timeout = Duration::from_millis(request.timeout_ms);
+        match self.serve_op(request.slot, request.op, timeout).await {
+            Ok(answer) => answer,
+            Err(e) => StageAnswer::Failed(e),
+        }
+    }
+
+    async fn serve_op(
+        &self,
+        slot: Rank,
+        op: StageOp,
+        timeout: Duration,
+    ) -> std::result::Result<StageAnswer, RemoteError> {
+        if let StageOp::Start { id } = op {
+            return self.start(slot, id).await.map(|()| StageAnswer::Done);
+        }
+        if let StageOp::Abort { generation } = op {
+            self.with_slot(slot, |s| {
+                if let Some((g, group)) = &s.group
+                    && *g <= generation
+                {
+                    group.shutdown();
+                }
+            })?;
+            return Ok(StageAnswer::Done);
+        }
+        if let StageOp::Heartbeat = op {
+            let (device, id) = self.with_slot(slot, |s| (s.device_actor.clone(), s.device.id()))?;
+            let device = device.ok_or_else(|| not_started(slot))?;
+            return heartbeat(&device, id, timeout.min(HEARTBEAT_WAIT))
+                .await
+                .map(StageAnswer::Heartbeat)
+                .map_err(|e| RemoteError::from(&e));
+        }
+        let (stage, id, device) =
+            self.with_slot(slot, |s| (s.stage.clone(), s.id, s.device.id()))?;
+        let stage = stage.ok_or_else(|| not_started(slot))?;
+        let ask = Asker {
+            stage: &stage,
+            id,
+            device,
+            timeout,
+        };
+        match op {
+            StageOp::Init => ask.call(StageMsg::Init).await.map(|r| StageAnswer::Init {
+                before: r.before,
+                after: r.after,
+            }),
+            StageOp::Step {
+                step,
+                micro_batches,
+                global_samples,
+            } => ask
+                .call(|reply| StageMsg::Step {
+                    step,
+                    micro_batches,
+                    global_samples,
+                    reply,
+                })
+                .await
+                .map(StageAnswer::Step),
+            StageOp::Fingerprint => ask
+                .call(StageMsg::Fingerprint)
+                .await
+                .map(StageAnswer::Fingerprint),
+            StageOp::Snapshot => ask.call(StageMsg::Snapshot).await.map(|shards| {
+                StageAnswer::Snapshot(
+                    shards
+                        .iter()
+                        .map(crate::checkpoint::format::encode_shard)
+                        .collect(),
+                )
+            }),
+            StageOp::Restore { shards } => {
+                let from = Path::new("<shard from the head>");
+                let shard = shards
+                    .iter()
+                    .map(|b| crate::checkpoint::format::decode_shard(b, from))
+                    .collect::<std::result::Result<Vec<_>, _>>()
+                    .map_err(|e| RemoteError::Other(e.to_string()))?;
+                let shard = Box::new(shard);
+                ask.call(|reply| StageMsg::Restore { shard, reply })
+                    .await
+                    .map(|()| StageAnswer::Done)
+            }
+            StageOp::Regroup {
+                id,
+                rank,
+                generation,
+                addrs,
+            } => {
+                let comm = self.connect(slot, rank, generation, addrs).await?;
+                ask.call(|reply| StageMsg::Regroup {
+                    id,
+                    rank,
+                    comm,
+                    reply,
+                })
+                .await?;
+                self.with_slot(slot, |s| s.id = id)?;
+                Ok(StageAnswer::Done)
+            }
+            StageOp::Start { .. } | StageOp::Abort { .. } | StageOp::Heartbeat => {
+                unreachable!("served above")
+            }
+        }
+    }
+
+    /// Starts `slot`'s device and stage, joined to the world's data plane of generation 0.
+    async fn start(&self, slot: Rank, id: StageId) -> std::result::Result<(), RemoteError> {
+        let (started, device) = self.with_slot(slot, |s| (s.stage.is_some(), s.device.clone()))?;
+        if started {
+            return Err(RemoteError::Other(format!(
+                "rank {} was started already",
+                slot.0
+            )));
+        }
+        let comm = self
+            .connect(slot, slot, Generation(0), self.plan.addrs.clone())
+            .await?;
+        let runtime = |e: ractor::SpawnErr| RemoteError::Other(format!("cannot start: {e}"));
+        let (device_actor, _) = Actor::spawn(None, DeviceActor, device.clone())
+            .await
+            .map_err(runtime)?;
+        let (stage, _) = Actor::spawn(
+            None,
+            StageActor::<M, I>::default(),
+            StageArgs {
+                id,
+                rank: slot,
+                device,
+                device_actor: device_actor.clone(),
+                comm,
+                spec: self.spec.clone(),
+            },
+        )
+        .await
+        .map_err(runtime)?;
+        self.with_slot(slot, |s| {
+            s.device_actor = Some(device_actor);
+            s.stage = Some(stage);
+            s.id = id;
+        })
+    }
+}
+
+fn not_started(slot: Rank) -> RemoteError {
+    RemoteError::Other(format!("rank {} was not started", slot.0))
+}
+
+/// Asks a local stage actor, bounded by the request's time-out.
+struct Asker<'a, M> {
+    stage: &'a ActorRef<StageMsg<M>>,
+    id: StageId,
+    device: DeviceId,
+    timeout: Duration,
+}
+
+impl<M: Send + 'static> Asker<'_, M> {
+    async fn call<T: Send + 'static>(
+        &self,
+        msg: impl FnOnce(RpcReplyPort<Result<T>>) -> StageMsg<M>,
+    ) -> std::result::Result<T, RemoteError> {
+        match self.stage.call(msg, Some(self.timeout)).await {
+            Ok(CallResult::Success(Ok(v))) => Ok(v),
+            Ok(CallResult::Success(Err(e))) => Err(RemoteError::from(&e)),
+            Ok(CallResult::Timeout) => Err(RemoteError::Other(format!(
+                "{} did not answer within {:?}",
+                self.id, self.timeout
+            ))),
+            Ok(CallResult::SenderError) | Err(_) => Err(RemoteError::StageLost {
+                device: self.device,
+                stage: self.id,
+                reason: "its actor stopped without answering".into(),
+            }),
+        }
+    }
+}
+
+impl<M, I> StageHost for NodeStages<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    fn serve(&self, request: StageRequest) -> super::control::stages::AnswerFuture {
+        Box::pin(self.inner.clone().serve(request))
+    }
+
+    fn stop(&self) {
+        let mut slots = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+        for s in slots.values_mut() {
+            if let Some((_, group)) = s.group.take() {
+                group.shutdown();
+            }
+            if let Some(stage) = s.stage.take() {
+                stage.stop(Some("the job ended".into()));
+            }
+            if let Some(device) = s.device_actor.take() {
+                device.stop(Some("the job ended".into()));
+            }
+        }
+    }
+}
