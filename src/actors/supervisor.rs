@@ -154,6 +154,8 @@ pub(crate) struct SpawnContext {
     pub(crate) layout: Layout,
     /// Collective settings (their time-out also bounds pipeline links).
     pub(crate) comm: CommConfig,
+    /// The step time-out (what proxies of other processes' stages wait at most).
+    pub(crate) step_timeout: Duration,
 }
 
 /// The stage actors of a job and how to handle them as a whole.
@@ -384,6 +386,7 @@ where
             devices.push((d.clone(), r));
         }
         let spawned = (a.spawn)(SpawnContext {
+            step_timeout: a.step_timeout,
             supervisor: myself.get_cell(),
             devices: devices.clone(),
             layout: a.layout,

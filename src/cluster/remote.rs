@@ -283,6 +283,7 @@ impl ClusterMesh {
                     spec: spec.clone(),
                     model_device: self.model_device.burn().clone(),
                     generation: generation.clone(),
+                    wait: cx.step_timeout,
                 },
                 cx.supervisor.clone(),
             )
@@ -349,6 +350,9 @@ pub struct RemoteStageArgs<M, I> {
     model_device: Device,
     /// The newest generation a group was formed under (REMOTE-3).
     generation: Arc<AtomicU64>,
+    /// How long a request may take (the job's step time-out, which the Supervisor's own wait
+    /// also is).
+    wait: Duration,
 }
 
 impl<M, I> std::fmt::Debug for RemoteStageArgs<M, I> {
@@ -414,10 +418,6 @@ impl<M, I> RemoteStageArgs<M, I> {
     }
 }
 
-/// Long enough for any stage request the Supervisor bounds itself (it waits at most its step
-/// time-out, and a proxy never outlives its request).
-const PROXY_WAIT: Duration = Duration::from_secs(24 * 3600);
-
 impl<M, I> Actor for RemoteStage<M, I>
 where
     M: Module + 'static,
@@ -441,7 +441,7 @@ where
         message: StageMsg<M>,
         state: &mut Self::State,
     ) -> std::result::Result<(), ActorProcessingErr> {
-        let wait = PROXY_WAIT;
+        let wait = state.wait;
         match message {
             StageMsg::Init(reply) => {
                 let r = state
@@ -635,6 +635,8 @@ struct NodeSlot<M> {
     id: StageId,
     /// The data-plane group it is in, with its generation.
     group: Option<(Generation, TcpShutdown)>,
+    /// Steps it trained (answered `Step` with a report).
+    steps: u64,
 }
 
 struct NodeInner<M, I> {
@@ -694,6 +696,7 @@ where
                         stage: None,
                         id,
                         group: None,
+                        steps: 0,
                     },
                 )
             })
@@ -826,7 +829,10 @@ where
                     reply,
                 })
                 .await
-                .map(StageAnswer::Step),
+                .map(|report| {
+                    let _ = self.with_slot(slot, |s| s.steps += 1);
+                    StageAnswer::Step(report)
+                }),
             StageOp::Fingerprint => ask
                 .call(StageMsg::Fingerprint)
                 .await
@@ -952,6 +958,13 @@ where
 {
     fn serve(&self, request: StageRequest) -> super::control::stages::AnswerFuture {
         Box::pin(self.inner.clone().serve(request))
+    }
+
+    fn steps_trained(&self) -> Vec<(Rank, u64)> {
+        let slots = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<(Rank, u64)> = slots.iter().map(|(&r, s)| (Rank(r), s.steps)).collect();
+        out.sort_unstable();
+        out
     }
 
     fn stop(&self) {

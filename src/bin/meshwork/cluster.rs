@@ -133,6 +133,9 @@ fn demo_fingerprint(
 pub(crate) struct HeadJob {
     pub(crate) save_model: Option<std::path::PathBuf>,
     pub(crate) policy: RecoveryPolicy,
+    pub(crate) checkpoint_dir: Option<std::path::PathBuf>,
+    pub(crate) checkpoint_every: Option<u64>,
+    pub(crate) resume: bool,
 }
 
 /// Samples in the demo job's dataset (as in a single-process `meshwork train`).
@@ -394,7 +397,15 @@ async fn train_on_world(
         )
     };
     let mesh = ClusterMesh::new(&assembled.world, &head.node_handles(), head_stages)?;
-    let (builder, task) = demo_job(spec)?;
+    let (mut builder, task) = demo_job(spec)?;
+    if let Some(dir) = &job.checkpoint_dir {
+        builder = builder
+            .checkpoint_dir(dir)
+            .resume_from_checkpoint(job.resume);
+    }
+    if let Some(n) = job.checkpoint_every {
+        builder = builder.checkpoint_every(n);
+    }
     let handle = builder
         .recovery(job.policy.clone())
         .cluster(mesh)
@@ -492,6 +503,12 @@ fn run_node_with(args: NodeArgs, requested: Option<ProcessIndex>) -> meshwork::e
         }
         let _ = std::io::stdout().flush();
     }))?;
+    for (rank, steps) in &outcome.trained {
+        println!(
+            "meshwork node {name}: rank {} trained {steps} step(s)",
+            rank.0
+        );
+    }
     println!(
         "meshwork node {name}: stopped by the head: {}",
         outcome.reason

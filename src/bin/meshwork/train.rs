@@ -136,6 +136,9 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
         let head = crate::cluster::HeadJob {
             save_model: args.save_model.clone(),
             policy,
+            checkpoint_dir: args.checkpoint_dir.clone(),
+            checkpoint_every: args.checkpoint_every,
+            resume: args.resume,
         };
         if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, spec, head) {
             return outcome;
@@ -376,44 +379,57 @@ pub(crate) async fn drive<M: Send + 'static>(
                     ));
                     last = s.pipeline.or(last);
                 }
-                Ok(JobEvent::Failed(e)) => progress.println(format!("job failed: {e}")),
-                Ok(JobEvent::CheckpointWritten { step, path }) => progress.println(format!(
-                    "checkpoint after step {step} written to {}",
-                    path.display()
-                )),
-                Ok(JobEvent::CheckpointFailed { step, error }) => {
-                    progress.println(format!("checkpoint after step {step} failed: {error}"))
-                }
+                Ok(JobEvent::Failed(e)) => say(&progress, format!("job failed: {e}")),
+                Ok(JobEvent::CheckpointWritten { step, path }) => say(
+                    &progress,
+                    format!("checkpoint after step {step} written to {}", path.display()),
+                ),
+                Ok(JobEvent::CheckpointFailed { step, error }) => say(
+                    &progress,
+                    format!("checkpoint after step {step} failed: {error}"),
+                ),
                 Ok(JobEvent::Restored {
                     step,
                     path,
                     refused,
                 }) => {
                     for r in refused {
-                        progress.println(format!("refused checkpoint {r}"));
+                        say(&progress, format!("refused checkpoint {r}"));
                     }
-                    progress.println(format!("resumed after step {step} from {}", path.display()))
+                    say(
+                        &progress,
+                        format!("resumed after step {step} from {}", path.display()),
+                    )
                 }
-                Ok(JobEvent::FaultInjected(f)) => progress.println(format!(
-                    "fault {} fired on device {} at step {}: {:?}",
-                    f.index, f.fault.device, f.fault.step, f.fault.kind
-                )),
+                Ok(JobEvent::FaultInjected(f)) => say(
+                    &progress,
+                    format!(
+                        "fault {} fired on device {} at step {}: {:?}",
+                        f.index, f.fault.device, f.fault.step, f.fault.kind
+                    ),
+                ),
                 Ok(JobEvent::DeviceLost {
                     step,
                     device,
                     error,
                     ..
-                }) => progress.println(format!("step {step}: lost device {device}: {error}")),
+                }) => say(
+                    &progress,
+                    format!("step {step}: lost device {device}: {error}"),
+                ),
                 Ok(JobEvent::Recovered {
                     step,
                     generation,
                     layout,
                     ..
-                }) => progress.println(format!(
-                    "step {step}: recovered (generation {}, {} replicas), redoing the step",
-                    generation.0,
-                    layout.dp()
-                )),
+                }) => say(
+                    &progress,
+                    format!(
+                        "step {step}: recovered (generation {}, {} replicas), redoing the step",
+                        generation.0,
+                        layout.dp()
+                    ),
+                ),
                 Ok(_) | Err(EventsError::Missed(_)) => {}
                 Err(EventsError::Closed) => break,
             }
@@ -432,6 +448,16 @@ pub(crate) async fn drive<M: Send + 'static>(
     let last = watcher.await.unwrap_or(None);
     bar.finish();
     (trained, last)
+}
+
+/// Prints `line` above the bar, or plainly when the bar is hidden (output not a terminal: a
+/// log, a test).
+fn say(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        println!("{line}");
+    } else {
+        bar.println(line);
+    }
 }
 
 /// The loss from first to last step and where the time went.

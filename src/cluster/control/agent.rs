@@ -19,6 +19,7 @@ use super::stages::{HostArgs, HostFactory, RemoteError, StageAnswer, StageHost};
 use super::world::{ProcessIndex, ProcessPlan};
 use super::{AGENTS_GROUP, ControlError, HeadLoss, bind_data_plane, host_name, job_scope};
 use crate::cluster::link::JobToken;
+use crate::mesh::Rank;
 
 /// A message to a node's agent. Across processes it travels as the control protocol's bytes
 /// ([`protocol`]): ractor_cluster carries them, the agent decodes them itself (CTL-2).
@@ -181,17 +182,27 @@ pub struct NodeOutcome {
     pub listeners: Vec<TcpListener>,
     /// Why the head shut the node down.
     pub reason: String,
+    /// The steps each of its slots trained (empty without stages).
+    pub trained: Vec<(Rank, u64)>,
 }
 
 /// What the agent tells the node's runner.
 #[derive(Debug)]
 enum AgentEvent {
-    Greeted { head: String },
+    Greeted {
+        head: String,
+    },
     RefusedHead(Incompatibility),
     RefusedByHead(Incompatibility),
-    Prepared { plan: ProcessPlan, token: JobToken },
+    Prepared {
+        plan: ProcessPlan,
+        token: JobToken,
+    },
     Heard,
-    Shutdown { reason: String },
+    Shutdown {
+        reason: String,
+        trained: Vec<(Rank, u64)>,
+    },
     Failed(ControlError),
 }
 
@@ -325,10 +336,15 @@ impl AgentState {
                 }
             }
             ControlMsg::Shutdown { reason } => {
+                let trained = self
+                    .host
+                    .as_ref()
+                    .map(|h| h.steps_trained())
+                    .unwrap_or_default();
                 if let Some(host) = &self.host {
                     host.stop();
                 }
-                self.tell(AgentEvent::Shutdown { reason });
+                self.tell(AgentEvent::Shutdown { reason, trained });
                 ControlMsg::Bye
             }
             ControlMsg::Stage(request) => {
@@ -608,6 +624,7 @@ pub async fn run_node(
     let mut greeted = false;
     let mut plan = None;
     let mut token = None;
+    let mut trained = Vec::new();
     // Before the Hello: the join deadline; after it: the head time-out since last heard.
     let mut deadline = tokio::time::Instant::from_std(join_deadline);
     let outcome = loop {
@@ -629,7 +646,10 @@ pub async fn run_node(
                     plan = Some(p);
                     token = Some(t);
                 }
-                Some(AgentEvent::Shutdown { reason }) => break Ok(reason),
+                Some(AgentEvent::Shutdown { reason, trained: t }) => {
+                    trained = t;
+                    break Ok(reason);
+                }
                 Some(AgentEvent::RefusedHead(reason)) => {
                     tokio::time::sleep(LINGER).await;
                     break Err(ControlError::Refused { peer: head.clone(), by_head: false, reason });
@@ -675,6 +695,7 @@ pub async fn run_node(
         token,
         listeners,
         reason,
+        trained,
     })
 }
 

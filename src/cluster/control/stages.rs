@@ -274,6 +274,9 @@ pub trait StageHost: Send + Sync + 'static {
     /// Stops every stage and device of the process and shuts its data plane (the job ended
     /// or the head was lost).
     fn stop(&self);
+    /// The steps each slot trained so far (what a node reports when it stops: proof that
+    /// its devices did the work).
+    fn steps_trained(&self) -> Vec<(Rank, u64)>;
 }
 
 /// What a [`HostFactory`] gets when the head prepared the node.

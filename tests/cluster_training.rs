@@ -1,0 +1,274 @@
+//! Training across real processes: `meshwork train --listen … --nodes 3` as the head and three
+//! `meshwork node` processes, each holding one device, all on this machine. Every child is
+//! killed when its handle drops, also when a test fails; every wait is bounded.
+#![cfg(feature = "cluster")]
+
+mod cluster_procs;
+
+use std::path::Path;
+use std::time::Duration;
+
+use burn::module::Module;
+use burn::optim::AdamConfig;
+use cluster_procs::{Proc, SECRET, node, training_head};
+use meshwork::demo::{Mlp, TeacherTask, mse_loss};
+use meshwork::device::{BackendKind, MeshDevice};
+use meshwork::optim::LearningRate;
+use meshwork::parallel::sampler::DistributedSampler;
+use meshwork::testing::{Reference, compare_parameters, reference_train};
+
+/// The demo MLP of `meshwork train`.
+const WIDTHS: [usize; 4] = [32, 128, 128, 4];
+/// `meshwork train`'s default learning rate.
+const LR: f64 = 3e-3;
+/// Samples in the demo dataset.
+const SAMPLES: usize = 16_384;
+/// Per tensor, max|a − b| ≤ TOLERANCE · max|reference| (the foundation's criterion).
+const TOLERANCE: f32 = 1e-5;
+
+/// The demo job's model after `steps` steps of a plain single-device Burn loop on the global
+/// batches a `replicas`-way job draws, from the initialization every process of the job makes
+/// (a Flex device seeded with the job's seed).
+fn reference(seed: u64, batch: usize, steps: u64, replicas: usize) -> (Mlp, MeshDevice) {
+    let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap().remove(0);
+    device.burn().seed(seed);
+    let init = Mlp::new(&WIDTHS, device.burn());
+    let task = TeacherTask {
+        d_in: 32,
+        d_out: 4,
+        noise: 0.1,
+        seed,
+    };
+    let data = task.dataset(SAMPLES);
+    let sampler = DistributedSampler::new(SAMPLES, batch, seed).unwrap();
+    let batches: Vec<Vec<usize>> = (0..steps)
+        .map(|s| sampler.split(s, replicas).concat())
+        .collect();
+    let settings = Reference {
+        optimizer: AdamConfig::new().into(),
+        learning_rate: LearningRate::Constant(LR),
+        clip_norm: None,
+    };
+    let model = reference_train(init, mse_loss, &data, &batches, &settings, device.burn());
+    (model, device)
+}
+
+fn load(path: &Path, device: &MeshDevice) -> Mlp {
+    Mlp::new(&WIDTHS, device.burn())
+        .try_load_file(path)
+        .unwrap_or_else(|e| panic!("the head's model at {}: {e:?}", path.display()))
+}
+
+/// The steps each node says its ranks trained (`rank R trained S step(s)`).
+fn steps_trained(node: &Proc) -> Vec<(u32, u64)> {
+    node.output()
+        .lines()
+        .filter_map(|l| {
+            let rest = l.split_once(": rank ")?.1;
+            let (rank, rest) = rest.split_once(" trained ")?;
+            let steps = rest.split_whitespace().next()?;
+            Some((rank.parse().ok()?, steps.parse().ok()?))
+        })
+        .collect()
+}
+
+#[test]
+fn dp_3_across_three_node_processes_equals_the_single_device_reference() {
+    let dir = std::env::temp_dir().join(format!("meshwork-dp3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model_path = dir.join("trained.mpk");
+    let model_arg = model_path.display().to_string();
+    let (steps, batch, seed) = (12u64, 48usize, 7u64);
+    let (mut head, addr) = training_head(
+        "dp3",
+        3,
+        60,
+        &[
+            "--steps",
+            &steps.to_string(),
+            "--batch-size",
+            &batch.to_string(),
+            "--seed",
+            &seed.to_string(),
+            "--collective-timeout",
+            "20",
+            "--save-model",
+            &model_arg,
+        ],
+    );
+    let mut nodes = [
+        node("node-a", &addr, "dp3", &[], SECRET),
+        node("node-b", &addr, "dp3", &[], SECRET),
+        node("node-c", &addr, "dp3", &[], SECRET),
+    ];
+    let (status, _) = head.wait_exit(Duration::from_secs(180));
+    let out = head.output();
+    assert!(status.success(), "head failed:\n{out}");
+    assert!(
+        out.contains("world assembled: 3 rank(s) over 4 process(es)"),
+        "{out}"
+    );
+    // Really distributed: every node process trained its rank for every step, and the head
+    // held no rank (a silent fallback to the head's process would leave the nodes idle).
+    let mut ranks = Vec::new();
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
+        let trained = steps_trained(n);
+        assert_eq!(trained.len(), 1, "{}:\n{}", n.name, n.output());
+        assert_eq!(trained[0].1, steps, "{}:\n{}", n.name, n.output());
+        ranks.push(trained[0].0);
+    }
+    ranks.sort_unstable();
+    assert_eq!(ranks, [0, 1, 2], "one rank per node");
+    let (expected, device) = reference(seed, batch, steps, 3);
+    let trained = load(&model_path, &device);
+    let worst = compare_parameters(&trained, &expected, TOLERANCE)
+        .unwrap_or_else(|e| panic!("the cluster job differs from one device: {e}"));
+    println!("worst relative difference: {worst:e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
+    let (mut head, addr) = training_head(
+        "kill",
+        3,
+        60,
+        &[
+            "--steps",
+            "100000",
+            "--batch-size",
+            "48",
+            "--collective-timeout",
+            "5",
+            "--on-replica-loss",
+            "shrink",
+        ],
+    );
+    let mut nodes = vec![
+        node("node-a", &addr, "kill", &[], SECRET),
+        node("node-b", &addr, "kill", &[], SECRET),
+        node("node-c", &addr, "kill", &[], SECRET),
+    ];
+    let mut prepared = Vec::new();
+    for n in &nodes {
+        prepared.push(n.wait_line("prepared:", Duration::from_secs(60)));
+    }
+    // "prepared: process P, ranks [R] of 3": node-b's rank.
+    let victim_rank: u32 = prepared[1]
+        .split_once("ranks [")
+        .and_then(|(_, r)| r.split_once(']'))
+        .and_then(|(r, _)| r.parse().ok())
+        .unwrap_or_else(|| panic!("a rank in {:?}", prepared[1]));
+    // Let the job train a while, then SIGKILL one node in the middle of its steps.
+    std::thread::sleep(Duration::from_secs(2));
+    let mut victim = nodes.remove(1);
+    victim.signal("-KILL");
+    victim.wait_exit(Duration::from_secs(10));
+    let lost = head.wait_line("lost device", Duration::from_secs(30));
+    assert!(
+        lost.contains(&format!("lost device {victim_rank}:")),
+        "the loss names node-b's rank {victim_rank}: {lost}"
+    );
+    let recovered = head.wait_line(
+        "recovered (generation 1, 2 replicas)",
+        Duration::from_secs(30),
+    );
+    println!("{lost}\n{recovered}");
+    // The survivors train on; SIGTERM stops the job cleanly after the step in flight.
+    std::thread::sleep(Duration::from_secs(1));
+    head.signal("-TERM");
+    let (status, _) = head.wait_exit(Duration::from_secs(60));
+    let out = head.output();
+    assert!(status.success(), "head failed after the recovery:\n{out}");
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
+        let trained = steps_trained(n);
+        assert_eq!(trained.len(), 1, "{}", n.output());
+        assert!(trained[0].1 > 0, "{}", n.output());
+    }
+}
+
+#[test]
+fn nodes_stop_when_the_head_dies_and_a_new_head_resumes_from_its_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("meshwork-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let ckpt = dir.join("ckpt").display().to_string();
+    let model_path = dir.join("trained.mpk");
+    let model_arg = model_path.display().to_string();
+    // Large enough batches that a step takes milliseconds, so the head is killed mid-run.
+    let (batch, seed, total) = (768usize, 3u64, 60u64);
+    let common = |steps: u64| {
+        vec![
+            "--steps".to_string(),
+            steps.to_string(),
+            "--batch-size".to_string(),
+            batch.to_string(),
+            "--seed".to_string(),
+            seed.to_string(),
+            "--collective-timeout".to_string(),
+            "10".to_string(),
+            "--checkpoint-dir".to_string(),
+            ckpt.clone(),
+            "--checkpoint-every".to_string(),
+            "5".to_string(),
+        ]
+    };
+    let first = common(total);
+    let first: Vec<&str> = first.iter().map(String::as_str).collect();
+    let (mut head, addr) = training_head("resume", 3, 60, &first);
+    let node_flags = ["--head-timeout", "3"];
+    let mut nodes = [
+        node("node-a", &addr, "resume", &node_flags, SECRET),
+        node("node-b", &addr, "resume", &node_flags, SECRET),
+        node("node-c", &addr, "resume", &node_flags, SECRET),
+    ];
+    head.wait_line("checkpoint after step 5 written", Duration::from_secs(120));
+    head.signal("-KILL");
+    let (status, _) = head.wait_exit(Duration::from_secs(10));
+    assert!(
+        !status.success(),
+        "the head was killed mid-run:\n{}",
+        head.output()
+    );
+    // Every node stops on its own, with an error naming the lost head, within its time-out.
+    for n in &mut nodes {
+        let (status, waited) = n.wait_exit(Duration::from_secs(30));
+        assert!(!status.success(), "{}:\n{}", n.name, n.output());
+        assert!(
+            n.output().contains("lost the head"),
+            "{}:\n{}",
+            n.name,
+            n.output()
+        );
+        println!("{} stopped {waited:?} after the head died", n.name);
+    }
+
+    // A new head and new nodes resume from the newest checkpoint and finish the run.
+    let second = common(total);
+    let mut second: Vec<&str> = second.iter().map(String::as_str).collect();
+    second.extend(["--resume", "--save-model", &model_arg]);
+    let (mut head, addr) = training_head("resume", 3, 60, &second);
+    let _nodes = [
+        node("node-d", &addr, "resume", &[], SECRET),
+        node("node-e", &addr, "resume", &[], SECRET),
+        node("node-f", &addr, "resume", &[], SECRET),
+    ];
+    let (status, _) = head.wait_exit(Duration::from_secs(180));
+    let out = head.output();
+    assert!(status.success(), "the new head failed:\n{out}");
+    let resumed = out
+        .lines()
+        .find(|l| l.contains("resumed after step"))
+        .unwrap_or_else(|| panic!("the new head resumed:\n{out}"));
+    println!("{resumed}");
+    let (expected, device) = reference(seed, batch, total, 3);
+    let trained = load(&model_path, &device);
+    let worst = compare_parameters(&trained, &expected, TOLERANCE)
+        .unwrap_or_else(|e| panic!("the resumed job differs from one device: {e}"));
+    println!("worst relative difference: {worst:e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
