@@ -5,9 +5,10 @@
 
 mod cluster_procs;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use cluster_procs::{Proc, SECRET, head, node};
+use meshwork::cluster::control::protocol::CONTROL_PROTOCOL_VERSION as VERSION;
 
 #[test]
 fn three_nodes_join_and_every_one_acknowledges_prepare() {
@@ -110,7 +111,9 @@ fn ctl_6_mismatched_version_and_fingerprint_are_refused_on_both_sides() {
     assert!(!status.success(), "{out}");
     assert!(
         out.contains("this node refused the head")
-            && out.contains("protocol version mismatch: head speaks 1, node speaks 999"),
+            && out.contains(&format!(
+                "protocol version mismatch: head speaks {VERSION}, node speaks 999"
+            )),
         "{out}"
     );
     let (status, _) = other.wait_exit(Duration::from_secs(30));
@@ -122,7 +125,9 @@ fn ctl_6_mismatched_version_and_fingerprint_are_refused_on_both_sides() {
     assert!(!status.success(), "{out}");
     assert!(out.contains("only 1 of 2 node(s) joined"), "{out}");
     assert!(
-        out.contains("protocol version mismatch: head speaks 1, node speaks 999"),
+        out.contains(&format!(
+            "protocol version mismatch: head speaks {VERSION}, node speaks 999"
+        )),
         "{out}"
     );
     assert!(out.contains("model fingerprint mismatch"), "{out}");

@@ -12,7 +12,7 @@ pub const SECRET: &str = "test-secret-0123456789";
 /// A child process whose output lines are collected; killed on drop.
 pub struct Proc {
     pub name: String,
-    child: Child,
+    pub child: Child,
     lines: Arc<Mutex<Vec<String>>>,
     status: Option<ExitStatus>,
 }

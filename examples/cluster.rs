@@ -1,0 +1,168 @@
+//! A data-parallel job across processes, embedded in a program of your own (feature
+//! `cluster`). Run plainly, this program is the head: it starts two copies of itself as nodes
+//! (`cluster node HEAD_ADDR`), waits for them, trains the demo MLP with one replica per node,
+//! and stops them. On real machines the nodes are started by hand, torchrun or Slurm.
+//!
+//! ```text
+//! cargo run --features cluster --example cluster
+//! ```
+
+use std::net::SocketAddr;
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::Duration;
+
+use burn::optim::AdamConfig;
+use meshwork::cluster::control::{
+    self, ClusterSecret, FingerprintFn, Head, HeadConfig, HostArgs, HostFactory, JobSpec,
+    ModelSpec, NodeConfig,
+};
+use meshwork::cluster::remote::ClusterMesh;
+use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
+use meshwork::device::{BackendKind, MeshDevice};
+use meshwork::job::{Job, JobBuilder};
+
+const JOB: &str = "example";
+const NODES: usize = 2;
+
+// ANCHOR: job
+/// The job, built the same way in every process: the head drives it, each node trains its
+/// replica with it. Everything that shapes training comes from the spec the head sends.
+fn job(spec: &JobSpec) -> JobBuilder<Mlp, Sample> {
+    let ModelSpec::DemoMlp { widths } = &spec.model else {
+        panic!("this program trains the demo MLP");
+    };
+    let widths: Vec<usize> = widths.iter().map(|&w| w as usize).collect();
+    let device = MeshDevice::of_kind(BackendKind::Flex, 1).expect("a CPU device");
+    device[0].burn().seed(spec.seed);
+    let task = TeacherTask {
+        d_in: widths[0],
+        d_out: widths[widths.len() - 1],
+        noise: 0.1,
+        seed: spec.seed,
+    };
+    Job::builder()
+        .initial_model(Mlp::new(&widths, device[0].burn()))
+        .loss(mse_loss)
+        .data(task.dataset(4096))
+        .optimizer(AdamConfig::new())
+        .learning_rate(spec.learning_rate)
+        .batch_size(spec.batch_size as usize)
+        .steps(spec.steps)
+        .seed(spec.seed)
+        .collective_timeout(Duration::from_millis(spec.collective_timeout_ms))
+}
+
+/// How a node builds its stages once the head prepared it.
+fn stages() -> HostFactory {
+    Arc::new(|args: HostArgs| job(&args.spec).stage_host(args).map_err(|e| e.to_string()))
+}
+
+/// How every process fingerprints the job's model (nodes that build another model are
+/// refused).
+fn fingerprint() -> FingerprintFn {
+    Arc::new(|spec: &JobSpec| {
+        let device = MeshDevice::of_kind(BackendKind::Flex, 1)
+            .map_err(|e| control::Incompatibility::Other(e.to_string()))?;
+        control::demo_fingerprint(spec, device[0].burn())
+    })
+}
+// ANCHOR_END: job
+
+// ANCHOR: node
+/// A node: join the head, serve its stages until the head ends the job.
+async fn node(head: String, secret: ClusterSecret) -> Result<(), Box<dyn std::error::Error>> {
+    let mut config = NodeConfig::new(head, JOB, secret, 1, fingerprint());
+    config.stages = Some(stages());
+    let outcome = control::run_node(config, |_| {}).await?;
+    for (rank, steps) in outcome.trained {
+        println!("node: rank {} trained {steps} steps", rank.0);
+    }
+    Ok(())
+}
+// ANCHOR_END: node
+
+// ANCHOR: head
+/// The head: wait for the nodes, train across them, stop them.
+async fn head(secret: ClusterSecret) -> Result<(), Box<dyn std::error::Error>> {
+    let spec = JobSpec {
+        model: ModelSpec::DemoMlp {
+            widths: vec![32, 64, 4],
+        },
+        seed: 1,
+        batch_size: 64,
+        steps: 30,
+        learning_rate: 3e-3,
+        collective_timeout_ms: 20_000,
+    };
+    let mut head = Head::start(HeadConfig::new("127.0.0.1:0", JOB, secret)).await?;
+    let children = start_nodes(head.local_addr())?;
+    let fingerprint = fingerprint()(&spec)?;
+    let world = head
+        .assemble(
+            NODES,
+            &spec,
+            fingerprint,
+            Vec::new(),
+            Duration::from_secs(60),
+        )
+        .await?;
+    // Every rank on a node (the head holds none): one replica per rank.
+    let mesh = ClusterMesh::new(&world.world, &head.node_handles(), None)?;
+    let trained = job(&spec)
+        .cluster(mesh)
+        .build()?
+        .spawn()
+        .await?
+        .join()
+        .await;
+    head.shutdown("the job is over").await;
+    wait_for(children);
+    let trained = trained?;
+    println!(
+        "trained across {NODES} processes: loss {:.4} -> {:.4}",
+        trained.summary.first_loss.unwrap_or(f32::NAN),
+        trained.summary.last_loss.unwrap_or(f32::NAN)
+    );
+    Ok(())
+}
+// ANCHOR_END: head
+
+/// Starts this program `NODES` times as a node of the head at `addr`.
+fn start_nodes(addr: SocketAddr) -> std::io::Result<Vec<Child>> {
+    let me = std::env::current_exe()?;
+    (0..NODES)
+        .map(|_| Command::new(&me).args(["node", &addr.to_string()]).spawn())
+        .collect()
+}
+
+/// Waits (bounded) for the nodes to end, killing any that do not.
+fn wait_for(mut children: Vec<Child>) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    for c in &mut children {
+        while matches!(c.try_wait(), Ok(None)) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Every process of the job holds the same secret (here: the head hands it to its children
+    // through the environment).
+    if std::env::var_os("MESHWORK_SECRET").is_none() {
+        // SAFETY: set first thing, before any other thread exists.
+        unsafe { std::env::set_var("MESHWORK_SECRET", "an example secret, not for real jobs") };
+    }
+    let secret = control::secret_from_env()?;
+    let args: Vec<String> = std::env::args().collect();
+    let runtime = tokio::runtime::Runtime::new()?;
+    match args.get(1).map(String::as_str) {
+        Some("node") => {
+            let addr = args.get(2).cloned().ok_or("node HEAD_ADDR")?;
+            runtime.block_on(node(addr, secret))
+        }
+        _ => runtime.block_on(head(secret)),
+    }
+}
