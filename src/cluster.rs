@@ -42,9 +42,15 @@
 //! frames per send step, received piece by piece straight into the buffer, a header frame per
 //! op for COMM-1/COMM-2, and a [`frame::FrameKind::Close`] frame carrying the failure when a
 //! rank gives up. Its module docs hold its invariants (TCP-1..6). The control plane ([`control`]) hands out the listeners' addresses and the token
-//! (`control::link_listeners`, `control::World::plan_for`); wiring the two into a training
-//! job across processes, and the hierarchical all-reduce (direct inside a process, ring across
-//! processes), are still to come.
+//! (`control::link_listeners`, `control::World::plan_for`).
+//!
+//! # Training across processes
+//!
+//! [`remote`] wires the two planes into a job: the head's Supervisor drives every rank through
+//! proxies (`RemoteStage`, `RemoteDevice`) that send [`control::StageRequest`]s to the process
+//! holding the rank, where a [`remote::NodeStages`] serves them with ordinary stage actors
+//! whose communicators are TCP groups. Data-parallel jobs only; the hierarchical all-reduce
+//! (direct inside a process, ring across processes) is still to come.
 
 pub mod control;
 pub mod frame;

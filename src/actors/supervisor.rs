@@ -155,6 +155,7 @@ pub(crate) struct SpawnContext {
     /// Collective settings (their time-out also bounds pipeline links).
     pub(crate) comm: CommConfig,
     /// The step time-out (what proxies of other processes' stages wait at most).
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
     pub(crate) step_timeout: Duration,
 }
 

@@ -407,7 +407,7 @@ async fn train_on_world(
         builder = builder.checkpoint_every(n);
     }
     let handle = builder
-        .recovery(job.policy.clone())
+        .recovery(job.policy)
         .cluster(mesh)
         .build()?
         .spawn()
