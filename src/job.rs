@@ -566,9 +566,10 @@ where
         let devices = match self.devices {
             Some(d) if remote => d.into_iter().take(1).collect(),
             Some(d) => d,
+            // A cluster job needs only the template its model is assembled on.
             None => MeshDevice::of_kind(
                 crate::device::BackendKind::Flex,
-                world.min(if remote { 1 } else { world }),
+                if remote { 1 } else { world },
             )?,
         };
         if devices.len() < world && !remote {

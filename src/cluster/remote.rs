@@ -782,46 +782,41 @@ where
         op: StageOp,
         timeout: Duration,
     ) -> std::result::Result<StageAnswer, RemoteError> {
-        if let StageOp::Start { id } = op {
-            return self.start(slot, id).await.map(|()| StageAnswer::Done);
-        }
-        if let StageOp::Abort { generation } = op {
-            self.with_slot(slot, |s| {
-                if let Some((g, group)) = &s.group
-                    && *g <= generation
-                {
-                    group.shutdown();
-                }
-            })?;
-            return Ok(StageAnswer::Done);
-        }
-        if let StageOp::Heartbeat = op {
-            let (device, id) = self.with_slot(slot, |s| (s.device_actor.clone(), s.device.id()))?;
-            let device = device.ok_or_else(|| not_started(slot))?;
-            return heartbeat(&device, id, timeout.min(HEARTBEAT_WAIT))
-                .await
-                .map(StageAnswer::Heartbeat)
-                .map_err(|e| RemoteError::from(&e));
-        }
-        let (stage, id, device) =
-            self.with_slot(slot, |s| (s.stage.clone(), s.id, s.device.id()))?;
-        let stage = stage.ok_or_else(|| not_started(slot))?;
-        let ask = Asker {
-            stage: &stage,
-            id,
-            device,
-            timeout,
-        };
         match op {
-            StageOp::Init => ask.call(StageMsg::Init).await.map(|r| StageAnswer::Init {
-                before: r.before,
-                after: r.after,
-            }),
+            StageOp::Start { id } => self.start(slot, id).await.map(|()| StageAnswer::Done),
+            StageOp::Abort { generation } => {
+                self.with_slot(slot, |s| {
+                    if let Some((g, group)) = &s.group
+                        && *g <= generation
+                    {
+                        group.shutdown();
+                    }
+                })?;
+                Ok(StageAnswer::Done)
+            }
+            StageOp::Heartbeat => {
+                let (device, id) =
+                    self.with_slot(slot, |s| (s.device_actor.clone(), s.device.id()))?;
+                let device = device.ok_or_else(|| not_started(slot))?;
+                heartbeat(&device, id, timeout.min(HEARTBEAT_WAIT))
+                    .await
+                    .map(StageAnswer::Heartbeat)
+                    .map_err(|e| RemoteError::from(&e))
+            }
+            StageOp::Init => self
+                .asker(slot, timeout)?
+                .call(StageMsg::Init)
+                .await
+                .map(|r| StageAnswer::Init {
+                    before: r.before,
+                    after: r.after,
+                }),
             StageOp::Step {
                 step,
                 micro_batches,
                 global_samples,
-            } => ask
+            } => self
+                .asker(slot, timeout)?
                 .call(|reply| StageMsg::Step {
                     step,
                     micro_batches,
@@ -833,18 +828,23 @@ where
                     let _ = self.with_slot(slot, |s| s.steps += 1);
                     StageAnswer::Step(report)
                 }),
-            StageOp::Fingerprint => ask
+            StageOp::Fingerprint => self
+                .asker(slot, timeout)?
                 .call(StageMsg::Fingerprint)
                 .await
                 .map(StageAnswer::Fingerprint),
-            StageOp::Snapshot => ask.call(StageMsg::Snapshot).await.map(|shards| {
-                StageAnswer::Snapshot(
-                    shards
-                        .iter()
-                        .map(crate::checkpoint::format::encode_shard)
-                        .collect(),
-                )
-            }),
+            StageOp::Snapshot => self
+                .asker(slot, timeout)?
+                .call(StageMsg::Snapshot)
+                .await
+                .map(|shards| {
+                    StageAnswer::Snapshot(
+                        shards
+                            .iter()
+                            .map(crate::checkpoint::format::encode_shard)
+                            .collect(),
+                    )
+                }),
             StageOp::Restore { shards } => {
                 let from = Path::new("<shard from the head>");
                 let shard = shards
@@ -853,7 +853,8 @@ where
                     .collect::<std::result::Result<Vec<_>, _>>()
                     .map_err(|e| RemoteError::Other(e.to_string()))?;
                 let shard = Box::new(shard);
-                ask.call(|reply| StageMsg::Restore { shard, reply })
+                self.asker(slot, timeout)?
+                    .call(|reply| StageMsg::Restore { shard, reply })
                     .await
                     .map(|()| StageAnswer::Done)
             }
@@ -863,6 +864,7 @@ where
                 generation,
                 addrs,
             } => {
+                let ask = self.asker(slot, timeout)?;
                 let comm = self.connect(slot, rank, generation, addrs).await?;
                 ask.call(|reply| StageMsg::Regroup {
                     id,
@@ -874,10 +876,19 @@ where
                 self.with_slot(slot, |s| s.id = id)?;
                 Ok(StageAnswer::Done)
             }
-            StageOp::Start { .. } | StageOp::Abort { .. } | StageOp::Heartbeat => {
-                unreachable!("served above")
-            }
         }
+    }
+
+    /// Asks `slot`'s stage, bounded by `timeout`.
+    fn asker(&self, slot: Rank, timeout: Duration) -> std::result::Result<Asker<M>, RemoteError> {
+        let (stage, id, device) =
+            self.with_slot(slot, |s| (s.stage.clone(), s.id, s.device.id()))?;
+        Ok(Asker {
+            stage: stage.ok_or_else(|| not_started(slot))?,
+            id,
+            device,
+            timeout,
+        })
     }
 
     /// Starts `slot`'s device and stage, joined to the world's data plane of generation 0.
@@ -923,14 +934,14 @@ fn not_started(slot: Rank) -> RemoteError {
 }
 
 /// Asks a local stage actor, bounded by the request's time-out.
-struct Asker<'a, M> {
-    stage: &'a ActorRef<StageMsg<M>>,
+struct Asker<M> {
+    stage: ActorRef<StageMsg<M>>,
     id: StageId,
     device: DeviceId,
     timeout: Duration,
 }
 
-impl<M: Send + 'static> Asker<'_, M> {
+impl<M: Send + 'static> Asker<M> {
     async fn call<T: Send + 'static>(
         &self,
         msg: impl FnOnce(RpcReplyPort<Result<T>>) -> StageMsg<M>,

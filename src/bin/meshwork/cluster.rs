@@ -133,9 +133,7 @@ fn demo_fingerprint(
 pub(crate) struct HeadJob {
     pub(crate) save_model: Option<std::path::PathBuf>,
     pub(crate) policy: RecoveryPolicy,
-    pub(crate) checkpoint_dir: Option<std::path::PathBuf>,
-    pub(crate) checkpoint_every: Option<u64>,
-    pub(crate) resume: bool,
+    pub(crate) checkpoints: crate::train::CheckpointFlags,
 }
 
 /// Samples in the demo job's dataset (as in a single-process `meshwork train`).
@@ -397,16 +395,8 @@ async fn train_on_world(
         )
     };
     let mesh = ClusterMesh::new(&assembled.world, &head.node_handles(), head_stages)?;
-    let (mut builder, task) = demo_job(spec)?;
-    if let Some(dir) = &job.checkpoint_dir {
-        builder = builder
-            .checkpoint_dir(dir)
-            .resume_from_checkpoint(job.resume);
-    }
-    if let Some(n) = job.checkpoint_every {
-        builder = builder.checkpoint_every(n);
-    }
-    let handle = builder
+    let (builder, task) = demo_job(spec)?;
+    let handle = crate::train::checkpoint_settings(&job.checkpoints, builder)
         .recovery(job.policy)
         .cluster(mesh)
         .build()?

@@ -136,9 +136,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
         let head = crate::cluster::HeadJob {
             save_model: args.save_model.clone(),
             policy,
-            checkpoint_dir: args.checkpoint_dir.clone(),
-            checkpoint_every: args.checkpoint_every,
-            resume: args.resume,
+            checkpoints: args.checkpoint_flags(),
         };
         if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, spec, head) {
             return outcome;
@@ -261,7 +259,7 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         return Ok(());
     }
     let init = Mlp::new(&WIDTHS, &model_device);
-    let builder = checkpoint_settings(&args, Job::builder())
+    let builder = checkpoint_settings(&args.checkpoint_flags(), Job::builder())
         .initial_model(init)
         .loss(mse_loss)
         .data(data);
@@ -316,19 +314,37 @@ fn settings<M: Send + 'static, I: Send + Sync + 'static>(
 }
 
 /// The checkpoint flags on a builder.
-fn checkpoint_settings<M: Send + 'static, I: Send + Sync + 'static>(
-    args: &TrainArgs,
+pub(crate) fn checkpoint_settings<M: Send + 'static, I: Send + Sync + 'static>(
+    flags: &CheckpointFlags,
     mut builder: meshwork::job::JobBuilder<M, I>,
 ) -> meshwork::job::JobBuilder<M, I> {
-    if let Some(dir) = &args.checkpoint_dir {
+    if let Some(dir) = &flags.dir {
         builder = builder
             .checkpoint_dir(dir)
-            .resume_from_checkpoint(args.resume);
+            .resume_from_checkpoint(flags.resume);
     }
-    if let Some(n) = args.checkpoint_every {
+    if let Some(n) = flags.every {
         builder = builder.checkpoint_every(n);
     }
     builder
+}
+
+/// The checkpoint flags of `meshwork train` (in one process or on a cluster's head).
+#[derive(Debug, Clone)]
+pub(crate) struct CheckpointFlags {
+    dir: Option<PathBuf>,
+    every: Option<u64>,
+    resume: bool,
+}
+
+impl TrainArgs {
+    pub(crate) fn checkpoint_flags(&self) -> CheckpointFlags {
+        CheckpointFlags {
+            dir: self.checkpoint_dir.clone(),
+            every: self.checkpoint_every,
+            resume: self.resume,
+        }
+    }
 }
 
 /// Resolves on Ctrl-C or (on Unix) SIGTERM.

@@ -223,7 +223,8 @@ pub(crate) struct AgentState {
     events: mpsc::UnboundedSender<AgentEvent>,
     /// The job of the Hello.
     spec: Option<JobSpec>,
-    /// Copies of the data-plane listeners (the runner keeps the originals).
+    /// Copies of the data-plane listeners (the runner keeps the originals), handed to the
+    /// stage host at Prepare.
     listeners: Vec<TcpListener>,
     /// Builds the stage host at Prepare.
     factory: Option<HostFactory>,
@@ -408,17 +409,11 @@ impl AgentState {
             return Ok(plan);
         }
         let spec = self.spec.clone().ok_or("Prepare before Hello")?;
-        let listeners = self
-            .listeners
-            .iter()
-            .map(TcpListener::try_clone)
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| format!("the data-plane listeners: {e}"))?;
         let host = factory(HostArgs {
             spec,
             plan: plan.clone(),
             token: JobToken::from_bytes(prepare.token),
-            listeners,
+            listeners: std::mem::take(&mut self.listeners),
         })
         .map_err(|e| format!("this node cannot build the job's stages: {e}"))?;
         self.host = Some(host);
