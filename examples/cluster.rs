@@ -94,6 +94,7 @@ async fn head(secret: ClusterSecret) -> Result<(), Box<dyn std::error::Error>> {
         steps: 30,
         learning_rate: 3e-3,
         collective_timeout_ms: 20_000,
+        pipeline: None,
     };
     let mut head = Head::start(HeadConfig::new("127.0.0.1:0", JOB, secret)).await?;
     let children = start_nodes(head.local_addr())?;

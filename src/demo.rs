@@ -32,6 +32,18 @@ impl Mlp {
         Self { layers }
     }
 
+    /// The MLP whose layers are the blocks of a trained demo pipeline ([`mlp_pipeline`]), in
+    /// block order: the same model the blocks compute together. `None` if a block is missing or
+    /// is not an [`MlpStage`].
+    pub fn from_pipeline(mut model: crate::parallel::stages::PipelineModel) -> Option<Self> {
+        let blocks = model.len();
+        let mut layers = Vec::new();
+        for b in 0..blocks {
+            layers.extend(model.take_block::<MlpStage>(b)?.layers);
+        }
+        Some(Self { layers })
+    }
+
     /// The output for a batch of inputs `[batch, d_in]`.
     pub fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
         let last = self.layers.len().saturating_sub(1);

@@ -112,13 +112,21 @@ pub struct JobBuilder<M, I> {
     resume: bool,
     elastic: (u32, u32),
     elastic_wait: Duration,
-    /// A job across processes: the world size and the spawner of its stages
-    /// (`JobBuilder::cluster`, feature `cluster`).
-    cluster: Option<(u32, ClusterSpawn<M, I>)>,
+    /// A job across processes: the world it trains on (`JobBuilder::cluster`).
+    #[cfg(feature = "cluster")]
+    cluster: Option<crate::cluster::remote::ClusterMesh>,
+    /// How data-parallel replicas of `model` run across processes (set with it).
+    #[cfg(feature = "cluster")]
+    replica_cluster: Option<ClusterFns<StageSpec<M, I>, M>>,
 }
 
-/// Spawns the stages of a job across processes from a stage spec.
-type ClusterSpawn<M, I> = Box<dyn FnOnce(Arc<StageSpec<M, I>>) -> SpawnStages<M> + Send>;
+/// How the stages of a job built from a spec `S` run across processes: the head's spawner
+/// and a process's slots (feature `cluster`).
+#[cfg(feature = "cluster")]
+struct ClusterFns<S, M> {
+    spawn: fn(crate::cluster::remote::ClusterMesh, Arc<S>, Layout) -> SpawnStages<M>,
+    slots: fn(Arc<S>, Layout) -> Arc<dyn crate::cluster::remote::SlotFactory<M>>,
+}
 
 /// Spawns data-parallel replicas from a stage spec.
 type SpawnReplicas<M, I> = fn(Arc<StageSpec<M, I>>) -> SpawnStages<M>;
@@ -141,6 +149,8 @@ struct PipelineParts<M, I> {
     stages: PipelineStages<I>,
     schedule: Schedule,
     spawn: fn(Arc<PipelineSpec<I>>) -> SpawnStages<M>,
+    #[cfg(feature = "cluster")]
+    cluster: ClusterFns<PipelineSpec<I>, M>,
 }
 
 impl<M, I> std::fmt::Debug for JobBuilder<M, I> {
@@ -191,7 +201,10 @@ where
             resume: false,
             elastic: (1, u32::MAX),
             elastic_wait: Duration::from_secs(300),
+            #[cfg(feature = "cluster")]
             cluster: None,
+            #[cfg(feature = "cluster")]
+            replica_cluster: None,
         }
     }
 
@@ -250,6 +263,13 @@ where
     pub fn model(mut self, f: impl Fn(&ModelContext) -> M + Send + Sync + 'static) -> Self {
         self.model = Some(Arc::new(f));
         self.replicas = Some(spawn_replicas::<M, I>);
+        #[cfg(feature = "cluster")]
+        {
+            self.replica_cluster = Some(ClusterFns {
+                spawn: |mesh, spec, _| mesh.spawner(spec),
+                slots: |spec, _| Arc::new(crate::cluster::remote::ReplicaSlots(spec)),
+            });
+        }
         self
     }
 
@@ -272,25 +292,26 @@ where
 #[cfg(feature = "cluster")]
 impl<M, I> JobBuilder<M, I>
 where
-    M: Module + 'static,
+    M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    /// Train across processes: one data-parallel replica per rank of `mesh` (the world the
-    /// head assembled), each in the process that holds its device, gradients meeting over the
-    /// TCP data plane. Every process builds its stages from the same builder settings
-    /// ([`JobBuilder::stage_host`] on the nodes); `data_parallel` follows the world. A job
-    /// across processes recovers by shrinking (or fails); pipelines, fault plans and
-    /// roll-back are refused at `build` (feature `cluster`).
+    /// Train across processes on `mesh` (the world the head assembled): each rank in the
+    /// process that holds its device, gradients (and a pipeline's activations) meeting over the
+    /// TCP data plane. A data-parallel job has one replica per rank; a pipeline job
+    /// (`.pipeline(..)`) has world ÷ stages replicas. Every process builds its stages from the
+    /// same builder settings ([`JobBuilder::stage_host`] on the nodes); `data_parallel` follows
+    /// the world. A data-parallel job across processes recovers by shrinking (or fails); a
+    /// pipeline job fails with the lost stage named; fault plans and roll-back are refused at
+    /// `build` (feature `cluster`).
     pub fn cluster(mut self, mesh: crate::cluster::remote::ClusterMesh) -> Self {
-        let world = mesh.world_size() as u32;
-        self.cluster = Some((world, Box::new(move |spec| mesh.spawner(spec))));
+        self.cluster = Some(mesh);
         self
     }
 
     /// The stages of one process of a job across processes (a node's, or the head's own
-    /// devices'), trained with this builder's model, loss, data, optimizer and settings: what
-    /// a node's [`crate::cluster::control::HostFactory`] returns. Each slot gets a Flex CPU
-    /// device (feature `cluster`).
+    /// devices'), trained with this builder's model (or pipeline), loss, data, optimizer and
+    /// settings: what a node's [`crate::cluster::control::HostFactory`] returns. Each slot gets
+    /// a Flex CPU device (feature `cluster`).
     pub fn stage_host(
         mut self,
         args: crate::cluster::control::HostArgs,
@@ -303,8 +324,26 @@ where
                 "no batch size: call .batch_size(global_batch)".into(),
             ));
         };
-        self.dp = args.plan.world_size as u32;
-        let spec = self.stage_spec(global, dataset)?;
+        let world = args.plan.world_size as u32;
+        let slots = match self.pipeline.take() {
+            Some(p) => {
+                let slots = p.cluster.slots;
+                let (spec, layout) = self.pipeline_spec(p, global, dataset, Some(world))?;
+                slots(spec, layout)
+            }
+            None => {
+                let Some(fns) = self.replica_cluster.take() else {
+                    return Err(Error::InvalidConfig(
+                        "no model: call .model(..) or .initial_model(..), or .pipeline(stages, \
+                         schedule)"
+                            .into(),
+                    ));
+                };
+                self.dp = world;
+                let spec = self.stage_spec(global, dataset)?;
+                (fns.slots)(spec, Layout::data_parallel(world)?)
+            }
+        };
         let link = crate::cluster::link::LinkConfig {
             io_timeout: self.comm.timeout,
             ..Default::default()
@@ -315,7 +354,7 @@ where
         }
         .with_link(link);
         Ok(Arc::new(crate::cluster::remote::NodeStages::new(
-            spec, args, tcp,
+            slots, args, tcp,
         )?))
     }
 }
@@ -335,6 +374,13 @@ where
             stages,
             schedule,
             spawn: spawn_pipeline::<I>,
+            #[cfg(feature = "cluster")]
+            cluster: ClusterFns {
+                spawn: |mesh, spec, layout| mesh.pipeline_spawner(spec, layout),
+                slots: |spec, layout| {
+                    Arc::new(crate::cluster::remote::pipeline::PipelineSlots { spec, layout })
+                },
+            },
         });
         self
     }
@@ -537,14 +583,8 @@ where
         if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
             return invalid("a time-out of zero: use a positive duration".into());
         }
-        let remote = self.cluster.is_some();
+        let remote = self.is_remote();
         if remote {
-            if self.pipeline.is_some() {
-                return invalid(
-                    "a pipeline across processes is not supported yet: train the pipeline in                      one process, or a data-parallel job across processes"
-                        .into(),
-                );
-            }
             if self.faults.is_some() {
                 return invalid(
                     "a fault plan acts on in-process devices: it is not supported across                      processes yet (kill a node process to rehearse a failure)"
@@ -688,22 +728,36 @@ where
                     .into(),
             ));
         };
-        let cluster = self.cluster.take();
-        if let Some((world, _)) = &cluster {
-            if self.dp != 1 && self.dp != *world {
+        #[cfg(feature = "cluster")]
+        if let Some(mesh) = self.cluster.take() {
+            let world = mesh.world_size() as u32;
+            if self.dp != 1 && self.dp != world {
                 return Err(Error::InvalidConfig(format!(
-                    "data_parallel({}) on a cluster of {world} rank(s): a job across processes                      has one replica per rank; leave data_parallel unset",
+                    "data_parallel({}) on a cluster of {world} rank(s): a job across processes \
+                     has one replica per rank; leave data_parallel unset",
                     self.dp
                 )));
             }
-            self.dp = *world;
+            let Some(fns) = self.replica_cluster.take() else {
+                return Err(Error::InvalidConfig(
+                    "no model: call .model(..) or .initial_model(..)".into(),
+                ));
+            };
+            self.dp = world;
+            let spec = self.stage_spec(global, dataset)?;
+            let layout = Layout::data_parallel(world)?;
+            return Ok(((fns.spawn)(mesh, spec, layout), layout, self.accumulation));
         }
         let spec = self.stage_spec(global, dataset)?;
-        let spawn = match cluster {
-            Some((_, spawn_on_cluster)) => spawn_on_cluster(spec),
-            None => spawn(spec),
-        };
-        Ok((spawn, Layout::data_parallel(self.dp)?, self.accumulation))
+        Ok((spawn(spec), Layout::data_parallel(self.dp)?, self.accumulation))
+    }
+
+    /// Whether the job runs across processes (`JobBuilder::cluster`).
+    fn is_remote(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        return self.cluster.is_some();
+        #[cfg(not(feature = "cluster"))]
+        false
     }
 
     /// What every data-parallel stage trains with (JOB-1 checks of the model, loss and batch).
@@ -746,6 +800,28 @@ where
         global: usize,
         dataset: Arc<dyn Dataset<Item = I>>,
     ) -> Result<(SpawnStages<M>, Layout, u32)> {
+        let m = p.schedule.micro_batches();
+        #[cfg(feature = "cluster")]
+        if let Some(mesh) = self.cluster.take() {
+            let spawn = p.cluster.spawn;
+            let world = Some(mesh.world_size() as u32);
+            let (spec, layout) = self.pipeline_spec(p, global, dataset, world)?;
+            return Ok((spawn(mesh, spec, layout), layout, m));
+        }
+        let spawn = p.spawn;
+        let (spec, layout) = self.pipeline_spec(p, global, dataset, None)?;
+        Ok((spawn(spec), layout, m))
+    }
+
+    /// What every stage of a pipeline job trains with, and the dp × pp layout (JOB-1 checks).
+    /// `world`: the ranks of a job across processes (its replicas are world ÷ stages).
+    fn pipeline_spec(
+        &mut self,
+        p: PipelineParts<M, I>,
+        global: usize,
+        dataset: Arc<dyn Dataset<Item = I>>,
+        world: Option<u32>,
+    ) -> Result<(Arc<PipelineSpec<I>>, Layout)> {
         let invalid = |m: String| Err(Error::InvalidConfig(m));
         if let Some(problem) = p.stages.problem() {
             return invalid(problem);
@@ -780,6 +856,15 @@ where
             ));
         }
         let pp = (blocks / v) as u32;
+        if let Some(world) = world {
+            if !world.is_multiple_of(pp) || (self.dp != 1 && self.dp * pp != world) {
+                return invalid(format!(
+                    "a pipeline of {pp} stages on a cluster of {world} rank(s): the world must \
+                     be replicas × {pp}; leave data_parallel unset"
+                ));
+            }
+            self.dp = world / pp;
+        }
         let plan = p.schedule.instructions(pp)?;
         let dp = self.dp as usize;
         let m = p.schedule.micro_batches() as usize;
@@ -793,7 +878,7 @@ where
             epoch: Instant::now(),
             faults: self.faults.clone(),
         });
-        Ok(((p.spawn)(spec), Layout::new(self.dp, pp, 1)?, m as u32))
+        Ok((spec, Layout::new(self.dp, pp, 1)?))
     }
 }
 

@@ -213,6 +213,7 @@ fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
             steps: 300,
             learning_rate: 3e-3,
             collective_timeout_ms: 60_000,
+            pipeline: None,
         };
         let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap();
         let fingerprint = demo_fingerprint(&spec, device[0].burn()).unwrap();

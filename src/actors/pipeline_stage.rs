@@ -171,6 +171,30 @@ async fn spawn_stage<I: Send + Sync + 'static>(
     Ok((a, id))
 }
 
+/// Starts the stage actor `id` (rank `rank`) of a job whose ranks live in several processes,
+/// with its links and data-parallel communicator already made (not linked to a Supervisor:
+/// the head drives it through a proxy).
+#[cfg(feature = "cluster")]
+pub(crate) async fn spawn_unlinked<I: Send + Sync + 'static>(
+    spec: Arc<PipelineSpec<I>>,
+    (id, rank): (StageId, Rank),
+    (device, device_actor): (MeshDevice, ActorRef<DeviceMsg>),
+    links: StageLinks,
+    comm: Option<Communicator>,
+) -> Result<ActorRef<StageMsg<PipelineModel>>, ractor::SpawnErr> {
+    let args = PipelineStageArgs {
+        id,
+        rank,
+        device,
+        device_actor,
+        spec,
+        links: Some(links),
+        comm,
+    };
+    let (a, _) = Actor::spawn(None, PipelineStageActor::<I>::default(), args).await?;
+    Ok(a)
+}
+
 /// Spawns one stage actor per rank of a dp × pp layout: every replica's stages connected by
 /// their own links, every stage index's replicas in one collective group.
 pub(crate) fn spawn_pipeline<I>(spec: Arc<PipelineSpec<I>>) -> SpawnStages<PipelineModel>

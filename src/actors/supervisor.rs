@@ -1571,6 +1571,7 @@ fn root_cause(errors: Vec<Error>) -> Option<Error> {
                 | Error::Pipeline(
                     ExecError::Aborted { .. }
                         | ExecError::LinkClosed { .. }
+                        | ExecError::Wire { .. }
                         | ExecError::Comm(CommError::Shutdown { .. } | CommError::Poisoned { .. })
                 )
         )

@@ -66,7 +66,7 @@ pub use agent::{AgentMsg, FingerprintFn, NodeConfig, NodeOutcome, NodeReport, ru
 pub use head::{Assembled, Head, HeadConfig, JoinedNode, KeepAlive, NodeHandle};
 pub use protocol::{
     CodecError, ControlMsg, Hello, Incompatibility, JobSpec, ModelFingerprint, ModelSpec, NodeInfo,
-    NodePhase,
+    NodePhase, PipelineShape,
 };
 pub use secret::{ClusterSecret, SecretError, secret_from_env};
 pub use stages::{

@@ -31,16 +31,19 @@
 //! - **REMOTE-3** an abort (the Supervisor's RT-4 shutdown) carries the generation it is for:
 //!   a node ignores an abort older than its slot's group, so a late abort never breaks the
 //!   group a recovery just formed.
+//! - **REMOTE-4** (dp × pp, [`pipeline`]) a pipeline slot starts in two phases and keeps its
+//!   pipeline links on a listener of their own.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::net::{SocketAddr, TcpListener};
 use std::path::Path;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::module::Module;
-use burn::tensor::Device;
 use ractor::rpc::CallResult;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
@@ -48,16 +51,97 @@ use super::control::{
     HostArgs, NodeHandle, ProcessIndex, ProcessPlan, RemoteError, StageAnswer, StageHost, StageOp,
     StageRequest, World,
 };
-use super::link::{JobToken, LinkListener};
+use super::link::{JobToken, LinkCloser, LinkListener};
 use crate::actors::device::{DeviceActor, DeviceMsg, heartbeat};
+use crate::actors::pipeline_stage::PipelineSpec;
 use crate::actors::stage::{InitReport, StageActor, StageArgs, StageMsg, StageSpec};
 use crate::actors::supervisor::{SpawnContext, SpawnStages, Spawned};
 use crate::checkpoint::{ShardSnapshot, restore_module};
+use crate::comm::Communicator;
 use crate::comm::tcp::{TcpConfig, TcpGroup, TcpShutdown};
 use crate::device::{BackendKind, MeshDevice};
 use crate::error::{DeviceId, Error, Result, StageId};
-use crate::mesh::{Generation, Rank};
+use crate::mesh::{Coord, Generation, Layout, Rank};
 use crate::parallel::ModelContext;
+use crate::parallel::pipeline::PipelineSchedule;
+use crate::parallel::pipeline_exec::{StageLinks, remote_links};
+use crate::parallel::stages::PipelineModel;
+
+pub(crate) mod pipeline;
+
+/// How the head rebuilds a stage's trained model from the snapshot its process sends.
+pub(crate) type Rebuild<M> =
+    Arc<dyn Fn(StageId, Vec<ShardSnapshot>) -> std::result::Result<M, String> + Send + Sync>;
+
+/// A started stage actor, or why not.
+pub(crate) type SlotFuture<M> = Pin<
+    Box<dyn Future<Output = std::result::Result<ActorRef<StageMsg<M>>, String>> + Send>,
+>;
+
+/// What a slot's stage actor starts with.
+pub(crate) struct SlotStart {
+    pub(crate) id: StageId,
+    /// The slot (its rank in the world).
+    pub(crate) rank: Rank,
+    pub(crate) device: MeshDevice,
+    pub(crate) device_actor: ActorRef<DeviceMsg>,
+    /// Its data-parallel group's communicator (none in a pipeline job with one replica).
+    pub(crate) comm: Option<Communicator>,
+    /// Its pipeline links (pipeline jobs).
+    pub(crate) links: Option<StageLinks>,
+}
+
+/// What a process's slots run: data-parallel replicas or pipeline stages.
+pub(crate) trait SlotFactory<M>: Send + Sync + 'static {
+    /// The job's dp × pp layout and schedule, if it is a pipeline job (REMOTE-4).
+    fn pipeline(&self) -> Option<(Layout, Arc<PipelineSchedule>)>;
+    /// Starts a slot's stage actor.
+    fn spawn(&self, start: SlotStart) -> SlotFuture<M>;
+}
+
+/// The slots of a data-parallel job: each an ordinary [`StageActor`].
+pub(crate) struct ReplicaSlots<M, I>(pub(crate) Arc<StageSpec<M, I>>);
+
+impl<M, I> SlotFactory<M> for ReplicaSlots<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    fn pipeline(&self) -> Option<(Layout, Arc<PipelineSchedule>)> {
+        None
+    }
+
+    fn spawn(&self, start: SlotStart) -> SlotFuture<M> {
+        let spec = self.0.clone();
+        Box::pin(async move {
+            let comm = start
+                .comm
+                .ok_or_else(|| format!("{}: no data-parallel group", start.id))?;
+            let args = StageArgs {
+                id: start.id,
+                rank: start.rank,
+                device: start.device,
+                device_actor: start.device_actor,
+                comm,
+                spec,
+            };
+            Actor::spawn(None, StageActor::<M, I>::default(), args)
+                .await
+                .map(|(a, _)| a)
+                .map_err(|e| format!("cannot start {}: {e}", start.id))
+        })
+    }
+}
+
+/// The head's side of a job's shape: where each rank sits, how its model comes back.
+struct Shape<M> {
+    layout: Layout,
+    /// Slots start in two phases (REMOTE-4).
+    pipelined: bool,
+    rebuild: Rebuild<M>,
+    model_ranks: Vec<usize>,
+    assemble: fn(Vec<M>) -> Option<M>,
+}
 
 /// How much longer than the time-out a request carries the head waits for its answer (the
 /// node's own bound fires first, with its diagnosis).
@@ -188,65 +272,175 @@ impl ClusterMesh {
         self.endpoints.len()
     }
 
-    /// The spawner of a cluster job (`JobBuilder::cluster`): starts every slot's stage where it
-    /// lives (all at once: each waits for the others while it joins the data plane), then a
-    /// proxy pair per slot on the head.
+    /// The spawner of a data-parallel cluster job (`JobBuilder::cluster`): starts every
+    /// slot's stage where it lives (all at once: each waits for the others while it joins the
+    /// data plane), then a proxy pair per slot on the head.
     pub(crate) fn spawner<M, I>(self, spec: Arc<StageSpec<M, I>>) -> SpawnStages<M>
     where
         M: Module + 'static,
         I: Send + Sync + 'static,
     {
+        let device = self.model_device.burn().clone();
+        let rebuild: Rebuild<M> = Arc::new(move |id: StageId, shards: Vec<ShardSnapshot>| {
+            let shard = shards
+                .into_iter()
+                .next()
+                .ok_or_else(|| format!("the snapshot of {id} has no shard"))?;
+            let cx = ModelContext {
+                rank: Rank(id.replica),
+                device: device.clone(),
+            };
+            restore_module((spec.model_fn)(&cx), &shard.params)
+                .map_err(|e| format!("the model of {id} does not restore: {e}"))
+        });
+        let world = self.world_size() as u32;
         Box::new(move |cx: SpawnContext| {
             Box::pin(async move {
-                self.spawn_all(spec, cx)
+                let shape = Shape {
+                    layout: Layout::data_parallel(world)?,
+                    pipelined: false,
+                    rebuild,
+                    model_ranks: vec![0],
+                    assemble: |mut models: Vec<M>| models.pop(),
+                };
+                self.spawn_all(shape, cx)
                     .await
                     .map_err(ActorProcessingErr::from)
             })
         })
     }
 
-    async fn spawn_all<M, I>(
+    /// The spawner of a dp × pp cluster job: every slot starts its device and pipeline-link
+    /// listener, then (once all listen) joins its groups and starts its stage (REMOTE-4).
+    pub(crate) fn pipeline_spawner<I>(
         self,
-        spec: Arc<StageSpec<M, I>>,
-        cx: SpawnContext,
-    ) -> Result<Spawned<M>>
+        spec: Arc<PipelineSpec<I>>,
+        layout: Layout,
+    ) -> SpawnStages<PipelineModel>
     where
-        M: Module + 'static,
         I: Send + Sync + 'static,
     {
-        let timeout = cx.comm.timeout.max(Duration::from_secs(10)) * 2;
-        let mut starts = tokio::task::JoinSet::new();
+        let rebuild = pipeline::rebuild_blocks(spec, self.model_device.burn().clone());
+        Box::new(move |cx: SpawnContext| {
+            Box::pin(async move {
+                let model_ranks = (0..layout.pp())
+                    .filter_map(|pp| layout.rank_of(Coord { dp: 0, pp, tp: 0 }))
+                    .map(Rank::index)
+                    .collect();
+                let shape = Shape {
+                    layout,
+                    pipelined: true,
+                    rebuild,
+                    model_ranks,
+                    assemble: |parts| Some(PipelineModel::merge(parts)),
+                };
+                self.spawn_all(shape, cx)
+                    .await
+                    .map_err(ActorProcessingErr::from)
+            })
+        })
+    }
+
+    /// Sends `op(slot)` to every slot at once and collects the answers, by slot.
+    async fn ask_all(
+        &self,
+        op: impl Fn(Rank) -> StageOp,
+        timeout: Duration,
+    ) -> Result<Vec<StageAnswer>> {
+        let mut asks = tokio::task::JoinSet::new();
         for (slot, endpoint) in self.endpoints.iter().enumerate() {
             let (endpoint, slot) = (endpoint.clone(), Rank(slot as u32));
-            let id = StageId {
-                replica: slot.0,
-                stage: 0,
-            };
-            starts.spawn(async move {
-                let answer = endpoint.call(slot, StageOp::Start { id }, timeout).await;
-                (slot, endpoint.name(), answer)
+            let op = op(slot);
+            asks.spawn(async move {
+                let kind = op.kind();
+                let answer = endpoint.call(slot, op, timeout).await;
+                (slot, kind, endpoint.name(), answer)
             });
         }
-        while let Some(started) = starts.join_next().await {
-            let (slot, name, answer) =
-                started.map_err(|e| Error::Runtime(format!("a start task failed: {e}")))?;
+        let mut answers: Vec<Option<StageAnswer>> = vec![None; self.endpoints.len()];
+        while let Some(asked) = asks.join_next().await {
+            let (slot, kind, name, answer) =
+                asked.map_err(|e| Error::Runtime(format!("a start task failed: {e}")))?;
             match answer {
-                Ok(StageAnswer::Done) => {}
                 Ok(StageAnswer::Failed(e)) => return Err(e.into_error(&name)),
-                Ok(other) => {
-                    return Err(Error::Runtime(format!(
-                        "{name} answered Start of rank {} with {}",
-                        slot.0,
-                        other.kind()
-                    )));
-                }
+                Ok(answer) => answers[slot.index()] = Some(answer),
                 Err(why) => {
                     return Err(Error::Runtime(format!(
-                        "{name} could not start rank {}: {why}",
+                        "{name} did not answer {kind} for rank {}: {why}",
                         slot.0
                     )));
                 }
             }
+        }
+        Ok(answers.into_iter().flatten().collect())
+    }
+
+    async fn spawn_all<M>(self, shape: Shape<M>, cx: SpawnContext) -> Result<Spawned<M>>
+    where
+        M: Send + 'static,
+    {
+        let timeout = cx.comm.timeout.max(Duration::from_secs(10)) * 2;
+        let layout = shape.layout;
+        if layout.world_size() as usize != self.endpoints.len() {
+            return Err(Error::InvalidConfig(format!(
+                "a {} × {} mesh (data × pipeline) on a world of {} rank(s)",
+                layout.dp(),
+                layout.pp(),
+                self.endpoints.len()
+            )));
+        }
+        let id_of = |slot: Rank| {
+            layout.coord_of(slot).map_or(
+                StageId {
+                    replica: slot.0,
+                    stage: 0,
+                },
+                |c| StageId {
+                    replica: c.dp,
+                    stage: c.pp,
+                },
+            )
+        };
+        let started = self
+            .ask_all(|slot| StageOp::Start { id: id_of(slot) }, timeout)
+            .await?;
+        let unexpected = |answer: &StageAnswer, slot: usize, op: &str| {
+            Error::Runtime(format!(
+                "{} answered {op} of rank {slot} with {}",
+                self.endpoints[slot].name(),
+                answer.kind()
+            ))
+        };
+        if shape.pipelined {
+            let links = started
+                .iter()
+                .enumerate()
+                .map(|(slot, a)| match a {
+                    StageAnswer::Listening(addr) => Ok(*addr),
+                    other => Err(unexpected(other, slot, "Start")),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let wired = self
+                .ask_all(
+                    |_| StageOp::Wire {
+                        links: links.clone(),
+                    },
+                    timeout,
+                )
+                .await?;
+            if let Some((slot, a)) = wired
+                .iter()
+                .enumerate()
+                .find(|(_, a)| !matches!(a, StageAnswer::Done))
+            {
+                return Err(unexpected(a, slot, "Wire"));
+            }
+        } else if let Some((slot, a)) = started
+            .iter()
+            .enumerate()
+            .find(|(_, a)| !matches!(a, StageAnswer::Done))
+        {
+            return Err(unexpected(a, slot, "Start"));
         }
         let generation = Arc::new(AtomicU64::new(0));
         let addrs = Arc::new(self.addrs);
@@ -254,10 +448,7 @@ impl ClusterMesh {
         let mut devices = Vec::new();
         for (slot, endpoint) in self.endpoints.iter().enumerate() {
             let slot = Rank(slot as u32);
-            let id = StageId {
-                replica: slot.0,
-                stage: 0,
-            };
+            let id = id_of(slot);
             let device = DeviceId(slot.0);
             let (device_ref, _) = Actor::spawn_linked(
                 None,
@@ -273,15 +464,14 @@ impl ClusterMesh {
             .map_err(|e| Error::Runtime(format!("cannot start a device proxy: {e}")))?;
             let (stage_ref, _) = Actor::spawn_linked(
                 None,
-                RemoteStage::<M, I>::default(),
+                RemoteStage::<M>::default(),
                 RemoteStageArgs {
                     slot,
                     id,
                     device,
                     endpoint: endpoint.clone(),
                     addrs: addrs.clone(),
-                    spec: spec.clone(),
-                    model_device: self.model_device.burn().clone(),
+                    rebuild: shape.rebuild.clone(),
                     generation: generation.clone(),
                     wait: cx.step_timeout,
                 },
@@ -311,43 +501,44 @@ impl ClusterMesh {
             stages,
             shutdown,
             others: Vec::new(),
-            model_ranks: vec![0],
-            assemble: |mut models: Vec<M>| models.pop(),
-            replicas_only: true,
+            model_ranks: shape.model_ranks,
+            assemble: shape.assemble,
+            // A pipeline across processes is not rebuilt after a loss (no rewire): it fails
+            // with the lost stage named.
+            replicas_only: !shape.pipelined,
             grow: None,
             rewire: None,
             devices: Some(devices),
-            reconnect: true,
+            reconnect: !shape.pipelined,
         })
     }
 }
 
 /// The head's proxy of a stage in another process (or in the head's own [`NodeStages`]).
-pub struct RemoteStage<M, I>(std::marker::PhantomData<fn() -> (M, I)>);
+pub struct RemoteStage<M>(std::marker::PhantomData<fn() -> M>);
 
-impl<M, I> Default for RemoteStage<M, I> {
+impl<M> Default for RemoteStage<M> {
     fn default() -> Self {
         Self(std::marker::PhantomData)
     }
 }
 
-impl<M, I> std::fmt::Debug for RemoteStage<M, I> {
+impl<M> std::fmt::Debug for RemoteStage<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "RemoteStage")
     }
 }
 
 /// What a [`RemoteStage`] starts from, and its state.
-pub struct RemoteStageArgs<M, I> {
+pub struct RemoteStageArgs<M> {
     slot: Rank,
     id: StageId,
     device: DeviceId,
     endpoint: Endpoint,
     /// Every slot's data-plane address.
     addrs: Arc<Vec<SocketAddr>>,
-    /// The job's stage spec (its model factory rebuilds the trained model on the head).
-    spec: Arc<StageSpec<M, I>>,
-    model_device: Device,
+    /// Rebuilds the trained model on the head from the stage's snapshot.
+    rebuild: Rebuild<M>,
     /// The newest generation a group was formed under (REMOTE-3).
     generation: Arc<AtomicU64>,
     /// How long a request may take (the job's step time-out, which the Supervisor's own wait
@@ -355,7 +546,7 @@ pub struct RemoteStageArgs<M, I> {
     wait: Duration,
 }
 
-impl<M, I> std::fmt::Debug for RemoteStageArgs<M, I> {
+impl<M> std::fmt::Debug for RemoteStageArgs<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
@@ -365,7 +556,7 @@ impl<M, I> std::fmt::Debug for RemoteStageArgs<M, I> {
     }
 }
 
-impl<M, I> RemoteStageArgs<M, I> {
+impl<M> RemoteStageArgs<M> {
     /// The stage cannot be reached (REMOTE-2).
     fn lost(&self, why: String) -> Error {
         Error::StageLost {
@@ -418,19 +609,18 @@ impl<M, I> RemoteStageArgs<M, I> {
     }
 }
 
-impl<M, I> Actor for RemoteStage<M, I>
+impl<M> Actor for RemoteStage<M>
 where
-    M: Module + 'static,
-    I: Send + Sync + 'static,
+    M: Send + 'static,
 {
     type Msg = StageMsg<M>;
-    type State = RemoteStageArgs<M, I>;
-    type Arguments = RemoteStageArgs<M, I>;
+    type State = RemoteStageArgs<M>;
+    type Arguments = RemoteStageArgs<M>;
 
     async fn pre_start(
         &self,
         _myself: ActorRef<StageMsg<M>>,
-        args: RemoteStageArgs<M, I>,
+        args: RemoteStageArgs<M>,
     ) -> std::result::Result<Self::State, ActorProcessingErr> {
         Ok(args)
     }
@@ -543,11 +733,8 @@ where
 }
 
 /// The trained model of a stage in another process: its snapshot, restored into a model the
-/// job's factory builds on the head.
-async fn take_model<M: Module + 'static, I>(
-    state: &RemoteStageArgs<M, I>,
-    wait: Duration,
-) -> Option<M> {
+/// job builds on the head.
+async fn take_model<M>(state: &RemoteStageArgs<M>, wait: Duration) -> Option<M> {
     let shards = match state.snapshot(wait).await {
         Ok(s) => s,
         Err(e) => {
@@ -555,16 +742,10 @@ async fn take_model<M: Module + 'static, I>(
             return None;
         }
     };
-    let shard = shards.into_iter().next()?;
-    let cx = ModelContext {
-        rank: Rank(state.id.replica),
-        device: state.model_device.clone(),
-    };
-    let model = (state.spec.model_fn)(&cx);
-    match restore_module(model, &shard.params) {
+    match (state.rebuild)(state.id, shards) {
         Ok(m) => Some(m),
         Err(e) => {
-            tracing::error!("the trained model of {} does not restore: {e}", state.id);
+            tracing::error!("the trained model of {} is lost: {e}", state.id);
             None
         }
     }
@@ -635,12 +816,28 @@ struct NodeSlot<M> {
     id: StageId,
     /// The data-plane group it is in, with its generation.
     group: Option<(Generation, TcpShutdown)>,
+    /// A pipeline slot between `Start` and `Wire`: where its pipeline links are accepted.
+    link_listener: Option<TcpListener>,
+    /// A pipeline slot's links to its replica's other stages.
+    wires: Vec<LinkCloser>,
     /// Steps it trained (answered `Step` with a report).
     steps: u64,
 }
 
-struct NodeInner<M, I> {
-    spec: Arc<StageSpec<M, I>>,
+impl<M> NodeSlot<M> {
+    /// Shuts its data-plane group and pipeline links (RT-4).
+    fn shut(&mut self) {
+        if let Some((_, group)) = &self.group {
+            group.shutdown();
+        }
+        for w in &self.wires {
+            w.shutdown();
+        }
+    }
+}
+
+struct NodeInner<M> {
+    factory: Arc<dyn SlotFactory<M>>,
     token: JobToken,
     plan: ProcessPlan,
     tcp: TcpConfig,
@@ -648,25 +845,25 @@ struct NodeInner<M, I> {
 }
 
 /// A process's stages: serves the head's [`StageRequest`]s for its slots with ordinary
-/// [`StageActor`]s whose communicators are TCP groups (what a node's agent, and the head for
-/// its own devices, hand requests to).
-pub struct NodeStages<M, I> {
-    inner: Arc<NodeInner<M, I>>,
+/// [`StageActor`]s (or pipeline stage actors) whose communicators are TCP groups (what a
+/// node's agent, and the head for its own devices, hand requests to).
+pub struct NodeStages<M> {
+    inner: Arc<NodeInner<M>>,
 }
 
-impl<M, I> std::fmt::Debug for NodeStages<M, I> {
+impl<M> std::fmt::Debug for NodeStages<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "NodeStages({:?})", self.inner.plan.ranks)
     }
 }
 
-impl<M, I> NodeStages<M, I>
-where
-    M: Module + 'static,
-    I: Send + Sync + 'static,
-{
-    /// The stages of `args.plan`'s slots, trained from `spec`, one Flex CPU device each.
-    pub(crate) fn new(spec: Arc<StageSpec<M, I>>, args: HostArgs, tcp: TcpConfig) -> Result<Self> {
+impl<M: Send + 'static> NodeStages<M> {
+    /// The stages of `args.plan`'s slots, started by `factory`, one Flex CPU device each.
+    pub(crate) fn new(
+        factory: Arc<dyn SlotFactory<M>>,
+        args: HostArgs,
+        tcp: TcpConfig,
+    ) -> Result<Self> {
         if args.listeners.len() != args.plan.ranks.len() {
             return Err(Error::InvalidConfig(format!(
                 "{} data-plane listeners for ranks {:?}",
@@ -696,6 +893,8 @@ where
                         stage: None,
                         id,
                         group: None,
+                        link_listener: None,
+                        wires: Vec::new(),
                         steps: 0,
                     },
                 )
@@ -703,7 +902,7 @@ where
             .collect();
         Ok(Self {
             inner: Arc::new(NodeInner {
-                spec,
+                factory,
                 token: args.token,
                 plan: args.plan,
                 tcp,
@@ -713,11 +912,7 @@ where
     }
 }
 
-impl<M, I> NodeInner<M, I>
-where
-    M: Module + 'static,
-    I: Send + Sync + 'static,
-{
+impl<M: Send + 'static> NodeInner<M> {
     fn with_slot<T>(
         &self,
         slot: Rank,
@@ -783,13 +978,16 @@ where
         timeout: Duration,
     ) -> std::result::Result<StageAnswer, RemoteError> {
         match op {
-            StageOp::Start { id } => self.start(slot, id).await.map(|()| StageAnswer::Done),
+            StageOp::Start { id } => match self.factory.pipeline() {
+                None => self.start(slot, id).await.map(|()| StageAnswer::Done),
+                Some(_) => self.listen(slot, id).await.map(StageAnswer::Listening),
+            },
+            StageOp::Wire { links } => self.wire(slot, links).await.map(|()| StageAnswer::Done),
             StageOp::Abort { generation } => {
                 self.with_slot(slot, |s| {
-                    if let Some((g, group)) = &s.group
-                        && *g <= generation
-                    {
-                        group.shutdown();
+                    let current = s.group.as_ref().map_or(Generation(0), |(g, _)| *g);
+                    if current <= generation {
+                        s.shut();
                     }
                 })?;
                 Ok(StageAnswer::Done)
@@ -903,29 +1101,134 @@ where
         let comm = self
             .connect(slot, slot, Generation(0), self.plan.addrs.clone())
             .await?;
-        let runtime = |e: ractor::SpawnErr| RemoteError::Other(format!("cannot start: {e}"));
         let (device_actor, _) = Actor::spawn(None, DeviceActor, device.clone())
             .await
-            .map_err(runtime)?;
-        let (stage, _) = Actor::spawn(
-            None,
-            StageActor::<M, I>::default(),
-            StageArgs {
-                id,
-                rank: slot,
-                device,
-                device_actor: device_actor.clone(),
-                comm,
-                spec: self.spec.clone(),
-            },
-        )
-        .await
-        .map_err(runtime)?;
+            .map_err(|e| RemoteError::Other(format!("cannot start the device: {e}")))?;
+        let start = SlotStart {
+            id,
+            rank: slot,
+            device,
+            device_actor: device_actor.clone(),
+            comm: Some(comm),
+            links: None,
+        };
+        let stage = self
+            .factory
+            .spawn(start)
+            .await
+            .map_err(RemoteError::Other)?;
         self.with_slot(slot, |s| {
             s.device_actor = Some(device_actor);
             s.stage = Some(stage);
             s.id = id;
         })
+    }
+
+    /// A pipeline slot's first phase (REMOTE-4): starts its device and binds the listener of
+    /// its pipeline links, on the address of its data-plane listener.
+    async fn listen(&self, slot: Rank, id: StageId) -> std::result::Result<SocketAddr, RemoteError> {
+        let (started, device, ip) = self.with_slot(slot, |s| {
+            (
+                s.device_actor.is_some(),
+                s.device.clone(),
+                s.listener.local_addr().map(|a| a.ip()),
+            )
+        })?;
+        if started {
+            return Err(RemoteError::Other(format!(
+                "rank {} was started already",
+                slot.0
+            )));
+        }
+        let io = |e: std::io::Error| RemoteError::Other(format!("the pipeline-link listener: {e}"));
+        let listener = TcpListener::bind((ip.map_err(io)?, 0)).map_err(io)?;
+        let addr = listener.local_addr().map_err(io)?;
+        let (device_actor, _) = Actor::spawn(None, DeviceActor, device)
+            .await
+            .map_err(|e| RemoteError::Other(format!("cannot start the device: {e}")))?;
+        self.with_slot(slot, |s| {
+            s.device_actor = Some(device_actor);
+            s.link_listener = Some(listener);
+            s.id = id;
+        })?;
+        Ok(addr)
+    }
+
+    /// A pipeline slot's second phase (REMOTE-4): joins its stage index's data-parallel group
+    /// and connects to its replica's other stages at once, then starts its stage actor.
+    async fn wire(
+        &self,
+        slot: Rank,
+        links: Vec<SocketAddr>,
+    ) -> std::result::Result<(), RemoteError> {
+        let other = RemoteError::Other;
+        let (layout, plan) = self
+            .factory
+            .pipeline()
+            .ok_or_else(|| other("Wire in a job without a pipeline".into()))?;
+        let (id, device, device_actor, listener) = self.with_slot(slot, |s| {
+            (
+                s.id,
+                s.device.clone(),
+                s.device_actor.clone(),
+                s.link_listener.take(),
+            )
+        })?;
+        let (Some(device_actor), Some(listener)) = (device_actor, listener) else {
+            return Err(other(format!(
+                "rank {} is not listening for pipeline links (Start first, Wire once)",
+                slot.0
+            )));
+        };
+        let (replicas, stages) = pipeline::partners(layout, id)
+            .ok_or_else(|| other(format!("{id} is outside the mesh {layout:?}")))?;
+        let at = |addrs: &[SocketAddr], ranks: &[Rank]| {
+            ranks
+                .iter()
+                .map(|r| addrs.get(r.index()).copied())
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| other(format!("{} addresses for ranks {ranks:?}", addrs.len())))
+        };
+        let dp_addrs = at(&self.plan.addrs, &replicas)?;
+        let pp_addrs = at(&links, &stages)?;
+        let listener = LinkListener::from_std(
+            listener,
+            Rank(id.stage),
+            self.token.clone(),
+            self.tcp.link,
+        )
+        .map_err(|e| other(format!("the pipeline-link listener: {e}")))?;
+        let link_config = self.tcp.link;
+        let wires = tokio::task::spawn_blocking(move || {
+            pipeline::connect_wires(&listener, &pp_addrs, link_config)
+        });
+        let comm = async {
+            if replicas.len() > 1 {
+                self.connect(slot, Rank(id.replica), Generation(0), dp_addrs)
+                    .await
+                    .map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let (comm, wires) = tokio::join!(comm, wires);
+        let (wires, closers) = wires
+            .map_err(|e| other(format!("the connect task failed: {e}")))?
+            .map_err(|e| other(format!("{id} could not connect its pipeline links: {e}")))?;
+        self.with_slot(slot, |s| s.wires = closers)?;
+        let comm = comm?;
+        let links = remote_links(&plan, id.stage, self.tcp.comm.timeout, wires)
+            .map_err(|e| other(e.to_string()))?;
+        let start = SlotStart {
+            id,
+            rank: slot,
+            device,
+            device_actor,
+            comm,
+            links: Some(links),
+        };
+        let stage = self.factory.spawn(start).await.map_err(other)?;
+        self.with_slot(slot, |s| s.stage = Some(stage))
     }
 }
 
@@ -962,11 +1265,7 @@ impl<M: Send + 'static> Asker<M> {
     }
 }
 
-impl<M, I> StageHost for NodeStages<M, I>
-where
-    M: Module + 'static,
-    I: Send + Sync + 'static,
-{
+impl<M: Send + 'static> StageHost for NodeStages<M> {
     fn serve(&self, request: StageRequest) -> super::control::stages::AnswerFuture {
         Box::pin(self.inner.clone().serve(request))
     }
@@ -981,9 +1280,9 @@ where
     fn stop(&self) {
         let mut slots = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
         for s in slots.values_mut() {
-            if let Some((_, group)) = s.group.take() {
-                group.shutdown();
-            }
+            s.shut();
+            s.group = None;
+            s.wires.clear();
             if let Some(stage) = s.stage.take() {
                 stage.stop(Some("the job ended".into()));
             }

@@ -280,20 +280,7 @@ impl TcpGroup {
                 max_payload,
             });
         }
-        let started = Instant::now();
-        let deadline = started + config.link.handshake_timeout;
-        let link_config = config.link;
-        let (accepted, connected) = std::thread::scope(|scope| {
-            let acceptor = scope.spawn(|| accept_all(listener, world, deadline, started));
-            let connected = connect_all(listener, addrs, link_config, deadline);
-            let accepted = acceptor
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            (accepted, connected)
-        });
-        let mut links = connected?;
-        links.extend(accepted?);
-        links.sort_by_key(|(rank, _)| *rank);
+        let links = connect_mesh(listener, addrs, config.link)?;
 
         let mut peers: Vec<Option<PeerLink>> = (0..world).map(|_| None).collect();
         let mut closers = Vec::new();
@@ -359,6 +346,36 @@ impl TcpGroup {
     pub fn into_communicator(self) -> Communicator {
         Communicator::tcp(self.comm)
     }
+}
+
+/// Rank `listener.rank()`'s links to every other rank of a group whose rank r listens at
+/// `addrs[r]`, in rank order: accepted from every higher rank, connected to every lower one
+/// (TCP-1), all within the link's handshake time-out; only token-holders become links
+/// (LINK-1). What [`TcpGroup::connect`] and the pipeline links across processes are made of.
+pub(crate) fn connect_mesh(
+    listener: &LinkListener,
+    addrs: &[SocketAddr],
+    config: LinkConfig,
+) -> Result<Vec<(Rank, crate::cluster::link::Link)>, TcpGroupError> {
+    let me = listener.rank();
+    let world = addrs.len();
+    if me.index() >= world {
+        return Err(TcpGroupError::InvalidRank { rank: me, world });
+    }
+    let started = Instant::now();
+    let deadline = started + config.handshake_timeout;
+    let (accepted, connected) = std::thread::scope(|scope| {
+        let acceptor = scope.spawn(|| accept_all(listener, world, deadline, started));
+        let connected = connect_all(listener, addrs, config, deadline);
+        let accepted = acceptor
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (accepted, connected)
+    });
+    let mut links = connected?;
+    links.extend(accepted?);
+    links.sort_by_key(|(rank, _)| *rank);
+    Ok(links)
 }
 
 /// Accepts a link from every higher rank before `deadline`. Connections from strangers (no

@@ -46,6 +46,10 @@ use crate::checkpoint::{
 use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::faults::{Phase, with_hooks};
 
+mod wire;
+pub use wire::{MAX_EARLY, PacketError, PacketWire, WireError};
+use wire::RemoteEnd;
+
 /// Gradient buckets of the data-parallel reduction between pipeline replicas.
 const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
 /// Tensors below this many elements are fused into one bucket.
@@ -227,6 +231,17 @@ pub enum ExecError {
     /// The schedule needs something this executor does not do yet.
     #[error("unsupported schedule: {0}")]
     Unsupported(String),
+    /// The connection to a stage in another process failed (its process died or closed the
+    /// connection, the job aborted, a bad packet arrived).
+    #[error("stage {stage}: the connection to stage {peer} in another process failed: {reason}")]
+    Wire {
+        /// This stage.
+        stage: u32,
+        /// The peer stage.
+        peer: u32,
+        /// What the transport said.
+        reason: String,
+    },
 }
 
 /// One stage's work, independent of its module type.
@@ -583,14 +598,16 @@ struct Packet {
     tensors: Vec<WireTensor>,
 }
 
-/// A stage's ends of the links its list uses: one bounded FIFO per (peer, direction of data),
-/// created from the schedule's sends (PIPE-3), holding
-/// [`link_capacity`](PipelineSchedule::link_capacity) messages.
+/// A stage's ends of the links its list uses: to a peer in the same process one bounded FIFO
+/// per (peer, direction of data), created from the schedule's sends (PIPE-3), holding
+/// [`link_capacity`](PipelineSchedule::link_capacity) messages; to a peer in another process
+/// one connection ([`PacketWire`]), whose transport's window bounds what is in flight.
 #[derive(Debug)]
 pub struct StageLinks {
     stage: u32,
     to: HashMap<(u32, Flow), SyncSender<Packet>>,
     from: HashMap<(u32, Flow), Receiver<Packet>>,
+    remote: HashMap<u32, RemoteEnd>,
     timeout: Duration,
     abort: Arc<AtomicBool>,
 }
@@ -612,6 +629,7 @@ pub fn links(
             stage,
             to: HashMap::new(),
             from: HashMap::new(),
+            remote: HashMap::new(),
             timeout,
             abort: abort.clone(),
         })
@@ -634,6 +652,42 @@ pub fn links(
     out
 }
 
+/// The ends of `stage`'s links when every peer its list talks to is in another process:
+/// `wires[peer]` is the connection to stage `peer`. A wait is bounded by `timeout`; an abort
+/// reaches it by closing the connections (the abort flag of in-process links plays no part).
+pub fn remote_links(
+    plan: &PipelineSchedule,
+    stage: u32,
+    timeout: Duration,
+    mut wires: HashMap<u32, Arc<dyn PacketWire>>,
+) -> Result<StageLinks, ExecError> {
+    let mut remote = HashMap::new();
+    for instr in plan.list(StageIndex(stage)) {
+        let peer = match *instr {
+            Instr::SendActivation { to, .. } | Instr::SendGradient { to, .. } => to.0,
+            Instr::RecvActivation { from, .. } | Instr::RecvGradient { from, .. } => from.0,
+            _ => continue,
+        };
+        if remote.contains_key(&peer) {
+            continue;
+        }
+        let wire = wires.remove(&peer).ok_or_else(|| {
+            ExecError::Unsupported(format!(
+                "stage {stage} exchanges data with stage {peer} but has no connection to it"
+            ))
+        })?;
+        remote.insert(peer, RemoteEnd::new(wire));
+    }
+    Ok(StageLinks {
+        stage,
+        to: HashMap::new(),
+        from: HashMap::new(),
+        remote,
+        timeout,
+        abort: Arc::new(AtomicBool::new(false)),
+    })
+}
+
 impl StageLinks {
     fn aborted(&self) -> ExecError {
         ExecError::Aborted { stage: self.stage }
@@ -644,6 +698,9 @@ impl StageLinks {
             stage: self.stage,
             peer,
         };
+        if let (None, Some(end)) = (self.to.get(&(peer, flow)), self.remote.get(&peer)) {
+            return end.send((self.stage, peer), flow, &packet, self.timeout);
+        }
         let tx = self.to.get(&(peer, flow)).ok_or(closed.clone())?;
         // Bounded: wait for room, but never forever (the receiver may have failed).
         let deadline = Instant::now() + self.timeout;
@@ -679,6 +736,9 @@ impl StageLinks {
             Flow::Activation => "activation",
             Flow::Gradient => "gradient",
         };
+        if let (None, Some(end)) = (self.from.get(&(peer, flow)), self.remote.get(&peer)) {
+            return end.recv((self.stage, peer), flow, mb, self.timeout);
+        }
         let rx = self.from.get(&(peer, flow)).ok_or(ExecError::LinkClosed {
             stage: self.stage,
             peer,

@@ -12,19 +12,19 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn::module::Module;
 use burn::optim::AdamConfig;
 use meshwork::cluster::control::{
     self, ControlError, FingerprintFn, Head, HeadConfig, Incompatibility, JobSpec,
-    ModelFingerprint, ModelSpec, NodeConfig, NodeReport, ProcessIndex, protocol,
+    ModelFingerprint, ModelSpec, NodeConfig, NodeReport, PipelineShape, ProcessIndex, protocol,
 };
 use meshwork::cluster::control::{HostArgs, HostFactory};
 use meshwork::cluster::remote::ClusterMesh;
 use meshwork::cluster::rendezvous::{self, Rendezvous, Role};
-use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
+use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_pipeline, mse_loss};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
-use meshwork::job::{Job, JobBuilder};
+use meshwork::job::{Job, JobBuilder, PipelineModel};
+use meshwork::parallel::pipeline::{Schedule, even_split};
 use meshwork::recovery::RecoveryPolicy;
 
 /// The flags `meshwork train` gets with the `cluster` feature.
@@ -139,11 +139,17 @@ pub(crate) struct HeadJob {
 /// Samples in the demo job's dataset (as in a single-process `meshwork train`).
 const DEMO_SAMPLES: usize = 16_384;
 
+/// The demo job of a spec: data-parallel replicas of the MLP, or the MLP cut into a pipeline.
+enum DemoJob {
+    Replicas(JobBuilder<Mlp, Sample>),
+    Pipeline(JobBuilder<PipelineModel, Sample>),
+}
+
 /// The demo job of `meshwork train` as `spec` describes it, built the same way in every
 /// process (the head's and every node's stages train with the same settings) and the same
-/// way as a single-process run: the teacher task, the MLP initialized on a Flex device seeded
-/// with the job's seed, Adam.
-fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(JobBuilder<Mlp, Sample>, TeacherTask)> {
+/// way as a single-process run: the teacher task, the MLP (or its pipeline blocks) initialized
+/// on a Flex device seeded with the job's seed, Adam.
+fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(DemoJob, TeacherTask)> {
     let ModelSpec::DemoMlp { widths } = &spec.model else {
         return Err(Error::InvalidConfig(
             "meshwork train runs the demo MLP only".into(),
@@ -161,10 +167,46 @@ fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(JobBuilder<Mlp, Sample>,
     };
     let device = MeshDevice::of_kind(BackendKind::Flex, 1)?.remove(0);
     device.burn().seed(spec.seed);
-    let init = Mlp::new(&widths, device.burn());
-    let builder = Job::builder()
-        .initial_model(init)
-        .loss(mse_loss)
+    let job = match &spec.pipeline {
+        None => DemoJob::Replicas(
+            settings(Job::builder(), spec, &task)
+                .initial_model(Mlp::new(&widths, device.burn()))
+                .loss(mse_loss),
+        ),
+        Some(shape) => {
+            let schedule =
+                Schedule::from_name(&shape.schedule, shape.micro_batches, shape.virtual_stages)
+                    .ok_or_else(|| {
+                        Error::InvalidConfig(format!(
+                            "schedule {}: gpipe, 1f1b or interleaved",
+                            shape.schedule
+                        ))
+                    })?;
+            let blocks = (shape.stages * schedule.virtual_stages()) as usize;
+            let layers = widths.len() - 1;
+            let stages = even_split(layers, blocks)
+                .and_then(|split| mlp_pipeline(&widths, &split, device.burn()))
+                .ok_or_else(|| {
+                    Error::InvalidConfig(format!(
+                        "{} stages × {} virtual stages: the demo MLP has {layers} layers, so at \
+                         most {layers} blocks",
+                        shape.stages,
+                        schedule.virtual_stages()
+                    ))
+                })?;
+            DemoJob::Pipeline(settings(Job::builder(), spec, &task).pipeline(stages, schedule))
+        }
+    };
+    Ok((job, task))
+}
+
+/// The settings of the demo job every process shares.
+fn settings<M: Send + 'static>(
+    builder: JobBuilder<M, Sample>,
+    spec: &JobSpec,
+    task: &TeacherTask,
+) -> JobBuilder<M, Sample> {
+    builder
         .data(task.dataset(DEMO_SAMPLES))
         .optimizer(AdamConfig::new())
         .learning_rate(spec.learning_rate)
@@ -172,16 +214,19 @@ fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(JobBuilder<Mlp, Sample>,
         .steps(spec.steps)
         .seed(spec.seed)
         .collective_timeout(Duration::from_millis(spec.collective_timeout_ms.max(1)))
-        .step_timeout(Duration::from_secs(120));
-    Ok((builder, task))
+        .step_timeout(Duration::from_secs(120))
 }
 
 /// How a node (and the head, for its own devices) builds its stages: the demo job of the
 /// head's spec.
 fn demo_stages() -> HostFactory {
     Arc::new(|args: HostArgs| {
-        let (builder, _) = demo_job(&args.spec).map_err(|e| e.to_string())?;
-        builder.stage_host(args).map_err(|e| e.to_string())
+        let (job, _) = demo_job(&args.spec).map_err(|e| e.to_string())?;
+        match job {
+            DemoJob::Replicas(b) => b.stage_host(args),
+            DemoJob::Pipeline(b) => b.stage_host(args),
+        }
+        .map_err(|e| e.to_string())
     })
 }
 
@@ -256,11 +301,10 @@ pub(crate) fn dispatch_train(
 /// The job spec of `meshwork train`'s demo job.
 pub(crate) fn demo_spec(
     widths: &[usize],
-    seed: u64,
-    batch_size: usize,
-    steps: u64,
+    (seed, batch_size, steps): (u64, usize, u64),
     lr: f64,
     collective_timeout: f64,
+    pipeline: Option<PipelineShape>,
 ) -> JobSpec {
     JobSpec {
         model: ModelSpec::DemoMlp {
@@ -271,6 +315,7 @@ pub(crate) fn demo_spec(
         steps,
         learning_rate: lr,
         collective_timeout_ms: (collective_timeout * 1000.0) as u64,
+        pipeline,
     }
 }
 
@@ -395,7 +440,34 @@ async fn train_on_world(
         )
     };
     let mesh = ClusterMesh::new(&assembled.world, &head.node_handles(), head_stages)?;
-    let (builder, task) = demo_job(spec)?;
+    let (demo, task) = demo_job(spec)?;
+    match demo {
+        DemoJob::Replicas(b) => {
+            let model = train_mesh(b, mesh, head, spec, job, &task).await?;
+            if let Some(path) = &job.save_model {
+                crate::train::save_model(model, path)?;
+            }
+        }
+        DemoJob::Pipeline(b) => {
+            let model = train_mesh(b, mesh, head, spec, job, &task).await?;
+            if let Some(path) = &job.save_model {
+                crate::train::save_pipeline(model, path)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Trains `builder`'s job on `mesh` to the end, reporting lost nodes as the heartbeats miss
+/// them; the trained model.
+async fn train_mesh<M: Send + 'static>(
+    builder: JobBuilder<M, Sample>,
+    mesh: ClusterMesh,
+    head: &Head,
+    spec: &JobSpec,
+    job: &HeadJob,
+    task: &TeacherTask,
+) -> meshwork::error::Result<M> {
     let handle = crate::train::checkpoint_settings(&job.checkpoints, builder)
         .recovery(job.policy)
         .cluster(mesh)
@@ -412,15 +484,8 @@ async fn train_on_world(
     let (trained, _) = crate::train::drive(handle, spec.steps).await;
     watch.abort();
     let trained = trained?;
-    crate::train::report(&trained.summary, &task);
-    if let Some(path) = &job.save_model {
-        trained.model.save_file(path).map_err(|e| Error::Io {
-            path: path.display().to_string(),
-            reason: format!("{e:?}"),
-        })?;
-        println!("model written to {}", path.display());
-    }
-    Ok(())
+    crate::train::report(&trained.summary, task);
+    Ok(trained.model)
 }
 
 /// `meshwork node`.

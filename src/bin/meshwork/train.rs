@@ -123,13 +123,24 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
     #[cfg(feature = "cluster")]
     {
         let spec = || {
+            // A dp × pp job across processes: the deeper MLP, cut as a single-process run cuts it.
+            let pipeline = (args.pp > 1).then(|| meshwork::cluster::control::PipelineShape {
+                stages: args.pp,
+                schedule: args.schedule.clone(),
+                micro_batches: args.micro_batches,
+                virtual_stages: args.virtual_stages,
+            });
+            let widths: &[usize] = if pipeline.is_some() {
+                &PIPELINE_WIDTHS
+            } else {
+                &WIDTHS
+            };
             crate::cluster::demo_spec(
-                &WIDTHS,
-                args.seed,
-                args.batch_size,
-                args.steps,
+                widths,
+                (args.seed, args.batch_size, args.steps),
                 args.lr,
                 args.collective_timeout,
+                pipeline,
             )
         };
         let (_, policy) = fault_settings(&args)?;
@@ -221,7 +232,8 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         )
         .build()?;
         let (trained, last) = drive(job.spawn().await?, args.steps).await;
-        report(&trained?.summary, &task);
+        let trained = trained?;
+        report(&trained.summary, &task);
         if let Some(p) = last {
             println!(
                 "last step: measured bubble {:.3} (theory {:.3}), peak stash per stage {:?}, peak activation bytes per stage {:?}",
@@ -251,10 +263,8 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
                 println!("timeline written to {}", path.display());
             }
         }
-        if args.save_model.is_some() {
-            println!(
-                "--save-model: not available for pipeline jobs yet (the blocks are returned separately)"
-            );
+        if let Some(path) = &args.save_model {
+            save_pipeline(trained.model, path)?;
         }
         return Ok(());
     }
@@ -277,13 +287,30 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
     let trained = trained?;
     report(&trained.summary, &task);
     if let Some(path) = args.save_model {
-        trained.model.save_file(&path).map_err(|e| Error::Io {
-            path: path.display().to_string(),
-            reason: format!("{e:?}"),
-        })?;
-        println!("model written to {}", path.display());
+        save_model(trained.model, &path)?;
     }
     Ok(())
+}
+
+/// Writes the trained demo MLP to `path` (Burn's named MessagePack format).
+pub(crate) fn save_model(model: Mlp, path: &std::path::Path) -> meshwork::error::Result<()> {
+    model.save_file(path).map_err(|e| Error::Io {
+        path: path.display().to_string(),
+        reason: format!("{e:?}"),
+    })?;
+    println!("model written to {}", path.display());
+    Ok(())
+}
+
+/// Writes the trained blocks of the demo pipeline to `path` as the one MLP they make.
+pub(crate) fn save_pipeline(
+    model: meshwork::job::PipelineModel,
+    path: &std::path::Path,
+) -> meshwork::error::Result<()> {
+    let mlp = Mlp::from_pipeline(model).ok_or_else(|| {
+        Error::Runtime("the trained pipeline is missing a block of the demo MLP".into())
+    })?;
+    save_model(mlp, path)
 }
 
 /// The settings both kinds of demo job share: optimizer, mesh, batch, steps, failures.

@@ -39,7 +39,7 @@ use crate::mesh::Rank;
 pub const CONTROL_MAGIC: [u8; 4] = *b"MWCT";
 
 /// The control protocol version this build speaks.
-pub const CONTROL_PROTOCOL_VERSION: u16 = 2;
+pub const CONTROL_PROTOCOL_VERSION: u16 = 3;
 
 /// Bytes of the fixed header.
 pub const CONTROL_HEADER_LEN: usize = 10;
@@ -92,6 +92,21 @@ pub struct JobSpec {
     pub learning_rate: f64,
     /// Collective time-out in milliseconds.
     pub collective_timeout_ms: u64,
+    /// The pipeline the model is cut into, if the job is dp × pp.
+    pub pipeline: Option<PipelineShape>,
+}
+
+/// How a dp × pp job cuts its model: what every process needs to build the same stages.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineShape {
+    /// Pipeline stages (the world is data-parallel replicas × stages).
+    pub stages: u32,
+    /// The schedule's name (`gpipe`, `1f1b`, `interleaved`).
+    pub schedule: String,
+    /// Micro-batches per step.
+    pub micro_batches: u32,
+    /// Model chunks per stage (interleaved schedules).
+    pub virtual_stages: u32,
 }
 
 /// The head's first message to a node that appeared in the job's process group.

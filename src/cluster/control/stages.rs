@@ -8,7 +8,11 @@
 //! ```text
 //! head (a RemoteStage proxy per rank)            node agent → StageHost
 //!  │ Stage { slot, Start { id } } ───────────────►│ device + stage actor, joins the data plane
-//!  │◄──── StageDone(Started)                       │   (generation 0, every rank of the world)
+//!  │◄──── StageDone(Done)                          │   (generation 0, every rank of the world)
+//!  │      (a pipeline job: the device, and a listener for the pipeline links)
+//!  │◄──── StageDone(Listening(addr))
+//!  │ Stage { slot, Wire { links } } ─────────────►│ joins its stage index's data-parallel group
+//!  │◄──── StageDone(Done)                          │   and connects to its replica's stages
 //!  │ Stage { slot, Init | Step | Fingerprint | Snapshot | Restore | Heartbeat } ─►│
 //!  │◄──── StageDone(the answer) or StageDone(Failed(RemoteError))
 //!  │ Stage { slot, Regroup { id, rank, generation, addrs } } ─►│ reconnects (after a loss)
@@ -33,6 +37,7 @@ use crate::cluster::link::JobToken;
 use crate::comm::CommError;
 use crate::error::{DeviceId, Error, StageId};
 use crate::mesh::{Generation, Rank};
+use crate::parallel::pipeline_exec::ExecError;
 
 /// One request for the stage of `slot`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -49,10 +54,18 @@ pub struct StageRequest {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum StageOp {
     /// Start the slot's device and stage actor as `id`, joining the data plane of generation 0
-    /// with every rank of the world.
+    /// with every rank of the world. In a pipeline job: start the device and bind a listener
+    /// for the pipeline links (answered with [`StageAnswer::Listening`]); the stage starts at
+    /// [`StageOp::Wire`].
     Start {
         /// The stage's place in the mesh.
         id: StageId,
+    },
+    /// A pipeline job: join the data-parallel group of the slot's stage index and connect to
+    /// the other stages of its replica, then start the stage actor.
+    Wire {
+        /// Every slot's pipeline-link listener, by slot.
+        links: Vec<SocketAddr>,
     },
     /// `StageMsg::Init`: build the model, take rank 0's parameters, build the optimizer.
     Init,
@@ -102,6 +115,7 @@ impl StageOp {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Start { .. } => "Start",
+            Self::Wire { .. } => "Wire",
             Self::Init => "Init",
             Self::Step { .. } => "Step",
             Self::Fingerprint => "Fingerprint",
@@ -117,8 +131,10 @@ impl StageOp {
 /// A node's answer to a [`StageRequest`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum StageAnswer {
-    /// Done (Start, Restore, Regroup, Abort).
+    /// Done (Start, Wire, Restore, Regroup, Abort).
     Done,
+    /// The answer to Start in a pipeline job: where the slot's pipeline links are accepted.
+    Listening(SocketAddr),
     /// The answer to Init.
     Init {
         /// Fingerprint of the parameters the factory built.
@@ -143,6 +159,7 @@ impl StageAnswer {
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Done => "Done",
+            Self::Listening(_) => "Listening",
             Self::Init { .. } => "Init",
             Self::Step(_) => "Step",
             Self::Fingerprint(_) => "Fingerprint",
@@ -192,6 +209,21 @@ pub enum RemoteError {
         /// The step.
         step: u64,
     },
+    /// [`Error::Pipeline`] with [`ExecError::Wire`] or [`ExecError::LinkClosed`]: a pipeline
+    /// neighbour in another process went silent (a consequence of its failure).
+    PipelineLink {
+        /// The stage index that saw it.
+        stage: u32,
+        /// The neighbour.
+        peer: u32,
+        /// What the transport said.
+        reason: String,
+    },
+    /// [`Error::Pipeline`] with [`ExecError::Aborted`].
+    PipelineAborted {
+        /// The stage index.
+        stage: u32,
+    },
     /// Any other error, as text.
     Other(String),
 }
@@ -225,6 +257,23 @@ impl From<&Error> for RemoteError {
                 ranks: ranks.clone(),
             },
             Error::NonFiniteGradient { step } => Self::NonFiniteGradient { step: *step },
+            Error::Pipeline(ExecError::Wire {
+                stage,
+                peer,
+                reason,
+            }) => Self::PipelineLink {
+                stage: *stage,
+                peer: *peer,
+                reason: reason.clone(),
+            },
+            Error::Pipeline(ExecError::LinkClosed { stage, peer }) => Self::PipelineLink {
+                stage: *stage,
+                peer: *peer,
+                reason: "the link is closed".into(),
+            },
+            Error::Pipeline(ExecError::Aborted { stage }) => {
+                Self::PipelineAborted { stage: *stage }
+            }
             other => Self::Other(other.to_string()),
         }
     }
@@ -257,6 +306,16 @@ impl RemoteError {
             Self::Comm(c) => Error::Comm(c),
             Self::NonFiniteLoss { step, ranks } => Error::NonFiniteLoss { step, ranks },
             Self::NonFiniteGradient { step } => Error::NonFiniteGradient { step },
+            Self::PipelineLink {
+                stage,
+                peer,
+                reason,
+            } => Error::Pipeline(ExecError::Wire {
+                stage,
+                peer,
+                reason: format!("{reason} (on {node})"),
+            }),
+            Self::PipelineAborted { stage } => Error::Pipeline(ExecError::Aborted { stage }),
             Self::Other(text) => Error::Runtime(format!("on {node}: {text}")),
         }
     }
