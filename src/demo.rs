@@ -27,7 +27,7 @@ impl Mlp {
     pub fn new(widths: &[usize], device: &Device) -> Self {
         let layers = widths
             .windows(2)
-            .map(|w| LinearConfig::new(w[0], w[1]).init(device))
+            .map(|w| materialized(LinearConfig::new(w[0], w[1]).init(device)))
             .collect();
         Self { layers }
     }
@@ -55,6 +55,22 @@ impl Mlp {
         }
         x
     }
+}
+
+/// `module` with every parameter drawn now. Burn initializes a parameter lazily, on its first
+/// use, from the device's random generator as it is then; a model built right after seeding
+/// the device must draw its parameters at once, in order, or another model built (or a
+/// pipeline block used) in between takes those numbers, and the same seed gives different
+/// models in different processes.
+fn materialized<M: Module>(module: M) -> M {
+    struct Touch;
+    impl burn::module::ModuleVisitor for Touch {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Touch);
+    module
 }
 
 /// One sample of the teacher task.
@@ -170,7 +186,7 @@ impl MlpStage {
 pub fn split_mlp(widths: &[usize], sizes: &[usize], device: &Device) -> Option<Vec<MlpStage>> {
     let layers: Vec<Linear> = widths
         .windows(2)
-        .map(|w| LinearConfig::new(w[0], w[1]).init(device))
+        .map(|w| materialized(LinearConfig::new(w[0], w[1]).init(device)))
         .collect();
     if sizes.contains(&0) || sizes.iter().sum::<usize>() != layers.len() {
         return None;

@@ -19,6 +19,8 @@ use meshwork::testing::{Reference, compare_parameters, reference_train};
 
 /// The demo MLP of `meshwork train`.
 const WIDTHS: [usize; 4] = [32, 128, 128, 4];
+/// The demo MLP of `meshwork train --pp …` (cut into blocks of consecutive layers).
+const PIPELINE_WIDTHS: [usize; 6] = [32, 128, 128, 128, 128, 4];
 /// `meshwork train`'s default learning rate.
 const LR: f64 = 3e-3;
 /// Samples in the demo dataset.
@@ -30,9 +32,20 @@ const TOLERANCE: f32 = 1e-5;
 /// batches a `replicas`-way job draws, from the initialization every process of the job makes
 /// (a Flex device seeded with the job's seed).
 fn reference(seed: u64, batch: usize, steps: u64, replicas: usize) -> (Mlp, MeshDevice) {
+    reference_of(&WIDTHS, seed, batch, steps, replicas)
+}
+
+/// [`reference`] for an MLP of `widths`.
+fn reference_of(
+    widths: &[usize],
+    seed: u64,
+    batch: usize,
+    steps: u64,
+    replicas: usize,
+) -> (Mlp, MeshDevice) {
     let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap().remove(0);
     device.burn().seed(seed);
-    let init = Mlp::new(&WIDTHS, device.burn());
+    let init = Mlp::new(widths, device.burn());
     let task = TeacherTask {
         d_in: 32,
         d_out: 4,
@@ -54,7 +67,11 @@ fn reference(seed: u64, batch: usize, steps: u64, replicas: usize) -> (Mlp, Mesh
 }
 
 fn load(path: &Path, device: &MeshDevice) -> Mlp {
-    Mlp::new(&WIDTHS, device.burn())
+    load_of(&WIDTHS, path, device)
+}
+
+fn load_of(widths: &[usize], path: &Path, device: &MeshDevice) -> Mlp {
+    Mlp::new(widths, device.burn())
         .try_load_file(path)
         .unwrap_or_else(|e| panic!("the head's model at {}: {e:?}", path.display()))
 }
@@ -125,6 +142,72 @@ fn dp_3_across_three_node_processes_equals_the_single_device_reference() {
     let trained = load(&model_path, &device);
     let worst = compare_parameters(&trained, &expected, TOLERANCE)
         .unwrap_or_else(|e| panic!("the cluster job differs from one device: {e}"));
+    println!("worst relative difference: {worst:e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn dp_2_pp_2_across_four_node_processes_equals_the_single_device_reference() {
+    let dir = std::env::temp_dir().join(format!("meshwork-dp2pp2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model_path = dir.join("trained.mpk");
+    let model_arg = model_path.display().to_string();
+    let (steps, batch, seed) = (10u64, 64usize, 7u64);
+    let (mut head, addr) = training_head(
+        "dp2pp2",
+        4,
+        60,
+        &[
+            "--pp",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--micro-batches",
+            "4",
+            "--steps",
+            &steps.to_string(),
+            "--batch-size",
+            &batch.to_string(),
+            "--seed",
+            &seed.to_string(),
+            "--collective-timeout",
+            "20",
+            "--save-model",
+            &model_arg,
+        ],
+    );
+    let mut nodes = [
+        node("node-a", &addr, "dp2pp2", &[], SECRET),
+        node("node-b", &addr, "dp2pp2", &[], SECRET),
+        node("node-c", &addr, "dp2pp2", &[], SECRET),
+        node("node-d", &addr, "dp2pp2", &[], SECRET),
+    ];
+    let (status, _) = head.wait_exit(Duration::from_secs(180));
+    let out = head.output();
+    assert!(status.success(), "head failed:\n{out}");
+    assert!(
+        out.contains("world assembled: 4 rank(s) over 5 process(es)"),
+        "{out}"
+    );
+    // Really distributed: each of the four ranks (2 replicas × 2 stages) trained every step
+    // in its own node process; the head held none.
+    let mut ranks = Vec::new();
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
+        let trained = steps_trained(n);
+        assert_eq!(trained.len(), 1, "{}:\n{}", n.name, n.output());
+        assert_eq!(trained[0].1, steps, "{}:\n{}", n.name, n.output());
+        ranks.push(trained[0].0);
+    }
+    ranks.sort_unstable();
+    assert_eq!(ranks, [0, 1, 2, 3], "one rank per node");
+    // The two blocks, put back together, equal the whole MLP trained on one device on the
+    // same global batches (EXEC-2, EXEC-3).
+    let (expected, device) = reference_of(&PIPELINE_WIDTHS, seed, batch, steps, 2);
+    let trained = load_of(&PIPELINE_WIDTHS, &model_path, &device);
+    let worst = compare_parameters(&trained, &expected, TOLERANCE)
+        .unwrap_or_else(|e| panic!("the dp × pp cluster job differs from one device: {e}"));
     println!("worst relative difference: {worst:e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
