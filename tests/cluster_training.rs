@@ -213,6 +213,70 @@ fn dp_2_pp_2_across_four_node_processes_equals_the_single_device_reference() {
 }
 
 #[test]
+fn a_node_killed_mid_pipeline_run_fails_the_job_naming_its_stage_and_nothing_hangs() {
+    let (mut head, addr) = training_head(
+        "ppkill",
+        4,
+        60,
+        &[
+            "--pp",
+            "2",
+            "--micro-batches",
+            "4",
+            "--steps",
+            "100000",
+            "--batch-size",
+            "64",
+            "--collective-timeout",
+            "5",
+        ],
+    );
+    let mut nodes = vec![
+        node("node-a", &addr, "ppkill", &[], SECRET),
+        node("node-b", &addr, "ppkill", &[], SECRET),
+        node("node-c", &addr, "ppkill", &[], SECRET),
+        node("node-d", &addr, "ppkill", &[], SECRET),
+    ];
+    let mut prepared = Vec::new();
+    for n in &nodes {
+        prepared.push(n.wait_line("prepared:", Duration::from_secs(60)));
+    }
+    // "prepared: process P, ranks [R] of 4": node-b's rank, and its place in the 2 × 2 mesh
+    // (MESH-1: rank = replica + 2 · stage).
+    let victim_rank: u32 = prepared[1]
+        .split_once("ranks [")
+        .and_then(|(_, r)| r.split_once(']'))
+        .and_then(|(r, _)| r.parse().ok())
+        .unwrap_or_else(|| panic!("a rank in {:?}", prepared[1]));
+    let (replica, stage) = (victim_rank % 2, victim_rank / 2);
+    std::thread::sleep(Duration::from_secs(2));
+    let mut victim = nodes.remove(1);
+    victim.signal("-KILL");
+    victim.wait_exit(Duration::from_secs(10));
+    // A pipeline across processes is not rebuilt: the job fails, naming the lost stage and
+    // its node, well within the time-outs, and every survivor is told and exits.
+    let (status, waited) = head.wait_exit(Duration::from_secs(60));
+    let out = head.output();
+    assert!(!status.success(), "the job cannot go on without a stage:\n{out}");
+    let named = format!("stage {stage} of replica {replica} on device {victim_rank} was lost");
+    assert!(
+        out.contains(&named) && out.contains("node-b"),
+        "the head names {named} on node-b:\n{out}"
+    );
+    println!("the head stopped {waited:?} after the kill");
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
+        assert!(
+            n.output().contains("stopped by the head: the job failed"),
+            "{}:\n{}",
+            n.name,
+            n.output()
+        );
+    }
+}
+
+#[test]
 fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
     let (mut head, addr) = training_head(
         "kill",
