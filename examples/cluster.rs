@@ -1,10 +1,13 @@
-//! A data-parallel job across processes, embedded in a program of your own (feature
-//! `cluster`). Run plainly, this program is the head: it starts two copies of itself as nodes
+//! A job across processes, embedded in a program of your own (feature `cluster`). Run
+//! plainly, this program is the head: it starts two copies of itself as nodes
 //! (`cluster node HEAD_ADDR`), waits for them, trains the demo MLP with one replica per node,
-//! and stops them. On real machines the nodes are started by hand, torchrun or Slurm.
+//! and stops them. With `pipeline`, the MLP is cut into two pipeline stages instead, one per
+//! node (a 1 × 2 dp × pp mesh). On real machines the nodes are started by hand, torchrun or
+//! Slurm.
 //!
 //! ```text
 //! cargo run --features cluster --example cluster
+//! cargo run --features cluster --example cluster -- pipeline
 //! ```
 
 use std::net::SocketAddr;
@@ -15,12 +18,12 @@ use std::time::Duration;
 use burn::optim::AdamConfig;
 use meshwork::cluster::control::{
     self, ClusterSecret, FingerprintFn, Head, HeadConfig, HostArgs, HostFactory, JobSpec,
-    ModelSpec, NodeConfig,
+    ModelSpec, NodeConfig, PipelineShape,
 };
 use meshwork::cluster::remote::ClusterMesh;
-use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
+use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_pipeline, mse_loss};
 use meshwork::device::{BackendKind, MeshDevice};
-use meshwork::job::{Job, JobBuilder};
+use meshwork::job::{Job, JobBuilder, PipelineModel, Schedule};
 
 const JOB: &str = "example";
 const NODES: usize = 2;
@@ -29,6 +32,30 @@ const NODES: usize = 2;
 /// The job, built the same way in every process: the head drives it, each node trains its
 /// replica with it. Everything that shapes training comes from the spec the head sends.
 fn job(spec: &JobSpec) -> JobBuilder<Mlp, Sample> {
+    let (widths, device, task) = model_parts(spec);
+    settings(Job::builder(), spec, &task)
+        .initial_model(Mlp::new(&widths, &device))
+        .loss(mse_loss)
+}
+
+/// The same job as a pipeline: the MLP cut into one block per stage the spec asks for.
+fn pipeline_job(spec: &JobSpec, shape: &PipelineShape) -> JobBuilder<PipelineModel, Sample> {
+    let (widths, device, task) = model_parts(spec);
+    let layers = widths.len() - 1;
+    let stages = shape.stages as usize;
+    // Consecutive layers per block, the first blocks taking one more when it does not divide.
+    let split: Vec<usize> = (0..stages)
+        .map(|b| layers / stages + usize::from(b < layers % stages))
+        .collect();
+    let blocks = mlp_pipeline(&widths, &split, &device).expect("a block per stage");
+    let schedule = Schedule::OneFOneB {
+        micro_batches: shape.micro_batches,
+    };
+    settings(Job::builder(), spec, &task).pipeline(blocks, schedule)
+}
+
+/// The demo MLP's widths, the seeded device every process initializes it on, and the task.
+fn model_parts(spec: &JobSpec) -> (Vec<usize>, burn::tensor::Device, TeacherTask) {
     let ModelSpec::DemoMlp { widths } = &spec.model else {
         panic!("this program trains the demo MLP");
     };
@@ -41,9 +68,16 @@ fn job(spec: &JobSpec) -> JobBuilder<Mlp, Sample> {
         noise: 0.1,
         seed: spec.seed,
     };
-    Job::builder()
-        .initial_model(Mlp::new(&widths, device[0].burn()))
-        .loss(mse_loss)
+    (widths, device[0].burn().clone(), task)
+}
+
+/// What every process's job shares.
+fn settings<M: Send + 'static>(
+    builder: JobBuilder<M, Sample>,
+    spec: &JobSpec,
+    task: &TeacherTask,
+) -> JobBuilder<M, Sample> {
+    builder
         .data(task.dataset(4096))
         .optimizer(AdamConfig::new())
         .learning_rate(spec.learning_rate)
@@ -53,9 +87,18 @@ fn job(spec: &JobSpec) -> JobBuilder<Mlp, Sample> {
         .collective_timeout(Duration::from_millis(spec.collective_timeout_ms))
 }
 
-/// How a node builds its stages once the head prepared it.
+/// How a node builds its stages once the head prepared it: replicas, or pipeline stages.
 fn stages() -> HostFactory {
-    Arc::new(|args: HostArgs| job(&args.spec).stage_host(args).map_err(|e| e.to_string()))
+    Arc::new(|args: HostArgs| {
+        match &args.spec.pipeline {
+            None => job(&args.spec).stage_host(args),
+            Some(shape) => {
+                let shape = shape.clone();
+                pipeline_job(&args.spec, &shape).stage_host(args)
+            }
+        }
+        .map_err(|e| e.to_string())
+    })
 }
 
 /// How every process fingerprints the job's model (nodes that build another model are
@@ -84,17 +127,23 @@ async fn node(head: String, secret: ClusterSecret) -> Result<(), Box<dyn std::er
 
 // ANCHOR: head
 /// The head: wait for the nodes, train across them, stop them.
-async fn head(secret: ClusterSecret) -> Result<(), Box<dyn std::error::Error>> {
+async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std::error::Error>> {
     let spec = JobSpec {
         model: ModelSpec::DemoMlp {
-            widths: vec![32, 64, 4],
+            widths: vec![32, 64, 64, 4],
         },
         seed: 1,
         batch_size: 64,
         steps: 30,
         learning_rate: 3e-3,
         collective_timeout_ms: 20_000,
-        pipeline: None,
+        // A pipeline of one stage per node: a 1 × 2 dp × pp mesh.
+        pipeline: pipelined.then(|| PipelineShape {
+            stages: NODES as u32,
+            schedule: "1f1b".into(),
+            micro_batches: 4,
+            virtual_stages: 1,
+        }),
     };
     let mut head = Head::start(HeadConfig::new("127.0.0.1:0", JOB, secret)).await?;
     let children = start_nodes(head.local_addr())?;
@@ -108,22 +157,30 @@ async fn head(secret: ClusterSecret) -> Result<(), Box<dyn std::error::Error>> {
             Duration::from_secs(60),
         )
         .await?;
-    // Every rank on a node (the head holds none): one replica per rank.
+    // Every rank on a node (the head holds none).
     let mesh = ClusterMesh::new(&world.world, &head.node_handles(), None)?;
-    let trained = job(&spec)
-        .cluster(mesh)
-        .build()?
-        .spawn()
-        .await?
-        .join()
-        .await;
+    let summary = match &spec.pipeline {
+        None => {
+            let handle = job(&spec).cluster(mesh).build()?.spawn();
+            handle.await?.join().await.map(|t| t.summary)
+        }
+        Some(shape) => {
+            let handle = pipeline_job(&spec, shape).cluster(mesh).build()?.spawn();
+            handle.await?.join().await.map(|t| t.summary)
+        }
+    };
     head.shutdown("the job is over").await;
     wait_for(children);
-    let trained = trained?;
+    let summary = summary?;
     println!(
-        "trained across {NODES} processes: loss {:.4} -> {:.4}",
-        trained.summary.first_loss.unwrap_or(f32::NAN),
-        trained.summary.last_loss.unwrap_or(f32::NAN)
+        "trained across {NODES} processes ({}): loss {:.4} -> {:.4}",
+        if pipelined {
+            "one pipeline stage each"
+        } else {
+            "one replica each"
+        },
+        summary.first_loss.unwrap_or(f32::NAN),
+        summary.last_loss.unwrap_or(f32::NAN)
     );
     Ok(())
 }
@@ -164,6 +221,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let addr = args.get(2).cloned().ok_or("node HEAD_ADDR")?;
             runtime.block_on(node(addr, secret))
         }
-        _ => runtime.block_on(head(secret)),
+        Some("pipeline") => runtime.block_on(head(secret, true)),
+        _ => runtime.block_on(head(secret, false)),
     }
 }

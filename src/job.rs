@@ -749,7 +749,11 @@ where
             return Ok(((fns.spawn)(mesh, spec, layout), layout, self.accumulation));
         }
         let spec = self.stage_spec(global, dataset)?;
-        Ok((spawn(spec), Layout::data_parallel(self.dp)?, self.accumulation))
+        Ok((
+            spawn(spec),
+            Layout::data_parallel(self.dp)?,
+            self.accumulation,
+        ))
     }
 
     /// Whether the job runs across processes (`JobBuilder::cluster`).

@@ -257,7 +257,10 @@ fn a_node_killed_mid_pipeline_run_fails_the_job_naming_its_stage_and_nothing_han
     // its node, well within the time-outs, and every survivor is told and exits.
     let (status, waited) = head.wait_exit(Duration::from_secs(60));
     let out = head.output();
-    assert!(!status.success(), "the job cannot go on without a stage:\n{out}");
+    assert!(
+        !status.success(),
+        "the job cannot go on without a stage:\n{out}"
+    );
     let named = format!("stage {stage} of replica {replica} on device {victim_rank} was lost");
     assert!(
         out.contains(&named) && out.contains("node-b"),

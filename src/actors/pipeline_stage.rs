@@ -453,7 +453,9 @@ where
             }
             StageMsg::Reconnect { reply, .. } => {
                 let _ = reply.send(Err(Error::InvalidConfig(
-                    "pipeline stages of other processes are not supported yet".into(),
+                    "a pipeline stage of another process is not rejoined after a loss yet: the job \
+                     fails with the lost stage named"
+                        .into(),
                 )));
             }
             StageMsg::Regroup { reply, .. } => {

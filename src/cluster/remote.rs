@@ -74,9 +74,8 @@ pub(crate) type Rebuild<M> =
     Arc<dyn Fn(StageId, Vec<ShardSnapshot>) -> std::result::Result<M, String> + Send + Sync>;
 
 /// A started stage actor, or why not.
-pub(crate) type SlotFuture<M> = Pin<
-    Box<dyn Future<Output = std::result::Result<ActorRef<StageMsg<M>>, String>> + Send>,
->;
+pub(crate) type SlotFuture<M> =
+    Pin<Box<dyn Future<Output = std::result::Result<ActorRef<StageMsg<M>>, String>> + Send>>;
 
 /// What a slot's stage actor starts with.
 pub(crate) struct SlotStart {
@@ -1126,7 +1125,11 @@ impl<M: Send + 'static> NodeInner<M> {
 
     /// A pipeline slot's first phase (REMOTE-4): starts its device and binds the listener of
     /// its pipeline links, on the address of its data-plane listener.
-    async fn listen(&self, slot: Rank, id: StageId) -> std::result::Result<SocketAddr, RemoteError> {
+    async fn listen(
+        &self,
+        slot: Rank,
+        id: StageId,
+    ) -> std::result::Result<SocketAddr, RemoteError> {
         let (started, device, ip) = self.with_slot(slot, |s| {
             (
                 s.device_actor.is_some(),
@@ -1191,13 +1194,9 @@ impl<M: Send + 'static> NodeInner<M> {
         };
         let dp_addrs = at(&self.plan.addrs, &replicas)?;
         let pp_addrs = at(&links, &stages)?;
-        let listener = LinkListener::from_std(
-            listener,
-            Rank(id.stage),
-            self.token.clone(),
-            self.tcp.link,
-        )
-        .map_err(|e| other(format!("the pipeline-link listener: {e}")))?;
+        let listener =
+            LinkListener::from_std(listener, Rank(id.stage), self.token.clone(), self.tcp.link)
+                .map_err(|e| other(format!("the pipeline-link listener: {e}")))?;
         let link_config = self.tcp.link;
         let wires = tokio::task::spawn_blocking(move || {
             pipeline::connect_wires(&listener, &pp_addrs, link_config)

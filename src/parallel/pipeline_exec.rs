@@ -47,8 +47,8 @@ use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::faults::{Phase, with_hooks};
 
 mod wire;
-pub use wire::{MAX_EARLY, PacketError, PacketWire, WireError};
 use wire::RemoteEnd;
+pub use wire::{MAX_EARLY, PacketError, PacketWire, WireError};
 
 /// Gradient buckets of the data-parallel reduction between pipeline replicas.
 const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;

@@ -402,7 +402,12 @@ mod tests {
             Ok(())
         }
         fn recv(&self, bytes: &mut Vec<u8>, _: Instant) -> Result<(), WireError> {
-            *bytes = self.0.lock().unwrap().pop_front().ok_or(WireError::TimedOut)?;
+            *bytes = self
+                .0
+                .lock()
+                .unwrap()
+                .pop_front()
+                .ok_or(WireError::TimedOut)?;
             Ok(())
         }
     }
@@ -429,7 +434,10 @@ mod tests {
             end.send(ids, flow, &p, wait).unwrap();
         }
         // The gradient is wanted first: both activations are kept, in order.
-        assert_eq!(end.recv(ids, Flow::Gradient, 0, wait).unwrap(), vec![t(3.0)]);
+        assert_eq!(
+            end.recv(ids, Flow::Gradient, 0, wait).unwrap(),
+            vec![t(3.0)]
+        );
         assert_eq!(
             end.recv(ids, Flow::Activation, 0, wait).unwrap(),
             vec![t(1.0)]
