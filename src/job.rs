@@ -339,7 +339,9 @@ where
                             .into(),
                     ));
                 };
-                self.dp = world;
+                // The head checks the batch against the replicas it drives; a node's world
+                // counts every rank ever joined (it grows with late nodes, REMOTE-5).
+                self.dp = 1;
                 let spec = self.stage_spec(global, dataset)?;
                 (fns.slots)(spec, Layout::data_parallel(world)?)
             }
@@ -1009,6 +1011,14 @@ impl JobControl {
     /// See [`JobHandle::scale_to`].
     pub fn scale_to(&self, n: u32) {
         let _ = self.supervisor.send_message(SupervisorMsg::ScaleTo(n));
+    }
+
+    /// Grow a data-parallel job by `k` replicas at the next step boundary, on top of any
+    /// resize already asked for: what a program calls when devices became available (a
+    /// cluster job calls it for every node that joins it while it runs). A `Resized` event
+    /// follows, or `ResizeRefused` saying why.
+    pub fn add_replicas(&self, k: u32) {
+        let _ = self.supervisor.send_message(SupervisorMsg::AddReplicas(k));
     }
 
     /// See [`JobHandle::pause`].

@@ -342,6 +342,61 @@ fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
 }
 
 #[test]
+fn a_node_joining_a_running_job_becomes_a_replica_and_trains() {
+    let (mut head, addr) = training_head(
+        "grow",
+        2,
+        60,
+        &[
+            "--steps",
+            "100000",
+            "--batch-size",
+            "48",
+            "--collective-timeout",
+            "5",
+        ],
+    );
+    let mut nodes = vec![
+        node("node-a", &addr, "grow", &[], SECRET),
+        node("node-b", &addr, "grow", &[], SECRET),
+    ];
+    for n in &nodes {
+        n.wait_line("prepared:", Duration::from_secs(60));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    // A third node comes while the job runs: it is greeted, prepared as the world's next
+    // process and rank, and the job grows onto it at a step boundary.
+    nodes.push(node("node-c", &addr, "grow", &[], SECRET));
+    let prepared = nodes[2].wait_line("prepared:", Duration::from_secs(60));
+    assert!(prepared.contains("ranks [2] of 3"), "{prepared}");
+    let joined = head.wait_line("joined the running job", Duration::from_secs(30));
+    assert!(
+        joined.contains("node-c") && joined.contains("[2]"),
+        "{joined}"
+    );
+    let resized = head.wait_line("resized from 2 to 3 replicas", Duration::from_secs(30));
+    println!("{joined}\n{resized}");
+    std::thread::sleep(Duration::from_secs(1));
+    head.signal("-TERM");
+    let (status, _) = head.wait_exit(Duration::from_secs(60));
+    let out = head.output();
+    assert!(status.success(), "head failed after growing:\n{out}");
+    // Really distributed: the late node trained its rank for steps of the running job.
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
+        let trained = steps_trained(n);
+        assert_eq!(trained.len(), 1, "{}:\n{}", n.name, n.output());
+        assert!(trained[0].1 > 0, "{}:\n{}", n.name, n.output());
+    }
+    assert_eq!(
+        steps_trained(&nodes[2])[0].0,
+        2,
+        "the late node holds rank 2"
+    );
+}
+
+#[test]
 fn nodes_stop_when_the_head_dies_and_a_new_head_resumes_from_its_checkpoint() {
     let dir = std::env::temp_dir().join(format!("meshwork-resume-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);

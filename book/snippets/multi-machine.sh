@@ -22,3 +22,13 @@ RANK=0 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job 
 RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork node --job demo
 RANK=2 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job demo --dry-run
 # ANCHOR_END: torchrun
+# ANCHOR: pipeline
+# a 2 × 2 dp × pp job: the head waits for four nodes, each will hold one pipeline stage
+meshwork train --listen 0.0.0.0:29400 --nodes 4 --pp 2 --schedule 1f1b --micro-batches 4 --save-model trained.mpk
+# on each of the four node hosts
+meshwork node --join head-host:29400
+# ANCHOR_END: pipeline
+# ANCHOR: join
+# while a data-parallel job runs: one more node joins it and becomes new replicas
+meshwork node --join head-host:29500 --job demo
+# ANCHOR_END: join

@@ -23,7 +23,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
-use super::supervisor::{GrowArgs, GrowStage, SpawnContext, SpawnStages, Spawned};
+use super::supervisor::{Grow, GrowArgs, GrowStage, SpawnContext, SpawnStages, Spawned};
 use crate::checkpoint::{OptimizerState, ShardId, ShardSnapshot, restore_module, snapshot_module};
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
@@ -230,7 +230,7 @@ where
                 model_ranks: vec![0],
                 assemble: |mut models: Vec<M>| models.pop(),
                 replicas_only: true,
-                grow: Some(grow_replica(spec)),
+                grow: Some(Grow::Local(grow_replica(spec))),
                 rewire: None,
                 devices: None,
                 reconnect: false,

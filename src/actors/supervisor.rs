@@ -94,6 +94,9 @@ pub enum SupervisorMsg {
     CheckpointNow,
     /// Resize the data-parallel group at the next step boundary.
     ScaleTo(u32),
+    /// Add this many replicas at the next step boundary (on top of any resize already asked
+    /// for): devices that became available, such as nodes that joined a running job.
+    AddReplicas(u32),
     /// Stop starting steps until `Resume`.
     Pause,
     /// Start steps again after `Pause`.
@@ -174,7 +177,7 @@ pub(crate) struct Spawned<M> {
     /// Whether every rank is a whole data-parallel replica (a lost one can be dropped).
     pub(crate) replicas_only: bool,
     /// Starts one more data-parallel replica (jobs that can grow).
-    pub(crate) grow: Option<GrowStage<M>>,
+    pub(crate) grow: Option<Grow<M>>,
     /// Rewires a pipeline mesh under a new generation, starting fresh stages for replaced
     /// ranks (REC-6).
     pub(crate) rewire: Option<RewireStages<M>>,
@@ -235,6 +238,45 @@ pub(crate) struct GrowArgs {
     pub(crate) device_actor: ActorRef<DeviceMsg>,
     pub(crate) comm: crate::comm::Communicator,
 }
+
+/// How a job adds a data-parallel replica.
+pub(crate) enum Grow<M> {
+    /// On a device of this process (a spare of the builder's list, else a new logical device),
+    /// handed to the stage factory.
+    Local(GrowStage<M>),
+    /// Wherever the job's spawner has one waiting (a node that joined a running job across
+    /// processes): the stage's and its device's proxies, or an error when none is waiting.
+    Remote(GrowRemote<M>),
+}
+
+impl<M> Clone for Grow<M> {
+    fn clone(&self) -> Self {
+        match self {
+            Grow::Local(g) => Grow::Local(g.clone()),
+            Grow::Remote(g) => Grow::Remote(g.clone()),
+        }
+    }
+}
+
+/// What a replica added by [`Grow::Remote`] is.
+pub(crate) struct RemoteGrowArgs {
+    pub(crate) supervisor: ractor::ActorCell,
+    /// Its place: replica = its rank in the group it joins.
+    pub(crate) id: StageId,
+}
+
+/// A stage and its device, started where the spawner found room.
+pub(crate) type Grown<M> = (ActorRef<StageMsg<M>>, (ActorRef<DeviceMsg>, DeviceId));
+
+/// Starts a replica added to a running job somewhere else ([`Grow::Remote`]).
+pub(crate) type GrowRemote<M> = Arc<
+    dyn Fn(
+            RemoteGrowArgs,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<Grown<M>, ActorProcessingErr>> + Send>,
+        > + Send
+        + Sync,
+>;
 
 /// Spawns the stage actor of a replica added to a running job.
 pub(crate) type GrowStage<M> = Arc<
@@ -333,7 +375,7 @@ pub struct SupervisorState<M, I> {
     /// The step boundary of the last checkpoint taken or restored.
     last_checkpoint: Option<u64>,
     seed: u64,
-    grow: Option<GrowStage<M>>,
+    grow: Option<Grow<M>>,
     rewire: Option<RewireStages<M>>,
     /// Devices of the builder's list beyond the mesh, for replicas that join.
     spare_devices: Vec<MeshDevice>,
@@ -568,6 +610,10 @@ where
                 }
             }
             SupervisorMsg::CheckpointNow => state.checkpoint_requested = true,
+            SupervisorMsg::AddReplicas(k) => {
+                let now = state.scale_target.unwrap_or(state.stages.len() as u32);
+                myself.send_message(SupervisorMsg::ScaleTo(now.saturating_add(k)))?;
+            }
             SupervisorMsg::ScaleTo(n) => {
                 let (min, max) = state.elastic;
                 let waiting = state.below_min.is_some();
@@ -1172,29 +1218,44 @@ where
             "this job cannot start replicas".into(),
         ));
     };
-    let (device, device_ref) = start_device(state).await?;
-    let comm = LocalGroup::new(1, state.generation, state.comm.clone())
-        .communicators()
-        .remove(0);
     let id = StageId {
         replica: r as u32,
         stage: 0,
     };
-    let stage = grow(GrowArgs {
-        supervisor: state.myself.clone(),
-        id,
-        rank: Rank(r as u32),
-        device: device.clone(),
-        device_actor: device_ref.clone(),
-        comm,
-    })
-    .await
-    .map_err(|e| Error::Runtime(format!("could not start {id}: {e}")))?;
-    ask(&stage, StageMsg::Init, state.step_timeout, || {
+    let (stage, device) = match grow {
+        Grow::Local(grow) => {
+            let (device, device_ref) = start_device(state).await?;
+            let comm = LocalGroup::new(1, state.generation, state.comm.clone())
+                .communicators()
+                .remove(0);
+            let stage = grow(GrowArgs {
+                supervisor: state.myself.clone(),
+                id,
+                rank: Rank(r as u32),
+                device: device.clone(),
+                device_actor: device_ref.clone(),
+                comm,
+            })
+            .await
+            .map_err(|e| Error::Runtime(format!("could not start {id}: {e}")))?;
+            (stage, (device_ref, device.id()))
+        }
+        Grow::Remote(grow) => grow(RemoteGrowArgs {
+            supervisor: state.myself.clone(),
+            id,
+        })
+        .await
+        .map_err(|e| Error::Runtime(format!("could not start {id}: {e}")))?,
+    };
+    if let Err(e) = ask(&stage, StageMsg::Init, state.step_timeout, || {
         format!("{id} did not initialize")
     })
-    .await?;
-    Ok((stage, (device_ref, device.id())))
+    .await
+    {
+        stage.stop(None);
+        return Err(e);
+    }
+    Ok((stage, device))
 }
 
 /// REC-6: for every lost rank of a pipeline job, a surviving rank with the same stage index
@@ -1520,16 +1581,34 @@ where
         })
         .await?;
         for r in from..n {
-            let (stage, device) = spawn_replica(state, r).await?;
-            let id = StageId {
-                replica: r as u32,
-                stage: 0,
+            // A replica that cannot join (no device for it, a joining node gone) refuses the
+            // resize and leaves the mesh as it was: the ones started for it are stopped.
+            let joined = match spawn_replica(state, r).await {
+                Ok((stage, device)) => {
+                    let id = StageId {
+                        replica: r as u32,
+                        stage: 0,
+                    };
+                    let taken = restore(&stage, snapshot.clone(), state.step_timeout, || {
+                        format!("{id} did not take rank 0's state")
+                    })
+                    .await;
+                    members.push((stage, device));
+                    taken
+                }
+                Err(e) => Err(e),
             };
-            restore(&stage, snapshot.clone(), state.step_timeout, || {
-                format!("{id} did not take rank 0's state")
-            })
-            .await?;
-            members.push((stage, device));
+            if let Err(e) = joined {
+                for (stage, (device, _)) in members.drain(from..) {
+                    state.departed.insert(stage.get_id());
+                    state.departed.insert(device.get_id());
+                    stage.stop(None);
+                    device.stop(None);
+                }
+                return Err(Error::InvalidConfig(format!(
+                    "replica {r} could not join: {e}"
+                )));
+            }
         }
     }
     rebuild_group(state, members).await?;

@@ -63,7 +63,10 @@ pub mod stages;
 pub mod world;
 
 pub use agent::{AgentMsg, FingerprintFn, NodeConfig, NodeOutcome, NodeReport, run_node};
-pub use head::{Assembled, Head, HeadConfig, JoinedNode, KeepAlive, NodeHandle};
+pub use head::{
+    Assembled, Head, HeadConfig, JoinedNode, KeepAlive, LateEvent, LateEvents, LateJoins, LateNode,
+    NodeHandle,
+};
 pub use protocol::{
     CodecError, ControlMsg, Hello, Incompatibility, JobSpec, ModelFingerprint, ModelSpec, NodeInfo,
     NodePhase, PipelineShape,

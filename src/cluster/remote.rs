@@ -55,7 +55,9 @@ use super::link::{JobToken, LinkCloser, LinkListener};
 use crate::actors::device::{DeviceActor, DeviceMsg, heartbeat};
 use crate::actors::pipeline_stage::PipelineSpec;
 use crate::actors::stage::{InitReport, StageActor, StageArgs, StageMsg, StageSpec};
-use crate::actors::supervisor::{SpawnContext, SpawnStages, Spawned};
+use crate::actors::supervisor::{
+    Grow, GrowRemote, Grown, RemoteGrowArgs, SpawnContext, SpawnStages, Spawned,
+};
 use crate::checkpoint::{ShardSnapshot, restore_module};
 use crate::comm::Communicator;
 use crate::comm::tcp::{TcpConfig, TcpGroup, TcpShutdown};
@@ -202,18 +204,63 @@ impl std::fmt::Debug for Endpoint {
 /// The ranks of an assembled world and where each one's stage lives: what
 /// [`crate::job::JobBuilder::cluster`] trains on.
 pub struct ClusterMesh {
-    endpoints: Vec<Endpoint>,
-    addrs: Vec<SocketAddr>,
+    slots: Arc<Mutex<MeshSlots>>,
     /// The device the trained model is assembled on (in the head's process).
     model_device: MeshDevice,
+}
+
+/// Every slot of the world, by slot: the world as assembled, then the slots of nodes that
+/// joined the running job (REMOTE-5).
+#[derive(Debug)]
+struct MeshSlots {
+    endpoints: Vec<Endpoint>,
+    addrs: Vec<SocketAddr>,
+    /// Slots of nodes that joined the running job and are not replicas yet, oldest first.
+    waiting: std::collections::VecDeque<Rank>,
+}
+
+fn lock(slots: &Mutex<MeshSlots>) -> std::sync::MutexGuard<'_, MeshSlots> {
+    slots.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl std::fmt::Debug for ClusterMesh {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ClusterMesh")
-            .field("endpoints", &self.endpoints)
-            .field("addrs", &self.addrs)
+            .field("slots", &*lock(&self.slots))
             .finish_non_exhaustive()
+    }
+}
+
+/// Adds the slots of nodes that join a running job to its [`ClusterMesh`]
+/// ([`ClusterMesh::joiner`]); cloneable.
+#[derive(Debug, Clone)]
+pub struct MeshJoiner {
+    slots: Arc<Mutex<MeshSlots>>,
+}
+
+impl MeshJoiner {
+    /// Adds the ranks `entries` of a node that joined the running job (from
+    /// [`super::control::LateNode`]), reached through `node`; they wait until the job grows
+    /// onto them (`JobControl::add_replicas`, one replica per rank). The ranks must continue
+    /// the world's numbering. Returns how many were added.
+    pub fn add(&self, node: NodeHandle, entries: &[super::control::RankEntry]) -> Result<u32> {
+        let mut slots = lock(&self.slots);
+        for (i, e) in entries.iter().enumerate() {
+            let next = slots.endpoints.len() + i;
+            if e.rank.index() != next {
+                return Err(Error::InvalidConfig(format!(
+                    "node {} brings rank {}, but the world's next rank is {next}",
+                    node.name(),
+                    e.rank.0
+                )));
+            }
+        }
+        for e in entries {
+            slots.endpoints.push(Endpoint::Node(node.clone()));
+            slots.addrs.push(e.addr);
+            slots.waiting.push_back(e.rank);
+        }
+        Ok(entries.len() as u32)
     }
 }
 
@@ -260,15 +307,26 @@ impl ClusterMesh {
         }
         let model_device = MeshDevice::of_kind(BackendKind::Flex, 1)?.remove(0);
         Ok(Self {
-            endpoints,
-            addrs: world.ranks.iter().map(|e| e.addr).collect(),
+            slots: Arc::new(Mutex::new(MeshSlots {
+                endpoints,
+                addrs: world.ranks.iter().map(|e| e.addr).collect(),
+                waiting: Default::default(),
+            })),
             model_device,
         })
     }
 
     /// Ranks in the world.
     pub fn world_size(&self) -> usize {
-        self.endpoints.len()
+        lock(&self.slots).endpoints.len()
+    }
+
+    /// How the slots of nodes that join the running job are added to it (data-parallel
+    /// jobs grow onto them; REMOTE-5).
+    pub fn joiner(&self) -> MeshJoiner {
+        MeshJoiner {
+            slots: self.slots.clone(),
+        }
     }
 
     /// The spawner of a data-parallel cluster job (`JobBuilder::cluster`): starts every
@@ -342,12 +400,12 @@ impl ClusterMesh {
 
     /// Sends `op(slot)` to every slot at once and collects the answers, by slot.
     async fn ask_all(
-        &self,
+        endpoints: &[Endpoint],
         op: impl Fn(Rank) -> StageOp,
         timeout: Duration,
     ) -> Result<Vec<StageAnswer>> {
         let mut asks = tokio::task::JoinSet::new();
-        for (slot, endpoint) in self.endpoints.iter().enumerate() {
+        for (slot, endpoint) in endpoints.iter().enumerate() {
             let (endpoint, slot) = (endpoint.clone(), Rank(slot as u32));
             let op = op(slot);
             asks.spawn(async move {
@@ -356,7 +414,7 @@ impl ClusterMesh {
                 (slot, kind, endpoint.name(), answer)
             });
         }
-        let mut answers: Vec<Option<StageAnswer>> = vec![None; self.endpoints.len()];
+        let mut answers: Vec<Option<StageAnswer>> = vec![None; endpoints.len()];
         while let Some(asked) = asks.join_next().await {
             let (slot, kind, name, answer) =
                 asked.map_err(|e| Error::Runtime(format!("a start task failed: {e}")))?;
@@ -380,12 +438,13 @@ impl ClusterMesh {
     {
         let timeout = cx.comm.timeout.max(Duration::from_secs(10)) * 2;
         let layout = shape.layout;
-        if layout.world_size() as usize != self.endpoints.len() {
+        let endpoints = lock(&self.slots).endpoints.clone();
+        if layout.world_size() as usize != endpoints.len() {
             return Err(Error::InvalidConfig(format!(
                 "a {} × {} mesh (data × pipeline) on a world of {} rank(s)",
                 layout.dp(),
                 layout.pp(),
-                self.endpoints.len()
+                endpoints.len()
             )));
         }
         let id_of = |slot: Rank| {
@@ -400,13 +459,15 @@ impl ClusterMesh {
                 },
             )
         };
-        let started = self
-            .ask_all(|slot| StageOp::Start { id: id_of(slot) }, timeout)
-            .await?;
+        let start = |slot| StageOp::Start {
+            id: id_of(slot),
+            alone: false,
+        };
+        let started = Self::ask_all(&endpoints, start, timeout).await?;
         let unexpected = |answer: &StageAnswer, slot: usize, op: &str| {
             Error::Runtime(format!(
                 "{} answered {op} of rank {slot} with {}",
-                self.endpoints[slot].name(),
+                endpoints[slot].name(),
                 answer.kind()
             ))
         };
@@ -419,14 +480,10 @@ impl ClusterMesh {
                     other => Err(unexpected(other, slot, "Start")),
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let wired = self
-                .ask_all(
-                    |_| StageOp::Wire {
-                        links: links.clone(),
-                    },
-                    timeout,
-                )
-                .await?;
+            let wire = |_| StageOp::Wire {
+                links: links.clone(),
+            };
+            let wired = Self::ask_all(&endpoints, wire, timeout).await?;
             if let Some((slot, a)) = wired
                 .iter()
                 .enumerate()
@@ -441,51 +498,30 @@ impl ClusterMesh {
         {
             return Err(unexpected(a, slot, "Start"));
         }
-        let generation = Arc::new(AtomicU64::new(0));
-        let addrs = Arc::new(self.addrs);
+        let proxies = Proxies {
+            slots: self.slots.clone(),
+            rebuild: shape.rebuild.clone(),
+            generation: Arc::new(AtomicU64::new(0)),
+            wait: cx.step_timeout,
+        };
         let mut stages = Vec::new();
         let mut devices = Vec::new();
-        for (slot, endpoint) in self.endpoints.iter().enumerate() {
+        for (slot, endpoint) in endpoints.iter().enumerate() {
             let slot = Rank(slot as u32);
             let id = id_of(slot);
-            let device = DeviceId(slot.0);
-            let (device_ref, _) = Actor::spawn_linked(
-                None,
-                RemoteDevice,
-                RemoteDeviceArgs {
-                    slot,
-                    device,
-                    endpoint: endpoint.clone(),
-                },
-                cx.supervisor.clone(),
-            )
-            .await
-            .map_err(|e| Error::Runtime(format!("cannot start a device proxy: {e}")))?;
-            let (stage_ref, _) = Actor::spawn_linked(
-                None,
-                RemoteStage::<M>::default(),
-                RemoteStageArgs {
-                    slot,
-                    id,
-                    device,
-                    endpoint: endpoint.clone(),
-                    addrs: addrs.clone(),
-                    rebuild: shape.rebuild.clone(),
-                    generation: generation.clone(),
-                    wait: cx.step_timeout,
-                },
-                cx.supervisor.clone(),
-            )
-            .await
-            .map_err(|e| Error::Runtime(format!("cannot start a stage proxy: {e}")))?;
-            stages.push((stage_ref, id));
-            devices.push((device_ref, device));
+            let (stage, device) = proxies
+                .spawn(slot, id, endpoint.clone(), &cx.supervisor)
+                .await?;
+            stages.push((stage, id));
+            devices.push(device);
         }
-        let endpoints = self.endpoints;
+        let generation = proxies.generation.clone();
+        let slots = self.slots.clone();
         let shutdown = Arc::new(move || {
             // RT-4 across processes: every slot shuts the group it is in now; a late
             // abort never reaches a newer group (REMOTE-3).
             let generation = Generation(generation.load(Ordering::SeqCst));
+            let endpoints = lock(&slots).endpoints.clone();
             for (slot, endpoint) in endpoints.iter().enumerate() {
                 let endpoint = endpoint.clone();
                 let slot = Rank(slot as u32);
@@ -505,10 +541,100 @@ impl ClusterMesh {
             // A pipeline across processes is not rebuilt after a loss (no rewire): it fails
             // with the lost stage named.
             replicas_only: !shape.pipelined,
-            grow: None,
+            grow: (!shape.pipelined).then(|| Grow::Remote(proxies.grower(timeout))),
             rewire: None,
             devices: Some(devices),
             reconnect: !shape.pipelined,
+        })
+    }
+}
+
+/// What the head's proxies of a job share.
+struct Proxies<M> {
+    slots: Arc<Mutex<MeshSlots>>,
+    rebuild: Rebuild<M>,
+    /// The newest generation a group was formed under (REMOTE-3).
+    generation: Arc<AtomicU64>,
+    wait: Duration,
+}
+
+impl<M: Send + 'static> Proxies<M> {
+    /// The proxies of `slot`'s stage (as `id`) and device, linked to the Supervisor.
+    async fn spawn(
+        &self,
+        slot: Rank,
+        id: StageId,
+        endpoint: Endpoint,
+        supervisor: &ractor::ActorCell,
+    ) -> Result<Grown<M>> {
+        let device = DeviceId(slot.0);
+        let (device_ref, _) = Actor::spawn_linked(
+            None,
+            RemoteDevice,
+            RemoteDeviceArgs {
+                slot,
+                device,
+                endpoint: endpoint.clone(),
+            },
+            supervisor.clone(),
+        )
+        .await
+        .map_err(|e| Error::Runtime(format!("cannot start a device proxy: {e}")))?;
+        let (stage_ref, _) = Actor::spawn_linked(
+            None,
+            RemoteStage::<M>::default(),
+            RemoteStageArgs {
+                slot,
+                id,
+                device,
+                endpoint,
+                slots: self.slots.clone(),
+                rebuild: self.rebuild.clone(),
+                generation: self.generation.clone(),
+                wait: self.wait,
+            },
+            supervisor.clone(),
+        )
+        .await
+        .map_err(|e| Error::Runtime(format!("cannot start a stage proxy: {e}")))?;
+        Ok((stage_ref, (device_ref, device)))
+    }
+
+    /// REMOTE-5: a replica added to the running job takes the oldest waiting slot (a node
+    /// that joined): its stage starts alone, the Supervisor restores rank 0's state into it
+    /// and reconnects everyone. No waiting slot, or a joiner that does not start, is an error
+    /// (the resize is refused; the slot is not offered again).
+    fn grower(self, timeout: Duration) -> GrowRemote<M> {
+        let proxies = Arc::new(self);
+        Arc::new(move |g: RemoteGrowArgs| {
+            let proxies = proxies.clone();
+            Box::pin(async move {
+                let (slot, endpoint) = {
+                    let mut slots = lock(&proxies.slots);
+                    let slot = slots.waiting.pop_front().ok_or_else(|| {
+                        Error::InvalidConfig("no node is waiting to join the job".into())
+                    })?;
+                    let endpoint = slots.endpoints.get(slot.index()).cloned();
+                    (
+                        slot,
+                        endpoint.ok_or_else(|| not_started(slot).into_error("the head"))?,
+                    )
+                };
+                let name = endpoint.name();
+                let start = StageOp::Start {
+                    id: g.id,
+                    alone: true,
+                };
+                match endpoint.call(slot, start, timeout).await {
+                    Ok(StageAnswer::Done) => {}
+                    Ok(StageAnswer::Failed(e)) => return Err(e.into_error(&name).into()),
+                    Ok(other) => {
+                        return Err(format!("{name} answered Start with {}", other.kind()).into());
+                    }
+                    Err(why) => return Err(format!("{name} could not start: {why}").into()),
+                }
+                Ok(proxies.spawn(slot, g.id, endpoint, &g.supervisor).await?)
+            })
         })
     }
 }
@@ -534,8 +660,8 @@ pub struct RemoteStageArgs<M> {
     id: StageId,
     device: DeviceId,
     endpoint: Endpoint,
-    /// Every slot's data-plane address.
-    addrs: Arc<Vec<SocketAddr>>,
+    /// Every slot, for its data-plane address.
+    slots: Arc<Mutex<MeshSlots>>,
     /// Rebuilds the trained model on the head from the stage's snapshot.
     rebuild: Rebuild<M>,
     /// The newest generation a group was formed under (REMOTE-3).
@@ -694,14 +820,17 @@ where
                 slots,
                 reply,
             } => {
-                let addrs: Option<Vec<SocketAddr>> = slots
-                    .iter()
-                    .map(|s| state.addrs.get(s.index()).copied())
-                    .collect();
+                let (addrs, known) = {
+                    let mesh = lock(&state.slots);
+                    let addrs: Option<Vec<SocketAddr>> = slots
+                        .iter()
+                        .map(|s| mesh.addrs.get(s.index()).copied())
+                        .collect();
+                    (addrs, mesh.addrs.len())
+                };
                 let r = match addrs {
                     None => Err(Error::InvalidConfig(format!(
-                        "reconnect with slots {slots:?}, not all in a world of {}",
-                        state.addrs.len()
+                        "reconnect with slots {slots:?}, not all in a world of {known}"
                     ))),
                     Some(addrs) => {
                         let op = StageOp::Regroup {
@@ -977,8 +1106,11 @@ impl<M: Send + 'static> NodeInner<M> {
         timeout: Duration,
     ) -> std::result::Result<StageAnswer, RemoteError> {
         match op {
-            StageOp::Start { id } => match self.factory.pipeline() {
-                None => self.start(slot, id).await.map(|()| StageAnswer::Done),
+            StageOp::Start { id, alone } => match self.factory.pipeline() {
+                None => self
+                    .start(slot, id, alone)
+                    .await
+                    .map(|()| StageAnswer::Done),
                 Some(_) => self.listen(slot, id).await.map(StageAnswer::Listening),
             },
             StageOp::Wire { links } => self.wire(slot, links).await.map(|()| StageAnswer::Done),
@@ -1088,8 +1220,15 @@ impl<M: Send + 'static> NodeInner<M> {
         })
     }
 
-    /// Starts `slot`'s device and stage, joined to the world's data plane of generation 0.
-    async fn start(&self, slot: Rank, id: StageId) -> std::result::Result<(), RemoteError> {
+    /// Starts `slot`'s device and stage, joined to the world's data plane of generation 0, or
+    /// (`alone`: a node that joined the running job) in a group of its own until the
+    /// Supervisor reconnects everyone (REMOTE-5).
+    async fn start(
+        &self,
+        slot: Rank,
+        id: StageId,
+        alone: bool,
+    ) -> std::result::Result<(), RemoteError> {
         let (started, device) = self.with_slot(slot, |s| (s.stage.is_some(), s.device.clone()))?;
         if started {
             return Err(RemoteError::Other(format!(
@@ -1097,9 +1236,16 @@ impl<M: Send + 'static> NodeInner<M> {
                 slot.0
             )));
         }
-        let comm = self
-            .connect(slot, slot, Generation(0), self.plan.addrs.clone())
-            .await?;
+        let comm = if alone {
+            let own = self.plan.addrs.get(slot.index()).copied().ok_or_else(|| {
+                RemoteError::Other(format!("rank {} has no address in the world", slot.0))
+            })?;
+            self.connect(slot, Rank(0), Generation(0), vec![own])
+                .await?
+        } else {
+            self.connect(slot, slot, Generation(0), self.plan.addrs.clone())
+                .await?
+        };
         let (device_actor, _) = Actor::spawn(None, DeviceActor, device.clone())
             .await
             .map_err(|e| RemoteError::Other(format!("cannot start the device: {e}")))?;

@@ -17,8 +17,8 @@ use meshwork::cluster::control::{
     self, ControlError, FingerprintFn, Head, HeadConfig, Incompatibility, JobSpec,
     ModelFingerprint, ModelSpec, NodeConfig, NodeReport, PipelineShape, ProcessIndex, protocol,
 };
-use meshwork::cluster::control::{HostArgs, HostFactory};
-use meshwork::cluster::remote::ClusterMesh;
+use meshwork::cluster::control::{HostArgs, HostFactory, LateEvent, LateEvents};
+use meshwork::cluster::remote::{ClusterMesh, MeshJoiner};
 use meshwork::cluster::rendezvous::{self, Rendezvous, Role};
 use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_pipeline, mse_loss};
 use meshwork::device::{BackendKind, MeshDevice};
@@ -403,12 +403,20 @@ fn run_head(
             println!("dry run: the nodes are stopped; no training");
             return Ok(());
         }
-        let trained = train_on_world(&head, &assembled, &spec, head_listeners, &head_job).await;
+        // Nodes that come while the job runs join it (a data-parallel job grows onto them).
+        let refuse = spec
+            .pipeline
+            .as_ref()
+            .map(|_| "the job is running: a pipeline job takes no more nodes".to_string());
+        let (late, late_events) = head.admit_late(&spec, fingerprint, &assembled, refuse);
+        let trained =
+            train_on_world(&head, &assembled, &spec, head_listeners, &head_job, late_events).await;
         let reason = match &trained {
             Ok(()) => "the job finished".to_string(),
             Err(e) => format!("the job failed: {e}"),
         };
-        for (name, bye) in head.shutdown(&reason).await {
+        let late_byes = late.shutdown(&reason).await;
+        for (name, bye) in late_byes.into_iter().chain(head.shutdown(&reason).await) {
             if let Err(e) = bye {
                 println!("shutdown: {name}: {e}");
             }
@@ -425,6 +433,7 @@ async fn train_on_world(
     spec: &JobSpec,
     head_listeners: Vec<std::net::TcpListener>,
     job: &HeadJob,
+    late: LateEvents,
 ) -> meshwork::error::Result<()> {
     let head_stages = if head_listeners.is_empty() {
         None
@@ -441,15 +450,16 @@ async fn train_on_world(
     };
     let mesh = ClusterMesh::new(&assembled.world, &head.node_handles(), head_stages)?;
     let (demo, task) = demo_job(spec)?;
+    let late = (mesh.joiner(), late);
     match demo {
         DemoJob::Replicas(b) => {
-            let model = train_mesh(b, mesh, head, spec, job, &task).await?;
+            let model = train_mesh(b, mesh, head, (spec, job, &task), late).await?;
             if let Some(path) = &job.save_model {
                 crate::train::save_model(model, path)?;
             }
         }
         DemoJob::Pipeline(b) => {
-            let model = train_mesh(b, mesh, head, spec, job, &task).await?;
+            let model = train_mesh(b, mesh, head, (spec, job, &task), late).await?;
             if let Some(path) = &job.save_model {
                 crate::train::save_pipeline(model, path)?;
             }
@@ -459,14 +469,13 @@ async fn train_on_world(
 }
 
 /// Trains `builder`'s job on `mesh` to the end, reporting lost nodes as the heartbeats miss
-/// them; the trained model.
+/// them and growing the job onto nodes that join it; the trained model.
 async fn train_mesh<M: Send + 'static>(
     builder: JobBuilder<M, Sample>,
     mesh: ClusterMesh,
     head: &Head,
-    spec: &JobSpec,
-    job: &HeadJob,
-    task: &TeacherTask,
+    (spec, job, task): (&JobSpec, &HeadJob, &TeacherTask),
+    (joiner, mut late): (MeshJoiner, LateEvents),
 ) -> meshwork::error::Result<M> {
     let handle = crate::train::checkpoint_settings(&job.checkpoints, builder)
         .recovery(job.policy)
@@ -474,6 +483,29 @@ async fn train_mesh<M: Send + 'static>(
         .build()?
         .spawn()
         .await?;
+    let control = handle.control();
+    let grow = tokio::spawn(async move {
+        while let Some(event) = late.next().await {
+            match event {
+                LateEvent::Joined(node) => {
+                    let name = node.handle.name().to_string();
+                    let ranks: Vec<u32> = node.ranks.iter().map(|e| e.rank.0).collect();
+                    match joiner.add(node.handle, &node.ranks) {
+                        Ok(k) => {
+                            println!("node {name} joined the running job: rank(s) {ranks:?}");
+                            control.add_replicas(k);
+                        }
+                        Err(e) => println!("node {name} cannot join the running job: {e}"),
+                    }
+                }
+                LateEvent::Refused { node, reason } => {
+                    println!("refused {node} from the running job: {reason}");
+                }
+                LateEvent::Lost { node, error } => println!("node {node} lost: {error}"),
+            }
+            let _ = std::io::stdout().flush();
+        }
+    });
     let mut keep_alive = head.keep_alive();
     let watch = tokio::spawn(async move {
         while let Some((name, why)) = keep_alive.next_lost().await {
@@ -483,6 +515,7 @@ async fn train_mesh<M: Send + 'static>(
     });
     let (trained, _) = crate::train::drive(handle, spec.steps).await;
     watch.abort();
+    grow.abort();
     let trained = trained?;
     crate::train::report(&trained.summary, task);
     Ok(trained.model)

@@ -473,6 +473,14 @@ pub(crate) async fn drive<M: Send + 'static>(
                         layout.dp()
                     ),
                 ),
+                Ok(JobEvent::Resized { step, from, to, .. }) => say(
+                    &progress,
+                    format!("step {step}: resized from {from} to {to} replicas"),
+                ),
+                Ok(JobEvent::ResizeRefused { requested, reason }) => say(
+                    &progress,
+                    format!("resize to {requested} replicas refused: {reason}"),
+                ),
                 Ok(_) | Err(EventsError::Missed(_)) => {}
                 Err(EventsError::Closed) => break,
             }

@@ -21,6 +21,9 @@ use super::world::{ProcessIndex, ProcessPlan, ProcessSlot, World, assign_ranks};
 use super::{AGENTS_GROUP, ControlError, host_name, job_scope};
 use crate::cluster::link::JobToken;
 
+mod late;
+pub use late::{LateEvent, LateEvents, LateJoins, LateNode};
+
 /// What a head needs. Plain data with defaults for the limits.
 #[derive(Clone)]
 pub struct HeadConfig {
@@ -617,34 +620,45 @@ impl Head {
     /// Tells every joined node to stop (`reason` is for their logs), waits for each Bye
     /// within the RPC time-out, then closes every session and the listener.
     pub async fn shutdown(mut self, reason: &str) -> Vec<(String, Result<(), ControlError>)> {
-        let caller = self.caller();
-        let msg = ControlMsg::Shutdown {
-            reason: reason.to_string(),
-        };
-        let mut byes = JoinSet::new();
-        for (i, node) in self.nodes.drain(..).enumerate() {
-            let (agent, name, msg) = (node.agent, node.info.name, msg.clone());
-            byes.spawn(async move {
-                let result = match caller.call(&agent, &name, &msg).await {
-                    Ok(ControlMsg::Bye) => Ok(()),
-                    Ok(other) => Err(ControlError::UnexpectedReply {
-                        peer: name.clone(),
-                        request: "Shutdown",
-                        reply: other.kind(),
-                    }),
-                    Err(e) => Err(e),
-                };
-                (i, name, result)
-            });
-        }
-        let mut out: Vec<(usize, String, Result<(), ControlError>)> = byes.join_all().await;
-        out.sort_by_key(|(i, _, _)| *i);
+        let nodes = self.nodes.drain(..).collect();
+        let out = say_bye(self.caller(), nodes, reason).await;
         // Let the nodes close their side first, so none reports a lost head.
         tokio::time::sleep(Duration::from_millis(200)).await;
         self.accept.abort();
         self.cluster.stop("job over");
-        out.into_iter().map(|(_, n, r)| (n, r)).collect()
+        out
     }
+}
+
+/// Tells every node of `nodes` to stop and waits for each Bye within the RPC time-out; the
+/// results in the nodes' order.
+async fn say_bye(
+    caller: Caller,
+    nodes: Vec<JoinedNode>,
+    reason: &str,
+) -> Vec<(String, Result<(), ControlError>)> {
+    let msg = ControlMsg::Shutdown {
+        reason: reason.to_string(),
+    };
+    let mut byes = JoinSet::new();
+    for (i, node) in nodes.into_iter().enumerate() {
+        let (agent, name, msg) = (node.agent, node.info.name, msg.clone());
+        byes.spawn(async move {
+            let result = match caller.call(&agent, &name, &msg).await {
+                Ok(ControlMsg::Bye) => Ok(()),
+                Ok(other) => Err(ControlError::UnexpectedReply {
+                    peer: name.clone(),
+                    request: "Shutdown",
+                    reply: other.kind(),
+                }),
+                Err(e) => Err(e),
+            };
+            (i, name, result)
+        });
+    }
+    let mut out: Vec<(usize, String, Result<(), ControlError>)> = byes.join_all().await;
+    out.sort_by_key(|(i, _, _)| *i);
+    out.into_iter().map(|(_, n, r)| (n, r)).collect()
 }
 
 impl Drop for Head {

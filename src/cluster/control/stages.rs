@@ -60,6 +60,9 @@ pub enum StageOp {
     Start {
         /// The stage's place in the mesh.
         id: StageId,
+        /// A node that joined the running job: start in a data-plane group of its own (the
+        /// head reconnects everyone once its stage holds rank 0's state).
+        alone: bool,
     },
     /// A pipeline job: join the data-parallel group of the slot's stage index and connect to
     /// the other stages of its replica, then start the stage actor.
