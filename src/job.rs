@@ -589,13 +589,15 @@ where
         if remote {
             if self.faults.is_some() {
                 return invalid(
-                    "a fault plan acts on in-process devices: it is not supported across                      processes yet (kill a node process to rehearse a failure)"
+                    "a fault plan acts on in-process devices: it is not supported across \
+                     processes yet (kill a node process to rehearse a failure)"
                         .into(),
                 );
             }
-            if self.recovery.roll_back {
+            if self.recovery.roll_back && self.pipeline.is_some() {
                 return invalid(
-                    "a recovery policy that rolls back replaces lost devices in the head's                      process, which a job across processes cannot yet: use shrink or fail"
+                    "a recovery policy that rolls back a pipeline job replaces lost stages, \
+                     which a pipeline across processes cannot yet: use fail"
                         .into(),
                 );
             }

@@ -246,6 +246,7 @@ pub(crate) enum Grow<M> {
     Local(GrowStage<M>),
     /// Wherever the job's spawner has one waiting (a node that joined a running job across
     /// processes): the stage's and its device's proxies, or an error when none is waiting.
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
     Remote(GrowRemote<M>),
 }
 
@@ -259,6 +260,7 @@ impl<M> Clone for Grow<M> {
 }
 
 /// What a replica added by [`Grow::Remote`] is.
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
 pub(crate) struct RemoteGrowArgs {
     pub(crate) supervisor: ractor::ActorCell,
     /// Its place: replica = its rank in the group it joins.

@@ -612,7 +612,11 @@ impl<M: Send + 'static> Proxies<M> {
                 let (slot, endpoint) = {
                     let mut slots = lock(&proxies.slots);
                     let slot = slots.waiting.pop_front().ok_or_else(|| {
-                        Error::InvalidConfig("no node is waiting to join the job".into())
+                        Error::InvalidConfig(
+                            "no node is waiting to join the job (a job across processes grows, \
+                             and replaces a lost node, only onto nodes that joined it)"
+                                .into(),
+                        )
                     })?;
                     let endpoint = slots.endpoints.get(slot.index()).cloned();
                     (

@@ -53,6 +53,14 @@ pub(crate) struct ClusterTrainArgs {
     /// Assemble the world, prepare every node, then stop them and exit without training.
     #[arg(long)]
     dry_run: bool,
+    /// The fewest replicas a data-parallel job trains with: below it (after losses) the job
+    /// waits for nodes to join.
+    #[arg(long)]
+    min_replicas: Option<u32>,
+    /// The most replicas a data-parallel job grows to; nodes that join beyond it wait as
+    /// spares (a roll-back recovery replaces a lost node with one).
+    #[arg(long)]
+    max_replicas: Option<u32>,
     /// Testing: speak this control protocol version instead of the build's.
     #[arg(long, hide = true)]
     pretend_protocol_version: Option<u16>,
@@ -134,6 +142,8 @@ pub(crate) struct HeadJob {
     pub(crate) save_model: Option<std::path::PathBuf>,
     pub(crate) policy: RecoveryPolicy,
     pub(crate) checkpoints: crate::train::CheckpointFlags,
+    /// The replicas a data-parallel job may have (`--min-replicas`, `--max-replicas`).
+    pub(crate) elastic: (u32, u32),
 }
 
 /// Samples in the demo job's dataset (as in a single-process `meshwork train`).
@@ -235,8 +245,12 @@ fn demo_stages() -> HostFactory {
 pub(crate) fn dispatch_train(
     cluster: &ClusterTrainArgs,
     spec: impl FnOnce() -> JobSpec,
-    job: HeadJob,
+    mut job: HeadJob,
 ) -> Option<meshwork::error::Result<()>> {
+    job.elastic = (
+        cluster.min_replicas.unwrap_or(1),
+        cluster.max_replicas.unwrap_or(u32::MAX),
+    );
     if let Some(listen) = &cluster.listen {
         let Some(nodes) = cluster.nodes else {
             return Some(Err(Error::InvalidConfig(
@@ -479,6 +493,7 @@ async fn train_mesh<M: Send + 'static>(
 ) -> meshwork::error::Result<M> {
     let handle = crate::train::checkpoint_settings(&job.checkpoints, builder)
         .recovery(job.policy)
+        .elastic(job.elastic.0, job.elastic.1)
         .cluster(mesh)
         .build()?
         .spawn()

@@ -31,7 +31,7 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Train the demo model (the main job).
-    Train(train::TrainArgs),
+    Train(Box<train::TrainArgs>),
     /// Join a multi-process job as a node (feature `cluster`): connect to the head, hold
     /// devices, follow the head until it ends the job.
     #[cfg(feature = "cluster")]
@@ -68,7 +68,7 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Train(args) => train::run(args),
+        Command::Train(args) => train::run(*args),
         Command::Bench { which } => bench::run(which),
         #[cfg(feature = "cluster")]
         Command::Node(args) => cluster::run_node(args),

@@ -148,6 +148,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
             save_model: args.save_model.clone(),
             policy,
             checkpoints: args.checkpoint_flags(),
+            elastic: (1, u32::MAX),
         };
         if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, spec, head) {
             return outcome;
@@ -471,6 +472,19 @@ pub(crate) async fn drive<M: Send + 'static>(
                         "step {step}: recovered (generation {}, {} replicas), redoing the step",
                         generation.0,
                         layout.dp()
+                    ),
+                ),
+                Ok(JobEvent::RolledBack {
+                    failed_step,
+                    step,
+                    generation,
+                    ..
+                }) => say(
+                    &progress,
+                    format!(
+                        "step {failed_step}: rolled back to the checkpoint after step {step} \
+                         (generation {})",
+                        generation.0
                     ),
                 ),
                 Ok(JobEvent::Resized { step, from, to, .. }) => say(
