@@ -280,6 +280,66 @@ fn a_node_killed_mid_pipeline_run_fails_the_job_naming_its_stage_and_nothing_han
 }
 
 #[test]
+fn a_model_larger_than_a_control_message_checkpoints_resumes_and_comes_back_in_parts() {
+    // Hidden width 512: 281,604 parameters, so a snapshot with Adam's state is about 3.4 MB,
+    // over three times the 1 MiB control message: it crosses in parts both ways (REMOTE-6).
+    let hidden = 512usize;
+    let widths = [32, hidden, hidden, 4];
+    let dir = std::env::temp_dir().join(format!("meshwork-large-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let ckpt = dir.join("ckpt").display().to_string();
+    let model_arg = dir.join("trained.mpk").display().to_string();
+    let (batch, seed) = (32usize, 11u64);
+    let run = |name: &str, steps: u64, extra: &[&str]| {
+        let mut flags = vec![
+            "--hidden".to_string(),
+            hidden.to_string(),
+            "--steps".to_string(),
+            steps.to_string(),
+            "--batch-size".to_string(),
+            batch.to_string(),
+            "--seed".to_string(),
+            seed.to_string(),
+            "--collective-timeout".to_string(),
+            "20".to_string(),
+            "--checkpoint-dir".to_string(),
+            ckpt.clone(),
+            "--checkpoint-every".to_string(),
+            "4".to_string(),
+        ];
+        flags.extend(extra.iter().map(|s| s.to_string()));
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let (mut head, addr) = training_head(name, 2, 60, &flags);
+        let mut nodes = [
+            node("node-a", &addr, name, &[], SECRET),
+            node("node-b", &addr, name, &[], SECRET),
+        ];
+        let (status, _) = head.wait_exit(Duration::from_secs(180));
+        let out = head.output();
+        assert!(status.success(), "head failed:\n{out}");
+        for n in &mut nodes {
+            let (status, _) = n.wait_exit(Duration::from_secs(30));
+            assert!(status.success(), "{} failed:\n{}", n.name, n.output());
+        }
+        out
+    };
+    // Four steps, checkpointed: each rank's snapshot comes to the head in parts.
+    let first = run("large", 4, &[]);
+    assert!(first.contains("checkpoint after step 4 written"), "{first}");
+    // A new head resumes: the checkpoint goes back to every rank in parts; four more steps
+    // and the trained model come back in parts.
+    let second = run("large", 8, &["--resume", "--save-model", &model_arg]);
+    assert!(second.contains("resumed after step 4"), "{second}");
+    let (expected, device) = reference_of(&widths, seed, batch, 8, 2);
+    let trained = load_of(&widths, &dir.join("trained.mpk"), &device);
+    let worst = compare_parameters(&trained, &expected, TOLERANCE)
+        .unwrap_or_else(|e| panic!("the large model differs from one device: {e}"));
+    println!("worst relative difference: {worst:e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
     let (mut head, addr) = training_head(
         "kill",

@@ -142,7 +142,7 @@ fn write_control_seed_corpus() {
                         kind: "transformer".into(),
                         config: vec![0, 1, 2, 3],
                     },
-                    ..spec
+                    ..spec.clone()
                 },
                 fingerprint: ModelFingerprint(0),
             }),
@@ -169,8 +169,73 @@ fn write_control_seed_corpus() {
         world,
         process: meshwork::cluster::control::ProcessIndex(2),
     });
+    let stages = {
+        use meshwork::cluster::control::{StageAnswer, StageOp, StageRequest};
+        let request = |op| {
+            ControlMsg::Stage(StageRequest {
+                slot: meshwork::mesh::Rank(3),
+                timeout_ms: 20_000,
+                op,
+            })
+        };
+        [
+            (
+                "hello_pipeline",
+                ControlMsg::Hello(Hello {
+                    job: "pp".into(),
+                    head: "h".into(),
+                    spec: JobSpec {
+                        pipeline: Some(control::PipelineShape {
+                            stages: 2,
+                            schedule: "interleaved".into(),
+                            micro_batches: 4,
+                            virtual_stages: 2,
+                        }),
+                        ..spec.clone()
+                    },
+                    fingerprint: ModelFingerprint(9),
+                }),
+            ),
+            (
+                "stage_start_alone",
+                request(StageOp::Start {
+                    id: meshwork::error::StageId {
+                        replica: 2,
+                        stage: 0,
+                    },
+                    alone: true,
+                }),
+            ),
+            (
+                "stage_wire",
+                request(StageOp::Wire {
+                    links: vec![
+                        "127.0.0.1:6000".parse().unwrap(),
+                        "[::1]:6001".parse().unwrap(),
+                    ],
+                }),
+            ),
+            (
+                "stage_restore_part",
+                request(StageOp::RestorePart {
+                    part: 1,
+                    parts: 3,
+                    bytes: vec![7; 64],
+                }),
+            ),
+            (
+                "stage_done_parts",
+                ControlMsg::StageDone(StageAnswer::SnapshotParts { parts: 7 }),
+            ),
+            (
+                "stage_done_listening",
+                ControlMsg::StageDone(StageAnswer::Listening("10.0.0.2:7000".parse().unwrap())),
+            ),
+        ]
+    };
     let mut seeds: Vec<(String, Vec<u8>)> = messages
         .iter()
+        .chain(&stages)
         .map(|(name, m)| (name.to_string(), control::encode(m).unwrap()))
         .collect();
     seeds.push(("prepare".into(), control::encode(&prepare).unwrap()));

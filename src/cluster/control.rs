@@ -73,7 +73,8 @@ pub use protocol::{
 };
 pub use secret::{ClusterSecret, SecretError, secret_from_env};
 pub use stages::{
-    HostArgs, HostFactory, RemoteError, StageAnswer, StageHost, StageOp, StageRequest,
+    HostArgs, HostFactory, PART_BYTES, RemoteError, StageAnswer, StageHost, StageOp, StageRequest,
+    join_shards, split_shards,
 };
 pub use world::{ProcessIndex, ProcessPlan, ProcessSlot, RankEntry, World, WorldError};
 

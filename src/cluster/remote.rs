@@ -33,6 +33,10 @@
 //!   group a recovery just formed.
 //! - **REMOTE-4** (dp × pp, [`pipeline`]) a pipeline slot starts in two phases and keeps its
 //!   pipeline links on a listener of their own.
+//! - **REMOTE-5** the world only grows: a node that joins the running job brings the next
+//!   slots, and the job grows onto them (or a roll-back replaces a lost replica with one).
+//! - **REMOTE-6** parameters of any size cross the control plane: a snapshot or restore over
+//!   [`PART_BYTES`] moves in parts, each message under the control message limit.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -48,8 +52,8 @@ use ractor::rpc::CallResult;
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::control::{
-    HostArgs, NodeHandle, ProcessIndex, ProcessPlan, RemoteError, StageAnswer, StageHost, StageOp,
-    StageRequest, World,
+    HostArgs, NodeHandle, PART_BYTES, ProcessIndex, ProcessPlan, RemoteError, StageAnswer,
+    StageHost, StageOp, StageRequest, World, join_shards, split_shards,
 };
 use super::link::{JobToken, LinkCloser, LinkListener};
 use crate::actors::device::{DeviceActor, DeviceMsg, heartbeat};
@@ -721,13 +725,31 @@ impl<M> RemoteStageArgs<M> {
     }
 
     async fn snapshot(&self, timeout: Duration) -> Result<Vec<ShardSnapshot>> {
-        let shards = self
+        let answer = self
             .ask(StageOp::Snapshot, timeout, |a| match a {
-                StageAnswer::Snapshot(s) => Some(s),
+                StageAnswer::Snapshot(s) => Some(Ok(s)),
+                StageAnswer::SnapshotParts { parts } => Some(Err(parts)),
                 _ => None,
             })
             .await?;
         let from = format!("<snapshot of {} from {}>", self.id, self.endpoint.name());
+        let shards = match answer {
+            Ok(shards) => shards,
+            // Over one message: fetched part by part (REMOTE-6).
+            Err(parts) => {
+                let mut bytes = Vec::new();
+                for part in 0..parts {
+                    let piece = self
+                        .ask(StageOp::SnapshotPart { part }, timeout, |a| match a {
+                            StageAnswer::Part(b) => Some(b),
+                            _ => None,
+                        })
+                        .await?;
+                    bytes.extend_from_slice(&piece);
+                }
+                split_shards(&bytes).map_err(|e| Error::Runtime(format!("{from}: {e}")))?
+            }
+        };
         shards
             .iter()
             .map(|bytes| {
@@ -735,6 +757,29 @@ impl<M> RemoteStageArgs<M> {
                     .map_err(Error::from)
             })
             .collect()
+    }
+}
+
+impl<M> RemoteStageArgs<M> {
+    /// Sends shards (in the checkpoint format) to restore: in one message, or part by part
+    /// over [`PART_BYTES`] (REMOTE-6).
+    async fn restore(&self, shards: Vec<Vec<u8>>, wait: Duration) -> Result<()> {
+        let done = |a: StageAnswer| matches!(a, StageAnswer::Done).then_some(());
+        let total: usize = shards.iter().map(Vec::len).sum();
+        if total <= PART_BYTES {
+            return self.ask(StageOp::Restore { shards }, wait, done).await;
+        }
+        let joined = join_shards(&shards);
+        let parts = joined.len().div_ceil(PART_BYTES) as u32;
+        for (part, bytes) in joined.chunks(PART_BYTES).enumerate() {
+            let op = StageOp::RestorePart {
+                part: part as u32,
+                parts,
+                bytes: bytes.to_vec(),
+            };
+            self.ask(op, wait, done).await?;
+        }
+        Ok(())
     }
 }
 
@@ -806,16 +851,11 @@ where
                 let _ = reply.send(state.snapshot(wait).await);
             }
             StageMsg::Restore { shard, reply } => {
-                let shards = shard
+                let shards: Vec<Vec<u8>> = shard
                     .iter()
                     .map(crate::checkpoint::format::encode_shard)
                     .collect();
-                let r = state
-                    .ask(StageOp::Restore { shards }, wait, |a| {
-                        matches!(a, StageAnswer::Done).then_some(())
-                    })
-                    .await;
-                let _ = reply.send(r);
+                let _ = reply.send(state.restore(shards, wait).await);
             }
             StageMsg::Reconnect {
                 id,
@@ -952,6 +992,10 @@ struct NodeSlot<M> {
     link_listener: Option<TcpListener>,
     /// A pipeline slot's links to its replica's other stages.
     wires: Vec<LinkCloser>,
+    /// The parts of the last snapshot over one message, until the head fetched the last.
+    outgoing: Vec<Vec<u8>>,
+    /// The parts of a restore received so far, and the next part expected.
+    incoming: (Vec<u8>, u32),
     /// Steps it trained (answered `Step` with a report).
     steps: u64,
 }
@@ -1027,6 +1071,8 @@ impl<M: Send + 'static> NodeStages<M> {
                         group: None,
                         link_listener: None,
                         wires: Vec::new(),
+                        outgoing: Vec::new(),
+                        incoming: (Vec::new(), 0),
                         steps: 0,
                     },
                 )
@@ -1166,31 +1212,65 @@ impl<M: Send + 'static> NodeInner<M> {
                 .call(StageMsg::Fingerprint)
                 .await
                 .map(StageAnswer::Fingerprint),
-            StageOp::Snapshot => self
-                .asker(slot, timeout)?
-                .call(StageMsg::Snapshot)
-                .await
-                .map(|shards| {
-                    StageAnswer::Snapshot(
-                        shards
-                            .iter()
-                            .map(crate::checkpoint::format::encode_shard)
-                            .collect(),
-                    )
-                }),
-            StageOp::Restore { shards } => {
-                let from = Path::new("<shard from the head>");
-                let shard = shards
+            StageOp::Snapshot => {
+                let shards: Vec<Vec<u8>> = self
+                    .asker(slot, timeout)?
+                    .call(StageMsg::Snapshot)
+                    .await?
                     .iter()
-                    .map(|b| crate::checkpoint::format::decode_shard(b, from))
-                    .collect::<std::result::Result<Vec<_>, _>>()
-                    .map_err(|e| RemoteError::Other(e.to_string()))?;
-                let shard = Box::new(shard);
-                self.asker(slot, timeout)?
-                    .call(|reply| StageMsg::Restore { shard, reply })
-                    .await
-                    .map(|()| StageAnswer::Done)
+                    .map(crate::checkpoint::format::encode_shard)
+                    .collect();
+                if shards.iter().map(Vec::len).sum::<usize>() <= PART_BYTES {
+                    return Ok(StageAnswer::Snapshot(shards));
+                }
+                // REMOTE-6: kept until the head fetched it part by part.
+                let parts: Vec<Vec<u8>> = join_shards(&shards)
+                    .chunks(PART_BYTES)
+                    .map(<[u8]>::to_vec)
+                    .collect();
+                let count = parts.len() as u32;
+                self.with_slot(slot, |s| s.outgoing = parts)?;
+                Ok(StageAnswer::SnapshotParts { parts: count })
             }
+            StageOp::SnapshotPart { part } => self.with_slot(slot, |s| {
+                let piece = s.outgoing.get(part as usize).cloned();
+                if part as usize + 1 >= s.outgoing.len() {
+                    s.outgoing.clear();
+                }
+                piece.map(StageAnswer::Part).ok_or_else(|| {
+                    RemoteError::Other(format!(
+                        "rank {} keeps no part {part} of a snapshot (ask Snapshot first)",
+                        slot.0
+                    ))
+                })
+            })?,
+            StageOp::RestorePart { part, parts, bytes } => {
+                let whole = self.with_slot(slot, |s| {
+                    let (kept, next) = &mut s.incoming;
+                    if part == 0 {
+                        kept.clear();
+                        *next = 0;
+                    }
+                    if part != *next || part >= parts {
+                        *next = 0;
+                        kept.clear();
+                        return Err(RemoteError::Other(format!(
+                            "part {part} of {parts} of a restore, expected part {next}"
+                        )));
+                    }
+                    kept.extend_from_slice(&bytes);
+                    *next += 1;
+                    Ok((part + 1 == parts).then(|| std::mem::take(kept)))
+                })??;
+                match whole {
+                    None => Ok(StageAnswer::Done),
+                    Some(bytes) => {
+                        let shards = split_shards(&bytes).map_err(RemoteError::Other)?;
+                        self.restore(slot, shards, timeout).await
+                    }
+                }
+            }
+            StageOp::Restore { shards } => self.restore(slot, shards, timeout).await,
             StageOp::Regroup {
                 id,
                 rank,
@@ -1210,6 +1290,26 @@ impl<M: Send + 'static> NodeInner<M> {
                 Ok(StageAnswer::Done)
             }
         }
+    }
+
+    /// Restores `slot`'s stage from shards in the checkpoint format (checksums verified).
+    async fn restore(
+        &self,
+        slot: Rank,
+        shards: Vec<Vec<u8>>,
+        timeout: Duration,
+    ) -> std::result::Result<StageAnswer, RemoteError> {
+        let from = Path::new("<shard from the head>");
+        let shard = shards
+            .iter()
+            .map(|b| crate::checkpoint::format::decode_shard(b, from))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| RemoteError::Other(e.to_string()))?;
+        let shard = Box::new(shard);
+        self.asker(slot, timeout)?
+            .call(|reply| StageMsg::Restore { shard, reply })
+            .await
+            .map(|()| StageAnswer::Done)
     }
 
     /// Asks `slot`'s stage, bounded by `timeout`.

@@ -164,6 +164,61 @@ pub fn all_reduce_bandwidth(
     ))
 }
 
+/// What each of two plain loopback TCP streams in opposite directions moves while both run
+/// at once, in 1e9 bytes per second: the traffic of a two-rank ring all-reduce (each rank sends
+/// and receives the buffer once), so the ceiling it meets when the machine's cores, not the
+/// network, limit loopback TCP. `total` bytes each way in 4 MiB writes; the median of `runs`.
+#[cfg(feature = "cluster")]
+pub fn tcp_duplex_gbps(total: usize, runs: usize) -> std::io::Result<f64> {
+    let mut samples = Vec::new();
+    for _ in 0..runs.max(1) {
+        let start = Instant::now();
+        let ways = [
+            std::thread::spawn(move || one_way(total)),
+            std::thread::spawn(move || one_way(total)),
+        ];
+        for way in ways {
+            way.join()
+                .map_err(|_| std::io::Error::other("a stream thread panicked"))??;
+        }
+        samples.push(start.elapsed());
+    }
+    Ok(gbps(total, median(samples)))
+}
+
+/// Moves `total` bytes over one loopback TCP stream (a writer thread, this thread reads).
+#[cfg(feature = "cluster")]
+fn one_way(total: usize) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    const CHUNK: usize = 4 << 20;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut stream = std::net::TcpStream::connect(addr)?;
+        stream.set_nodelay(true)?;
+        let chunk = vec![1u8; CHUNK];
+        let mut left = total;
+        while left > 0 {
+            let n = left.min(CHUNK);
+            stream.write_all(&chunk[..n])?;
+            left -= n;
+        }
+        Ok(())
+    });
+    let (mut stream, _) = listener.accept()?;
+    let mut buf = vec![0u8; CHUNK];
+    let mut got = 0;
+    while got < total {
+        match stream.read(&mut buf)? {
+            0 => break,
+            n => got += n,
+        }
+    }
+    writer
+        .join()
+        .map_err(|_| std::io::Error::other("the stream writer panicked"))?
+}
+
 /// What one plain loopback TCP stream moves, in 1e9 bytes per second: a thread writes
 /// `total` bytes in 4 MiB writes to a socket of this process, another reads them; the median
 /// of `runs` runs. The ceiling a TCP all-reduce on this machine is compared with.

@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use meshwork::cluster::link::{JobToken, LinkListener};
 use meshwork::comm::Algorithm;
-use meshwork::comm::bench::{figures, memcpy_gbps, tcp_stream_gbps, time_all_reduce};
+use meshwork::comm::bench::{
+    figures, memcpy_gbps, tcp_duplex_gbps, tcp_stream_gbps, time_all_reduce,
+};
 use meshwork::comm::tcp::{TcpConfig, TcpGroup};
 use meshwork::error::{Error, Result};
 use meshwork::mesh::{Generation, Rank};
@@ -43,6 +45,7 @@ pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) ->
         reason: e.to_string(),
     })?;
     let stream = tcp_stream_gbps(STREAM_BYTES, 3).map_err(runtime)?;
+    let duplex = tcp_duplex_gbps(STREAM_BYTES, 3).map_err(runtime)?;
     let token = JobToken::random();
     let hex: String = token
         .as_bytes()
@@ -65,11 +68,12 @@ pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) ->
     if !json {
         println!(
             "# all_reduce over TCP, {world} processes on 127.0.0.1, f32, sum; GB/s = 1e9 bytes/s; \
-             busbw = algbw·2(N−1)/N; one loopback TCP stream: {stream:.2} GB/s"
+             busbw = algbw·2(N−1)/N; one loopback TCP stream: {stream:.2} GB/s; each of two \
+             opposite streams at once: {duplex:.2} GB/s"
         );
         println!(
-            "{:>12} {:>6} {:>10} {:>8} {:>8} {:>11}",
-            "bytes", "algo", "time_us", "algbw", "busbw", "busbw/tcp"
+            "{:>12} {:>6} {:>10} {:>8} {:>8} {:>11} {:>14}",
+            "bytes", "algo", "time_us", "algbw", "busbw", "busbw/tcp", "busbw/duplex"
         );
     }
     for &bytes in sizes {
@@ -94,17 +98,19 @@ pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) ->
                     "algbw_gbps": f.algbw_gbps, "busbw_gbps": f.busbw_gbps,
                     "memcpy_gbps": f.memcpy_gbps, "time_us": f.seconds_median * 1e6,
                     "transport": "tcp", "tcp_stream_gbps": stream,
+                    "tcp_duplex_gbps": duplex,
                 })
             );
         } else {
             println!(
-                "{:>12} {:>6} {:>10.1} {:>8.2} {:>8.2} {:>11.2}",
+                "{:>12} {:>6} {:>10.1} {:>8.2} {:>8.2} {:>11.2} {:>14.2}",
                 f.bytes,
                 f.algorithm.to_string(),
                 f.seconds_median * 1e6,
                 f.algbw_gbps,
                 f.busbw_gbps,
-                f.busbw_gbps / stream.max(1e-12)
+                f.busbw_gbps / stream.max(1e-12),
+                f.busbw_gbps / duplex.max(1e-12)
             );
         }
     }

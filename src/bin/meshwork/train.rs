@@ -40,6 +40,10 @@ pub(crate) struct TrainArgs {
     /// Write the trained model (Burn record) to this file.
     #[arg(long)]
     save_model: Option<PathBuf>,
+    /// Width of the demo MLP's hidden layers (128: about 21 thousand parameters; 1024:
+    /// about 1.1 million).
+    #[arg(long, default_value_t = 128)]
+    hidden: usize,
     /// Pipeline stages: > 1 cuts the demo MLP into that many stages, one stage actor (and
     /// device) each; combined with --dp for a dp × pp mesh.
     #[arg(long, default_value_t = 1)]
@@ -120,6 +124,11 @@ pub(crate) fn fault_settings(
 }
 
 pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
+    if args.hidden == 0 {
+        return Err(Error::InvalidConfig(
+            "--hidden 0: the demo MLP's hidden layers need at least one unit".into(),
+        ));
+    }
     #[cfg(feature = "cluster")]
     {
         let spec = || {
@@ -130,13 +139,13 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                 micro_batches: args.micro_batches,
                 virtual_stages: args.virtual_stages,
             });
-            let widths: &[usize] = if pipeline.is_some() {
-                &PIPELINE_WIDTHS
+            let widths = if pipeline.is_some() {
+                pipeline_widths(args.hidden)
             } else {
-                &WIDTHS
+                widths(args.hidden)
             };
             crate::cluster::demo_spec(
-                widths,
+                &widths,
                 (args.seed, args.batch_size, args.steps),
                 args.lr,
                 args.collective_timeout,
@@ -161,10 +170,15 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
     runtime.block_on(train(args))
 }
 
-/// The demo MLP's widths.
-const WIDTHS: [usize; 4] = [32, 128, 128, 4];
+/// The demo MLP's widths: 32 inputs, two hidden layers, 4 outputs.
+fn widths(hidden: usize) -> Vec<usize> {
+    vec![32, hidden, hidden, 4]
+}
+
 /// The demo MLP of pipeline jobs: deeper, so that it cuts into up to 5 blocks.
-const PIPELINE_WIDTHS: [usize; 6] = [32, 128, 128, 128, 128, 4];
+fn pipeline_widths(hidden: usize) -> Vec<usize> {
+    vec![32, hidden, hidden, hidden, hidden, 4]
+}
 
 async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
     let pipelined = args.pp > 1 || args.timeline.is_some();
@@ -210,9 +224,10 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
                 ))
             })?;
         let blocks = (args.pp * schedule.virtual_stages()) as usize;
-        let layers = PIPELINE_WIDTHS.len() - 1;
+        let pipeline_widths = pipeline_widths(args.hidden);
+        let layers = pipeline_widths.len() - 1;
         let stages = even_split(layers, blocks)
-            .and_then(|split| mlp_pipeline(&PIPELINE_WIDTHS, &split, &model_device))
+            .and_then(|split| mlp_pipeline(&pipeline_widths, &split, &model_device))
             .ok_or_else(|| {
                 Error::InvalidConfig(format!(
                     "--pp {} × {} virtual stages: the demo MLP has {layers} layers, so at most \
@@ -269,7 +284,7 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         }
         return Ok(());
     }
-    let init = Mlp::new(&WIDTHS, &model_device);
+    let init = Mlp::new(&widths(args.hidden), &model_device);
     let builder = checkpoint_settings(&args.checkpoint_flags(), Job::builder())
         .initial_model(init)
         .loss(mse_loss)

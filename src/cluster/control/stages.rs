@@ -83,8 +83,24 @@ pub enum StageOp {
     },
     /// `StageMsg::Fingerprint`.
     Fingerprint,
-    /// `StageMsg::Snapshot`: the answer carries each shard in the checkpoint format.
+    /// `StageMsg::Snapshot`: the answer carries each shard in the checkpoint format, or (over
+    /// [`PART_BYTES`]) says in how many parts it waits to be fetched ([`StageOp::SnapshotPart`]).
     Snapshot,
+    /// Part `part` of the snapshot the last `Snapshot` kept.
+    SnapshotPart {
+        /// The part, from 0.
+        part: u32,
+    },
+    /// Part `part` of `parts` of shards to restore (a restore over [`PART_BYTES`]); the last
+    /// part restores them.
+    RestorePart {
+        /// The part, from 0.
+        part: u32,
+        /// How many parts there are.
+        parts: u32,
+        /// The part's bytes ([`join_shards`]'s encoding, cut in pieces).
+        bytes: Vec<u8>,
+    },
     /// `StageMsg::Restore`: each shard in the checkpoint format (checksums verified on
     /// arrival).
     Restore {
@@ -123,6 +139,8 @@ impl StageOp {
             Self::Step { .. } => "Step",
             Self::Fingerprint => "Fingerprint",
             Self::Snapshot => "Snapshot",
+            Self::SnapshotPart { .. } => "SnapshotPart",
+            Self::RestorePart { .. } => "RestorePart",
             Self::Restore { .. } => "Restore",
             Self::Regroup { .. } => "Regroup",
             Self::Heartbeat => "Heartbeat",
@@ -151,6 +169,13 @@ pub enum StageAnswer {
     Fingerprint(u64),
     /// The answer to Snapshot: each shard in the checkpoint format.
     Snapshot(Vec<Vec<u8>>),
+    /// The answer to a Snapshot over [`PART_BYTES`]: fetch it in `parts` parts.
+    SnapshotParts {
+        /// How many parts.
+        parts: u32,
+    },
+    /// The answer to SnapshotPart.
+    Part(Vec<u8>),
     /// The answer to Heartbeat.
     Heartbeat(Heartbeat),
     /// The op failed on the node.
@@ -167,6 +192,8 @@ impl StageAnswer {
             Self::Step(_) => "Step",
             Self::Fingerprint(_) => "Fingerprint",
             Self::Snapshot(_) => "Snapshot",
+            Self::SnapshotParts { .. } => "SnapshotParts",
+            Self::Part(_) => "Part",
             Self::Heartbeat(_) => "Heartbeat",
             Self::Failed(_) => "Failed",
         }
@@ -322,6 +349,39 @@ impl RemoteError {
             Self::Other(text) => Error::Runtime(format!("on {node}: {text}")),
         }
     }
+}
+
+/// The most bytes of shards one control message carries: a snapshot or restore of more moves
+/// in parts of this size (a message stays well under `MAX_CONTROL_MESSAGE`).
+pub const PART_BYTES: usize = 512 << 10;
+
+/// Shards (each in the checkpoint format) as one byte string: per shard its length (u64,
+/// little-endian), then its bytes.
+pub fn join_shards(shards: &[Vec<u8>]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(shards.iter().map(|s| s.len() + 8).sum());
+    for s in shards {
+        out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+        out.extend_from_slice(s);
+    }
+    out
+}
+
+/// The shards of [`join_shards`]'s byte string; a length past the end is an error (each shard
+/// is then checked by its own checksums).
+pub fn split_shards(mut bytes: &[u8]) -> Result<Vec<Vec<u8>>, String> {
+    let mut out = Vec::new();
+    while !bytes.is_empty() {
+        let (len, rest) = bytes
+            .split_first_chunk::<8>()
+            .ok_or_else(|| format!("{} bytes where a shard length was expected", bytes.len()))?;
+        let len = usize::try_from(u64::from_le_bytes(*len))
+            .ok()
+            .filter(|&l| l <= rest.len())
+            .ok_or_else(|| format!("a shard declares more than the {} bytes left", rest.len()))?;
+        out.push(rest[..len].to_vec());
+        bytes = &rest[len..];
+    }
+    Ok(out)
 }
 
 /// A boxed future of a stage answer.
