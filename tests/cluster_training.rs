@@ -457,6 +457,59 @@ fn a_node_joining_a_running_job_becomes_a_replica_and_trains() {
 }
 
 #[test]
+fn below_its_minimum_a_job_waits_for_a_node_to_join_and_trains_on_with_it() {
+    let (mut head, addr) = training_head(
+        "refill",
+        3,
+        60,
+        &[
+            "--min-replicas",
+            "3",
+            "--on-replica-loss",
+            "shrink",
+            "--steps",
+            "100000",
+            "--batch-size",
+            "48",
+            "--collective-timeout",
+            "5",
+        ],
+    );
+    let mut nodes = vec![
+        node("node-a", &addr, "refill", &[], SECRET),
+        node("node-b", &addr, "refill", &[], SECRET),
+        node("node-c", &addr, "refill", &[], SECRET),
+    ];
+    for n in &nodes {
+        n.wait_line("prepared:", Duration::from_secs(60));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let mut victim = nodes.remove(1);
+    victim.signal("-KILL");
+    victim.wait_exit(Duration::from_secs(10));
+    // Two replicas are below the minimum: the job holds its next step (ELASTIC-3) ...
+    let waiting = head.wait_line("below the minimum of 3", Duration::from_secs(30));
+    // ... until a node joins: it becomes the third replica and the job trains on.
+    nodes.push(node("node-d", &addr, "refill", &[], SECRET));
+    head.wait_line(
+        "node node-d joined the running job",
+        Duration::from_secs(30),
+    );
+    let resized = head.wait_line("resized from 2 to 3 replicas", Duration::from_secs(30));
+    println!("{waiting}\n{resized}");
+    std::thread::sleep(Duration::from_secs(1));
+    head.signal("-TERM");
+    let (status, _) = head.wait_exit(Duration::from_secs(60));
+    assert!(status.success(), "head failed:\n{}", head.output());
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
+        let trained = steps_trained(n);
+        assert!(trained.len() == 1 && trained[0].1 > 0, "{}", n.output());
+    }
+}
+
+#[test]
 fn a_lost_node_is_replaced_by_a_spare_that_joined_and_the_rolled_back_job_ends_as_an_uninterrupted_one()
  {
     let dir = std::env::temp_dir().join(format!("meshwork-spare-{}", std::process::id()));

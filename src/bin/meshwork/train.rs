@@ -502,6 +502,18 @@ pub(crate) async fn drive<M: Send + 'static>(
                         generation.0
                     ),
                 ),
+                Ok(JobEvent::WaitingForDevices {
+                    step,
+                    replicas,
+                    min,
+                    within,
+                }) => say(
+                    &progress,
+                    format!(
+                        "step {step}: {replicas} replica(s), below the minimum of {min}: \
+                         waiting up to {within:?} for devices"
+                    ),
+                ),
                 Ok(JobEvent::Resized { step, from, to, .. }) => say(
                     &progress,
                     format!("step {step}: resized from {from} to {to} replicas"),
