@@ -77,6 +77,8 @@ use crate::mesh::{Generation, Rank};
 pub mod bench;
 mod communicator;
 mod element;
+#[cfg(feature = "cluster")]
+pub mod hierarchical;
 mod local;
 pub mod plan;
 #[cfg(feature = "cluster")]
@@ -624,6 +626,15 @@ pub enum CommError {
         /// The group's size.
         world: usize,
     },
+    /// The transport cannot run this op with these arguments (a hierarchical group's
+    /// point-to-point ops; HIER-1).
+    #[error("{op}: {why}")]
+    Unsupported {
+        /// The op.
+        op: CollectiveKind,
+        /// Why not, and what to do instead.
+        why: String,
+    },
 }
 
 impl CommError {
@@ -638,7 +649,7 @@ impl CommError {
             | CommError::MessageLost { seq, .. }
             | CommError::CorruptMessage { seq, .. }
             | CommError::Link { seq, .. } => Some(*seq),
-            CommError::InvalidPeer { .. } => None,
+            CommError::InvalidPeer { .. } | CommError::Unsupported { .. } => None,
         }
     }
 

@@ -147,6 +147,118 @@ fn dp_3_across_three_node_processes_equals_the_single_device_reference() {
 }
 
 #[test]
+fn two_nodes_of_two_devices_all_reduce_hierarchically_and_equal_the_single_device_reference() {
+    let dir = std::env::temp_dir().join(format!("meshwork-hier-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model_path = dir.join("trained.mpk");
+    let model_arg = model_path.display().to_string();
+    let (steps, batch, seed) = (12u64, 48usize, 7u64);
+    let (mut head, addr) = training_head(
+        "hier",
+        2,
+        60,
+        &[
+            "--steps",
+            &steps.to_string(),
+            "--batch-size",
+            &batch.to_string(),
+            "--seed",
+            &seed.to_string(),
+            "--collective-timeout",
+            "20",
+            "--save-model",
+            &model_arg,
+        ],
+    );
+    let mut nodes = [
+        node("node-a", &addr, "hier", &["--devices", "2"], SECRET),
+        node("node-b", &addr, "hier", &["--devices", "2"], SECRET),
+    ];
+    let (status, _) = head.wait_exit(Duration::from_secs(180));
+    let out = head.output();
+    assert!(status.success(), "head failed:\n{out}");
+    assert!(
+        out.contains("world assembled: 4 rank(s) over 3 process(es)"),
+        "{out}"
+    );
+    // Each node trained its two ranks every step, in a hierarchical group: its two ranks
+    // reduce in process, one of them leads the node across processes.
+    let mut ranks = Vec::new();
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        let text = n.output();
+        assert!(status.success(), "{} failed:\n{text}", n.name);
+        let trained = steps_trained(n);
+        assert_eq!(trained.len(), 2, "{}:\n{text}", n.name);
+        assert!(trained.iter().all(|(_, s)| *s == steps), "{text}");
+        ranks.extend(trained.iter().map(|(r, _)| *r));
+        let shape = "hierarchical group of 4 rank(s), 2 in this process, 2 process(es)";
+        assert_eq!(text.matches(shape).count(), 2, "{}:\n{text}", n.name);
+        assert_eq!(text.matches("leads its process").count(), 1, "{text}");
+    }
+    ranks.sort_unstable();
+    assert_eq!(ranks, [0, 1, 2, 3]);
+    let (expected, device) = reference(seed, batch, steps, 4);
+    let trained = load(&model_path, &device);
+    let worst = compare_parameters(&trained, &expected, TOLERANCE)
+        .unwrap_or_else(|e| panic!("the hierarchical job differs from one device: {e}"));
+    println!("worst relative difference: {worst:e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_node_of_two_devices_killed_loses_both_ranks_and_the_hierarchical_job_shrinks() {
+    let (mut head, addr) = training_head(
+        "hierkill",
+        3,
+        60,
+        &[
+            "--steps",
+            "100000",
+            "--batch-size",
+            "48",
+            "--collective-timeout",
+            "5",
+            "--on-replica-loss",
+            "shrink",
+        ],
+    );
+    let two = ["--devices", "2"];
+    let mut nodes = vec![
+        node("node-a", &addr, "hierkill", &two, SECRET),
+        node("node-b", &addr, "hierkill", &two, SECRET),
+        node("node-c", &addr, "hierkill", &two, SECRET),
+    ];
+    for n in &nodes {
+        n.wait_line("prepared:", Duration::from_secs(60));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let mut victim = nodes.remove(1);
+    victim.signal("-KILL");
+    victim.wait_exit(Duration::from_secs(10));
+    // Both of its ranks are lost at once (the second found by its silent device), and the
+    // four survivors regroup hierarchically under generation 1.
+    let recovered = head.wait_line(
+        "recovered (generation 1, 4 replicas)",
+        Duration::from_secs(30),
+    );
+    println!("{recovered}");
+    std::thread::sleep(Duration::from_secs(1));
+    head.signal("-TERM");
+    let (status, _) = head.wait_exit(Duration::from_secs(60));
+    let out = head.output();
+    assert!(status.success(), "head failed after the recovery:\n{out}");
+    assert_eq!(out.matches("lost device").count(), 2, "{out}");
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        let text = n.output();
+        assert!(status.success(), "{} failed:\n{text}", n.name);
+        let shape = "generation 1: hierarchical group of 4 rank(s), 2 in this process";
+        assert_eq!(text.matches(shape).count(), 2, "{}:\n{text}", n.name);
+    }
+}
+
+#[test]
 fn dp_2_pp_2_across_four_node_processes_equals_the_single_device_reference() {
     let dir = std::env::temp_dir().join(format!("meshwork-dp2pp2-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

@@ -833,6 +833,28 @@ fn lost_ranks<M, I>(state: &SupervisorState<M, I>, failure: &LostRanks) -> Vec<u
     lost
 }
 
+/// `lost` and every other rank whose device does not answer a heartbeat within
+/// [`HEARTBEAT_PROBE`], in rank order.
+async fn with_unreachable(
+    devices: Vec<(ActorRef<DeviceMsg>, DeviceId)>,
+    mut lost: Vec<usize>,
+) -> Vec<usize> {
+    let mut probes = JoinSet::new();
+    for (r, (device, id)) in devices.into_iter().enumerate() {
+        if lost.contains(&r) {
+            continue;
+        }
+        probes.spawn(async move { (r, heartbeat(&device, id, HEARTBEAT_PROBE).await.is_ok()) });
+    }
+    while let Some(probe) = probes.join_next().await {
+        if let Ok((r, false)) = probe {
+            lost.push(r);
+        }
+    }
+    lost.sort_unstable();
+    lost
+}
+
 /// Recover from `failure` at `step` by the job's policy (REC-1..3): on `Ok` the mesh holds the
 /// survivors under a new generation and the step is to be redone.
 async fn recover<M, I>(
@@ -849,7 +871,12 @@ where
         .first()
         .map(|(_, e)| e.clone())
         .unwrap_or_else(|| Error::Runtime("a failure without an error".into()));
-    let lost = lost_ranks(state, &failure);
+    let mut lost = lost_ranks(state, &failure);
+    if state.reconnect && !lost.is_empty() {
+        // Across processes one failure can take several ranks (a node holding several
+        // devices): every other rank whose device does not answer is lost with it.
+        lost = with_unreachable(state.devices.clone(), lost).await;
+    }
     let message_fault = failure.0.iter().any(|(_, e)| e.is_message_fault());
     let twins = twins_of(state, &lost);
     let decision = decide(

@@ -63,8 +63,9 @@ use crate::actors::supervisor::{
     Grow, GrowRemote, Grown, RemoteGrowArgs, SpawnContext, SpawnStages, Spawned,
 };
 use crate::checkpoint::{ShardSnapshot, restore_module};
-use crate::comm::Communicator;
+use crate::comm::hierarchical::HierarchyPlan;
 use crate::comm::tcp::{TcpConfig, TcpGroup, TcpShutdown};
+use crate::comm::{Communicator, LocalGroup};
 use crate::device::{BackendKind, MeshDevice};
 use crate::error::{DeviceId, Error, Result, StageId};
 use crate::mesh::{Coord, Generation, Layout, Rank};
@@ -95,6 +96,9 @@ pub(crate) struct SlotStart {
     /// Its pipeline links (pipeline jobs).
     pub(crate) links: Option<StageLinks>,
 }
+
+/// Members' communicators of in-process groups being formed, by (generation, members).
+type LocalGroups = HashMap<(u64, Vec<u32>), Vec<Option<Communicator>>>;
 
 /// What a process's slots run: data-parallel replicas or pipeline stages.
 pub(crate) trait SlotFactory<M>: Send + Sync + 'static {
@@ -219,6 +223,8 @@ pub struct ClusterMesh {
 struct MeshSlots {
     endpoints: Vec<Endpoint>,
     addrs: Vec<SocketAddr>,
+    /// Each slot's process (ranks of one process all-reduce hierarchically).
+    processes: Vec<u32>,
     /// Slots of nodes that joined the running job and are not replicas yet, oldest first.
     waiting: std::collections::VecDeque<Rank>,
 }
@@ -262,6 +268,7 @@ impl MeshJoiner {
         for e in entries {
             slots.endpoints.push(Endpoint::Node(node.clone()));
             slots.addrs.push(e.addr);
+            slots.processes.push(e.process.0);
             slots.waiting.push_back(e.rank);
         }
         Ok(entries.len() as u32)
@@ -314,6 +321,7 @@ impl ClusterMesh {
             slots: Arc::new(Mutex::new(MeshSlots {
                 endpoints,
                 addrs: world.ranks.iter().map(|e| e.addr).collect(),
+                processes: world.ranks.iter().map(|e| e.process.0).collect(),
                 waiting: Default::default(),
             })),
             model_device,
@@ -864,24 +872,28 @@ where
                 slots,
                 reply,
             } => {
-                let (addrs, known) = {
+                let (members, known) = {
                     let mesh = lock(&state.slots);
-                    let addrs: Option<Vec<SocketAddr>> = slots
+                    let members: Option<Vec<(SocketAddr, u32)>> = slots
                         .iter()
-                        .map(|s| mesh.addrs.get(s.index()).copied())
+                        .map(|s| {
+                            Some((*mesh.addrs.get(s.index())?, *mesh.processes.get(s.index())?))
+                        })
                         .collect();
-                    (addrs, mesh.addrs.len())
+                    (members, mesh.addrs.len())
                 };
-                let r = match addrs {
+                let r = match members {
                     None => Err(Error::InvalidConfig(format!(
                         "reconnect with slots {slots:?}, not all in a world of {known}"
                     ))),
-                    Some(addrs) => {
+                    Some(members) => {
+                        let (addrs, processes) = members.into_iter().unzip();
                         let op = StageOp::Regroup {
                             id,
                             rank,
                             generation,
                             addrs,
+                            processes,
                         };
                         state
                             .ask(op, wait, |a| matches!(a, StageAnswer::Done).then_some(()))
@@ -987,7 +999,7 @@ struct NodeSlot<M> {
     stage: Option<ActorRef<StageMsg<M>>>,
     id: StageId,
     /// The data-plane group it is in, with its generation.
-    group: Option<(Generation, TcpShutdown)>,
+    group: Option<(Generation, GroupShutdown)>,
     /// A pipeline slot between `Start` and `Wire`: where its pipeline links are accepted.
     link_listener: Option<TcpListener>,
     /// A pipeline slot's links to its replica's other stages.
@@ -998,6 +1010,27 @@ struct NodeSlot<M> {
     incoming: (Vec<u8>, u32),
     /// Steps it trained (answered `Step` with a report).
     steps: u64,
+    /// How it last joined the data plane, in words.
+    joined: String,
+}
+
+/// Shuts a slot's data-plane group down: its TCP links, and its process's in-process group
+/// when the group is hierarchical.
+#[derive(Debug)]
+struct GroupShutdown {
+    tcp: Option<TcpShutdown>,
+    local: Option<Arc<LocalGroup>>,
+}
+
+impl GroupShutdown {
+    fn shutdown(&self) {
+        if let Some(t) = &self.tcp {
+            t.shutdown();
+        }
+        if let Some(l) = &self.local {
+            l.shutdown();
+        }
+    }
 }
 
 impl<M> NodeSlot<M> {
@@ -1015,6 +1048,9 @@ impl<M> NodeSlot<M> {
 struct NodeInner<M> {
     factory: Arc<dyn SlotFactory<M>>,
     token: JobToken,
+    /// In-process groups of hierarchical groups being formed, by generation and members: each
+    /// member's communicator until it takes it.
+    local_groups: Mutex<LocalGroups>,
     plan: ProcessPlan,
     tcp: TcpConfig,
     slots: Mutex<HashMap<u32, NodeSlot<M>>>,
@@ -1074,6 +1110,7 @@ impl<M: Send + 'static> NodeStages<M> {
                         outgoing: Vec::new(),
                         incoming: (Vec::new(), 0),
                         steps: 0,
+                        joined: String::new(),
                     },
                 )
             })
@@ -1081,6 +1118,7 @@ impl<M: Send + 'static> NodeStages<M> {
         Ok(Self {
             inner: Arc::new(NodeInner {
                 factory,
+                local_groups: Mutex::new(HashMap::new()),
                 token: args.token,
                 plan: args.plan,
                 tcp,
@@ -1107,13 +1145,17 @@ impl<M: Send + 'static> NodeInner<M> {
     }
 
     /// Joins the group of `generation` whose ranks listen at `addrs`, as `rank`, through
-    /// `slot`'s listener; the old group (if any) is shut down first.
+    /// `slot`'s listener; the old group (if any) is shut down first. With `processes` (each
+    /// member's process) and a process holding two or more members, the group is
+    /// hierarchical (HIER-1): an in-process group of this process's members, and a TCP group
+    /// of one leader per process on the leaders' listeners; otherwise a flat TCP group.
     async fn connect(
         &self,
         slot: Rank,
         rank: Rank,
         generation: Generation,
         addrs: Vec<SocketAddr>,
+        processes: Option<Vec<u32>>,
     ) -> std::result::Result<crate::comm::Communicator, RemoteError> {
         let listener = self.with_slot(slot, |s| {
             if let Some((_, old)) = s.group.take() {
@@ -1121,24 +1163,135 @@ impl<M: Send + 'static> NodeInner<M> {
             }
             s.listener.try_clone()
         })?;
+        let hierarchy = processes
+            .as_ref()
+            .and_then(|p| HierarchyPlan::of(rank, p).map(|plan| (plan, p.clone())));
+        let Some((plan, processes)) = hierarchy else {
+            let group = self.tcp_group(listener, rank, generation, addrs).await?;
+            let shutdown = GroupShutdown {
+                tcp: Some(group.shutdown_handle()),
+                local: None,
+            };
+            let joined = format!(
+                "generation {}: flat TCP group of {} rank(s)",
+                generation.0,
+                group.world()
+            );
+            self.with_slot(slot, |s| {
+                s.group = Some((generation, shutdown));
+                s.joined = joined;
+            })?;
+            return Ok(group.into_communicator());
+        };
+        let local = self.local_member(&plan, rank, generation)?;
+        let leaders = match plan.local_index(rank) {
+            Some(0) if plan.leaders.len() > 1 => {
+                let index = plan.leaders.iter().position(|l| *l == rank).unwrap_or(0);
+                let leader_addrs = plan
+                    .leaders
+                    .iter()
+                    .map(|l| addrs.get(l.index()).copied())
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| {
+                        RemoteError::Other(format!(
+                            "{} addresses for leaders {:?}",
+                            addrs.len(),
+                            plan.leaders
+                        ))
+                    })?;
+                Some(
+                    self.tcp_group(listener, Rank(index as u32), generation, leader_addrs)
+                        .await?,
+                )
+            }
+            _ => None,
+        };
+        let shutdown = GroupShutdown {
+            tcp: leaders.as_ref().map(TcpGroup::shutdown_handle),
+            local: local.group().cloned(),
+        };
+        let joined = format!(
+            "generation {}: hierarchical group of {} rank(s), {} in this process, {} process(es){}",
+            generation.0,
+            processes.len(),
+            plan.local.len(),
+            plan.leaders.len(),
+            if leaders.is_some() {
+                ", this rank leads its process across processes"
+            } else {
+                ""
+            }
+        );
+        self.with_slot(slot, |s| {
+            s.group = Some((generation, shutdown));
+            s.joined = joined;
+        })?;
+        let leaders = leaders.map(TcpGroup::into_communicator);
+        let timeout = self.tcp.comm.timeout;
+        crate::comm::Communicator::hierarchical((rank, generation), processes, plan, local, leaders)
+            .map(|c| c.with_timeout(timeout))
+            .ok_or_else(|| RemoteError::Other("the in-process part of a hierarchical group".into()))
+    }
+
+    /// A flat TCP group of `generation` whose rank r listens at `addrs[r]`, joined as `rank`
+    /// on `listener`.
+    async fn tcp_group(
+        &self,
+        listener: std::io::Result<TcpListener>,
+        rank: Rank,
+        generation: Generation,
+        addrs: Vec<SocketAddr>,
+    ) -> std::result::Result<TcpGroup, RemoteError> {
         let listener = listener
             .and_then(|l| LinkListener::from_std(l, rank, self.token.clone(), self.tcp.link))
             .map_err(|e| RemoteError::Other(format!("the data-plane listener: {e}")))?;
         let tcp = self.tcp.clone();
-        let group = tokio::task::spawn_blocking(move || {
-            TcpGroup::connect(&listener, &addrs, generation, tcp)
-        })
-        .await
-        .map_err(|e| RemoteError::Other(format!("the connect task failed: {e}")))?
-        .map_err(|e| {
+        tokio::task::spawn_blocking(move || TcpGroup::connect(&listener, &addrs, generation, tcp))
+            .await
+            .map_err(|e| RemoteError::Other(format!("the connect task failed: {e}")))?
+            .map_err(|e| {
+                RemoteError::Other(format!(
+                    "rank {} could not join the data plane of generation {}: {e}",
+                    rank.0, generation.0
+                ))
+            })
+    }
+
+    /// `rank`'s communicator in the in-process group of its process's members: the first of
+    /// them to ask makes the group (one per generation and membership), each takes its own.
+    fn local_member(
+        &self,
+        plan: &HierarchyPlan,
+        rank: Rank,
+        generation: Generation,
+    ) -> std::result::Result<crate::comm::Communicator, RemoteError> {
+        let index = plan.local_index(rank).ok_or_else(|| {
+            RemoteError::Other(format!("rank {} is not among {:?}", rank.0, plan.local))
+        })?;
+        let key = (
+            generation.0,
+            plan.local.iter().map(|r| r.0).collect::<Vec<_>>(),
+        );
+        let mut groups = self.local_groups.lock().unwrap_or_else(|e| e.into_inner());
+        // Groups of older generations are over: drop what no member took.
+        groups.retain(|(g, _), _| *g >= generation.0);
+        let members = groups.entry(key.clone()).or_insert_with(|| {
+            LocalGroup::new(plan.local.len(), generation, self.tcp.comm.clone())
+                .communicators()
+                .into_iter()
+                .map(Some)
+                .collect()
+        });
+        let mine = members.get_mut(index).and_then(Option::take);
+        if members.iter().all(Option::is_none) {
+            groups.remove(&key);
+        }
+        mine.ok_or_else(|| {
             RemoteError::Other(format!(
-                "rank {} could not join the data plane of generation {}: {e}",
+                "rank {} joined the in-process group of generation {} twice",
                 rank.0, generation.0
             ))
-        })?;
-        let shutdown = group.shutdown_handle();
-        self.with_slot(slot, |s| s.group = Some((generation, shutdown)))?;
-        Ok(group.into_communicator())
+        })
     }
 
     async fn serve(self: Arc<Self>, request: StageRequest) -> StageAnswer {
@@ -1276,9 +1429,12 @@ impl<M: Send + 'static> NodeInner<M> {
                 rank,
                 generation,
                 addrs,
+                processes,
             } => {
                 let ask = self.asker(slot, timeout)?;
-                let comm = self.connect(slot, rank, generation, addrs).await?;
+                let comm = self
+                    .connect(slot, rank, generation, addrs, Some(processes))
+                    .await?;
                 ask.call(|reply| StageMsg::Regroup {
                     id,
                     rank,
@@ -1344,11 +1500,18 @@ impl<M: Send + 'static> NodeInner<M> {
             let own = self.plan.addrs.get(slot.index()).copied().ok_or_else(|| {
                 RemoteError::Other(format!("rank {} has no address in the world", slot.0))
             })?;
-            self.connect(slot, Rank(0), Generation(0), vec![own])
+            self.connect(slot, Rank(0), Generation(0), vec![own], None)
                 .await?
         } else {
-            self.connect(slot, slot, Generation(0), self.plan.addrs.clone())
-                .await?
+            let processes = self.plan.processes.iter().map(|p| p.0).collect();
+            self.connect(
+                slot,
+                slot,
+                Generation(0),
+                self.plan.addrs.clone(),
+                Some(processes),
+            )
+            .await?
         };
         let (device_actor, _) = Actor::spawn(None, DeviceActor, device.clone())
             .await
@@ -1453,7 +1616,7 @@ impl<M: Send + 'static> NodeInner<M> {
         });
         let comm = async {
             if replicas.len() > 1 {
-                self.connect(slot, Rank(id.replica), Generation(0), dp_addrs)
+                self.connect(slot, Rank(id.replica), Generation(0), dp_addrs, None)
                     .await
                     .map(Some)
             } else {
@@ -1522,6 +1685,17 @@ impl<M: Send + 'static> StageHost for NodeStages<M> {
     fn steps_trained(&self) -> Vec<(Rank, u64)> {
         let slots = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
         let mut out: Vec<(Rank, u64)> = slots.iter().map(|(&r, s)| (Rank(r), s.steps)).collect();
+        out.sort_unstable();
+        out
+    }
+
+    fn data_plane(&self) -> Vec<(Rank, String)> {
+        let slots = self.inner.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<(Rank, String)> = slots
+            .iter()
+            .filter(|(_, s)| !s.joined.is_empty())
+            .map(|(&r, s)| (Rank(r), s.joined.clone()))
+            .collect();
         out.sort_unstable();
         out
     }

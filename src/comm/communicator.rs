@@ -8,6 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+#[cfg(feature = "cluster")]
+use super::hierarchical::HierCommunicator;
 use super::local::LocalCommunicator;
 #[cfg(feature = "cluster")]
 use super::tcp::TcpCommunicator;
@@ -23,6 +25,9 @@ enum Transport {
     /// keeps `Communicator` (moved around in actor messages) as small as the local one.
     #[cfg(feature = "cluster")]
     Tcp(Box<TcpCommunicator>),
+    /// In-process first, then across processes between leaders (`comm::hierarchical`).
+    #[cfg(feature = "cluster")]
+    Hier(Box<HierCommunicator>),
 }
 
 /// Runs the same method on whichever transport is behind `$comm`.
@@ -32,6 +37,8 @@ macro_rules! dispatch {
             Transport::Local($inner) => $call,
             #[cfg(feature = "cluster")]
             Transport::Tcp($inner) => $call,
+            #[cfg(feature = "cluster")]
+            Transport::Hier($inner) => $call,
         }
     };
 }
@@ -65,6 +72,33 @@ impl Communicator {
         }
     }
 
+    /// A hierarchical group's communicator for `rank` (feature `cluster`): `local` is its
+    /// communicator in its process's in-process group (ranks in `plan.local` order), `leaders`
+    /// (on a process's leader, when there are two or more processes) its communicator in the
+    /// leaders' TCP group (ranks in `plan.leaders` order); `processes[r]` is rank r's process.
+    /// `None` if `local` is not an in-process communicator.
+    #[cfg(feature = "cluster")]
+    pub fn hierarchical(
+        (rank, generation): (Rank, Generation),
+        processes: Vec<u32>,
+        plan: super::hierarchical::HierarchyPlan,
+        local: Communicator,
+        leaders: Option<Communicator>,
+    ) -> Option<Self> {
+        HierCommunicator::new((rank, generation), processes, plan, local, leaders).map(|h| Self {
+            transport: Transport::Hier(Box::new(h)),
+        })
+    }
+
+    /// Whether this communicator runs its collectives hierarchically (in its process, then
+    /// between process leaders).
+    pub fn is_hierarchical(&self) -> bool {
+        #[cfg(feature = "cluster")]
+        return matches!(self.transport, Transport::Hier(_));
+        #[cfg(not(feature = "cluster"))]
+        false
+    }
+
     /// This communicator's rank.
     pub fn rank(&self) -> Rank {
         dispatch!(&self.transport, c => c.rank())
@@ -85,7 +119,7 @@ impl Communicator {
         match &self.transport {
             Transport::Local(c) => Some(c.group()),
             #[cfg(feature = "cluster")]
-            Transport::Tcp(_) => None,
+            Transport::Tcp(_) | Transport::Hier(_) => None,
         }
     }
 
@@ -136,7 +170,7 @@ impl Communicator {
         match &mut self.transport {
             Transport::Local(c) => c.set_message_hook(hook),
             #[cfg(feature = "cluster")]
-            Transport::Tcp(_) => {}
+            Transport::Tcp(_) | Transport::Hier(_) => {}
         }
     }
 

@@ -1645,6 +1645,7 @@ fn op_of(error: &CommError) -> CollectiveKind {
         | CommError::MessageTimeout { op, .. }
         | CommError::MessageLost { op, .. }
         | CommError::CorruptMessage { op, .. }
-        | CommError::InvalidPeer { op, .. } => *op,
+        | CommError::InvalidPeer { op, .. }
+        | CommError::Unsupported { op, .. } => *op,
     }
 }

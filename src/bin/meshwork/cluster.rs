@@ -612,6 +612,9 @@ fn run_node_with(args: NodeArgs, requested: Option<ProcessIndex>) -> meshwork::e
             rank.0
         );
     }
+    for (rank, joined) in &outcome.data_plane {
+        println!("meshwork node {name}: rank {} data plane: {joined}", rank.0);
+    }
     println!(
         "meshwork node {name}: stopped by the head: {}",
         outcome.reason

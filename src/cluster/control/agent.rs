@@ -184,6 +184,8 @@ pub struct NodeOutcome {
     pub reason: String,
     /// The steps each of its slots trained (empty without stages).
     pub trained: Vec<(Rank, u64)>,
+    /// How each of its slots last joined the data plane (`StageHost::data_plane`).
+    pub data_plane: Vec<(Rank, String)>,
 }
 
 /// What the agent tells the node's runner.
@@ -202,6 +204,7 @@ enum AgentEvent {
     Shutdown {
         reason: String,
         trained: Vec<(Rank, u64)>,
+        data_plane: Vec<(Rank, String)>,
     },
     Failed(ControlError),
 }
@@ -337,15 +340,19 @@ impl AgentState {
                 }
             }
             ControlMsg::Shutdown { reason } => {
-                let trained = self
+                let (trained, data_plane) = self
                     .host
                     .as_ref()
-                    .map(|h| h.steps_trained())
+                    .map(|h| (h.steps_trained(), h.data_plane()))
                     .unwrap_or_default();
                 if let Some(host) = &self.host {
                     host.stop();
                 }
-                self.tell(AgentEvent::Shutdown { reason, trained });
+                self.tell(AgentEvent::Shutdown {
+                    reason,
+                    trained,
+                    data_plane,
+                });
                 ControlMsg::Bye
             }
             ControlMsg::Stage(request) => {
@@ -620,6 +627,7 @@ pub async fn run_node(
     let mut plan = None;
     let mut token = None;
     let mut trained = Vec::new();
+    let mut data_plane = Vec::new();
     // Before the Hello: the join deadline; after it: the head time-out since last heard.
     let mut deadline = tokio::time::Instant::from_std(join_deadline);
     let outcome = loop {
@@ -641,8 +649,9 @@ pub async fn run_node(
                     plan = Some(p);
                     token = Some(t);
                 }
-                Some(AgentEvent::Shutdown { reason, trained: t }) => {
+                Some(AgentEvent::Shutdown { reason, trained: t, data_plane: d }) => {
                     trained = t;
+                    data_plane = d;
                     break Ok(reason);
                 }
                 Some(AgentEvent::RefusedHead(reason)) => {
@@ -691,6 +700,7 @@ pub async fn run_node(
         listeners,
         reason,
         trained,
+        data_plane,
     })
 }
 

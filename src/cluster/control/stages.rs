@@ -118,6 +118,9 @@ pub enum StageOp {
         generation: Generation,
         /// Every member's data-plane address, by new rank.
         addrs: Vec<SocketAddr>,
+        /// Every member's process, by new rank (members sharing a process all-reduce
+        /// hierarchically).
+        processes: Vec<u32>,
     },
     /// The device's heartbeat.
     Heartbeat,
@@ -399,6 +402,11 @@ pub trait StageHost: Send + Sync + 'static {
     /// The steps each slot trained so far (what a node reports when it stops: proof that
     /// its devices did the work).
     fn steps_trained(&self) -> Vec<(Rank, u64)>;
+    /// How each slot last joined the data plane, in words (a flat TCP group, or a
+    /// hierarchical one and its shape): what a node reports when it stops.
+    fn data_plane(&self) -> Vec<(Rank, String)> {
+        Vec::new()
+    }
 }
 
 /// What a [`HostFactory`] gets when the head prepared the node.

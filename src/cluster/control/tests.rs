@@ -14,6 +14,7 @@ fn adopted_data_plane_listeners_admit_the_token_for_their_ranks() {
         ranks: vec![Rank(1), Rank(2)],
         world_size: 3,
         addrs: vec![addrs[0], addrs[0], addrs[1]],
+        processes: vec![ProcessIndex(0), ProcessIndex(1), ProcessIndex(1)],
     };
     let token = JobToken::from_bytes([3; 32]);
     let config = LinkConfig::default()

@@ -71,6 +71,9 @@ pub struct ProcessPlan {
     pub world_size: usize,
     /// Every rank's data-plane address, indexed by rank.
     pub addrs: Vec<SocketAddr>,
+    /// Every rank's process, indexed by rank (which ranks share a process: the hierarchical
+    /// all-reduce).
+    pub processes: Vec<ProcessIndex>,
 }
 
 /// Why the processes do not make a world (CTL-5).
@@ -206,6 +209,7 @@ impl World {
             ranks: self.ranks_of(process),
             world_size: self.size(),
             addrs: self.ranks.iter().map(|e| e.addr).collect(),
+            processes: self.ranks.iter().map(|e| e.process).collect(),
         }
     }
 
