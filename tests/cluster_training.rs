@@ -89,6 +89,47 @@ fn steps_trained(node: &Proc) -> Vec<(u32, u64)> {
         .collect()
 }
 
+/// Runs a job to its end: the head with `flags` and one `meshwork node` per entry of `nodes`
+/// (that node's own flags); every process must exit cleanly. The head's output, and the nodes
+/// for what they report.
+fn run_to_end(job: &str, nodes: &[&[&str]], flags: &[&str]) -> (String, Vec<Proc>) {
+    let (mut head, addr) = training_head(job, nodes.len() as u32, 60, flags);
+    let names = ["node-a", "node-b", "node-c", "node-d", "node-e", "node-f"];
+    let mut procs: Vec<Proc> = nodes
+        .iter()
+        .zip(names)
+        .map(|(extra, name)| node(name, &addr, job, extra, SECRET))
+        .collect();
+    let (status, _) = head.wait_exit(Duration::from_secs(180));
+    let out = head.output();
+    assert!(status.success(), "head failed:\n{out}");
+    for n in &mut procs {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
+    }
+    (out, procs)
+}
+
+/// Proof that the work was distributed: every node trained `per_node` ranks for `steps` steps
+/// each (a silent fallback to the head's process would leave the nodes idle). All the nodes'
+/// ranks, sorted.
+fn ranks_trained(nodes: &[Proc], per_node: usize, steps: u64) -> Vec<u32> {
+    let mut ranks = Vec::new();
+    for n in nodes {
+        let trained = steps_trained(n);
+        assert_eq!(trained.len(), per_node, "{}:\n{}", n.name, n.output());
+        assert!(
+            trained.iter().all(|(_, s)| *s == steps),
+            "{}:\n{}",
+            n.name,
+            n.output()
+        );
+        ranks.extend(trained.iter().map(|(r, _)| *r));
+    }
+    ranks.sort_unstable();
+    ranks
+}
+
 #[test]
 fn dp_3_across_three_node_processes_equals_the_single_device_reference() {
     let dir = std::env::temp_dir().join(format!("meshwork-dp3-{}", std::process::id()));
@@ -96,48 +137,26 @@ fn dp_3_across_three_node_processes_equals_the_single_device_reference() {
     let model_path = dir.join("trained.mpk");
     let model_arg = model_path.display().to_string();
     let (steps, batch, seed) = (12u64, 48usize, 7u64);
-    let (mut head, addr) = training_head(
-        "dp3",
-        3,
-        60,
-        &[
-            "--steps",
-            &steps.to_string(),
-            "--batch-size",
-            &batch.to_string(),
-            "--seed",
-            &seed.to_string(),
-            "--collective-timeout",
-            "20",
-            "--save-model",
-            &model_arg,
-        ],
-    );
-    let mut nodes = [
-        node("node-a", &addr, "dp3", &[], SECRET),
-        node("node-b", &addr, "dp3", &[], SECRET),
-        node("node-c", &addr, "dp3", &[], SECRET),
+    let flags = [
+        "--steps",
+        &steps.to_string(),
+        "--batch-size",
+        &batch.to_string(),
+        "--seed",
+        &seed.to_string(),
+        "--collective-timeout",
+        "20",
+        "--save-model",
+        &model_arg,
     ];
-    let (status, _) = head.wait_exit(Duration::from_secs(180));
-    let out = head.output();
-    assert!(status.success(), "head failed:\n{out}");
+    let (out, nodes) = run_to_end("dp3", &[&[], &[], &[]], &flags);
     assert!(
         out.contains("world assembled: 3 rank(s) over 4 process(es)"),
         "{out}"
     );
-    // Really distributed: every node process trained its rank for every step, and the head
-    // held no rank (a silent fallback to the head's process would leave the nodes idle).
-    let mut ranks = Vec::new();
-    for n in &mut nodes {
-        let (status, _) = n.wait_exit(Duration::from_secs(30));
-        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
-        let trained = steps_trained(n);
-        assert_eq!(trained.len(), 1, "{}:\n{}", n.name, n.output());
-        assert_eq!(trained[0].1, steps, "{}:\n{}", n.name, n.output());
-        ranks.push(trained[0].0);
-    }
-    ranks.sort_unstable();
-    assert_eq!(ranks, [0, 1, 2], "one rank per node");
+    // Really distributed: one rank per node process, each trained every step; the head held
+    // none.
+    assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2]);
     let (expected, device) = reference(seed, batch, steps, 3);
     let trained = load(&model_path, &device);
     let worst = compare_parameters(&trained, &expected, TOLERANCE)
@@ -153,51 +172,33 @@ fn two_nodes_of_two_devices_all_reduce_hierarchically_and_equal_the_single_devic
     let model_path = dir.join("trained.mpk");
     let model_arg = model_path.display().to_string();
     let (steps, batch, seed) = (12u64, 48usize, 7u64);
-    let (mut head, addr) = training_head(
-        "hier",
-        2,
-        60,
-        &[
-            "--steps",
-            &steps.to_string(),
-            "--batch-size",
-            &batch.to_string(),
-            "--seed",
-            &seed.to_string(),
-            "--collective-timeout",
-            "20",
-            "--save-model",
-            &model_arg,
-        ],
-    );
-    let mut nodes = [
-        node("node-a", &addr, "hier", &["--devices", "2"], SECRET),
-        node("node-b", &addr, "hier", &["--devices", "2"], SECRET),
+    let flags = [
+        "--steps",
+        &steps.to_string(),
+        "--batch-size",
+        &batch.to_string(),
+        "--seed",
+        &seed.to_string(),
+        "--collective-timeout",
+        "20",
+        "--save-model",
+        &model_arg,
     ];
-    let (status, _) = head.wait_exit(Duration::from_secs(180));
-    let out = head.output();
-    assert!(status.success(), "head failed:\n{out}");
+    let two: &[&str] = &["--devices", "2"];
+    let (out, nodes) = run_to_end("hier", &[two, two], &flags);
     assert!(
         out.contains("world assembled: 4 rank(s) over 3 process(es)"),
         "{out}"
     );
     // Each node trained its two ranks every step, in a hierarchical group: its two ranks
     // reduce in process, one of them leads the node across processes.
-    let mut ranks = Vec::new();
-    for n in &mut nodes {
-        let (status, _) = n.wait_exit(Duration::from_secs(30));
+    assert_eq!(ranks_trained(&nodes, 2, steps), [0, 1, 2, 3]);
+    for n in &nodes {
         let text = n.output();
-        assert!(status.success(), "{} failed:\n{text}", n.name);
-        let trained = steps_trained(n);
-        assert_eq!(trained.len(), 2, "{}:\n{text}", n.name);
-        assert!(trained.iter().all(|(_, s)| *s == steps), "{text}");
-        ranks.extend(trained.iter().map(|(r, _)| *r));
         let shape = "hierarchical group of 4 rank(s), 2 in this process, 2 process(es)";
         assert_eq!(text.matches(shape).count(), 2, "{}:\n{text}", n.name);
         assert_eq!(text.matches("leads its process").count(), 1, "{text}");
     }
-    ranks.sort_unstable();
-    assert_eq!(ranks, [0, 1, 2, 3]);
     let (expected, device) = reference(seed, batch, steps, 4);
     let trained = load(&model_path, &device);
     let worst = compare_parameters(&trained, &expected, TOLERANCE)
@@ -265,55 +266,32 @@ fn dp_2_pp_2_across_four_node_processes_equals_the_single_device_reference() {
     let model_path = dir.join("trained.mpk");
     let model_arg = model_path.display().to_string();
     let (steps, batch, seed) = (10u64, 64usize, 7u64);
-    let (mut head, addr) = training_head(
-        "dp2pp2",
-        4,
-        60,
-        &[
-            "--pp",
-            "2",
-            "--schedule",
-            "1f1b",
-            "--micro-batches",
-            "4",
-            "--steps",
-            &steps.to_string(),
-            "--batch-size",
-            &batch.to_string(),
-            "--seed",
-            &seed.to_string(),
-            "--collective-timeout",
-            "20",
-            "--save-model",
-            &model_arg,
-        ],
-    );
-    let mut nodes = [
-        node("node-a", &addr, "dp2pp2", &[], SECRET),
-        node("node-b", &addr, "dp2pp2", &[], SECRET),
-        node("node-c", &addr, "dp2pp2", &[], SECRET),
-        node("node-d", &addr, "dp2pp2", &[], SECRET),
+    let flags = [
+        "--pp",
+        "2",
+        "--schedule",
+        "1f1b",
+        "--micro-batches",
+        "4",
+        "--steps",
+        &steps.to_string(),
+        "--batch-size",
+        &batch.to_string(),
+        "--seed",
+        &seed.to_string(),
+        "--collective-timeout",
+        "20",
+        "--save-model",
+        &model_arg,
     ];
-    let (status, _) = head.wait_exit(Duration::from_secs(180));
-    let out = head.output();
-    assert!(status.success(), "head failed:\n{out}");
+    let (out, nodes) = run_to_end("dp2pp2", &[&[], &[], &[], &[]], &flags);
     assert!(
         out.contains("world assembled: 4 rank(s) over 5 process(es)"),
         "{out}"
     );
     // Really distributed: each of the four ranks (2 replicas × 2 stages) trained every step
     // in its own node process; the head held none.
-    let mut ranks = Vec::new();
-    for n in &mut nodes {
-        let (status, _) = n.wait_exit(Duration::from_secs(30));
-        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
-        let trained = steps_trained(n);
-        assert_eq!(trained.len(), 1, "{}:\n{}", n.name, n.output());
-        assert_eq!(trained[0].1, steps, "{}:\n{}", n.name, n.output());
-        ranks.push(trained[0].0);
-    }
-    ranks.sort_unstable();
-    assert_eq!(ranks, [0, 1, 2, 3], "one rank per node");
+    assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2, 3]);
     // The two blocks, put back together, equal the whole MLP trained on one device on the
     // same global batches (EXEC-2, EXEC-3).
     let (expected, device) = reference_of(&PIPELINE_WIDTHS, seed, batch, steps, 2);
@@ -422,19 +400,7 @@ fn a_model_larger_than_a_control_message_checkpoints_resumes_and_comes_back_in_p
         ];
         flags.extend(extra.iter().map(|s| s.to_string()));
         let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-        let (mut head, addr) = training_head(name, 2, 60, &flags);
-        let mut nodes = [
-            node("node-a", &addr, name, &[], SECRET),
-            node("node-b", &addr, name, &[], SECRET),
-        ];
-        let (status, _) = head.wait_exit(Duration::from_secs(180));
-        let out = head.output();
-        assert!(status.success(), "head failed:\n{out}");
-        for n in &mut nodes {
-            let (status, _) = n.wait_exit(Duration::from_secs(30));
-            assert!(status.success(), "{} failed:\n{}", n.name, n.output());
-        }
-        out
+        run_to_end(name, &[&[], &[]], &flags).0
     };
     // Four steps, checkpointed: each rank's snapshot comes to the head in parts.
     let first = run("large", 4, &[]);

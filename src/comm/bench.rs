@@ -224,38 +224,11 @@ fn one_way(total: usize) -> std::io::Result<()> {
 /// of `runs` runs. The ceiling a TCP all-reduce on this machine is compared with.
 #[cfg(feature = "cluster")]
 pub fn tcp_stream_gbps(total: usize, runs: usize) -> std::io::Result<f64> {
-    use std::io::{Read, Write};
-    const CHUNK: usize = 4 << 20;
     let mut samples = Vec::new();
     for _ in 0..runs.max(1) {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0")?;
-        let addr = listener.local_addr()?;
-        let writer = std::thread::spawn(move || -> std::io::Result<()> {
-            let mut stream = std::net::TcpStream::connect(addr)?;
-            stream.set_nodelay(true)?;
-            let chunk = vec![1u8; CHUNK];
-            let mut left = total;
-            while left > 0 {
-                let n = left.min(CHUNK);
-                stream.write_all(&chunk[..n])?;
-                left -= n;
-            }
-            Ok(())
-        });
-        let (mut stream, _) = listener.accept()?;
-        let mut buf = vec![0u8; CHUNK];
-        let mut got = 0;
         let start = Instant::now();
-        while got < total {
-            match stream.read(&mut buf)? {
-                0 => break,
-                n => got += n,
-            }
-        }
+        one_way(total)?;
         samples.push(start.elapsed());
-        writer
-            .join()
-            .map_err(|_| std::io::Error::other("the stream writer panicked"))??;
     }
     Ok(gbps(total, median(samples)))
 }
