@@ -833,7 +833,7 @@ fn lost_ranks<M, I>(state: &SupervisorState<M, I>, failure: &LostRanks) -> Vec<u
     lost
 }
 
-/// `lost` and every other rank whose device does not answer a heartbeat within
+/// `lost` and every other rank whose device does not answer a heartbeat within twice
 /// [`HEARTBEAT_PROBE`], in rank order.
 async fn with_unreachable(
     devices: Vec<(ActorRef<DeviceMsg>, DeviceId)>,
@@ -844,7 +844,9 @@ async fn with_unreachable(
         if lost.contains(&r) {
             continue;
         }
-        probes.spawn(async move { (r, heartbeat(&device, id, HEARTBEAT_PROBE).await.is_ok()) });
+        // A device of another process answers through its node: twice the probe's time.
+        let wait = HEARTBEAT_PROBE * 2;
+        probes.spawn(async move { (r, heartbeat(&device, id, wait).await.is_ok()) });
     }
     while let Some(probe) = probes.join_next().await {
         if let Ok((r, false)) = probe {
@@ -1281,7 +1283,11 @@ where
     })
     .await
     {
+        // Linked to the Supervisor: departed, so their ends are not read as a failure.
+        state.departed.insert(stage.get_id());
+        state.departed.insert(device.0.get_id());
         stage.stop(None);
+        device.0.stop(None);
         return Err(e);
     }
     Ok((stage, device))
@@ -1675,13 +1681,20 @@ fn root_cause(errors: Vec<Error>) -> Option<Error> {
     let is_consequence = |e: &Error| {
         matches!(
             e,
-            Error::Comm(CommError::Shutdown { .. } | CommError::Poisoned { .. })
-                | Error::Pipeline(
-                    ExecError::Aborted { .. }
-                        | ExecError::LinkClosed { .. }
-                        | ExecError::Wire { .. }
-                        | ExecError::Comm(CommError::Shutdown { .. } | CommError::Poisoned { .. })
-                )
+            // A broken link to another process is the consequence of that process's failure
+            // (which its own stage reports, naming it).
+            Error::Comm(
+                CommError::Shutdown { .. } | CommError::Poisoned { .. } | CommError::Link { .. }
+            ) | Error::Pipeline(
+                ExecError::Aborted { .. }
+                    | ExecError::LinkClosed { .. }
+                    | ExecError::Wire { .. }
+                    | ExecError::Comm(
+                        CommError::Shutdown { .. }
+                            | CommError::Poisoned { .. }
+                            | CommError::Link { .. }
+                    )
+            )
         )
     };
     let mut it = errors.into_iter();

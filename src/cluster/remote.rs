@@ -273,6 +273,18 @@ impl MeshJoiner {
         }
         Ok(entries.len() as u32)
     }
+
+    /// Forgets the waiting slots of node `name` (it was lost before the job grew onto it): they
+    /// are not offered to a resize or a roll-back any more. Returns how many.
+    pub fn remove(&self, name: &str) -> usize {
+        let mut slots = lock(&self.slots);
+        let before = slots.waiting.len();
+        let endpoints = slots.endpoints.clone();
+        slots.waiting.retain(
+            |r| !matches!(endpoints.get(r.index()), Some(Endpoint::Node(n)) if n.name() == name),
+        );
+        before - slots.waiting.len()
+    }
 }
 
 impl ClusterMesh {
@@ -621,35 +633,50 @@ impl<M: Send + 'static> Proxies<M> {
         Arc::new(move |g: RemoteGrowArgs| {
             let proxies = proxies.clone();
             Box::pin(async move {
-                let (slot, endpoint) = {
-                    let mut slots = lock(&proxies.slots);
-                    let slot = slots.waiting.pop_front().ok_or_else(|| {
-                        Error::InvalidConfig(
+                // The oldest waiting slot that starts; one that does not (its node died
+                // meanwhile) is dropped and the next is tried.
+                let mut failures = Vec::new();
+                loop {
+                    let next = {
+                        let mut slots = lock(&proxies.slots);
+                        slots.waiting.pop_front().and_then(|slot| {
+                            slots
+                                .endpoints
+                                .get(slot.index())
+                                .cloned()
+                                .map(|e| (slot, e))
+                        })
+                    };
+                    let Some((slot, endpoint)) = next else {
+                        return Err(Error::InvalidConfig(format!(
                             "no node is waiting to join the job (a job across processes grows, \
-                             and replaces a lost node, only onto nodes that joined it)"
-                                .into(),
-                        )
-                    })?;
-                    let endpoint = slots.endpoints.get(slot.index()).cloned();
-                    (
-                        slot,
-                        endpoint.ok_or_else(|| not_started(slot).into_error("the head"))?,
-                    )
-                };
-                let name = endpoint.name();
-                let start = StageOp::Start {
-                    id: g.id,
-                    alone: true,
-                };
-                match endpoint.call(slot, start, timeout).await {
-                    Ok(StageAnswer::Done) => {}
-                    Ok(StageAnswer::Failed(e)) => return Err(e.into_error(&name).into()),
-                    Ok(other) => {
-                        return Err(format!("{name} answered Start with {}", other.kind()).into());
+                             and replaces a lost node, only onto nodes that joined it){}",
+                            if failures.is_empty() {
+                                String::new()
+                            } else {
+                                format!("; waiting ones failed: {}", failures.join("; "))
+                            }
+                        ))
+                        .into());
+                    };
+                    let name = endpoint.name();
+                    let start = StageOp::Start {
+                        id: g.id,
+                        alone: true,
+                    };
+                    match endpoint.call(slot, start, timeout).await {
+                        Ok(StageAnswer::Done) => {
+                            return Ok(proxies.spawn(slot, g.id, endpoint, &g.supervisor).await?);
+                        }
+                        Ok(StageAnswer::Failed(e)) => {
+                            failures.push(e.into_error(&name).to_string());
+                        }
+                        Ok(other) => {
+                            failures.push(format!("{name} answered Start with {}", other.kind()));
+                        }
+                        Err(why) => failures.push(format!("{name} could not start: {why}")),
                     }
-                    Err(why) => return Err(format!("{name} could not start: {why}").into()),
                 }
-                Ok(proxies.spawn(slot, g.id, endpoint, &g.supervisor).await?)
             })
         })
     }
@@ -1611,8 +1638,9 @@ impl<M: Send + 'static> NodeInner<M> {
             LinkListener::from_std(listener, Rank(id.stage), self.token.clone(), self.tcp.link)
                 .map_err(|e| other(format!("the pipeline-link listener: {e}")))?;
         let link_config = self.tcp.link;
+        let capacity = plan.link_capacity() as usize;
         let wires = tokio::task::spawn_blocking(move || {
-            pipeline::connect_wires(&listener, &pp_addrs, link_config)
+            pipeline::connect_wires(&listener, &pp_addrs, link_config, capacity)
         });
         let comm = async {
             if replicas.len() > 1 {

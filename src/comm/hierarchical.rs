@@ -174,23 +174,16 @@ impl HierCommunicator {
         };
         f(leaders).map_err(|e| {
             self.local_group.shutdown();
-            match e {
-                CommError::Link {
-                    generation,
-                    seq,
-                    op,
-                    peer,
-                    failure,
-                } => CommError::Link {
-                    generation,
-                    seq,
-                    op,
-                    peer: self.plan.leaders.get(peer.index()).copied().unwrap_or(peer),
-                    failure,
-                },
-                other => other,
-            }
+            in_group(e, &self.plan.leaders)
         })
+    }
+
+    /// Runs `f` on the in-process group, naming ranks in an error by their rank in the group.
+    fn inside(
+        &mut self,
+        f: impl FnOnce(&mut Communicator) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
+        f(&mut self.local).map_err(|e| in_group(e, &self.plan.local))
     }
 
     pub(crate) fn all_reduce<T: Element>(
@@ -203,9 +196,9 @@ impl HierCommunicator {
         } else {
             op
         };
-        self.local.all_reduce(buf, inner)?;
+        self.inside(|c| c.all_reduce(buf, inner))?;
         self.across(|l| l.all_reduce(buf, inner))?;
-        self.local.broadcast(buf, Rank(0))?;
+        self.inside(|c| c.broadcast(buf, Rank(0)))?;
         if op == ReduceOp::Mean {
             let n = self.world as f32;
             for v in buf.iter_mut() {
@@ -237,19 +230,19 @@ impl HierCommunicator {
             .ok_or_else(invalid)?;
         if my_process == root_process {
             let at = self.plan.local_index(root).ok_or_else(invalid)?;
-            self.local.broadcast(buf, Rank(at as u32))?;
+            self.inside(|c| c.broadcast(buf, Rank(at as u32)))?;
         }
         self.across(|l| l.broadcast(buf, Rank(root_process as u32)))?;
         if my_process != root_process {
-            self.local.broadcast(buf, Rank(0))?;
+            self.inside(|c| c.broadcast(buf, Rank(0)))?;
         }
         Ok(())
     }
 
     pub(crate) fn barrier(&mut self) -> Result<(), CommError> {
-        self.local.barrier()?;
+        self.inside(Communicator::barrier)?;
         self.across(Communicator::barrier)?;
-        self.local.barrier()
+        self.inside(Communicator::barrier)
     }
 
     pub(crate) fn reduce_scatter<T: Element>(
@@ -319,6 +312,69 @@ impl HierCommunicator {
                   TCP group for point-to-point"
                 .into(),
         }
+    }
+}
+
+/// `e` from a sub-group whose rank i is `ranks[i]` of the whole group, with every rank it
+/// names renamed so (HIER-2: the Supervisor reads them as ranks of the group).
+fn in_group(e: CommError, ranks: &[Rank]) -> CommError {
+    let to = |r: Rank| ranks.get(r.index()).copied().unwrap_or(r);
+    match e {
+        CommError::Link {
+            generation,
+            seq,
+            op,
+            peer,
+            failure,
+        } => CommError::Link {
+            generation,
+            seq,
+            op,
+            peer: to(peer),
+            failure,
+        },
+        CommError::Timeout {
+            generation,
+            seq,
+            op,
+            missing,
+            waited,
+        } => CommError::Timeout {
+            generation,
+            seq,
+            op,
+            missing: missing.into_iter().map(to).collect(),
+            waited,
+        },
+        CommError::Mismatch {
+            generation,
+            seq,
+            op,
+            calls,
+        } => CommError::Mismatch {
+            generation,
+            seq,
+            op,
+            calls: calls
+                .into_iter()
+                .map(|c| super::RankCall {
+                    rank: to(c.rank),
+                    ..c
+                })
+                .collect(),
+        },
+        CommError::Poisoned {
+            generation,
+            seq,
+            op,
+            cause,
+        } => CommError::Poisoned {
+            generation,
+            seq,
+            op,
+            cause: Box::new(in_group(*cause, ranks)),
+        },
+        other => other,
     }
 }
 

@@ -516,7 +516,10 @@ async fn train_mesh<M: Send + 'static>(
                 LateEvent::Refused { node, reason } => {
                     println!("refused {node} from the running job: {reason}");
                 }
-                LateEvent::Lost { node, error } => println!("node {node} lost: {error}"),
+                LateEvent::Lost { node, error } => {
+                    joiner.remove(&node);
+                    println!("node {node} lost: {error}");
+                }
             }
             let _ = std::io::stdout().flush();
         }

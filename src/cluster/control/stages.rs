@@ -284,7 +284,7 @@ impl From<&Error> for RemoteError {
                 stage: *stage,
                 reason: reason.clone(),
             },
-            Error::Comm(c) => Self::Comm(c.clone()),
+            Error::Comm(c) | Error::Pipeline(ExecError::Comm(c)) => Self::Comm(c.clone()),
             Error::NonFiniteLoss { step, ranks } => Self::NonFiniteLoss {
                 step: *step,
                 ranks: ranks.clone(),

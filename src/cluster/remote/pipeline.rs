@@ -11,15 +11,14 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::mpsc::{SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use super::{Rebuild, SlotFactory, SlotFuture, SlotStart};
 use crate::actors::pipeline_stage::{PipelineSpec, spawn_unlinked};
 use crate::checkpoint::ShardSnapshot;
-use crate::cluster::link::{
-    LinkCloser, LinkConfig, LinkError, LinkListener, LinkReader, LinkWriter,
-};
+use crate::cluster::link::{LinkCloser, LinkConfig, LinkError, LinkListener, LinkReader};
 use crate::comm::tcp::{TcpGroupError, connect_mesh};
 use crate::error::StageId;
 use crate::mesh::{Layout, Rank};
@@ -28,10 +27,15 @@ use crate::parallel::pipeline_exec::{PacketWire, WireError};
 use crate::parallel::stages::PipelineModel;
 
 /// A pipeline link to a stage in another process: one authenticated TCP link, each packet one
-/// frame (crc-checked, at most the link's maximum payload).
+/// frame (crc-checked, at most the link's maximum payload). Sends go through a bounded queue of
+/// [`link_capacity`](PipelineSchedule::link_capacity) packets to a sender thread, so a send
+/// completes when the packet is queued, as on an in-process link, whatever its size: two
+/// stages sending to each other at once never both block on a full socket (PIPE-4).
 #[derive(Debug)]
 pub(crate) struct TcpWire {
-    writer: Mutex<LinkWriter>,
+    queue: SyncSender<Vec<u8>>,
+    /// Why the sender thread stopped, once it did.
+    failed: Arc<Mutex<Option<String>>>,
     reader: Mutex<LinkReader>,
     max_payload: u64,
 }
@@ -43,13 +47,39 @@ fn wire_error(e: LinkError) -> WireError {
     }
 }
 
+/// How often a send waiting for room in the queue looks again.
+const QUEUE_POLL: Duration = Duration::from_micros(200);
+
 impl PacketWire for TcpWire {
     fn send(&self, bytes: &[u8], deadline: Instant) -> Result<(), WireError> {
-        self.writer
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .send(bytes, deadline)
-            .map_err(wire_error)
+        if bytes.len() as u64 > self.max_payload {
+            return Err(WireError::Refused(format!(
+                "a packet of {} bytes is over the link's largest frame of {} bytes",
+                bytes.len(),
+                self.max_payload
+            )));
+        }
+        let mut packet = bytes.to_vec();
+        loop {
+            match self.queue.try_send(packet) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Full(p)) if Instant::now() < deadline => {
+                    packet = p;
+                    std::thread::sleep(QUEUE_POLL);
+                }
+                Err(TrySendError::Full(_)) => return Err(WireError::TimedOut),
+                Err(TrySendError::Disconnected(_)) => {
+                    let why = self
+                        .failed
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .clone();
+                    return Err(WireError::Broken(
+                        why.unwrap_or_else(|| "the link's sender stopped".into()),
+                    ));
+                }
+            }
+        }
     }
 
     fn recv(&self, bytes: &mut Vec<u8>, deadline: Instant) -> Result<(), WireError> {
@@ -66,26 +96,46 @@ impl PacketWire for TcpWire {
 pub(crate) type Wires = HashMap<u32, Arc<dyn PacketWire>>;
 
 /// The pipeline links of stage `listener.rank()` of a replica whose stage s accepts links at
-/// `addrs[s]`: a wire to every other stage, and the closers that end them from any thread.
+/// `addrs[s]`: a wire to every other stage (each sending through a queue of `capacity`
+/// packets), and the closers that end them from any thread.
 pub(crate) fn connect_wires(
     listener: &LinkListener,
     addrs: &[SocketAddr],
     config: LinkConfig,
+    capacity: usize,
 ) -> Result<(Wires, Vec<LinkCloser>), TcpGroupError> {
     let me = listener.rank();
     let mut wires = Wires::new();
     let mut closers = Vec::new();
     for (peer, link) in connect_mesh(listener, addrs, config)? {
-        let (writer, reader, closer) = link.split().map_err(|e| TcpGroupError::Setup {
+        let setup = |detail: String| TcpGroupError::Setup {
             rank: me,
             peer,
-            detail: e.to_string(),
-        })?;
+            detail,
+        };
+        let (mut writer, reader, closer) = link.split().map_err(|e| setup(e.to_string()))?;
+        let (queue, packets) = sync_channel::<Vec<u8>>(capacity.max(1));
+        let failed = Arc::new(Mutex::new(None));
+        let failure = failed.clone();
+        let io_timeout = config.io_timeout;
+        std::thread::Builder::new()
+            .name(format!("meshwork-pipe-{}-{}", me.0, peer.0))
+            .spawn(move || {
+                // Ends when the wire is dropped (the queue closes) or the link fails.
+                for packet in packets {
+                    if let Err(e) = writer.send(&packet, Instant::now() + io_timeout) {
+                        *failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.to_string());
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| setup(e.to_string()))?;
         closers.push(closer);
         wires.insert(
             peer.0,
             Arc::new(TcpWire {
-                writer: Mutex::new(writer),
+                queue,
+                failed,
                 reader: Mutex::new(reader),
                 max_payload: config.max_payload,
             }),

@@ -35,6 +35,10 @@ pub enum WireError {
     /// frame); the transport's words.
     #[error("{0}")]
     Broken(String),
+    /// The transport cannot carry this packet (larger than its largest frame): this stage's
+    /// fault, not the peer's.
+    #[error("{0}")]
+    Refused(String),
 }
 
 /// One end of a connection to a stage in another process, carrying whole packets as bytes.
@@ -171,7 +175,8 @@ pub(super) fn decode_packet(bytes: &[u8]) -> Result<(Flow, Packet), PacketError>
             what: "tensor list",
         });
     }
-    let mut tensors = Vec::with_capacity(count);
+    // A tensor takes at least its rank byte and one dimension: never reserve more than that.
+    let mut tensors = Vec::with_capacity(count.min(r.left() / 9));
     for _ in 0..count {
         let rank = r.u8("tensor rank")?;
         if !(1..=4).contains(&rank) {
@@ -245,6 +250,10 @@ impl RemoteEnd {
                     peer,
                     reason,
                 },
+                WireError::Refused(reason) => ExecError::Unsupported(format!(
+                    "stage {stage} cannot send micro-batch {} to stage {peer}: {reason}",
+                    packet.mb
+                )),
             })
     }
 
@@ -275,7 +284,7 @@ impl RemoteEnd {
                     what,
                     waited: timeout,
                 },
-                WireError::Broken(reason) => ExecError::Wire {
+                WireError::Broken(reason) | WireError::Refused(reason) => ExecError::Wire {
                     stage,
                     peer,
                     reason,

@@ -168,9 +168,16 @@ impl Watch {
     async fn run(mut self) {
         let scope = job_scope(&self.job);
         let group = AGENTS_GROUP.to_string();
+        // Heartbeats on their own task: an admission (two RPCs) or a dead node's silence never
+        // delays another node's heartbeat past its head time-out.
+        let beats = tokio::spawn(beat(
+            self.caller,
+            self.heartbeat,
+            self.nodes.clone(),
+            self.tx.clone(),
+        ));
+        let _stop_beats = AbortOnDrop(beats);
         let mut tick = tokio::time::interval(Duration::from_millis(50));
-        let mut next_beat = tokio::time::Instant::now() + self.heartbeat;
-        let mut seq = 1u64 << 48;
         loop {
             tick.tick().await;
             let fresh: Vec<ActorRef<AgentMsg>> = ractor::pg::get_scoped_members(&scope, &group)
@@ -182,11 +189,6 @@ impl Watch {
                 self.known.insert(agent.get_id());
                 // One at a time: each takes the next process index.
                 self.admit(agent).await;
-            }
-            if tokio::time::Instant::now() >= next_beat {
-                next_beat = tokio::time::Instant::now() + self.heartbeat;
-                seq += 1;
-                self.beat(seq).await;
             }
         }
     }
@@ -289,42 +291,60 @@ impl Watch {
             .push(JoinedNode { info, agent });
         let _ = self.tx.send(LateEvent::Joined(LateNode { handle, ranks }));
     }
+}
 
-    /// One heartbeat to every late node; the ones that do not answer are dropped and
-    /// reported.
-    async fn beat(&mut self, seq: u64) {
-        let nodes: Vec<(ActorRef<AgentMsg>, String)> = self
-            .nodes
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Every `interval`, a heartbeat to every late node, each on a task of its own; a node that does
+/// not answer within the RPC time-out is dropped and reported once.
+async fn beat(
+    caller: Caller,
+    interval: Duration,
+    nodes: Arc<Mutex<Vec<JoinedNode>>>,
+    tx: mpsc::UnboundedSender<LateEvent>,
+) {
+    let mut tick = tokio::time::interval(interval);
+    let mut seq = 1u64 << 48;
+    loop {
+        tick.tick().await;
+        seq += 1;
+        let alive: Vec<(ActorRef<AgentMsg>, String)> = nodes
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
             .map(|n| (n.agent.clone(), n.info.name.clone()))
             .collect();
-        let msg = ControlMsg::Heartbeat { seq };
-        let mut beats = tokio::task::JoinSet::new();
-        for (agent, name) in nodes {
-            let (caller, msg) = (self.caller, msg.clone());
-            beats.spawn(async move {
-                let result = match caller.call(&agent, &name, &msg).await {
-                    Ok(ControlMsg::Alive { .. }) => Ok(()),
-                    Ok(other) => Err(ControlError::UnexpectedReply {
+        for (agent, name) in alive {
+            let (nodes, tx) = (nodes.clone(), tx.clone());
+            let msg = ControlMsg::Heartbeat { seq };
+            tokio::spawn(async move {
+                let error = match caller.call(&agent, &name, &msg).await {
+                    Ok(ControlMsg::Alive { .. }) => return,
+                    Ok(other) => ControlError::UnexpectedReply {
                         peer: name.clone(),
                         request: "Heartbeat",
                         reply: other.kind(),
-                    }),
-                    Err(e) => Err(e),
+                    },
+                    Err(e) => e,
                 };
-                (agent.get_id(), name, result)
+                let id = agent.get_id();
+                let removed = {
+                    let mut nodes = nodes.lock().unwrap_or_else(|e| e.into_inner());
+                    let before = nodes.len();
+                    nodes.retain(|n| n.agent.get_id() != id);
+                    nodes.len() < before
+                };
+                if removed {
+                    let _ = tx.send(LateEvent::Lost { node: name, error });
+                }
             });
-        }
-        for (id, name, result) in beats.join_all().await {
-            if let Err(error) = result {
-                self.nodes
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .retain(|n| n.agent.get_id() != id);
-                let _ = self.tx.send(LateEvent::Lost { node: name, error });
-            }
         }
     }
 }
