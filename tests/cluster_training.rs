@@ -89,6 +89,15 @@ fn steps_trained(node: &Proc) -> Vec<(u32, u64)> {
         .collect()
 }
 
+/// The one rank of a node's `prepared: process P, ranks [R] of N` line.
+fn the_rank(prepared: &str) -> u32 {
+    prepared
+        .split_once("ranks [")
+        .and_then(|(_, r)| r.split_once(']'))
+        .and_then(|(r, _)| r.parse().ok())
+        .unwrap_or_else(|| panic!("one rank in {prepared:?}"))
+}
+
 /// Runs a job to its end: the head with `flags` and one `meshwork node` per entry of `nodes`
 /// (that node's own flags); every process must exit cleanly. The head's output, and the nodes
 /// for what they report.
@@ -333,11 +342,7 @@ fn a_node_killed_mid_pipeline_run_fails_the_job_naming_its_stage_and_nothing_han
     }
     // "prepared: process P, ranks [R] of 4": node-b's rank, and its place in the 2 × 2 mesh
     // (MESH-1: rank = replica + 2 · stage).
-    let victim_rank: u32 = prepared[1]
-        .split_once("ranks [")
-        .and_then(|(_, r)| r.split_once(']'))
-        .and_then(|(r, _)| r.parse().ok())
-        .unwrap_or_else(|| panic!("a rank in {:?}", prepared[1]));
+    let victim_rank = the_rank(&prepared[1]);
     let (replica, stage) = (victim_rank % 2, victim_rank / 2);
     std::thread::sleep(Duration::from_secs(2));
     let mut victim = nodes.remove(1);
@@ -443,12 +448,7 @@ fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
     for n in &nodes {
         prepared.push(n.wait_line("prepared:", Duration::from_secs(60)));
     }
-    // "prepared: process P, ranks [R] of 3": node-b's rank.
-    let victim_rank: u32 = prepared[1]
-        .split_once("ranks [")
-        .and_then(|(_, r)| r.split_once(']'))
-        .and_then(|(r, _)| r.parse().ok())
-        .unwrap_or_else(|| panic!("a rank in {:?}", prepared[1]));
+    let victim_rank = the_rank(&prepared[1]);
     // Let the job train a while, then SIGKILL one node in the middle of its steps.
     std::thread::sleep(Duration::from_secs(2));
     let mut victim = nodes.remove(1);
@@ -646,11 +646,7 @@ fn a_lost_node_is_replaced_by_a_spare_that_joined_and_the_rolled_back_job_ends_a
         .iter()
         .map(|n| n.wait_line("prepared:", Duration::from_secs(60)))
         .collect();
-    let victim_rank: u32 = prepared[1]
-        .split_once("ranks [")
-        .and_then(|(_, r)| r.split_once(']'))
-        .and_then(|(r, _)| r.parse().ok())
-        .unwrap_or_else(|| panic!("a rank in {:?}", prepared[1]));
+    let victim_rank = the_rank(&prepared[1]);
     // A fourth node joins the running job; the job is at its maximum, so it waits as a spare.
     nodes.push(node("node-d", &addr, "spare", &[], SECRET));
     head.wait_line(
