@@ -218,6 +218,7 @@ fn write_control_seed_corpus() {
             (
                 "stage_restore_part",
                 request(StageOp::RestorePart {
+                    transfer: 9,
                     part: 1,
                     parts: 3,
                     bytes: vec![7; 64],
@@ -225,7 +226,10 @@ fn write_control_seed_corpus() {
             ),
             (
                 "stage_done_parts",
-                ControlMsg::StageDone(StageAnswer::SnapshotParts { parts: 7 }),
+                ControlMsg::StageDone(StageAnswer::SnapshotParts {
+                    transfer: 3,
+                    parts: 7,
+                }),
             ),
             (
                 "stage_done_listening",

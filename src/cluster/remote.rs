@@ -763,7 +763,7 @@ impl<M> RemoteStageArgs<M> {
         let answer = self
             .ask(StageOp::Snapshot, timeout, |a| match a {
                 StageAnswer::Snapshot(s) => Some(Ok(s)),
-                StageAnswer::SnapshotParts { parts } => Some(Err(parts)),
+                StageAnswer::SnapshotParts { transfer, parts } => Some(Err((transfer, parts))),
                 _ => None,
             })
             .await?;
@@ -771,11 +771,12 @@ impl<M> RemoteStageArgs<M> {
         let shards = match answer {
             Ok(shards) => shards,
             // Over one message: fetched part by part (REMOTE-6).
-            Err(parts) => {
+            Err((transfer, parts)) => {
                 let mut bytes = Vec::new();
                 for part in 0..parts {
+                    let op = StageOp::SnapshotPart { transfer, part };
                     let piece = self
-                        .ask(StageOp::SnapshotPart { part }, timeout, |a| match a {
+                        .ask(op, timeout, |a| match a {
                             StageAnswer::Part(b) => Some(b),
                             _ => None,
                         })
@@ -806,8 +807,10 @@ impl<M> RemoteStageArgs<M> {
         }
         let joined = join_shards(&shards);
         let parts = joined.len().div_ceil(PART_BYTES) as u32;
+        let transfer: u64 = rand::random();
         for (part, bytes) in joined.chunks(PART_BYTES).enumerate() {
             let op = StageOp::RestorePart {
+                transfer,
                 part: part as u32,
                 parts,
                 bytes: bytes.to_vec(),
@@ -1031,10 +1034,10 @@ struct NodeSlot<M> {
     link_listener: Option<TcpListener>,
     /// A pipeline slot's links to its replica's other stages.
     wires: Vec<LinkCloser>,
-    /// The parts of the last snapshot over one message, until the head fetched the last.
-    outgoing: Vec<Vec<u8>>,
-    /// The parts of a restore received so far, and the next part expected.
-    incoming: (Vec<u8>, u32),
+    /// The last snapshot over one message, by transfer, until the head fetched its last part.
+    outgoing: (u64, Vec<Vec<u8>>),
+    /// The restore being received: its transfer, its parts so far, the next part expected.
+    incoming: (u64, Vec<u8>, u32),
     /// Steps it trained (answered `Step` with a report).
     steps: u64,
     /// How it last joined the data plane, in words.
@@ -1134,8 +1137,8 @@ impl<M: Send + 'static> NodeStages<M> {
                         group: None,
                         link_listener: None,
                         wires: Vec::new(),
-                        outgoing: Vec::new(),
-                        incoming: (Vec::new(), 0),
+                        outgoing: (0, Vec::new()),
+                        incoming: (0, Vec::new(), 0),
                         steps: 0,
                         joined: String::new(),
                     },
@@ -1409,33 +1412,51 @@ impl<M: Send + 'static> NodeInner<M> {
                     .map(<[u8]>::to_vec)
                     .collect();
                 let count = parts.len() as u32;
-                self.with_slot(slot, |s| s.outgoing = parts)?;
-                Ok(StageAnswer::SnapshotParts { parts: count })
+                let transfer = self.with_slot(slot, |s| {
+                    let transfer = s.outgoing.0 + 1;
+                    s.outgoing = (transfer, parts);
+                    transfer
+                })?;
+                Ok(StageAnswer::SnapshotParts {
+                    transfer,
+                    parts: count,
+                })
             }
-            StageOp::SnapshotPart { part } => self.with_slot(slot, |s| {
-                let piece = s.outgoing.get(part as usize).cloned();
-                if part as usize + 1 >= s.outgoing.len() {
-                    s.outgoing.clear();
+            StageOp::SnapshotPart { transfer, part } => self.with_slot(slot, |s| {
+                let (kept, parts) = &mut s.outgoing;
+                let piece = (*kept == transfer)
+                    .then(|| parts.get(part as usize).cloned())
+                    .flatten();
+                if *kept == transfer && part as usize + 1 >= parts.len() {
+                    parts.clear();
                 }
                 piece.map(StageAnswer::Part).ok_or_else(|| {
                     RemoteError::Other(format!(
-                        "rank {} keeps no part {part} of a snapshot (ask Snapshot first)",
+                        "rank {} keeps no part {part} of snapshot transfer {transfer} (a newer \
+                         snapshot replaced it, or it was fetched already)",
                         slot.0
                     ))
                 })
             })?,
-            StageOp::RestorePart { part, parts, bytes } => {
+            StageOp::RestorePart {
+                transfer,
+                part,
+                parts,
+                bytes,
+            } => {
                 let whole = self.with_slot(slot, |s| {
-                    let (kept, next) = &mut s.incoming;
+                    let (current, kept, next) = &mut s.incoming;
                     if part == 0 {
+                        *current = transfer;
                         kept.clear();
                         *next = 0;
                     }
-                    if part != *next || part >= parts {
+                    if transfer != *current || part != *next || part >= parts {
                         *next = 0;
                         kept.clear();
                         return Err(RemoteError::Other(format!(
-                            "part {part} of {parts} of a restore, expected part {next}"
+                            "part {part} of {parts} of restore transfer {transfer}, expected \
+                             part {next} of transfer {current}"
                         )));
                     }
                     kept.extend_from_slice(&bytes);

@@ -86,14 +86,19 @@ pub enum StageOp {
     /// `StageMsg::Snapshot`: the answer carries each shard in the checkpoint format, or (over
     /// [`PART_BYTES`]) says in how many parts it waits to be fetched ([`StageOp::SnapshotPart`]).
     Snapshot,
-    /// Part `part` of the snapshot the last `Snapshot` kept.
+    /// Part `part` of the snapshot `transfer` the last `Snapshot` kept.
     SnapshotPart {
+        /// The transfer ([`StageAnswer::SnapshotParts`] names it): a part of an older snapshot
+        /// is never handed out for a newer one.
+        transfer: u64,
         /// The part, from 0.
         part: u32,
     },
     /// Part `part` of `parts` of shards to restore (a restore over [`PART_BYTES`]); the last
     /// part restores them.
     RestorePart {
+        /// The transfer (the head's choice): parts of different restores never mix.
+        transfer: u64,
         /// The part, from 0.
         part: u32,
         /// How many parts there are.
@@ -174,6 +179,8 @@ pub enum StageAnswer {
     Snapshot(Vec<Vec<u8>>),
     /// The answer to a Snapshot over [`PART_BYTES`]: fetch it in `parts` parts.
     SnapshotParts {
+        /// The transfer to name in each `SnapshotPart`.
+        transfer: u64,
         /// How many parts.
         parts: u32,
     },
