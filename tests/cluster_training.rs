@@ -98,17 +98,24 @@ fn the_rank(prepared: &str) -> u32 {
         .unwrap_or_else(|| panic!("one rank in {prepared:?}"))
 }
 
+/// One `meshwork node` of `job` at `addr` per entry of `nodes` (that node's own flags), named
+/// node-a, node-b, … in order.
+fn spawn_nodes(job: &str, addr: &str, nodes: &[&[&str]]) -> Vec<Proc> {
+    let names = ["node-a", "node-b", "node-c", "node-d", "node-e", "node-f"];
+    assert!(nodes.len() <= names.len(), "at most {} nodes", names.len());
+    nodes
+        .iter()
+        .zip(names)
+        .map(|(extra, name)| node(name, addr, job, extra, SECRET))
+        .collect()
+}
+
 /// Runs a job to its end: the head with `flags` and one `meshwork node` per entry of `nodes`
 /// (that node's own flags); every process must exit cleanly. The head's output, and the nodes
 /// for what they report.
 fn run_to_end(job: &str, nodes: &[&[&str]], flags: &[&str]) -> (String, Vec<Proc>) {
     let (mut head, addr) = training_head(job, nodes.len() as u32, 60, flags);
-    let names = ["node-a", "node-b", "node-c", "node-d", "node-e", "node-f"];
-    let mut procs: Vec<Proc> = nodes
-        .iter()
-        .zip(names)
-        .map(|(extra, name)| node(name, &addr, job, extra, SECRET))
-        .collect();
+    let mut procs = spawn_nodes(job, &addr, nodes);
     let (status, _) = head.wait_exit(Duration::from_secs(180));
     let out = head.output();
     assert!(status.success(), "head failed:\n{out}");
@@ -137,6 +144,60 @@ fn ranks_trained(nodes: &[Proc], per_node: usize, steps: u64) -> Vec<u32> {
     }
     ranks.sort_unstable();
     ranks
+}
+
+/// A job that trains until stopped (`--steps 100000` and `flags`), with one node per entry of
+/// `nodes` (that node's own flags), every node prepared: the head, its address, the nodes and
+/// each node's `prepared:` line.
+fn start_running(
+    job: &str,
+    nodes: &[&[&str]],
+    flags: &[&str],
+) -> (Proc, String, Vec<Proc>, Vec<String>) {
+    let mut all = vec!["--steps", "100000"];
+    all.extend_from_slice(flags);
+    let (head, addr) = training_head(job, nodes.len() as u32, 60, &all);
+    let procs = spawn_nodes(job, &addr, nodes);
+    let prepared = procs
+        .iter()
+        .map(|n| n.wait_line("prepared:", Duration::from_secs(60)))
+        .collect();
+    (head, addr, procs, prepared)
+}
+
+/// SIGKILLs node `i` and waits for it to be gone.
+fn kill(nodes: &mut Vec<Proc>, i: usize) {
+    let mut victim = nodes.remove(i);
+    victim.signal("-KILL");
+    victim.wait_exit(Duration::from_secs(10));
+}
+
+/// Lets the job train a second more, stops it with SIGTERM (the step in flight finishes), and
+/// asserts the head and every node exit cleanly; the head's output.
+fn stop_cleanly(head: &mut Proc, nodes: &mut [Proc]) -> String {
+    std::thread::sleep(Duration::from_secs(1));
+    head.signal("-TERM");
+    let (status, _) = head.wait_exit(Duration::from_secs(60));
+    let out = head.output();
+    assert!(status.success(), "head failed:\n{out}");
+    for n in nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
+    }
+    out
+}
+
+/// Every node trained one rank for some steps.
+fn each_trained_one_rank(nodes: &[Proc]) {
+    for n in nodes {
+        let trained = steps_trained(n);
+        assert!(
+            trained.len() == 1 && trained[0].1 > 0,
+            "{}:\n{}",
+            n.name,
+            n.output()
+        );
+    }
 }
 
 #[test]
@@ -218,34 +279,18 @@ fn two_nodes_of_two_devices_all_reduce_hierarchically_and_equal_the_single_devic
 
 #[test]
 fn a_node_of_two_devices_killed_loses_both_ranks_and_the_hierarchical_job_shrinks() {
-    let (mut head, addr) = training_head(
-        "hierkill",
-        3,
-        60,
-        &[
-            "--steps",
-            "100000",
-            "--batch-size",
-            "48",
-            "--collective-timeout",
-            "5",
-            "--on-replica-loss",
-            "shrink",
-        ],
-    );
-    let two = ["--devices", "2"];
-    let mut nodes = vec![
-        node("node-a", &addr, "hierkill", &two, SECRET),
-        node("node-b", &addr, "hierkill", &two, SECRET),
-        node("node-c", &addr, "hierkill", &two, SECRET),
+    let flags = [
+        "--batch-size",
+        "48",
+        "--collective-timeout",
+        "5",
+        "--on-replica-loss",
+        "shrink",
     ];
-    for n in &nodes {
-        n.wait_line("prepared:", Duration::from_secs(60));
-    }
+    let two: &[&str] = &["--devices", "2"];
+    let (mut head, _, mut nodes, _) = start_running("hierkill", &[two, two, two], &flags);
     std::thread::sleep(Duration::from_secs(2));
-    let mut victim = nodes.remove(1);
-    victim.signal("-KILL");
-    victim.wait_exit(Duration::from_secs(10));
+    kill(&mut nodes, 1);
     // Both of its ranks are lost at once (the second found by its silent device), and the
     // four survivors regroup hierarchically under generation 1.
     let recovered = head.wait_line(
@@ -253,16 +298,10 @@ fn a_node_of_two_devices_killed_loses_both_ranks_and_the_hierarchical_job_shrink
         Duration::from_secs(30),
     );
     println!("{recovered}");
-    std::thread::sleep(Duration::from_secs(1));
-    head.signal("-TERM");
-    let (status, _) = head.wait_exit(Duration::from_secs(60));
-    let out = head.output();
-    assert!(status.success(), "head failed after the recovery:\n{out}");
+    let out = stop_cleanly(&mut head, &mut nodes);
     assert_eq!(out.matches("lost device").count(), 2, "{out}");
-    for n in &mut nodes {
-        let (status, _) = n.wait_exit(Duration::from_secs(30));
+    for n in &nodes {
         let text = n.output();
-        assert!(status.success(), "{} failed:\n{text}", n.name);
         let shape = "generation 1: hierarchical group of 4 rank(s), 2 in this process";
         assert_eq!(text.matches(shape).count(), 2, "{}:\n{text}", n.name);
     }
@@ -424,36 +463,19 @@ fn a_model_larger_than_a_control_message_checkpoints_resumes_and_comes_back_in_p
 
 #[test]
 fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
-    let (mut head, addr) = training_head(
-        "kill",
-        3,
-        60,
-        &[
-            "--steps",
-            "100000",
-            "--batch-size",
-            "48",
-            "--collective-timeout",
-            "5",
-            "--on-replica-loss",
-            "shrink",
-        ],
-    );
-    let mut nodes = vec![
-        node("node-a", &addr, "kill", &[], SECRET),
-        node("node-b", &addr, "kill", &[], SECRET),
-        node("node-c", &addr, "kill", &[], SECRET),
+    let flags = [
+        "--batch-size",
+        "48",
+        "--collective-timeout",
+        "5",
+        "--on-replica-loss",
+        "shrink",
     ];
-    let mut prepared = Vec::new();
-    for n in &nodes {
-        prepared.push(n.wait_line("prepared:", Duration::from_secs(60)));
-    }
+    let (mut head, _, mut nodes, prepared) = start_running("kill", &[&[], &[], &[]], &flags);
     let victim_rank = the_rank(&prepared[1]);
     // Let the job train a while, then SIGKILL one node in the middle of its steps.
     std::thread::sleep(Duration::from_secs(2));
-    let mut victim = nodes.remove(1);
-    victim.signal("-KILL");
-    victim.wait_exit(Duration::from_secs(10));
+    kill(&mut nodes, 1);
     let lost = head.wait_line("lost device", Duration::from_secs(30));
     assert!(
         lost.contains(&format!("lost device {victim_rank}:")),
@@ -465,42 +487,14 @@ fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
     );
     println!("{lost}\n{recovered}");
     // The survivors train on; SIGTERM stops the job cleanly after the step in flight.
-    std::thread::sleep(Duration::from_secs(1));
-    head.signal("-TERM");
-    let (status, _) = head.wait_exit(Duration::from_secs(60));
-    let out = head.output();
-    assert!(status.success(), "head failed after the recovery:\n{out}");
-    for n in &mut nodes {
-        let (status, _) = n.wait_exit(Duration::from_secs(30));
-        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
-        let trained = steps_trained(n);
-        assert_eq!(trained.len(), 1, "{}", n.output());
-        assert!(trained[0].1 > 0, "{}", n.output());
-    }
+    stop_cleanly(&mut head, &mut nodes);
+    each_trained_one_rank(&nodes);
 }
 
 #[test]
 fn a_node_joining_a_running_job_becomes_a_replica_and_trains() {
-    let (mut head, addr) = training_head(
-        "grow",
-        2,
-        60,
-        &[
-            "--steps",
-            "100000",
-            "--batch-size",
-            "48",
-            "--collective-timeout",
-            "5",
-        ],
-    );
-    let mut nodes = vec![
-        node("node-a", &addr, "grow", &[], SECRET),
-        node("node-b", &addr, "grow", &[], SECRET),
-    ];
-    for n in &nodes {
-        n.wait_line("prepared:", Duration::from_secs(60));
-    }
+    let flags = ["--batch-size", "48", "--collective-timeout", "5"];
+    let (mut head, addr, mut nodes, _) = start_running("grow", &[&[], &[]], &flags);
     std::thread::sleep(Duration::from_secs(2));
     // A third node comes while the job runs: it is greeted, prepared as the world's next
     // process and rank, and the job grows onto it at a step boundary.
@@ -514,19 +508,9 @@ fn a_node_joining_a_running_job_becomes_a_replica_and_trains() {
     );
     let resized = head.wait_line("resized from 2 to 3 replicas", Duration::from_secs(30));
     println!("{joined}\n{resized}");
-    std::thread::sleep(Duration::from_secs(1));
-    head.signal("-TERM");
-    let (status, _) = head.wait_exit(Duration::from_secs(60));
-    let out = head.output();
-    assert!(status.success(), "head failed after growing:\n{out}");
+    stop_cleanly(&mut head, &mut nodes);
     // Really distributed: the late node trained its rank for steps of the running job.
-    for n in &mut nodes {
-        let (status, _) = n.wait_exit(Duration::from_secs(30));
-        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
-        let trained = steps_trained(n);
-        assert_eq!(trained.len(), 1, "{}:\n{}", n.name, n.output());
-        assert!(trained[0].1 > 0, "{}:\n{}", n.name, n.output());
-    }
+    each_trained_one_rank(&nodes);
     assert_eq!(
         steps_trained(&nodes[2])[0].0,
         2,
@@ -536,35 +520,19 @@ fn a_node_joining_a_running_job_becomes_a_replica_and_trains() {
 
 #[test]
 fn below_its_minimum_a_job_waits_for_a_node_to_join_and_trains_on_with_it() {
-    let (mut head, addr) = training_head(
-        "refill",
-        3,
-        60,
-        &[
-            "--min-replicas",
-            "3",
-            "--on-replica-loss",
-            "shrink",
-            "--steps",
-            "100000",
-            "--batch-size",
-            "48",
-            "--collective-timeout",
-            "5",
-        ],
-    );
-    let mut nodes = vec![
-        node("node-a", &addr, "refill", &[], SECRET),
-        node("node-b", &addr, "refill", &[], SECRET),
-        node("node-c", &addr, "refill", &[], SECRET),
+    let flags = [
+        "--min-replicas",
+        "3",
+        "--on-replica-loss",
+        "shrink",
+        "--batch-size",
+        "48",
+        "--collective-timeout",
+        "5",
     ];
-    for n in &nodes {
-        n.wait_line("prepared:", Duration::from_secs(60));
-    }
+    let (mut head, addr, mut nodes, _) = start_running("refill", &[&[], &[], &[]], &flags);
     std::thread::sleep(Duration::from_secs(1));
-    let mut victim = nodes.remove(1);
-    victim.signal("-KILL");
-    victim.wait_exit(Duration::from_secs(10));
+    kill(&mut nodes, 1);
     // Two replicas are below the minimum: the job holds its next step (ELASTIC-3) ...
     let waiting = head.wait_line("below the minimum of 3", Duration::from_secs(30));
     // ... until a node joins: it becomes the third replica and the job trains on.
@@ -575,16 +543,8 @@ fn below_its_minimum_a_job_waits_for_a_node_to_join_and_trains_on_with_it() {
     );
     let resized = head.wait_line("resized from 2 to 3 replicas", Duration::from_secs(30));
     println!("{waiting}\n{resized}");
-    std::thread::sleep(Duration::from_secs(1));
-    head.signal("-TERM");
-    let (status, _) = head.wait_exit(Duration::from_secs(60));
-    assert!(status.success(), "head failed:\n{}", head.output());
-    for n in &mut nodes {
-        let (status, _) = n.wait_exit(Duration::from_secs(30));
-        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
-        let trained = steps_trained(n);
-        assert!(trained.len() == 1 && trained[0].1 > 0, "{}", n.output());
-    }
+    stop_cleanly(&mut head, &mut nodes);
+    each_trained_one_rank(&nodes);
 }
 
 #[test]
