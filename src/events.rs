@@ -131,6 +131,16 @@ pub enum JobEvent {
         /// Its new device.
         device: crate::error::DeviceId,
     },
+    /// Some survivors of a failure had finished `step` (and applied it) and others had not:
+    /// those took the state of one that had, and the step is not redone (REC-7).
+    CaughtUp {
+        /// The step.
+        step: u64,
+        /// The ranks (in the new generation) that had not finished it.
+        ranks: Vec<Rank>,
+        /// The rank (in the new generation) whose parameters and optimizer state they took.
+        from: Rank,
+    },
     /// The job paused (`pause()`): no step starts until `resume()`.
     Paused,
     /// Losses left fewer replicas than the elastic minimum: the job holds its next step until

@@ -18,6 +18,9 @@
 //!   that copy the twin's parameters and optimizer state; the mesh is rewired under a new
 //!   generation and the step is redone, at the same size. Without twins the job rolls back
 //!   (with `roll_back`) or ends with the failure's error.
+//! - REC-7: where some survivors finished the failed step's last collective (and applied it)
+//!   and others did not, the others take the state of one that did and the step is not
+//!   redone (with a learning-rate scheduler, whose state is not copied: REC-5 or the error).
 //! - REC-2: more than `max_restarts` recoveries within `window` end the job with
 //!   `Error::TooManyFailures`, carrying the last failure.
 //! - REC-3: anything else (pipeline jobs, too few survivors, `Fail`) ends the job with the

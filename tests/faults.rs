@@ -692,6 +692,41 @@ async fn rec_1_a_replica_lost_after_the_last_collective_does_not_make_the_step_a
     assert_matches_reference(init, &trained.model, &events);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rec_7_survivors_that_missed_a_step_others_applied_take_their_state_and_it_is_not_redone() {
+    let init = initial_model();
+    // A 3-rank ring all-reduce: each rank sends 4 messages, the last one in its all-gather
+    // half. Device 1's last message at step 2 is lost: device 2 waits for it until the
+    // time-out while devices 0 and 1 finish the all-reduce and apply the step.
+    let plan = FaultPlan::new(15).with(fault(
+        1,
+        2,
+        Phase::Forward,
+        FaultKind::DropMessage { message: 7 },
+    ));
+    let job = base(3, &init)
+        .algorithm(Algorithm::Ring)
+        .fault_plan(plan)
+        .recovery(RecoveryPolicy::shrink())
+        .collective_timeout(Duration::from_secs(2))
+        .step_timeout(Duration::from_secs(60))
+        .build()
+        .expect("a valid job");
+    let (outcome, events, _) = run(job).await;
+    let trained = outcome.expect("the replicas are made equal and the job goes on");
+    assert_eq!(fired(&events), vec![0]);
+    assert!(lost_devices(&events).is_empty());
+    // Step 2 counts as done (generation 1 starts at step 3) and is reported once, with every
+    // replica's samples; device 2 trains on from the state devices 0 and 1 reached.
+    assert_eq!(recoveries(&events), vec![(3, 1, vec![])]);
+    assert!(events.iter().any(|e| matches!(
+        e,
+        JobEvent::CaughtUp { step: 2, ranks, from: Rank(0) } if ranks == &[Rank(2)]
+    )));
+    assert_eq!(replicas_per_step(&events), vec![3; STEPS as usize]);
+    assert_matches_reference(init, &trained.model, &events);
+}
+
 fn partition_plan(seconds: f64) -> FaultPlan {
     FaultPlan::new(14).with(fault(
         1,

@@ -611,9 +611,9 @@ where
             Ok(x) => x,
             Err(e) => return (slot, Err(e)),
         };
-        // DP-4 before the update: the buffer broadcast is the step's last collective, so a
-        // peer failing can no longer leave the update applied on some replicas and not on
-        // others (REC-1 redoes a step only where nothing was applied).
+        // DP-4 before the update: the buffer broadcast is the step's last collective, so the
+        // update is the only thing after it (REC-1 redoes a step only where nothing was
+        // applied; REC-7 evens out survivors that finished it and survivors that did not).
         let (slot, report) = sync_buffers(slot, Ok(report), &thread_phase);
         let mut report = match report {
             Ok(r) => r,

@@ -941,8 +941,10 @@ where
         let twins = twins.unwrap_or_default();
         return replace_from_twins(state, step, &twins, first).await;
     }
-    // REC-1: a step is redone only where nothing of it was applied. The update follows the
-    // step's last collective, so either every survivor finished it or none did.
+    // REC-1: a step is redone only where nothing of it was applied. A survivor that finished
+    // the step's last collective holds its full result (every rank's gradient was in it) and
+    // applied it; one still waiting in it applied nothing. Both happen in one step: in a ring,
+    // a rank whose predecessor died waits while the ranks after it finish (REC-7).
     let interrupted = state.interrupted.take();
     let finished: Vec<bool> = survivors
         .iter()
@@ -952,17 +954,19 @@ where
                 .is_some_and(|i| i.done.get(r).is_some_and(Option::is_some))
         })
         .collect();
-    let completed = !finished.is_empty() && finished.iter().all(|f| *f);
-    if !completed && finished.iter().any(|f| *f) {
+    let mixed = finished.iter().any(|f| *f) && !finished.iter().all(|f| *f);
+    if mixed && state.lr_scheduled {
         if state.recovery.roll_back {
-            // REC-5: only a checkpoint can make diverged replicas equal again.
+            // REC-5: only a checkpoint can make these replicas equal again.
             return roll_back_to_checkpoint(state, step, &lost, first).await;
         }
         return Err(Error::Runtime(format!(
-            "step {step} was applied on some survivors and not on others; the replicas \
-             diverged and only a checkpoint can restore them (after: {first})"
+            "step {step} was applied on some survivors and not on others, and a \
+             learning-rate scheduler's state cannot be copied to the others; only a \
+             checkpoint can make the replicas equal again (after: {first})"
         )));
     }
+    let completed = finished.iter().any(|f| *f);
     let old_ids: Vec<StageId> = state.stages.iter().map(|(_, id)| *id).collect();
     let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
     let members = survivors
@@ -970,6 +974,11 @@ where
         .map(|&r| (state.stages[r].0.clone(), state.devices[r].clone()))
         .collect();
     rebuild_group(state, members).await?;
+    if mixed {
+        // REC-7: the ones that applied the step hand their state to the ones that did not,
+        // once the old group no longer holds them; the step then counts as done.
+        catch_up(state, step, &finished).await?;
+    }
     let next = if completed { step + 1 } else { step };
     publish(
         state,
@@ -1043,6 +1052,48 @@ where
         interrupted.started.elapsed().as_secs_f64(),
     );
     Ok(Redo::Nothing)
+}
+
+/// REC-7: the survivors (in their new rank order) that did not finish `step` take the
+/// parameters and optimizer state of the first one that did.
+async fn catch_up<M, I>(
+    state: &mut SupervisorState<M, I>,
+    step: u64,
+    finished: &[bool],
+) -> Result<()>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let Some(source) = finished.iter().position(|f| *f) else {
+        return Ok(());
+    };
+    let timeout = state.step_timeout;
+    let (stage, id) = state.stages[source].clone();
+    let snapshot = ask(&stage, StageMsg::Snapshot, timeout, || {
+        format!("{id}, which finished step {step}, did not answer a snapshot")
+    })
+    .await?;
+    let behind: Vec<usize> = (0..finished.len()).filter(|&r| !finished[r]).collect();
+    for &r in &behind {
+        let (stage, id) = state.stages[r].clone();
+        restore(&stage, snapshot.clone(), timeout, || {
+            format!(
+                "{id} did not take the state of {} that finished step {step}",
+                state.stages[source].1
+            )
+        })
+        .await?;
+    }
+    publish(
+        state,
+        JobEvent::CaughtUp {
+            step,
+            ranks: behind.into_iter().map(|r| Rank(r as u32)).collect(),
+            from: Rank(source as u32),
+        },
+    );
+    Ok(())
 }
 
 /// One data-parallel member: its stage and its device.

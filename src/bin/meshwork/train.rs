@@ -489,6 +489,17 @@ pub(crate) async fn drive<M: Send + 'static>(
                         layout.dp()
                     ),
                 ),
+                Ok(JobEvent::CaughtUp { step, ranks, from }) => {
+                    let ranks: Vec<String> = ranks.iter().map(ToString::to_string).collect();
+                    say(
+                        &progress,
+                        format!(
+                            "step {step}: {} had not finished it; took the state of {from}, \
+                             which had",
+                            ranks.join(", ")
+                        ),
+                    )
+                }
                 Ok(JobEvent::RolledBack {
                     failed_step,
                     step,
