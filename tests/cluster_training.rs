@@ -491,7 +491,11 @@ fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
     each_trained_one_rank(&nodes);
     // Whether the kill fell where one survivor had finished the ring and the other had not
     // (REC-7: it took the other's state) depends on timing; say so when it did.
-    for line in head.output().lines().filter(|l| l.contains("had not finished")) {
+    for line in head
+        .output()
+        .lines()
+        .filter(|l| l.contains("had not finished"))
+    {
         println!("{line}");
     }
 }
