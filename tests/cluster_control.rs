@@ -247,3 +247,67 @@ fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
         assert!(byes[0].1.is_err(), "a killed node says no Bye");
     });
 }
+
+/// A test-only certificate or key of `tests/fixtures/tls` (made by its `make.sh`).
+fn fixture(name: &str) -> String {
+    format!("{}/tests/fixtures/tls/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn ctl_10_over_tls_nodes_that_trust_the_head_train_and_the_others_are_refused() {
+    let (cert, key, ca, other_ca) = (
+        fixture("head.pem"),
+        fixture("head.key"),
+        fixture("ca.pem"),
+        fixture("other-ca.pem"),
+    );
+    let (mut head, addr) = cluster_procs::training_head(
+        "tls",
+        2,
+        60,
+        &["--steps", "3", "--tls-cert", &cert, "--tls-key", &key],
+    );
+    // A node that trusts another authority refuses the head's certificate at once.
+    let mut wary = node("wary", &addr, "tls", &["--tls-ca", &other_ca], SECRET);
+    let (status, took) = wary.wait_exit(Duration::from_secs(30));
+    let out = wary.output();
+    assert!(!status.success(), "{out}");
+    assert!(
+        out.contains("TLS: the TLS handshake with the head"),
+        "{out}"
+    );
+    assert!(out.contains("UnknownIssuer"), "{out}");
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    // A node without TLS never gets past the head's handshake (closed within its time-out).
+    let mut plain = node("plain", &addr, "tls", &[], SECRET);
+    let (status, _) = plain.wait_exit(Duration::from_secs(30));
+    let out = plain.output();
+    assert!(!status.success(), "{out}");
+    assert!(
+        out.contains("closed the connection before authentication"),
+        "{out}"
+    );
+    // Nodes that trust the head's authority join (by IP address, and by the name
+    // `localhost` the certificate also carries) and train over the encrypted control plane.
+    let mut nodes = [
+        node("node-a", &addr, "tls", &["--tls-ca", &ca], SECRET),
+        node(
+            "node-b",
+            &addr,
+            "tls",
+            &["--tls-ca", &ca, "--tls-server-name", "localhost"],
+            SECRET,
+        ),
+    ];
+    let (status, _) = head.wait_exit(Duration::from_secs(90));
+    let out = head.output();
+    assert!(status.success(), "head failed:\n{out}");
+    assert!(out.contains("control plane: TLS, certificate"), "{out}");
+    assert!(out.contains("closed the control connection from"), "{out}");
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        let nout = n.output();
+        assert!(status.success(), "{} failed:\n{nout}", n.name);
+        assert!(nout.contains("trained 3 step(s)"), "{nout}");
+    }
+}

@@ -557,6 +557,55 @@ fn below_its_minimum_a_job_waits_for_a_node_to_join_and_trains_on_with_it() {
 }
 
 #[test]
+fn a_spare_beyond_the_maximum_refills_a_job_that_shrank_after_a_loss() {
+    let flags = [
+        "--max-replicas",
+        "3",
+        "--on-replica-loss",
+        "shrink",
+        "--batch-size",
+        "48",
+        "--collective-timeout",
+        "5",
+    ];
+    let (mut head, addr, mut nodes, prepared) =
+        start_running("spare-refill", &[&[], &[], &[]], &flags);
+    let victim_rank = the_rank(&prepared[1]);
+    // A fourth node joins; the job is at its maximum, so the node waits as a spare.
+    nodes.push(node("node-d", &addr, "spare-refill", &[], SECRET));
+    head.wait_line(
+        "node node-d joined the running job",
+        Duration::from_secs(30),
+    );
+    head.wait_line(
+        "refused: outside the elastic range",
+        Duration::from_secs(30),
+    );
+    kill(&mut nodes, 1);
+    let lost = head.wait_line("lost device", Duration::from_secs(30));
+    assert!(
+        lost.contains(&format!("lost device {victim_rank}:")),
+        "{lost}"
+    );
+    // The job shrinks to the two survivors, then grows back onto the spare (ELASTIC-4)
+    // without anyone asking.
+    head.wait_line(
+        "recovered (generation 1, 2 replicas)",
+        Duration::from_secs(30),
+    );
+    let resized = head.wait_line("resized from 2 to 3 replicas", Duration::from_secs(30));
+    println!("{lost}\n{resized}");
+    stop_cleanly(&mut head, &mut nodes);
+    // The spare trained its rank: the world's rank 3 (rank 2 of the regrown group).
+    each_trained_one_rank(&nodes);
+    assert_eq!(
+        steps_trained(&nodes[2])[0].0,
+        3,
+        "the spare holds the world's rank 3"
+    );
+}
+
+#[test]
 fn a_lost_node_is_replaced_by_a_spare_that_joined_and_the_rolled_back_job_ends_as_an_uninterrupted_one()
  {
     let dir = std::env::temp_dir().join(format!("meshwork-spare-{}", std::process::id()));

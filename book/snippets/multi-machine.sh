@@ -28,6 +28,12 @@ meshwork train --listen 0.0.0.0:29400 --nodes 4 --pp 2 --schedule 1f1b --micro-b
 # on each of the four node hosts
 meshwork node --join head-host:29400
 # ANCHOR_END: pipeline
+# ANCHOR: tls
+# TLS on the control plane: the head presents a certificate for the name nodes join it by ...
+meshwork train --listen 0.0.0.0:29500 --nodes 2 --job demo --tls-cert head.pem --tls-key head.key
+# ... and each node trusts the authority that signed it (and checks the name: head-host)
+meshwork node --join head-host:29500 --job demo --tls-ca ca.pem
+# ANCHOR_END: tls
 # ANCHOR: join
 # while a data-parallel job runs: one more node joins it and becomes new replicas
 meshwork node --join head-host:29500 --job demo

@@ -247,14 +247,23 @@ pub(crate) enum Grow<M> {
     /// Wherever the job's spawner has one waiting (a node that joined a running job across
     /// processes): the stage's and its device's proxies, or an error when none is waiting.
     #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
-    Remote(GrowRemote<M>),
+    Remote {
+        /// Starts the oldest waiting one.
+        start: GrowRemote<M>,
+        /// How many are waiting (ELASTIC-4: a job below its maximum grows onto them after a
+        /// loss).
+        waiting: Arc<dyn Fn() -> usize + Send + Sync>,
+    },
 }
 
 impl<M> Clone for Grow<M> {
     fn clone(&self) -> Self {
         match self {
             Grow::Local(g) => Grow::Local(g.clone()),
-            Grow::Remote(g) => Grow::Remote(g.clone()),
+            Grow::Remote { start, waiting } => Grow::Remote {
+                start: start.clone(),
+                waiting: waiting.clone(),
+            },
         }
     }
 }
@@ -1009,6 +1018,7 @@ where
             SupervisorMsg::MinimumWaitOver(generation)
         });
     }
+    refill_from_waiting(state);
     let Some(interrupted) = interrupted.filter(|_| completed) else {
         return Ok(Redo::Step);
     };
@@ -1052,6 +1062,23 @@ where
         interrupted.started.elapsed().as_secs_f64(),
     );
     Ok(Redo::Nothing)
+}
+
+/// ELASTIC-4: a job that lost replicas grows back onto slots waiting to join it (nodes that
+/// joined a job across processes beyond its maximum: spares), up to its maximum, before its
+/// next step; below the elastic minimum that also ends the wait (ELASTIC-3).
+fn refill_from_waiting<M, I>(state: &SupervisorState<M, I>) {
+    let Some(Grow::Remote { waiting, .. }) = &state.grow else {
+        return;
+    };
+    let dp = state.layout.dp();
+    let room = state.elastic.1.saturating_sub(dp) as usize;
+    let k = waiting().min(room);
+    if k > 0 {
+        let me: ActorRef<SupervisorMsg> = state.myself.clone().into();
+        // The mailbox outlives this call; a failed send means the job is ending anyway.
+        let _ = me.send_message(SupervisorMsg::ScaleTo(dp + k as u32));
+    }
 }
 
 /// REC-7: the survivors (in their new rank order) that did not finish `step` take the
@@ -1322,7 +1349,7 @@ where
             .map_err(|e| Error::Runtime(format!("could not start {id}: {e}")))?;
             (stage, (device_ref, device.id()))
         }
-        Grow::Remote(grow) => grow(RemoteGrowArgs {
+        Grow::Remote { start: grow, .. } => grow(RemoteGrowArgs {
             supervisor: state.myself.clone(),
             id,
         })
@@ -1667,36 +1694,52 @@ where
         })
         .await?;
         for r in from..n {
-            // A replica that cannot join (no device for it, a joining node gone) refuses the
-            // resize and leaves the mesh as it was: the ones started for it are stopped.
+            let id = StageId {
+                replica: r as u32,
+                stage: 0,
+            };
             let joined = match spawn_replica(state, r).await {
                 Ok((stage, device)) => {
-                    let id = StageId {
-                        replica: r as u32,
-                        stage: 0,
-                    };
                     let taken = restore(&stage, snapshot.clone(), state.step_timeout, || {
                         format!("{id} did not take rank 0's state")
                     })
                     .await;
-                    members.push((stage, device));
+                    if taken.is_err() {
+                        state.departed.insert(stage.get_id());
+                        state.departed.insert(device.0.get_id());
+                        stage.stop(None);
+                        device.0.stop(None);
+                    } else {
+                        members.push((stage, device));
+                    }
                     taken
                 }
                 Err(e) => Err(e),
             };
             if let Err(e) = joined {
-                for (stage, (device, _)) in members.drain(from..) {
-                    state.departed.insert(stage.get_id());
-                    state.departed.insert(device.get_id());
-                    stage.stop(None);
-                    device.stop(None);
+                // ELASTIC-5: a replica that cannot join (no device for it, no node waiting, a
+                // joining node gone) ends the growth there; the ones that joined before it
+                // stay, and with none the mesh is left as it was.
+                if members.len() == from {
+                    return Err(Error::InvalidConfig(format!(
+                        "replica {r} could not join: {e}"
+                    )));
                 }
-                return Err(Error::InvalidConfig(format!(
-                    "replica {r} could not join: {e}"
-                )));
+                publish(
+                    state,
+                    JobEvent::ResizeRefused {
+                        requested: n as u32,
+                        reason: format!(
+                            "replica {r} could not join ({e}); growing to {} replicas",
+                            members.len()
+                        ),
+                    },
+                );
+                break;
             }
         }
     }
+    let to = members.len();
     rebuild_group(state, members).await?;
     publish(
         state,
@@ -1704,7 +1747,7 @@ where
             step,
             generation: state.generation,
             from: from as u32,
-            to: n as u32,
+            to: to as u32,
         },
     );
     Ok(())

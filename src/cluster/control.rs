@@ -48,6 +48,11 @@
 //! - CTL-8 (the secret): the secret comes from the environment or a file, never the command
 //!   line; a connection that fails ractor_cluster's challenge is closed before any message
 //!   reaches an actor, and the node reports [`ControlError::AuthenticationFailed`].
+//! - CTL-10 (TLS, optional: [`tls`]): a head with a certificate ([`HeadConfig::tls`]) runs a
+//!   TLS handshake on every connection before ractor_cluster sees it, and closes (and logs)
+//!   one whose handshake fails or takes longer than [`tls::HANDSHAKE_TIMEOUT`]; a node with
+//!   trusted authorities ([`NodeConfig::tls`]) refuses a head whose certificate they did not
+//!   sign or that does not name the host it joins ([`ControlError::Tls`]).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -60,6 +65,7 @@ pub mod protocol;
 pub mod secret;
 mod session;
 pub mod stages;
+pub mod tls;
 pub mod world;
 
 pub use agent::{AgentMsg, FingerprintFn, NodeConfig, NodeOutcome, NodeReport, run_node};
@@ -76,6 +82,7 @@ pub use stages::{
     HostArgs, HostFactory, PART_BYTES, RemoteError, StageAnswer, StageHost, StageOp, StageRequest,
     join_shards, split_shards,
 };
+pub use tls::{HeadTls, NodeTls};
 pub use world::{ProcessIndex, ProcessPlan, ProcessSlot, RankEntry, World, WorldError};
 
 const _: () = assert!(
@@ -145,11 +152,21 @@ pub enum ControlError {
     /// CTL-8: the head closed the session during ractor_cluster's challenge.
     #[error(
         "the head at {head} closed the connection before authentication: \
-         the cluster secret (MESHWORK_SECRET) differs, or {head} is not a meshwork head"
+         the cluster secret (MESHWORK_SECRET) differs, the head expects TLS (--tls-ca), \
+         or {head} is not a meshwork head"
     )]
     AuthenticationFailed {
         /// The head's address.
         head: String,
+    },
+    /// CTL-10: TLS on the control plane failed: a certificate or key that cannot be used, or
+    /// a handshake that failed (a head whose certificate is not trusted, a peer without TLS).
+    #[error("TLS: {what}: {reason}")]
+    Tls {
+        /// What was being done.
+        what: String,
+        /// What went wrong.
+        reason: String,
     },
     /// CTL-7: the head could not be reached within the join time-out.
     #[error("cannot reach the head at {head} within {waited:?}: {reason}")]

@@ -565,7 +565,13 @@ impl ClusterMesh {
             // A pipeline across processes is not rebuilt after a loss (no rewire): it fails
             // with the lost stage named.
             replicas_only: !shape.pipelined,
-            grow: (!shape.pipelined).then(|| Grow::Remote(proxies.grower(timeout))),
+            grow: (!shape.pipelined).then(|| {
+                let slots = proxies.slots.clone();
+                Grow::Remote {
+                    start: proxies.grower(timeout),
+                    waiting: Arc::new(move || lock(&slots).waiting.len()),
+                }
+            }),
             rewire: None,
             devices: Some(devices),
             reconnect: !shape.pipelined,

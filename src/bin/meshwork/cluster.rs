@@ -61,6 +61,20 @@ pub(crate) struct ClusterTrainArgs {
     /// spares (a roll-back recovery replaces a lost node with one).
     #[arg(long)]
     max_replicas: Option<u32>,
+    /// TLS on the control plane: the head's certificate chain (PEM), with --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// TLS on the control plane: the head's private key (PEM), with --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+    /// Under a launcher: the certificate authorities (PEM) the processes that become nodes
+    /// trust to sign the head's certificate.
+    #[arg(long)]
+    tls_ca: Option<std::path::PathBuf>,
+    /// Under a launcher: the name the head's certificate must carry (default: MASTER_ADDR or
+    /// the Slurm head host).
+    #[arg(long, requires = "tls_ca")]
+    tls_server_name: Option<String>,
     /// Testing: speak this control protocol version instead of the build's.
     #[arg(long, hide = true)]
     pretend_protocol_version: Option<u16>,
@@ -87,6 +101,13 @@ pub(crate) struct NodeArgs {
     /// How long the head may stay silent once joined, in seconds.
     #[arg(long, default_value_t = 10.0)]
     head_timeout: f64,
+    /// TLS on the control plane: the certificate authorities (PEM) that sign the head's
+    /// certificate; the node refuses a head they did not sign.
+    #[arg(long)]
+    tls_ca: Option<std::path::PathBuf>,
+    /// The name the head's certificate must carry (default: the host of --join).
+    #[arg(long, requires = "tls_ca")]
+    tls_server_name: Option<String>,
     /// Testing: speak this control protocol version instead of the build's.
     #[arg(long, hide = true)]
     pretend_protocol_version: Option<u16>,
@@ -304,6 +325,8 @@ pub(crate) fn dispatch_train(
                 name: None,
                 join_timeout: cluster.join_timeout,
                 head_timeout: 10.0,
+                tls_ca: cluster.tls_ca.clone(),
+                tls_server_name: cluster.tls_server_name.clone(),
                 pretend_protocol_version: cluster.pretend_protocol_version,
                 pretend_model_variant: None,
             };
@@ -370,10 +393,20 @@ fn run_head(
     if let Some(v) = cluster.pretend_protocol_version {
         config.protocol_version = v;
     }
+    if let (Some(cert), Some(key)) = (&cluster.tls_cert, &cluster.tls_key) {
+        config.tls = Some(control::HeadTls::from_pem_files(cert, key)?);
+    }
     let job = cluster.job.clone();
     let dry_run = cluster.dry_run;
+    let tls_line = cluster
+        .tls_cert
+        .as_ref()
+        .map(|cert| format!("control plane: TLS, certificate {}", cert.display()));
     runtime()?.block_on(async move {
         let mut head = Head::start(config).await?;
+        if let Some(line) = tls_line {
+            println!("{line}");
+        }
         println!(
             "meshwork head: listening on {} for job {job}, waiting for {nodes} node(s) (protocol {}, model {fingerprint})",
             head.local_addr(),
@@ -589,6 +622,13 @@ fn run_node_with(args: NodeArgs, requested: Option<ProcessIndex>) -> meshwork::e
     }
     if let Some(v) = args.pretend_protocol_version {
         config.protocol_version = v;
+    }
+    if let Some(ca) = &args.tls_ca {
+        let tls = control::NodeTls::from_pem_file(ca)?;
+        config.tls = Some(match args.tls_server_name {
+            Some(name) => tls.server_name(name),
+            None => tls,
+        });
     }
     let name = config.name.clone();
     println!(

@@ -16,6 +16,7 @@ use super::protocol::{
 use super::secret::ClusterSecret;
 use super::session::{ClusterNode, SessionEvent};
 use super::stages::{HostArgs, HostFactory, RemoteError, StageAnswer, StageHost};
+use super::tls::NodeTls;
 use super::world::{ProcessIndex, ProcessPlan};
 use super::{AGENTS_GROUP, ControlError, HeadLoss, bind_data_plane, host_name, job_scope};
 use crate::cluster::link::JobToken;
@@ -111,6 +112,9 @@ pub struct NodeConfig {
     /// Builds the node's stages once the head prepared it (`None`: the node joins and is
     /// prepared, but cannot train; the head's stage requests are refused).
     pub stages: Option<HostFactory>,
+    /// TLS on the control plane (CTL-10): the authorities that sign the head's certificate
+    /// (default none: plain TCP).
+    pub tls: Option<NodeTls>,
 }
 
 impl std::fmt::Debug for NodeConfig {
@@ -124,6 +128,7 @@ impl std::fmt::Debug for NodeConfig {
             .field("join_timeout", &self.join_timeout)
             .field("head_timeout", &self.head_timeout)
             .field("protocol_version", &self.protocol_version)
+            .field("tls", &self.tls)
             .finish_non_exhaustive()
     }
 }
@@ -149,6 +154,7 @@ impl NodeConfig {
             head_timeout: Duration::from_secs(10),
             protocol_version: CONTROL_PROTOCOL_VERSION,
             stages: None,
+            tls: None,
         }
     }
 }
@@ -594,6 +600,7 @@ pub async fn run_node(
 
     let (tx, mut events) = mpsc::unbounded_channel();
     let head_timeout = config.head_timeout;
+    let tls = config.tls.clone();
     let (agent, _) = Actor::spawn(
         None,
         NodeAgent,
@@ -617,7 +624,15 @@ pub async fn run_node(
         agent.stop(Some(reason.to_string()));
         cluster.stop(reason);
     };
-    if let Err(e) = cluster.adopt(stream, false) {
+    // CTL-10: with TLS, the head proves its certificate before ractor_cluster's challenge.
+    let adopted = match &tls {
+        None => cluster.adopt(stream, false),
+        Some(tls) => match tls.connect(&head, stream).await {
+            Ok(stream) => cluster.adopt_stream(stream, false),
+            Err(e) => Err(e),
+        },
+    };
+    if let Err(e) = adopted {
         stop(&cluster, "cannot hand over the control stream");
         return Err(e);
     }

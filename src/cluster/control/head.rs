@@ -15,8 +15,9 @@ use super::protocol::{
     MAX_CONTROL_MESSAGE, ModelFingerprint, NodeInfo, NodePhase, Prepare,
 };
 use super::secret::ClusterSecret;
-use super::session::{ClusterNode, SessionEvent, adopt};
+use super::session::{ClusterNode, SessionEvent, adopt, adopt_stream};
 use super::stages::{StageAnswer, StageRequest};
+use super::tls::HeadTls;
 use super::world::{ProcessIndex, ProcessPlan, ProcessSlot, World, assign_ranks};
 use super::{AGENTS_GROUP, ControlError, host_name, job_scope};
 use crate::cluster::link::JobToken;
@@ -41,6 +42,9 @@ pub struct HeadConfig {
     pub heartbeat_interval: Duration,
     /// The control protocol version to speak (this build's; tests pretend to be another).
     pub protocol_version: u16,
+    /// TLS on the control plane (CTL-10): the head's certificate and key (default none:
+    /// plain TCP).
+    pub tls: Option<HeadTls>,
 }
 
 impl std::fmt::Debug for HeadConfig {
@@ -51,6 +55,7 @@ impl std::fmt::Debug for HeadConfig {
             .field("name", &self.name)
             .field("rpc_timeout", &self.rpc_timeout)
             .field("heartbeat_interval", &self.heartbeat_interval)
+            .field("tls", &self.tls.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -66,6 +71,7 @@ impl HeadConfig {
             rpc_timeout: Duration::from_secs(10),
             heartbeat_interval: Duration::from_secs(1),
             protocol_version: CONTROL_PROTOCOL_VERSION,
+            tls: None,
         }
     }
 }
@@ -242,14 +248,33 @@ impl Head {
         })?;
         let cluster = ClusterNode::start(&config.name, &config.secret).await?;
         let server = cluster.server.clone();
+        let tls = config.tls.clone();
         let accept = tokio::spawn(async move {
             loop {
                 match listener.accept().await {
                     Ok((stream, peer)) => {
                         tracing::debug!("control connection from {peer}");
-                        if let Err(e) = adopt(&server, stream, true) {
-                            tracing::warn!("dropping the control connection from {peer}: {e}");
-                        }
+                        let Some(tls) = tls.clone() else {
+                            if let Err(e) = adopt(&server, stream, true) {
+                                tracing::warn!("dropping the control connection from {peer}: {e}");
+                            }
+                            continue;
+                        };
+                        // CTL-10: the handshake runs on its own task, so a slow or silent
+                        // peer never holds up the others.
+                        let server = server.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) = stream.set_nodelay(true) {
+                                tracing::debug!("control connection from {peer}: {e}");
+                            }
+                            let adopted = match tls.accept(stream).await {
+                                Ok(stream) => adopt_stream(&server, stream, true),
+                                Err(e) => Err(e),
+                            };
+                            if let Err(e) = adopted {
+                                tracing::warn!("closed the control connection from {peer}: {e}");
+                            }
+                        });
                     }
                     Err(e) => {
                         tracing::warn!("accepting a control connection failed: {e}");

@@ -116,6 +116,15 @@ impl ClusterNode {
         adopt(&self.server, stream, incoming)
     }
 
+    /// Hands a stream that finished its TLS handshake to the node server ([`adopt_stream`]).
+    pub(crate) fn adopt_stream(
+        &self,
+        stream: NetworkStream,
+        incoming: bool,
+    ) -> Result<(), ControlError> {
+        adopt_stream(&self.server, stream, incoming)
+    }
+
     /// Stops the node server and every session it holds.
     pub(crate) fn stop(&self, reason: &str) {
         self.server.stop(Some(reason.to_string()));
@@ -133,13 +142,26 @@ pub(crate) fn adopt(
     stream.set_nodelay(true).map_err(io)?;
     let peer_addr = stream.peer_addr().map_err(io)?;
     let local_addr = stream.local_addr().map_err(io)?;
+    adopt_stream(
+        server,
+        NetworkStream::Raw {
+            peer_addr,
+            local_addr,
+            stream,
+        },
+        incoming,
+    )
+}
+
+/// Hands `stream` (plain or TLS) to `server`, which runs ractor_cluster's challenge on it.
+pub(crate) fn adopt_stream(
+    server: &ActorRef<NodeServerMessage>,
+    stream: NetworkStream,
+    incoming: bool,
+) -> Result<(), ControlError> {
     server
         .cast(NodeServerMessage::ConnectionOpened {
-            stream: Box::new(NetworkStream::Raw {
-                peer_addr,
-                local_addr,
-                stream,
-            }),
+            stream: Box::new(stream),
             is_server: incoming,
         })
         .map_err(|e| ControlError::Runtime(format!("node server gone: {e}")))
