@@ -300,9 +300,10 @@ where
     /// TCP data plane. A data-parallel job has one replica per rank; a pipeline job
     /// (`.pipeline(..)`) has world ÷ stages replicas. Every process builds its stages from the
     /// same builder settings ([`JobBuilder::stage_host`] on the nodes); `data_parallel` follows
-    /// the world. A data-parallel job across processes recovers by shrinking (or fails); a
-    /// pipeline job fails with the lost stage named; fault plans and roll-back are refused at
-    /// `build` (feature `cluster`).
+    /// the world. A data-parallel job across processes recovers by shrinking, growing onto
+    /// nodes that joined it, or rolling back; a pipeline job replaces a lost stage from its
+    /// twin on a node that joined it (REMOTE-7) or fails with the lost stage named; fault plans,
+    /// and roll-back of a pipeline job, are refused at `build` (feature `cluster`).
     pub fn cluster(mut self, mesh: crate::cluster::remote::ClusterMesh) -> Self {
         self.cluster = Some(mesh);
         self
@@ -327,8 +328,11 @@ where
         let world = args.plan.world_size as u32;
         let slots = match self.pipeline.take() {
             Some(p) => {
+                // The head checks the mesh against the world it assembled; a node's slots learn
+                // whom they group with from the head's Wire (and a node that joined the running
+                // job as a spare counts a world that is no multiple of the stages).
                 let slots = p.cluster.slots;
-                let (spec, layout) = self.pipeline_spec(p, global, dataset, Some(world))?;
+                let (spec, layout) = self.pipeline_spec(p, global, dataset, None)?;
                 slots(spec, layout)
             }
             None => {
@@ -379,9 +383,7 @@ where
             #[cfg(feature = "cluster")]
             cluster: ClusterFns {
                 spawn: |mesh, spec, layout| mesh.pipeline_spawner(spec, layout),
-                slots: |spec, layout| {
-                    Arc::new(crate::cluster::remote::pipeline::PipelineSlots { spec, layout })
-                },
+                slots: |spec, _| Arc::new(crate::cluster::remote::pipeline::PipelineSlots { spec }),
             },
         });
         self
@@ -596,8 +598,8 @@ where
             }
             if self.recovery.roll_back && self.pipeline.is_some() {
                 return invalid(
-                    "a recovery policy that rolls back a pipeline job replaces lost stages, \
-                     which a pipeline across processes cannot yet: use fail"
+                    "rolling a pipeline job back across processes is not supported yet: use \
+                     shrink (a lost stage is replaced from its twin on a spare node) or fail"
                         .into(),
                 );
             }

@@ -501,6 +501,99 @@ fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
 }
 
 #[test]
+fn a_lost_pipeline_stage_is_replaced_on_a_spare_from_its_twin_and_the_job_ends_as_an_uninterrupted_one()
+ {
+    let dir = std::env::temp_dir().join(format!("meshwork-pptwin-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (steps, batch, seed) = (500u64, 64usize, 9u64);
+    let flags = |name: &str| {
+        let model = dir.join(format!("{name}.mpk")).display().to_string();
+        [
+            "--pp",
+            "2",
+            "--schedule",
+            "1f1b",
+            "--micro-batches",
+            "4",
+            "--steps",
+            &steps.to_string(),
+            "--batch-size",
+            &batch.to_string(),
+            "--seed",
+            &seed.to_string(),
+            "--collective-timeout",
+            "10",
+            "--save-model",
+            &model,
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let plain = flags("plain");
+    let plain: Vec<&str> = plain.iter().map(String::as_str).collect();
+    run_to_end("pptwin-plain", &[&[], &[], &[], &[]], &plain);
+
+    let mut twin = flags("twin");
+    twin.extend(["--on-replica-loss", "shrink"].map(String::from));
+    let twin: Vec<&str> = twin.iter().map(String::as_str).collect();
+    let (mut head, addr) = training_head("pptwin", 4, 60, &twin);
+    let mut nodes = spawn_nodes("pptwin", &addr, &[&[], &[], &[], &[]]);
+    let prepared: Vec<String> = nodes
+        .iter()
+        .map(|n| n.wait_line("prepared:", Duration::from_secs(60)))
+        .collect();
+    // A fifth node joins the running pipeline job: it waits as a spare.
+    nodes.push(node("node-e", &addr, "pptwin", &[], SECRET));
+    head.wait_line("waiting as a spare", Duration::from_secs(30));
+    // Kill a node of the last stage (MESH-1: rank = replica + 2 · stage): no survivor can
+    // finish the step it dies in, so the step is redone after the replacement.
+    let victim = prepared
+        .iter()
+        .position(|p| the_rank(p) / 2 == 1)
+        .expect("a node holds a rank of stage 1");
+    let victim_rank = the_rank(&prepared[victim]);
+    let mut killed = nodes.remove(victim);
+    killed.signal("-KILL");
+    killed.wait_exit(Duration::from_secs(10));
+    let replaced = head.wait_line("replaced on device", Duration::from_secs(60));
+    assert!(
+        replaced.contains(&format!("stage 1 of replica {}", victim_rank % 2)),
+        "{replaced}"
+    );
+    let (status, _) = head.wait_exit(Duration::from_secs(180));
+    let out = head.output();
+    assert!(status.success(), "head failed:\n{out}");
+    assert!(
+        out.contains(&format!("lost device {victim_rank}:")),
+        "{out}"
+    );
+    // Really distributed, and really replaced: every node trained its rank, the spare too
+    // (the world's rank 4 holding the lost stage).
+    for n in &mut nodes {
+        let (status, _) = n.wait_exit(Duration::from_secs(30));
+        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
+        let trained = steps_trained(n);
+        assert_eq!(trained.len(), 1, "{}:\n{}", n.name, n.output());
+        assert!(trained[0].1 > 0, "{}:\n{}", n.name, n.output());
+    }
+    assert_eq!(
+        steps_trained(&nodes[3])[0].0,
+        4,
+        "the spare holds the world's rank 4"
+    );
+    // The replacement copied its twin exactly and the step was redone on the same batch, in
+    // the same reduction order: the run ends bit for bit where the uninterrupted one did.
+    let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap().remove(0);
+    let uninterrupted = load_of(&PIPELINE_WIDTHS, &dir.join("plain.mpk"), &device);
+    let recovered = load_of(&PIPELINE_WIDTHS, &dir.join("twin.mpk"), &device);
+    compare_parameters(&recovered, &uninterrupted, 0.0)
+        .unwrap_or_else(|e| panic!("the job with a replaced stage differs: {e}"));
+    println!("{replaced}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_node_joining_a_running_job_becomes_a_replica_and_trains() {
     let flags = ["--batch-size", "48", "--collective-timeout", "5"];
     let (mut head, addr, mut nodes, _) = start_running("grow", &[&[], &[]], &flags);

@@ -209,6 +209,8 @@ fn write_control_seed_corpus() {
             (
                 "stage_wire",
                 request(StageOp::Wire {
+                    generation: meshwork::mesh::Generation(1),
+                    dp: vec!["127.0.0.1:5000".parse().unwrap()],
                     links: vec![
                         "127.0.0.1:6000".parse().unwrap(),
                         "[::1]:6001".parse().unwrap(),

@@ -265,6 +265,7 @@ where
                             .collect(),
                         others: wiring.others,
                         shutdown: wiring.shutdown,
+                        devices: Vec::new(),
                     })
                 }) as _
             });

@@ -195,10 +195,14 @@ pub(crate) struct RewireArgs {
     pub(crate) layout: Layout,
     pub(crate) generation: Generation,
     pub(crate) comm: CommConfig,
-    /// The devices of the fresh ranks, by rank (`None` for survivors).
+    /// The devices of the fresh ranks, by rank (`None` for survivors, and for every rank
+    /// when the spawner finds devices itself: a cluster job).
     pub(crate) devices: Vec<Option<(MeshDevice, ActorRef<DeviceMsg>)>>,
     /// The ranks that get a fresh stage actor.
     pub(crate) fresh: Vec<usize>,
+    /// Each rank's device now, by rank (a cluster job: the slot that holds it).
+    #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+    pub(crate) slots: Vec<DeviceId>,
 }
 
 /// A rewired mesh.
@@ -217,6 +221,9 @@ pub(crate) struct Rewired<M> {
     pub(crate) others: Vec<ractor::ActorCell>,
     /// Wakes everything blocked in the new wiring.
     pub(crate) shutdown: Arc<dyn Fn() + Send + Sync>,
+    /// The fresh ranks' devices when the spawner found them itself (a cluster job: proxies
+    /// of the devices of the slots that took them), by rank.
+    pub(crate) devices: Vec<(usize, (ActorRef<DeviceMsg>, DeviceId))>,
 }
 
 /// Rewires a pipeline mesh (REC-6).
@@ -363,6 +370,9 @@ pub struct SupervisorState<M, I> {
     shutdown: Arc<dyn Fn() + Send + Sync>,
     /// Whether stages join a rebuilt group by `Reconnect` (a cluster job).
     reconnect: bool,
+    /// Whether the spawner found the devices itself (a cluster job's proxies of other
+    /// processes' devices): replacements find theirs the same way.
+    reconnect_devices: bool,
     model_ranks: Vec<usize>,
     assemble: fn(Vec<M>) -> Option<M>,
     replicas_only: bool,
@@ -452,7 +462,9 @@ where
             None => None,
         };
         myself.send_message(SupervisorMsg::Init)?;
+        let reconnect_devices = spawned.devices.is_some();
         Ok(SupervisorState {
+            reconnect_devices,
             layout: a.layout,
             steps: a.steps,
             accumulation: a.accumulation,
@@ -883,7 +895,7 @@ where
         .map(|(_, e)| e.clone())
         .unwrap_or_else(|| Error::Runtime("a failure without an error".into()));
     let mut lost = lost_ranks(state, &failure);
-    if state.reconnect && !lost.is_empty() {
+    if state.reconnect_devices && !lost.is_empty() {
         // Across processes one failure can take several ranks (a node holding several
         // devices): every other rank whose device does not answer is lost with it.
         lost = with_unreachable(state.devices.clone(), lost).await;
@@ -1413,8 +1425,8 @@ where
     }
     let mut devices = Vec::with_capacity(state.devices.len());
     for r in 0..state.devices.len() {
-        if !lost.contains(&r) {
-            // A surviving stage keeps its device.
+        if !lost.contains(&r) || state.reconnect_devices {
+            // A surviving stage keeps its device; a cluster job's spawner finds its own.
             devices.push(None);
             continue;
         }
@@ -1428,9 +1440,15 @@ where
         comm: state.comm.clone(),
         devices: devices.clone(),
         fresh: lost.to_vec(),
+        slots: state.devices.iter().map(|(_, id)| *id).collect(),
     })
     .await
     .map_err(|e| Error::Runtime(format!("could not rewire the pipeline: {e}")))?;
+    for (r, device) in rewired.devices {
+        if let Some(d) = state.devices.get_mut(r) {
+            *d = device;
+        }
+    }
     let timeout = state.step_timeout;
     for (r, stage) in rewired.fresh {
         let id = state.stages[r].1;

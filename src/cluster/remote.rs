@@ -37,6 +37,10 @@
 //!   slots, and the job grows onto them (or a roll-back replaces a lost replica with one).
 //! - **REMOTE-6** parameters of any size cross the control plane: a snapshot or restore over
 //!   [`PART_BYTES`] moves in parts, each message under the control message limit.
+//! - **REMOTE-7** (REC-6 across processes) a lost pipeline stage is started again on a
+//!   waiting slot (a node that joined the running job) and every rank is wired anew under the
+//!   next generation at once ([`pipeline::wire_ops`]); a survivor that takes the new wiring
+//!   ignores aborts of older generations from then on.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -60,7 +64,8 @@ use crate::actors::device::{DeviceActor, DeviceMsg, heartbeat};
 use crate::actors::pipeline_stage::PipelineSpec;
 use crate::actors::stage::{InitReport, StageActor, StageArgs, StageMsg, StageSpec};
 use crate::actors::supervisor::{
-    Grow, GrowRemote, Grown, RemoteGrowArgs, SpawnContext, SpawnStages, Spawned,
+    Grow, GrowRemote, Grown, RemoteGrowArgs, RewireArgs, RewireStages, Rewired, SpawnContext,
+    SpawnStages, Spawned,
 };
 use crate::checkpoint::{ShardSnapshot, restore_module};
 use crate::comm::hierarchical::HierarchyPlan;
@@ -102,8 +107,8 @@ type LocalGroups = HashMap<(u64, Vec<u32>), Vec<Option<Communicator>>>;
 
 /// What a process's slots run: data-parallel replicas or pipeline stages.
 pub(crate) trait SlotFactory<M>: Send + Sync + 'static {
-    /// The job's dp × pp layout and schedule, if it is a pipeline job (REMOTE-4).
-    fn pipeline(&self) -> Option<(Layout, Arc<PipelineSchedule>)>;
+    /// The job's schedule, if it is a pipeline job (REMOTE-4).
+    fn pipeline(&self) -> Option<Arc<PipelineSchedule>>;
     /// Starts a slot's stage actor.
     fn spawn(&self, start: SlotStart) -> SlotFuture<M>;
 }
@@ -116,7 +121,7 @@ where
     M: Module + 'static,
     I: Send + Sync + 'static,
 {
-    fn pipeline(&self) -> Option<(Layout, Arc<PipelineSchedule>)> {
+    fn pipeline(&self) -> Option<Arc<PipelineSchedule>> {
         None
     }
 
@@ -428,32 +433,12 @@ impl ClusterMesh {
         op: impl Fn(Rank) -> StageOp,
         timeout: Duration,
     ) -> Result<Vec<StageAnswer>> {
-        let mut asks = tokio::task::JoinSet::new();
-        for (slot, endpoint) in endpoints.iter().enumerate() {
-            let (endpoint, slot) = (endpoint.clone(), Rank(slot as u32));
-            let op = op(slot);
-            asks.spawn(async move {
-                let kind = op.kind();
-                let answer = endpoint.call(slot, op, timeout).await;
-                (slot, kind, endpoint.name(), answer)
-            });
-        }
-        let mut answers: Vec<Option<StageAnswer>> = vec![None; endpoints.len()];
-        while let Some(asked) = asks.join_next().await {
-            let (slot, kind, name, answer) =
-                asked.map_err(|e| Error::Runtime(format!("a start task failed: {e}")))?;
-            match answer {
-                Ok(StageAnswer::Failed(e)) => return Err(e.into_error(&name)),
-                Ok(answer) => answers[slot.index()] = Some(answer),
-                Err(why) => {
-                    return Err(Error::Runtime(format!(
-                        "{name} did not answer {kind} for rank {}: {why}",
-                        slot.0
-                    )));
-                }
-            }
-        }
-        Ok(answers.into_iter().flatten().collect())
+        let asks = endpoints
+            .iter()
+            .enumerate()
+            .map(|(slot, e)| (Rank(slot as u32), e.clone(), op(Rank(slot as u32))))
+            .collect();
+        ask_each(asks, timeout).await
     }
 
     async fn spawn_all<M>(self, shape: Shape<M>, cx: SpawnContext) -> Result<Spawned<M>>
@@ -495,18 +480,23 @@ impl ClusterMesh {
                 answer.kind()
             ))
         };
+        // Every slot's pipeline-link listener, by slot (pipeline jobs; REC-6 adds slots).
+        let mut links: Vec<Option<SocketAddr>> = Vec::new();
         if shape.pipelined {
-            let links = started
+            links = started
                 .iter()
                 .enumerate()
                 .map(|(slot, a)| match a {
-                    StageAnswer::Listening(addr) => Ok(*addr),
+                    StageAnswer::Listening(addr) => Ok(Some(*addr)),
                     other => Err(unexpected(other, slot, "Start")),
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let wire = |_| StageOp::Wire {
-                links: links.clone(),
-            };
+            // Generation 0: slot r holds layout rank r (REMOTE-1).
+            let slot_of: Vec<Rank> = (0..endpoints.len() as u32).map(Rank).collect();
+            let addrs = lock(&self.slots).addrs.clone();
+            let ops = pipeline::wire_ops(layout, &slot_of, &addrs, &links, Generation(0))
+                .map_err(Error::Runtime)?;
+            let wire = |slot: Rank| ops[slot.index()].clone();
             let wired = Self::ask_all(&endpoints, wire, timeout).await?;
             if let Some((slot, a)) = wired
                 .iter()
@@ -556,27 +546,65 @@ impl ClusterMesh {
                 });
             }
         });
+        let (grow, rewire) = if shape.pipelined {
+            // REC-6 across processes: a lost stage is replaced on a spare (a node that joined
+            // the running job) and the mesh rewired.
+            let rewire = proxies.rewirer(layout, links, shutdown.clone(), timeout);
+            (None, Some(rewire))
+        } else {
+            let slots = proxies.slots.clone();
+            let grow = Grow::Remote {
+                start: proxies.grower(timeout),
+                waiting: Arc::new(move || lock(&slots).waiting.len()),
+            };
+            (Some(grow), None)
+        };
         Ok(Spawned {
             stages,
             shutdown,
             others: Vec::new(),
             model_ranks: shape.model_ranks,
             assemble: shape.assemble,
-            // A pipeline across processes is not rebuilt after a loss (no rewire): it fails
-            // with the lost stage named.
             replicas_only: !shape.pipelined,
-            grow: (!shape.pipelined).then(|| {
-                let slots = proxies.slots.clone();
-                Grow::Remote {
-                    start: proxies.grower(timeout),
-                    waiting: Arc::new(move || lock(&slots).waiting.len()),
-                }
-            }),
-            rewire: None,
+            grow,
+            rewire,
             devices: Some(devices),
             reconnect: !shape.pipelined,
         })
     }
+}
+
+/// Sends each `(slot, endpoint, op)` at once and collects the answers, in the order asked;
+/// a failure or a missing answer is the error.
+async fn ask_each(
+    asks: Vec<(Rank, Endpoint, StageOp)>,
+    timeout: Duration,
+) -> Result<Vec<StageAnswer>> {
+    let mut tasks = tokio::task::JoinSet::new();
+    let n = asks.len();
+    for (i, (slot, endpoint, op)) in asks.into_iter().enumerate() {
+        tasks.spawn(async move {
+            let kind = op.kind();
+            let answer = endpoint.call(slot, op, timeout).await;
+            (i, slot, kind, endpoint.name(), answer)
+        });
+    }
+    let mut answers: Vec<Option<StageAnswer>> = vec![None; n];
+    while let Some(asked) = tasks.join_next().await {
+        let (i, slot, kind, name, answer) =
+            asked.map_err(|e| Error::Runtime(format!("a request task failed: {e}")))?;
+        match answer {
+            Ok(StageAnswer::Failed(e)) => return Err(e.into_error(&name)),
+            Ok(answer) => answers[i] = Some(answer),
+            Err(why) => {
+                return Err(Error::Runtime(format!(
+                    "{name} did not answer {kind} for rank {}: {why}",
+                    slot.0
+                )));
+            }
+        }
+    }
+    Ok(answers.into_iter().flatten().collect())
 }
 
 /// What the head's proxies of a job share.
@@ -630,6 +658,51 @@ impl<M: Send + 'static> Proxies<M> {
         Ok((stage_ref, (device_ref, device)))
     }
 
+    /// Starts the oldest waiting slot (a node that joined the running job) as `id`, with
+    /// `start`; one that does not start (its node died meanwhile) is dropped and the next is
+    /// tried. The slot, its endpoint and its answer; no waiting slot is an error.
+    async fn start_waiting(
+        &self,
+        id: StageId,
+        start: StageOp,
+        expect: fn(&StageAnswer) -> bool,
+        timeout: Duration,
+    ) -> Result<(Rank, Endpoint, StageAnswer)> {
+        let mut failures = Vec::new();
+        loop {
+            let next = {
+                let mut slots = lock(&self.slots);
+                slots.waiting.pop_front().and_then(|slot| {
+                    slots
+                        .endpoints
+                        .get(slot.index())
+                        .cloned()
+                        .map(|e| (slot, e))
+                })
+            };
+            let Some((slot, endpoint)) = next else {
+                return Err(Error::InvalidConfig(format!(
+                    "no node is waiting to join the job for {id} (a job across processes grows, \
+                     and replaces a lost node or stage, only onto nodes that joined it){}",
+                    if failures.is_empty() {
+                        String::new()
+                    } else {
+                        format!("; waiting ones failed: {}", failures.join("; "))
+                    }
+                )));
+            };
+            let name = endpoint.name();
+            match endpoint.call(slot, start.clone(), timeout).await {
+                Ok(answer) if expect(&answer) => return Ok((slot, endpoint, answer)),
+                Ok(StageAnswer::Failed(e)) => failures.push(e.into_error(&name).to_string()),
+                Ok(other) => {
+                    failures.push(format!("{name} answered Start with {}", other.kind()));
+                }
+                Err(why) => failures.push(format!("{name} could not start: {why}")),
+            }
+        }
+    }
+
     /// REMOTE-5: a replica added to the running job takes the oldest waiting slot (a node
     /// that joined): its stage starts alone, the Supervisor restores rank 0's state into it
     /// and reconnects everyone. No waiting slot, or a joiner that does not start, is an error
@@ -639,53 +712,103 @@ impl<M: Send + 'static> Proxies<M> {
         Arc::new(move |g: RemoteGrowArgs| {
             let proxies = proxies.clone();
             Box::pin(async move {
-                // The oldest waiting slot that starts; one that does not (its node died
-                // meanwhile) is dropped and the next is tried.
-                let mut failures = Vec::new();
-                loop {
-                    let next = {
-                        let mut slots = lock(&proxies.slots);
-                        slots.waiting.pop_front().and_then(|slot| {
-                            slots
-                                .endpoints
-                                .get(slot.index())
-                                .cloned()
-                                .map(|e| (slot, e))
-                        })
-                    };
-                    let Some((slot, endpoint)) = next else {
-                        return Err(Error::InvalidConfig(format!(
-                            "no node is waiting to join the job (a job across processes grows, \
-                             and replaces a lost node, only onto nodes that joined it){}",
-                            if failures.is_empty() {
-                                String::new()
-                            } else {
-                                format!("; waiting ones failed: {}", failures.join("; "))
-                            }
-                        ))
-                        .into());
-                    };
-                    let name = endpoint.name();
-                    let start = StageOp::Start {
-                        id: g.id,
-                        alone: true,
-                    };
-                    match endpoint.call(slot, start, timeout).await {
-                        Ok(StageAnswer::Done) => {
-                            return Ok(proxies.spawn(slot, g.id, endpoint, &g.supervisor).await?);
-                        }
-                        Ok(StageAnswer::Failed(e)) => {
-                            failures.push(e.into_error(&name).to_string());
-                        }
-                        Ok(other) => {
-                            failures.push(format!("{name} answered Start with {}", other.kind()));
-                        }
-                        Err(why) => failures.push(format!("{name} could not start: {why}")),
-                    }
-                }
+                let start = StageOp::Start {
+                    id: g.id,
+                    alone: true,
+                };
+                let done = |a: &StageAnswer| matches!(a, StageAnswer::Done);
+                let (slot, endpoint, _) = proxies.start_waiting(g.id, start, done, timeout).await?;
+                Ok(proxies.spawn(slot, g.id, endpoint, &g.supervisor).await?)
             })
         })
     }
+
+    /// REC-6 across processes (REMOTE-7): each lost rank of a pipeline job is replaced by the
+    /// stage of a waiting slot (a node that joined the running job), started as the lost
+    /// rank's stage; then every rank of the mesh is wired under the new generation at once
+    /// (`Wire`: survivors shut their old links and group and take new ones, the fresh stages
+    /// start). The Supervisor then copies each twin's state into its replacement.
+    fn rewirer(
+        self,
+        layout: Layout,
+        links: Vec<Option<SocketAddr>>,
+        shutdown: Arc<dyn Fn() + Send + Sync>,
+        timeout: Duration,
+    ) -> RewireStages<M> {
+        let proxies = Arc::new(self);
+        let links = Arc::new(Mutex::new(links));
+        Arc::new(move |a: RewireArgs| {
+            let (proxies, links, shutdown) = (proxies.clone(), links.clone(), shutdown.clone());
+            Box::pin(async move {
+                // REMOTE-3: aborts from now on are for the new wiring.
+                proxies.generation.store(a.generation.0, Ordering::SeqCst);
+                let mut slot_of: Vec<Rank> = a.slots.iter().map(|d| Rank(d.0)).collect();
+                let mut fresh = Vec::new();
+                for &r in &a.fresh {
+                    let coord = layout
+                        .coord_of(Rank(r as u32))
+                        .ok_or_else(|| Error::Runtime(format!("rank {r} is outside {layout:?}")))?;
+                    let id = StageId {
+                        replica: coord.dp,
+                        stage: coord.pp,
+                    };
+                    let start = StageOp::Start { id, alone: false };
+                    let listening = |a: &StageAnswer| matches!(a, StageAnswer::Listening(_));
+                    let (slot, endpoint, answer) =
+                        proxies.start_waiting(id, start, listening, timeout).await?;
+                    if let StageAnswer::Listening(addr) = answer {
+                        let mut links = lock_links(&links);
+                        if links.len() <= slot.index() {
+                            links.resize(slot.index() + 1, None);
+                        }
+                        links[slot.index()] = Some(addr);
+                    }
+                    if let Some(s) = slot_of.get_mut(r) {
+                        *s = slot;
+                    }
+                    fresh.push((r, slot, id, endpoint));
+                }
+                let (endpoints, addrs) = {
+                    let s = lock(&proxies.slots);
+                    (s.endpoints.clone(), s.addrs.clone())
+                };
+                let ops =
+                    pipeline::wire_ops(layout, &slot_of, &addrs, &lock_links(&links), a.generation)
+                        .map_err(Error::Runtime)?;
+                let asks = slot_of
+                    .iter()
+                    .zip(ops)
+                    .map(|(&slot, op)| {
+                        let endpoint = endpoints.get(slot.index()).cloned().ok_or_else(|| {
+                            Error::Runtime(format!("no node holds slot {}", slot.0))
+                        })?;
+                        Ok((slot, endpoint, op))
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                ask_each(asks, timeout).await?;
+                let mut stages = Vec::new();
+                let mut devices = Vec::new();
+                for (r, slot, id, endpoint) in fresh {
+                    let (stage, device) = proxies.spawn(slot, id, endpoint, &a.supervisor).await?;
+                    stages.push((r, stage));
+                    devices.push((r, device));
+                }
+                Ok(Rewired {
+                    fresh: stages,
+                    survivors: slot_of.iter().map(|_| None).collect(),
+                    others: Vec::new(),
+                    shutdown,
+                    devices,
+                })
+            }) as _
+        })
+    }
+}
+
+fn lock_links(
+    links: &Mutex<Vec<Option<SocketAddr>>>,
+) -> std::sync::MutexGuard<'_, Vec<Option<SocketAddr>>> {
+    links.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The head's proxy of a stage in another process (or in the head's own [`NodeStages`]).
@@ -1036,10 +1159,12 @@ struct NodeSlot<M> {
     id: StageId,
     /// The data-plane group it is in, with its generation.
     group: Option<(Generation, GroupShutdown)>,
-    /// A pipeline slot between `Start` and `Wire`: where its pipeline links are accepted.
+    /// A pipeline slot once started: where its pipeline links are accepted (at every Wire).
     link_listener: Option<TcpListener>,
     /// A pipeline slot's links to its replica's other stages.
     wires: Vec<LinkCloser>,
+    /// The generation of its last Wire (a pipeline slot; REMOTE-3: older aborts are ignored).
+    wired: Generation,
     /// The last snapshot over one message, by transfer, until the head fetched its last part.
     outgoing: (u64, Vec<Vec<u8>>),
     /// The restore being received: its transfer, its parts so far, the next part expected.
@@ -1143,6 +1268,7 @@ impl<M: Send + 'static> NodeStages<M> {
                         group: None,
                         link_listener: None,
                         wires: Vec::new(),
+                        wired: Generation(0),
                         outgoing: (0, Vec::new()),
                         incoming: (0, Vec::new(), 0),
                         steps: 0,
@@ -1352,10 +1478,18 @@ impl<M: Send + 'static> NodeInner<M> {
                     .map(|()| StageAnswer::Done),
                 Some(_) => self.listen(slot, id).await.map(StageAnswer::Listening),
             },
-            StageOp::Wire { links } => self.wire(slot, links).await.map(|()| StageAnswer::Done),
+            StageOp::Wire {
+                generation,
+                dp,
+                links,
+            } => self
+                .wire(slot, generation, (dp, links), timeout)
+                .await
+                .map(|()| StageAnswer::Done),
             StageOp::Abort { generation } => {
                 self.with_slot(slot, |s| {
-                    let current = s.group.as_ref().map_or(Generation(0), |(g, _)| *g);
+                    let grouped = s.group.as_ref().map_or(Generation(0), |(g, _)| *g);
+                    let current = grouped.max(s.wired);
                     if current <= generation {
                         s.shut();
                     }
@@ -1625,53 +1759,60 @@ impl<M: Send + 'static> NodeInner<M> {
     }
 
     /// A pipeline slot's second phase (REMOTE-4): joins its stage index's data-parallel group
-    /// and connects to its replica's other stages at once, then starts its stage actor.
+    /// (its replicas at `dp`) and connects to its replica's other stages (at `links`) at once
+    /// under `generation`, then starts its stage actor; or, a stage that runs already (REC-6:
+    /// another stage of the mesh was replaced), shuts its old wiring first and hands the
+    /// stage the new one.
     async fn wire(
         &self,
         slot: Rank,
-        links: Vec<SocketAddr>,
+        generation: Generation,
+        (dp_addrs, pp_addrs): (Vec<SocketAddr>, Vec<SocketAddr>),
+        timeout: Duration,
     ) -> std::result::Result<(), RemoteError> {
         let other = RemoteError::Other;
-        let (layout, plan) = self
+        let plan = self
             .factory
             .pipeline()
             .ok_or_else(|| other("Wire in a job without a pipeline".into()))?;
-        let (id, device, device_actor, listener) = self.with_slot(slot, |s| {
+        let (id, device, device_actor, listener, stage) = self.with_slot(slot, |s| {
+            // REMOTE-3: from now on an abort of an older generation leaves this one alone.
+            s.shut();
+            s.wired = generation;
             (
                 s.id,
                 s.device.clone(),
                 s.device_actor.clone(),
-                s.link_listener.take(),
+                s.link_listener.as_ref().map(TcpListener::try_clone),
+                s.stage.clone(),
             )
         })?;
         let (Some(device_actor), Some(listener)) = (device_actor, listener) else {
             return Err(other(format!(
-                "rank {} is not listening for pipeline links (Start first, Wire once)",
+                "rank {} is not listening for pipeline links (Start first)",
                 slot.0
             )));
         };
-        let (replicas, stages) = pipeline::partners(layout, id)
-            .ok_or_else(|| other(format!("{id} is outside the mesh {layout:?}")))?;
-        let at = |addrs: &[SocketAddr], ranks: &[Rank]| {
-            ranks
-                .iter()
-                .map(|r| addrs.get(r.index()).copied())
-                .collect::<Option<Vec<_>>>()
-                .ok_or_else(|| other(format!("{} addresses for ranks {ranks:?}", addrs.len())))
-        };
-        let dp_addrs = at(&self.plan.addrs, &replicas)?;
-        let pp_addrs = at(&links, &stages)?;
-        let listener =
-            LinkListener::from_std(listener, Rank(id.stage), self.token.clone(), self.tcp.link)
-                .map_err(|e| other(format!("the pipeline-link listener: {e}")))?;
+        if dp_addrs.len() <= id.replica as usize || pp_addrs.len() <= id.stage as usize {
+            return Err(other(format!(
+                "{id} is outside a Wire of {} replica(s) and {} stage(s)",
+                dp_addrs.len(),
+                pp_addrs.len()
+            )));
+        }
+        let listener = listener
+            .and_then(|l| {
+                LinkListener::from_std(l, Rank(id.stage), self.token.clone(), self.tcp.link)
+            })
+            .map_err(|e| other(format!("the pipeline-link listener: {e}")))?;
         let link_config = self.tcp.link;
         let capacity = plan.link_capacity() as usize;
         let wires = tokio::task::spawn_blocking(move || {
             pipeline::connect_wires(&listener, &pp_addrs, link_config, capacity)
         });
         let comm = async {
-            if replicas.len() > 1 {
-                self.connect(slot, Rank(id.replica), Generation(0), dp_addrs, None)
+            if dp_addrs.len() > 1 {
+                self.connect(slot, Rank(id.replica), generation, dp_addrs, None)
                     .await
                     .map(Some)
             } else {
@@ -1686,6 +1827,13 @@ impl<M: Send + 'static> NodeInner<M> {
         let comm = comm?;
         let links = remote_links(&plan, id.stage, self.tcp.comm.timeout, wires)
             .map_err(|e| other(e.to_string()))?;
+        if stage.is_some() {
+            let links = Box::new(links);
+            return self
+                .asker(slot, timeout)?
+                .call(|reply| StageMsg::Rewire { links, comm, reply })
+                .await;
+        }
         let start = SlotStart {
             id,
             rank: slot,

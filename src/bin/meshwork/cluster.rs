@@ -450,12 +450,9 @@ fn run_head(
             println!("dry run: the nodes are stopped; no training");
             return Ok(());
         }
-        // Nodes that come while the job runs join it (a data-parallel job grows onto them).
-        let refuse = spec
-            .pipeline
-            .as_ref()
-            .map(|_| "the job is running: a pipeline job takes no more nodes".to_string());
-        let (late, late_events) = head.admit_late(&spec, fingerprint, &assembled, refuse);
+        // Nodes that come while the job runs join it: a data-parallel job grows onto them; in
+        // a pipeline job they wait as spares that replace a lost stage (REC-6).
+        let (late, late_events) = head.admit_late(&spec, fingerprint, &assembled, None);
         let trained =
             train_on_world(&head, &assembled, &spec, head_listeners, &head_job, late_events).await;
         let reason = match &trained {
@@ -532,6 +529,7 @@ async fn train_mesh<M: Send + 'static>(
         .spawn()
         .await?;
     let control = handle.control();
+    let pipelined = spec.pipeline.is_some();
     let grow = tokio::spawn(async move {
         while let Some(event) = late.next().await {
             match event {
@@ -539,6 +537,10 @@ async fn train_mesh<M: Send + 'static>(
                     let name = node.handle.name().to_string();
                     let ranks: Vec<u32> = node.ranks.iter().map(|e| e.rank.0).collect();
                     match joiner.add(node.handle, &node.ranks) {
+                        Ok(_) if pipelined => println!(
+                            "node {name} joined the running job: rank(s) {ranks:?}, waiting as \
+                             a spare for a lost stage"
+                        ),
                         Ok(k) => {
                             println!("node {name} joined the running job: rank(s) {ranks:?}");
                             control.add_replicas(k);

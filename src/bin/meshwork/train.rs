@@ -489,6 +489,17 @@ pub(crate) async fn drive<M: Send + 'static>(
                         layout.dp()
                     ),
                 ),
+                Ok(JobEvent::StageReplaced {
+                    step,
+                    stage,
+                    twin,
+                    device,
+                }) => say(
+                    &progress,
+                    format!(
+                        "step {step}: {stage} replaced on device {device}, from its twin {twin}"
+                    ),
+                ),
                 Ok(JobEvent::CaughtUp { step, ranks, from }) => {
                     let ranks: Vec<String> = ranks.iter().map(ToString::to_string).collect();
                     say(

@@ -11,8 +11,9 @@
 //!  │◄──── StageDone(Done)                          │   (generation 0, every rank of the world)
 //!  │      (a pipeline job: the device, and a listener for the pipeline links)
 //!  │◄──── StageDone(Listening(addr))
-//!  │ Stage { slot, Wire { links } } ─────────────►│ joins its stage index's data-parallel group
-//!  │◄──── StageDone(Done)                          │   and connects to its replica's stages
+//!  │ Stage { slot, Wire { generation, dp, links } } ►│ joins its stage index's data-parallel
+//!  │◄──── StageDone(Done)                          │   group, connects to its replica's stages
+//!  │                      (again under generation + 1 when a lost stage was replaced: REC-6)
 //!  │ Stage { slot, Init | Step | Fingerprint | Snapshot | Restore | Heartbeat } ─►│
 //!  │◄──── StageDone(the answer) or StageDone(Failed(RemoteError))
 //!  │ Stage { slot, Regroup { id, rank, generation, addrs } } ─►│ reconnects (after a loss)
@@ -65,9 +66,16 @@ pub enum StageOp {
         alone: bool,
     },
     /// A pipeline job: join the data-parallel group of the slot's stage index and connect to
-    /// the other stages of its replica, then start the stage actor.
+    /// the other stages of its replica under `generation`, then start the stage actor, or (a
+    /// stage that runs already: a rewire after a stage of the mesh was replaced, REC-6) hand
+    /// it the new wiring.
     Wire {
-        /// Every slot's pipeline-link listener, by slot.
+        /// The wiring's generation (0 when the job starts).
+        generation: Generation,
+        /// The data-plane addresses of the slot's stage index's replicas, by replica (its
+        /// data-parallel group; one address at dp = 1).
+        dp: Vec<SocketAddr>,
+        /// The pipeline-link listeners of the slot's replica's stages, by stage index.
         links: Vec<SocketAddr>,
     },
     /// `StageMsg::Init`: build the model, take rank 0's parameters, build the optimizer.

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 use super::{Rebuild, SlotFactory, SlotFuture, SlotStart};
 use crate::actors::pipeline_stage::{PipelineSpec, spawn_unlinked};
 use crate::checkpoint::ShardSnapshot;
+use crate::cluster::control::StageOp;
 use crate::cluster::link::{LinkCloser, LinkConfig, LinkError, LinkListener, LinkReader};
 use crate::comm::tcp::{TcpGroupError, connect_mesh};
 use crate::error::StageId;
@@ -145,14 +146,15 @@ pub(crate) fn connect_wires(
 }
 
 /// The slots of a dp × pp job: each a [`crate::actors::pipeline_stage::PipelineStageActor`].
+/// A slot learns whom it groups with from the head's `Wire` (the head holds the layout and
+/// which slot holds each of its ranks).
 pub(crate) struct PipelineSlots<I> {
     pub(crate) spec: Arc<PipelineSpec<I>>,
-    pub(crate) layout: Layout,
 }
 
 impl<I: Send + Sync + 'static> SlotFactory<PipelineModel> for PipelineSlots<I> {
-    fn pipeline(&self) -> Option<(Layout, Arc<PipelineSchedule>)> {
-        Some((self.layout, self.spec.plan.clone()))
+    fn pipeline(&self) -> Option<Arc<PipelineSchedule>> {
+        Some(self.spec.plan.clone())
     }
 
     fn spawn(&self, start: SlotStart) -> SlotFuture<PipelineModel> {
@@ -213,9 +215,123 @@ pub(crate) fn partners(layout: Layout, id: StageId) -> Option<(Vec<Rank>, Vec<Ra
     Some((replicas, stages))
 }
 
+/// The `Wire` of every rank of a dp × pp `layout` under `generation`, by layout rank:
+/// `slot_of[r]` is the slot that holds layout rank r (REC-6 moves a rank to another slot);
+/// `data[slot]` and `links[slot]` are a slot's data-plane and pipeline-link listeners.
+pub(crate) fn wire_ops(
+    layout: Layout,
+    slot_of: &[Rank],
+    data: &[SocketAddr],
+    links: &[Option<SocketAddr>],
+    generation: crate::mesh::Generation,
+) -> Result<Vec<StageOp>, String> {
+    let address = |table: &dyn Fn(usize) -> Option<SocketAddr>, rank: Rank| {
+        let slot = slot_of
+            .get(rank.index())
+            .ok_or_else(|| format!("no slot holds rank {}", rank.0))?;
+        table(slot.index()).ok_or_else(|| format!("no address for slot {}", slot.0))
+    };
+    let data_of = |slot: usize| data.get(slot).copied();
+    let link_of = |slot: usize| links.get(slot).copied().flatten();
+    (0..layout.world_size())
+        .map(|r| {
+            let coord = layout
+                .coord_of(Rank(r))
+                .ok_or_else(|| format!("rank {r} is outside {layout:?}"))?;
+            let id = StageId {
+                replica: coord.dp,
+                stage: coord.pp,
+            };
+            let (replicas, stages) =
+                partners(layout, id).ok_or_else(|| format!("{id} is outside {layout:?}"))?;
+            Ok(StageOp::Wire {
+                generation,
+                dp: replicas
+                    .iter()
+                    .map(|&q| address(&data_of, q))
+                    .collect::<Result<_, String>>()?,
+                links: stages
+                    .iter()
+                    .map(|&q| address(&link_of, q))
+                    .collect::<Result<_, String>>()?,
+            })
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// REC-6 across processes: whichever slots hold the ranks, every rank's Wire lists its
+        /// stage index's replicas (by replica) and its replica's stages (by stage index) at the
+        /// slots that hold them.
+        #[test]
+        fn every_wire_names_its_partners_where_their_slots_listen(
+            dp in 1u32..4,
+            pp in 1u32..4,
+            seed in any::<u64>(),
+        ) {
+            let layout = Layout::new(dp, pp, 1).unwrap();
+            let world = layout.world_size() as usize;
+            // Slots: a permutation of world..2·world (replacements come from later slots).
+            let mut slot_of: Vec<Rank> = (0..world).map(|r| Rank((world + r) as u32)).collect();
+            let mut state = seed;
+            for i in (1..world).rev() {
+                state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                slot_of.swap(i, (state >> 33) as usize % (i + 1));
+            }
+            let data: Vec<SocketAddr> = (0..2 * world)
+                .map(|s| SocketAddr::from(([10, 0, 0, 1], 5000 + s as u16)))
+                .collect();
+            let links: Vec<Option<SocketAddr>> = (0..2 * world)
+                .map(|s| Some(SocketAddr::from(([10, 0, 0, 2], 6000 + s as u16))))
+                .collect();
+            let generation = crate::mesh::Generation(3);
+            let ops = wire_ops(layout, &slot_of, &data, &links, generation).unwrap();
+            prop_assert_eq!(ops.len(), world);
+            for (r, op) in ops.iter().enumerate() {
+                let c = layout.coord_of(Rank(r as u32)).unwrap();
+                let StageOp::Wire { generation: g, dp: dps, links: ls } = op else {
+                    panic!("not a Wire: {op:?}");
+                };
+                prop_assert_eq!(*g, generation);
+                prop_assert_eq!(dps.len(), dp as usize);
+                prop_assert_eq!(ls.len(), pp as usize);
+                for (d, addr) in dps.iter().enumerate() {
+                    let q = layout.rank_of(crate::mesh::Coord { dp: d as u32, pp: c.pp, tp: 0 }).unwrap();
+                    prop_assert_eq!(*addr, data[slot_of[q.index()].index()]);
+                }
+                for (s, addr) in ls.iter().enumerate() {
+                    let q = layout.rank_of(crate::mesh::Coord { dp: c.dp, pp: s as u32, tp: 0 }).unwrap();
+                    prop_assert_eq!(Some(*addr), links[slot_of[q.index()].index()]);
+                }
+                // A rank is its own partner at its own coordinates.
+                prop_assert_eq!(dps[c.dp as usize], data[slot_of[r].index()]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_wire_without_the_link_address_of_a_partner_is_an_error() {
+        let layout = Layout::new(1, 2, 1).unwrap();
+        let data = [
+            "127.0.0.1:1".parse().unwrap(),
+            "127.0.0.1:2".parse().unwrap(),
+        ];
+        let links = [Some("127.0.0.1:3".parse().unwrap()), None];
+        let e = wire_ops(
+            layout,
+            &[Rank(0), Rank(1)],
+            &data,
+            &links,
+            crate::mesh::Generation(0),
+        )
+        .unwrap_err();
+        assert!(e.contains("slot 1"), "{e}");
+    }
 
     #[test]
     fn a_slot_groups_with_its_stage_index_and_its_replica() {

@@ -9,8 +9,9 @@
 //! the ones that stop answering.
 //!
 //! - CTL-9: a late node is admitted only with the head's protocol version and model
-//!   fingerprint and a name no other node has, and only when the job accepts nodes (a
-//!   pipeline job does not yet); otherwise it is refused with the reason, on both sides.
+//!   fingerprint and a name no other node has, and only when the job accepts nodes (the
+//!   program says; `meshwork train` admits them to every job); otherwise it is refused with
+//!   the reason, on both sides.
 
 use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
