@@ -500,6 +500,49 @@ fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
     }
 }
 
+/// A 2 × 2 pipeline job of four nodes (`flags`) that a fifth joins as a spare; a node of the
+/// last stage is killed (MESH-1: rank = replica + 2 · stage). `Ok`: the lost stage was
+/// replaced and the job finished (the `replaced` line, the surviving nodes and the spare);
+/// `Err`: the job ended because other stages had applied the step (the head's output).
+fn replace_a_killed_stage(job: &str, flags: &[&str]) -> Result<(String, Vec<Proc>), String> {
+    let (mut head, addr) = training_head(job, 4, 60, flags);
+    let mut nodes = spawn_nodes(job, &addr, &[&[], &[], &[], &[]]);
+    let prepared: Vec<String> = nodes
+        .iter()
+        .map(|n| n.wait_line("prepared:", Duration::from_secs(60)))
+        .collect();
+    nodes.push(node("node-e", &addr, job, &[], SECRET));
+    head.wait_line("waiting as a spare", Duration::from_secs(30));
+    let victim = prepared
+        .iter()
+        .position(|p| the_rank(p) / 2 == 1)
+        .expect("a node holds a rank of stage 1");
+    let victim_rank = the_rank(&prepared[victim]);
+    let mut killed = nodes.remove(victim);
+    killed.signal("-KILL");
+    killed.wait_exit(Duration::from_secs(10));
+    let (status, _) = head.wait_exit(Duration::from_secs(180));
+    let out = head.output();
+    assert!(
+        out.contains(&format!("lost device {victim_rank}:")),
+        "{out}"
+    );
+    if !status.success() && out.contains("was applied by some stages and not by others") {
+        return Err(out);
+    }
+    assert!(status.success(), "head failed:\n{out}");
+    let replaced = out
+        .lines()
+        .find(|l| l.contains("replaced on device"))
+        .unwrap_or_else(|| panic!("no stage was replaced:\n{out}"))
+        .to_string();
+    assert!(
+        replaced.contains(&format!("stage 1 of replica {}", victim_rank % 2)),
+        "{replaced}"
+    );
+    Ok((replaced, nodes))
+}
+
 #[test]
 fn a_lost_pipeline_stage_is_replaced_on_a_spare_from_its_twin_and_the_job_ends_as_an_uninterrupted_one()
  {
@@ -537,37 +580,20 @@ fn a_lost_pipeline_stage_is_replaced_on_a_spare_from_its_twin_and_the_job_ends_a
     let mut twin = flags("twin");
     twin.extend(["--on-replica-loss", "shrink"].map(String::from));
     let twin: Vec<&str> = twin.iter().map(String::as_str).collect();
-    let (mut head, addr) = training_head("pptwin", 4, 60, &twin);
-    let mut nodes = spawn_nodes("pptwin", &addr, &[&[], &[], &[], &[]]);
-    let prepared: Vec<String> = nodes
-        .iter()
-        .map(|n| n.wait_line("prepared:", Duration::from_secs(60)))
-        .collect();
-    // A fifth node joins the running pipeline job: it waits as a spare.
-    nodes.push(node("node-e", &addr, "pptwin", &[], SECRET));
-    head.wait_line("waiting as a spare", Duration::from_secs(30));
-    // Kill a node of the last stage (MESH-1: rank = replica + 2 · stage): no survivor can
-    // finish the step it dies in, so the step is redone after the replacement.
-    let victim = prepared
-        .iter()
-        .position(|p| the_rank(p) / 2 == 1)
-        .expect("a node holds a rank of stage 1");
-    let victim_rank = the_rank(&prepared[victim]);
-    let mut killed = nodes.remove(victim);
-    killed.signal("-KILL");
-    killed.wait_exit(Duration::from_secs(10));
-    let replaced = head.wait_line("replaced on device", Duration::from_secs(60));
-    assert!(
-        replaced.contains(&format!("stage 1 of replica {}", victim_rank % 2)),
-        "{replaced}"
-    );
-    let (status, _) = head.wait_exit(Duration::from_secs(180));
-    let out = head.output();
-    assert!(status.success(), "head failed:\n{out}");
-    assert!(
-        out.contains(&format!("lost device {victim_rank}:")),
-        "{out}"
-    );
+    // A stage lost after sending its last gradients of a step, while its twin still waits for
+    // it in their all-reduce, leaves the stages before it updated: that step cannot be redone
+    // and the job ends, naming it (by design, as in one process). The kill lands there
+    // rarely (a stage's all-reduce and update are a small part of its step); such an attempt
+    // is repeated, at most three attempts in all.
+    let mut attempt = 0;
+    let (replaced, mut nodes) = loop {
+        attempt += 1;
+        match replace_a_killed_stage(&format!("pptwin-{attempt}"), &twin) {
+            Ok(done) => break done,
+            Err(out) if attempt < 3 => println!("attempt {attempt}: the step was applied:\n{out}"),
+            Err(out) => panic!("three kills all fell after a stage applied the step:\n{out}"),
+        }
+    };
     // Really distributed, and really replaced: every node trained its rank, the spare too
     // (the world's rank 4 holding the lost stage).
     for n in &mut nodes {

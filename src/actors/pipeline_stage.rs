@@ -454,8 +454,8 @@ where
             }
             StageMsg::Reconnect { reply, .. } => {
                 let _ = reply.send(Err(Error::InvalidConfig(
-                    "a pipeline stage of another process is not rejoined after a loss yet: the job \
-                     fails with the lost stage named"
+                    "a pipeline stage of another process takes a new wiring through its node's \
+                     Wire (REMOTE-7), not Reconnect"
                         .into(),
                 )));
             }

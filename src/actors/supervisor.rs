@@ -575,7 +575,8 @@ where
                         },
                     );
                 }
-                if let Some(n) = state.scale_target.take()
+                let target = state.scale_target.take();
+                if let Some(n) = target
                     && let Err(error) = resize(state, step, n as usize).await
                 {
                     // A refused resize leaves the mesh as it was; one that failed half-way
@@ -590,6 +591,15 @@ where
                         );
                     } else {
                         finish(&myself, state, Err(error)).await;
+                        return Ok(());
+                    }
+                }
+                // ELASTIC-3: a resize that left the job below its minimum (a growth toward it,
+                // a partial or refused one) holds this step again.
+                if target.is_some() && state.paused.is_none() {
+                    wait_for_minimum(state, step);
+                    if let Some(held) = state.paused.as_mut() {
+                        *held = Some(step);
                         return Ok(());
                     }
                 }
@@ -640,7 +650,9 @@ where
             SupervisorMsg::ScaleTo(n) => {
                 let (min, max) = state.elastic;
                 let waiting = state.below_min.is_some();
-                if n < min.max(1) || n > max {
+                // Below the minimum, any growth toward it is welcome (ELASTIC-3, ELASTIC-4).
+                let toward_min = waiting && n > state.layout.dp();
+                if (n < min.max(1) && !toward_min) || n > max {
                     publish(
                         state,
                         JobEvent::ResizeRefused {
@@ -1010,26 +1022,7 @@ where
             lost: lost_devices,
         },
     );
-    // ELASTIC-3: below the elastic minimum, wait for devices rather than train on.
-    let min = state.elastic.0;
-    if state.replicas_only && state.layout.dp() < min && state.paused.is_none() {
-        let generation = state.generation;
-        state.below_min = Some((generation, Instant::now()));
-        state.paused = Some(None);
-        publish(
-            state,
-            JobEvent::WaitingForDevices {
-                step: next,
-                replicas: state.layout.dp(),
-                min,
-                within: state.elastic_wait,
-            },
-        );
-        let me: ActorRef<SupervisorMsg> = state.myself.clone().into();
-        me.send_after(state.elastic_wait, move || {
-            SupervisorMsg::MinimumWaitOver(generation)
-        });
-    }
+    wait_for_minimum(state, next);
     refill_from_waiting(state);
     let Some(interrupted) = interrupted.filter(|_| completed) else {
         return Ok(Redo::Step);
@@ -1074,6 +1067,31 @@ where
         interrupted.started.elapsed().as_secs_f64(),
     );
     Ok(Redo::Nothing)
+}
+
+/// ELASTIC-3: below the elastic minimum, wait for devices rather than train on (the step
+/// `next` is held until a resize or `resume()`, the job ends after the elastic wait).
+fn wait_for_minimum<M, I>(state: &mut SupervisorState<M, I>, next: u64) {
+    let min = state.elastic.0;
+    if !state.replicas_only || state.layout.dp() >= min || state.paused.is_some() {
+        return;
+    }
+    let generation = state.generation;
+    state.below_min = Some((generation, Instant::now()));
+    state.paused = Some(None);
+    publish(
+        state,
+        JobEvent::WaitingForDevices {
+            step: next,
+            replicas: state.layout.dp(),
+            min,
+            within: state.elastic_wait,
+        },
+    );
+    let me: ActorRef<SupervisorMsg> = state.myself.clone().into();
+    me.send_after(state.elastic_wait, move || {
+        SupervisorMsg::MinimumWaitOver(generation)
+    });
 }
 
 /// ELASTIC-4: a job that lost replicas grows back onto slots waiting to join it (nodes that
@@ -1498,8 +1516,15 @@ where
             .any(|(r, d)| d.is_some() && !lost.contains(&r))
     });
     if applied {
-        // Some stages updated, others did not: only a checkpoint restores one state.
-        return Err(cause);
+        // Some stages updated, others did not: only a checkpoint restores one state. (A stage
+        // applies its update once its own data-parallel all-reduce is done, not when the
+        // whole mesh is: a stage lost after sending its last gradients, while its twin waits
+        // for it, leaves the stages before it updated.)
+        return Err(Error::Runtime(format!(
+            "step {step} was applied by some stages and not by others when a stage was lost, \
+             so its replacement cannot redo it; only a checkpoint makes the stages agree \
+             again (the loss: {cause})"
+        )));
     }
     let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
     // Snapshots first: the twins' state is the step's starting state (nothing applied).
@@ -1513,7 +1538,11 @@ where
         .await?;
         snapshots.push(s);
     }
-    replace_pipeline_stages(state, &lost).await?;
+    replace_pipeline_stages(state, &lost).await.map_err(|e| {
+        Error::Runtime(format!(
+            "the lost stage could not be replaced: {e} (the loss: {cause})"
+        ))
+    })?;
     for (&(r, twin), shards) in twins.iter().zip(snapshots) {
         let (stage, id) = state.stages[r].clone();
         restore(&stage, shards, timeout, || {

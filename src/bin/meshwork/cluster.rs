@@ -25,7 +25,7 @@ use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
 use meshwork::job::{Job, JobBuilder, PipelineModel};
 use meshwork::parallel::pipeline::{Schedule, even_split};
-use meshwork::recovery::RecoveryPolicy;
+use meshwork::recovery::{OnReplicaLoss, RecoveryPolicy};
 
 /// The flags `meshwork train` gets with the `cluster` feature.
 #[derive(Debug, Clone, clap::Args)]
@@ -451,8 +451,17 @@ fn run_head(
             return Ok(());
         }
         // Nodes that come while the job runs join it: a data-parallel job grows onto them; in
-        // a pipeline job they wait as spares that replace a lost stage (REC-6).
-        let (late, late_events) = head.admit_late(&spec, fingerprint, &assembled, None);
+        // a pipeline job they wait as spares that replace a lost stage (REC-6), where one can.
+        let refuse = spec.pipeline.as_ref().and_then(|p| {
+            let replicas = assembled.world.size() as u32 / p.stages.max(1);
+            let replaces = head_job.policy.on_replica_loss == OnReplicaLoss::Shrink;
+            (!replaces || replicas < 2).then(|| {
+                "the job is running: a pipeline job takes nodes only as spares for lost stages, \
+                 with --on-replica-loss shrink and at least 2 replicas"
+                    .to_string()
+            })
+        });
+        let (late, late_events) = head.admit_late(&spec, fingerprint, &assembled, refuse);
         let trained =
             train_on_world(&head, &assembled, &spec, head_listeners, &head_job, late_events).await;
         let reason = match &trained {

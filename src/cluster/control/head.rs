@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ractor::rpc::CallResult;
@@ -18,6 +19,9 @@ use super::secret::ClusterSecret;
 use super::session::{ClusterNode, SessionEvent, adopt, adopt_stream};
 use super::stages::{StageAnswer, StageRequest};
 use super::tls::HeadTls;
+
+/// The most TLS handshakes the head runs at once (CTL-10).
+const MAX_HANDSHAKES: usize = 64;
 use super::world::{ProcessIndex, ProcessPlan, ProcessSlot, World, assign_ranks};
 use super::{AGENTS_GROUP, ControlError, host_name, job_scope};
 use crate::cluster::link::JobToken;
@@ -249,6 +253,8 @@ impl Head {
         let cluster = ClusterNode::start(&config.name, &config.secret).await?;
         let server = cluster.server.clone();
         let tls = config.tls.clone();
+        // CTL-10: at most this many handshakes at once; more connections are closed at once.
+        let handshakes = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
         let accept = tokio::spawn(async move {
             loop {
                 match listener.accept().await {
@@ -260,13 +266,19 @@ impl Head {
                             }
                             continue;
                         };
-                        // CTL-10: the handshake runs on its own task, so a slow or silent
-                        // peer never holds up the others.
+                        // CTL-10: the handshake runs on its own task (bounded by its time-out
+                        // and by MAX_HANDSHAKES at once), so a slow or silent peer never holds
+                        // up the others.
+                        let Ok(permit) = handshakes.clone().try_acquire_owned() else {
+                            tracing::warn!(
+                                "closed the control connection from {peer}: {MAX_HANDSHAKES} TLS \
+                                 handshakes are under way"
+                            );
+                            continue;
+                        };
                         let server = server.clone();
                         tokio::spawn(async move {
-                            if let Err(e) = stream.set_nodelay(true) {
-                                tracing::debug!("control connection from {peer}: {e}");
-                            }
+                            let _permit = permit;
                             let adopted = match tls.accept(stream).await {
                                 Ok(stream) => adopt_stream(&server, stream, true),
                                 Err(e) => Err(e),

@@ -2,9 +2,9 @@
 //! against the certificate authorities it trusts, and every control session is encrypted
 //! before ractor_cluster's challenge runs on it.
 //!
-//! The data plane is not encrypted: its connections are admitted by the job token, which is
-//! handed out over the control plane, so with TLS the token never crosses the network in the
-//! clear; the gradients and activations still do.
+//! The data plane is not encrypted: its connections are admitted by the job token, which the
+//! head hands out over the (now encrypted) control plane, but each data-plane link still shows
+//! the token in its opening handshake, and the gradients and activations travel in the clear.
 //!
 //! Certificates and keys are read from PEM files ([`HeadTls::from_pem_files`],
 //! [`NodeTls::from_pem_file`]); the crypto is rustls with aws-lc-rs.
@@ -84,6 +84,7 @@ impl HeadTls {
     /// [`HANDSHAKE_TIMEOUT`]; the stream to hand to ractor_cluster.
     pub(crate) async fn accept(&self, stream: TcpStream) -> Result<NetworkStream, ControlError> {
         let (peer_addr, local_addr) = addresses(&stream)?;
+        nodelay(&stream)?;
         let what = || format!("the TLS handshake with {peer_addr}");
         let stream = tokio::time::timeout(HANDSHAKE_TIMEOUT, self.acceptor.accept(stream))
             .await
@@ -149,6 +150,7 @@ impl NodeTls {
         stream: TcpStream,
     ) -> Result<NetworkStream, ControlError> {
         let (peer_addr, local_addr) = addresses(&stream)?;
+        nodelay(&stream)?;
         let name = match &self.server_name {
             Some(n) => n.clone(),
             None => host_of(head).to_string(),
@@ -156,19 +158,40 @@ impl NodeTls {
         let server_name = ServerName::try_from(name.clone())
             .map_err(|e| tls_error(format!("the head's name {name:?}"), e))?;
         let what = || format!("the TLS handshake with the head at {head} (as {name})");
+        let plain = "; does the head run with --tls-cert?";
         let stream = tokio::time::timeout(
             HANDSHAKE_TIMEOUT,
             self.connector.connect(server_name, stream),
         )
         .await
-        .map_err(|_| tls_error(what(), format!("not done within {HANDSHAKE_TIMEOUT:?}")))?
-        .map_err(|e| tls_error(what(), e))?;
+        .map_err(|_| {
+            tls_error(
+                what(),
+                format!("not done within {HANDSHAKE_TIMEOUT:?}{plain}"),
+            )
+        })?
+        .map_err(|e| {
+            // A head without TLS answers a ClientHello with nothing, or closes.
+            let hint = if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                plain
+            } else {
+                ""
+            };
+            tls_error(what(), format!("{e}{hint}"))
+        })?;
         Ok(NetworkStream::TlsClient {
             peer_addr,
             local_addr,
             stream,
         })
     }
+}
+
+/// Control requests are small: no Nagle delay (as on plain control streams).
+fn nodelay(stream: &TcpStream) -> Result<(), ControlError> {
+    stream
+        .set_nodelay(true)
+        .map_err(|e| ControlError::Runtime(format!("control stream: {e}")))
 }
 
 fn addresses(stream: &TcpStream) -> Result<(SocketAddr, SocketAddr), ControlError> {
