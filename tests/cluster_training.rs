@@ -200,6 +200,20 @@ fn each_trained_one_rank(nodes: &[Proc]) {
     }
 }
 
+/// Node-d joins job `job` of `head` (at `addr`), which is at its maximum size: it is prepared
+/// and waits as a spare.
+fn join_as_spare(head: &Proc, nodes: &mut Vec<Proc>, addr: &str, job: &str) {
+    nodes.push(node("node-d", addr, job, &[], SECRET));
+    head.wait_line(
+        "node node-d joined the running job",
+        Duration::from_secs(30),
+    );
+    head.wait_line(
+        "refused: outside the elastic range",
+        Duration::from_secs(30),
+    );
+}
+
 #[test]
 fn dp_3_across_three_node_processes_equals_the_single_device_reference() {
     let dir = std::env::temp_dir().join(format!("meshwork-dp3-{}", std::process::id()));
@@ -307,14 +321,10 @@ fn a_node_of_two_devices_killed_loses_both_ranks_and_the_hierarchical_job_shrink
     }
 }
 
-#[test]
-fn dp_2_pp_2_across_four_node_processes_equals_the_single_device_reference() {
-    let dir = std::env::temp_dir().join(format!("meshwork-dp2pp2-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let model_path = dir.join("trained.mpk");
-    let model_arg = model_path.display().to_string();
-    let (steps, batch, seed) = (10u64, 64usize, 7u64);
-    let flags = [
+/// The flags of a 2 × 2 (1F1B, 4 micro-batches) job of `steps` steps of `batch` samples from
+/// `seed` that saves its model at `model`.
+fn pipeline_flags((steps, batch, seed): (u64, usize, u64), model: &Path) -> Vec<String> {
+    [
         "--pp",
         "2",
         "--schedule",
@@ -330,8 +340,20 @@ fn dp_2_pp_2_across_four_node_processes_equals_the_single_device_reference() {
         "--collective-timeout",
         "20",
         "--save-model",
-        &model_arg,
-    ];
+        &model.display().to_string(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+#[test]
+fn dp_2_pp_2_across_four_node_processes_equals_the_single_device_reference() {
+    let dir = std::env::temp_dir().join(format!("meshwork-dp2pp2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model_path = dir.join("trained.mpk");
+    let (steps, batch, seed) = (10u64, 64usize, 7u64);
+    let flags = pipeline_flags((steps, batch, seed), &model_path);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let (out, nodes) = run_to_end("dp2pp2", &[&[], &[], &[], &[]], &flags);
     assert!(
         out.contains("world assembled: 4 rank(s) over 5 process(es)"),
@@ -550,29 +572,7 @@ fn a_lost_pipeline_stage_is_replaced_on_a_spare_from_its_twin_and_the_job_ends_a
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let (steps, batch, seed) = (500u64, 64usize, 9u64);
-    let flags = |name: &str| {
-        let model = dir.join(format!("{name}.mpk")).display().to_string();
-        [
-            "--pp",
-            "2",
-            "--schedule",
-            "1f1b",
-            "--micro-batches",
-            "4",
-            "--steps",
-            &steps.to_string(),
-            "--batch-size",
-            &batch.to_string(),
-            "--seed",
-            &seed.to_string(),
-            "--collective-timeout",
-            "10",
-            "--save-model",
-            &model,
-        ]
-        .map(String::from)
-        .to_vec()
-    };
+    let flags = |name: &str| pipeline_flags((steps, batch, seed), &dir.join(format!("{name}.mpk")));
     let plain = flags("plain");
     let plain: Vec<&str> = plain.iter().map(String::as_str).collect();
     run_to_end("pptwin-plain", &[&[], &[], &[], &[]], &plain);
@@ -691,15 +691,7 @@ fn a_spare_beyond_the_maximum_refills_a_job_that_shrank_after_a_loss() {
         start_running("spare-refill", &[&[], &[], &[]], &flags);
     let victim_rank = the_rank(&prepared[1]);
     // A fourth node joins; the job is at its maximum, so the node waits as a spare.
-    nodes.push(node("node-d", &addr, "spare-refill", &[], SECRET));
-    head.wait_line(
-        "node node-d joined the running job",
-        Duration::from_secs(30),
-    );
-    head.wait_line(
-        "refused: outside the elastic range",
-        Duration::from_secs(30),
-    );
+    join_as_spare(&head, &mut nodes, &addr, "spare-refill");
     kill(&mut nodes, 1);
     let lost = head.wait_line("lost device", Duration::from_secs(30));
     assert!(
@@ -785,15 +777,7 @@ fn a_lost_node_is_replaced_by_a_spare_that_joined_and_the_rolled_back_job_ends_a
         .collect();
     let victim_rank = the_rank(&prepared[1]);
     // A fourth node joins the running job; the job is at its maximum, so it waits as a spare.
-    nodes.push(node("node-d", &addr, "spare", &[], SECRET));
-    head.wait_line(
-        "node node-d joined the running job",
-        Duration::from_secs(30),
-    );
-    head.wait_line(
-        "refused: outside the elastic range",
-        Duration::from_secs(30),
-    );
+    join_as_spare(&head, &mut nodes, &addr, "spare");
     head.wait_line("checkpoint after step", Duration::from_secs(60));
     let mut victim = nodes.remove(1);
     victim.signal("-KILL");
