@@ -1520,6 +1520,9 @@ where
         // applies its update once its own data-parallel all-reduce is done, not when the
         // whole mesh is: a stage lost after sending its last gradients, while its twin waits
         // for it, leaves the stages before it updated.)
+        if state.recovery.roll_back {
+            return roll_back_to_checkpoint(state, step, &lost, cause).await;
+        }
         return Err(Error::Runtime(format!(
             "step {step} was applied by some stages and not by others when a stage was lost, \
              so its replacement cannot redo it; only a checkpoint makes the stages agree \
