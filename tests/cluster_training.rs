@@ -293,14 +293,7 @@ fn two_nodes_of_two_devices_all_reduce_hierarchically_and_equal_the_single_devic
 
 #[test]
 fn a_node_of_two_devices_killed_loses_both_ranks_and_the_hierarchical_job_shrinks() {
-    let flags = [
-        "--batch-size",
-        "48",
-        "--collective-timeout",
-        "5",
-        "--on-replica-loss",
-        "shrink",
-    ];
+    let flags = SHRINKING;
     let two: &[&str] = &["--devices", "2"];
     let (mut head, _, mut nodes, _) = start_running("hierkill", &[two, two, two], &flags);
     std::thread::sleep(Duration::from_secs(2));
@@ -320,6 +313,16 @@ fn a_node_of_two_devices_killed_loses_both_ranks_and_the_hierarchical_job_shrink
         assert_eq!(text.matches(shape).count(), 2, "{}:\n{text}", n.name);
     }
 }
+
+/// A job that trains small steps, names a silent rank after 5 s, and shrinks after a loss.
+const SHRINKING: [&str; 6] = [
+    "--batch-size",
+    "48",
+    "--collective-timeout",
+    "5",
+    "--on-replica-loss",
+    "shrink",
+];
 
 /// The flags of a 2 × 2 (1F1B, 4 micro-batches) job of `steps` steps of `batch` samples from
 /// `seed` that saves its model at `model`.
@@ -485,14 +488,7 @@ fn a_model_larger_than_a_control_message_checkpoints_resumes_and_comes_back_in_p
 
 #[test]
 fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
-    let flags = [
-        "--batch-size",
-        "48",
-        "--collective-timeout",
-        "5",
-        "--on-replica-loss",
-        "shrink",
-    ];
+    let flags = SHRINKING;
     let (mut head, _, mut nodes, prepared) = start_running("kill", &[&[], &[], &[]], &flags);
     let victim_rank = the_rank(&prepared[1]);
     // Let the job train a while, then SIGKILL one node in the middle of its steps.
@@ -648,16 +644,7 @@ fn a_node_joining_a_running_job_becomes_a_replica_and_trains() {
 
 #[test]
 fn below_its_minimum_a_job_waits_for_a_node_to_join_and_trains_on_with_it() {
-    let flags = [
-        "--min-replicas",
-        "3",
-        "--on-replica-loss",
-        "shrink",
-        "--batch-size",
-        "48",
-        "--collective-timeout",
-        "5",
-    ];
+    let flags = [&["--min-replicas", "3"][..], &SHRINKING].concat();
     let (mut head, addr, mut nodes, _) = start_running("refill", &[&[], &[], &[]], &flags);
     std::thread::sleep(Duration::from_secs(1));
     kill(&mut nodes, 1);
@@ -677,16 +664,7 @@ fn below_its_minimum_a_job_waits_for_a_node_to_join_and_trains_on_with_it() {
 
 #[test]
 fn a_spare_beyond_the_maximum_refills_a_job_that_shrank_after_a_loss() {
-    let flags = [
-        "--max-replicas",
-        "3",
-        "--on-replica-loss",
-        "shrink",
-        "--batch-size",
-        "48",
-        "--collective-timeout",
-        "5",
-    ];
+    let flags = [&["--max-replicas", "3"][..], &SHRINKING].concat();
     let (mut head, addr, mut nodes, prepared) =
         start_running("spare-refill", &[&[], &[], &[]], &flags);
     let victim_rank = the_rank(&prepared[1]);
