@@ -47,6 +47,10 @@
 //!   of the same path, refusing a missing name or a different shape before changing anything,
 //!   and gives each parameter back the id it had when snapshotted, so that the optimizer state
 //!   (which Burn keys by parameter id) applies to the restored module.
+//! - **CKPT-7 writable before training.** [`CheckpointStore::check_writable`] creates the root
+//!   and writes, syncs and removes a probe file in it; a job with a checkpoint directory calls
+//!   it when it is built, so a directory that cannot be written is refused before the first
+//!   step rather than reported after the run.
 
 pub(crate) mod format;
 mod fs;
@@ -153,6 +157,26 @@ pub enum CheckpointError {
         path: PathBuf,
         /// The operating system's error text.
         reason: String,
+    },
+    /// The checkpoint directory cannot be created or written (CKPT-7): found when the job
+    /// is built, before any training.
+    #[error("checkpoints cannot be written under {root}: {op} {path} failed: {reason}")]
+    NotWritable {
+        /// The checkpoint directory.
+        root: PathBuf,
+        /// The operation that failed (`create_dir`, `create`, `write`, `remove`).
+        op: &'static str,
+        /// The file or directory it failed on.
+        path: PathBuf,
+        /// The operating system's error text.
+        reason: String,
+    },
+    /// A job that requires a checkpoint to resume from found none that verifies (any that
+    /// were refused are logged with their reasons).
+    #[error("no checkpoint to resume from in {location}")]
+    NothingToResume {
+        /// Where the checkpoints were looked for (a store's root directory).
+        location: String,
     },
     /// The directory has no manifest: the checkpoint was never completed (CKPT-1).
     #[error("{dir} is incomplete: it has no manifest")]

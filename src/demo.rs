@@ -27,7 +27,9 @@ impl Mlp {
     pub fn new(widths: &[usize], device: &Device) -> Self {
         let layers = widths
             .windows(2)
-            .map(|w| materialized(LinearConfig::new(w[0], w[1]).init(device)))
+            .map(|w| {
+                crate::parallel::stages::materialize(LinearConfig::new(w[0], w[1]).init(device))
+            })
             .collect();
         Self { layers }
     }
@@ -55,22 +57,6 @@ impl Mlp {
         }
         x
     }
-}
-
-/// `module` with every parameter drawn now. Burn initializes a parameter lazily, on its first
-/// use, from the device's random generator as it is then; a model built right after seeding
-/// the device must draw its parameters at once, in order, or another model built (or a
-/// pipeline block used) in between takes those numbers, and the same seed gives different
-/// models in different processes.
-fn materialized<M: Module>(module: M) -> M {
-    struct Touch;
-    impl burn::module::ModuleVisitor for Touch {
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
-            let _ = param.val();
-        }
-    }
-    module.visit(&mut Touch);
-    module
 }
 
 /// One sample of the teacher task.
@@ -186,7 +172,7 @@ impl MlpStage {
 pub fn split_mlp(widths: &[usize], sizes: &[usize], device: &Device) -> Option<Vec<MlpStage>> {
     let layers: Vec<Linear> = widths
         .windows(2)
-        .map(|w| materialized(LinearConfig::new(w[0], w[1]).init(device)))
+        .map(|w| crate::parallel::stages::materialize(LinearConfig::new(w[0], w[1]).init(device)))
         .collect();
     if sizes.contains(&0) || sizes.iter().sum::<usize>() != layers.len() {
         return None;
@@ -221,9 +207,15 @@ pub fn mlp_pipeline(
     sizes: &[usize],
     device: &Device,
 ) -> Option<crate::parallel::stages::PipelineStages<Sample>> {
+    Some(mlp_pipeline_of(split_mlp(widths, sizes, device)?))
+}
+
+/// These blocks of the demo MLP (from [`split_mlp`], or a clone of them: the same initial
+/// parameters for every job built from them) as pipeline blocks, as [`mlp_pipeline`] makes
+/// them.
+pub fn mlp_pipeline_of(parts: Vec<MlpStage>) -> crate::parallel::stages::PipelineStages<Sample> {
     use crate::parallel::pipeline_exec::{AnyTensor, Boundary};
-    let parts = split_mlp(widths, sizes, device)?;
-    let last = parts.len() - 1;
+    let last = parts.len().saturating_sub(1);
     let mut stages =
         crate::parallel::stages::PipelineStages::new(|items: &[Sample], d: &Device| {
             vec![AnyTensor::D2(batch_tensors(items, d).0)]
@@ -244,7 +236,7 @@ pub fn mlp_pipeline(
             })
         };
     }
-    Some(stages)
+    stages
 }
 
 /// The measured cost of each layer of the demo MLP: the median time, in microseconds, of its

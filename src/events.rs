@@ -86,6 +86,12 @@ pub enum JobEvent {
         /// Newer checkpoints that were refused, and why.
         refused: Vec<String>,
     },
+    /// The job was asked to resume but found no checkpoint that verifies, so it starts from
+    /// its initial model at step 0 (with `require_checkpoint(true)` the job fails instead).
+    NothingToResume {
+        /// Where the checkpoints were looked for (a store's root directory).
+        location: String,
+    },
     /// The data-parallel group was resized at a step boundary (`scale_to`).
     Resized {
         /// The first step run at the new size.

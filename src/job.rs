@@ -110,6 +110,7 @@ pub struct JobBuilder<M, I> {
     checkpoint_every: Option<u64>,
     keep_checkpoints: usize,
     resume: bool,
+    require_checkpoint: bool,
     elastic: (u32, u32),
     elastic_wait: Duration,
     /// A job across processes: the world it trains on (`JobBuilder::cluster`).
@@ -199,6 +200,7 @@ where
             checkpoint_every: None,
             keep_checkpoints: 3,
             resume: false,
+            require_checkpoint: false,
             elastic: (1, u32::MAX),
             elastic_wait: Duration::from_secs(300),
             #[cfg(feature = "cluster")]
@@ -273,9 +275,11 @@ where
         self
     }
 
-    /// Start every replica from this model (its record is copied to every device).
+    /// Start every replica from this model (its record is copied to every device). Parameters
+    /// Burn has not drawn yet are drawn now, on the calling thread
+    /// ([`materialize`](crate::parallel::stages::materialize), REPRO-1).
     pub fn initial_model(self, model: M) -> Self {
-        let model = Mutex::new(model);
+        let model = Mutex::new(crate::parallel::stages::materialize(model));
         self.model(move |_| model.lock().unwrap_or_else(|e| e.into_inner()).clone())
     }
 
@@ -539,6 +543,17 @@ where
         self
     }
 
+    /// With `true`: resume from a checkpoint, and fail the job with
+    /// [`CheckpointError::NothingToResume`](crate::checkpoint::CheckpointError::NothingToResume)
+    /// when none verifies, instead of starting afresh with a `NothingToResume` event.
+    pub fn require_checkpoint(mut self, require: bool) -> Self {
+        self.require_checkpoint = require;
+        if require {
+            self.resume = true;
+        }
+        self
+    }
+
     /// The data-parallel sizes [`JobHandle::scale_to`] may ask for (default: 1 and up).
     ///
     /// When failures leave fewer than `min` replicas (with a shrinking recovery policy whose
@@ -642,11 +657,16 @@ where
             )?) as Arc<dyn CheckpointSink>),
             (None, None) => None,
         };
+        // CKPT-7: a place checkpoints cannot be written to is refused before any training.
+        if let Some(sink) = &sink {
+            sink.check_writable()?;
+        }
         let checkpoints = match sink {
             Some(sink) => Some(CheckpointSettings {
                 sink,
                 every: self.checkpoint_every,
                 resume: self.resume,
+                require: self.require_checkpoint,
             }),
             None if self.checkpoint_every.is_some() || self.resume => {
                 return invalid(

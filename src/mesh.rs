@@ -27,7 +27,8 @@ impl std::fmt::Display for Rank {
     }
 }
 
-/// Membership version of a group or mesh; bumped on every membership change (SV-2).
+/// Membership version of a group or mesh; bumped whenever a group is formed anew (a shrink,
+/// a retry, a rewired pipeline, a resize: REC-1, REC-4, REC-6, ELASTIC-1).
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
 )]

@@ -1,13 +1,21 @@
 //! CKPT-1 under SIGKILL: a child process (this test binary, re-executed) writes checkpoints in
-//! a loop and is killed at pseudo-random moments, 50 times; at least 20 kills land during a
-//! write. After each kill the newest complete checkpoint loads and holds exactly what was
-//! written, and nothing partial is ever loaded. (The fsync/rename order itself is asserted
-//! through the recording file system in the library's tests: SIGKILL leaves the page cache.)
+//! a loop and is killed at pseudo-random moments. After each kill the newest complete
+//! checkpoint loads and holds exactly what was written, and nothing partial is ever loaded.
+//! (The fsync/rename order itself is asserted through the recording file system in the
+//! library's tests: SIGKILL leaves the page cache.)
+//!
+//! The kill moments are chosen from what the child reports, not from the clock alone: each
+//! trial waits for the child to finish 0, 1 or 2 writes and begin the next, then kills it
+//! within the first half of that write's expected length (the length of the child's previous
+//! write, as observed). So a slow disk makes every write longer and the kills later, and the
+//! test still sees the three kinds of trial it needs: kills during a write, kills with a
+//! finished checkpoint to load, and kills before the first checkpoint finished. Trials go on
+//! until each kind has happened often enough, within a bound.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use meshwork::checkpoint::{
@@ -60,6 +68,40 @@ fn child(dir: &str) {
     }
 }
 
+/// Kills in all: at least this many, and until each kind of trial has happened often enough.
+const MIN_TRIALS: usize = 40;
+/// A run that has not seen every kind of trial often enough after this many fails.
+const MAX_TRIALS: usize = 200;
+/// Kills that must land during a write.
+const DURING_WRITE: usize = 20;
+/// Trials that must end with a finished checkpoint to load.
+const LOADED: usize = 20;
+/// Trials that must end before the first checkpoint finished (nothing to load).
+const NOTHING_YET: usize = 3;
+
+/// The child's lines, each with the moment it was read.
+type Lines = Arc<Mutex<Vec<(Instant, String)>>>;
+
+/// Waits until some line satisfies `found` (at most 60 s); the moment it was read.
+fn wait_for(lines: &Lines, found: impl Fn(&str) -> bool) -> Option<Instant> {
+    let start = Instant::now();
+    while start.elapsed() < Duration::from_secs(60) {
+        if let Some((at, _)) = lines.lock().unwrap().iter().find(|(_, l)| found(l)) {
+            return Some(*at);
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    None
+}
+
+/// A xorshift step: the trials' pseudo-random choices, the same on every run.
+fn next(seed: &mut u64) -> u64 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    *seed
+}
+
 #[test]
 fn ckpt_1_sigkill_at_random_moments_never_leaves_a_partial_checkpoint_that_loads() {
     if let Ok(dir) = std::env::var(CHILD) {
@@ -68,10 +110,20 @@ fn ckpt_1_sigkill_at_random_moments_never_leaves_a_partial_checkpoint_that_loads
     }
     let expected = checkpoint(0).shards[0].params.clone();
     let exe = std::env::current_exe().expect("the test binary");
-    let mut during_write = 0;
-    let mut loaded = 0;
+    let (mut during_write, mut loaded, mut nothing_yet) = (0, 0, 0);
     let mut seed = 0x2545_F491_4F6C_DD1Du64;
-    for trial in 0..50 {
+    let mut trial = 0;
+    while trial < MIN_TRIALS
+        || during_write < DURING_WRITE
+        || loaded < LOADED
+        || nothing_yet < NOTHING_YET
+    {
+        assert!(
+            trial < MAX_TRIALS,
+            "after {trial} kills: {during_write} during a write (need {DURING_WRITE}), \
+             {loaded} with a checkpoint to load (need {LOADED}), {nothing_yet} before the \
+             first checkpoint (need {NOTHING_YET})"
+        );
         let dir =
             std::env::temp_dir().join(format!("meshwork-kill-{}-{trial}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -87,38 +139,59 @@ fn ckpt_1_sigkill_at_random_moments_never_leaves_a_partial_checkpoint_that_loads
             .stderr(Stdio::null())
             .spawn()
             .expect("the child starts");
-        let lines = Arc::new(Mutex::new(Vec::<String>::new()));
+        let lines: Lines = Arc::default();
         let reader = {
             let lines = lines.clone();
             let stdout = child.stdout.take().expect("piped stdout");
             std::thread::spawn(move || {
                 for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                    lines.lock().unwrap().push(line);
+                    lines.lock().unwrap().push((Instant::now(), line));
                 }
             })
         };
-        // Wait for the first write to begin, then a pseudo-random 0–60 ms.
-        let start = std::time::Instant::now();
-        // (The test harness prints its own lines first.)
-        let began = || lines.lock().unwrap().iter().any(|l| l.contains("begin "));
-        while !began() && start.elapsed() < Duration::from_secs(60) {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        std::thread::sleep(Duration::from_micros(seed % 60_000));
-        let last = lines.lock().unwrap().last().cloned().unwrap_or_default();
+        // Let 0, 1 or 2 writes finish, wait for the next to begin, then kill within the first
+        // half of its expected length (the previous write's, as observed; for the first
+        // write, which has none, within 2 ms: encoding and writing 7 MiB takes longer).
+        let finished_before = next(&mut seed) % 3;
+        let began = |step: u64| {
+            let line = format!("begin {step}");
+            wait_for(&lines, move |l| l.trim_end().ends_with(&line))
+        };
+        let ended = |step: u64| {
+            let line = format!("end {step}");
+            wait_for(&lines, move |l| l.trim_end().ends_with(&line))
+        };
+        let expected_write = if finished_before == 0 {
+            Duration::from_millis(4)
+        } else {
+            match (began(finished_before), ended(finished_before)) {
+                (Some(b), Some(e)) => e - b,
+                _ => panic!("trial {trial}: the child never finished write {finished_before}"),
+            }
+        };
+        assert!(
+            began(finished_before + 1).is_some(),
+            "trial {trial}: the child never began write {}",
+            finished_before + 1
+        );
+        let fraction = (next(&mut seed) % 1000) as f64 / 2000.0;
+        std::thread::sleep(expected_write.mul_f64(fraction));
+        let last = lines.lock().unwrap().last().map(|(_, l)| l.clone());
         child.kill().expect("SIGKILL");
         let _ = child.wait();
         let _ = reader.join();
         // The kill landed during a write if the last line said a write began (a write that
         // ended after the look but before the kill counts as not during one).
-        let ended: Vec<String> = lines.lock().unwrap().clone();
-        if last.contains("begin ") && ended.last() == Some(&last) {
+        let all: Vec<String> = lines
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(_, l)| l.clone())
+            .collect();
+        if last.as_deref().is_some_and(|l| l.contains("begin ")) && all.last() == last.as_ref() {
             during_write += 1;
         }
-        let finished: Vec<u64> = ended
+        let finished: Vec<u64> = all
             .iter()
             .filter_map(|l| l.split("end ").nth(1).and_then(|n| n.trim().parse().ok()))
             .collect();
@@ -146,21 +219,20 @@ fn ckpt_1_sigkill_at_random_moments_never_leaves_a_partial_checkpoint_that_loads
                     "trial {trial}: the loaded parameters differ from those written"
                 );
             }
-            None => assert!(
-                finished.is_empty(),
-                "trial {trial}: step {:?} finished but nothing loads",
-                finished.last()
-            ),
+            None => {
+                nothing_yet += 1;
+                assert!(
+                    finished.is_empty(),
+                    "trial {trial}: step {:?} finished but nothing loads",
+                    finished.last()
+                );
+            }
         }
         let _ = std::fs::remove_dir_all(&dir);
+        trial += 1;
     }
-    eprintln!("50 kills: {during_write} during a write, {loaded} with a checkpoint to load");
-    assert!(
-        during_write >= 20,
-        "only {during_write} of 50 kills landed during a write"
-    );
-    assert!(
-        loaded >= 20,
-        "only {loaded} trials had a checkpoint to load"
+    eprintln!(
+        "{trial} kills: {during_write} during a write, {loaded} with a checkpoint to load, \
+         {nothing_yet} before the first checkpoint"
     );
 }

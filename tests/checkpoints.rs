@@ -323,3 +323,76 @@ async fn ckw_3_a_writer_slower_than_the_interval_holds_the_step_boundary_not_mem
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Resuming from a directory with no valid checkpoint says so (`NothingToResume`) and trains
+/// from step 0, writing its end checkpoint; with `require_checkpoint(true)` it is an error
+/// naming the directory, and nothing trains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resuming_from_nothing_is_an_event_or_with_require_checkpoint_an_error() {
+    let init = initial_model();
+    let dir = temp_dir("nothing-to-resume");
+    let (required, events) = run(builder(2, 3, &init)
+        .checkpoint_dir(&dir)
+        .require_checkpoint(true)
+        .build()
+        .unwrap())
+    .await;
+    match required {
+        Err(meshwork::Error::Checkpoint(
+            meshwork::checkpoint::CheckpointError::NothingToResume { location },
+        )) => assert_eq!(location, dir.display().to_string()),
+        other => panic!("expected NothingToResume, got {:?}", other.map(|_| ())),
+    }
+    assert!(steps_of(&events).is_empty(), "nothing trained");
+
+    let (resumed, events) = run(builder(2, 3, &init)
+        .checkpoint_dir(&dir)
+        .resume_from_checkpoint(true)
+        .build()
+        .unwrap())
+    .await;
+    resumed.unwrap();
+    assert!(events.iter().any(|e| matches!(
+        e,
+        JobEvent::NothingToResume { location } if *location == dir.display().to_string()
+    )));
+    let steps: Vec<u64> = steps_of(&events).iter().map(|s| s.step).collect();
+    assert_eq!(steps, vec![0, 1, 2], "trained from scratch");
+    // The end of the run wrote a checkpoint (no interval was set), which a required resume
+    // now finds.
+    assert_eq!(written(&events), vec![3]);
+    let (again, events) = run(builder(2, 4, &init)
+        .checkpoint_dir(&dir)
+        .require_checkpoint(true)
+        .build()
+        .unwrap())
+    .await;
+    again.unwrap();
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, JobEvent::Restored { step: 3, .. }))
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// CKPT-7: a checkpoint directory that cannot be created is refused by `build()`.
+#[test]
+fn ckpt_7_build_refuses_a_checkpoint_dir_that_cannot_be_created() {
+    let dir = temp_dir("not-writable");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("file");
+    std::fs::write(&file, b"x").unwrap();
+    let init = initial_model();
+    match builder(1, 2, &init)
+        .checkpoint_dir(file.join("sub"))
+        .build()
+    {
+        Err(meshwork::Error::Checkpoint(meshwork::checkpoint::CheckpointError::NotWritable {
+            root,
+            ..
+        })) => assert_eq!(root, file.join("sub")),
+        other => panic!("expected NotWritable, got {:?}", other.map(|_| ())),
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

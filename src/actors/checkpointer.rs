@@ -39,6 +39,15 @@ pub trait CheckpointSink: Send + Sync + std::fmt::Debug {
     }
     /// The newest checkpoint that verifies, with the newer ones refused.
     fn latest_valid(&self) -> Result<Option<Loaded>>;
+    /// Check, when the job is built, that checkpoints can be written (CKPT-7); by default
+    /// nothing is checked.
+    fn check_writable(&self) -> Result<()> {
+        Ok(())
+    }
+    /// Where the checkpoints are, for messages (a store's root directory).
+    fn location(&self) -> String {
+        format!("{self:?}")
+    }
 }
 
 impl<F: CheckpointFs + 'static> CheckpointSink for CheckpointStore<F> {
@@ -52,6 +61,14 @@ impl<F: CheckpointFs + 'static> CheckpointSink for CheckpointStore<F> {
 
     fn latest_valid(&self) -> Result<Option<Loaded>> {
         CheckpointStore::latest_valid(self)
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        CheckpointStore::check_writable(self)
+    }
+
+    fn location(&self) -> String {
+        self.root().display().to_string()
     }
 }
 
@@ -164,8 +181,10 @@ impl Checkpointer {
                             error,
                         },
                     };
-                    left.fetch_sub(1, Ordering::SeqCst);
+                    // The event goes out before the backlog shrinks: a step boundary that
+                    // waited for this write then always follows its event (CKW-3).
                     let _ = events.send(event);
+                    left.fetch_sub(1, Ordering::SeqCst);
                 }
                 let _ = done_tx.send(());
             })

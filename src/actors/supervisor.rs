@@ -145,6 +145,8 @@ pub(crate) struct CheckpointSettings {
     pub(crate) every: Option<u64>,
     /// Start from the newest valid checkpoint, if there is one.
     pub(crate) resume: bool,
+    /// With `resume`: finding no valid checkpoint fails the job instead of starting afresh.
+    pub(crate) require: bool,
 }
 
 /// What a job's stage actors are spawned with.
@@ -604,11 +606,12 @@ where
                     }
                 }
                 let every = state.checkpoints.as_ref().and_then(|c| c.every);
+                // Every n steps, on request, and when the job ends (the builder's and the
+                // CLI's promise, with or without an interval).
                 let due = state.checkpoint_requested
                     || every.is_some_and(|n| n > 0 && step > 0 && step % n == 0)
                     || (state.checkpoints.is_some()
-                        && (state.stop_requested || step >= state.steps)
-                        && every.is_some());
+                        && (state.stop_requested || step >= state.steps));
                 if due && state.last_checkpoint != Some(step) {
                     checkpoint(state, step).await;
                 }
@@ -2345,6 +2348,14 @@ where
         return Ok(0);
     }
     let Some((c, dir, refused)) = latest_checkpoint(state).await? else {
+        let Some(settings) = &state.checkpoints else {
+            return Ok(0);
+        };
+        let location = settings.sink.location();
+        if settings.require {
+            return Err(crate::checkpoint::CheckpointError::NothingToResume { location }.into());
+        }
+        publish(state, JobEvent::NothingToResume { location });
         return Ok(0);
     };
     let timeout = state.step_timeout;

@@ -182,6 +182,36 @@ impl<F: CheckpointFs> CheckpointStore<F> {
         self.fs.sync_dir(dir).map_err(io_error("sync_dir", dir))
     }
 
+    /// CKPT-7: check that checkpoints can be written here before any training depends on it:
+    /// create the root (and its parents) and write, sync and remove a probe file in it. A job
+    /// calls this when it is built, so a directory that cannot be created or written is
+    /// refused before the first step instead of failing every checkpoint of the run.
+    pub fn check_writable(&self) -> Result<()> {
+        let refuse = |op: &'static str, path: &Path| {
+            let root = self.root.clone();
+            let path = path.to_path_buf();
+            move |e: io::Error| CheckpointError::NotWritable {
+                root,
+                op,
+                path,
+                reason: e.to_string(),
+            }
+        };
+        self.fs
+            .create_dir_all(&self.root)
+            .map_err(refuse("create_dir", &self.root))?;
+        let probe = self.root.join(format!(".meshwork-probe{TMP_SUFFIX}"));
+        let mut file = self.fs.create(&probe).map_err(refuse("create", &probe))?;
+        file.write_all(b"meshwork")
+            .and_then(|()| file.sync())
+            .map_err(refuse("write", &probe))?;
+        drop(file);
+        self.fs
+            .remove_file(&probe)
+            .map_err(refuse("remove", &probe))?;
+        Ok(())
+    }
+
     /// The checkpoint directories under the root, newest first, with their steps; an absent
     /// root has none.
     pub fn steps(&self) -> Result<Vec<(u64, PathBuf)>> {

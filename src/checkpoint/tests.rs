@@ -766,3 +766,37 @@ fn ckpt5_restore_keeps_require_grad_of_frozen_parameters() {
     restored.visit(&mut g);
     assert_eq!(g.0, [false, false]);
 }
+
+#[test]
+fn ckpt_7_check_writable_creates_the_root_and_leaves_no_file_behind() {
+    let root = std::env::temp_dir().join(format!("meshwork-ckpt7-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let nested = root.join("a").join("b");
+    let store = CheckpointStore::open(&nested, 2).unwrap();
+    store.check_writable().unwrap();
+    assert!(nested.is_dir(), "the root and its parents are created");
+    let left: Vec<_> = std::fs::read_dir(&nested).unwrap().collect();
+    assert!(left.is_empty(), "the probe file is removed");
+    assert!(store.latest_valid().unwrap().is_none(), "and nothing loads");
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+#[test]
+fn ckpt_7_a_root_that_cannot_be_created_is_refused_naming_it() {
+    let root = std::env::temp_dir().join(format!("meshwork-ckpt7-file-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(&root).unwrap();
+    // Under a regular file no directory can be made (whatever the user's permissions).
+    let file = root.join("plain-file");
+    std::fs::write(&file, b"x").unwrap();
+    let target = file.join("checkpoints");
+    let store = CheckpointStore::open(&target, 2).unwrap();
+    match store.check_writable() {
+        Err(Error::Checkpoint(CheckpointError::NotWritable { root: r, op, .. })) => {
+            assert_eq!(r, target);
+            assert_eq!(op, "create_dir");
+        }
+        other => panic!("expected NotWritable, got {other:?}"),
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -21,6 +21,26 @@ use burn::tensor::{Device, Tensor};
 use super::pipeline_exec::{Boundary, InputsFn, StageWork, TypedStage};
 use crate::optim::{LearningRate, OptimizerConfig};
 
+/// `module` with every parameter drawn now, on the calling thread (REPRO-1).
+///
+/// Burn initializes a parameter lazily: `LinearConfig::init` records how to draw it, and the
+/// numbers are drawn from the device's random generator (process-global on Flex) on its first
+/// use. A model handed to a job unused would be drawn on the stage threads, in whatever order
+/// they happen to run, each taking numbers the others would have taken: the same seed would
+/// give different initial models from run to run. Jobs therefore draw every parameter of the
+/// model they are given (a pipeline's blocks in block order) when it is handed over; call this
+/// yourself to fix the moment of the draws in your own code (right after seeding).
+pub fn materialize<M: Module>(module: M) -> M {
+    struct Draw;
+    impl burn::module::ModuleVisitor for Draw {
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            let _ = param.val();
+        }
+    }
+    module.visit(&mut Draw);
+    module
+}
+
 /// Builds one block's stage on a device (called once per data-parallel replica).
 type BuildFn<I> =
     Arc<dyn Fn(&Device, &OptimizerConfig, LearningRate) -> Box<dyn StageWork<I>> + Send + Sync>;
@@ -116,8 +136,8 @@ impl<I: 'static> PipelineStages<I> {
         + Sync
         + 'static,
     ) -> Self {
-        // Each replica builds its stage from a copy of the same record.
-        let module = Mutex::new(module);
+        // Each replica builds its stage from a copy of the same record, drawn now (REPRO-1).
+        let module = Mutex::new(materialize(module));
         self.blocks.push(Block {
             build: Arc::new(move |device, optimizer, lr| {
                 let m = module.lock().unwrap_or_else(|e| e.into_inner()).clone();

@@ -77,9 +77,14 @@ pub(crate) struct TrainArgs {
     /// Checkpoint every this many steps.
     #[arg(long)]
     checkpoint_every: Option<u64>,
-    /// Start from the newest valid checkpoint in --checkpoint-dir.
+    /// Start from the newest valid checkpoint in --checkpoint-dir (when there is none, say so
+    /// and start from scratch).
     #[arg(long)]
     resume: bool,
+    /// With --resume: end with an error when --checkpoint-dir holds no valid checkpoint,
+    /// instead of starting from scratch.
+    #[arg(long, requires = "resume")]
+    require_checkpoint: bool,
     /// The collective time-out in seconds (a rank that does not arrive within it is named).
     #[arg(long, default_value_t = 60.0)]
     collective_timeout: f64,
@@ -123,12 +128,45 @@ pub(crate) fn fault_settings(
     Ok((plan, policy))
 }
 
-pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
-    if args.hidden == 0 {
-        return Err(Error::InvalidConfig(
-            "--hidden 0: the demo MLP's hidden layers need at least one unit".into(),
-        ));
+/// Refuses flag values no job can run with, naming the flag, before anything starts.
+fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
+    let at_least_one = [
+        ("--dp", args.dp.map(u64::from)),
+        ("--pp", Some(u64::from(args.pp))),
+        ("--batch-size", Some(args.batch_size as u64)),
+        ("--hidden", Some(args.hidden as u64)),
+        ("--micro-batches", Some(u64::from(args.micro_batches))),
+        ("--virtual-stages", Some(u64::from(args.virtual_stages))),
+        ("--checkpoint-every", args.checkpoint_every),
+    ];
+    for (flag, value) in at_least_one {
+        if value == Some(0) {
+            return Err(Error::InvalidConfig(format!("{flag} 0: use at least 1")));
+        }
     }
+    if !(args.lr >= 0.0 && args.lr.is_finite()) {
+        return Err(Error::InvalidConfig(format!(
+            "--lr {}: a finite learning rate of at least 0",
+            args.lr
+        )));
+    }
+    if args.checkpoint_dir.is_none() {
+        for (flag, given) in [
+            ("--resume", args.resume),
+            ("--checkpoint-every", args.checkpoint_every.is_some()),
+        ] {
+            if given {
+                return Err(Error::InvalidConfig(format!(
+                    "{flag} needs --checkpoint-dir: the directory checkpoints go to and come from"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
+    check_flags(&args)?;
     #[cfg(feature = "cluster")]
     {
         let spec = || {
@@ -236,7 +274,9 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
                     schedule.virtual_stages()
                 ))
             })?;
-        let builder = Job::builder().pipeline(stages, schedule).data(data);
+        let builder = checkpoint_settings(&args.checkpoint_flags(), Job::builder())
+            .pipeline(stages, schedule)
+            .data(data);
         let job = settings(
             &args,
             builder,
@@ -364,7 +404,8 @@ pub(crate) fn checkpoint_settings<M: Send + 'static, I: Send + Sync + 'static>(
     if let Some(dir) = &flags.dir {
         builder = builder
             .checkpoint_dir(dir)
-            .resume_from_checkpoint(flags.resume);
+            .resume_from_checkpoint(flags.resume)
+            .require_checkpoint(flags.require);
     }
     if let Some(n) = flags.every {
         builder = builder.checkpoint_every(n);
@@ -378,6 +419,7 @@ pub(crate) struct CheckpointFlags {
     dir: Option<PathBuf>,
     every: Option<u64>,
     resume: bool,
+    require: bool,
 }
 
 impl TrainArgs {
@@ -386,6 +428,7 @@ impl TrainArgs {
             dir: self.checkpoint_dir.clone(),
             every: self.checkpoint_every,
             resume: self.resume,
+            require: self.require_checkpoint,
         }
     }
 }
@@ -460,6 +503,13 @@ pub(crate) async fn drive<M: Send + 'static>(
                         format!("resumed after step {step} from {}", path.display()),
                     )
                 }
+                Ok(JobEvent::NothingToResume { location }) => say(
+                    &progress,
+                    format!(
+                        "no checkpoint to resume from in {location}: starting from scratch \
+                         (--require-checkpoint makes this an error)"
+                    ),
+                ),
                 Ok(JobEvent::FaultInjected(f)) => say(
                     &progress,
                     format!(
