@@ -262,6 +262,12 @@ where
 {
     /// How each replica builds its model; replicas then start from rank 0's parameters
     /// (broadcast), whatever the factory returned on the other ranks.
+    ///
+    /// The factory runs on every replica's device thread at once. A factory that draws random
+    /// parameters (Burn's generator is process-global) shares the generator with the others,
+    /// so rank 0's draws depend on how the threads interleave: for a bitwise-reproducible start
+    /// (REPRO-1) build the model once and hand it to
+    /// [`initial_model`](Self::initial_model), or load a record in the factory.
     pub fn model(mut self, f: impl Fn(&ModelContext) -> M + Send + Sync + 'static) -> Self {
         self.model = Some(Arc::new(f));
         self.replicas = Some(spawn_replicas::<M, I>);

@@ -140,10 +140,12 @@ fn every_collective(comm: &mut Communicator) -> Vec<(u64, usize)> {
 fn child(scenario: &str) {
     let rank: u32 = env(RANK).parse().expect("a rank");
     let token = JobToken::from_bytes([env(TOKEN).parse().expect("a token byte"); 32]);
-    let timeout = if scenario == "collectives" {
-        Duration::from_secs(30)
-    } else {
+    // "kill" gets a long time-out too: its survivors must learn of the death from the closed
+    // connection, and a 4 MiB all-reduce across loaded debug processes may take seconds.
+    let timeout = if scenario == "silent" {
         Duration::from_secs(2)
+    } else {
+        Duration::from_secs(30)
     };
     let config = TcpConfig {
         comm: CommConfig::default().with_timeout(timeout),
@@ -187,7 +189,8 @@ fn child(scenario: &str) {
         }
         "silent" => {
             if rank == 2 {
-                std::thread::sleep(timeout * 3);
+                // Silent, links open, until the test ends and kills it.
+                std::thread::sleep(Duration::from_secs(120));
                 return;
             }
             let mut buf = vec![1.0f32; 1000];
@@ -261,14 +264,14 @@ fn tcp_5_a_rank_killed_mid_all_reduce_is_a_typed_error_naming_it_on_every_surviv
     group.kill(1);
     for r in [0, 2] {
         let line = group
-            .next_tagged(r, RESULT, Duration::from_secs(10))
+            .next_tagged(r, RESULT, Duration::from_secs(60))
             .expect("a survivor reports an error, it does not hang");
         let error: CommError = serde_json::from_str(&line).expect("a CommError");
         assert_eq!(blamed(&error), vec![Rank(1)], "rank {r}: {error}");
     }
-    // Well inside the 2 s time-out: the survivors saw the connection end.
+    // Well inside the 30 s time-out: the survivors saw the connection end.
     assert!(
-        killed_at.elapsed() < Duration::from_secs(2),
+        killed_at.elapsed() < Duration::from_secs(15),
         "{:?}",
         killed_at.elapsed()
     );
@@ -280,13 +283,15 @@ fn comm_3_a_silent_rank_process_times_out_naming_it() {
     let started = Instant::now();
     for r in [0, 1] {
         let line = group
-            .next_tagged(r, RESULT, Duration::from_secs(10))
+            .next_tagged(r, RESULT, Duration::from_secs(30))
             .expect("a time-out");
         let error: CommError = serde_json::from_str(&line).expect("a CommError");
         assert_eq!(blamed(&error), vec![Rank(2)], "rank {r}: {error}");
     }
+    // The 2 s time-out and the group's forming, with slack for loaded machines; rank 2 stays
+    // silent far longer.
     assert!(
-        started.elapsed() < Duration::from_secs(5),
+        started.elapsed() < Duration::from_secs(10),
         "{:?}",
         started.elapsed()
     );

@@ -187,6 +187,48 @@ fn stop_cleanly(head: &mut Proc, nodes: &mut [Proc]) -> String {
     out
 }
 
+/// Waits until a line of `p`'s output satisfies `wanted` and returns it; `None` when `p`
+/// exits first (its exit is then recorded).
+fn wait_for_line(p: &mut Proc, timeout: Duration, wanted: impl Fn(&str) -> bool) -> Option<String> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let exited = p.child.try_wait().unwrap().is_some();
+        if exited {
+            // Records the status and lets the readers take the last lines.
+            p.wait_exit(Duration::from_secs(10));
+        }
+        if let Some(line) = p.output().lines().find(|l| wanted(l)) {
+            return Some(line.to_string());
+        }
+        if exited {
+            return None;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}: no such line within {timeout:?}; output:\n{}",
+            p.name,
+            p.output()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The step number `line` gives after `prefix` (`prefix` then digits).
+fn step_after(line: &str, prefix: &str) -> Option<u64> {
+    let rest = &line[line.find(prefix)? + prefix.len()..];
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
+/// The steps a job ran, from the head's closing report (`N steps, … samples/s; …`).
+fn steps_run(head_output: &str) -> u64 {
+    head_output
+        .lines()
+        .find(|l| l.contains(" steps, ") && l.contains("samples/s"))
+        .and_then(|l| l.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("the head reports the steps it ran:\n{head_output}"))
+}
+
 /// Every node trained one rank for some steps.
 fn each_trained_one_rank(nodes: &[Proc]) {
     for n in nodes {
@@ -518,11 +560,12 @@ fn a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes() {
     }
 }
 
-/// A 2 × 2 pipeline job of four nodes (`flags`) that a fifth joins as a spare; a node of the
-/// last stage is killed (MESH-1: rank = replica + 2 · stage). `Ok`: the lost stage was
-/// replaced and the job finished (the `replaced` line, the surviving nodes and the spare);
-/// `Err`: the job ended because other stages had applied the step (the head's output).
-fn replace_a_killed_stage(job: &str, flags: &[&str]) -> Result<(String, Vec<Proc>), String> {
+/// A 2 × 2 pipeline job of four nodes (`flags`, training until stopped) that a fifth joins
+/// as a spare; a node of the last stage is killed (MESH-1: rank = replica + 2 · stage).
+/// `Ok`: the lost stage was replaced, the job trained on and was stopped cleanly (the
+/// `replaced` line, the surviving nodes and the spare, the steps the job ran); `Err`: the job
+/// ended because other stages had applied the step (the head's output).
+fn replace_a_killed_stage(job: &str, flags: &[&str]) -> Result<(String, Vec<Proc>, u64), String> {
     let (mut head, addr) = training_head(job, 4, 60, flags);
     let mut nodes = spawn_nodes(job, &addr, &[&[], &[], &[], &[]]);
     let prepared: Vec<String> = nodes
@@ -539,26 +582,38 @@ fn replace_a_killed_stage(job: &str, flags: &[&str]) -> Result<(String, Vec<Proc
     let mut killed = nodes.remove(victim);
     killed.signal("-KILL");
     killed.wait_exit(Duration::from_secs(10));
-    let (status, _) = head.wait_exit(Duration::from_secs(180));
-    let out = head.output();
-    assert!(
-        out.contains(&format!("lost device {victim_rank}:")),
-        "{out}"
-    );
-    if !status.success() && out.contains("was applied by some stages and not by others") {
-        return Err(out);
-    }
-    assert!(status.success(), "head failed:\n{out}");
-    let replaced = out
-        .lines()
-        .find(|l| l.contains("replaced on device"))
-        .unwrap_or_else(|| panic!("no stage was replaced:\n{out}"))
-        .to_string();
+    let replaced = wait_for_line(&mut head, Duration::from_secs(180), |l| {
+        l.contains("replaced on device")
+    });
+    let Some(replaced) = replaced else {
+        // The job ended by itself: it cannot have run out of steps, so it failed.
+        let out = head.output();
+        assert!(
+            out.contains(&format!("lost device {victim_rank}:")),
+            "{out}"
+        );
+        if out.contains("was applied by some stages and not by others") {
+            return Err(out);
+        }
+        panic!("the job ended without replacing the stage:\n{out}");
+    };
     assert!(
         replaced.contains(&format!("stage 1 of replica {}", victim_rank % 2)),
         "{replaced}"
     );
-    Ok((replaced, nodes))
+    // The job trains on with the spare until stopped.
+    let out = stop_cleanly(&mut head, &mut nodes);
+    assert!(
+        out.contains(&format!("lost device {victim_rank}:")),
+        "{out}"
+    );
+    let steps = steps_run(&out);
+    let at = step_after(&replaced, "step ").expect("the replaced line names its step");
+    assert!(
+        steps > at,
+        "stopped at {steps}, after the replacement at {at}:\n{out}"
+    );
+    Ok((replaced, nodes, steps))
 }
 
 #[test]
@@ -567,13 +622,14 @@ fn a_lost_pipeline_stage_is_replaced_on_a_spare_from_its_twin_and_the_job_ends_a
     let dir = std::env::temp_dir().join(format!("meshwork-pptwin-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let (steps, batch, seed) = (500u64, 64usize, 9u64);
-    let flags = |name: &str| pipeline_flags((steps, batch, seed), &dir.join(format!("{name}.mpk")));
-    let plain = flags("plain");
-    let plain: Vec<&str> = plain.iter().map(String::as_str).collect();
-    run_to_end("pptwin-plain", &[&[], &[], &[], &[]], &plain);
-
-    let mut twin = flags("twin");
+    let (batch, seed) = (64usize, 9u64);
+    let flags = |name: &str, steps: u64| {
+        pipeline_flags((steps, batch, seed), &dir.join(format!("{name}.mpk")))
+    };
+    // The job with the lost stage trains until stopped (it cannot end before the spare
+    // joins and the kill lands, however fast the machine); the uninterrupted one then runs
+    // as many steps.
+    let mut twin = flags("twin", 100_000);
     twin.extend(["--on-replica-loss", "shrink"].map(String::from));
     let twin: Vec<&str> = twin.iter().map(String::as_str).collect();
     // A stage lost after sending its last gradients of a step, while its twin still waits for
@@ -582,7 +638,7 @@ fn a_lost_pipeline_stage_is_replaced_on_a_spare_from_its_twin_and_the_job_ends_a
     // rarely (a stage's all-reduce and update are a small part of its step); such an attempt
     // is repeated, at most three attempts in all.
     let mut attempt = 0;
-    let (replaced, mut nodes) = loop {
+    let (replaced, mut nodes, steps) = loop {
         attempt += 1;
         match replace_a_killed_stage(&format!("pptwin-{attempt}"), &twin) {
             Ok(done) => break done,
@@ -604,6 +660,9 @@ fn a_lost_pipeline_stage_is_replaced_on_a_spare_from_its_twin_and_the_job_ends_a
         4,
         "the spare holds the world's rank 4"
     );
+    let plain = flags("plain", steps);
+    let plain: Vec<&str> = plain.iter().map(String::as_str).collect();
+    run_to_end("pptwin-plain", &[&[], &[], &[], &[]], &plain);
     // The replacement copied its twin exactly and the step was redone on the same batch, in
     // the same reduction order: the run ends bit for bit where the uninterrupted one did.
     let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap().remove(0);
@@ -700,10 +759,9 @@ fn a_lost_node_is_replaced_by_a_spare_that_joined_and_the_rolled_back_job_ends_a
     let dir = std::env::temp_dir().join(format!("meshwork-spare-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let (steps, batch, seed) = (600u64, 768usize, 5u64);
-    // Large batches and many steps make the run last seconds, time enough to join a spare and
-    // kill a node; the checkpoints every 10 steps are what the job rolls back to.
-    let flags = |name: &str| {
+    let (batch, seed) = (768usize, 5u64);
+    // The checkpoints every 10 steps are what the job rolls back to.
+    let flags = |name: &str, steps: u64| {
         vec![
             "--checkpoint-dir".to_string(),
             dir.join(name).join("ckpt").display().to_string(),
@@ -721,22 +779,9 @@ fn a_lost_node_is_replaced_by_a_spare_that_joined_and_the_rolled_back_job_ends_a
             dir.join(name).join("trained.mpk").display().to_string(),
         ]
     };
-    // The run without a failure, to compare with.
-    let plain = flags("plain");
-    let plain: Vec<&str> = plain.iter().map(String::as_str).collect();
-    let (mut head, addr) = training_head("plain", 3, 60, &plain);
-    let mut nodes = vec![
-        node("node-a", &addr, "plain", &[], SECRET),
-        node("node-b", &addr, "plain", &[], SECRET),
-        node("node-c", &addr, "plain", &[], SECRET),
-    ];
-    let (status, _) = head.wait_exit(Duration::from_secs(180));
-    assert!(status.success(), "head failed:\n{}", head.output());
-    for n in &mut nodes {
-        n.wait_exit(Duration::from_secs(30));
-    }
-
-    let mut spare = flags("spare");
+    // The job with the loss trains until stopped, so it cannot end before the spare joins and
+    // the kill lands, however fast the machine; the uninterrupted run then runs as many steps.
+    let mut spare = flags("spare", 100_000);
     spare.extend(
         ["--max-replicas", "3", "--on-replica-loss", "rollback"]
             .iter()
@@ -762,25 +807,58 @@ fn a_lost_node_is_replaced_by_a_spare_that_joined_and_the_rolled_back_job_ends_a
     victim.wait_exit(Duration::from_secs(10));
     let rolled = head.wait_line("rolled back to the checkpoint", Duration::from_secs(60));
     println!("{rolled}");
-    let (status, _) = head.wait_exit(Duration::from_secs(180));
-    let out = head.output();
-    assert!(status.success(), "head failed:\n{out}");
+    // Stopped once the spare has trained past the failed step (a checkpoint after it).
+    let failed = step_after(&rolled, "step ").expect("the failed step");
+    let past = wait_for_line(&mut head, Duration::from_secs(120), |l| {
+        step_after(l, "checkpoint after step ").is_some_and(|s| s > failed) && l.contains("written")
+    })
+    .unwrap_or_else(|| panic!("the job ended by itself:\n{}", head.output()));
+    println!("{past}");
+    let out = stop_cleanly(&mut head, &mut nodes);
     assert!(
         out.contains(&format!("lost device {victim_rank}:")),
         "the loss names node-b's rank {victim_rank}:\n{out}"
     );
-    // The spare took the lost node's place and trained the redone and remaining steps.
+    // The spare took the lost node's place and trained the redone and later steps.
     for n in &mut nodes {
-        let (status, _) = n.wait_exit(Duration::from_secs(30));
-        assert!(status.success(), "{} failed:\n{}", n.name, n.output());
         let trained = steps_trained(n);
         assert_eq!(trained.len(), 1, "{}:\n{}", n.name, n.output());
         assert!(trained[0].1 > 0, "{}:\n{}", n.name, n.output());
     }
+    // The stop wrote a last checkpoint after the last step: how many steps the job applied.
+    let store = meshwork::checkpoint::CheckpointStore::open(dir.join("spare").join("ckpt"), 3)
+        .expect("the checkpoint store");
+    let steps = store
+        .latest_valid()
+        .expect("the checkpoints list")
+        .expect("a checkpoint")
+        .checkpoint
+        .step;
+    assert!(steps > failed, "{steps} steps, failed at {failed}:\n{out}");
+    assert!(
+        out.contains(&format!("checkpoint after step {steps} written")),
+        "{out}"
+    );
+
+    // The run without a failure, to compare with.
+    let plain = flags("plain", steps);
+    let plain: Vec<&str> = plain.iter().map(String::as_str).collect();
+    let (mut head, addr) = training_head("plain", 3, 60, &plain);
+    let mut nodes = vec![
+        node("node-a", &addr, "plain", &[], SECRET),
+        node("node-b", &addr, "plain", &[], SECRET),
+        node("node-c", &addr, "plain", &[], SECRET),
+    ];
+    let (status, _) = head.wait_exit(Duration::from_secs(180));
+    assert!(status.success(), "head failed:\n{}", head.output());
+    for n in &mut nodes {
+        n.wait_exit(Duration::from_secs(30));
+    }
     // Rolled back and redone, the run ends exactly where the uninterrupted one did: the
     // spare took the lost replica's rank, so every reduction ran in the same order. (Not
-    // compared with one device: over 600 steps Adam turns the reductions' float rounding
-    // into differences above the tolerance, in one process too; `dp_3_…` compares 12 steps.)
+    // compared with one device: over hundreds of steps Adam turns the reductions' float
+    // rounding into differences above the tolerance, in one process too; `dp_3_…` compares
+    // 12 steps.)
     let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap().remove(0);
     let uninterrupted = load(&dir.join("plain").join("trained.mpk"), &device);
     let rolled_back = load(&dir.join("spare").join("trained.mpk"), &device);
@@ -797,7 +875,9 @@ fn nodes_stop_when_the_head_dies_and_a_new_head_resumes_from_its_checkpoint() {
     let ckpt = dir.join("ckpt").display().to_string();
     let model_path = dir.join("trained.mpk");
     let model_arg = model_path.display().to_string();
-    // Large enough batches that a step takes milliseconds, so the head is killed mid-run.
+    // The first head trains until killed (it cannot finish first, however fast the machine);
+    // the second resumes and runs to `total`, or a little past the first head's newest
+    // checkpoint if that is later.
     let (batch, seed, total) = (768usize, 3u64, 60u64);
     let common = |steps: u64| {
         vec![
@@ -815,7 +895,7 @@ fn nodes_stop_when_the_head_dies_and_a_new_head_resumes_from_its_checkpoint() {
             "5".to_string(),
         ]
     };
-    let first = common(total);
+    let first = common(100_000);
     let first: Vec<&str> = first.iter().map(String::as_str).collect();
     let (mut head, addr) = training_head("resume", 3, 60, &first);
     let node_flags = ["--head-timeout", "3"];
@@ -846,6 +926,14 @@ fn nodes_stop_when_the_head_dies_and_a_new_head_resumes_from_its_checkpoint() {
     }
 
     // A new head and new nodes resume from the newest checkpoint and finish the run.
+    let newest = meshwork::checkpoint::CheckpointStore::open(&ckpt, 3)
+        .expect("the checkpoint store")
+        .latest_valid()
+        .expect("the checkpoints list")
+        .expect("a checkpoint")
+        .checkpoint
+        .step;
+    let total = total.max(newest + 10);
     let second = common(total);
     let mut second: Vec<&str> = second.iter().map(String::as_str).collect();
     second.extend(["--resume", "--save-model", &model_arg]);
@@ -862,6 +950,10 @@ fn nodes_stop_when_the_head_dies_and_a_new_head_resumes_from_its_checkpoint() {
         .lines()
         .find(|l| l.contains("resumed after step"))
         .unwrap_or_else(|| panic!("the new head resumed:\n{out}"));
+    assert!(
+        resumed.contains(&format!("resumed after step {newest} ")),
+        "{resumed}"
+    );
     println!("{resumed}");
     let (expected, device) = reference(seed, batch, total, 3);
     let trained = load(&model_path, &device);

@@ -378,13 +378,23 @@ async fn a_slow_device_slows_its_replica_and_training_still_equals_the_reference
     assert_matches_reference(init, &trained.model, &events);
 }
 
+/// The collective time-out of the stall and partition scenarios: far above any step's
+/// compute on a loaded machine (a shorter one may fire on a mere hiccup and change the
+/// outcome), far below the stall or partition.
+const SHORT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long the stalled or cut-off device is gone: the job must end, or go on without it,
+/// long before (the time-out plus the 2 s failure grace plus a few steps).
+const GONE_S: f64 = 30.0;
+/// A bound on such a job that a wait for the stall or partition to end cannot meet.
+const WELL_BEFORE_THE_DEVICE_RETURNS: Duration = Duration::from_secs(20);
+
 fn stall_plan() -> FaultPlan {
-    // Device 1 stops making progress for 5 s; collectives give up after 500 ms.
+    // Device 1 stops making progress for GONE_S; collectives give up long before.
     FaultPlan::new(10).with(fault(
         1,
         2,
         Phase::Backward,
-        FaultKind::Stall { seconds: 5.0 },
+        FaultKind::Stall { seconds: GONE_S },
     ))
 }
 
@@ -397,7 +407,7 @@ async fn a_stalled_device_is_named_stuck_but_alive_within_the_time_out_not_a_han
         &init,
         stall_plan(),
         RecoveryPolicy::default(),
-        Duration::from_millis(500),
+        SHORT_COLLECTIVE_TIMEOUT,
     ))
     .await;
     match outcome {
@@ -417,7 +427,7 @@ async fn a_stalled_device_is_named_stuck_but_alive_within_the_time_out_not_a_han
         other => panic!("expected RanksUnresponsive naming rank 1, got {other:?}"),
     }
     assert_eq!(fired(&events), vec![0]);
-    assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+    assert!(elapsed < WELL_BEFORE_THE_DEVICE_RETURNS, "{elapsed:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -428,13 +438,13 @@ async fn rec_1_a_stuck_replica_is_evicted_and_the_survivor_finishes_the_run() {
         &init,
         stall_plan(),
         RecoveryPolicy::shrink(),
-        Duration::from_millis(500),
+        SHORT_COLLECTIVE_TIMEOUT,
     ))
     .await;
     let trained = outcome.expect("the stuck replica is evicted");
     assert_eq!(lost_devices(&events), vec![DeviceId(1)]);
     assert!(
-        elapsed < Duration::from_secs(5),
+        elapsed < WELL_BEFORE_THE_DEVICE_RETURNS,
         "did not wait for the stall: {elapsed:?}"
     );
     assert_eq!(replicas_per_step(&events), vec![2, 2, 1, 1, 1, 1, 1, 1]);
@@ -615,39 +625,56 @@ async fn elastic_2_sizes_outside_the_range_are_refused_and_the_job_goes_on() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_job_starts_no_step_until_resumed() {
-    let init = initial_model();
-    let job = job(
-        2,
-        &init,
-        FaultPlan::new(0),
-        RecoveryPolicy::default(),
-        Duration::from_secs(30),
-    );
+    use meshwork::job::EventsError;
+    // Many steps: the job cannot end before the pause lands, however fast it runs.
+    let job = base(2, &initial_model())
+        .steps(1_000_000)
+        .collective_timeout(Duration::from_secs(30))
+        .step_timeout(Duration::from_secs(60))
+        .build()
+        .expect("a valid job");
     let handle = job.spawn().await.unwrap();
     let control = handle.control();
     let mut events = handle.events();
-    // Pause after the first step.
-    loop {
-        if let Ok(JobEvent::StepDone(_)) = events.recv().await {
-            control.pause();
-            break;
-        }
+    // The next event that `wanted` accepts (a lagging receiver skips what it missed).
+    async fn next_of(
+        events: &mut meshwork::job::EventStream,
+        wanted: impl Fn(&JobEvent) -> bool,
+    ) -> JobEvent {
+        let wait = async {
+            loop {
+                match events.recv().await {
+                    Ok(e) if wanted(&e) => return e,
+                    Ok(_) | Err(EventsError::Missed(_)) => {}
+                    Err(EventsError::Closed) => panic!("the job ended"),
+                }
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), wait)
+            .await
+            .expect("the event within 60 s")
     }
+    // Pause after the first step. Steps that finish before the pause lands do not count.
+    next_of(&mut events, |e| matches!(e, JobEvent::StepDone(_))).await;
+    control.pause();
+    next_of(&mut events, |e| matches!(e, JobEvent::Paused)).await;
+    let status = control.status(Duration::from_secs(5)).await.unwrap();
+    assert!(status.paused);
+    let held_at = status.steps_done;
+    // Paused: at most the step already running when the pause arrived finishes; none starts.
     let mut during = Vec::new();
     let until = tokio::time::Instant::now() + Duration::from_millis(500);
     while let Ok(Ok(e)) = tokio::time::timeout_at(until, events.recv()).await {
         during.push(e);
     }
-    let status = control.status(Duration::from_secs(5)).await.unwrap();
-    assert!(status.paused);
-    // At most the step already running when the pause arrived finishes.
     let steps_while_paused = during
         .iter()
         .filter(|e| matches!(e, JobEvent::StepDone(_)))
         .count();
     assert!(steps_while_paused <= 1, "{during:?}");
-    assert!(during.iter().any(|e| matches!(e, JobEvent::Paused)));
-    let held_at = status.steps_done;
+    let held = control.status(Duration::from_secs(5)).await.unwrap();
+    assert!(held.paused);
+    assert!(held.steps_done <= held_at + 1, "{held:?}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         control
@@ -655,14 +682,20 @@ async fn a_paused_job_starts_no_step_until_resumed() {
             .await
             .unwrap()
             .steps_done,
-        held_at
+        held.steps_done
     );
+    // Resumed: steps run again; stop() ends the job at the next step boundary.
     control.resume();
-    let trained = tokio::time::timeout(Duration::from_secs(60), handle.join())
+    next_of(&mut events, |e| matches!(e, JobEvent::StepDone(_))).await;
+    let trained = tokio::time::timeout(Duration::from_secs(60), handle.stop())
         .await
-        .unwrap()
+        .expect("the job stops within 60 s")
         .unwrap();
-    assert_eq!(trained.summary.steps, STEPS);
+    assert!(
+        trained.summary.steps > held.steps_done,
+        "{:?}",
+        trained.summary
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -766,9 +799,9 @@ async fn rec_1_a_partition_longer_than_the_time_out_evicts_the_cut_off_device() 
     let (outcome, events, elapsed) = run(job(
         3,
         &init,
-        partition_plan(5.0),
+        partition_plan(GONE_S),
         RecoveryPolicy::shrink(),
-        Duration::from_millis(500),
+        SHORT_COLLECTIVE_TIMEOUT,
     ))
     .await;
     let trained = outcome.expect("the survivors go on");
@@ -783,7 +816,7 @@ async fn rec_1_a_partition_longer_than_the_time_out_evicts_the_cut_off_device() 
         }
         other => panic!("expected RanksUnresponsive, got {other:?}"),
     }
-    assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+    assert!(elapsed < WELL_BEFORE_THE_DEVICE_RETURNS, "{elapsed:?}");
     assert_matches_reference(init, &trained.model, &events);
 }
 
@@ -871,8 +904,11 @@ async fn rec_4_a_corrupt_message_fails_its_checksum_and_the_step_is_retried() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rec_4_a_message_held_past_the_time_out_is_retried_without_evicting_its_sender() {
     let init = initial_model();
+    // The sender sleeps 5 s on the message; its peer gives up after 2 s, and the sender
+    // reports 3 s later. A 2 s time-out is far above a step's compute; the 3 s gap leaves
+    // room for the two ranks reaching the collective at different times.
     let plan = message_plan(FaultKind::DelayMessage {
-        seconds: 1.2,
+        seconds: 5.0,
         message: 0,
     });
     let (outcome, events, _) = run(job(
@@ -880,7 +916,7 @@ async fn rec_4_a_message_held_past_the_time_out_is_retried_without_evicting_its_
         &init,
         plan,
         RecoveryPolicy::shrink(),
-        Duration::from_millis(400),
+        Duration::from_secs(2),
     ))
     .await;
     let trained = outcome.expect("the step is retried");

@@ -108,14 +108,33 @@ fn data(d_in: usize, d_out: usize) -> InMemoryDataset<Sample> {
     .dataset(BATCH * 4)
 }
 
+/// Called with a block's index before each of its forwards.
+type ForwardHook = std::sync::Arc<dyn Fn(usize) + Send + Sync>;
+
 /// The blocks as a pipeline: every block forwards, the last ends in the loss.
 fn as_stages(init: &[Block], shape: Shape) -> PipelineStages<Sample> {
+    as_hooked_stages(init, shape, None)
+}
+
+/// [`as_stages`], calling `hook` before every block's forward.
+fn as_hooked_stages(
+    init: &[Block],
+    shape: Shape,
+    hook: Option<ForwardHook>,
+) -> PipelineStages<Sample> {
     let last = init.len() - 1;
     let mut stages = PipelineStages::new(|items: &[Sample], d: &Device| {
         vec![AnyTensor::D2(batch_tensors(items, d).0)]
     });
     for (i, b) in init.iter().enumerate() {
-        let f = block_forward(i, last, shape);
+        let forward = block_forward(i, last, shape);
+        let hook = hook.clone();
+        let f = move |m: &Block, x: Boundary| {
+            if let Some(h) = &hook {
+                h(i);
+            }
+            forward(m, x)
+        };
         stages = if i == last {
             stages.last(
                 b.clone(),
@@ -168,12 +187,23 @@ fn run_reference(
 /// Train `widths` as a dp × pp pipeline job and check it against the plain loop; returns the
 /// step events.
 async fn check(schedule: Schedule, widths: &[usize], shape: Shape, dp: u32) -> Vec<StepDone> {
+    check_hooked(schedule, widths, shape, dp, None).await
+}
+
+/// [`check`], with `hook` called before every block's forward in the pipeline job.
+async fn check_hooked(
+    schedule: Schedule,
+    widths: &[usize],
+    shape: Shape,
+    dp: u32,
+    hook: Option<ForwardHook>,
+) -> Vec<StepDone> {
     let init = blocks(widths, shape, &Device::flex());
     let d = data(widths[0], *widths.last().unwrap());
     let v = schedule.virtual_stages() as usize;
     let pp = init.len() / v;
     let job = Job::builder()
-        .pipeline(as_stages(&init, shape), schedule)
+        .pipeline(as_hooked_stages(&init, shape, hook), schedule)
         .data_parallel(dp)
         .data(d.clone())
         .batch_size(BATCH)
@@ -348,9 +378,33 @@ async fn dp_2_by_pp_2_matches_one_device_for_every_schedule() {
     }
 }
 
+/// Makes stage 0 and stage 1 (of replica 0, on a `pp`-stage pipeline) compute at the same
+/// time at least once, however the threads are scheduled: block 0's second forward waits (at
+/// most 30 s) until a block of stage 1 has started a forward. Only a pipeline whose stages
+/// run concurrently gets past the wait in time; the recorded timelines must then overlap.
+fn overlap_hook(pp: usize) -> ForwardHook {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    let stage_1_started = Arc::new(AtomicBool::new(false));
+    let block_0_forwards = Arc::new(AtomicU32::new(0));
+    Arc::new(move |block| {
+        // Block b runs on stage b mod pp (chunk c of stage d is block c·pp + d).
+        if block % pp == 1 {
+            stage_1_started.store(true, Ordering::SeqCst);
+        }
+        if block == 0 && block_0_forwards.fetch_add(1, Ordering::SeqCst) == 1 {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while !stage_1_started.load(Ordering::SeqCst) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    })
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stages_compute_at_the_same_time() {
-    // Wide enough blocks that a forward lasts long enough to overlap with the neighbour's.
+    // The overlap is forced by `overlap_hook` (a loaded machine may otherwise run short
+    // forwards one after the other); the recorded timelines must show it.
     for schedule in [
         Schedule::GPipe { micro_batches: 8 },
         Schedule::OneFOneB { micro_batches: 4 },
@@ -364,7 +418,9 @@ async fn stages_compute_at_the_same_time() {
         } else {
             &[8, 512, 512, 3]
         };
-        let steps = check(schedule, widths, Shape::Plain, 1).await;
+        let pp = (widths.len() - 1) / schedule.virtual_stages() as usize;
+        let hook = overlap_hook(pp);
+        let steps = check_hooked(schedule, widths, Shape::Plain, 1, Some(hook)).await;
         assert!(
             stages_overlap(&steps),
             "{schedule:?}: stage 0 and stage 1 never computed at the same time"
@@ -539,32 +595,47 @@ async fn pp_1_a_panicking_stage_ends_the_job_naming_the_stage_and_micro_batch() 
 async fn pp_1_a_neighbour_that_never_sends_is_a_typed_time_out_not_a_hang() {
     use meshwork::Error;
     use meshwork::parallel::pipeline_exec::ExecError;
-    // Stage 0 stalls for 4 s in its first forward of step 1; links time out after 500 ms.
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    // Stage 0 stalls in its first forward of step 1 until the test has the job's outcome (at
+    // most 120 s), so the job can only end by the link time-out, never by the stall ending.
+    // The time-out (5 s) is far above step 0's compute, which it also bounds.
+    let link_timeout = Duration::from_secs(5);
+    let released = Arc::new(AtomicBool::new(false));
     let job = hooked_job(
-        |n| {
-            if n == 4 {
-                std::thread::sleep(Duration::from_secs(4));
+        {
+            let released = released.clone();
+            move |n| {
+                if n == 4 {
+                    let guard = Instant::now() + Duration::from_secs(120);
+                    while !released.load(Ordering::SeqCst) && Instant::now() < guard {
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
             }
         },
         |_| {},
-        Duration::from_millis(500),
+        link_timeout,
     );
     let started = Instant::now();
-    let (outcome, _) = tokio::time::timeout(Duration::from_secs(60), run_recording(job))
-        .await
-        .expect("the job ends");
+    // Well under the stall's guard: a job that waited for the stalled stage fails here.
+    let outcome = tokio::time::timeout(Duration::from_secs(60), run_recording(job)).await;
+    released.store(true, Ordering::SeqCst);
+    let (outcome, _) = outcome.expect("the job ends while stage 0 is still stalled");
     match outcome {
         Err(Error::Pipeline(ExecError::Timeout {
-            stage, from, mb, ..
-        })) => assert_eq!((stage, from, mb), (1, 0, 0)),
+            stage,
+            from,
+            mb,
+            waited,
+            ..
+        })) => {
+            assert_eq!((stage, from, mb), (1, 0, 0));
+            assert_eq!(waited, link_timeout);
+        }
         other => panic!("expected a link time-out, got {other:?}"),
     }
-    // The time-out plus the failure grace, not the stalled stage's 4 s.
-    assert!(
-        started.elapsed() < Duration::from_secs(4),
-        "{:?}",
-        started.elapsed()
-    );
+    assert!(started.elapsed() >= link_timeout, "{:?}", started.elapsed());
 }
 
 #[test]

@@ -56,19 +56,27 @@ fn small_job(data: Vec<Sample>, dp: u32, steps: u64) -> JobBuilder<Mlp, Sample> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rt_2_device_answers_heartbeat_during_a_2s_computation() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
     bounded(async {
         let device = MeshDevice::flex(1).remove(0);
         let id = device.id();
         let burn = device.burn().clone();
         let (actor, _) = Actor::spawn(None, DeviceActor, device).await.unwrap();
+        // The computation lasts at least 2 s and until the test has its heartbeat (at most
+        // 60 s), so the heartbeat is answered while it runs however slow the machine is.
+        let release = Arc::new(AtomicBool::new(false));
         let compute = tokio::spawn({
-            let actor = actor.clone();
+            let (actor, release) = (actor.clone(), release.clone());
             async move {
                 run_on(&actor, "long computation", move || {
                     let start = Instant::now();
                     let a = Tensor::<2>::random([128, 128], Distribution::Default, &burn);
                     let mut acc = a.clone();
-                    while start.elapsed() < Duration::from_secs(2) {
+                    while (start.elapsed() < Duration::from_secs(2)
+                        || !release.load(Ordering::SeqCst))
+                        && start.elapsed() < Duration::from_secs(60)
+                    {
                         acc = (acc.matmul(a.clone()) * 1e-3).tanh();
                         let _: f32 = acc.clone().sum().into_scalar();
                     }
@@ -77,11 +85,12 @@ async fn rt_2_device_answers_heartbeat_during_a_2s_computation() {
                 .await
             }
         });
-        // Eventually the thread reports itself busy; the heartbeat must come back at once.
-        let deadline = Instant::now() + Duration::from_secs(1);
+        // Eventually the thread reports itself busy; the heartbeat must come back promptly
+        // (an actor that waited for the computation would answer after it, or time out).
+        let deadline = Instant::now() + Duration::from_secs(30);
         let beat = loop {
             let sent = Instant::now();
-            let h = heartbeat(&actor, id, Duration::from_millis(500))
+            let h = heartbeat(&actor, id, Duration::from_secs(10))
                 .await
                 .unwrap();
             if h.busy.is_some() {
@@ -91,6 +100,11 @@ async fn rt_2_device_answers_heartbeat_during_a_2s_computation() {
             tokio::time::sleep(Duration::from_millis(10)).await;
         };
         let (h, answered, sent) = beat;
+        assert!(
+            !compute.is_finished(),
+            "the computation ended before the heartbeat reply"
+        );
+        release.store(true, Ordering::SeqCst);
         let ended = compute.await.unwrap().unwrap().unwrap();
         assert_eq!(
             h.busy.as_ref().map(|b| b.0.as_str()),
@@ -101,10 +115,10 @@ async fn rt_2_device_answers_heartbeat_during_a_2s_computation() {
             "heartbeat reply arrived after the computation ended"
         );
         assert!(
-            answered - sent < Duration::from_millis(200),
-            "heartbeat was slow"
+            answered - sent < Duration::from_secs(5),
+            "heartbeat was slow: {:?}",
+            answered - sent
         );
-        assert!(ended - answered > Duration::from_millis(1000));
         actor.stop(None);
     })
     .await;
@@ -332,8 +346,15 @@ async fn job_2_jobs_start_stop_and_start_again_in_one_process() {
         assert_eq!(status.steps_total, 1_000_000);
         assert!(!status.stopping);
         let stopper = handle.stopper();
+        let mut events = handle.events();
+        // Stopped once a step has finished, so the job has a step to report.
         tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            loop {
+                match events.recv().await {
+                    Ok(JobEvent::StepDone(_)) | Err(EventsError::Closed) => break,
+                    Ok(_) | Err(EventsError::Missed(_)) => {}
+                }
+            }
             stopper.stop();
         });
         let trained = handle.join().await.unwrap();

@@ -275,20 +275,25 @@ fn link_2_silent_peer_times_out_within_the_bound() {
         ),
         "{received:?}"
     );
-    assert!(took >= bound && took < bound * 3, "took {took:?}");
+    // The upper bound only guards against a hang; it has slack for a loaded machine.
+    assert!(
+        took >= bound && took < bound + Duration::from_secs(5),
+        "took {took:?}"
+    );
 }
 
 #[test]
 fn link_2_trickling_peer_cannot_stretch_the_bound() {
     let bound = Duration::from_millis(400);
     let (mut a, mut b) = pair(quick().with_io_timeout(bound));
+    // 95 bytes, one every 150 ms: the frame would take 14 s, each byte well inside the bound.
     let bytes = frame::encode(FrameKind::Data, 1, &[1u8; 64]);
     let trickle = thread::spawn(move || {
         for byte in bytes {
             if a.stream.write_all(&[byte]).is_err() {
                 break;
             }
-            thread::sleep(Duration::from_millis(50));
+            thread::sleep(Duration::from_millis(150));
         }
     });
     let started = Instant::now();
@@ -298,7 +303,8 @@ fn link_2_trickling_peer_cannot_stretch_the_bound() {
         matches!(received, Err(LinkError::Timeout { .. })),
         "{received:?}"
     );
-    assert!(took < bound * 3, "took {took:?}");
+    // Ended by the bound, not by the 14 s frame (slack for a loaded machine).
+    assert!(took < bound + Duration::from_secs(5), "took {took:?}");
     drop(b);
     trickle.join().unwrap();
 }
