@@ -11,6 +11,7 @@ use std::time::Duration;
 use burn::module::Module;
 use burn::optim::AdamConfig;
 use cluster_procs::{Proc, SECRET, node, training_head};
+use meshwork::checkpoint::snapshot_module;
 use meshwork::demo::{Mlp, TeacherTask, mse_loss};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::optim::LearningRate;
@@ -414,6 +415,25 @@ fn dp_2_pp_2_across_four_node_processes_equals_the_single_device_reference() {
     let worst = compare_parameters(&trained, &expected, TOLERANCE)
         .unwrap_or_else(|e| panic!("the dp × pp cluster job differs from one device: {e}"));
     println!("worst relative difference: {worst:e}");
+    // REPRO-1 across processes: the same job run again (other processes, other ports, other
+    // timing) ends with the same parameters, bit for bit.
+    let again_path = dir.join("again.mpk");
+    let flags = pipeline_flags((steps, batch, seed), &again_path);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let (_, nodes) = run_to_end("dp2pp2again", &[&[], &[], &[], &[]], &flags);
+    assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2, 3]);
+    let again = load_of(&PIPELINE_WIDTHS, &again_path, &device);
+    let bits = |m: &Mlp| -> Vec<Vec<u32>> {
+        snapshot_module(m)
+            .params()
+            .iter()
+            .map(|p| p.values.iter().map(|v| v.to_bits()).collect())
+            .collect()
+    };
+    assert!(
+        bits(&trained) == bits(&again),
+        "two identical dp × pp runs across processes ended with different parameters"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 
