@@ -543,7 +543,9 @@ where
     }
 
     /// Start from the newest valid checkpoint of the directory or store, if there is one
-    /// (newer ones that do not verify are refused and reported in the `Restored` event).
+    /// (newer ones that do not verify are refused and reported in the `Restored` event). The
+    /// job also writes checkpoints there (at least one when it ends), so the directory must be
+    /// writable (CKPT-7); to resume from a read-only copy, copy it first.
     pub fn resume_from_checkpoint(mut self, resume: bool) -> Self {
         self.resume = resume;
         self
@@ -663,10 +665,7 @@ where
             )?) as Arc<dyn CheckpointSink>),
             (None, None) => None,
         };
-        // CKPT-7: a place checkpoints cannot be written to is refused before any training.
-        if let Some(sink) = &sink {
-            sink.check_writable()?;
-        }
+
         let checkpoints = match sink {
             Some(sink) => Some(CheckpointSettings {
                 sink,
@@ -724,6 +723,21 @@ where
             return invalid("checkpoint_every(0): use at least 1 step".into());
         }
         let sampler = DistributedSampler::new(dataset.len(), global, self.seed)?;
+        // Last, once nothing else refuses the job: a required checkpoint in a directory that
+        // does not exist is missing (the directory is not made for it), and a place checkpoints
+        // cannot be written to is refused before any training (CKPT-7).
+        if let (Some(settings), Some(dir)) = (&checkpoints, &self.checkpoint_dir)
+            && settings.require
+            && !dir.exists()
+        {
+            return Err(crate::checkpoint::CheckpointError::NothingToResume {
+                location: dir.display().to_string(),
+            }
+            .into());
+        }
+        if let Some(settings) = &checkpoints {
+            settings.sink.check_writable()?;
+        }
         Ok(Job {
             args: Some(JobParts {
                 spawn,

@@ -331,6 +331,21 @@ async fn ckw_3_a_writer_slower_than_the_interval_holds_the_step_boundary_not_mem
 async fn resuming_from_nothing_is_an_event_or_with_require_checkpoint_an_error() {
     let init = initial_model();
     let dir = temp_dir("nothing-to-resume");
+    // A required checkpoint in a directory that does not exist: refused by build(), and the
+    // directory is not made.
+    match builder(2, 3, &init)
+        .checkpoint_dir(&dir)
+        .require_checkpoint(true)
+        .build()
+    {
+        Err(meshwork::Error::Checkpoint(
+            meshwork::checkpoint::CheckpointError::NothingToResume { location },
+        )) => assert_eq!(location, dir.display().to_string()),
+        other => panic!("expected NothingToResume, got {:?}", other.map(|_| ())),
+    }
+    assert!(!dir.exists());
+    // In an empty directory: the job fails when it looks, before any step.
+    std::fs::create_dir_all(&dir).unwrap();
     let (required, events) = run(builder(2, 3, &init)
         .checkpoint_dir(&dir)
         .require_checkpoint(true)

@@ -131,6 +131,7 @@ fn other_impossible_values_are_refused_naming_the_flag() {
         ],
         "--checkpoint-every 0",
     );
+    let _ = std::fs::remove_dir_all(&dir);
     // A fault plan that is not there names the file.
     assert_refused(
         &[
@@ -147,7 +148,7 @@ fn other_impossible_values_are_refused_naming_the_flag() {
 /// CKPT-7 from the command line: a checkpoint directory that cannot be created is refused
 /// before training, for data-parallel and pipeline jobs, with the path in the message.
 #[test]
-fn a_checkpoint_dir_that_cannot_be_created_is_refused_before_training() {
+fn ckpt_7_a_checkpoint_dir_that_cannot_be_created_is_refused_before_training() {
     let dir = scratch("not-a-dir");
     // Under a regular file no directory can be created (this holds for root too).
     let file = dir.join("a-file");
@@ -167,6 +168,7 @@ fn a_checkpoint_dir_that_cannot_be_created_is_refused_before_training() {
         assert_refused(&args, "checkpoints cannot be written under");
         assert_refused(&args, path(&target));
     }
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -191,9 +193,10 @@ fn resume_from_an_empty_or_missing_directory_says_so_and_starts_from_scratch() {
             "the run should say it found no checkpoint:\n{stdout}"
         );
         assert!(
-            stdout.contains("2 steps"),
-            "it trained from step 0:\n{stdout}"
+            stdout.contains("\n2 steps, ") && stdout.contains("samples/s"),
+            "it trained two steps from step 0:\n{stdout}"
         );
+        assert!(!stdout.contains("resumed after"), "{stdout}");
         // And it wrote the checkpoint of its end, which the next --resume starts from.
         let (code, stdout, stderr) = run(&[
             "train",
@@ -212,6 +215,7 @@ fn resume_from_an_empty_or_missing_directory_says_so_and_starts_from_scratch() {
             "the second run resumes from the first one's checkpoint:\n{stdout}"
         );
     }
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]
@@ -239,6 +243,22 @@ fn require_checkpoint_makes_resuming_from_nothing_an_error() {
     let (code, _, stderr) = run(&["train", "--require-checkpoint"]);
     assert_eq!(code, Some(2), "stderr:\n{stderr}");
     assert!(stderr.contains("--resume"), "stderr:\n{stderr}");
+    // A directory that does not exist is not made for a required checkpoint.
+    let missing = root.join("never-made");
+    assert_refused(
+        &[
+            "train",
+            "--steps",
+            "2",
+            "--checkpoint-dir",
+            path(&missing),
+            "--resume",
+            "--require-checkpoint",
+        ],
+        "no checkpoint to resume from",
+    );
+    assert!(!missing.exists());
+    let _ = std::fs::remove_dir_all(&root);
 }
 
 #[test]
@@ -262,4 +282,5 @@ fn a_pipeline_job_writes_its_checkpoints_and_resumes_from_them() {
     let (code, stdout, stderr) = run(&[&common[..], &["--steps", "3", "--resume"]].concat());
     assert_eq!(code, Some(0), "stderr:\n{stderr}");
     assert!(stdout.contains("resumed after step 2"), "stdout:\n{stdout}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -386,17 +386,26 @@ fn overlap_hook(pp: usize) -> ForwardHook {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
     let stage_1_started = Arc::new(AtomicBool::new(false));
+    let block_0_second_began = Arc::new(AtomicBool::new(false));
     let block_0_forwards = Arc::new(AtomicU32::new(0));
+    // Each side says it is inside its forward, then waits (bounded) for the other: both
+    // forwards are running at the moment both flags are set, however the threads are
+    // scheduled. (Neither waits for something that needs the other's wait to end: block 0's
+    // second forward needs no backward, and stage 1's first forward only its input.)
+    let wait_for = |flag: &AtomicBool| {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !flag.load(Ordering::SeqCst) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
     Arc::new(move |block| {
         // Block b runs on stage b mod pp (chunk c of stage d is block c·pp + d).
-        if block % pp == 1 {
-            stage_1_started.store(true, Ordering::SeqCst);
+        if block % pp == 1 && !stage_1_started.swap(true, Ordering::SeqCst) {
+            wait_for(&block_0_second_began);
         }
         if block == 0 && block_0_forwards.fetch_add(1, Ordering::SeqCst) == 1 {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            while !stage_1_started.load(Ordering::SeqCst) && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(1));
-            }
+            block_0_second_began.store(true, Ordering::SeqCst);
+            wait_for(&stage_1_started);
         }
     })
 }

@@ -302,3 +302,37 @@ async fn repro_1_dp_2_by_pp_2_twice_is_bitwise_equal_for_every_schedule() {
         check_pipeline(s, 2, 2).await;
     }
 }
+
+/// The demo's pipeline (`meshwork train --pp`), whose blocks were always drawn when built:
+/// reproducible too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repro_1_the_demo_pipeline_twice_is_bitwise_equal() {
+    let schedule = Schedule::OneFOneB {
+        micro_batches: MICRO_BATCHES,
+    };
+    let job = || {
+        let _generator = generator();
+        let device = Device::flex();
+        device.seed(23);
+        let sizes =
+            meshwork::parallel::pipeline::even_split(WIDTHS.len() - 1, 2).expect("the MLP splits");
+        let stages =
+            meshwork::demo::mlp_pipeline(&WIDTHS, &sizes, &device).expect("the demo blocks");
+        Job::builder()
+            .pipeline(stages, schedule)
+            .data(data())
+            .optimizer(AdamConfig::new())
+            .learning_rate(3e-3)
+            .data_parallel(2)
+            .devices(devices(4))
+            .batch_size(GLOBAL_BATCH)
+            .steps(STEPS)
+            .seed(9)
+            .build()
+            .expect("a valid pipeline job")
+    };
+    let whole = |m| bits_of(&Mlp::from_pipeline(m).expect("the demo MLP's blocks"));
+    let a = record(job(), 4, whole).await;
+    let b = record(job(), 4, whole).await;
+    assert_reproducible("the demo pipeline, dp 2 × pp 2", &a, &b, 2);
+}

@@ -44,9 +44,10 @@ pub trait CheckpointSink: Send + Sync + std::fmt::Debug {
     fn check_writable(&self) -> Result<()> {
         Ok(())
     }
-    /// Where the checkpoints are, for messages (a store's root directory).
+    /// Where the checkpoints are, for messages (a store's root directory; by default the
+    /// sink's type).
     fn location(&self) -> String {
-        format!("{self:?}")
+        std::any::type_name::<Self>().to_string()
     }
 }
 

@@ -321,7 +321,8 @@ impl<F: CheckpointFs> FaultyFs<F> {
     }
 
     /// From now on, fail the write that brings the bytes written past `bytes`, and every
-    /// write after it.
+    /// write after it. (A job built over it writes an 8-byte probe when it is built, CKPT-7:
+    /// arm this after `build()`, or count those bytes.)
     pub fn fail_after_bytes(&self, bytes: u64) {
         *self.budget.lock().unwrap_or_else(|e| e.into_inner()) = Some(bytes);
     }

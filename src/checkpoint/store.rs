@@ -200,16 +200,25 @@ impl<F: CheckpointFs> CheckpointStore<F> {
         self.fs
             .create_dir_all(&self.root)
             .map_err(refuse("create_dir", &self.root))?;
-        let probe = self.root.join(format!(".meshwork-probe{TMP_SUFFIX}"));
+        // A name of its own per call, so two jobs probing one directory at once never remove
+        // each other's probe.
+        static PROBES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let probe = self.root.join(format!(
+            ".meshwork-probe-{}-{n}{TMP_SUFFIX}",
+            std::process::id()
+        ));
         let mut file = self.fs.create(&probe).map_err(refuse("create", &probe))?;
         file.write_all(b"meshwork")
             .and_then(|()| file.sync())
             .map_err(refuse("write", &probe))?;
         drop(file);
-        self.fs
-            .remove_file(&probe)
-            .map_err(refuse("remove", &probe))?;
-        Ok(())
+        match self.fs.remove_file(&probe) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                Err(refuse("remove", &probe)(e).into())
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The checkpoint directories under the root, newest first, with their steps; an absent

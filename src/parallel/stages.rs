@@ -36,6 +36,18 @@ pub fn materialize<M: Module>(module: M) -> M {
         fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
             let _ = param.val();
         }
+        fn visit_int<const D: usize>(
+            &mut self,
+            param: &burn::module::Param<Tensor<D, burn::tensor::Int>>,
+        ) {
+            let _ = param.val();
+        }
+        fn visit_bool<const D: usize>(
+            &mut self,
+            param: &burn::module::Param<Tensor<D, burn::tensor::Bool>>,
+        ) {
+            let _ = param.val();
+        }
     }
     module.visit(&mut Draw);
     module

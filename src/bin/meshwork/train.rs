@@ -167,6 +167,13 @@ fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
 
 pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
     check_flags(&args)?;
+    // CKPT-7 before anything starts (a cluster head would otherwise wait for its nodes first);
+    // a directory that does not exist is not made for a required checkpoint.
+    if let Some(dir) = &args.checkpoint_dir
+        && (!args.require_checkpoint || dir.exists())
+    {
+        meshwork::checkpoint::CheckpointStore::open(dir, 1)?.check_writable()?;
+    }
     #[cfg(feature = "cluster")]
     {
         let spec = || {
