@@ -111,6 +111,16 @@ pub fn batches_from_events(steps: &[StepDone]) -> Vec<Vec<usize>> {
         .collect()
 }
 
+/// Every float parameter's exact bits, tensor by tensor in module order: two models are bitwise
+/// equal (REPRO-1) exactly when these are.
+pub fn parameter_bits<M: Module>(model: &M) -> Vec<Vec<u32>> {
+    crate::checkpoint::snapshot_module(model)
+        .params()
+        .iter()
+        .map(|p| p.values.iter().map(|v| v.to_bits()).collect())
+        .collect()
+}
+
 /// Per parameter tensor: `max|a − b| ≤ rel · max|b|` (b is the reference). Returns the worst
 /// ratio `max|a − b| / max|b|` over tensors, or a description of the first tensor that fails.
 pub fn compare_parameters<M: Module>(a: &M, b: &M, rel: f32) -> Result<f32, String> {

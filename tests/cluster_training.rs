@@ -11,12 +11,11 @@ use std::time::Duration;
 use burn::module::Module;
 use burn::optim::AdamConfig;
 use cluster_procs::{Proc, SECRET, node, training_head};
-use meshwork::checkpoint::snapshot_module;
 use meshwork::demo::{Mlp, TeacherTask, mse_loss};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::optim::LearningRate;
 use meshwork::parallel::sampler::DistributedSampler;
-use meshwork::testing::{Reference, compare_parameters, reference_train};
+use meshwork::testing::{Reference, compare_parameters, parameter_bits, reference_train};
 
 /// The demo MLP of `meshwork train`.
 const WIDTHS: [usize; 4] = [32, 128, 128, 4];
@@ -423,15 +422,8 @@ fn dp_2_pp_2_across_four_node_processes_equals_the_single_device_reference() {
     let (_, nodes) = run_to_end("dp2pp2again", &[&[], &[], &[], &[]], &flags);
     assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2, 3]);
     let again = load_of(&PIPELINE_WIDTHS, &again_path, &device);
-    let bits = |m: &Mlp| -> Vec<Vec<u32>> {
-        snapshot_module(m)
-            .params()
-            .iter()
-            .map(|p| p.values.iter().map(|v| v.to_bits()).collect())
-            .collect()
-    };
     assert!(
-        bits(&trained) == bits(&again),
+        parameter_bits(&trained) == parameter_bits(&again),
         "two identical dp × pp runs across processes ended with different parameters"
     );
     let _ = std::fs::remove_dir_all(&dir);

@@ -9,7 +9,6 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::AdamConfig;
 use burn::tensor::Device;
@@ -22,7 +21,7 @@ use meshwork::job::{PipelineModel, PipelineStages};
 use meshwork::parallel::pipeline::Schedule;
 use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
 use meshwork::prelude::*;
-use meshwork::testing::{final_fingerprints, run_recording, steps_of};
+use meshwork::testing::{final_fingerprints, parameter_bits, run_recording, steps_of};
 
 /// Flex's random generator is process-global and the tests of this file run at once in one
 /// process: each seeds and builds its model under this lock, so that no other test draws
@@ -53,15 +52,6 @@ struct Run {
     fingerprints: Vec<u64>,
     bits: Vec<Vec<u32>>,
     samples: Vec<Vec<Vec<usize>>>,
-}
-
-fn bits_of<M: Module>(model: &M) -> Vec<Vec<u32>> {
-    let mut out = Vec::new();
-    let record = meshwork::checkpoint::snapshot_module(model);
-    for p in record.params() {
-        out.push(p.values.iter().map(|v| v.to_bits()).collect());
-    }
-    out
 }
 
 /// Runs `job` (bounded by 300 s); `bits` gives the trained model's parameters' bits.
@@ -159,8 +149,8 @@ async fn repro_1_data_parallel_twice_is_bitwise_equal() {
             .build()
             .expect("a valid job")
     };
-    let a = record(job(init()), 3, |m| bits_of(&m)).await;
-    let b = record(job(init()), 3, |m| bits_of(&m)).await;
+    let a = record(job(init()), 3, |m| parameter_bits(&m)).await;
+    let b = record(job(init()), 3, |m| parameter_bits(&m)).await;
     assert_reproducible("dp 3", &a, &b, 3);
 }
 
@@ -240,7 +230,7 @@ fn pipeline_job(
 /// The trained blocks' parameters, block by block.
 fn pipeline_bits(model: PipelineModel) -> Vec<Vec<u32>> {
     (0..model.len())
-        .flat_map(|b| bits_of(model.block::<Vec<Linear>>(b).expect("a block of layers")))
+        .flat_map(|b| parameter_bits(model.block::<Vec<Linear>>(b).expect("a block of layers")))
         .collect()
 }
 
@@ -331,7 +321,7 @@ async fn repro_1_the_demo_pipeline_twice_is_bitwise_equal() {
             .build()
             .expect("a valid pipeline job")
     };
-    let whole = |m| bits_of(&Mlp::from_pipeline(m).expect("the demo MLP's blocks"));
+    let whole = |m| parameter_bits(&Mlp::from_pipeline(m).expect("the demo MLP's blocks"));
     let a = record(job(), 4, whole).await;
     let b = record(job(), 4, whole).await;
     assert_reproducible("the demo pipeline, dp 2 × pp 2", &a, &b, 2);
