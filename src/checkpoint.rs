@@ -11,6 +11,8 @@
 //! <root>/step-00000120/
 //!     shard-pp0000-tp0000.bin   one file per stage shard: parameters by name + optimizer state
 //!     shard-pp0001-tp0000.bin
+//!     shard-pp0000-tp0000-optim0000-of0002.bin   a sharded (ZeRO) optimizer: one file per
+//!     shard-pp0000-tp0000-optim0001-of0002.bin   data-parallel rank's part (CKPT-8)
 //!     manifest                  format version, step, layout, data cursor, RNG state,
 //!                               every shard file with its byte length and CRC-32
 //! ```
@@ -47,6 +49,11 @@
 //!   of the same path, refusing a missing name or a different shape before changing anything,
 //!   and gives each parameter back the id it had when snapshotted, so that the optimizer state
 //!   (which Burn keys by parameter id) applies to the restored module.
+//! - **CKPT-8 sharded optimizer state.** A block whose optimizer state is sharded over its
+//!   data-parallel group (ZeRO) is stored as its parameter file plus one file per rank's
+//!   part, each listed in the manifest with its length and CRC-32 and verified like a shard
+//!   file; the parts must tile the block's flat parameter order exactly once. Loading gives
+//!   back every part, so the training layer can re-shard them onto another group size.
 //! - **CKPT-7 writable before training.** [`CheckpointStore::check_writable`] creates the root
 //!   and writes, syncs and removes a probe file in it; a job with a checkpoint directory calls
 //!   it when it is built, so a directory that cannot be written is refused before the first
@@ -70,11 +77,13 @@ pub use crate::parallel::sampler::DataCursor;
 pub use fs::{
     CheckpointFile, CheckpointFs, FaultyFile, FaultyFs, FsOp, MemoryFile, MemoryFs, RealFs,
 };
-pub use params::{NamedParam, OptimizerState, ShardParams, restore_module, snapshot_module};
+pub use params::{
+    NamedParam, OptimizerPart, OptimizerState, ShardParams, restore_module, snapshot_module,
+};
 pub use store::{CheckpointStore, Loaded, Refused};
 
 /// The on-disk format version this build writes and the only one it reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Which part of the model a shard file holds: one pipeline stage (and one tensor-parallel
 /// slice of it). Data-parallel replicas hold the same shard; one copy is stored.
@@ -97,6 +106,15 @@ impl ShardId {
     /// The name of this shard's file inside a checkpoint directory.
     pub fn file_name(&self) -> String {
         format!("shard-pp{:04}-tp{:04}.bin", self.pp, self.tp)
+    }
+
+    /// The name of the file of part `index` of `of` of this shard's sharded optimizer state
+    /// (CKPT-8).
+    pub fn part_file_name(&self, index: u32, of: u32) -> String {
+        format!(
+            "shard-pp{:04}-tp{:04}-optim{index:04}-of{of:04}.bin",
+            self.pp, self.tp
+        )
     }
 }
 

@@ -257,4 +257,25 @@ pub struct ReplicaStep {
     pub trace: Vec<TraceRecord>,
     /// A pipeline stage's instructions as they ran, and its stash figures.
     pub pipeline: Option<PipelineStageStep>,
+    /// What the rank held of the training state at this step (parameters, gradients,
+    /// optimizer state; `None` where the rank did not report it).
+    pub held: Option<HeldBytes>,
+}
+
+/// What one rank holds of the training state, in bytes (`f32` words × 4), as a worker reports
+/// it for `meshwork bench memory` and the sharding proofs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HeldBytes {
+    /// Parameters (the whole model on every rank at ZeRO stages 0–2).
+    pub params: u64,
+    /// Gradients held at the optimizer step, after the reduction.
+    pub grads: u64,
+    /// Gradients held right after Burn's backward, before any reduction (Burn's single
+    /// backward call materialises every gradient at once).
+    pub grads_backward: u64,
+    /// Optimizer state.
+    pub optimizer: u64,
+    /// The range of the flat trainable order whose optimizer state this rank holds (the
+    /// whole order when not sharded).
+    pub owned: (u64, u64),
 }

@@ -37,6 +37,7 @@ pub use crate::optim::{LearningRate, OptimizerConfig};
 pub use crate::parallel::pipeline::Schedule;
 use crate::parallel::sampler::DistributedSampler;
 pub use crate::parallel::stages::{PipelineModel, PipelineStages};
+use crate::parallel::zero::{FlatRule, ZeroStage};
 pub use crate::parallel::{ModelContext, NonFinitePolicy};
 use crate::recovery::RecoveryPolicy;
 
@@ -97,6 +98,7 @@ pub struct JobBuilder<M, I> {
     accumulation: u32,
     bucket_bytes: usize,
     clip_norm: Option<f32>,
+    zero: ZeroStage,
     steps: u64,
     seed: u64,
     non_finite: NonFinitePolicy,
@@ -187,6 +189,7 @@ where
             accumulation: 1,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             clip_norm: None,
+            zero: ZeroStage::Off,
             steps: 100,
             seed: 0,
             non_finite: NonFinitePolicy::Stop,
@@ -467,6 +470,16 @@ where
         self
     }
 
+    /// Shard the training state over the data-parallel replicas, as DeepSpeed's ZeRO and
+    /// PyTorch's `ZeroRedundancyOptimizer` do: [`ZeroStage::One`] keeps each replica's share
+    /// of the optimizer state only, [`ZeroStage::Two`] also reduce-scatters the gradients.
+    /// The trained parameters equal plain data parallelism's. Works with SGD, Adam and AdamW
+    /// (without the optimizer's own per-tensor clipping: use [`Self::clip_grad_norm`]).
+    pub fn zero(mut self, stage: ZeroStage) -> Self {
+        self.zero = stage;
+        self
+    }
+
     /// Number of optimizer steps.
     pub fn steps(mut self, steps: u64) -> Self {
         self.steps = steps;
@@ -609,6 +622,11 @@ where
         }
         if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
             return invalid("a time-out of zero: use a positive duration".into());
+        }
+        if self.zero.shards_optimizer()
+            && let Err(e) = FlatRule::of(&self.optimizer)
+        {
+            return invalid(format!("zero({:?}): {e}", self.zero));
         }
         let remote = self.is_remote();
         if remote {
@@ -837,6 +855,7 @@ where
             learning_rate: self.learning_rate.clone(),
             bucket_elems: self.bucket_bytes / 4,
             clip_norm: self.clip_norm,
+            zero: self.zero,
             non_finite: self.non_finite,
             epoch: Instant::now(),
             faults: self.faults.clone(),

@@ -37,4 +37,5 @@ pub mod prelude {
     };
     pub use crate::mesh::{Layout, Rank};
     pub use crate::parallel::pipeline::Schedule;
+    pub use crate::parallel::zero::ZeroStage;
 }

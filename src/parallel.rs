@@ -13,6 +13,8 @@ pub mod pipeline;
 pub mod pipeline_exec;
 pub mod sampler;
 pub mod stages;
+pub mod sync;
+pub mod zero;
 
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};

@@ -31,6 +31,16 @@ pub enum TraceKind {
         /// Payload size.
         bytes: u64,
     },
+    /// A reduce-scatter of a `bytes`-byte buffer (ZeRO-2's gradient reduction).
+    ReduceScatter {
+        /// Size of the whole buffer.
+        bytes: u64,
+    },
+    /// An all-gather into a `bytes`-byte buffer (ZeRO's updated parameter shards).
+    AllGather {
+        /// Size of the whole buffer.
+        bytes: u64,
+    },
     /// A broadcast of `bytes` bytes.
     Broadcast {
         /// Payload size.
@@ -65,9 +75,11 @@ impl TraceKind {
     /// Which share of the step this counts towards.
     pub fn category(&self) -> TimeCategory {
         match self {
-            TraceKind::AllReduce { .. } | TraceKind::Broadcast { .. } | TraceKind::Send { .. } => {
-                TimeCategory::Communication
-            }
+            TraceKind::AllReduce { .. }
+            | TraceKind::ReduceScatter { .. }
+            | TraceKind::AllGather { .. }
+            | TraceKind::Broadcast { .. }
+            | TraceKind::Send { .. } => TimeCategory::Communication,
             TraceKind::Recv { .. } => TimeCategory::Waiting,
             _ => TimeCategory::Compute,
         }
@@ -79,6 +91,8 @@ impl TraceKind {
             TraceKind::Backward { micro_batch } => format!("backward mb{micro_batch}"),
             TraceKind::Flatten => "flatten".into(),
             TraceKind::AllReduce { .. } => "all_reduce".into(),
+            TraceKind::ReduceScatter { .. } => "reduce_scatter".into(),
+            TraceKind::AllGather { .. } => "all_gather".into(),
             TraceKind::Broadcast { .. } => "broadcast".into(),
             TraceKind::OptimizerStep => "optimizer".into(),
             TraceKind::Send { micro_batch, to } => format!("send mb{micro_batch} to {to}"),

@@ -276,6 +276,7 @@ where
                 model_ranks,
                 assemble: |parts| Some(PipelineModel::merge(parts)),
                 replicas_only: false,
+                replicated_state: true,
                 grow: None,
                 rewire: Some(rewire),
                 devices: None,
@@ -706,5 +707,6 @@ fn report<I>(
             peak_stash: record.peak_stash,
             peak_activation_bytes: record.peak_stash_bytes,
         }),
+        held: None,
     }
 }

@@ -17,14 +17,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
 use super::supervisor::{Grow, GrowArgs, GrowStage, SpawnContext, SpawnStages, Spawned};
-use crate::checkpoint::{OptimizerState, ShardId, ShardSnapshot, restore_module, snapshot_module};
+use crate::checkpoint::{ShardId, ShardSnapshot, restore_module, snapshot_module};
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
@@ -32,11 +32,9 @@ use crate::error::{DeviceId, Error, Result, StageId};
 use crate::faults::{DeviceMessages, FaultHooks, Phase, with_hooks};
 use crate::mesh::{Generation, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
-use crate::parallel::buckets::{Bucket, plan_buckets};
-use crate::parallel::gradients::{
-    GradientBuffers, ParamFilter, ParamLayout, map_parameters, parameter_fingerprint,
-    reduce_buckets,
-};
+use crate::parallel::gradients::{ParamFilter, ParamLayout, map_parameters, parameter_fingerprint};
+use crate::parallel::sync::{self, GradientSync, HeldBytes, Reduced, SyncContext};
+use crate::parallel::zero::ZeroStage;
 use crate::parallel::{ModelContext, NonFinitePolicy};
 use crate::trace::{TraceKind, TraceRecord};
 
@@ -54,6 +52,8 @@ pub(crate) struct StageSpec<M, I> {
     pub(crate) learning_rate: LearningRate,
     pub(crate) bucket_elems: usize,
     pub(crate) clip_norm: Option<f32>,
+    /// How much of the training state each rank keeps (ZeRO).
+    pub(crate) zero: ZeroStage,
     pub(crate) non_finite: NonFinitePolicy,
     /// The job's start: trace times are measured from it.
     pub(crate) epoch: Instant,
@@ -85,6 +85,9 @@ pub struct StepReport {
     pub trace: Vec<TraceRecord>,
     /// A pipeline stage's instructions and stash figures.
     pub pipeline: Option<crate::events::PipelineStageStep>,
+    /// What the rank held of the training state at this step (`None` when it did not step).
+    #[serde(default)]
+    pub held: Option<HeldBytes>,
 }
 
 /// Messages a [`StageActor`] handles.
@@ -230,6 +233,7 @@ where
                 model_ranks: vec![0],
                 assemble: |mut models: Vec<M>| models.pop(),
                 replicas_only: true,
+                replicated_state: !spec.zero.shards_optimizer(),
                 grow: Some(Grow::Local(grow_replica(spec))),
                 rewire: None,
                 devices: None,
@@ -301,14 +305,11 @@ impl<M, I> std::fmt::Debug for StageArgs<M, I> {
 /// The model, optimizer and buffers of a trained stage.
 struct Slot<M> {
     model: M,
-    optimizer: ModuleOptimizer,
-    layout: ParamLayout,
+    /// How the group keeps gradients, parameters and optimizer state in step (all-reduce in
+    /// buckets, or ZeRO): the strategy's device side.
+    sync: Box<dyn GradientSync<M>>,
     comm: Communicator,
     lr: LearningRate,
-    /// How gradients are grouped for the all-reduce (BUCKET-1, BUCKET-2).
-    buckets: Vec<Bucket>,
-    /// The buffer fused buckets are copied into.
-    fusion: Vec<f32>,
     /// Whether the model has float parameters without gradients (buffers, frozen weights).
     has_buffers: bool,
 }
@@ -448,7 +449,7 @@ async fn snapshot<M: Module + 'static, I>(state: &mut StageState<M, I>) -> Resul
     let shard = ShardId::stage(state.id.stage);
     let out = run_on(&state.device_actor, "checkpoint snapshot", move || {
         let params = snapshot_module(&slot.model);
-        let optimizer = OptimizerState::capture(&slot.optimizer);
+        let optimizer = slot.sync.optimizer_state();
         (slot, params, optimizer)
     })
     .await?;
@@ -475,16 +476,15 @@ async fn restore<M: Module + 'static, I>(
     };
     let out = run_on(&state.device_actor, "checkpoint restore", move || {
         let r = restore_module(slot.model.clone(), &shard.params).and_then(|model| {
-            let optimizer = match &shard.optimizer {
-                Some(o) => o.restore(slot.optimizer.clone())?,
-                None => slot.optimizer.clone(),
-            };
-            Ok((model, optimizer))
+            if let Some(o) = &shard.optimizer {
+                let (rank, world) = (slot.comm.rank().index(), slot.comm.world());
+                slot.sync.restore_optimizer(o, rank, world)?;
+            }
+            Ok(model)
         });
         match r {
-            Ok((model, optimizer)) => {
+            Ok(model) => {
                 slot.model = model;
-                slot.optimizer = optimizer;
                 (slot, Ok(()))
             }
             Err(e) => (slot, Err(e)),
@@ -529,51 +529,49 @@ where
     let spec = state.spec.clone();
     let rank = state.rank;
     let device = state.device.burn().clone().autodiff();
-    let out = run_on(
-        &state.device_actor,
-        "init",
-        move || -> Result<_, crate::comm::CommError> {
-            let ctx = ModelContext {
-                rank,
-                device: device.clone(),
-            };
-            let model = (spec.model_fn)(&ctx).fork(&device).train();
-            let layout = ParamLayout::trainable(&model);
-            let has_buffers = ParamLayout::of(&model).slots().len() > layout.slots().len();
-            let before = parameter_fingerprint(&model);
-            // DP-1: every replica starts from rank 0's parameters, broadcast tensor by tensor.
-            let (model, synced) = map_parameters(model, ParamFilter::All, |_, values| {
-                comm.broadcast(values, Rank(0))
-            });
-            synced?;
-            let after = parameter_fingerprint(&model);
-            let sizes: Vec<usize> = layout.slots().iter().map(|s| s.range.len()).collect();
-            Ok((
-                Slot {
-                    model,
-                    optimizer: spec.optimizer.init(),
-                    buckets: plan_buckets(
-                        &sizes,
-                        spec.bucket_elems,
-                        FUSE_BELOW.min(spec.bucket_elems / 4),
-                    ),
-                    fusion: Vec::new(),
-                    has_buffers,
-                    layout,
-                    comm,
-                    lr: spec.learning_rate.clone(),
-                },
-                InitReport { before, after },
-            ))
-        },
-    )
+    let out = run_on(&state.device_actor, "init", move || -> Result<_> {
+        let ctx = ModelContext {
+            rank,
+            device: device.clone(),
+        };
+        let model = (spec.model_fn)(&ctx).fork(&device).train();
+        let trainable = ParamLayout::trainable(&model).slots().len();
+        let has_buffers = ParamLayout::of(&model).slots().len() > trainable;
+        let before = parameter_fingerprint(&model);
+        // DP-1: every replica starts from rank 0's parameters, broadcast tensor by tensor.
+        let (model, synced) = map_parameters(model, ParamFilter::All, |_, values| {
+            comm.broadcast(values, Rank(0))
+        });
+        synced?;
+        let after = parameter_fingerprint(&model);
+        let sync = sync::for_stage(
+            spec.zero,
+            &model,
+            &spec.optimizer,
+            spec.bucket_elems,
+            FUSE_BELOW.min(spec.bucket_elems / 4),
+            comm.rank().index(),
+            comm.world(),
+        )
+        .map_err(|e| Error::InvalidConfig(e.to_string()))?;
+        Ok((
+            Slot {
+                model,
+                sync,
+                has_buffers,
+                comm,
+                lr: spec.learning_rate.clone(),
+            },
+            InitReport { before, after },
+        ))
+    })
     .await?;
     match out {
         Ok(Ok((slot, report))) => {
             state.slot = Some(slot);
             Ok(report)
         }
-        Ok(Err(comm_err)) => Err(comm_err.into()),
+        Ok(Err(e)) => Err(e),
         Err(panic) => Err(failed(state, "building the model", panic)),
     }
 }
@@ -619,18 +617,27 @@ where
             Ok(r) => r,
             Err(e) => return (slot, Err(e)),
         };
-        let slot = match grads {
+        let (slot, applied) = match grads {
             Some(grads) => with_hooks(
                 spec.faults.as_deref(),
                 device_id,
                 step,
                 0,
                 Phase::Update,
-                || apply_update(slot, grads, &mut report, step, &spec, &thread_phase),
+                || {
+                    apply_update(
+                        slot,
+                        grads,
+                        &mut report,
+                        (step, &device),
+                        &spec,
+                        &thread_phase,
+                    )
+                },
             ),
-            None => slot,
+            None => (slot, Ok(())),
         };
-        (slot, Ok(report))
+        (slot, applied.map(|()| report))
     })
     .await?;
     match out {
@@ -654,7 +661,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     (step, global): (u64, usize),
     micro_batches: &[Vec<usize>],
     phase: &Mutex<&'static str>,
-) -> Result<(StepReport, Option<GradientsParams>)> {
+) -> Result<(StepReport, Option<Reduced>)> {
     let hooks = spec.faults.as_deref();
     if let Some(h) = &spec.faults {
         // FaultPlan: this step's collective messages are counted from here (COMM-8 hook).
@@ -764,55 +771,41 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
                     learning_rate: None,
                     trace,
                     pipeline: None,
+                    held: None,
                 },
                 None,
             )),
         };
     }
 
-    let mut non_finite_gradient = false;
-    let grads = if direct {
-        grads
-    } else {
-        // DP-2: the mean over replicas of each replica's mean over its micro-batches.
-        let t = Instant::now();
-        let mut buffers = GradientBuffers::take(&slot.model, &slot.layout, grads);
-        let mut views = buffers.slices_mut();
-        span(TraceKind::Flatten, t);
-        if world > 1 {
-            set_phase("gradient all-reduce");
-            let comm = &mut slot.comm;
-            let mut spans = Vec::new();
-            reduce_buckets(&mut views, &slot.buckets, &mut slot.fusion, |b| {
-                let t = Instant::now();
-                let r = comm.all_reduce(b, ReduceOp::Sum);
-                spans.push((b.len(), t));
-                r
-            })?;
-            for (n, t) in spans {
-                span(
-                    TraceKind::AllReduce {
-                        bytes: (n * 4) as u64,
-                    },
-                    t,
-                );
-            }
-        }
-        set_phase("gradient clipping");
-        let t = Instant::now();
-        if let Some(max_norm) = spec.clip_norm {
-            // The norm of the all-reduced gradient is the same on every replica, so every
-            // replica takes the same decision here (DP-3).
-            non_finite_gradient = !clip_by_global_norm(&mut views, max_norm).is_finite();
-        }
-        drop(views);
-        let g = buffers.into_gradients(&slot.model, device);
-        span(TraceKind::Flatten, t);
-        g
+    // DP-2: the mean over replicas of each replica's mean over its micro-batches; the
+    // strategy's synchronisation reduces it (all-reduce in buckets, or ZeRO's shards).
+    set_phase("gradient reduction");
+    let inner = device.clone();
+    let mut cx = SyncContext {
+        comm: Some(&mut slot.comm),
+        device: &inner,
+        scale: 1.0,
+        clip: spec.clip_norm,
+        direct,
+        spans: Vec::new(),
     };
-    if non_finite_gradient && spec.non_finite == NonFinitePolicy::Stop {
+    let reduced = slot.sync.reduce(&slot.model, grads, &mut cx)?;
+    let spans = std::mem::take(&mut cx.spans);
+    drop(cx);
+    for (kind, start, took) in spans {
+        trace.push(TraceRecord {
+            rank,
+            step,
+            kind,
+            start_us: start.duration_since(spec.epoch).as_micros() as u64,
+            duration_us: took.as_micros() as u64,
+        });
+    }
+    if reduced.non_finite && spec.non_finite == NonFinitePolicy::Stop {
         return Err(Error::NonFiniteGradient { step });
     }
+    let skip = reduced.non_finite;
     Ok((
         StepReport {
             rank,
@@ -821,8 +814,9 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
             learning_rate: None,
             trace,
             pipeline: None,
+            held: None,
         },
-        (!non_finite_gradient).then_some(grads),
+        (!skip).then_some(reduced),
     ))
 }
 
@@ -849,22 +843,46 @@ fn sync_buffers<M: Module>(
     }
 }
 
-/// The optimizer step. Takes the slot by value so that the model moves into the optimizer
-/// with no other reference to its tensors (no copy of the parameters).
+/// The optimizer step (and whatever exchange the strategy does after it). Takes the slot by
+/// value so that the model moves into the optimizer with no other reference to its tensors
+/// (no copy of the parameters).
 fn apply_update<M: Module, I>(
     mut slot: Slot<M>,
-    grads: GradientsParams,
+    reduced: Reduced,
     report: &mut StepReport,
-    step: u64,
+    (step, device): (u64, &Device),
     spec: &StageSpec<M, I>,
     phase: &Mutex<&'static str>,
-) -> Slot<M> {
+) -> (Slot<M>, Result<()>) {
     *phase.lock().unwrap_or_else(|e| e.into_inner()) = "optimizer step";
     let t = Instant::now();
     let lr = slot.lr.next_rate();
     report.learning_rate = Some(lr.base());
     let model = slot.model;
-    slot.model = slot.optimizer.step(lr, model, grads);
+    let mut cx = SyncContext {
+        comm: Some(&mut slot.comm),
+        device,
+        scale: 1.0,
+        clip: None,
+        direct: false,
+        spans: Vec::new(),
+    };
+    let (model, r) = match slot.sync.apply(model, reduced, lr, &mut cx) {
+        Ok(model) => (model, Ok(())),
+        Err((model, e)) => (model, Err(e)),
+    };
+    let spans = std::mem::take(&mut cx.spans);
+    drop(cx);
+    slot.model = model;
+    for (kind, start, took) in spans {
+        report.trace.push(TraceRecord {
+            rank: report.rank,
+            step,
+            kind,
+            start_us: start.duration_since(spec.epoch).as_micros() as u64,
+            duration_us: took.as_micros() as u64,
+        });
+    }
     report.trace.push(TraceRecord {
         rank: report.rank,
         step,
@@ -872,24 +890,10 @@ fn apply_update<M: Module, I>(
         start_us: t.duration_since(spec.epoch).as_micros() as u64,
         duration_us: t.elapsed().as_micros() as u64,
     });
-    slot
+    report.held = Some(slot.sync.held());
+    (slot, r)
 }
 
-/// Scale `grads` so that their global L2 norm is at most `max_norm` (PyTorch's
-/// `clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)`, applied when below 1).
-/// Returns the norm before clipping.
-pub fn clip_by_global_norm(grads: &mut [&mut [f32]], max_norm: f32) -> f32 {
-    let norm = grads
-        .iter()
-        .flat_map(|g| g.iter())
-        .map(|g| f64::from(*g) * f64::from(*g))
-        .sum::<f64>()
-        .sqrt() as f32;
-    let coef = max_norm / (norm + 1e-6);
-    if coef < 1.0 {
-        for g in grads.iter_mut() {
-            g.iter_mut().for_each(|v| *v *= coef);
-        }
-    }
-    norm
-}
+/// Scale `grads` so that their global L2 norm is at most `max_norm`; see
+/// [`crate::parallel::sync::clip_by_global_norm`].
+pub use crate::parallel::sync::clip_by_global_norm;

@@ -27,7 +27,7 @@ use super::checkpointer::{CheckpointSink, Checkpointer, DRAIN_TIMEOUT, MAX_BACKL
 use super::device::{DeviceActor, DeviceMsg, heartbeat};
 use super::group::{GroupActor, GroupArgs};
 use super::stage::{StageMsg, StepReport};
-use crate::checkpoint::{Checkpoint, RngState, ShardSnapshot};
+use crate::checkpoint::{Checkpoint, OptimizerState, RngState, ShardSnapshot};
 use crate::comm::LocalGroup;
 use crate::comm::{CommConfig, CommError};
 use crate::device::MeshDevice;
@@ -178,6 +178,10 @@ pub(crate) struct Spawned<M> {
     pub(crate) assemble: fn(Vec<M>) -> Option<M>,
     /// Whether every rank is a whole data-parallel replica (a lost one can be dropped).
     pub(crate) replicas_only: bool,
+    /// Whether every data-parallel rank holds its block's whole training state (false under
+    /// ZeRO: a rank's optimizer shard exists nowhere else, so checkpoints gather every rank,
+    /// a lost rank rolls back, and a resize re-shards).
+    pub(crate) replicated_state: bool,
     /// Starts one more data-parallel replica (jobs that can grow).
     pub(crate) grow: Option<Grow<M>>,
     /// Rewires a pipeline mesh under a new generation, starting fresh stages for replaced
@@ -378,6 +382,8 @@ pub struct SupervisorState<M, I> {
     model_ranks: Vec<usize>,
     assemble: fn(Vec<M>) -> Option<M>,
     replicas_only: bool,
+    /// See [`Spawned::replicated_state`].
+    replicated_state: bool,
     /// Collective settings, for rebuilt groups.
     comm: CommConfig,
     /// The Supervisor itself, to link rebuilt actors to.
@@ -485,6 +491,7 @@ where
             model_ranks: spawned.model_ranks,
             assemble: spawned.assemble,
             replicas_only: spawned.replicas_only,
+            replicated_state: spawned.replicated_state,
             comm: a.comm.clone(),
             myself: myself.get_cell(),
             generation: Generation(0),
@@ -916,13 +923,15 @@ where
         lost = with_unreachable(state.devices.clone(), lost).await;
     }
     let message_fault = failure.0.iter().any(|(_, e)| e.is_message_fault());
-    let twins = twins_of(state, &lost);
+    // A rank whose state is a shard (ZeRO) has no twin and cannot be dropped: its state
+    // comes back only from a checkpoint.
+    let twins = twins_of(state, &lost).filter(|_| state.replicated_state);
     let decision = decide(
         &state.recovery,
         &mut state.restarts,
         state.stages.len(),
         (&lost, message_fault, twins.is_some()),
-        state.replicas_only,
+        state.replicas_only && state.replicated_state,
         Instant::now(),
     );
     let roll_back = decision == Decision::RollBack;
@@ -1058,6 +1067,7 @@ where
                 learning_rate,
                 trace: Vec::new(),
                 pipeline: None,
+                held: None,
             });
             (report, id)
         })
@@ -1721,6 +1731,13 @@ where
                 .into(),
         ));
     }
+    // ZeRO: every rank's shard is gathered before anyone leaves, and re-sharded onto the new
+    // group once it is built (ZERO-3).
+    let gathered = if state.replicated_state {
+        None
+    } else {
+        Some(snapshot_state(state).await?)
+    };
     let mut members: Vec<Member<M>> = state
         .stages
         .iter()
@@ -1741,11 +1758,16 @@ where
         if state.grow.is_none() {
             return Err(Error::InvalidConfig("this job cannot grow".into()));
         }
-        let (rank0, _) = state.stages[0].clone();
-        let snapshot = ask(&rank0, StageMsg::Snapshot, state.step_timeout, || {
-            "rank 0 did not answer the snapshot request".into()
-        })
-        .await?;
+        let snapshot = match &gathered {
+            Some(all) => all.clone(),
+            None => {
+                let (rank0, _) = state.stages[0].clone();
+                ask(&rank0, StageMsg::Snapshot, state.step_timeout, || {
+                    "rank 0 did not answer the snapshot request".into()
+                })
+                .await?
+            }
+        };
         for r in from..n {
             let id = StageId {
                 replica: r as u32,
@@ -1794,6 +1816,14 @@ where
     }
     let to = members.len();
     rebuild_group(state, members).await?;
+    if let Some(all) = gathered {
+        for (stage, id) in state.stages.clone() {
+            restore(&stage, all.clone(), state.step_timeout, || {
+                format!("{id} did not take its re-sharded state")
+            })
+            .await?;
+        }
+    }
     publish(
         state,
         JobEvent::Resized {
@@ -2172,6 +2202,7 @@ fn step_done<M, I>(
             sample_ids: r.sample_ids,
             loss: r.local_loss,
             trace: r.trace,
+            held: r.held,
         })
         .collect();
     let mut mean = TimeBreakdown::default();
@@ -2267,6 +2298,46 @@ fn pipeline_step(
 
 /// Take a snapshot of the state after `step` steps and hand it to the writer thread (CKW-1).
 /// A failure is published, not fatal (CKW-2).
+/// The job's training state, one snapshot per block: data-parallel replicas hold the same
+/// state, so replica 0's stages give it; where each rank holds a shard of it (ZeRO), every
+/// rank is asked and each block's optimizer parts are put together (CKPT-8).
+async fn snapshot_state<M, I>(state: &mut SupervisorState<M, I>) -> Result<Vec<ShardSnapshot>>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let ranks: Vec<usize> = if state.replicated_state {
+        state.model_ranks.clone()
+    } else {
+        (0..state.stages.len()).collect()
+    };
+    let mut all: Vec<ShardSnapshot> = Vec::new();
+    for r in ranks {
+        let Some((stage, id)) = state.stages.get(r).cloned() else {
+            continue;
+        };
+        let got = ask(&stage, StageMsg::Snapshot, state.step_timeout, || {
+            format!("{id} did not answer the snapshot request")
+        })
+        .await?;
+        for snap in got {
+            match all.iter_mut().find(|s| s.shard == snap.shard) {
+                // Another rank's part of a block already snapshotted: keep its parameters
+                // (equal on every rank) and add its optimizer part.
+                Some(kept) => {
+                    let merged = match (kept.optimizer.take(), snap.optimizer) {
+                        (Some(a), Some(b)) => OptimizerState::merge_parts([a, b]),
+                        (a, b) => a.or(b),
+                    };
+                    kept.optimizer = merged;
+                }
+                None => all.push(snap),
+            }
+        }
+    }
+    Ok(all)
+}
+
 async fn checkpoint<M, I>(state: &mut SupervisorState<M, I>, step: u64)
 where
     M: Send + 'static,
@@ -2296,22 +2367,7 @@ where
         publish(state, JobEvent::CheckpointFailed { step, error });
         return;
     }
-    // Data-parallel replicas hold the same parameters: replica 0's stages hold the shards.
-    let mut shards = Ok(Vec::new());
-    for &r in &state.model_ranks.clone() {
-        let Some((stage, id)) = state.stages.get(r).cloned() else {
-            continue;
-        };
-        let got = ask(&stage, StageMsg::Snapshot, state.step_timeout, || {
-            format!("{id} did not answer the snapshot request")
-        })
-        .await;
-        match (&mut shards, got) {
-            (Ok(all), Ok(mut some)) => all.append(&mut some),
-            (Ok(_), Err(e)) => shards = Err(e),
-            (Err(_), _) => {}
-        }
-    }
+    let shards = snapshot_state(state).await;
     match shards {
         Ok(shards) => {
             let sent = queue.send(Queued {

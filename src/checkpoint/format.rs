@@ -3,7 +3,9 @@
 //! ```text
 //! shard file: "MWCKSHRD" | version u32 | header_len u64 | header (bincode)
 //!             | every parameter's values, f32 little-endian, in header order
-//!             | optimizer state bytes
+//!             | optimizer state bytes (whole state only)
+//! part file:  "MWCKOPTP" | version u32 | header_len u64 | header (bincode: shard, index, of,
+//!             range, total) | the part's optimizer state bytes (a sharded optimizer, CKPT-8)
 //! manifest:   "MWCKMANF" | version u32 | body_len u64 | body (bincode) | crc32 u32 of all before
 //! ```
 //!
@@ -19,13 +21,14 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Checkpoint, CheckpointError, DataCursor, FORMAT_VERSION, NamedParam, OptimizerState, RngState,
-    ShardId, ShardParams, ShardSnapshot,
+    Checkpoint, CheckpointError, DataCursor, FORMAT_VERSION, NamedParam, OptimizerPart,
+    OptimizerState, RngState, ShardId, ShardParams, ShardSnapshot,
 };
 use crate::mesh::Layout;
 
 const SHARD_MAGIC: &[u8; 8] = b"MWCKSHRD";
 const MANIFEST_MAGIC: &[u8; 8] = b"MWCKMANF";
+const PART_MAGIC: &[u8; 8] = b"MWCKOPTP";
 /// Magic, version and the length of the bincode part.
 const PREFIX_LEN: usize = 8 + 4 + 8;
 const CRC_LEN: usize = 4;
@@ -55,6 +58,27 @@ struct ShardEntryRef<'a> {
     file: &'a str,
     len: u64,
     crc32: u32,
+    #[serde(borrow)]
+    parts: Vec<PartEntryRef<'a>>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct PartEntryRef<'a> {
+    index: u32,
+    of: u32,
+    file: &'a str,
+    len: u64,
+    crc32: u32,
+}
+
+#[derive(Serialize, Deserialize)]
+struct PartHeader {
+    shard: ShardId,
+    index: u32,
+    of: u32,
+    start: u64,
+    end: u64,
+    total: u64,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -67,10 +91,21 @@ struct ManifestBody<'a> {
     shards: Vec<ShardEntryRef<'a>>,
 }
 
-/// One shard file as the manifest lists it.
+/// One shard file as the manifest lists it, with its optimizer part files (CKPT-8).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ShardEntry {
     pub(crate) shard: ShardId,
+    pub(crate) file: String,
+    pub(crate) len: u64,
+    pub(crate) crc32: u32,
+    pub(crate) parts: Vec<PartEntry>,
+}
+
+/// One optimizer part file as the manifest lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PartEntry {
+    pub(crate) index: u32,
+    pub(crate) of: u32,
     pub(crate) file: String,
     pub(crate) len: u64,
     pub(crate) crc32: u32,
@@ -181,11 +216,19 @@ pub(crate) fn encode_shard(shard: &ShardSnapshot) -> Vec<u8> {
                 dims: p.dims.iter().map(|&d| d as u64).collect(),
             })
             .collect(),
-        optimizer_len: shard.optimizer.as_ref().map(|o| o.as_bytes().len() as u64),
+        optimizer_len: shard
+            .optimizer
+            .as_ref()
+            .and_then(OptimizerState::whole_bytes)
+            .map(|b| b.len() as u64),
     };
     let header = encode_bincode(&header);
     let values: usize = shard.params.params().iter().map(|p| p.values.len()).sum();
-    let optimizer = shard.optimizer.as_ref().map_or(&[][..], |o| o.as_bytes());
+    let optimizer = shard
+        .optimizer
+        .as_ref()
+        .and_then(OptimizerState::whole_bytes)
+        .unwrap_or(&[]);
     let mut out = Vec::with_capacity(PREFIX_LEN + header.len() + 4 * values + optimizer.len());
     put_prefix(&mut out, SHARD_MAGIC, header.len());
     out.extend_from_slice(&header);
@@ -282,6 +325,89 @@ pub(crate) fn decode_shard(bytes: &[u8], path: &Path) -> Result<ShardSnapshot, C
     })
 }
 
+/// The bytes of part `index` of `of` of `shard`'s sharded optimizer state.
+pub(crate) fn encode_part(shard: ShardId, index: u32, of: u32, part: &OptimizerPart) -> Vec<u8> {
+    let header = encode_bincode(&PartHeader {
+        shard,
+        index,
+        of,
+        start: part.range.start,
+        end: part.range.end,
+        total: part.total,
+    });
+    let mut out = Vec::with_capacity(PREFIX_LEN + header.len() + part.bytes.len());
+    put_prefix(&mut out, PART_MAGIC, header.len());
+    out.extend_from_slice(&header);
+    out.extend_from_slice(&part.bytes);
+    out
+}
+
+/// Decodes a part file, checking it is part `index` of `of` of `shard` (CKPT-4, CKPT-8).
+pub(crate) fn decode_part(
+    bytes: &[u8],
+    path: &Path,
+    (shard, index, of): (ShardId, u32, u32),
+) -> Result<OptimizerPart, CheckpointError> {
+    let header_len = read_prefix(bytes, PART_MAGIC, path)?;
+    let rest = &bytes[PREFIX_LEN..];
+    let header_end = usize::try_from(header_len)
+        .ok()
+        .filter(|&n| n <= rest.len())
+        .ok_or_else(|| CheckpointError::Truncated {
+            path: path.to_path_buf(),
+            declared: (PREFIX_LEN as u64).saturating_add(header_len),
+            actual: bytes.len() as u64,
+        })?;
+    let h: PartHeader = decode_exact(&rest[..header_end], path, "part header")?;
+    if (h.shard, h.index, h.of) != (shard, index, of) {
+        return Err(malformed(
+            path,
+            format!(
+                "holds part {} of {} of {} where the manifest lists part {index} of {of} of {shard}",
+                h.index, h.of, h.shard
+            ),
+        ));
+    }
+    if h.start > h.end || h.end > h.total {
+        return Err(malformed(
+            path,
+            format!("range {}..{} of {} elements", h.start, h.end, h.total),
+        ));
+    }
+    Ok(OptimizerPart {
+        range: h.start..h.end,
+        total: h.total,
+        bytes: rest[header_end..].to_vec(),
+    })
+}
+
+/// Parts that tile `0..total` exactly once, in order (CKPT-8); anything else is malformed.
+pub(crate) fn check_parts(parts: &mut [OptimizerPart], path: &Path) -> Result<(), CheckpointError> {
+    parts.sort_by_key(|p| (p.range.start, p.range.end));
+    let total = parts.first().map_or(0, |p| p.total);
+    let mut at = 0;
+    for p in parts.iter() {
+        if p.total != total || p.range.start != at {
+            return Err(malformed(
+                path,
+                format!(
+                    "optimizer parts do not tile 0..{total}: a part covers {:?} of {} where \
+                     element {at} was next",
+                    p.range, p.total
+                ),
+            ));
+        }
+        at = p.range.end;
+    }
+    if at != total {
+        return Err(malformed(
+            path,
+            format!("optimizer parts stop at element {at} of {total}"),
+        ));
+    }
+    Ok(())
+}
+
 /// The bytes of a manifest.
 pub(crate) fn encode_manifest(manifest: &Manifest) -> Vec<u8> {
     let body = ManifestBody {
@@ -297,6 +423,17 @@ pub(crate) fn encode_manifest(manifest: &Manifest) -> Vec<u8> {
                 file: &s.file,
                 len: s.len,
                 crc32: s.crc32,
+                parts: s
+                    .parts
+                    .iter()
+                    .map(|p| PartEntryRef {
+                        index: p.index,
+                        of: p.of,
+                        file: &p.file,
+                        len: p.len,
+                        crc32: p.crc32,
+                    })
+                    .collect(),
             })
             .collect(),
     };
@@ -360,11 +497,32 @@ pub(crate) fn decode_manifest(bytes: &[u8], path: &Path) -> Result<Manifest, Che
                 format!("{} has file name {:?}", s.shard, s.file),
             ));
         }
+        let of = s.parts.len() as u32;
+        let mut parts = Vec::with_capacity(s.parts.len());
+        for (i, p) in s.parts.iter().enumerate() {
+            if p.index != i as u32 || p.of != of || p.file != s.shard.part_file_name(p.index, of) {
+                return Err(malformed(
+                    path,
+                    format!(
+                        "{} lists part {} of {} as {:?} at position {i} of {of}",
+                        s.shard, p.index, p.of, p.file
+                    ),
+                ));
+            }
+            parts.push(PartEntry {
+                index: p.index,
+                of: p.of,
+                file: p.file.to_owned(),
+                len: p.len,
+                crc32: p.crc32,
+            });
+        }
         shards.push(ShardEntry {
             shard: s.shard,
             file: s.file.to_owned(),
             len: s.len,
             crc32: s.crc32,
+            parts,
         });
     }
     Ok(Manifest {

@@ -258,21 +258,46 @@ pub fn restore_module<M: Module>(module: M, params: &ShardParams) -> Result<M, C
     Ok(module.map(&mut restore))
 }
 
-/// A shard's optimizer state, as the bytes Burn serializes it to (burnpack, through
-/// `ModuleOptimizer::into_bytes`). Burn keys it by parameter id, so it applies to a module
-/// restored by [`restore_module`] from the same shard (CKPT-5).
+/// A shard's optimizer state: either the whole block's, as the bytes Burn serializes it to
+/// (burnpack, through `ModuleOptimizer::into_bytes`), or, for a sharded optimizer (ZeRO), one
+/// part per data-parallel rank, each covering a range of the block's flat trainable-parameter
+/// order. Burn keys whole state by parameter id, so it applies to a module restored by
+/// [`restore_module`] from the same shard (CKPT-5).
 ///
 /// Burn 0.22 gives no public way to merge or split an optimizer record (its fields are
 /// crate-private and `load_record` replaces the whole state), so after a different pipeline
-/// split the parameters restore but each new stage starts with fresh optimizer state.
+/// split the parameters restore but each new stage starts with fresh optimizer state. Parts
+/// re-shard onto any group size (CKPT-8).
 #[derive(Clone, PartialEq, Eq)]
 pub struct OptimizerState {
-    bytes: Vec<u8>,
+    repr: Repr,
+}
+
+#[derive(Clone, PartialEq, Eq)]
+enum Repr {
+    Whole(Vec<u8>),
+    Parts(Vec<OptimizerPart>),
+}
+
+/// One data-parallel rank's part of a sharded optimizer state (ZeRO): which elements of the
+/// block's flat trainable-parameter order it covers, and their state, opaque to the storage
+/// layer (the training layer encodes and decodes it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OptimizerPart {
+    /// The elements covered.
+    pub range: std::ops::Range<u64>,
+    /// The length of the whole flat order.
+    pub total: u64,
+    /// The encoded state of those elements.
+    pub bytes: Vec<u8>,
 }
 
 impl std::fmt::Debug for OptimizerState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "OptimizerState({} bytes)", self.bytes.len())
+        match &self.repr {
+            Repr::Whole(bytes) => write!(f, "OptimizerState({} bytes)", bytes.len()),
+            Repr::Parts(parts) => write!(f, "OptimizerState({} parts)", parts.len()),
+        }
     }
 }
 
@@ -284,28 +309,79 @@ impl OptimizerState {
             .map_err(|e| CheckpointError::Optimizer {
                 reason: e.to_string(),
             })?;
-        Ok(Self {
-            bytes: bytes.to_vec(),
-        })
+        Ok(Self::from_bytes(bytes.to_vec()))
     }
 
     /// `optimizer` (built from the same configuration) with this state loaded in place of its
-    /// own.
+    /// own. Sharded state cannot be loaded into Burn's whole-model optimizer.
     pub fn restore(&self, optimizer: ModuleOptimizer) -> Result<ModuleOptimizer, CheckpointError> {
+        let Repr::Whole(bytes) = &self.repr else {
+            return Err(CheckpointError::Optimizer {
+                reason: "the checkpoint holds a sharded (ZeRO) optimizer state; resume it \
+                         with the same kind of sharding (`JobBuilder::zero`)"
+                    .into(),
+            });
+        };
         optimizer
-            .from_bytes(Bytes::from_bytes_vec(self.bytes.clone()))
+            .from_bytes(Bytes::from_bytes_vec(bytes.clone()))
             .map_err(|e| CheckpointError::Optimizer {
                 reason: e.to_string(),
             })
     }
 
-    /// State bytes as stored (opaque: Burn's format).
+    /// Whole state bytes as stored (opaque: Burn's format).
     pub fn from_bytes(bytes: Vec<u8>) -> Self {
-        Self { bytes }
+        Self {
+            repr: Repr::Whole(bytes),
+        }
     }
 
-    /// The stored bytes.
-    pub fn as_bytes(&self) -> &[u8] {
-        &self.bytes
+    /// Sharded state, one part per rank (in any order).
+    pub fn from_parts(parts: Vec<OptimizerPart>) -> Self {
+        Self {
+            repr: Repr::Parts(parts),
+        }
+    }
+
+    /// The whole state's bytes; `None` for sharded state.
+    pub fn whole_bytes(&self) -> Option<&[u8]> {
+        match &self.repr {
+            Repr::Whole(bytes) => Some(bytes),
+            Repr::Parts(_) => None,
+        }
+    }
+
+    /// The parts of sharded state; `None` for whole state.
+    pub fn parts(&self) -> Option<&[OptimizerPart]> {
+        match &self.repr {
+            Repr::Parts(parts) => Some(parts),
+            Repr::Whole(_) => None,
+        }
+    }
+
+    /// The parts of several ranks' sharded states as one state (a checkpoint of a ZeRO
+    /// block gathers every rank's part); `None` if any is whole state.
+    pub fn merge_parts(states: impl IntoIterator<Item = OptimizerState>) -> Option<Self> {
+        let mut all = Vec::new();
+        for s in states {
+            match s.repr {
+                Repr::Parts(mut p) => all.append(&mut p),
+                Repr::Whole(_) => return None,
+            }
+        }
+        Some(Self::from_parts(all))
+    }
+
+    /// Bytes held (whole state, or every part's encoded state).
+    pub fn len(&self) -> usize {
+        match &self.repr {
+            Repr::Whole(bytes) => bytes.len(),
+            Repr::Parts(parts) => parts.iter().map(|p| p.bytes.len()).sum(),
+        }
+    }
+
+    /// Whether no bytes are held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }

@@ -5,8 +5,8 @@ use std::collections::HashSet;
 use std::io;
 use std::path::{Path, PathBuf};
 
-use super::format::{self, Manifest, ShardEntry};
-use super::{Checkpoint, CheckpointError, CheckpointFile, CheckpointFs, RealFs};
+use super::format::{self, Manifest, PartEntry, ShardEntry};
+use super::{Checkpoint, CheckpointError, CheckpointFile, CheckpointFs, RealFs, ShardId};
 use crate::error::{Error, Result};
 
 const MANIFEST: &str = "manifest";
@@ -157,11 +157,33 @@ impl<F: CheckpointFs> CheckpointStore<F> {
                 });
             }
             self.write_file(dir, &file, &bytes)?;
+            // CKPT-8: a sharded optimizer's parts, one file each.
+            let all = shard
+                .optimizer
+                .as_ref()
+                .and_then(|o| o.parts())
+                .unwrap_or(&[]);
+            let of = all.len() as u32;
+            let mut parts = Vec::with_capacity(all.len());
+            for (i, part) in all.iter().enumerate() {
+                let index = i as u32;
+                let bytes = format::encode_part(shard.shard, index, of, part);
+                let name = shard.shard.part_file_name(index, of);
+                self.write_file(dir, &name, &bytes)?;
+                parts.push(PartEntry {
+                    index,
+                    of,
+                    file: name,
+                    len: bytes.len() as u64,
+                    crc32: crc32fast::hash(&bytes),
+                });
+            }
             entries.push(ShardEntry {
                 shard: shard.shard,
                 file,
                 len: bytes.len() as u64,
                 crc32: crc32fast::hash(&bytes),
+                parts,
             });
         }
         let manifest = format::encode_manifest(&Manifest::of(checkpoint, entries));
@@ -266,20 +288,57 @@ impl<F: CheckpointFs> CheckpointStore<F> {
 
     /// The length check of CKPT-2 on one listed shard file, without reading it.
     fn check_len(&self, dir: &Path, entry: &ShardEntry) -> Result<PathBuf, CheckpointError> {
-        let path = dir.join(&entry.file);
+        self.check_file_len(dir, entry.shard, &entry.file, entry.len)
+    }
+
+    fn check_file_len(
+        &self,
+        dir: &Path,
+        shard: ShardId,
+        file: &str,
+        expected: u64,
+    ) -> Result<PathBuf, CheckpointError> {
+        let path = dir.join(file);
         match self.fs.file_len(&path) {
-            Ok(len) if len == entry.len => Ok(path),
+            Ok(len) if len == expected => Ok(path),
             Ok(len) => Err(CheckpointError::ShardLength {
                 path,
-                expected: entry.len,
+                expected,
                 actual: len,
             }),
-            Err(e) if e.kind() == io::ErrorKind::NotFound => Err(CheckpointError::MissingShard {
-                shard: entry.shard,
-                path,
-            }),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                Err(CheckpointError::MissingShard { shard, path })
+            }
             Err(e) => Err(io_error("file_len", &path)(e)),
         }
+    }
+
+    /// Read a listed file and verify its length and CRC-32 (CKPT-2).
+    fn read_verified(
+        &self,
+        dir: &Path,
+        shard: ShardId,
+        file: &str,
+        (len, crc32): (u64, u32),
+    ) -> Result<(PathBuf, Vec<u8>), CheckpointError> {
+        let path = self.check_file_len(dir, shard, file, len)?;
+        let bytes = self.fs.read(&path).map_err(io_error("read", &path))?;
+        if bytes.len() as u64 != len {
+            return Err(CheckpointError::ShardLength {
+                path,
+                expected: len,
+                actual: bytes.len() as u64,
+            });
+        }
+        let computed = crc32fast::hash(&bytes);
+        if computed != crc32 {
+            return Err(CheckpointError::ShardChecksum {
+                path,
+                expected: crc32,
+                computed,
+            });
+        }
+        Ok((path, bytes))
     }
 
     /// Load and verify the checkpoint in `dir` of step `step` (CKPT-2).
@@ -287,24 +346,30 @@ impl<F: CheckpointFs> CheckpointStore<F> {
         let manifest = self.read_manifest(dir, step)?;
         let mut shards = Vec::with_capacity(manifest.shards.len());
         for entry in &manifest.shards {
-            let path = self.check_len(dir, entry)?;
-            let bytes = self.fs.read(&path).map_err(io_error("read", &path))?;
-            if bytes.len() as u64 != entry.len {
-                return Err(CheckpointError::ShardLength {
-                    path,
-                    expected: entry.len,
-                    actual: bytes.len() as u64,
-                });
+            let (path, bytes) =
+                self.read_verified(dir, entry.shard, &entry.file, (entry.len, entry.crc32))?;
+            let mut shard = format::decode_shard(&bytes, &path)?;
+            if !entry.parts.is_empty() {
+                // CKPT-8: the sharded optimizer's parts.
+                if shard.optimizer.is_some() {
+                    return Err(CheckpointError::Malformed {
+                        path,
+                        what: "holds a whole optimizer state and lists optimizer parts".into(),
+                    });
+                }
+                let mut parts = Vec::with_capacity(entry.parts.len());
+                for p in &entry.parts {
+                    let (path, bytes) =
+                        self.read_verified(dir, entry.shard, &p.file, (p.len, p.crc32))?;
+                    parts.push(format::decode_part(
+                        &bytes,
+                        &path,
+                        (entry.shard, p.index, p.of),
+                    )?);
+                }
+                format::check_parts(&mut parts, &path)?;
+                shard.optimizer = Some(crate::checkpoint::OptimizerState::from_parts(parts));
             }
-            let computed = crc32fast::hash(&bytes);
-            if computed != entry.crc32 {
-                return Err(CheckpointError::ShardChecksum {
-                    path,
-                    expected: entry.crc32,
-                    computed,
-                });
-            }
-            let shard = format::decode_shard(&bytes, &path)?;
             if shard.shard != entry.shard {
                 return Err(CheckpointError::Malformed {
                     path,
@@ -352,9 +417,13 @@ impl<F: CheckpointFs> CheckpointStore<F> {
     /// listed shard file is there with its listed length (checksums are left to loading).
     fn is_complete(&self, dir: &Path, step: u64) -> bool {
         self.read_manifest(dir, step).is_ok_and(|m| {
-            m.shards
-                .iter()
-                .all(|entry| self.check_len(dir, entry).is_ok())
+            m.shards.iter().all(|entry| {
+                self.check_len(dir, entry).is_ok()
+                    && entry.parts.iter().all(|p| {
+                        self.check_file_len(dir, entry.shard, &p.file, p.len)
+                            .is_ok()
+                    })
+            })
         })
     }
 

@@ -108,6 +108,7 @@ fn shard_and_manifest_round_trip() {
             file: ShardId::stage(0).file_name(),
             len: 10,
             crc32: 0xdead_beef,
+            parts: Vec::new(),
         }],
     );
     let bytes = format::encode_manifest(&manifest);
@@ -183,6 +184,7 @@ fn manifest_pointing_outside_its_directory_is_refused() {
             file: "../../etc/passwd".into(),
             len: 1,
             crc32: 0,
+            parts: Vec::new(),
         }],
     );
     let bytes = format::encode_manifest(&manifest);
@@ -799,4 +801,83 @@ fn ckpt_7_a_root_that_cannot_be_created_is_refused_naming_it() {
         other => panic!("expected NotWritable, got {other:?}"),
     }
     let _ = std::fs::remove_dir_all(&root);
+}
+
+/// A stage whose optimizer state is sharded in `of` parts over `total` elements.
+fn sharded_checkpoint(step: u64, total: u64, of: u64) -> Checkpoint {
+    let mut c = checkpoint(step);
+    let parts = (0..of)
+        .map(|i| {
+            let (s, e) = (total * i / of, total * (i + 1) / of);
+            crate::checkpoint::OptimizerPart {
+                range: s..e,
+                total,
+                bytes: vec![i as u8; (e - s) as usize + 3],
+            }
+        })
+        .collect();
+    c.shards[0].optimizer = Some(OptimizerState::from_parts(parts));
+    c
+}
+
+/// CKPT-8: a sharded optimizer's parts are written one file each, listed in the manifest and
+/// come back as written.
+#[test]
+fn ckpt_8_sharded_optimizer_parts_are_one_file_each_and_round_trip() {
+    let fs = MemoryFs::new();
+    let store = CheckpointStore::with_fs(fs.clone(), root(), 3).expect("keep ≥ 1");
+    let c = sharded_checkpoint(4, 10, 3);
+    let dir = store.write(&c).expect("written");
+    for i in 0..3 {
+        let name = ShardId::stage(0).part_file_name(i, 3);
+        assert!(fs.read(&dir.join(&name)).is_ok(), "{name} written");
+    }
+    let back = store.load(&dir, 4).expect("loads");
+    assert_eq!(back, c);
+}
+
+/// CKPT-8 with CKPT-2: a missing or corrupt part makes the checkpoint invalid, and the store
+/// falls back to an older one.
+#[test]
+fn ckpt_8_a_missing_or_corrupt_part_is_refused() {
+    let fs = MemoryFs::new();
+    let store = CheckpointStore::with_fs(fs.clone(), root(), 5).expect("keep ≥ 1");
+    store.write(&sharded_checkpoint(1, 10, 2)).expect("written");
+    let dir = store.write(&sharded_checkpoint(2, 10, 2)).expect("written");
+    let part = dir.join(ShardId::stage(0).part_file_name(1, 2));
+    assert!(fs.modify(&part, |b| {
+        let last = b.len() - 1;
+        b[last] ^= 0xff;
+    }));
+    assert!(matches!(
+        store.load(&dir, 2),
+        Err(CheckpointError::ShardChecksum { .. })
+    ));
+    let loaded = store.latest_valid().expect("listed").expect("one valid");
+    assert_eq!(loaded.checkpoint.step, 1);
+    fs.remove_file(&part).expect("removed");
+    assert!(matches!(
+        store.load(&dir, 2),
+        Err(CheckpointError::MissingShard { .. })
+    ));
+}
+
+/// CKPT-8: parts that do not tile the flat order are malformed, whatever their checksums.
+#[test]
+fn ckpt_8_parts_that_do_not_tile_the_order_are_refused() {
+    let store = memory_store(5);
+    let mut c = sharded_checkpoint(3, 10, 2);
+    let mut parts = c.shards[0]
+        .optimizer
+        .as_ref()
+        .and_then(|o| o.parts())
+        .expect("parts")
+        .to_vec();
+    parts[1].range.start += 1;
+    c.shards[0].optimizer = Some(OptimizerState::from_parts(parts));
+    let dir = store.write(&c).expect("written");
+    assert!(matches!(
+        store.load(&dir, 3),
+        Err(CheckpointError::Malformed { .. })
+    ));
 }

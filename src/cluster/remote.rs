@@ -566,6 +566,7 @@ impl ClusterMesh {
             model_ranks: shape.model_ranks,
             assemble: shape.assemble,
             replicas_only: !shape.pipelined,
+            replicated_state: true,
             grow,
             rewire,
             devices: Some(devices),

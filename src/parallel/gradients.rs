@@ -183,6 +183,38 @@ impl GradientBuffers {
             .collect()
     }
 
+    /// The elements `range` of the buffers laid end to end (the flat order), copied out.
+    pub fn copy_range(&self, range: Range<usize>) -> Vec<f32> {
+        let mut out = Vec::with_capacity(range.len());
+        let mut at = 0;
+        for d in &self.datas {
+            let values = d
+                .as_slice::<f32>()
+                .expect("gradient buffers are converted to f32 when taken");
+            let (lo, hi) = (at, at + values.len());
+            at = hi;
+            let (s, e) = (range.start.max(lo), range.end.min(hi));
+            if s < e {
+                out.extend_from_slice(&values[s - lo..e - lo]);
+            }
+        }
+        out
+    }
+
+    /// The buffers laid end to end in one flat buffer; each is dropped once copied, so at
+    /// most one tensor is held twice.
+    pub fn into_flat(self) -> Vec<f32> {
+        let len = self.datas.iter().map(TensorData::num_elements).sum();
+        let mut out = Vec::with_capacity(len);
+        for d in self.datas {
+            out.extend_from_slice(
+                d.as_slice::<f32>()
+                    .expect("gradient buffers are converted to f32 when taken"),
+            );
+        }
+        out
+    }
+
     /// Give the buffers back to Burn as gradients of `module`'s parameters on `device`.
     pub fn into_gradients<M: Module>(self, module: &M, device: &Device) -> GradientsParams {
         struct Give<'a> {
@@ -303,6 +335,92 @@ pub fn map_parameters<M: Module, E>(
     };
     let module = module.map(&mut r);
     (module, r.error.map_or(Ok(()), Err))
+}
+
+/// The elements `range` of the module's trainable parameters in the flat order of `layout`
+/// ([`ParamLayout::trainable`]), copied out; parameters outside the range are not read.
+pub fn trainable_range<M: Module>(
+    module: &M,
+    layout: &ParamLayout,
+    range: Range<usize>,
+) -> Vec<f32> {
+    struct Read<'a> {
+        slots: std::slice::Iter<'a, ParamSlot>,
+        range: Range<usize>,
+        out: Vec<f32>,
+        seen: HashSet<ParamId>,
+    }
+    impl ModuleVisitor for Read<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !is_trainable(param, &mut self.seen) {
+                return;
+            }
+            let slot = self
+                .slots
+                .next()
+                .expect("layout built from this module type");
+            let (s, e) = (
+                self.range.start.max(slot.range.start),
+                self.range.end.min(slot.range.end),
+            );
+            if s >= e {
+                return;
+            }
+            let data = into_f32(param.val().inner().into_data());
+            let values = data
+                .as_slice::<f32>()
+                .expect("parameter data converted to f32");
+            self.out
+                .extend_from_slice(&values[s - slot.range.start..e - slot.range.start]);
+        }
+    }
+    let mut r = Read {
+        slots: layout.slots.iter(),
+        out: Vec::with_capacity(range.len()),
+        range,
+        seen: HashSet::new(),
+    };
+    module.visit(&mut r);
+    r.out
+}
+
+/// `module` with its trainable parameters set from `flat`, laid out as `layout`
+/// ([`ParamLayout::trainable`]); ids, devices and training state are kept, a tied weight
+/// gets its one range at every use.
+pub fn set_trainable<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> M {
+    assert_eq!(
+        flat.len(),
+        layout.len(),
+        "a flat buffer of the layout's length"
+    );
+    struct Write<'a> {
+        ranges: std::collections::HashMap<ParamId, Range<usize>>,
+        flat: &'a [f32],
+    }
+    impl ModuleMapper for Write<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some(range) = self.ranges.get(&param.id).cloned() else {
+                return param;
+            };
+            let values = &self.flat[range];
+            param.map(|old| {
+                let device = old.device();
+                let grad = old.is_require_grad();
+                let data = TensorData::new(values.to_vec(), old.shape());
+                let t = Tensor::<D>::from_data(data, &device);
+                if grad { t.require_grad() } else { t }
+            })
+        }
+    }
+    let mut w = Write {
+        ranges: layout
+            .slots
+            .iter()
+            .map(|s| (s.id, s.range.clone()))
+            .collect(),
+        flat,
+    };
+    module.map(&mut w)
 }
 
 /// Fingerprint of a module's float parameters (the exact bits, in layout order), computed

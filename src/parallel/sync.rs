@@ -1,0 +1,589 @@
+//! Gradient synchronisation: the one seam through which a data-parallel replica's step and a
+//! pipeline stage's step turn the gradients computed on one rank into the update every rank
+//! of its data-parallel group applies, and keep parameters and optimizer state in step.
+//!
+//! A [`GradientSync`] is a value a worker holds (like `burn-train`'s `TrainingStrategy`):
+//! the worker computes gradients and calls [`GradientSync::reduce`] then
+//! [`GradientSync::apply`]; it never branches on how the group synchronises. Two
+//! implementations exist:
+//! - [`AllReduceSync`]: every rank holds the whole optimizer state; gradients are all-reduced
+//!   in buckets, and Burn's optimizer steps the whole model (plain data parallelism).
+//! - [`ZeroSync`]: ZeRO stage 1 (all-reduce, then each rank steps its shard with its shard
+//!   of the optimizer state and the shards are all-gathered) or stage 2 (reduce-scatter, so
+//!   each rank also holds only its shard of the reduced gradient), over
+//!   [`crate::parallel::zero`]'s pure update rules.
+//!
+//! Where the next strategies plug in: gradient compression wraps the reduction of
+//! `AllReduceSync`; local SGD / DiLoCo make `reduce` local and average parameters in `apply`
+//! every H steps; a parameter server's worker pushes in `reduce` and pulls in `apply`.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::Device;
+
+use super::buckets::{Bucket, plan_buckets};
+use super::gradients::{
+    GradientBuffers, ParamLayout, reduce_buckets, set_trainable, trainable_range,
+};
+use super::zero::{FlatRule, OptimizerShard, ZeroStage, owned_range, reshard};
+use crate::checkpoint::{CheckpointError, OptimizerPart, OptimizerState};
+use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::error::{Error, Result};
+pub use crate::events::HeldBytes;
+use crate::optim::OptimizerConfig;
+use crate::trace::TraceKind;
+
+/// What a reduction hands to [`GradientSync::apply`]: the reduced gradients (whole or this
+/// rank's shard) and what the worker must know before applying them.
+#[derive(Debug)]
+pub struct Reduced {
+    grads: ReducedGrads,
+    /// The global norm of the reduced gradient before clipping, when clipping was asked.
+    pub norm: Option<f32>,
+    /// The reduced gradient holds a non-finite value (found by clipping's norm, which every
+    /// rank computes alike, so every rank takes the same decision).
+    pub non_finite: bool,
+}
+
+enum ReducedGrads {
+    Whole(GradientsParams),
+    Shard(Vec<f32>),
+}
+
+impl std::fmt::Debug for ReducedGrads {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReducedGrads::Whole(_) => write!(f, "Whole"),
+            ReducedGrads::Shard(s) => write!(f, "Shard({} elements)", s.len()),
+        }
+    }
+}
+
+/// The step's context for a synchronisation: the group, what to do with the gradient, and
+/// where the spans of its collectives go.
+pub struct SyncContext<'a> {
+    /// The data-parallel group (`None`: this rank is alone).
+    pub comm: Option<&'a mut Communicator>,
+    /// The device the gradients go back to (without autodiff).
+    pub device: &'a Device,
+    /// Multiply the reduced gradient by this (a pipeline stage's 1 / replicas; 1 otherwise).
+    pub scale: f32,
+    /// Clip the reduced gradient to this global L2 norm.
+    pub clip: Option<f32>,
+    /// Hand Burn's gradients to the optimizer untouched (one rank, nothing to scale or clip).
+    pub direct: bool,
+    /// The collectives' and copies' spans: what, when it began, how long.
+    pub spans: Vec<(TraceKind, Instant, std::time::Duration)>,
+}
+
+impl std::fmt::Debug for SyncContext<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SyncContext")
+            .field("scale", &self.scale)
+            .field("clip", &self.clip)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SyncContext<'_> {
+    fn world(&self) -> usize {
+        self.comm.as_ref().map_or(1, |c| c.world())
+    }
+
+    fn rank(&self) -> usize {
+        self.comm.as_ref().map_or(0, |c| c.rank().index())
+    }
+
+    fn timed<T>(&mut self, kind: TraceKind, f: impl FnOnce(&mut Self) -> T) -> T {
+        let t = Instant::now();
+        let out = f(self);
+        self.spans.push((kind, t, t.elapsed()));
+        out
+    }
+}
+
+/// How a data-parallel group keeps its parameters, gradients and optimizer state in step
+/// (the device side of a strategy). Called on the device thread, once per step, by every
+/// rank of the group in the same order.
+pub trait GradientSync<M: Module>: Send {
+    /// Reduce this rank's gradients (already weighted by its share of the step's samples)
+    /// over the group; scale and clip.
+    fn reduce(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+        cx: &mut SyncContext<'_>,
+    ) -> Result<Reduced>;
+
+    /// The optimizer step with the reduced gradients at learning rate `lr`, and whatever
+    /// exchange keeps the ranks' parameters equal afterwards. On failure the model comes
+    /// back beside the error (as it was, or updated on this rank only).
+    fn apply(
+        &mut self,
+        model: M,
+        reduced: Reduced,
+        lr: ModuleLearningRate,
+        cx: &mut SyncContext<'_>,
+    ) -> std::result::Result<M, (M, Error)>;
+
+    /// This rank's optimizer state, for a checkpoint or a peer (a part of it when sharded).
+    fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError>;
+
+    /// Take optimizer state from a checkpoint or a peer, as rank `rank` of `world` (sharded
+    /// state is re-sharded onto that group size).
+    fn restore_optimizer(
+        &mut self,
+        state: &OptimizerState,
+        rank: usize,
+        world: usize,
+    ) -> Result<(), CheckpointError>;
+
+    /// Whether every rank holds the whole optimizer state (so any one rank's state is the
+    /// group's, and a lost rank loses nothing the others do not have).
+    fn replicated(&self) -> bool;
+
+    /// What this rank holds after its last step.
+    fn held(&self) -> HeldBytes;
+}
+
+/// The synchronisation `stage` asks for, over `model`'s trainable parameters.
+pub fn for_stage<M: Module>(
+    stage: ZeroStage,
+    model: &M,
+    optimizer: &OptimizerConfig,
+    bucket_elems: usize,
+    fuse_below: usize,
+    rank: usize,
+    world: usize,
+) -> Result<Box<dyn GradientSync<M>>, super::zero::UnsupportedOptimizer> {
+    let layout = ParamLayout::trainable(model);
+    let sizes: Vec<usize> = layout.slots().iter().map(|s| s.range.len()).collect();
+    let buckets = plan_buckets(&sizes, bucket_elems, fuse_below);
+    Ok(match stage {
+        ZeroStage::Off => Box::new(AllReduceSync {
+            optimizer: optimizer.init(),
+            layout,
+            buckets,
+            fusion: Vec::new(),
+            held: HeldBytes::default(),
+        }),
+        ZeroStage::One | ZeroStage::Two => Box::new(ZeroSync {
+            stage,
+            shard: OptimizerShard::fresh(FlatRule::of(optimizer)?, layout.len(), world, rank),
+            layout,
+            buckets,
+            fusion: Vec::new(),
+            held: HeldBytes::default(),
+        }),
+    })
+}
+
+/// Reduce `views` bucket by bucket with an all-reduce, recording each bucket's span.
+fn all_reduce_buckets(
+    views: &mut [&mut [f32]],
+    buckets: &[Bucket],
+    fusion: &mut Vec<f32>,
+    cx: &mut SyncContext<'_>,
+) -> std::result::Result<(), CommError> {
+    let Some(comm) = cx.comm.as_deref_mut() else {
+        return Ok(());
+    };
+    if comm.world() == 1 {
+        return Ok(());
+    }
+    let mut spans = Vec::new();
+    reduce_buckets(views, buckets, fusion, |b| {
+        let t = Instant::now();
+        let r = comm.all_reduce(b, ReduceOp::Sum);
+        spans.push((
+            TraceKind::AllReduce {
+                bytes: (b.len() * 4) as u64,
+            },
+            t,
+            t.elapsed(),
+        ));
+        r
+    })?;
+    cx.spans.extend(spans);
+    Ok(())
+}
+
+/// Scale `grads` so that their global L2 norm is at most `max_norm` (PyTorch's
+/// `clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)`, applied when below 1).
+/// Returns the norm before clipping.
+pub fn clip_by_global_norm(grads: &mut [&mut [f32]], max_norm: f32) -> f32 {
+    let norm = sum_of_squares(grads.iter().map(|g| &**g)).sqrt() as f32;
+    clip_to(grads, norm, max_norm);
+    norm
+}
+
+fn sum_of_squares<'a>(parts: impl Iterator<Item = &'a [f32]>) -> f64 {
+    parts
+        .flat_map(|g| g.iter())
+        .map(|g| f64::from(*g) * f64::from(*g))
+        .sum::<f64>()
+}
+
+fn clip_to(grads: &mut [&mut [f32]], norm: f32, max_norm: f32) {
+    let coef = max_norm / (norm + 1e-6);
+    if coef < 1.0 {
+        for g in grads.iter_mut() {
+            g.iter_mut().for_each(|v| *v *= coef);
+        }
+    }
+}
+
+/// Plain data parallelism: all-reduce in buckets, Burn's optimizer on the whole model.
+pub struct AllReduceSync {
+    optimizer: ModuleOptimizer,
+    layout: ParamLayout,
+    buckets: Vec<Bucket>,
+    fusion: Vec<f32>,
+    held: HeldBytes,
+}
+
+impl std::fmt::Debug for AllReduceSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "AllReduceSync({} buckets)", self.buckets.len())
+    }
+}
+
+impl<M: Module> GradientSync<M> for AllReduceSync {
+    fn reduce(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+        cx: &mut SyncContext<'_>,
+    ) -> Result<Reduced> {
+        let whole = 4 * self.layout.len() as u64;
+        self.held.params = whole;
+        self.held.grads = whole;
+        self.held.grads_backward = whole;
+        self.held.owned = (0, self.layout.len() as u64);
+        if cx.direct {
+            return Ok(Reduced {
+                grads: ReducedGrads::Whole(grads),
+                norm: None,
+                non_finite: false,
+            });
+        }
+        let t = Instant::now();
+        let mut buffers = GradientBuffers::take(model, &self.layout, grads);
+        let mut views = buffers.slices_mut();
+        cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
+        all_reduce_buckets(&mut views, &self.buckets, &mut self.fusion, cx)?;
+        let t = Instant::now();
+        if cx.scale != 1.0 {
+            for v in views.iter_mut() {
+                v.iter_mut().for_each(|g| *g *= cx.scale);
+            }
+        }
+        // The norm of the all-reduced gradient is the same on every rank, so every rank takes
+        // the same decision (DP-3).
+        let norm = cx.clip.map(|max| clip_by_global_norm(&mut views, max));
+        drop(views);
+        let g = buffers.into_gradients(model, cx.device);
+        cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
+        Ok(Reduced {
+            grads: ReducedGrads::Whole(g),
+            norm,
+            non_finite: norm.is_some_and(|n| !n.is_finite()),
+        })
+    }
+
+    fn apply(
+        &mut self,
+        model: M,
+        reduced: Reduced,
+        lr: ModuleLearningRate,
+        _cx: &mut SyncContext<'_>,
+    ) -> std::result::Result<M, (M, Error)> {
+        let ReducedGrads::Whole(grads) = reduced.grads else {
+            unreachable!("AllReduceSync reduces whole gradients")
+        };
+        Ok(self.optimizer.step(lr, model, grads))
+    }
+
+    fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
+        OptimizerState::capture(&self.optimizer)
+    }
+
+    fn restore_optimizer(
+        &mut self,
+        state: &OptimizerState,
+        _rank: usize,
+        _world: usize,
+    ) -> Result<(), CheckpointError> {
+        self.optimizer = state.restore(self.optimizer.clone())?;
+        Ok(())
+    }
+
+    fn replicated(&self) -> bool {
+        true
+    }
+
+    fn held(&self) -> HeldBytes {
+        let mut held = self.held;
+        // Burn's record of the state: what it would write to a checkpoint.
+        held.optimizer = self
+            .optimizer
+            .clone()
+            .into_bytes()
+            .map_or(0, |b| b.len() as u64);
+        held
+    }
+}
+
+/// ZeRO stage 1 or 2: each rank keeps the optimizer state of its range of the flat order.
+pub struct ZeroSync {
+    stage: ZeroStage,
+    shard: OptimizerShard,
+    layout: ParamLayout,
+    buckets: Vec<Bucket>,
+    fusion: Vec<f32>,
+    held: HeldBytes,
+}
+
+impl std::fmt::Debug for ZeroSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ZeroSync({:?}, owns {:?})", self.stage, self.shard.range)
+    }
+}
+
+impl ZeroSync {
+    /// Re-shard onto the group the context names if it changed since the last step (a
+    /// resize with no state to restore leaves fresh shards: state would be lost otherwise,
+    /// so the runtime restores before stepping; this only guards an unstepped optimizer).
+    fn owned(&mut self, cx: &SyncContext<'_>) -> Range<usize> {
+        let want = owned_range(self.layout.len(), cx.world(), cx.rank());
+        if want != self.shard.range && self.shard.state.steps == 0 {
+            self.shard =
+                OptimizerShard::fresh(self.shard.rule, self.layout.len(), cx.world(), cx.rank());
+        }
+        self.shard.range.clone()
+    }
+
+    /// Each parameter's part of `range` with its learning rate.
+    fn segments(&self, range: &Range<usize>, lr: &ModuleLearningRate) -> Vec<(Range<usize>, f64)> {
+        self.layout
+            .slots()
+            .iter()
+            .filter_map(|s| {
+                let (lo, hi) = (range.start.max(s.range.start), range.end.min(s.range.end));
+                (lo < hi).then(|| {
+                    (
+                        lo - range.start..hi - range.start,
+                        lr.lr_from_param(s.id, None),
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
+impl<M: Module> GradientSync<M> for ZeroSync {
+    fn reduce(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+        cx: &mut SyncContext<'_>,
+    ) -> Result<Reduced> {
+        let range = self.owned(cx);
+        if range != owned_range(self.layout.len(), cx.world(), cx.rank()) {
+            return Err(Error::Runtime(format!(
+                "ZeRO: this rank's optimizer shard covers {range:?} but rank {} of {} owns {:?}: \
+                 the group changed without its state being re-sharded",
+                cx.rank(),
+                cx.world(),
+                owned_range(self.layout.len(), cx.world(), cx.rank())
+            )));
+        }
+        let t = Instant::now();
+        let mut buffers = GradientBuffers::take(model, &self.layout, grads);
+        cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
+        let whole = 4 * self.layout.len() as u64;
+        self.held.params = whole;
+        self.held.grads_backward = whole;
+        self.held.owned = (range.start as u64, range.end as u64);
+        let world = cx.world();
+        let mut shard = match self.stage {
+            ZeroStage::Two if world > 1 => {
+                let t = Instant::now();
+                let flat = buffers.into_flat();
+                cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
+                let mut shard = vec![0.0f32; range.len()];
+                let comm = cx.comm.as_deref_mut().expect("world > 1 has a group");
+                let t = Instant::now();
+                comm.reduce_scatter(&flat, &mut shard, ReduceOp::Sum)?;
+                cx.spans.push((
+                    TraceKind::ReduceScatter {
+                        bytes: (flat.len() * 4) as u64,
+                    },
+                    t,
+                    t.elapsed(),
+                ));
+                drop(flat);
+                shard
+            }
+            _ => {
+                let mut views = buffers.slices_mut();
+                all_reduce_buckets(&mut views, &self.buckets, &mut self.fusion, cx)?;
+                drop(views);
+                let shard = cx.timed(TraceKind::Flatten, |_| buffers.copy_range(range.clone()));
+                drop(buffers);
+                shard
+            }
+        };
+        self.held.grads = match self.stage {
+            ZeroStage::Two => 4 * shard.len() as u64,
+            _ => whole,
+        };
+        if cx.scale != 1.0 {
+            shard.iter_mut().for_each(|g| *g *= cx.scale);
+        }
+        let norm = match cx.clip {
+            None => None,
+            Some(max) => {
+                // The global norm from the shards: every rank's sum of squares, all-reduced.
+                let mut sum = [sum_of_squares(std::iter::once(&shard[..])) as f32];
+                if let Some(comm) = cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
+                    comm.all_reduce(&mut sum, ReduceOp::Sum)?;
+                }
+                let norm = f64::from(sum[0]).sqrt() as f32;
+                clip_to(&mut [&mut shard[..]], norm, max);
+                Some(norm)
+            }
+        };
+        Ok(Reduced {
+            grads: ReducedGrads::Shard(shard),
+            norm,
+            non_finite: norm.is_some_and(|n| !n.is_finite()),
+        })
+    }
+
+    fn apply(
+        &mut self,
+        model: M,
+        reduced: Reduced,
+        lr: ModuleLearningRate,
+        cx: &mut SyncContext<'_>,
+    ) -> std::result::Result<M, (M, Error)> {
+        let ReducedGrads::Shard(grads) = reduced.grads else {
+            unreachable!("ZeroSync reduces shards")
+        };
+        let range = self.shard.range.clone();
+        let t = Instant::now();
+        let mut values = trainable_range(&model, &self.layout, range.clone());
+        let segments = self.segments(&range, &lr);
+        self.shard
+            .rule
+            .step(&mut self.shard.state, &mut values, &grads, &segments);
+        cx.spans.push((TraceKind::OptimizerStep, t, t.elapsed()));
+        self.held.optimizer = self.shard.state.bytes() as u64;
+        let flat = match cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
+            Some(comm) => {
+                let mut flat = vec![0.0f32; self.layout.len()];
+                let t = Instant::now();
+                if let Err(e) = comm.all_gather(&values, &mut flat) {
+                    return Err((model, e.into()));
+                }
+                cx.spans.push((
+                    TraceKind::AllGather {
+                        bytes: (flat.len() * 4) as u64,
+                    },
+                    t,
+                    t.elapsed(),
+                ));
+                flat
+            }
+            None => values,
+        };
+        Ok(set_trainable(model, &self.layout, &flat))
+    }
+
+    fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
+        let bytes = bincode::serde::encode_to_vec(&self.shard, bincode::config::standard())
+            .map_err(|e| CheckpointError::Optimizer {
+                reason: format!("encoding the ZeRO shard: {e}"),
+            })?;
+        Ok(OptimizerState::from_parts(vec![OptimizerPart {
+            range: self.shard.range.start as u64..self.shard.range.end as u64,
+            total: self.shard.total as u64,
+            bytes,
+        }]))
+    }
+
+    fn restore_optimizer(
+        &mut self,
+        state: &OptimizerState,
+        rank: usize,
+        world: usize,
+    ) -> Result<(), CheckpointError> {
+        let Some(parts) = state.parts() else {
+            return Err(CheckpointError::Optimizer {
+                reason: "the checkpoint holds a whole-model optimizer state (no ZeRO); it \
+                         cannot be sharded: resume without `zero` or start afresh"
+                    .into(),
+            });
+        };
+        let decoded = parts
+            .iter()
+            .map(|p| {
+                let (shard, used) = bincode::serde::decode_from_slice::<OptimizerShard, _>(
+                    &p.bytes,
+                    bincode::config::standard(),
+                )
+                .map_err(|e| CheckpointError::Optimizer {
+                    reason: format!("a ZeRO part does not decode: {e}"),
+                })?;
+                let matches = used == p.bytes.len()
+                    && shard.range.start as u64 == p.range.start
+                    && shard.range.end as u64 == p.range.end
+                    && shard.total as u64 == p.total;
+                if !matches {
+                    return Err(CheckpointError::Optimizer {
+                        reason: format!(
+                            "a ZeRO part listed as {:?} of {} holds {:?} of {}",
+                            p.range, p.total, shard.range, shard.total
+                        ),
+                    });
+                }
+                Ok(shard)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut shard = reshard(&decoded, self.layout.len(), world, rank).map_err(|e| {
+            CheckpointError::Optimizer {
+                reason: e.to_string(),
+            }
+        })?;
+        // The configured rule steps on (a resumed job may change, say, its weight decay), as
+        // long as its state has the same buffers.
+        if shard.rule.state_words() != self.shard.rule.state_words()
+            || std::mem::discriminant(&shard.rule) != std::mem::discriminant(&self.shard.rule)
+        {
+            return Err(CheckpointError::Optimizer {
+                reason: format!(
+                    "the checkpoint's optimizer is {:?}, this job's is {:?}",
+                    shard.rule, self.shard.rule
+                ),
+            });
+        }
+        shard.rule = self.shard.rule;
+        self.shard = shard;
+        Ok(())
+    }
+
+    fn replicated(&self) -> bool {
+        false
+    }
+
+    fn held(&self) -> HeldBytes {
+        let mut held = self.held;
+        held.optimizer = self.shard.state.bytes() as u64;
+        held
+    }
+}
