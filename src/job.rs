@@ -944,6 +944,7 @@ where
             dataset,
             optimizer: self.optimizer.clone(),
             learning_rate: self.learning_rate.clone(),
+            zero: self.zero,
             epoch: Instant::now(),
             faults: self.faults.clone(),
         });

@@ -361,3 +361,210 @@ async fn a_zero_checkpoint_resumes_on_another_data_parallel_size() {
     })
     .await;
 }
+
+/// Run `job`, calling `on_step` with the job's controls after each step event.
+async fn run_controlled(
+    job: Job<Mlp, Sample>,
+    on_step: impl Fn(u64, &meshwork::job::JobControl) + Send + 'static,
+) -> (Result<meshwork::job::Trained<Mlp>>, Vec<JobEvent>) {
+    let handle = job.spawn().await.expect("spawned");
+    let control = handle.control();
+    let mut stream = handle.events();
+    let recorder = tokio::spawn(async move {
+        let mut events = Vec::new();
+        loop {
+            match stream.recv().await {
+                Ok(e) => {
+                    if let JobEvent::StepDone(s) = &e {
+                        on_step(s.step, &control);
+                    }
+                    events.push(e);
+                }
+                Err(meshwork::job::EventsError::Missed(_)) => continue,
+                Err(meshwork::job::EventsError::Closed) => break,
+            }
+        }
+        events
+    });
+    let outcome = tokio::time::timeout(Duration::from_secs(120), handle.join())
+        .await
+        .expect("the job ends within 120 s");
+    (outcome, recorder.await.unwrap_or_default())
+}
+
+fn reference_of(init: Mlp, case: &Case, steps: &[StepDone]) -> Mlp {
+    reference_train(
+        init,
+        mse_loss,
+        &data(),
+        &batches_from_events(steps),
+        &Reference {
+            optimizer: case.optimizer.clone(),
+            learning_rate: LearningRate::Constant(case.lr),
+            clip_norm: case.clip,
+        },
+        &Device::flex(),
+    )
+}
+
+/// ZERO-3 under elastic resizing: every rank's shard is gathered before the group changes and
+/// re-sharded onto the new one, so growing 2 → 4 and shrinking 4 → 3 trains as one device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_job_re_shards_when_it_grows_and_shrinks() {
+    bounded(async {
+        let init = initial_model();
+        let case = adam(2, ZeroStage::Two);
+        let job = builder(&case, init.clone(), 8).build().expect("valid job");
+        let (outcome, events) = run_controlled(job, |step, control| match step {
+            1 => control.scale_to(4),
+            4 => control.scale_to(3),
+            _ => {}
+        })
+        .await;
+        let trained = outcome.expect("the job resizes and finishes").model;
+        let steps = steps_of(&events);
+        let sizes: Vec<usize> = steps.iter().map(|s| s.replicas.len()).collect();
+        assert_eq!(sizes.first(), Some(&2));
+        assert!(sizes.contains(&4), "{sizes:?}");
+        assert_eq!(sizes.last(), Some(&3));
+        let total = ParamLayout::of(&init).len() as u64;
+        for s in &steps {
+            let n = s.replicas.len() as u64;
+            for r in &s.replicas {
+                let held = r.held.expect("reported");
+                assert!(
+                    held.owned.1 - held.owned.0 <= total / n + 1,
+                    "step {}: a rank of {n} owns {:?}",
+                    s.step,
+                    held.owned
+                );
+            }
+        }
+        let reference = reference_of(init, &case, &steps);
+        let worst = compare_parameters(&trained, &reference, TOLERANCE)
+            .unwrap_or_else(|e| panic!("resized ZeRO-2 job: {e}"));
+        eprintln!("ZeRO-2 2 → 4 → 3 replicas: worst {worst:e}");
+    })
+    .await;
+}
+
+/// A lost ZeRO rank's optimizer shard exists nowhere else: the job never shrinks around it,
+/// it rolls back to its checkpoint at the same size (and still equals one device).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_zero_rank_rolls_back_to_the_checkpoint_instead_of_shrinking() {
+    use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
+    use meshwork::recovery::RecoveryPolicy;
+    bounded(async {
+        let dir = std::env::temp_dir().join(format!("meshwork-zero-lost-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let init = initial_model();
+        let case = adam(3, ZeroStage::One);
+        let plan = FaultPlan::new(4).with(Fault {
+            device: 1,
+            step: 5,
+            micro_batch: Some(0),
+            phase: Phase::Backward,
+            kind: FaultKind::Panic,
+        });
+        let job = builder(&case, init.clone(), 8)
+            .fault_plan(plan)
+            .recovery(RecoveryPolicy::shrink().or_roll_back())
+            .checkpoint_dir(&dir)
+            .checkpoint_every(2)
+            .step_timeout(Duration::from_secs(60))
+            .build()
+            .expect("valid job");
+        let (outcome, events) = tokio::time::timeout(Duration::from_secs(120), run_recording(job))
+            .await
+            .expect("the job ends");
+        let trained = outcome.expect("the job rolls back and finishes").model;
+        let rolled: Vec<(u64, u64)> = events
+            .iter()
+            .filter_map(|e| match e {
+                JobEvent::RolledBack {
+                    failed_step, step, ..
+                } => Some((*failed_step, *step)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            rolled,
+            vec![(5, 4)],
+            "rolled back from step 5 to the checkpoint of step 4"
+        );
+        let steps = steps_of(&events);
+        assert!(
+            steps.iter().all(|s| s.replicas.len() == 3),
+            "never shrank: {:?}",
+            steps.iter().map(|s| s.replicas.len()).collect::<Vec<_>>()
+        );
+        assert_eq!(steps.len(), 8);
+        let reference = reference_of(init, &case, &steps);
+        compare_parameters(&trained, &reference, TOLERANCE)
+            .unwrap_or_else(|e| panic!("rolled-back ZeRO-1 job: {e}"));
+        let _ = std::fs::remove_dir_all(&dir);
+    })
+    .await;
+}
+
+/// A dp 2 × pp 2 pipeline shards each stage's optimizer over its data-parallel group: it
+/// trains as the same pipeline without ZeRO, and its checkpoint holds one optimizer part per
+/// replica for every block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pipeline_shards_each_stage_optimizer_over_its_replicas() {
+    use meshwork::demo::{mlp_pipeline_of, split_mlp};
+    use meshwork::parallel::stages::PipelineModel;
+    bounded(async {
+        let device = Device::flex();
+        device.seed(7);
+        let parts = split_mlp(&[8, 33, 17, 3], &[2, 1], &device).expect("a split");
+        let dir = std::env::temp_dir().join(format!("meshwork-zero-pipe-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut models = Vec::new();
+        for zero in [ZeroStage::Off, ZeroStage::Two] {
+            let mut b = Job::builder()
+                .pipeline(
+                    mlp_pipeline_of(parts.clone()),
+                    Schedule::OneFOneB { micro_batches: 2 },
+                )
+                .data_parallel(2)
+                .data(data())
+                .batch_size(GLOBAL_BATCH)
+                .optimizer(AdamConfig::new())
+                .learning_rate(0.01)
+                .zero(zero)
+                .steps(6)
+                .seed(3)
+                .collective_timeout(Duration::from_secs(30))
+                .step_timeout(Duration::from_secs(60));
+            if zero == ZeroStage::Two {
+                b = b.checkpoint_dir(&dir);
+            }
+            let (outcome, _) = run_recording(b.build().expect("valid pipeline job")).await;
+            let model: PipelineModel = outcome.expect("pipeline job succeeds").model;
+            models.push(Mlp::from_pipeline(model).expect("the demo MLP's blocks"));
+        }
+        let worst = compare_parameters(&models[1], &models[0], TOLERANCE)
+            .unwrap_or_else(|e| panic!("ZeRO-2 pipeline vs plain pipeline: {e}"));
+        eprintln!("dp 2 × pp 2, ZeRO-2 vs plain: worst {worst:e}");
+        let store = CheckpointStore::open(&dir, 3).expect("a store");
+        let saved = store.latest_valid().expect("listed").expect("a checkpoint");
+        assert_eq!(saved.checkpoint.shards.len(), 2, "one shard per block");
+        for shard in &saved.checkpoint.shards {
+            let parts = shard
+                .optimizer
+                .as_ref()
+                .and_then(|o| o.parts())
+                .expect("sharded");
+            assert_eq!(parts.len(), 2, "{}: one part per replica", shard.shard);
+            let total = parts[0].total;
+            let mut ranges: Vec<_> = parts.iter().map(|p| p.range.clone()).collect();
+            ranges.sort_by_key(|r| r.start);
+            assert_eq!(ranges[0].start, 0);
+            assert_eq!(ranges[0].end, ranges[1].start);
+            assert_eq!(ranges[1].end, total);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    })
+    .await;
+}

@@ -47,6 +47,8 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) dataset: Arc<dyn Dataset<Item = I>>,
     pub(crate) optimizer: OptimizerConfig,
     pub(crate) learning_rate: LearningRate,
+    /// How much of each block's training state each data-parallel rank keeps (ZeRO).
+    pub(crate) zero: crate::parallel::zero::ZeroStage,
     /// The job's start: trace times are measured from it.
     pub(crate) epoch: Instant,
     /// The fault plan's hooks, if the job has one.
@@ -276,7 +278,7 @@ where
                 model_ranks,
                 assemble: |parts| Some(PipelineModel::merge(parts)),
                 replicas_only: false,
-                replicated_state: true,
+                replicated_state: !spec.zero.shards_optimizer(),
                 grow: None,
                 rewire: Some(rewire),
                 devices: None,
@@ -433,6 +435,11 @@ where
                 let stage = StageIndex(state.id.stage);
                 let id = state.id;
                 let out = run_on_slot(&state.device_actor, "restore", &mut state.slot, move |s| {
+                    // Its place in the block's data-parallel group, for sharded state.
+                    let rank_of = s
+                        .comm
+                        .as_ref()
+                        .map_or((0, 1), |c| (c.rank().index(), c.world()));
                     for (c, w) in s.chunks.iter_mut().enumerate() {
                         let wanted = ShardId::stage(plan.block(stage, Chunk(c as u32)));
                         let Some(shard) = shard.iter().find(|x| x.shard == wanted) else {
@@ -440,7 +447,7 @@ where
                                 "no {wanted} to restore {id} from"
                             )));
                         };
-                        w.restore(&shard.params, shard.optimizer.as_ref())?;
+                        w.restore(&shard.params, shard.optimizer.as_ref(), rank_of)?;
                     }
                     Ok(())
                 })
@@ -532,7 +539,10 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
         let chunks: Vec<Box<dyn StageWork<I>>> = (0..spec.plan.virtual_stages())
             .map(|c| {
                 let block = &spec.stages.blocks[spec.plan.block(stage, Chunk(c)) as usize];
-                (block.build)(&device, &spec.optimizer, spec.learning_rate.clone())
+                let mut work = (block.build)(&device, &spec.optimizer, spec.learning_rate.clone());
+                work.shard_optimizer(spec.zero)
+                    .expect("the job refuses an optimizer ZeRO cannot shard when it is built");
+                work
             })
             .collect();
         let f = fingerprint(&chunks);

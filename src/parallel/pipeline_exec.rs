@@ -35,15 +35,16 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync
 use std::time::{Duration, Instant};
 
 use burn::module::Module;
-use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
 
-use super::buckets::plan_buckets;
-use super::gradients::{GradientBuffers, ParamLayout, parameter_fingerprint, reduce_buckets};
+use super::gradients::parameter_fingerprint;
+use super::sync::{self, GradientSync, SyncContext};
+use super::zero::{UnsupportedOptimizer, ZeroStage};
 use crate::checkpoint::{
     CheckpointError, OptimizerState, ShardParams, restore_module, snapshot_module,
 };
-use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::comm::{CommError, Communicator};
 use crate::faults::{Phase, with_hooks};
 
 mod wire;
@@ -281,12 +282,18 @@ pub trait StageWork<I>: Send {
     /// The stage's parameters by name and its optimizer state (a checkpoint shard, or what a
     /// twin's replacement starts from).
     fn snapshot(&self) -> Result<(ShardParams, OptimizerState), CheckpointError>;
-    /// Take the parameters and optimizer state of a snapshot of the same block.
+    /// Take the parameters and optimizer state of a snapshot of the same block, as rank
+    /// `rank` of `world` of the block's data-parallel group (sharded optimizer state is
+    /// re-sharded onto that group).
     fn restore(
         &mut self,
         params: &ShardParams,
         optimizer: Option<&OptimizerState>,
+        rank_of: (usize, usize),
     ) -> Result<(), CheckpointError>;
+    /// Shard the block's optimizer state over its data-parallel group (ZeRO), before the
+    /// first step.
+    fn shard_optimizer(&mut self, stage: ZeroStage) -> Result<(), UnsupportedOptimizer>;
     /// The device (with autodiff) the stage computes on.
     fn device(&self) -> &Device;
     /// The module, type-erased (for `downcast`).
@@ -302,17 +309,14 @@ pub struct TypedStage<M: Module, I> {
     device: Device,
     forward: Option<ForwardFn<M>>,
     loss: Option<LossFn<M, I>>,
-    optimizer: ModuleOptimizer,
+    /// How the block's replicas keep gradients, parameters and optimizer state in step.
+    sync: Box<dyn GradientSync<M>>,
+    optimizer: OptimizerConfig,
     lr: LearningRate,
-    layout: ParamLayout,
     stash: HashMap<u32, (Boundary, Stashed)>,
     accumulated: GradientsAccumulator<M>,
     losses: Vec<f32>,
     recompute: bool,
-    /// How gradients are grouped for the replicas' all-reduce (planned once).
-    buckets: Vec<super::buckets::Bucket>,
-    /// The buffer fused buckets are copied into (reused across steps).
-    fusion: Vec<f32>,
     /// False on the first stage (set by each forward).
     input_grads: bool,
 }
@@ -363,24 +367,23 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     ) -> Self {
         let device = device.clone().autodiff();
         let model = model.fork(&device).train();
-        let layout = ParamLayout::trainable(&model);
+        let sync = sync::for_stage(
+            ZeroStage::Off,
+            &model,
+            optimizer,
+            BUCKET_ELEMS,
+            FUSE_BELOW,
+            0,
+            1,
+        )
+        .expect("whole (unsharded) optimizer state supports every optimizer");
         Self {
-            buckets: plan_buckets(
-                &layout
-                    .slots()
-                    .iter()
-                    .map(|s| s.range.len())
-                    .collect::<Vec<_>>(),
-                BUCKET_ELEMS,
-                FUSE_BELOW,
-            ),
-            fusion: Vec::new(),
-            layout,
+            sync,
             model,
             device,
             forward,
             loss,
-            optimizer: optimizer.init(),
+            optimizer: optimizer.clone(),
             lr,
             stash: HashMap::new(),
             accumulated: GradientsAccumulator::new(),
@@ -504,22 +507,33 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
 
     fn step(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<f64, ExecError> {
         let grads = self.accumulated.grads();
-        let mut buffers = GradientBuffers::take(&self.model, &self.layout, grads);
-        let mut views = buffers.slices_mut();
-        if let Some(comm) = replicas {
-            reduce_buckets(&mut views, &self.buckets, &mut self.fusion, |b| {
-                comm.all_reduce(b, ReduceOp::Sum)
-            })?;
-        }
-        for v in views.iter_mut() {
-            v.iter_mut().for_each(|g| *g *= scale);
-        }
-        drop(views);
-        let grads = buffers.into_gradients(&self.model, &self.device.clone().inner());
+        let inner = self.device.clone().inner();
+        let mut cx = SyncContext {
+            comm: replicas,
+            device: &inner,
+            scale,
+            clip: None,
+            direct: false,
+            spans: Vec::new(),
+        };
+        let failed = |e: crate::error::Error| match e {
+            crate::error::Error::Comm(c) => ExecError::Comm(c),
+            other => ExecError::Unsupported(other.to_string()),
+        };
+        let reduced = self
+            .sync
+            .reduce(&self.model, grads, &mut cx)
+            .map_err(failed)?;
         let lr = self.lr.next_rate();
         let rate = lr.base();
         let model = self.model.clone();
-        self.model = self.optimizer.step(lr, model, grads);
+        self.model = match self.sync.apply(model, reduced, lr, &mut cx) {
+            Ok(model) => model,
+            Err((model, e)) => {
+                self.model = model;
+                return Err(failed(e));
+            }
+        };
         Ok(rate)
     }
 
@@ -554,22 +568,33 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
     }
 
     fn snapshot(&self) -> Result<(ShardParams, OptimizerState), CheckpointError> {
-        Ok((
-            snapshot_module(&self.model),
-            OptimizerState::capture(&self.optimizer)?,
-        ))
+        Ok((snapshot_module(&self.model), self.sync.optimizer_state()?))
     }
 
     fn restore(
         &mut self,
         params: &ShardParams,
         optimizer: Option<&OptimizerState>,
+        (rank, world): (usize, usize),
     ) -> Result<(), CheckpointError> {
         let model = restore_module(self.model.clone(), params)?;
         if let Some(o) = optimizer {
-            self.optimizer = o.restore(self.optimizer.clone())?;
+            self.sync.restore_optimizer(o, rank, world)?;
         }
         self.model = model;
+        Ok(())
+    }
+
+    fn shard_optimizer(&mut self, stage: ZeroStage) -> Result<(), UnsupportedOptimizer> {
+        self.sync = sync::for_stage(
+            stage,
+            &self.model,
+            &self.optimizer,
+            BUCKET_ELEMS,
+            FUSE_BELOW,
+            0,
+            1,
+        )?;
         Ok(())
     }
 

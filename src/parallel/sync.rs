@@ -174,6 +174,7 @@ pub fn for_stage<M: Module>(
         ZeroStage::One | ZeroStage::Two => Box::new(ZeroSync {
             stage,
             shard: OptimizerShard::fresh(FlatRule::of(optimizer)?, layout.len(), world, rank),
+            restored: None,
             layout,
             buckets,
             fusion: Vec::new(),
@@ -342,6 +343,10 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
 pub struct ZeroSync {
     stage: ZeroStage,
     shard: OptimizerShard,
+    /// Every part of the state last restored, kept until the first step after it: the group
+    /// a restored rank steps in may be rebuilt after the restore (a roll-back restores before
+    /// the replacement joins), so the final re-sharding happens against the group it steps in.
+    restored: Option<Vec<OptimizerShard>>,
     layout: ParamLayout,
     buckets: Vec<Bucket>,
     fusion: Vec<f32>,
@@ -355,15 +360,28 @@ impl std::fmt::Debug for ZeroSync {
 }
 
 impl ZeroSync {
-    /// Re-shard onto the group the context names if it changed since the last step (a
-    /// resize with no state to restore leaves fresh shards: state would be lost otherwise,
-    /// so the runtime restores before stepping; this only guards an unstepped optimizer).
+    /// This rank's range in the group the context names, re-sharding onto it if the group
+    /// changed: from the state last restored, or a fresh shard if the optimizer never
+    /// stepped. A stepped shard with nothing restored cannot move (its neighbours' state is
+    /// elsewhere): the caller reports that.
     fn owned(&mut self, cx: &SyncContext<'_>) -> Range<usize> {
         let want = owned_range(self.layout.len(), cx.world(), cx.rank());
-        if want != self.shard.range && self.shard.state.steps == 0 {
-            self.shard =
-                OptimizerShard::fresh(self.shard.rule, self.layout.len(), cx.world(), cx.rank());
+        if want != self.shard.range {
+            if let Some(parts) = &self.restored {
+                if let Ok(shard) = reshard(parts, self.layout.len(), cx.world(), cx.rank()) {
+                    let rule = self.shard.rule;
+                    self.shard = OptimizerShard { rule, ..shard };
+                }
+            } else if self.shard.state.steps == 0 {
+                self.shard = OptimizerShard::fresh(
+                    self.shard.rule,
+                    self.layout.len(),
+                    cx.world(),
+                    cx.rank(),
+                );
+            }
         }
+        self.restored = None;
         self.shard.range.clone()
     }
 
@@ -574,6 +592,7 @@ impl<M: Module> GradientSync<M> for ZeroSync {
         }
         shard.rule = self.shard.rule;
         self.shard = shard;
+        self.restored = Some(decoded);
         Ok(())
     }
 

@@ -193,7 +193,7 @@ pub(crate) fn rebuild_blocks<I: Send + Sync + 'static>(
                     .ok_or_else(|| format!("the snapshot of {id} has no block {block}"))?;
                 let make = &spec.stages.blocks[block as usize].build;
                 let mut work = make(&device, &spec.optimizer, spec.learning_rate.clone());
-                work.restore(&shard.params, None)
+                work.restore(&shard.params, None, (0, 1))
                     .map_err(|e| format!("block {block} of {id} does not restore: {e}"))?;
                 Ok((block, work.into_module()))
             })
