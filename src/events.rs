@@ -48,7 +48,7 @@ pub enum JobEvent {
         /// Its rank in the generation it was lost in.
         rank: Rank,
         /// The device.
-        device: crate::error::DeviceId,
+        device: crate::mesh::DeviceId,
         /// The error that named it.
         error: Error,
     },
@@ -61,7 +61,7 @@ pub enum JobEvent {
         /// The new mesh.
         layout: Layout,
         /// The devices that left.
-        lost: Vec<crate::error::DeviceId>,
+        lost: Vec<crate::mesh::DeviceId>,
     },
     /// A checkpoint of the state after `step` steps was written.
     CheckpointWritten {
@@ -123,7 +123,7 @@ pub enum JobEvent {
         /// The checkpoint's directory.
         path: std::path::PathBuf,
         /// The devices that were replaced.
-        lost: Vec<crate::error::DeviceId>,
+        lost: Vec<crate::mesh::DeviceId>,
     },
     /// A lost pipeline stage was replaced by a fresh one on `device` that copied the
     /// parameters and optimizer state of its twin in another replica (REC-6).
@@ -131,11 +131,11 @@ pub enum JobEvent {
         /// The step that is redone.
         step: u64,
         /// The replaced stage.
-        stage: crate::error::StageId,
+        stage: crate::mesh::StageId,
         /// The twin it copied.
-        twin: crate::error::StageId,
+        twin: crate::mesh::StageId,
         /// Its new device.
-        device: crate::error::DeviceId,
+        device: crate::mesh::DeviceId,
     },
     /// Some survivors of a failure had finished `step` (and applied it) and others had not:
     /// those took the state of one that had, and the step is not redone (REC-7).
@@ -245,7 +245,7 @@ pub struct ReplicaStep {
     /// The rank.
     pub rank: Rank,
     /// Its replica and pipeline stage (stage 0 without pipeline parallelism).
-    pub stage: crate::error::StageId,
+    pub stage: crate::mesh::StageId,
     /// The ids of the samples it trained on, in the order used.
     pub sample_ids: Vec<usize>,
     /// Its mean loss over its samples (`None` on pipeline stages that do not compute the

@@ -28,8 +28,9 @@ use crate::checkpoint::{OptimizerState, ShardId, ShardSnapshot, restore_module, 
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
-use crate::error::{DeviceId, Error, Result, StageId};
+use crate::error::{Error, Result};
 use crate::faults::{DeviceMessages, FaultHooks, Phase, with_hooks};
+use crate::mesh::{DeviceId, StageId};
 use crate::mesh::{Generation, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::buckets::{Bucket, plan_buckets};
@@ -61,31 +62,7 @@ pub(crate) struct StageSpec<M, I> {
     pub(crate) faults: Option<Arc<FaultHooks>>,
 }
 
-/// What a stage reports after the initial synchronization.
-#[derive(Debug, Clone)]
-pub struct InitReport {
-    /// Fingerprint of the parameters the factory built.
-    pub before: u64,
-    /// Fingerprint after receiving rank 0's parameters.
-    pub after: u64,
-}
-
-/// What a stage reports after a step.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct StepReport {
-    /// The stage's rank.
-    pub rank: Rank,
-    /// The sample ids it trained on, micro-batch after micro-batch.
-    pub sample_ids: Vec<usize>,
-    /// Its mean loss (`None` on a pipeline stage other than the last).
-    pub local_loss: Option<f32>,
-    /// The learning rate used (`None` when the update was skipped).
-    pub learning_rate: Option<f64>,
-    /// Its trace records.
-    pub trace: Vec<TraceRecord>,
-    /// A pipeline stage's instructions and stash figures.
-    pub pipeline: Option<crate::events::PipelineStageStep>,
-}
+pub use crate::report::{InitReport, StepReport};
 
 /// Messages a [`StageActor`] handles.
 pub enum StageMsg<M> {

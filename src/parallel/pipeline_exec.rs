@@ -880,7 +880,7 @@ pub struct StepContext<'a, I> {
     pub on_instr: &'a dyn Fn(&Instr),
     /// The fault plan's hooks, called around every forward and backward, with the device
     /// and the step they are called for.
-    pub faults: Option<(&'a crate::faults::FaultHooks, crate::error::DeviceId, u64)>,
+    pub faults: Option<(&'a crate::faults::FaultHooks, crate::mesh::DeviceId, u64)>,
 }
 
 impl<I> std::fmt::Debug for StepContext<'_, I> {
