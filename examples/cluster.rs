@@ -107,7 +107,7 @@ fn fingerprint() -> FingerprintFn {
     Arc::new(|spec: &JobSpec| {
         let device = MeshDevice::of_kind(BackendKind::Flex, 1)
             .map_err(|e| control::Incompatibility::Other(e.to_string()))?;
-        control::demo_fingerprint(spec, device[0].burn())
+        meshwork::demo::cluster_fingerprint(spec, device[0].burn())
     })
 }
 // ANCHOR_END: job

@@ -67,11 +67,11 @@
 //!   a direct plan reads peers' memory and has no messages to check or tamper with.
 
 use std::fmt;
-use std::ops::Range;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::mesh::chunk_range;
 use crate::mesh::{Generation, Rank};
 
 pub mod bench;
@@ -80,6 +80,8 @@ mod element;
 #[cfg(feature = "cluster")]
 pub mod hierarchical;
 mod local;
+#[cfg(feature = "cluster")]
+pub mod net;
 pub mod plan;
 #[cfg(feature = "cluster")]
 pub mod tcp;
@@ -679,15 +681,4 @@ fn call_list(calls: &[RankCall]) -> String {
         .map(|c| format!("rank {} passed {}", c.rank.0, c.call))
         .collect();
     parts.join("; ")
-}
-
-/// The elements of a buffer of `len` elements that rank `index` of `world` owns: contiguous,
-/// in rank order, covering `0..len`; the first `len % world` chunks are one element longer.
-/// A world of 0 is treated as 1.
-pub fn chunk_range(len: usize, world: usize, index: usize) -> Range<usize> {
-    let world = world.max(1);
-    let base = len / world;
-    let extra = len % world;
-    let start = index * base + index.min(extra);
-    start..start + base + usize::from(index < extra)
 }

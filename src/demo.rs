@@ -270,3 +270,37 @@ pub fn measure_mlp_layers(widths: &[usize], batch: usize, device: &Device) -> Ve
         })
         .collect()
 }
+
+/// The control plane's structure fingerprint
+/// ([`structure_fingerprint`](crate::cluster::control::structure_fingerprint)) of [`Mlp`] built
+/// from `spec` on `device` (the model of
+/// `meshwork train`). The widths come from the network, so the model is bounded before it is
+/// built: at most 64 layers and 2^28 parameters.
+#[cfg(feature = "cluster")]
+pub fn cluster_fingerprint(
+    spec: &crate::cluster::control::JobSpec,
+    device: &burn::tensor::Device,
+) -> Result<crate::cluster::control::ModelFingerprint, crate::cluster::control::Incompatibility> {
+    let widths = match &spec.model {
+        crate::cluster::control::ModelSpec::DemoMlp { widths } => widths,
+        crate::cluster::control::ModelSpec::Named { kind, .. } => {
+            return Err(crate::cluster::control::Incompatibility::UnknownModel {
+                kind: kind.clone(),
+            });
+        }
+    };
+    let params: u64 = widths
+        .windows(2)
+        .map(|w| u64::from(w[0]) * u64::from(w[1]) + u64::from(w[1]))
+        .sum();
+    if widths.len() < 2 || widths.len() > 64 || widths.contains(&0) || params > 1 << 28 {
+        return Err(crate::cluster::control::Incompatibility::Other(format!(
+            "demo MLP widths {widths:?} are not a model this node builds"
+        )));
+    }
+    let widths: Vec<usize> = widths.iter().map(|&w| w as usize).collect();
+    let model = Mlp::new(&widths, device);
+    Ok(crate::cluster::control::structure_fingerprint(
+        "demo-mlp", &model,
+    ))
+}

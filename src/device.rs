@@ -7,7 +7,8 @@
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};
 
-use crate::error::{DeviceId, Error, Result};
+use crate::config::InvalidConfig;
+use crate::mesh::DeviceId;
 
 /// The Burn backend behind a mesh device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -19,12 +20,12 @@ pub enum BackendKind {
 }
 
 impl std::str::FromStr for BackendKind {
-    type Err = Error;
-    fn from_str(s: &str) -> Result<Self> {
+    type Err = InvalidConfig;
+    fn from_str(s: &str) -> Result<Self, InvalidConfig> {
         match s {
             "flex" => Ok(Self::Flex),
             "wgpu" => Ok(Self::Wgpu),
-            other => Err(Error::InvalidConfig(format!(
+            other => Err(InvalidConfig(format!(
                 "unknown device kind {other:?}: use flex or wgpu"
             ))),
         }
@@ -67,14 +68,14 @@ impl MeshDevice {
     }
 
     /// `n` logical devices of the given backend, or an error naming the cargo feature to enable.
-    pub fn of_kind(kind: BackendKind, n: usize) -> Result<Vec<MeshDevice>> {
+    pub fn of_kind(kind: BackendKind, n: usize) -> Result<Vec<MeshDevice>, InvalidConfig> {
         match kind {
             #[cfg(feature = "flex")]
             BackendKind::Flex => Ok(Self::flex(n)),
             #[cfg(feature = "wgpu")]
             BackendKind::Wgpu => Ok(Self::wgpu(n)),
             #[allow(unreachable_patterns)]
-            other => Err(Error::InvalidConfig(format!(
+            other => Err(InvalidConfig(format!(
                 "backend {other:?} is not compiled in: build meshwork with `--features {}`",
                 format!("{other:?}").to_lowercase()
             ))),

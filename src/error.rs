@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::comm::CommError;
 use crate::mesh::Rank;
+pub use crate::mesh::{DeviceId, StageId};
 
 /// Shorthand for `Result<T, meshwork::Error>`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -19,10 +20,12 @@ pub enum Error {
     #[error(transparent)]
     Comm(#[from] CommError),
     /// The multi-process control plane failed: no secret, a node refused or missing, the
-    /// head lost (feature `cluster`).
+    /// head lost (feature `cluster`). The source is a `cluster::control::ControlError`
+    /// (`downcast_ref` it to match): the control plane sits above this module in the layer
+    /// order, so it converts its own errors (`From<ControlError> for Error`).
     #[cfg(feature = "cluster")]
     #[error(transparent)]
-    Control(#[from] crate::cluster::control::ControlError),
+    Control(std::sync::Arc<dyn std::error::Error + Send + Sync>),
     /// A pipeline schedule cannot serve the configuration (PIPE-7).
     #[error(transparent)]
     Schedule(#[from] crate::parallel::pipeline::ScheduleError),
@@ -212,12 +215,6 @@ fn health_list(ranks: &[RankHealth]) -> String {
         .join("; ")
 }
 
-/// A logical device of the job (one OS thread).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
-pub struct DeviceId(pub u32);
-
 impl Error {
     /// Whether this is a collective message lost or spoiled while every rank stayed alive
     /// (`CommError::is_message_fault`): retried by a recovering job (REC-4).
@@ -226,25 +223,17 @@ impl Error {
     }
 }
 
-impl std::fmt::Display for DeviceId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}", self.0)
+impl From<crate::config::InvalidConfig> for Error {
+    fn from(e: crate::config::InvalidConfig) -> Self {
+        Error::InvalidConfig(e.0)
     }
 }
 
-/// A pipeline stage of one data-parallel replica.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
-)]
-pub struct StageId {
-    /// The data-parallel replica.
-    pub replica: u32,
-    /// The stage index in the pipeline (0 without pipeline parallelism).
-    pub stage: u32,
-}
-
-impl std::fmt::Display for StageId {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "stage {} of replica {}", self.stage, self.replica)
+impl From<crate::parallel::sync::SyncError> for Error {
+    fn from(e: crate::parallel::sync::SyncError) -> Self {
+        match e {
+            crate::parallel::sync::SyncError::Comm(c) => Error::Comm(c),
+            other => Error::Runtime(other.to_string()),
+        }
     }
 }

@@ -48,7 +48,7 @@ pub enum JobEvent {
         /// Its rank in the generation it was lost in.
         rank: Rank,
         /// The device.
-        device: crate::error::DeviceId,
+        device: crate::mesh::DeviceId,
         /// The error that named it.
         error: Error,
     },
@@ -61,7 +61,7 @@ pub enum JobEvent {
         /// The new mesh.
         layout: Layout,
         /// The devices that left.
-        lost: Vec<crate::error::DeviceId>,
+        lost: Vec<crate::mesh::DeviceId>,
     },
     /// A checkpoint of the state after `step` steps was written.
     CheckpointWritten {
@@ -123,7 +123,7 @@ pub enum JobEvent {
         /// The checkpoint's directory.
         path: std::path::PathBuf,
         /// The devices that were replaced.
-        lost: Vec<crate::error::DeviceId>,
+        lost: Vec<crate::mesh::DeviceId>,
     },
     /// A lost pipeline stage was replaced by a fresh one on `device` that copied the
     /// parameters and optimizer state of its twin in another replica (REC-6).
@@ -131,11 +131,11 @@ pub enum JobEvent {
         /// The step that is redone.
         step: u64,
         /// The replaced stage.
-        stage: crate::error::StageId,
+        stage: crate::mesh::StageId,
         /// The twin it copied.
-        twin: crate::error::StageId,
+        twin: crate::mesh::StageId,
         /// Its new device.
-        device: crate::error::DeviceId,
+        device: crate::mesh::DeviceId,
     },
     /// Some survivors of a failure had finished `step` (and applied it) and others had not:
     /// those took the state of one that had, and the step is not redone (REC-7).
@@ -245,7 +245,7 @@ pub struct ReplicaStep {
     /// The rank.
     pub rank: Rank,
     /// Its replica and pipeline stage (stage 0 without pipeline parallelism).
-    pub stage: crate::error::StageId,
+    pub stage: crate::mesh::StageId,
     /// The ids of the samples it trained on, in the order used.
     pub sample_ids: Vec<usize>,
     /// Its mean loss over its samples (`None` on pipeline stages that do not compute the
@@ -259,23 +259,5 @@ pub struct ReplicaStep {
     pub pipeline: Option<PipelineStageStep>,
     /// What the rank held of the training state at this step (parameters, gradients,
     /// optimizer state; `None` where the rank did not report it).
-    pub held: Option<HeldBytes>,
-}
-
-/// What one rank holds of the training state, in bytes (`f32` words × 4), as a worker reports
-/// it for `meshwork bench memory` and the sharding proofs.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct HeldBytes {
-    /// Parameters (the whole model on every rank at ZeRO stages 0–2).
-    pub params: u64,
-    /// Gradients held at the optimizer step, after the reduction.
-    pub grads: u64,
-    /// Gradients held right after Burn's backward, before any reduction (Burn's single
-    /// backward call materialises every gradient at once).
-    pub grads_backward: u64,
-    /// Optimizer state.
-    pub optimizer: u64,
-    /// The range of the flat trainable order whose optimizer state this rank holds (the
-    /// whole order when not sharded).
-    pub owned: (u64, u64),
+    pub held: Option<crate::parallel::sync::HeldBytes>,
 }

@@ -32,8 +32,8 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::comm::{CollectiveKind, MessageHook, Tamper};
-use crate::error::{DeviceId, Error, Result};
-use crate::mesh::Rank;
+use crate::config::InvalidConfig;
+use crate::mesh::{DeviceId, Rank};
 use crate::parallel::sampler::SplitMix64;
 
 /// The largest slow-down factor a plan may ask for.
@@ -206,19 +206,19 @@ impl FaultPlan {
     }
 
     /// A plan from JSON, checked: slow factors ≥ 1, stall durations finite and ≥ 0.
-    pub fn from_json(text: &str) -> Result<Self> {
-        let plan: FaultPlan = serde_json::from_str(text)
-            .map_err(|e| Error::InvalidConfig(format!("fault plan: {e}")))?;
+    pub fn from_json(text: &str) -> Result<Self, InvalidConfig> {
+        let plan: FaultPlan =
+            serde_json::from_str(text).map_err(|e| InvalidConfig(format!("fault plan: {e}")))?;
         plan.check()?;
         Ok(plan)
     }
 
     /// Why this plan cannot run, if it cannot.
-    pub fn check(&self) -> Result<()> {
+    pub fn check(&self) -> Result<(), InvalidConfig> {
         for (i, f) in self.faults.iter().enumerate() {
             match f.kind {
                 FaultKind::Slow { factor } if !(1.0..=MAX_SLOWDOWN).contains(&factor) => {
-                    return Err(Error::InvalidConfig(format!(
+                    return Err(InvalidConfig(format!(
                         "fault plan entry {i}: slow factor {factor} must be between 1 and \
                          {MAX_SLOWDOWN}"
                     )));
@@ -228,7 +228,7 @@ impl FaultPlan {
                 | FaultKind::DelayMessage { seconds, .. }
                     if !(0.0..=MAX_STALL_S).contains(&seconds) =>
                 {
-                    return Err(Error::InvalidConfig(format!(
+                    return Err(InvalidConfig(format!(
                         "fault plan entry {i}: a stall of {seconds} s must be between 0 and \
                          {MAX_STALL_S} s"
                     )));

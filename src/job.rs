@@ -363,7 +363,7 @@ where
                 (fns.slots)(spec, Layout::data_parallel(world)?)
             }
         };
-        let link = crate::cluster::link::LinkConfig {
+        let link = crate::comm::net::link::LinkConfig {
             io_timeout: self.comm.timeout,
             ..Default::default()
         };

@@ -9,6 +9,7 @@ pub mod checkpoint;
 #[cfg(feature = "cluster")]
 pub mod cluster;
 pub mod comm;
+pub mod config;
 pub mod data;
 pub mod demo;
 pub mod device;
@@ -20,6 +21,7 @@ pub mod mesh;
 pub mod optim;
 pub mod parallel;
 pub mod recovery;
+pub mod report;
 pub mod testing;
 pub mod trace;
 

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::config::InvalidConfig;
 
 /// A position in the world of one job: `0..world_size`.
 #[derive(
@@ -61,23 +61,21 @@ pub struct Layout {
 
 impl Layout {
     /// A layout with the given degrees; every degree must be at least 1.
-    pub fn new(dp: u32, pp: u32, tp: u32) -> Result<Self> {
+    pub fn new(dp: u32, pp: u32, tp: u32) -> Result<Self, InvalidConfig> {
         for (name, value) in [
             ("data_parallel", dp),
             ("pipeline", pp),
             ("tensor_parallel", tp),
         ] {
             if value == 0 {
-                return Err(Error::InvalidConfig(format!(
-                    "{name} degree is 0: use at least 1"
-                )));
+                return Err(InvalidConfig(format!("{name} degree is 0: use at least 1")));
             }
         }
         Ok(Self { dp, pp, tp })
     }
 
     /// A pure data-parallel layout of `dp` replicas.
-    pub fn data_parallel(dp: u32) -> Result<Self> {
+    pub fn data_parallel(dp: u32) -> Result<Self, InvalidConfig> {
         Self::new(dp, 1, 1)
     }
 
@@ -159,6 +157,47 @@ impl Layout {
     }
 }
 
+/// A logical device of the job (one OS thread).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub struct DeviceId(pub u32);
+
+impl std::fmt::Display for DeviceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// A pipeline stage of one data-parallel replica.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
+pub struct StageId {
+    /// The data-parallel replica.
+    pub replica: u32,
+    /// The stage index in the pipeline (0 without pipeline parallelism).
+    pub stage: u32,
+}
+
+impl std::fmt::Display for StageId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "stage {} of replica {}", self.stage, self.replica)
+    }
+}
+
+/// The elements of a buffer of `len` elements that rank `index` of `world` owns: contiguous,
+/// in rank order, covering `0..len`; the first `len % world` chunks are one element longer.
+/// A world of 0 is treated as 1. The layout rule of every collective (COMM-6) and of the
+/// sampler's shares; re-exported as `comm::chunk_range`.
+pub fn chunk_range(len: usize, world: usize, index: usize) -> std::ops::Range<usize> {
+    let world = world.max(1);
+    let base = len / world;
+    let extra = len % world;
+    let start = index * base + index.min(extra);
+    start..start + base + usize::from(index < extra)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -230,6 +269,6 @@ mod tests {
 
     #[test]
     fn zero_degree_is_refused() {
-        assert!(matches!(Layout::new(0, 1, 1), Err(Error::InvalidConfig(_))));
+        assert!(matches!(Layout::new(0, 1, 1), Err(InvalidConfig(_))));
     }
 }

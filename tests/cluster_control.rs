@@ -192,9 +192,7 @@ fn ctl_7_node_stops_when_its_head_is_silent() {
 /// prepared node past several of its head time-outs, and reports the node once it is killed.
 #[test]
 fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
-    use meshwork::cluster::control::{
-        ClusterSecret, Head, HeadConfig, JobSpec, ModelSpec, demo_fingerprint,
-    };
+    use meshwork::cluster::control::{ClusterSecret, Head, HeadConfig, JobSpec, ModelSpec};
     use meshwork::device::{BackendKind, MeshDevice};
 
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -221,7 +219,7 @@ fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
             pipeline: None,
         };
         let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap();
-        let fingerprint = demo_fingerprint(&spec, device[0].burn()).unwrap();
+        let fingerprint = meshwork::demo::cluster_fingerprint(&spec, device[0].burn()).unwrap();
         let assembled = tokio::time::timeout(
             Duration::from_secs(60),
             head.assemble(1, &spec, fingerprint, Vec::new(), Duration::from_secs(60)),

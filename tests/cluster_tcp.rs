@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use half::{bf16, f16};
-use meshwork::cluster::link::{JobToken, LinkListener};
+use meshwork::comm::net::link::{JobToken, LinkListener};
 use meshwork::comm::tcp::{TcpConfig, TcpGroup, TcpGroupError};
 use meshwork::comm::{
     Algorithm, CommConfig, CommError, Communicator, Element, LocalGroup, ReduceOp, chunk_range,

@@ -7,7 +7,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use meshwork::cluster::control::protocol::{self as control, ControlMsg};
-use meshwork::cluster::frame::{self, FrameKind, HEADER_LEN, exercise_decoder};
+use meshwork::comm::net::frame::{self, FrameKind, HEADER_LEN, exercise_decoder};
 
 fn fuzz_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz")

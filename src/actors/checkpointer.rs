@@ -53,19 +53,21 @@ pub trait CheckpointSink: Send + Sync + std::fmt::Debug {
 
 impl<F: CheckpointFs + 'static> CheckpointSink for CheckpointStore<F> {
     fn write(&self, checkpoint: &Checkpoint) -> Result<PathBuf> {
-        CheckpointStore::write(self, checkpoint)
+        Ok(CheckpointStore::write(self, checkpoint)?)
     }
 
     fn write_failing_half_way(&self, checkpoint: &Checkpoint) -> Result<PathBuf> {
-        CheckpointStore::write_or_fail_half_way(self, checkpoint, true)
+        Ok(CheckpointStore::write_or_fail_half_way(
+            self, checkpoint, true,
+        )?)
     }
 
     fn latest_valid(&self) -> Result<Option<Loaded>> {
-        CheckpointStore::latest_valid(self)
+        Ok(CheckpointStore::latest_valid(self)?)
     }
 
     fn check_writable(&self) -> Result<()> {
-        CheckpointStore::check_writable(self)
+        Ok(CheckpointStore::check_writable(self)?)
     }
 
     fn location(&self) -> String {

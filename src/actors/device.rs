@@ -9,28 +9,16 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
-use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
 
 use crate::device::MeshDevice;
-use crate::error::{DeviceId, Error, Result};
+use crate::error::{Error, Result};
+use crate::mesh::DeviceId;
 
 /// Work for a compute thread (it reports its own result).
 pub type Task = Box<dyn FnOnce() + Send + 'static>;
 
-/// What a device reports in answer to a heartbeat.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Heartbeat {
-    /// The device.
-    pub device: DeviceId,
-    /// The task running now and for how long, if any.
-    pub busy: Option<(String, Duration)>,
-    /// Tasks finished so far.
-    pub tasks_done: u64,
-    /// The last progress the running task reported (step, micro-batch, instruction) and how
-    /// long ago: a task whose progress does not move is stuck, though its device answers.
-    pub progress: Option<(String, Duration)>,
-}
+pub use crate::report::Heartbeat;
 
 #[derive(Debug, Default)]
 struct ThreadStatus {

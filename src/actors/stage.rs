@@ -28,12 +28,13 @@ use crate::checkpoint::{ShardId, ShardSnapshot, restore_module, snapshot_module}
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
-use crate::error::{DeviceId, Error, Result, StageId};
+use crate::error::{Error, Result};
 use crate::faults::{DeviceMessages, FaultHooks, Phase, with_hooks};
+use crate::mesh::{DeviceId, StageId};
 use crate::mesh::{Generation, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::gradients::{ParamFilter, ParamLayout, map_parameters, parameter_fingerprint};
-use crate::parallel::sync::{self, GradientSync, HeldBytes, Reduced, SyncContext};
+use crate::parallel::sync::{self, GradientSync, Reduced, SyncContext};
 use crate::parallel::zero::ZeroStage;
 use crate::parallel::{ModelContext, NonFinitePolicy};
 use crate::trace::{TraceKind, TraceRecord};
@@ -61,34 +62,7 @@ pub(crate) struct StageSpec<M, I> {
     pub(crate) faults: Option<Arc<FaultHooks>>,
 }
 
-/// What a stage reports after the initial synchronization.
-#[derive(Debug, Clone)]
-pub struct InitReport {
-    /// Fingerprint of the parameters the factory built.
-    pub before: u64,
-    /// Fingerprint after receiving rank 0's parameters.
-    pub after: u64,
-}
-
-/// What a stage reports after a step.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct StepReport {
-    /// The stage's rank.
-    pub rank: Rank,
-    /// The sample ids it trained on, micro-batch after micro-batch.
-    pub sample_ids: Vec<usize>,
-    /// Its mean loss (`None` on a pipeline stage other than the last).
-    pub local_loss: Option<f32>,
-    /// The learning rate used (`None` when the update was skipped).
-    pub learning_rate: Option<f64>,
-    /// Its trace records.
-    pub trace: Vec<TraceRecord>,
-    /// A pipeline stage's instructions and stash figures.
-    pub pipeline: Option<crate::events::PipelineStageStep>,
-    /// What the rank held of the training state at this step (`None` when it did not step).
-    #[serde(default)]
-    pub held: Option<HeldBytes>,
-}
+pub use crate::report::{InitReport, StepReport};
 
 /// Messages a [`StageActor`] handles.
 pub enum StageMsg<M> {
@@ -891,7 +865,7 @@ fn apply_update<M: Module, I>(
         duration_us: t.elapsed().as_micros() as u64,
     });
     report.held = Some(slot.sync.held());
-    (slot, r)
+    (slot, r.map_err(Error::from))
 }
 
 /// Scale `grads` so that their global L2 norm is at most `max_norm`; see

@@ -7,7 +7,9 @@ use std::path::{Path, PathBuf};
 
 use super::format::{self, Manifest, PartEntry, ShardEntry};
 use super::{Checkpoint, CheckpointError, CheckpointFile, CheckpointFs, RealFs, ShardId};
-use crate::error::{Error, Result};
+use crate::config::InvalidConfig;
+
+type Result<T, E = CheckpointError> = std::result::Result<T, E>;
 
 const MANIFEST: &str = "manifest";
 const STEP_PREFIX: &str = "step-";
@@ -56,16 +58,16 @@ fn io_error<'a>(
 impl CheckpointStore<RealFs> {
     /// The checkpoints under `root` on the real file system, keeping the newest `keep`
     /// (at least 1).
-    pub fn open(root: impl Into<PathBuf>, keep: usize) -> Result<Self> {
+    pub fn open(root: impl Into<PathBuf>, keep: usize) -> Result<Self, InvalidConfig> {
         Self::with_fs(RealFs, root, keep)
     }
 }
 
 impl<F: CheckpointFs> CheckpointStore<F> {
     /// The checkpoints under `root` on `fs`, keeping the newest `keep` (at least 1).
-    pub fn with_fs(fs: F, root: impl Into<PathBuf>, keep: usize) -> Result<Self> {
+    pub fn with_fs(fs: F, root: impl Into<PathBuf>, keep: usize) -> Result<Self, InvalidConfig> {
         if keep == 0 {
-            return Err(Error::InvalidConfig(
+            return Err(InvalidConfig(
                 "checkpoints to keep is 0: keep at least 1".into(),
             ));
         }
@@ -111,13 +113,13 @@ impl<F: CheckpointFs> CheckpointStore<F> {
         let mut seen = HashSet::new();
         for s in &checkpoint.shards {
             if !seen.insert(s.shard) {
-                return Err(CheckpointError::DuplicateShard { shard: s.shard }.into());
+                return Err(CheckpointError::DuplicateShard { shard: s.shard });
             }
         }
         let dir = self.dir_of(checkpoint.step);
         if let Err(e) = self.write_dir(&dir, checkpoint, fail_half_way) {
             let _ = self.fs.remove_dir_all(&dir);
-            return Err(e.into());
+            return Err(e);
         }
         self.prune()?;
         Ok(dir)
@@ -236,9 +238,7 @@ impl<F: CheckpointFs> CheckpointStore<F> {
             .map_err(refuse("write", &probe))?;
         drop(file);
         match self.fs.remove_file(&probe) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => {
-                Err(refuse("remove", &probe)(e).into())
-            }
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(refuse("remove", &probe)(e)),
             _ => Ok(()),
         }
     }
@@ -249,7 +249,7 @@ impl<F: CheckpointFs> CheckpointStore<F> {
         let names = match self.fs.list(&self.root) {
             Ok(names) => names,
             Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(io_error("list", &self.root)(e).into()),
+            Err(e) => return Err(io_error("list", &self.root)(e)),
         };
         let mut steps: Vec<(u64, PathBuf)> = names
             .iter()

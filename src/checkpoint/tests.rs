@@ -8,7 +8,6 @@ use proptest::prelude::*;
 use super::format::{self, Manifest, ShardEntry};
 use super::*;
 use crate::demo::{Mlp, split_mlp};
-use crate::error::Error;
 use crate::mesh::Layout;
 use crate::parallel::gradients::parameter_fingerprint;
 
@@ -288,10 +287,7 @@ fn ckpt1_write_failing_halfway_keeps_previous_checkpoint() {
     fs.fail_after_bytes(one_shard + 5);
     let err = store.write(&checkpoint(2)).expect_err("injected fault");
     assert!(
-        matches!(
-            err,
-            Error::Checkpoint(CheckpointError::Io { op: "write", .. })
-        ),
+        matches!(err, CheckpointError::Io { op: "write", .. }),
         "{err:?}"
     );
     fs.heal();
@@ -441,7 +437,7 @@ fn duplicate_shard_in_snapshot_is_refused_before_writing() {
     c.shards.push(shard(0, 9.0));
     assert!(matches!(
         store.write(&c),
-        Err(Error::Checkpoint(CheckpointError::DuplicateShard { .. }))
+        Err(CheckpointError::DuplicateShard { .. })
     ));
     assert!(store.fs().files().is_empty());
 }
@@ -484,7 +480,7 @@ fn ckpt3_rewriting_a_step_replaces_it() {
 fn keep_zero_is_a_configuration_error() {
     assert!(matches!(
         CheckpointStore::with_fs(MemoryFs::new(), root(), 0),
-        Err(Error::InvalidConfig(_))
+        Err(crate::config::InvalidConfig(_))
     ));
 }
 
@@ -794,7 +790,7 @@ fn ckpt_7_a_root_that_cannot_be_created_is_refused_naming_it() {
     let target = file.join("checkpoints");
     let store = CheckpointStore::open(&target, 2).unwrap();
     match store.check_writable() {
-        Err(Error::Checkpoint(CheckpointError::NotWritable { root: r, op, .. })) => {
+        Err(CheckpointError::NotWritable { root: r, op, .. }) => {
             assert_eq!(r, target);
             assert_eq!(op, "create_dir");
         }

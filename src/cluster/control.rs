@@ -1,13 +1,13 @@
 //! The control plane: how the processes of one job find each other, agree they build the same
 //! job, and learn their ranks, the data-plane addresses and the job token. Built on
 //! ractor_cluster (nodes authenticate with a shared secret; actors are addressed through
-//! process groups); bulk bytes never ride on it (the data plane, [`super::link`], moves them).
+//! process groups); bulk bytes never ride on it (the data plane, [`crate::comm::net::link`], moves them).
 //!
 //! # Roles
 //!
 //! - The **head** ([`Head`]) is the process that will run the Supervisor. It listens, waits
 //!   for the nodes, greets each, assigns ranks ([`world::assign_ranks`]), hands out the world
-//!   and a fresh [`super::link::JobToken`], and checks the nodes are alive (heartbeats).
+//!   and a fresh [`crate::comm::net::link::JobToken`], and checks the nodes are alive (heartbeats).
 //! - A **node** ([`run_node`]) holds devices. It connects to the head and runs a
 //!   `NodeAgent` actor, registered in the job's process group (scope
 //!   `meshwork/<job>`, group `agents`), which answers the head's requests. ractor_cluster has
@@ -234,6 +234,12 @@ pub enum ControlError {
     InvalidPrepare(String),
 }
 
+impl From<ControlError> for crate::Error {
+    fn from(e: ControlError) -> Self {
+        crate::Error::Control(std::sync::Arc::new(e))
+    }
+}
+
 /// How the head was lost.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -263,33 +269,6 @@ pub fn structure_fingerprint<M: Module>(kind: &str, module: &M) -> ModelFingerpr
     ModelFingerprint(h.0)
 }
 
-/// The fingerprint of `meshwork::demo::Mlp` built from `spec` on `device` (the model of
-/// `meshwork train`). The widths come from the network, so the model is bounded before it is
-/// built: at most 64 layers and 2^28 parameters.
-pub fn demo_fingerprint(
-    spec: &JobSpec,
-    device: &burn::tensor::Device,
-) -> Result<ModelFingerprint, Incompatibility> {
-    let widths = match &spec.model {
-        ModelSpec::DemoMlp { widths } => widths,
-        ModelSpec::Named { kind, .. } => {
-            return Err(Incompatibility::UnknownModel { kind: kind.clone() });
-        }
-    };
-    let params: u64 = widths
-        .windows(2)
-        .map(|w| u64::from(w[0]) * u64::from(w[1]) + u64::from(w[1]))
-        .sum();
-    if widths.len() < 2 || widths.len() > 64 || widths.contains(&0) || params > 1 << 28 {
-        return Err(Incompatibility::Other(format!(
-            "demo MLP widths {widths:?} are not a model this node builds"
-        )));
-    }
-    let widths: Vec<usize> = widths.iter().map(|&w| w as usize).collect();
-    let model = crate::demo::Mlp::new(&widths, device);
-    Ok(structure_fingerprint("demo-mlp", &model))
-}
-
 /// Adopts a node's data-plane listeners ([`NodeOutcome::listeners`], bound before the ranks
 /// were known) as link listeners for its ranks in `plan`, admitting only `token`: the step
 /// from an assembled world to the data plane (`comm::tcp::TcpGroup::connect(&listeners[i],
@@ -297,9 +276,9 @@ pub fn demo_fingerprint(
 pub fn link_listeners(
     listeners: Vec<std::net::TcpListener>,
     plan: &ProcessPlan,
-    token: &super::link::JobToken,
-    config: super::link::LinkConfig,
-) -> Result<Vec<super::link::LinkListener>, ControlError> {
+    token: &crate::comm::net::link::JobToken,
+    config: crate::comm::net::link::LinkConfig,
+) -> Result<Vec<crate::comm::net::link::LinkListener>, ControlError> {
     if listeners.len() != plan.ranks.len() {
         return Err(ControlError::InvalidPrepare(format!(
             "{} listeners for ranks {:?}",
@@ -312,12 +291,12 @@ pub fn link_listeners(
         .zip(&plan.ranks)
         .map(|(l, &rank)| {
             let addr = l.local_addr().map(|a| a.to_string()).unwrap_or_default();
-            super::link::LinkListener::from_std(l, rank, token.clone(), config).map_err(|e| {
-                ControlError::Bind {
+            crate::comm::net::link::LinkListener::from_std(l, rank, token.clone(), config).map_err(
+                |e| ControlError::Bind {
                     addr,
                     reason: e.to_string(),
-                }
-            })
+                },
+            )
         })
         .collect()
 }
@@ -354,7 +333,7 @@ pub fn host_name() -> String {
 
 /// Binds one data-plane listener per device on `ip` (port 0: the system picks free ports),
 /// before the ranks and the token are known; the addresses go to the head in the Welcome.
-/// Hand them to the data plane with [`super::link::LinkListener::from_std`] once `Prepare`
+/// Hand them to the data plane with [`crate::comm::net::link::LinkListener::from_std`] once `Prepare`
 /// said which rank each serves.
 pub fn bind_data_plane(
     ip: std::net::IpAddr,

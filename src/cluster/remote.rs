@@ -59,7 +59,6 @@ use super::control::{
     HostArgs, NodeHandle, PART_BYTES, ProcessIndex, ProcessPlan, RemoteError, StageAnswer,
     StageHost, StageOp, StageRequest, World, join_shards, split_shards,
 };
-use super::link::{JobToken, LinkCloser, LinkListener};
 use crate::actors::device::{DeviceActor, DeviceMsg, heartbeat};
 use crate::actors::pipeline_stage::PipelineSpec;
 use crate::actors::stage::{InitReport, StageActor, StageArgs, StageMsg, StageSpec};
@@ -69,11 +68,13 @@ use crate::actors::supervisor::{
 };
 use crate::checkpoint::{ShardSnapshot, restore_module};
 use crate::comm::hierarchical::HierarchyPlan;
+use crate::comm::net::link::{JobToken, LinkCloser, LinkListener};
 use crate::comm::tcp::{TcpConfig, TcpGroup, TcpShutdown};
 use crate::comm::{Communicator, LocalGroup};
 use crate::device::{BackendKind, MeshDevice};
-use crate::error::{DeviceId, Error, Result, StageId};
+use crate::error::{Error, Result};
 use crate::mesh::{Coord, Generation, Layout, Rank};
+use crate::mesh::{DeviceId, StageId};
 use crate::parallel::ModelContext;
 use crate::parallel::pipeline::PipelineSchedule;
 use crate::parallel::pipeline_exec::{StageLinks, remote_links};

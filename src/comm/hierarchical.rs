@@ -409,7 +409,7 @@ mod tests {
         }
     }
 
-    use crate::cluster::link::{JobToken, LinkConfig, LinkListener};
+    use crate::comm::net::link::{JobToken, LinkConfig, LinkListener};
     use crate::comm::tcp::{TcpConfig, TcpGroup};
     use crate::comm::{CommConfig, chunk_range};
 

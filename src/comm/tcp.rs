@@ -1,9 +1,9 @@
 //! The TCP transport (feature `cluster`): the ranks of a group are processes, joined by one
-//! authenticated [`crate::cluster::link`] per pair, and run the same pure [`crate::comm::plan`]
+//! authenticated [`crate::comm::net::link`] per pair, and run the same pure [`crate::comm::plan`]
 //! plans as the in-process transport, so every op gives the same results.
 //!
 //! ```
-//! use meshwork::cluster::link::{JobToken, LinkListener};
+//! use meshwork::comm::net::link::{JobToken, LinkListener};
 //! use meshwork::comm::tcp::{TcpConfig, TcpGroup};
 //! use meshwork::comm::ReduceOp;
 //! use meshwork::mesh::{Generation, Rank};
@@ -92,7 +92,7 @@ use super::{
     Algorithm, CallShape, CollectiveKind, CommConfig, CommError, Communicator, LinkFailure,
     RankCall, ReduceOp, chunk_range,
 };
-use crate::cluster::link::{
+use crate::comm::net::link::{
     LinkCloser, LinkConfig, LinkError, LinkListener, LinkReader, LinkWriter, PayloadSink,
 };
 use crate::mesh::{Generation, Rank};
@@ -356,7 +356,7 @@ pub(crate) fn connect_mesh(
     listener: &LinkListener,
     addrs: &[SocketAddr],
     config: LinkConfig,
-) -> Result<Vec<(Rank, crate::cluster::link::Link)>, TcpGroupError> {
+) -> Result<Vec<(Rank, crate::comm::net::link::Link)>, TcpGroupError> {
     let me = listener.rank();
     let world = addrs.len();
     if me.index() >= world {
@@ -386,7 +386,7 @@ fn accept_all(
     world: usize,
     deadline: Instant,
     started: Instant,
-) -> Result<Vec<(Rank, crate::cluster::link::Link)>, TcpGroupError> {
+) -> Result<Vec<(Rank, crate::comm::net::link::Link)>, TcpGroupError> {
     let me = listener.rank();
     let mut missing = peers_with_role(me, world, LinkRole::Accept);
     let mut links = Vec::new();
@@ -431,14 +431,19 @@ fn connect_all(
     addrs: &[SocketAddr],
     config: LinkConfig,
     deadline: Instant,
-) -> Result<Vec<(Rank, crate::cluster::link::Link)>, TcpGroupError> {
+) -> Result<Vec<(Rank, crate::comm::net::link::Link)>, TcpGroupError> {
     let me = listener.rank();
     let token = listener.token();
     let mut links = Vec::new();
     for peer in peers_with_role(me, addrs.len(), LinkRole::Connect) {
         let link = loop {
-            match crate::cluster::link::Link::connect(addrs[peer.index()], me, peer, token, config)
-            {
+            match crate::comm::net::link::Link::connect(
+                addrs[peer.index()],
+                me,
+                peer,
+                token,
+                config,
+            ) {
                 Ok(link) => break link,
                 Err(LinkError::Io { source, .. })
                     if source.kind() == std::io::ErrorKind::ConnectionRefused

@@ -516,8 +516,8 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
             direct: false,
             spans: Vec::new(),
         };
-        let failed = |e: crate::error::Error| match e {
-            crate::error::Error::Comm(c) => ExecError::Comm(c),
+        let failed = |e: sync::SyncError| match e {
+            sync::SyncError::Comm(c) => ExecError::Comm(c),
             other => ExecError::Unsupported(other.to_string()),
         };
         let reduced = self
@@ -905,7 +905,7 @@ pub struct StepContext<'a, I> {
     pub on_instr: &'a dyn Fn(&Instr),
     /// The fault plan's hooks, called around every forward and backward, with the device
     /// and the step they are called for.
-    pub faults: Option<(&'a crate::faults::FaultHooks, crate::error::DeviceId, u64)>,
+    pub faults: Option<(&'a crate::faults::FaultHooks, crate::mesh::DeviceId, u64)>,
 }
 
 impl<I> std::fmt::Debug for StepContext<'_, I> {

@@ -10,7 +10,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
+use crate::config::InvalidConfig;
 
 /// Which ids each replica reads at each step.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,14 +31,14 @@ pub struct DataCursor {
 
 impl DistributedSampler {
     /// A sampler over `len` samples with `global_batch` samples per step.
-    pub fn new(len: usize, global_batch: usize, seed: u64) -> Result<Self> {
+    pub fn new(len: usize, global_batch: usize, seed: u64) -> Result<Self, InvalidConfig> {
         if global_batch == 0 {
-            return Err(Error::InvalidConfig(
+            return Err(InvalidConfig(
                 "batch_size is 0: use at least 1 sample per step".into(),
             ));
         }
         if len < global_batch {
-            return Err(Error::InvalidConfig(format!(
+            return Err(InvalidConfig(format!(
                 "the dataset has {len} samples, fewer than one global batch of {global_batch}: \
                  lower batch_size or use more data"
             )));
@@ -88,7 +88,7 @@ impl DistributedSampler {
     /// `global % replicas` replicas take one sample more (SAMPLER-4).
     pub fn replica_batch(&self, step: u64, replica: usize, replicas: usize) -> Vec<usize> {
         let global = self.global_batch(step);
-        global[crate::comm::chunk_range(global.len(), replicas.max(1), replica)].to_vec()
+        global[crate::mesh::chunk_range(global.len(), replicas.max(1), replica)].to_vec()
     }
 
     /// Every replica's ids at `step`, in replica order (one permutation computed once).
@@ -103,7 +103,7 @@ impl DistributedSampler {
         let start = self.cursor(step).batch as usize * self.global_batch;
         let global = &order[start..start + self.global_batch];
         (0..replicas.max(1))
-            .map(|r| global[crate::comm::chunk_range(global.len(), replicas.max(1), r)].to_vec())
+            .map(|r| global[crate::mesh::chunk_range(global.len(), replicas.max(1), r)].to_vec())
             .collect()
     }
 }

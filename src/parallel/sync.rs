@@ -32,10 +32,51 @@ use super::gradients::{
 use super::zero::{FlatRule, OptimizerShard, ZeroStage, owned_range, reshard};
 use crate::checkpoint::{CheckpointError, OptimizerPart, OptimizerState};
 use crate::comm::{CommError, Communicator, ReduceOp};
-use crate::error::{Error, Result};
-pub use crate::events::HeldBytes;
 use crate::optim::OptimizerConfig;
 use crate::trace::TraceKind;
+
+/// What one rank holds of the training state, in bytes (`f32` words × 4), as a worker reports
+/// it for `meshwork bench memory` and the sharding proofs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct HeldBytes {
+    /// Parameters (the whole model on every rank at ZeRO stages 0–2).
+    pub params: u64,
+    /// Gradients held at the optimizer step, after the reduction.
+    pub grads: u64,
+    /// Gradients held right after Burn's backward, before any reduction (Burn's single
+    /// backward call materialises every gradient at once).
+    pub grads_backward: u64,
+    /// Optimizer state.
+    pub optimizer: u64,
+    /// The range of the flat trainable order whose optimizer state this rank holds (the
+    /// whole order when not sharded).
+    pub owned: (u64, u64),
+}
+
+/// Why a synchronisation failed.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum SyncError {
+    /// A collective of the group failed.
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// This rank's optimizer shard is not the one its place in the group owns: the group
+    /// changed and the state was not restored onto it (a runtime bug, not a user error).
+    #[error(
+        "ZeRO: this rank's optimizer shard covers {have:?} but rank {rank} of {world} owns \
+         {want:?}: the group changed without its state being re-sharded"
+    )]
+    NotResharded {
+        /// The range the shard covers.
+        have: Range<usize>,
+        /// The range the rank owns.
+        want: Range<usize>,
+        /// The rank.
+        rank: usize,
+        /// The group's size.
+        world: usize,
+    },
+}
 
 /// What a reduction hands to [`GradientSync::apply`]: the reduced gradients (whole or this
 /// rank's shard) and what the worker must know before applying them.
@@ -117,7 +158,7 @@ pub trait GradientSync<M: Module>: Send {
         model: &M,
         grads: GradientsParams,
         cx: &mut SyncContext<'_>,
-    ) -> Result<Reduced>;
+    ) -> Result<Reduced, SyncError>;
 
     /// The optimizer step with the reduced gradients at learning rate `lr`, and whatever
     /// exchange keeps the ranks' parameters equal afterwards. On failure the model comes
@@ -128,7 +169,7 @@ pub trait GradientSync<M: Module>: Send {
         reduced: Reduced,
         lr: ModuleLearningRate,
         cx: &mut SyncContext<'_>,
-    ) -> std::result::Result<M, (M, Error)>;
+    ) -> Result<M, (M, SyncError)>;
 
     /// This rank's optimizer state, for a checkpoint or a peer (a part of it when sharded).
     fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError>;
@@ -259,7 +300,7 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         model: &M,
         grads: GradientsParams,
         cx: &mut SyncContext<'_>,
-    ) -> Result<Reduced> {
+    ) -> Result<Reduced, SyncError> {
         let whole = 4 * self.layout.len() as u64;
         self.held.params = whole;
         self.held.grads = whole;
@@ -302,7 +343,7 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         reduced: Reduced,
         lr: ModuleLearningRate,
         _cx: &mut SyncContext<'_>,
-    ) -> std::result::Result<M, (M, Error)> {
+    ) -> Result<M, (M, SyncError)> {
         let ReducedGrads::Whole(grads) = reduced.grads else {
             unreachable!("AllReduceSync reduces whole gradients")
         };
@@ -409,16 +450,15 @@ impl<M: Module> GradientSync<M> for ZeroSync {
         model: &M,
         grads: GradientsParams,
         cx: &mut SyncContext<'_>,
-    ) -> Result<Reduced> {
+    ) -> Result<Reduced, SyncError> {
         let range = self.owned(cx);
         if range != owned_range(self.layout.len(), cx.world(), cx.rank()) {
-            return Err(Error::Runtime(format!(
-                "ZeRO: this rank's optimizer shard covers {range:?} but rank {} of {} owns {:?}: \
-                 the group changed without its state being re-sharded",
-                cx.rank(),
-                cx.world(),
-                owned_range(self.layout.len(), cx.world(), cx.rank())
-            )));
+            return Err(SyncError::NotResharded {
+                have: range,
+                want: owned_range(self.layout.len(), cx.world(), cx.rank()),
+                rank: cx.rank(),
+                world: cx.world(),
+            });
         }
         let t = Instant::now();
         let mut buffers = GradientBuffers::take(model, &self.layout, grads);
@@ -489,7 +529,7 @@ impl<M: Module> GradientSync<M> for ZeroSync {
         reduced: Reduced,
         lr: ModuleLearningRate,
         cx: &mut SyncContext<'_>,
-    ) -> std::result::Result<M, (M, Error)> {
+    ) -> Result<M, (M, SyncError)> {
         let ReducedGrads::Shard(grads) = reduced.grads else {
             unreachable!("ZeroSync reduces shards")
         };
@@ -507,7 +547,7 @@ impl<M: Module> GradientSync<M> for ZeroSync {
                 let mut flat = vec![0.0f32; self.layout.len()];
                 let t = Instant::now();
                 if let Err(e) = comm.all_gather(&values, &mut flat) {
-                    return Err((model, e.into()));
+                    return Err((model, SyncError::Comm(e)));
                 }
                 cx.spans.push((
                     TraceKind::AllGather {

@@ -146,7 +146,7 @@ fn demo_fingerprint(
 ) -> Result<ModelFingerprint, Incompatibility> {
     let device = MeshDevice::of_kind(BackendKind::Flex, 1)
         .map_err(|e| Incompatibility::Other(e.to_string()))?;
-    let fingerprint = control::demo_fingerprint(spec, device[0].burn())?;
+    let fingerprint = meshwork::demo::cluster_fingerprint(spec, device[0].burn())?;
     Ok(match variant {
         // Another build's model: its structure hashes differently.
         Some(v) => ModelFingerprint(v.bytes().fold(fingerprint.0, |h, b| {

@@ -5,11 +5,11 @@
 use std::process::Command;
 use std::time::Duration;
 
-use meshwork::cluster::link::{JobToken, LinkListener};
 use meshwork::comm::Algorithm;
 use meshwork::comm::bench::{
     figures, memcpy_gbps, tcp_duplex_gbps, tcp_stream_gbps, time_all_reduce,
 };
+use meshwork::comm::net::link::{JobToken, LinkListener};
 use meshwork::comm::tcp::{TcpConfig, TcpGroup};
 use meshwork::error::{Error, Result};
 use meshwork::mesh::{Generation, Rank};

@@ -19,7 +19,7 @@ use super::stages::{HostArgs, HostFactory, RemoteError, StageAnswer, StageHost};
 use super::tls::NodeTls;
 use super::world::{ProcessIndex, ProcessPlan};
 use super::{AGENTS_GROUP, ControlError, HeadLoss, bind_data_plane, host_name, job_scope};
-use crate::cluster::link::JobToken;
+use crate::comm::net::link::JobToken;
 use crate::mesh::Rank;
 
 /// A message to a node's agent. Across processes it travels as the control protocol's bytes

@@ -24,7 +24,7 @@ use super::tls::HeadTls;
 const MAX_HANDSHAKES: usize = 64;
 use super::world::{ProcessIndex, ProcessPlan, ProcessSlot, World, assign_ranks};
 use super::{AGENTS_GROUP, ControlError, host_name, job_scope};
-use crate::cluster::link::JobToken;
+use crate::comm::net::link::JobToken;
 
 mod late;
 pub use late::{LateEvent, LateEvents, LateJoins, LateNode};

@@ -171,7 +171,7 @@ pub enum Incompatibility {
 /// The head's second message: the world, this node's place in it, the data-plane token.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Prepare {
-    /// The per-job data-plane token (`cluster::link::JobToken`'s bytes).
+    /// The per-job data-plane token (`comm::net::link::JobToken`'s bytes).
     pub token: [u8; 32],
     /// Every rank with its process and address.
     pub world: World,

@@ -32,13 +32,13 @@ use serde::{Deserialize, Serialize};
 
 use super::protocol::JobSpec;
 use super::world::ProcessPlan;
-use crate::actors::device::Heartbeat;
-use crate::actors::stage::StepReport;
-use crate::cluster::link::JobToken;
 use crate::comm::CommError;
-use crate::error::{DeviceId, Error, StageId};
+use crate::comm::net::link::JobToken;
+use crate::error::Error;
+use crate::mesh::{DeviceId, StageId};
 use crate::mesh::{Generation, Rank};
 use crate::parallel::pipeline_exec::ExecError;
+use crate::report::{Heartbeat, StepReport};
 
 /// One request for the stage of `slot`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

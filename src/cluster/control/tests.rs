@@ -2,7 +2,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::thread;
 
 use super::*;
-use crate::cluster::link::{JobToken, Link, LinkConfig, LinkError};
+use crate::comm::net::link::{JobToken, Link, LinkConfig, LinkError};
 use crate::mesh::Rank;
 
 #[test]
@@ -50,13 +50,13 @@ fn structure_fingerprint_follows_shapes_not_values() {
         collective_timeout_ms: 1000,
         pipeline: None,
     };
-    let a = demo_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();
-    let b = demo_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();
-    let c = demo_fingerprint(&spec(vec![4, 9, 2]), &device).unwrap();
+    let a = crate::demo::cluster_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();
+    let b = crate::demo::cluster_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();
+    let c = crate::demo::cluster_fingerprint(&spec(vec![4, 9, 2]), &device).unwrap();
     assert_eq!(a, b, "two initializations of one model");
     assert_ne!(a, c);
     assert!(matches!(
-        demo_fingerprint(&spec(vec![1 << 20, 1 << 20]), &device),
+        crate::demo::cluster_fingerprint(&spec(vec![1 << 20, 1 << 20]), &device),
         Err(Incompatibility::Other(_))
     ));
     let named = JobSpec {
@@ -67,7 +67,7 @@ fn structure_fingerprint_follows_shapes_not_values() {
         ..spec(vec![1, 1])
     };
     assert_eq!(
-        demo_fingerprint(&named, &device),
+        crate::demo::cluster_fingerprint(&named, &device),
         Err(Incompatibility::UnknownModel { kind: "gpt".into() })
     );
 }

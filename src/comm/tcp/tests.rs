@@ -10,7 +10,7 @@ use proptest::prelude::*;
 
 use super::schedule::{SendMode, chosen_modes, completes_with, peers_with_role, resolve};
 use super::*;
-use crate::cluster::link::{JobToken, LinkListener};
+use crate::comm::net::link::{JobToken, LinkListener};
 use crate::comm::{DType, LocalGroup};
 
 fn token() -> JobToken {
@@ -400,7 +400,7 @@ fn tcp_1_wrong_token_never_becomes_a_link_and_the_group_still_forms() {
     hello.extend_from_slice(&1u32.to_le_bytes()); // rank 1
     std::io::Write::write_all(
         &mut stranger,
-        &crate::cluster::frame::encode(crate::cluster::frame::FrameKind::Hello, 0, &hello),
+        &crate::comm::net::frame::encode(crate::comm::net::frame::FrameKind::Hello, 0, &hello),
     )
     .unwrap();
     let results = std::thread::scope(|scope| {

@@ -27,7 +27,7 @@ use crate::cluster::control::protocol::{
 };
 use crate::cluster::control::world::{ProcessIndex, RankEntry, World};
 use crate::cluster::control::{AGENTS_GROUP, ControlError, job_scope};
-use crate::cluster::link::JobToken;
+use crate::comm::net::link::JobToken;
 use crate::mesh::Rank;
 
 /// What happens to nodes that come to a running job ([`Head::admit_late`]).

@@ -15,7 +15,7 @@ use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
 use super::{Awaiting, Link, LinkError, Peer, is_timeout};
-use crate::cluster::frame::{self, FrameError, FrameHeader, FrameKind, HEADER_LEN};
+use crate::comm::net::frame::{self, FrameError, FrameHeader, FrameKind, HEADER_LEN};
 
 /// Bytes read per piece by [`LinkReader::recv_into`]: small enough that a piece is still in
 /// the cache when the sink reduces it.
