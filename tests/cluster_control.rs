@@ -217,6 +217,7 @@ fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
             learning_rate: 3e-3,
             collective_timeout_ms: 60_000,
             pipeline: None,
+            zero: 0,
         };
         let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap();
         let fingerprint = meshwork::demo::cluster_fingerprint(&spec, device[0].burn()).unwrap();

@@ -153,6 +153,8 @@ struct Shape<M> {
     layout: Layout,
     /// Slots start in two phases (REMOTE-4).
     pipelined: bool,
+    /// Whether every data-parallel rank holds its block's whole state (not under ZeRO).
+    replicated_state: bool,
     rebuild: Rebuild<M>,
     model_ranks: Vec<usize>,
     assemble: fn(Vec<M>) -> Option<M>,
@@ -368,6 +370,7 @@ impl ClusterMesh {
         I: Send + Sync + 'static,
     {
         let device = self.model_device.burn().clone();
+        let replicated_state = !spec.zero.shards_optimizer();
         let rebuild: Rebuild<M> = Arc::new(move |id: StageId, shards: Vec<ShardSnapshot>| {
             let shard = shards
                 .into_iter()
@@ -386,6 +389,7 @@ impl ClusterMesh {
                 let shape = Shape {
                     layout: Layout::data_parallel(world)?,
                     pipelined: false,
+                    replicated_state,
                     rebuild,
                     model_ranks: vec![0],
                     assemble: |mut models: Vec<M>| models.pop(),
@@ -407,6 +411,7 @@ impl ClusterMesh {
     where
         I: Send + Sync + 'static,
     {
+        let replicated_state = !spec.zero.shards_optimizer();
         let rebuild = pipeline::rebuild_blocks(spec, self.model_device.burn().clone());
         Box::new(move |cx: SpawnContext| {
             Box::pin(async move {
@@ -417,6 +422,7 @@ impl ClusterMesh {
                 let shape = Shape {
                     layout,
                     pipelined: true,
+                    replicated_state,
                     rebuild,
                     model_ranks,
                     assemble: |parts| Some(PipelineModel::merge(parts)),
@@ -567,7 +573,7 @@ impl ClusterMesh {
             model_ranks: shape.model_ranks,
             assemble: shape.assemble,
             replicas_only: !shape.pipelined,
-            replicated_state: true,
+            replicated_state: shape.replicated_state,
             grow,
             rewire,
             devices: Some(devices),

@@ -207,6 +207,7 @@ pub fn for_stage<M: Module>(
     Ok(match stage {
         ZeroStage::Off => Box::new(AllReduceSync {
             optimizer: optimizer.init(),
+            words: FlatRule::of(optimizer).map_or(0, |r| r.state_words()),
             layout,
             buckets,
             fusion: Vec::new(),
@@ -282,6 +283,8 @@ fn clip_to(grads: &mut [&mut [f32]], norm: f32, max_norm: f32) {
 /// Plain data parallelism: all-reduce in buckets, Burn's optimizer on the whole model.
 pub struct AllReduceSync {
     optimizer: ModuleOptimizer,
+    /// The `f32` words of state Burn's optimizer keeps per parameter element once stepped.
+    words: usize,
     layout: ParamLayout,
     buckets: Vec<Bucket>,
     fusion: Vec<f32>,
@@ -370,12 +373,11 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
 
     fn held(&self) -> HeldBytes {
         let mut held = self.held;
-        // Burn's record of the state: what it would write to a checkpoint.
-        held.optimizer = self
-            .optimizer
-            .clone()
-            .into_bytes()
-            .map_or(0, |b| b.len() as u64);
+        // Burn keeps `words` tensors the size of each parameter once it has stepped it
+        // (counted, not serialized: this runs every step).
+        if held.params > 0 {
+            held.optimizer = self.words as u64 * held.params;
+        }
         held
     }
 }

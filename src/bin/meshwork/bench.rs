@@ -125,6 +125,44 @@ pub(crate) enum BenchCommand {
         #[arg(long, value_enum)]
         algo: AlgoArg,
     },
+    /// Memory per data-parallel rank under ZeRO stage 0, 1 or 2 (parameters, gradients,
+    /// optimizer state at the optimizer step and between steps) against the ZeRO paper's
+    /// formula, with peak RSS and samples/s against plain data parallelism; demo MLP with
+    /// Adam.
+    Memory {
+        /// Data-parallel replicas.
+        #[arg(long, default_value_t = 2)]
+        dp: u32,
+        /// ZeRO stage: 0, 1 or 2.
+        #[arg(long, default_value_t = 2)]
+        zero: u8,
+        /// Width of the demo MLP's two hidden layers (1024: about 1.1 million parameters).
+        #[arg(long, default_value_t = 1024)]
+        hidden: usize,
+        /// Timed steps (after 3 warm-up steps).
+        #[arg(long, default_value_t = 20)]
+        steps: u64,
+        /// Global batch size.
+        #[arg(long, default_value_t = 128)]
+        batch_size: usize,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// (internal) One side of `bench memory`, run in a child process.
+    #[command(hide = true)]
+    MemoryWorker {
+        #[arg(long)]
+        dp: u32,
+        #[arg(long)]
+        zero: u8,
+        #[arg(long)]
+        hidden: usize,
+        #[arg(long)]
+        steps: u64,
+        #[arg(long)]
+        batch_size: usize,
+    },
     /// (internal) One side of `bench dp`, run in a child process.
     #[command(hide = true)]
     DpWorker {
@@ -206,6 +244,36 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
         } => allreduce_worker(rank, world, &sizes, algo.into()),
         BenchCommand::Dp { world, steps, json } => dp(world, steps, json),
         BenchCommand::DpWorker { mode, world, steps } => dp_worker(&mode, world, steps),
+        BenchCommand::Memory {
+            dp,
+            zero,
+            hidden,
+            steps,
+            batch_size,
+            json,
+        } => crate::memory_bench::run(
+            crate::memory_bench::MemoryBench {
+                dp,
+                zero,
+                hidden,
+                steps,
+                batch_size,
+            },
+            json,
+        ),
+        BenchCommand::MemoryWorker {
+            dp,
+            zero,
+            hidden,
+            steps,
+            batch_size,
+        } => crate::memory_bench::worker(crate::memory_bench::MemoryBench {
+            dp,
+            zero,
+            hidden,
+            steps,
+            batch_size,
+        }),
         BenchCommand::Recovery {
             dp,
             steps,
@@ -467,7 +535,7 @@ fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
     Ok(())
 }
 
-fn peak_rss_bytes() -> u64 {
+pub(crate) fn peak_rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {

@@ -241,6 +241,7 @@ fn settings<M: Send + 'static>(
         .data(task.dataset(DEMO_SAMPLES))
         .optimizer(AdamConfig::new())
         .learning_rate(spec.learning_rate)
+        .zero(meshwork::parallel::zero::ZeroStage::from_number(spec.zero).unwrap_or_default())
         .batch_size(spec.batch_size as usize)
         .steps(spec.steps)
         .seed(spec.seed)
@@ -339,7 +340,7 @@ pub(crate) fn dispatch_train(
 pub(crate) fn demo_spec(
     widths: &[usize],
     (seed, batch_size, steps): (u64, usize, u64),
-    lr: f64,
+    (lr, zero): (f64, u8),
     collective_timeout: f64,
     pipeline: Option<PipelineShape>,
 ) -> JobSpec {
@@ -353,6 +354,7 @@ pub(crate) fn demo_spec(
         learning_rate: lr,
         collective_timeout_ms: (collective_timeout * 1000.0) as u64,
         pipeline,
+        zero,
     }
 }
 

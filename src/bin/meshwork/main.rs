@@ -14,6 +14,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 #[cfg(feature = "cluster")]
 mod cluster;
+mod memory_bench;
 mod pipeline_bench;
 mod recovery_bench;
 #[cfg(feature = "cluster")]

@@ -14,6 +14,7 @@ use meshwork::faults::FaultPlan;
 use meshwork::job::{EventsError, Job, JobHandle, RunSummary, Trained};
 use meshwork::parallel::pipeline::{Schedule, even_split, render_svg};
 use meshwork::parallel::pipeline_exec::chrome_trace;
+use meshwork::parallel::zero::ZeroStage;
 use meshwork::recovery::RecoveryPolicy;
 
 /// Flags of `meshwork train`.
@@ -37,6 +38,10 @@ pub(crate) struct TrainArgs {
     /// Adam's learning rate.
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
+    /// ZeRO stage: 0 (every replica holds the whole optimizer state), 1 (each holds its
+    /// 1/N share of Adam's state) or 2 (and only its share of the reduced gradient).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    zero: u8,
     /// Write the trained model (Burn record) to this file.
     #[arg(long)]
     save_model: Option<PathBuf>,
@@ -192,7 +197,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
             crate::cluster::demo_spec(
                 &widths,
                 (args.seed, args.batch_size, args.steps),
-                args.lr,
+                (args.lr, args.zero),
                 args.collective_timeout,
                 pipeline,
             )
@@ -389,6 +394,7 @@ fn settings<M: Send + 'static, I: Send + Sync + 'static>(
     let builder = builder
         .optimizer(AdamConfig::new())
         .learning_rate(args.lr)
+        .zero(ZeroStage::from_number(args.zero).unwrap_or_default())
         .data_parallel(dp)
         .devices(devices)
         .batch_size(args.batch_size)

@@ -39,7 +39,7 @@ use crate::mesh::Rank;
 pub const CONTROL_MAGIC: [u8; 4] = *b"MWCT";
 
 /// The control protocol version this build speaks.
-pub const CONTROL_PROTOCOL_VERSION: u16 = 4;
+pub const CONTROL_PROTOCOL_VERSION: u16 = 5;
 
 /// Bytes of the fixed header.
 pub const CONTROL_HEADER_LEN: usize = 10;
@@ -94,6 +94,8 @@ pub struct JobSpec {
     pub collective_timeout_ms: u64,
     /// The pipeline the model is cut into, if the job is dp × pp.
     pub pipeline: Option<PipelineShape>,
+    /// The ZeRO stage (0: every rank holds the whole optimizer state; 1; 2).
+    pub zero: u8,
 }
 
 /// How a dp × pp job cuts its model: what every process needs to build the same stages.

@@ -48,6 +48,7 @@ fn structure_fingerprint_follows_shapes_not_values() {
         steps: 1,
         learning_rate: 0.1,
         collective_timeout_ms: 1000,
+        zero: 0,
         pipeline: None,
     };
     let a = crate::demo::cluster_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();

@@ -14,6 +14,7 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
         steps: 300,
         learning_rate: 3e-3,
         collective_timeout_ms: 60_000,
+        zero: 0,
         pipeline: None,
     };
     let addr = |port| SocketAddr::from(([127, 0, 0, 1], port));
