@@ -137,6 +137,7 @@ async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std:
         steps: 30,
         learning_rate: 3e-3,
         collective_timeout_ms: 20_000,
+        zero: 0,
         // A pipeline of one stage per node: a 1 × 2 dp × pp mesh.
         pipeline: pipelined.then(|| PipelineShape {
             stages: NODES as u32,

@@ -74,6 +74,7 @@ fn write_control_seed_corpus() {
         steps: 10,
         learning_rate: 3e-3,
         collective_timeout_ms: 60_000,
+        zero: 0,
         pipeline: None,
     };
     let messages = [
