@@ -1,6 +1,6 @@
 //! `Supervisor`: owns the job, drives the step clock, recovers or ends the job on failure.
 //!
-//! A thin actor over pure decisions: [`decide`] holds what to do at a step boundary, what a
+//! A thin actor over pure decisions: `decide` holds what to do at a step boundary, what a
 //! failure means and whether a resize is admitted, as pure functions of plain data with
 //! property tests; the files beside this one carry the answers out, one concern each:
 //! `state` (what the actor holds), `spawn` (what a job's spawner hands it), `lifecycle`
@@ -38,7 +38,7 @@
 mod boundary;
 mod calls;
 mod checkpoints;
-pub(crate) mod decide;
+mod decide;
 mod lifecycle;
 mod members;
 mod recover;

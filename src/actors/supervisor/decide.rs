@@ -118,7 +118,8 @@ pub(crate) fn at_boundary(b: &Boundary) -> AtBoundary {
 /// never twice for the same boundary.
 pub(crate) fn checkpoint_due(c: &CheckpointFacts, step: u64, ending: bool) -> bool {
     let due = c.requested
-        || c.every.is_some_and(|n| n > 0 && step > 0 && step.is_multiple_of(n))
+        || c.every
+            .is_some_and(|n| n > 0 && step > 0 && step.is_multiple_of(n))
         || (c.configured && ending);
     due && c.last != Some(step)
 }

@@ -93,6 +93,13 @@ where
     );
     let task = tokio::spawn(async move {
         let started = Instant::now();
+        let mut unfinished = Unfinished {
+            me: Some(me.clone()),
+            attempt,
+            generation,
+            step,
+            started,
+        };
         let global_samples: usize = shares.iter().map(Vec::len).sum();
         let build = |r: usize| {
             let share = &shares[replica_of[r]];
@@ -114,6 +121,7 @@ where
             Some(e) => Some(diagnose(&crew, e, replicas_only).await),
             None => None,
         };
+        unfinished.me = None;
         // A Supervisor gone meanwhile has ended the job: nobody to tell.
         let _ = me.send_message(SupervisorMsg::StepFinished(Box::new(StepFinished {
             attempt,
@@ -131,6 +139,37 @@ where
         step,
         task: task.abort_handle(),
     });
+}
+
+/// Reports a step's task that ends without an outcome (a panic in it, or an abort at the end
+/// of the job) as a failed step, so the Supervisor never waits for a step that cannot end.
+struct Unfinished {
+    /// `None` once the outcome is sent.
+    me: Option<ActorRef<SupervisorMsg>>,
+    attempt: u64,
+    generation: Generation,
+    step: u64,
+    started: Instant,
+}
+
+impl Drop for Unfinished {
+    fn drop(&mut self) {
+        let Some(me) = self.me.take() else { return };
+        let failure = Error::Runtime(format!(
+            "the task running step {} ended without an outcome",
+            self.step
+        ));
+        let _ = me.send_message(SupervisorMsg::StepFinished(Box::new(StepFinished {
+            attempt: self.attempt,
+            generation: self.generation,
+            step: self.step,
+            shares: Vec::new(),
+            reports: Vec::new(),
+            failure: Some(failure),
+            started: self.started,
+            wall: self.started.elapsed(),
+        })));
+    }
 }
 
 /// A collective time-out in a data-parallel job: tell stuck from dead by probing the missing
