@@ -981,8 +981,8 @@ impl<M: Send + 'static> JobHandle<M> {
         EventStream { rx, ended: false }
     }
 
-    /// Where the job is. Answered between steps (the Supervisor is busy during a step), so
-    /// this waits at most one step, bounded by `timeout`.
+    /// Where the job is. Answered at once, also while a step runs (SV-3: the step runs on a
+    /// task of its own); `timeout` bounds the wait for a Supervisor that does not answer.
     pub async fn status(&self, timeout: Duration) -> Result<JobStatus> {
         status_of(&self.supervisor, timeout).await
     }

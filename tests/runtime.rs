@@ -417,3 +417,146 @@ async fn rt_3_a_stuck_stage_ends_the_step_with_a_timeout_naming_it() {
     })
     .await;
 }
+
+/// A gate a loss function waits at: while it is closed, every loss that reaches it blocks
+/// (at most 60 s) until the test opens it; `entered` counts the losses that reached it.
+#[derive(Default)]
+struct Gate {
+    closed: std::sync::atomic::AtomicBool,
+    entered: std::sync::atomic::AtomicUsize,
+}
+
+impl Gate {
+    fn set(&self, closed: bool) {
+        self.closed
+            .store(closed, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    fn entered(&self) -> usize {
+        self.entered.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Wait (polling, at most 60 s) until at least `n` losses reached the gate.
+    async fn wait_entered(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.entered() < n {
+            assert!(Instant::now() < deadline, "no step reached the gate");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// The next event for which `pick` says `Some`, within 30 s; every event before it is
+/// handed to `pick` too.
+async fn next_event<T>(
+    events: &mut meshwork::job::EventStream,
+    mut pick: impl FnMut(&JobEvent) -> Option<T>,
+) -> T {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match events.recv().await {
+                Ok(e) => {
+                    if let Some(t) = pick(&e) {
+                        return t;
+                    }
+                }
+                Err(EventsError::Missed(_)) => {}
+                Err(EventsError::Closed) => panic!("the job ended before the awaited event"),
+            }
+        }
+    })
+    .await
+    .expect("the awaited event did not come within 30 s")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sv_3_status_pause_and_stop_are_answered_while_a_long_step_runs() {
+    use std::sync::Arc;
+    bounded(async {
+        // Every step's loss waits at the gate while it is closed: a step lasts as long as the
+        // test wants, whatever the machine's speed.
+        let gate = Arc::new(Gate::default());
+        gate.set(true);
+        let at_gate = gate.clone();
+        let handle = small_job(samples(64), 2, 10)
+            .loss(move |model, samples, device| {
+                at_gate
+                    .entered
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let start = Instant::now();
+                while at_gate.closed.load(std::sync::atomic::Ordering::SeqCst)
+                    && start.elapsed() < Duration::from_secs(60)
+                {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                mse_loss(model, samples, device)
+            })
+            .build()
+            .unwrap()
+            .spawn()
+            .await
+            .unwrap();
+        let mut events = handle.events();
+        let control = handle.control();
+
+        // Step 0 is running (a replica's loss waits at the gate): status is answered now.
+        gate.wait_entered(1).await;
+        let held_since = Instant::now();
+        let asked = Instant::now();
+        let status = handle.status(Duration::from_secs(30)).await.unwrap();
+        let answered_in = asked.elapsed();
+        assert_eq!(status.steps_done, 0);
+        assert!(!status.paused && !status.stopping);
+
+        // pause() is taken during the step (its event comes before the step ends)...
+        handle.pause();
+        next_event(&mut events, |e| match e {
+            JobEvent::Paused => Some(()),
+            JobEvent::StepDone(s) => panic!("step {} ended while the gate was closed", s.step),
+            _ => None,
+        })
+        .await;
+        let status = handle.status(Duration::from_secs(30)).await.unwrap();
+        assert!(status.paused);
+        assert_eq!(status.steps_done, 0, "step 0 is still held at the gate");
+
+        // ...and acts at the next boundary: the running step finishes, no new one starts.
+        tokio::time::sleep_until((held_since + Duration::from_secs(2)).into()).await;
+        gate.set(false);
+        let wall_s = next_event(&mut events, |e| match e {
+            JobEvent::StepDone(s) => Some((s.step, s.wall_s)),
+            _ => None,
+        })
+        .await;
+        assert_eq!(wall_s.0, 0);
+        let step_s = wall_s.1;
+        assert!(step_s >= 2.0, "step 0 was held 2 s at the gate: {step_s} s");
+        assert!(
+            answered_in.as_secs_f64() < step_s / 4.0,
+            "status took {answered_in:?} during a step of {step_s} s"
+        );
+        let entered = gate.entered();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let status = handle.status(Duration::from_secs(30)).await.unwrap();
+        assert!(status.paused);
+        assert_eq!(status.steps_done, 1);
+        assert_eq!(gate.entered(), entered, "a step started while paused");
+
+        // stop() during a step: taken at once, the step finishes, the job ends after it.
+        gate.set(true);
+        handle.resume();
+        gate.wait_entered(entered + 1).await;
+        control.stop();
+        let status = handle.status(Duration::from_secs(30)).await.unwrap();
+        assert!(status.stopping);
+        assert_eq!(status.steps_done, 1, "step 1 is still held at the gate");
+        gate.set(false);
+        let trained = handle.join().await.unwrap();
+        assert_eq!(
+            trained.summary.steps, 2,
+            "the running step ends, then the job"
+        );
+        println!("sv-3: status answered in {answered_in:?} during a step of {step_s:.2} s");
+    })
+    .await;
+}

@@ -10,13 +10,14 @@
 //!   checkpoint is written before `join()` returns (bounded by [`DRAIN_TIMEOUT`]).
 //! - CKW-2: a failed write is an event, not a job failure; the previous checkpoints stay valid
 //!   (CKPT-1).
+//! - CKW-3: at most [`MAX_BACKLOG`] checkpoints wait or are being written; the writer thread
+//!   signals every write it finishes ([`CheckpointQueue::wait_below`] wakes on it, no polling).
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, mpsc};
 use std::time::Duration;
 
-use tokio::sync::broadcast;
+use tokio::sync::{broadcast, watch};
 
 use crate::checkpoint::{Checkpoint, CheckpointFs, CheckpointStore, Loaded};
 use crate::error::Result;
@@ -102,24 +103,34 @@ pub const MAX_BACKLOG: usize = 2;
 #[derive(Debug, Clone)]
 pub struct CheckpointQueue {
     tx: mpsc::Sender<Work>,
-    /// Checkpoints queued and not written yet.
-    backlog: Arc<AtomicUsize>,
+    /// Checkpoints queued and not written yet; the writer thread signals each write it ends.
+    backlog: Arc<watch::Sender<usize>>,
 }
 
 impl CheckpointQueue {
     /// Queue a write (returns at once, CKW-1); false if the writer has stopped.
     pub fn send(&self, queued: Queued) -> bool {
-        self.backlog.fetch_add(1, Ordering::SeqCst);
+        self.backlog.send_modify(|b| *b += 1);
         let sent = self.tx.send(Work::Write(Box::new(queued))).is_ok();
         if !sent {
-            self.backlog.fetch_sub(1, Ordering::SeqCst);
+            self.backlog.send_modify(|b| *b -= 1);
         }
         sent
     }
 
     /// Checkpoints queued and not written yet.
     pub fn backlog(&self) -> usize {
-        self.backlog.load(Ordering::SeqCst)
+        *self.backlog.borrow()
+    }
+
+    /// Wait until fewer than `limit` checkpoints are queued or being written, woken by the
+    /// writer thread as each write ends (CKW-3); after `timeout`, `Err` with the backlog then.
+    pub async fn wait_below(&self, limit: usize, timeout: Duration) -> Result<(), usize> {
+        let mut written = self.backlog.subscribe();
+        match tokio::time::timeout(timeout, written.wait_for(|b| *b < limit)).await {
+            Ok(Ok(_)) => Ok(()),
+            _ => Err(self.backlog()),
+        }
     }
 
     /// Wait (blocking, at most `timeout`) until every write queued before is done; false if
@@ -135,7 +146,7 @@ impl CheckpointQueue {
 pub struct Checkpointer {
     tx: Option<mpsc::Sender<Work>>,
     done: Option<mpsc::Receiver<()>>,
-    backlog: Arc<AtomicUsize>,
+    backlog: Arc<watch::Sender<usize>>,
 }
 
 impl Checkpointer {
@@ -146,7 +157,7 @@ impl Checkpointer {
     ) -> Result<Self> {
         let (tx, rx) = mpsc::channel::<Work>();
         let (done_tx, done) = mpsc::channel();
-        let backlog = Arc::new(AtomicUsize::new(0));
+        let backlog = Arc::new(watch::Sender::new(0));
         let left = backlog.clone();
         std::thread::Builder::new()
             .name("meshwork-checkpointer".into())
@@ -187,7 +198,7 @@ impl Checkpointer {
                     // The event goes out before the backlog shrinks: a step boundary that
                     // waited for this write then always follows its event (CKW-3).
                     let _ = events.send(event);
-                    left.fetch_sub(1, Ordering::SeqCst);
+                    left.send_modify(|b| *b -= 1);
                 }
                 let _ = done_tx.send(());
             })

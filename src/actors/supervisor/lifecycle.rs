@@ -1,0 +1,282 @@
+//! A job's beginning and end: the actors spawned through the job's spawner, the stages
+//! initialized and synchronized (and restored when resuming), a child that ends unexpectedly,
+//! and the end (the trained model collected, the outcome sent once: SV-2; nothing of the job
+//! left running: SV-1).
+
+use std::collections::HashSet;
+
+use ractor::rpc::CallResult;
+use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
+
+use super::calls::call_all;
+use super::checkpoints::resume;
+use super::spawn::SpawnContext;
+use super::state::SupervisorState;
+use super::{RunSummary, SupervisorArgs, SupervisorMsg, Trained};
+use crate::actors::checkpointer::{Checkpointer, DRAIN_TIMEOUT};
+use crate::actors::device::DeviceActor;
+use crate::actors::stage::StageMsg;
+use crate::error::{Error, Result};
+use crate::events::JobEvent;
+use crate::mesh::Generation;
+use crate::recovery::{OnReplicaLoss, RestartLog};
+
+/// Spawn the job's devices and stages (linked to the Supervisor) and its checkpoint writer;
+/// `Init` follows.
+pub(super) async fn start<M, I>(
+    myself: &ActorRef<SupervisorMsg>,
+    a: SupervisorArgs<M, I>,
+) -> Result<SupervisorState<M, I>, ActorProcessingErr>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let world = a.layout.world_size() as usize;
+    let local = if a.remote { 0 } else { world };
+    let mut devices = Vec::with_capacity(local);
+    for d in a.devices.iter().take(local) {
+        let (r, _) = Actor::spawn_linked(None, DeviceActor, d.clone(), myself.get_cell()).await?;
+        devices.push((d.clone(), r));
+    }
+    let spawned = (a.spawn)(SpawnContext {
+        step_timeout: a.step_timeout,
+        supervisor: myself.get_cell(),
+        devices: devices.clone(),
+        layout: a.layout,
+        comm: a.comm.clone(),
+    })
+    .await?;
+    let checkpointer = match &a.checkpoints {
+        Some(c) => Some(Checkpointer::spawn(c.sink.clone(), a.events.clone())?),
+        None => None,
+    };
+    myself.send_message(SupervisorMsg::Init)?;
+    let reconnect_devices = spawned.devices.is_some();
+    Ok(SupervisorState {
+        reconnect_devices,
+        layout: a.layout,
+        steps: a.steps,
+        accumulation: a.accumulation,
+        sampler: a.sampler,
+        epoch_order: None,
+        step_timeout: a.step_timeout,
+        events: a.events,
+        outcome: Some(a.outcome),
+        devices: spawned
+            .devices
+            .unwrap_or_else(|| devices.into_iter().map(|(d, r)| (r, d.id())).collect()),
+        reconnect: spawned.reconnect,
+        stages: spawned.stages,
+        others: spawned.others,
+        shutdown: spawned.shutdown,
+        model_ranks: spawned.model_ranks,
+        assemble: spawned.assemble,
+        replicas_only: spawned.replicas_only,
+        replicated_state: spawned.replicated_state,
+        comm: a.comm.clone(),
+        myself: myself.get_cell(),
+        generation: Generation(0),
+        faults: a.faults,
+        recovery: a.recovery,
+        restarts: RestartLog::default(),
+        departed: HashSet::new(),
+        pending_lost: Vec::new(),
+        interrupted: None,
+        running: None,
+        attempts: 0,
+        deferred: Vec::new(),
+        checkpointer,
+        checkpoints: a.checkpoints,
+        checkpoint_requested: false,
+        last_checkpoint: None,
+        seed: a.seed,
+        grow: spawned.grow,
+        rewire: spawned.rewire,
+        spare_devices: a.devices.iter().skip(local.max(1)).rev().cloned().collect(),
+        device_template: a
+            .devices
+            .first()
+            .cloned()
+            .ok_or("a job needs at least one device")?,
+        next_device_id: a.devices.iter().map(|d| d.id().0).max().unwrap_or(0),
+        scale_target: None,
+        elastic: a.elastic,
+        lr_scheduled: a.lr_scheduled,
+        paused: None,
+        below_min: None,
+        elastic_wait: a.elastic_wait,
+        stop_requested: false,
+        finished: false,
+        summary: RunSummary::default(),
+        _items: std::marker::PhantomData,
+    })
+}
+
+/// `Init`: every stage builds its model and takes rank 0's parameters; `Started` and
+/// `ReplicasSynchronized` are published, a checkpoint is restored when the job resumes, and
+/// the first step is asked for.
+pub(super) async fn init<M, I>(
+    myself: &ActorRef<SupervisorMsg>,
+    state: &mut SupervisorState<M, I>,
+) -> Result<(), ActorProcessingErr>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    state.publish(JobEvent::Started {
+        layout: state.layout,
+        generation: Generation(0),
+    });
+    let synchronized = call_all(&state.crew(), StageMsg::Init, state.step_timeout).await;
+    let started = match synchronized {
+        Ok(reports) => {
+            let (before, after) = reports.into_iter().map(|r| (r.before, r.after)).unzip();
+            state.publish(JobEvent::ReplicasSynchronized { before, after });
+            resume(state).await
+        }
+        Err(e) => Err(e),
+    };
+    match started {
+        Ok(first) => myself.send_message(SupervisorMsg::RunStep(first))?,
+        Err(e) => finish(myself, state, Err(e)).await,
+    }
+    Ok(())
+}
+
+/// A child actor failed or stopped. One the Supervisor stopped or gave up on is no news; a
+/// stage or device lost between steps is recovered at the next step by a recovering policy;
+/// anything else ends the job with an error naming it. While a step runs, the event waits
+/// for the step's outcome (`deferred`), as it would if the Supervisor awaited the step.
+pub(super) async fn child_exited<M, I>(
+    myself: &ActorRef<SupervisorMsg>,
+    state: &mut SupervisorState<M, I>,
+    event: SupervisionEvent,
+) where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    if state.finished {
+        return;
+    }
+    let cell = match &event {
+        SupervisionEvent::ActorFailed(cell, _) | SupervisionEvent::ActorTerminated(cell, ..) => {
+            cell.clone()
+        }
+        _ => return,
+    };
+    if state.departed.contains(&cell.get_id()) {
+        return;
+    }
+    if state.running.is_some() {
+        state.deferred.push(event);
+        return;
+    }
+    let error = match event {
+        SupervisionEvent::ActorFailed(cell, err) => {
+            Error::Runtime(format!("{} failed: {err}", state.describe(&cell)))
+        }
+        SupervisionEvent::ActorTerminated(cell, _, reason) => Error::Runtime(format!(
+            "{} stopped unexpectedly ({})",
+            state.describe(&cell),
+            reason.unwrap_or_else(|| "no reason given".into())
+        )),
+        _ => return,
+    };
+    // A stage or device lost between steps: the next step recovers (or fails) with it.
+    if let Some(rank) = state.rank_of_actor(&cell)
+        && (state.recovery.on_replica_loss == OnReplicaLoss::Shrink || state.recovery.roll_back)
+    {
+        state.departed.insert(cell.get_id());
+        state.pending_lost.push((rank, error));
+        return;
+    }
+    finish(myself, state, Err(error)).await;
+}
+
+/// End the job: the checkpoints asked for are written, the model is collected (on success),
+/// the last event is published, the outcome is sent (SV-2), every actor of the job stops
+/// (SV-1). Only ever called between steps (a stop waits for the running step).
+pub(super) async fn finish<M, I>(
+    myself: &ActorRef<SupervisorMsg>,
+    state: &mut SupervisorState<M, I>,
+    result: Result<()>,
+) where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    state.finished = true;
+    if let Some(running) = state.running.take() {
+        running.task.abort();
+    }
+    // CKW-1: the checkpoints asked for are on disk before the job's last event.
+    if let Some(mut writer) = state.checkpointer.take() {
+        let _ = tokio::task::spawn_blocking(move || writer.drain(DRAIN_TIMEOUT)).await;
+    }
+    let outcome = match result {
+        Ok(()) => collect_model(state).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = &outcome {
+        if let Error::NonFiniteLoss { step, ranks } = e {
+            state.publish(JobEvent::NonFiniteLoss {
+                step: *step,
+                ranks: ranks.clone(),
+                skipped: false,
+            });
+        }
+        state.publish(JobEvent::Failed(e.clone()));
+    }
+    (state.shutdown)();
+    if let Some(tx) = state.outcome.take() {
+        let _ = tx.send(outcome);
+    }
+    state.stop_all();
+    myself.stop(None);
+}
+
+/// The Supervisor was stopped from outside before the job ended: still end it cleanly (SV-1,
+/// SV-2), a running step's task included.
+pub(super) fn abandon<M, I>(state: &mut SupervisorState<M, I>) {
+    if state.finished {
+        return;
+    }
+    state.finished = true;
+    if let Some(running) = state.running.take() {
+        running.task.abort();
+    }
+    (state.shutdown)();
+    let e = Error::Runtime("the supervisor stopped before the job ended".into());
+    state.publish(JobEvent::Failed(e.clone()));
+    if let Some(tx) = state.outcome.take() {
+        let _ = tx.send(Err(e));
+    }
+    state.stop_all();
+}
+
+async fn collect_model<M, I>(state: &mut SupervisorState<M, I>) -> Result<Trained<M>>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let timeout = state.step_timeout;
+    let fingerprints = call_all(&state.crew(), StageMsg::Fingerprint, timeout).await?;
+    let mut parts = Vec::with_capacity(state.model_ranks.len());
+    for &r in &state.model_ranks {
+        let (stage, id) = &state.stages[r];
+        match stage.call(StageMsg::TakeModel, Some(timeout)).await {
+            Ok(CallResult::Success(Some(model))) => parts.push(model),
+            _ => return Err(Error::Runtime(format!("{id} did not hand over its model"))),
+        }
+    }
+    let model = (state.assemble)(parts)
+        .ok_or_else(|| Error::Runtime("the trained model could not be put together".into()))?;
+    // The last event: published only once the model is in hand.
+    state.publish(JobEvent::Finished {
+        steps: state.summary.steps,
+        fingerprints,
+    });
+    Ok(Trained {
+        model,
+        summary: state.summary.clone(),
+    })
+}

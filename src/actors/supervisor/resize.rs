@@ -1,0 +1,261 @@
+//! Elastic data-parallel jobs (ELASTIC-1..5): `scale_to`/`add_replicas` requests admitted
+//! or refused as they arrive ([`decide::admit_request`]), a resize carried out at the next
+//! step boundary ([`decide::plan_resize`]), the wait for devices below the elastic minimum
+//! and its end, and the growth back onto slots waiting to join.
+
+use std::time::Instant;
+
+use ractor::{ActorProcessingErr, ActorRef};
+
+use super::SupervisorMsg;
+use super::calls::{ask, restore};
+use super::checkpoints::snapshot_state;
+use super::decide::{self, Admission, ResizePlan, ResizeRequest};
+use super::lifecycle::finish;
+use super::members::{Member, rebuild_group, spawn_replica};
+use super::spawn::Grow;
+use super::state::SupervisorState;
+use crate::actors::stage::StageMsg;
+use crate::error::{Error, Result, StageId};
+use crate::events::JobEvent;
+use crate::mesh::Generation;
+
+/// `scale_to(n)`: take it for the next step boundary, or refuse it at once; below the
+/// minimum, a resize taken ends the wait (ELASTIC-3).
+pub(super) fn request<M, I>(
+    myself: &ActorRef<SupervisorMsg>,
+    state: &mut SupervisorState<M, I>,
+    n: u32,
+) -> Result<(), ActorProcessingErr> {
+    let (admission, resume) = decide::admit_request(&ResizeRequest {
+        requested: n,
+        elastic: state.elastic,
+        dp: state.layout.dp(),
+        waiting: state.below_min.is_some(),
+        pending: state.scale_target,
+    });
+    match admission {
+        Admission::Refused(reason) => state.publish(JobEvent::ResizeRefused {
+            requested: n,
+            reason,
+        }),
+        Admission::Accepted { replaces } => {
+            state.scale_target = Some(n);
+            if let Some((requested, reason)) = replaces {
+                state.publish(JobEvent::ResizeRefused { requested, reason });
+            }
+        }
+    }
+    if resume {
+        myself.send_message(SupervisorMsg::Resume)?;
+    }
+    Ok(())
+}
+
+/// `add_replicas(k)`: a resize to `k` more than asked so far (or than the job has).
+pub(super) fn add<M, I>(
+    myself: &ActorRef<SupervisorMsg>,
+    state: &SupervisorState<M, I>,
+    k: u32,
+) -> Result<(), ActorProcessingErr> {
+    let now = state.scale_target.unwrap_or(state.stages.len() as u32);
+    myself.send_message(SupervisorMsg::ScaleTo(now.saturating_add(k)))?;
+    Ok(())
+}
+
+/// The wait below the minimum of `generation` is over: if the job still waits there, it
+/// ends with `BelowMinimum` (ELASTIC-3).
+pub(super) async fn minimum_wait_over<M, I>(
+    myself: &ActorRef<SupervisorMsg>,
+    state: &mut SupervisorState<M, I>,
+    generation: Generation,
+) where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    if let Some((g, since)) = state.below_min
+        && g == generation
+    {
+        let error = Error::BelowMinimum {
+            replicas: state.layout.dp(),
+            min: state.elastic.0,
+            waited: since.elapsed(),
+        };
+        finish(myself, state, Err(error)).await;
+    }
+}
+
+/// ELASTIC-3: below the elastic minimum, wait for devices rather than train on (the step
+/// `next` is held until a resize or `resume()`, the job ends after the elastic wait).
+pub(super) fn wait_for_minimum<M, I>(state: &mut SupervisorState<M, I>, next: u64) {
+    let min = state.elastic.0;
+    let dp = state.layout.dp();
+    if !decide::must_wait_for_devices(state.replicas_only, dp, min, state.paused.is_some()) {
+        return;
+    }
+    let generation = state.generation;
+    state.below_min = Some((generation, Instant::now()));
+    state.paused = Some(None);
+    state.publish(JobEvent::WaitingForDevices {
+        step: next,
+        replicas: dp,
+        min,
+        within: state.elastic_wait,
+    });
+    state.me().send_after(state.elastic_wait, move || {
+        SupervisorMsg::MinimumWaitOver(generation)
+    });
+}
+
+/// ELASTIC-4: a job that lost replicas grows back onto slots waiting to join it (nodes that
+/// joined a job across processes beyond its maximum: spares), up to its maximum, before its
+/// next step; below the elastic minimum that also ends the wait (ELASTIC-3).
+pub(super) fn refill_from_waiting<M, I>(state: &SupervisorState<M, I>) {
+    let Some(Grow::Remote { waiting, .. }) = &state.grow else {
+        return;
+    };
+    if let Some(n) = decide::refill_target(state.layout.dp(), state.elastic.1, waiting()) {
+        // The mailbox outlives this call; a failed send means the job is ending anyway.
+        let _ = state.me().send_message(SupervisorMsg::ScaleTo(n));
+    }
+}
+
+/// Resize a data-parallel job to `n` replicas at a step boundary (ELASTIC-1): leaving replicas
+/// are stopped; joining ones get a device (a spare of the builder's list, else a new logical
+/// device of the same backend), build the model, take rank 0's parameters and optimizer state,
+/// and everyone regroups under the next generation. The global batch stays the same.
+/// `InvalidConfig`: refused, the mesh is as it was; any other error: failed half-way.
+pub(super) async fn resize<M, I>(
+    state: &mut SupervisorState<M, I>,
+    step: u64,
+    n: usize,
+) -> Result<()>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let from = state.stages.len();
+    let plan = decide::plan_resize(
+        n,
+        from,
+        state.replicas_only,
+        state.lr_scheduled,
+        state.grow.is_some(),
+    )
+    .map_err(Error::InvalidConfig)?;
+    // ZERO-3: where each rank holds a shard of the state, every shard is gathered before
+    // anyone leaves and re-sharded onto the new group once it is built.
+    let gathered = if state.replicated_state {
+        None
+    } else {
+        Some(snapshot_state(state).await?)
+    };
+    let mut members: Vec<Member<M>> = state
+        .stages
+        .iter()
+        .zip(&state.devices)
+        .take(n)
+        .map(|((s, _), d)| (s.clone(), d.clone()))
+        .collect();
+    match plan {
+        // Leaving replicas: the last ranks.
+        ResizePlan::Shrink { to } => {
+            for r in to..from {
+                let (stage, _) = &state.stages[r];
+                let (device, _) = &state.devices[r];
+                state.departed.insert(stage.get_id());
+                state.departed.insert(device.get_id());
+                stage.stop(None);
+                device.stop(None);
+            }
+        }
+        ResizePlan::Grow { from, to } => {
+            grow(state, &mut members, (from, to), gathered.clone()).await?
+        }
+    }
+    let to = members.len();
+    rebuild_group(state, members).await?;
+    if let Some(all) = gathered {
+        for (stage, id) in state.stages.clone() {
+            restore(&stage, all.clone(), state.step_timeout, || {
+                format!("{id} did not take its re-sharded state")
+            })
+            .await?;
+        }
+    }
+    state.publish(JobEvent::Resized {
+        step,
+        generation: state.generation,
+        from: from as u32,
+        to: to as u32,
+    });
+    Ok(())
+}
+
+/// Start ranks `from..to`, each taking rank 0's state (or, sharded, every rank's gathered
+/// state, re-sharded when it steps), into `members`; ELASTIC-5: the first that cannot join
+/// ends the growth (with none joined, `InvalidConfig`).
+async fn grow<M, I>(
+    state: &mut SupervisorState<M, I>,
+    members: &mut Vec<Member<M>>,
+    (from, to): (usize, usize),
+    gathered: Option<Vec<crate::checkpoint::ShardSnapshot>>,
+) -> Result<()>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let snapshot = match gathered {
+        Some(all) => all,
+        None => {
+            let (rank0, _) = state.stages[0].clone();
+            ask(&rank0, StageMsg::Snapshot, state.step_timeout, || {
+                "rank 0 did not answer the snapshot request".into()
+            })
+            .await?
+        }
+    };
+    for r in from..to {
+        let id = StageId {
+            replica: r as u32,
+            stage: 0,
+        };
+        let joined = match spawn_replica(state, r).await {
+            Ok((stage, device)) => {
+                let taken = restore(&stage, snapshot.clone(), state.step_timeout, || {
+                    format!("{id} did not take rank 0's state")
+                })
+                .await;
+                if taken.is_err() {
+                    state.departed.insert(stage.get_id());
+                    state.departed.insert(device.0.get_id());
+                    stage.stop(None);
+                    device.0.stop(None);
+                } else {
+                    members.push((stage, device));
+                }
+                taken
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = joined {
+            // ELASTIC-5: a replica that cannot join (no device for it, no node waiting, a
+            // joining node gone) ends the growth there; the ones that joined before it stay,
+            // and with none the mesh is left as it was.
+            if members.len() == from {
+                return Err(Error::InvalidConfig(format!(
+                    "replica {r} could not join: {e}"
+                )));
+            }
+            state.publish(JobEvent::ResizeRefused {
+                requested: to as u32,
+                reason: format!(
+                    "replica {r} could not join ({e}); growing to {} replicas",
+                    members.len()
+                ),
+            });
+            break;
+        }
+    }
+    Ok(())
+}
