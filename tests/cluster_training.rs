@@ -291,6 +291,59 @@ fn dp_3_across_three_node_processes_equals_the_single_device_reference() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// ZeRO-2 over the TCP transport: each node process keeps a third of Adam's state and of the
+/// reduced gradient (reduce-scatter and all-gather across processes); the job still equals one
+/// device, and its checkpoint (taken through the head) holds one optimizer part per rank.
+#[test]
+fn zero_2_across_three_node_processes_equals_the_single_device_reference() {
+    let dir = std::env::temp_dir().join(format!("meshwork-zero-dp3-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let model_path = dir.join("trained.mpk");
+    let model_arg = model_path.display().to_string();
+    let ckpt_arg = dir.join("ckpt").display().to_string();
+    let (steps, batch, seed) = (10u64, 48usize, 5u64);
+    let flags = [
+        "--steps",
+        &steps.to_string(),
+        "--batch-size",
+        &batch.to_string(),
+        "--seed",
+        &seed.to_string(),
+        "--zero",
+        "2",
+        "--checkpoint-dir",
+        &ckpt_arg,
+        "--collective-timeout",
+        "20",
+        "--save-model",
+        &model_arg,
+    ];
+    let (_, nodes) = run_to_end("zero3", &[&[], &[], &[]], &flags);
+    assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2]);
+    let (expected, device) = reference(seed, batch, steps, 3);
+    let trained = load(&model_path, &device);
+    let worst = compare_parameters(&trained, &expected, TOLERANCE)
+        .unwrap_or_else(|e| panic!("the ZeRO-2 cluster job differs from one device: {e}"));
+    println!("ZeRO-2 across processes, worst relative difference: {worst:e}");
+    let store = meshwork::checkpoint::CheckpointStore::open(dir.join("ckpt"), 3).unwrap();
+    let saved = store
+        .latest_valid()
+        .unwrap()
+        .expect("the end-of-run checkpoint");
+    let parts = saved.checkpoint.shards[0]
+        .optimizer
+        .as_ref()
+        .and_then(|o| o.parts())
+        .map(<[_]>::len);
+    assert_eq!(
+        parts,
+        Some(3),
+        "one optimizer part per rank, gathered from three processes"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn two_nodes_of_two_devices_all_reduce_hierarchically_and_equal_the_single_device_reference() {
     let dir = std::env::temp_dir().join(format!("meshwork-hier-{}", std::process::id()));

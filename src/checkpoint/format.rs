@@ -408,6 +408,68 @@ pub(crate) fn check_parts(parts: &mut [OptimizerPart], path: &Path) -> Result<()
     Ok(())
 }
 
+/// One shard with its optimizer parts as one byte string, for moving a snapshot between
+/// processes: the shard file's bytes, then each part file's, each preceded by its length
+/// (u64, little-endian). Every piece keeps its own magic, version and checks.
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+pub(crate) fn encode_transfer(shard: &ShardSnapshot) -> Vec<u8> {
+    let parts = shard
+        .optimizer
+        .as_ref()
+        .and_then(|o| o.parts())
+        .unwrap_or(&[]);
+    let of = parts.len() as u32;
+    let mut pieces = vec![encode_shard(shard)];
+    pieces.extend(
+        parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| encode_part(shard.shard, i as u32, of, p)),
+    );
+    let mut out = Vec::with_capacity(pieces.iter().map(|p| p.len() + 8).sum());
+    for p in &pieces {
+        out.extend_from_slice(&(p.len() as u64).to_le_bytes());
+        out.extend_from_slice(p);
+    }
+    out
+}
+
+/// Decodes [`encode_transfer`]'s bytes (CKPT-4: every length is checked against the bytes
+/// there before use).
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+pub(crate) fn decode_transfer(bytes: &[u8], path: &Path) -> Result<ShardSnapshot, CheckpointError> {
+    let mut pieces = Vec::new();
+    let mut rest = bytes;
+    while !rest.is_empty() {
+        let (len, tail) = rest
+            .split_first_chunk::<8>()
+            .ok_or_else(|| malformed(path, "a piece length cut short"))?;
+        let len = usize::try_from(u64::from_le_bytes(*len))
+            .ok()
+            .filter(|&l| l <= tail.len())
+            .ok_or_else(|| malformed(path, "a piece declares more bytes than are left"))?;
+        pieces.push(&tail[..len]);
+        rest = &tail[len..];
+    }
+    let (first, parts) = pieces
+        .split_first()
+        .ok_or_else(|| malformed(path, "no shard in the transfer"))?;
+    let mut shard = decode_shard(first, path)?;
+    if !parts.is_empty() {
+        let of = parts.len() as u32;
+        // One rank's snapshot holds its own part only: the parts tile the order once the
+        // Supervisor has gathered every rank's (checked when a checkpoint is read, CKPT-8, and
+        // when restored state is re-sharded, ZERO-3).
+        let decoded = parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| decode_part(p, path, (shard.shard, i as u32, of)))
+            .collect::<Result<Vec<_>, _>>()?;
+        shard.optimizer = Some(OptimizerState::from_parts(decoded));
+    }
+    Ok(shard)
+}
+
 /// The bytes of a manifest.
 pub(crate) fn encode_manifest(manifest: &Manifest) -> Vec<u8> {
     let body = ManifestBody {

@@ -877,3 +877,20 @@ fn ckpt_8_parts_that_do_not_tile_the_order_are_refused() {
         Err(CheckpointError::Malformed { .. })
     ));
 }
+
+/// CKPT-8 between processes: a shard and its optimizer parts travel as one byte string and
+/// come back whole; a piece cut short is a typed error.
+#[test]
+fn ckpt_8_a_sharded_snapshot_travels_whole_between_processes() {
+    let c = sharded_checkpoint(2, 10, 3);
+    let bytes = format::encode_transfer(&c.shards[0]);
+    let back = format::decode_transfer(&bytes, Path::new("t")).expect("decodes");
+    assert_eq!(back, c.shards[0]);
+    let plain = checkpoint(1);
+    let bytes = format::encode_transfer(&plain.shards[0]);
+    assert_eq!(
+        format::decode_transfer(&bytes, Path::new("t")).expect("decodes"),
+        plain.shards[0]
+    );
+    assert!(format::decode_transfer(&bytes[..bytes.len() - 1], Path::new("t")).is_err());
+}

@@ -926,7 +926,7 @@ impl<M> RemoteStageArgs<M> {
         shards
             .iter()
             .map(|bytes| {
-                crate::checkpoint::format::decode_shard(bytes, Path::new(&from))
+                crate::checkpoint::format::decode_transfer(bytes, Path::new(&from))
                     .map_err(Error::from)
             })
             .collect()
@@ -1028,7 +1028,7 @@ where
             StageMsg::Restore { shard, reply } => {
                 let shards: Vec<Vec<u8>> = shard
                     .iter()
-                    .map(crate::checkpoint::format::encode_shard)
+                    .map(crate::checkpoint::format::encode_transfer)
                     .collect();
                 let _ = reply.send(state.restore(shards, wait).await);
             }
@@ -1549,7 +1549,7 @@ impl<M: Send + 'static> NodeInner<M> {
                     .call(StageMsg::Snapshot)
                     .await?
                     .iter()
-                    .map(crate::checkpoint::format::encode_shard)
+                    .map(crate::checkpoint::format::encode_transfer)
                     .collect();
                 if shards.iter().map(Vec::len).sum::<usize>() <= PART_BYTES {
                     return Ok(StageAnswer::Snapshot(shards));
@@ -1654,7 +1654,7 @@ impl<M: Send + 'static> NodeInner<M> {
         let from = Path::new("<shard from the head>");
         let shard = shards
             .iter()
-            .map(|b| crate::checkpoint::format::decode_shard(b, from))
+            .map(|b| crate::checkpoint::format::decode_transfer(b, from))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| RemoteError::Other(e.to_string()))?;
         let shard = Box::new(shard);
