@@ -22,6 +22,7 @@ pub mod checkpointer;
 pub mod device;
 pub mod group;
 pub mod pipeline_stage;
+pub(crate) mod spawner;
 pub mod stage;
 pub mod supervisor;
 

@@ -20,11 +20,12 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::{broadcast, oneshot};
 
 use crate::actors::checkpointer::CheckpointSink;
-use crate::actors::pipeline_stage::{PipelineSpec, spawn_pipeline};
-use crate::actors::stage::{LossFn, ModelFn, StageSpec, spawn_replicas};
+use crate::actors::pipeline_stage::{LocalPipeline, PipelineSpec};
+use crate::actors::spawner::Spawner;
+use crate::actors::stage::{LocalReplicas, LossFn, ModelFn, StageSpec};
 use crate::actors::supervisor::CheckpointSettings;
 pub use crate::actors::supervisor::{JobStatus, RunSummary, Trained};
-use crate::actors::supervisor::{SpawnStages, Supervisor, SupervisorArgs, SupervisorMsg};
+use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
 use crate::checkpoint::CheckpointStore;
 use crate::comm::{Algorithm, CommConfig};
 use crate::data::Dataset;
@@ -50,7 +51,7 @@ pub struct Job<M, I> {
 }
 
 struct JobParts<M, I> {
-    spawn: SpawnStages<M>,
+    spawn: Box<dyn Spawner<M>>,
     items: std::marker::PhantomData<fn() -> I>,
     devices: Vec<MeshDevice>,
     /// A cluster job: the spawner starts every rank's device (on the processes that hold
@@ -127,12 +128,12 @@ pub struct JobBuilder<M, I> {
 /// and a process's slots (feature `cluster`).
 #[cfg(feature = "cluster")]
 struct ClusterFns<S, M> {
-    spawn: fn(crate::cluster::remote::ClusterMesh, Arc<S>, Layout) -> SpawnStages<M>,
+    spawn: fn(crate::cluster::remote::ClusterMesh, Arc<S>, Layout) -> Box<dyn Spawner<M>>,
     slots: fn(Arc<S>, Layout) -> Arc<dyn crate::cluster::remote::SlotFactory<M>>,
 }
 
 /// Spawns data-parallel replicas from a stage spec.
-type SpawnReplicas<M, I> = fn(Arc<StageSpec<M, I>>) -> SpawnStages<M>;
+type SpawnReplicas<M, I> = fn(Arc<StageSpec<M, I>>) -> Box<dyn Spawner<M>>;
 
 /// Refuse a global batch that does not cut into `dp` replicas × `k` micro-batches (JOB-1).
 fn check_batch(global: usize, dp: usize, k: usize) -> Result<()> {
@@ -151,7 +152,7 @@ fn check_batch(global: usize, dp: usize, k: usize) -> Result<()> {
 struct PipelineParts<M, I> {
     stages: PipelineStages<I>,
     schedule: Schedule,
-    spawn: fn(Arc<PipelineSpec<I>>) -> SpawnStages<M>,
+    spawn: fn(Arc<PipelineSpec<I>>) -> Box<dyn Spawner<M>>,
     #[cfg(feature = "cluster")]
     cluster: ClusterFns<PipelineSpec<I>, M>,
 }
@@ -273,11 +274,13 @@ where
     /// [`initial_model`](Self::initial_model), or load a record in the factory.
     pub fn model(mut self, f: impl Fn(&ModelContext) -> M + Send + Sync + 'static) -> Self {
         self.model = Some(Arc::new(f));
-        self.replicas = Some(spawn_replicas::<M, I>);
+        self.replicas = Some(|spec| Box::new(LocalReplicas { spec }));
         #[cfg(feature = "cluster")]
         {
             self.replica_cluster = Some(ClusterFns {
-                spawn: |mesh, spec, _| mesh.spawner(spec),
+                spawn: |mesh, spec, _| {
+                    Box::new(crate::cluster::remote::ClusterReplicas { mesh, spec })
+                },
                 slots: |spec, _| Arc::new(crate::cluster::remote::ReplicaSlots(spec)),
             });
         }
@@ -392,10 +395,12 @@ where
         self.pipeline = Some(PipelineParts {
             stages,
             schedule,
-            spawn: spawn_pipeline::<I>,
+            spawn: |spec| Box::new(LocalPipeline { spec }),
             #[cfg(feature = "cluster")]
             cluster: ClusterFns {
-                spawn: |mesh, spec, layout| mesh.pipeline_spawner(spec, layout),
+                spawn: |mesh, spec, layout| {
+                    Box::new(crate::cluster::remote::ClusterPipeline { mesh, spec, layout })
+                },
                 slots: |spec, _| Arc::new(crate::cluster::remote::pipeline::PipelineSlots { spec }),
             },
         });
@@ -785,7 +790,7 @@ where
         &mut self,
         global: usize,
         dataset: Arc<dyn Dataset<Item = I>>,
-    ) -> Result<(SpawnStages<M>, Layout, u32)> {
+    ) -> Result<(Box<dyn Spawner<M>>, Layout, u32)> {
         let Some(spawn) = self.replicas else {
             return Err(Error::InvalidConfig(
                 "no model: call .model(..) or .initial_model(..), or .pipeline(stages, schedule)"
@@ -868,7 +873,7 @@ where
         p: PipelineParts<M, I>,
         global: usize,
         dataset: Arc<dyn Dataset<Item = I>>,
-    ) -> Result<(SpawnStages<M>, Layout, u32)> {
+    ) -> Result<(Box<dyn Spawner<M>>, Layout, u32)> {
         let m = p.schedule.micro_batches();
         #[cfg(feature = "cluster")]
         if let Some(mesh) = self.cluster.take() {

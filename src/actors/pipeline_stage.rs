@@ -23,8 +23,9 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 
 use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
+use super::spawner::{Capabilities, SpawnFuture, Spawner};
 use super::stage::{InitReport, StageMsg, StepReport};
-use super::supervisor::{RewireArgs, RewireStages, Rewired, SpawnContext, SpawnStages, Spawned};
+use super::supervisor::{RewireArgs, RewireStages, Rewired, SpawnContext, Spawned};
 use crate::checkpoint::{CheckpointError, ShardId, ShardSnapshot};
 use crate::comm::{Communicator, LocalGroup};
 use crate::data::Dataset;
@@ -198,13 +199,23 @@ pub(crate) async fn spawn_unlinked<I: Send + Sync + 'static>(
     Ok(a)
 }
 
-/// Spawns one stage actor per rank of a dp × pp layout: every replica's stages connected by
-/// their own links, every stage index's replicas in one collective group.
-pub(crate) fn spawn_pipeline<I>(spec: Arc<PipelineSpec<I>>) -> SpawnStages<PipelineModel>
+/// The spawner of an in-process dp × pp pipeline: one stage actor per rank, every replica's
+/// stages connected by their own links, every stage index's replicas in one collective
+/// group; a lost stage is replaced by a fresh one and the mesh rewired (REC-6).
+pub(crate) struct LocalPipeline<I> {
+    pub(crate) spec: Arc<PipelineSpec<I>>,
+}
+
+impl<I> Spawner<PipelineModel> for LocalPipeline<I>
 where
     I: Send + Sync + 'static,
 {
-    Box::new(move |cx: SpawnContext| {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::pipeline(!self.spec.zero.shards_optimizer())
+    }
+
+    fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {
+        let spec = self.spec;
         Box::pin(async move {
             let pp = cx.layout.pp();
             let mut wiring =
@@ -278,15 +289,12 @@ where
                 others: wiring.others,
                 model_ranks,
                 assemble: |parts| Some(PipelineModel::merge(parts)),
-                replicas_only: false,
-                replicated_state: !spec.zero.shards_optimizer(),
                 grow: None,
                 rewire: Some(rewire),
                 devices: None,
-                reconnect: false,
             })
         })
-    })
+    }
 }
 
 /// The actor of one pipeline stage.

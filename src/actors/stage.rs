@@ -23,7 +23,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
-use super::supervisor::{Grow, GrowArgs, GrowStage, SpawnContext, SpawnStages, Spawned};
+use super::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
+use super::supervisor::{Grow, GrowArgs, GrowStage, SpawnContext, Spawned};
 use crate::checkpoint::{ShardId, ShardSnapshot, restore_module, snapshot_module};
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
@@ -151,13 +152,24 @@ impl<M> std::fmt::Debug for StageMsg<M> {
     }
 }
 
-/// Spawns one data-parallel replica per rank, all in one collective group.
-pub(crate) fn spawn_replicas<M, I>(spec: Arc<StageSpec<M, I>>) -> SpawnStages<M>
+/// The spawner of in-process data-parallel replicas: one replica per rank, all in one
+/// collective group, regrouped in this process after a change; a job grows onto devices of
+/// this process.
+pub(crate) struct LocalReplicas<M, I> {
+    pub(crate) spec: Arc<StageSpec<M, I>>,
+}
+
+impl<M, I> Spawner<M> for LocalReplicas<M, I>
 where
     M: Module + 'static,
     I: Send + Sync + 'static,
 {
-    Box::new(move |cx: SpawnContext| {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::data_parallel(!self.spec.zero.shards_optimizer(), Rejoin::Regroup)
+    }
+
+    fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {
+        let spec = self.spec;
         Box::pin(async move {
             let world = cx.layout.world_size() as usize;
             let group = LocalGroup::new(world, Generation(0), cx.comm.clone());
@@ -206,15 +218,12 @@ where
                 others: vec![group_ref.get_cell()],
                 model_ranks: vec![0],
                 assemble: |mut models: Vec<M>| models.pop(),
-                replicas_only: true,
-                replicated_state: !spec.zero.shards_optimizer(),
                 grow: Some(Grow::Local(grow_replica(spec))),
                 rewire: None,
                 devices: None,
-                reconnect: false,
             })
         })
-    })
+    }
 }
 
 /// Spawns the stage actor of a replica that joins a running job.

@@ -2,9 +2,10 @@
 //!
 //! A thin actor over pure decisions: `decide` holds what to do at a step boundary, what a
 //! failure means and whether a resize is admitted, as pure functions of plain data with
-//! property tests; the files beside this one carry the answers out, one concern each:
-//! `state` (what the actor holds), `spawn` (what a job's spawner hands it), `lifecycle`
-//! (start, `Init`, children that end, the end of the job), `boundary` (between two steps),
+//! property tests, whose facts about the strategy are its spawner's `Capabilities` (kept in
+//! the state); the files beside this one carry the answers out, one concern each: `state`
+//! (what the actor holds), `spawn` (what a job's `Spawner` hands it), `lifecycle` (start,
+//! `Init`, children that end, the end of the job), `boundary` (between two steps),
 //! `step` (a step as a task of its own), `calls` (requests to every stage at once, the root
 //! cause of a failure), `recover` (REC-1..7), `members` (joining devices and replicas, the
 //! group rebuilt under a new generation), `resize` (ELASTIC-1..5), `checkpoints` (CKW-1..3,
@@ -55,14 +56,14 @@ use tokio::sync::{broadcast, oneshot};
 
 pub(crate) use checkpoints::CheckpointSettings;
 pub(crate) use spawn::{
-    Grow, GrowArgs, GrowStage, RewireArgs, RewireStages, Rewired, SpawnContext, SpawnStages,
-    Spawned,
+    Grow, GrowArgs, GrowStage, RewireArgs, RewireStages, Rewired, SpawnContext, Spawned,
 };
 #[cfg(feature = "cluster")]
 pub(crate) use spawn::{GrowRemote, Grown, RemoteGrowArgs};
 pub use state::SupervisorState;
 pub use step::StepFinished;
 
+use crate::actors::spawner::Spawner;
 use crate::comm::CommConfig;
 use crate::device::MeshDevice;
 use crate::error::Result;
@@ -172,7 +173,7 @@ impl<M, I> std::fmt::Debug for Supervisor<M, I> {
 
 /// What the Supervisor starts from (built by [`crate::job::Job::spawn`]).
 pub struct SupervisorArgs<M, I> {
-    pub(crate) spawn: SpawnStages<M>,
+    pub(crate) spawn: Box<dyn Spawner<M>>,
     pub(crate) items: std::marker::PhantomData<fn() -> I>,
     pub(crate) devices: Vec<MeshDevice>,
     /// Whether the spawner starts every rank's device itself (a cluster job): then `devices`

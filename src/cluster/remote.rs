@@ -61,10 +61,11 @@ use super::control::{
 };
 use crate::actors::device::{DeviceActor, DeviceMsg, heartbeat};
 use crate::actors::pipeline_stage::PipelineSpec;
+use crate::actors::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
 use crate::actors::stage::{InitReport, StageActor, StageArgs, StageMsg, StageSpec};
 use crate::actors::supervisor::{
     Grow, GrowRemote, Grown, RemoteGrowArgs, RewireArgs, RewireStages, Rewired, SpawnContext,
-    SpawnStages, Spawned,
+    Spawned,
 };
 use crate::checkpoint::{ShardSnapshot, restore_module};
 use crate::comm::hierarchical::HierarchyPlan;
@@ -153,8 +154,6 @@ struct Shape<M> {
     layout: Layout,
     /// Slots start in two phases (REMOTE-4).
     pipelined: bool,
-    /// Whether every data-parallel rank holds its block's whole state (not under ZeRO).
-    replicated_state: bool,
     rebuild: Rebuild<M>,
     model_ranks: Vec<usize>,
     assemble: fn(Vec<M>) -> Option<M>,
@@ -361,79 +360,6 @@ impl ClusterMesh {
         }
     }
 
-    /// The spawner of a data-parallel cluster job (`JobBuilder::cluster`): starts every
-    /// slot's stage where it lives (all at once: each waits for the others while it joins the
-    /// data plane), then a proxy pair per slot on the head.
-    pub(crate) fn spawner<M, I>(self, spec: Arc<StageSpec<M, I>>) -> SpawnStages<M>
-    where
-        M: Module + 'static,
-        I: Send + Sync + 'static,
-    {
-        let device = self.model_device.burn().clone();
-        let replicated_state = !spec.zero.shards_optimizer();
-        let rebuild: Rebuild<M> = Arc::new(move |id: StageId, shards: Vec<ShardSnapshot>| {
-            let shard = shards
-                .into_iter()
-                .next()
-                .ok_or_else(|| format!("the snapshot of {id} has no shard"))?;
-            let cx = ModelContext {
-                rank: Rank(id.replica),
-                device: device.clone(),
-            };
-            restore_module((spec.model_fn)(&cx), &shard.params)
-                .map_err(|e| format!("the model of {id} does not restore: {e}"))
-        });
-        let world = self.world_size() as u32;
-        Box::new(move |cx: SpawnContext| {
-            Box::pin(async move {
-                let shape = Shape {
-                    layout: Layout::data_parallel(world)?,
-                    pipelined: false,
-                    replicated_state,
-                    rebuild,
-                    model_ranks: vec![0],
-                    assemble: |mut models: Vec<M>| models.pop(),
-                };
-                self.spawn_all(shape, cx)
-                    .await
-                    .map_err(ActorProcessingErr::from)
-            })
-        })
-    }
-
-    /// The spawner of a dp × pp cluster job: every slot starts its device and pipeline-link
-    /// listener, then (once all listen) joins its groups and starts its stage (REMOTE-4).
-    pub(crate) fn pipeline_spawner<I>(
-        self,
-        spec: Arc<PipelineSpec<I>>,
-        layout: Layout,
-    ) -> SpawnStages<PipelineModel>
-    where
-        I: Send + Sync + 'static,
-    {
-        let replicated_state = !spec.zero.shards_optimizer();
-        let rebuild = pipeline::rebuild_blocks(spec, self.model_device.burn().clone());
-        Box::new(move |cx: SpawnContext| {
-            Box::pin(async move {
-                let model_ranks = (0..layout.pp())
-                    .filter_map(|pp| layout.rank_of(Coord { dp: 0, pp, tp: 0 }))
-                    .map(Rank::index)
-                    .collect();
-                let shape = Shape {
-                    layout,
-                    pipelined: true,
-                    replicated_state,
-                    rebuild,
-                    model_ranks,
-                    assemble: |parts| Some(PipelineModel::merge(parts)),
-                };
-                self.spawn_all(shape, cx)
-                    .await
-                    .map_err(ActorProcessingErr::from)
-            })
-        })
-    }
-
     /// Sends `op(slot)` to every slot at once and collects the answers, by slot.
     async fn ask_all(
         endpoints: &[Endpoint],
@@ -572,12 +498,98 @@ impl ClusterMesh {
             others: Vec::new(),
             model_ranks: shape.model_ranks,
             assemble: shape.assemble,
-            replicas_only: !shape.pipelined,
-            replicated_state: shape.replicated_state,
             grow,
             rewire,
             devices: Some(devices),
-            reconnect: !shape.pipelined,
+        })
+    }
+}
+
+/// The spawner of a data-parallel job across processes (`JobBuilder::cluster`): starts every
+/// slot's stage where it lives (all at once: each waits for the others while it joins the
+/// data plane), then a proxy pair per slot on the head. After a change the members reconnect
+/// their own data plane; the job grows onto slots of nodes that join it (REMOTE-5).
+pub(crate) struct ClusterReplicas<M, I> {
+    pub(crate) mesh: ClusterMesh,
+    pub(crate) spec: Arc<StageSpec<M, I>>,
+}
+
+impl<M, I> Spawner<M> for ClusterReplicas<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::data_parallel(!self.spec.zero.shards_optimizer(), Rejoin::Reconnect)
+    }
+
+    fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {
+        let ClusterReplicas { mesh, spec } = *self;
+        let device = mesh.model_device.burn().clone();
+        let rebuild: Rebuild<M> = Arc::new(move |id: StageId, shards: Vec<ShardSnapshot>| {
+            let shard = shards
+                .into_iter()
+                .next()
+                .ok_or_else(|| format!("the snapshot of {id} has no shard"))?;
+            let cx = ModelContext {
+                rank: Rank(id.replica),
+                device: device.clone(),
+            };
+            restore_module((spec.model_fn)(&cx), &shard.params)
+                .map_err(|e| format!("the model of {id} does not restore: {e}"))
+        });
+        let world = mesh.world_size() as u32;
+        Box::pin(async move {
+            let shape = Shape {
+                layout: Layout::data_parallel(world)?,
+                pipelined: false,
+                rebuild,
+                model_ranks: vec![0],
+                assemble: |mut models: Vec<M>| models.pop(),
+            };
+            mesh.spawn_all(shape, cx)
+                .await
+                .map_err(ActorProcessingErr::from)
+        })
+    }
+}
+
+/// The spawner of a dp × pp job across processes: every slot starts its device and
+/// pipeline-link listener, then (once all listen) joins its groups and starts its stage
+/// (REMOTE-4); a lost stage is started again on a waiting slot and the mesh rewired
+/// (REMOTE-7).
+pub(crate) struct ClusterPipeline<I> {
+    pub(crate) mesh: ClusterMesh,
+    pub(crate) spec: Arc<PipelineSpec<I>>,
+    pub(crate) layout: Layout,
+}
+
+impl<I> Spawner<PipelineModel> for ClusterPipeline<I>
+where
+    I: Send + Sync + 'static,
+{
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::pipeline(!self.spec.zero.shards_optimizer())
+    }
+
+    fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {
+        let ClusterPipeline { mesh, spec, layout } = *self;
+        let rebuild = pipeline::rebuild_blocks(spec, mesh.model_device.burn().clone());
+        Box::pin(async move {
+            let model_ranks = (0..layout.pp())
+                .filter_map(|pp| layout.rank_of(Coord { dp: 0, pp, tp: 0 }))
+                .map(Rank::index)
+                .collect();
+            let shape = Shape {
+                layout,
+                pipelined: true,
+                rebuild,
+                model_ranks,
+                assemble: |parts| Some(PipelineModel::merge(parts)),
+            };
+            mesh.spawn_all(shape, cx)
+                .await
+                .map_err(ActorProcessingErr::from)
         })
     }
 }

@@ -46,7 +46,7 @@ where
             pending_losses: !state.pending_lost.is_empty(),
             scale_target: state.scale_target,
             resized,
-            below_minimum: state.replicas_only && state.layout.dp() < state.elastic.0,
+            below_minimum: state.caps.rejoin.regroups() && state.layout.dp() < state.elastic.0,
             checkpoint: CheckpointFacts {
                 configured: state.checkpoints.is_some(),
                 every: state.checkpoints.as_ref().and_then(|c| c.every),

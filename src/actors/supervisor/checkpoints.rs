@@ -73,9 +73,12 @@ where
     Ok(Some((c, loaded.dir, refused)))
 }
 
-/// The job's training state, one snapshot per block (CKPT-8): data-parallel replicas hold
-/// the same state, so replica 0's stages give it; where each rank holds a shard of it (ZeRO),
-/// every rank is asked and each block's optimizer parts are put together.
+/// The job's training state, one snapshot per block (CKPT-8), from the ranks the strategy
+/// says hold it ([`Capabilities::state_ranks`]): replica 0's stages where data-parallel
+/// replicas hold the same state; where each rank holds a shard of it (ZeRO), every rank,
+/// each block's optimizer parts put together.
+///
+/// [`Capabilities::state_ranks`]: crate::actors::spawner::Capabilities::state_ranks
 pub(super) async fn snapshot_state<M, I>(
     state: &mut SupervisorState<M, I>,
 ) -> Result<Vec<ShardSnapshot>>
@@ -83,11 +86,7 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let ranks: Vec<usize> = if state.replicated_state {
-        state.model_ranks.clone()
-    } else {
-        (0..state.stages.len()).collect()
-    };
+    let ranks = state.caps.state_ranks(state.layout);
     let mut all: Vec<ShardSnapshot> = Vec::new();
     for r in ranks {
         let Some((stage, id)) = state.stages.get(r).cloned() else {

@@ -1,6 +1,7 @@
-//! The Supervisor's decisions, as pure functions of plain data (counts, ranks, flags,
-//! policies) that return what to do; the actor carries it out. No actor, no tokio, no I/O:
-//! each is property-tested on its own (`decide/tests.rs`).
+//! The Supervisor's decisions, as pure functions of plain data (counts, ranks, policies, and
+//! what the job's strategy allows: its spawner's [`Capabilities`]) that return what to do;
+//! the actor carries it out. No actor, no tokio, no I/O: each is property-tested on its own
+//! (`decide/tests.rs`).
 //!
 //! - [`at_boundary`]: what comes next at a step boundary (a held pause, devices lost
 //!   between steps, a resize, a hold below the elastic minimum, a checkpoint, the end, or
@@ -13,6 +14,7 @@
 
 use std::time::Instant;
 
+use crate::actors::spawner::Capabilities;
 use crate::comm::CommError;
 use crate::error::{Error, StageId};
 use crate::recovery::{Decision, RecoveryPolicy, RestartLog, decide};
@@ -125,13 +127,16 @@ pub(crate) fn checkpoint_due(c: &CheckpointFacts, step: u64, ending: bool) -> bo
 }
 
 /// The ranks a step's failures name as lost: a stage that failed on its device or whose
-/// actor is gone, the peer of a broken link in a data-parallel job across processes, every
-/// rank a collective time-out found unresponsive. Each failure is an error with the rank it
-/// was found on, if any; `stages` are the current ranks' stages. Sorted, without repeats.
+/// actor is gone, the peer of a broken link where the ranks are one data-parallel group
+/// (`peers_are_ranks`: [`Rejoin::regroups`]; a peer is then a rank), every rank a collective
+/// time-out found unresponsive. Each failure is an error with the rank it was found on, if
+/// any; `stages` are the current ranks' stages. Sorted, without repeats.
+///
+/// [`Rejoin::regroups`]: crate::actors::spawner::Rejoin::regroups
 pub(crate) fn lost_ranks(
     failures: &[(Option<usize>, Error)],
     stages: &[StageId],
-    replicas_only: bool,
+    peers_are_ranks: bool,
 ) -> Vec<usize> {
     let mut lost: Vec<usize> = failures
         .iter()
@@ -144,8 +149,8 @@ pub(crate) fn lost_ranks(
                     stages.iter().position(|id| id == stage)
                 }
                 // Across processes: the link to a peer broke (its process died or was cut
-                // off); in a data-parallel job a rank is its stage's index.
-                Error::Comm(CommError::Link { peer, .. }) if replicas_only => {
+                // off); in one data-parallel group a rank is its stage's index.
+                Error::Comm(CommError::Link { peer, .. }) if peers_are_ranks => {
                     Some(peer.index()).filter(|&r| r < stages.len())
                 }
                 _ => None,
@@ -164,16 +169,16 @@ pub(crate) fn lost_ranks(
     lost
 }
 
-/// REC-6: for every lost rank of a pipeline job, a surviving rank with the same stage index
-/// (its twin: the first such rank), or `None` if some lost rank has none, nothing is lost,
-/// or the job cannot rewire its pipeline. `stage_of` is each current rank's stage index.
+/// REC-6: for every lost rank of a job whose stages have twins ([`Capabilities::twins`]), a
+/// surviving rank with the same stage index (its twin: the first such rank), or `None` if
+/// some lost rank has none, nothing is lost, or the stages have no twins. `stage_of` is each
+/// current rank's stage index.
 pub(crate) fn twins_of(
     stage_of: &[u32],
     lost: &[usize],
-    replicas_only: bool,
-    can_rewire: bool,
+    twins: bool,
 ) -> Option<Vec<(usize, usize)>> {
-    if replicas_only || !can_rewire || lost.is_empty() {
+    if !twins || lost.is_empty() {
         return None;
     }
     lost.iter()
@@ -197,17 +202,13 @@ pub(crate) struct Failure<'a> {
     pub(crate) lost: &'a [usize],
     /// A collective message was lost or spoiled (REC-4).
     pub(crate) message_fault: bool,
-    /// Every rank is a whole data-parallel replica.
-    pub(crate) replicas_only: bool,
-    /// The job can rewire its pipeline with fresh stages (REC-6).
-    pub(crate) can_rewire: bool,
+    /// What the job's strategy allows: whether its ranks regroup (shrink, retry) or are
+    /// rewired, whether a lost rank can be dropped, whether it has twins (REC-6, SV-5).
+    pub(crate) caps: Capabilities,
     /// Per current rank, whether it finished the failed step (and applied its update).
     pub(crate) finished: &'a [bool],
     /// The learning rate comes from a scheduler, whose state cannot be copied.
     pub(crate) lr_scheduled: bool,
-    /// Every data-parallel rank holds its block's whole state (false under ZeRO: a rank's
-    /// optimizer shard exists nowhere else).
-    pub(crate) replicated_state: bool,
 }
 
 /// Why a step applied by some ranks and not by others ends the job (the policy does not
@@ -282,29 +283,31 @@ pub(crate) fn on_failure(
     f: &Failure<'_>,
 ) -> OnFailure {
     let world = f.stage_of.len();
-    // SV-5: a lost rank whose state is a shard (ZeRO) has no twin and cannot be dropped;
-    // only a checkpoint brings its state back.
-    let sharded_loss = !f.replicated_state && !f.lost.is_empty();
-    if sharded_loss && !policy.roll_back {
+    let caps = f.caps;
+    // SV-5: a lost rank whose state is a shard (ZeRO) has no twin and cannot be dropped (the
+    // capabilities say neither); only a checkpoint brings its state back.
+    if !caps.replicated_state && !f.lost.is_empty() && !policy.roll_back {
         return OnFailure::Fail(
             "a lost rank held the only copy of its optimizer shard (ZeRO): only rolling back \
              to a checkpoint recovers it, and the policy does not roll back"
                 .into(),
         );
     }
+    let regroups = caps.rejoin.regroups();
+    // A group whose lost ranks cannot be dropped does not shrink: it rolls back.
     let no_shrink = RecoveryPolicy {
         on_replica_loss: crate::recovery::OnReplicaLoss::Fail,
         ..*policy
     };
-    let policy = if sharded_loss { &no_shrink } else { policy };
-    let twins =
-        twins_of(f.stage_of, f.lost, f.replicas_only, f.can_rewire).filter(|_| f.replicated_state);
+    let keep_all = regroups && !caps.droppable_replicas && !f.lost.is_empty();
+    let policy = if keep_all { &no_shrink } else { policy };
+    let twins = twins_of(f.stage_of, f.lost, caps.twins);
     let decision = decide(
         policy,
         log,
         world,
         (f.lost, f.message_fault, twins.is_some()),
-        f.replicas_only,
+        regroups,
         now,
     );
     let finished = |r: usize| f.finished.get(r).copied().unwrap_or(false);
@@ -419,17 +422,19 @@ pub(crate) enum ResizePlan {
 }
 
 /// What a resize from `from` to `n` replicas does, or why it is refused (the mesh is left
-/// as it was): only data-parallel jobs resize, to another size; a job grows only if it can
-/// start replicas and has no learning-rate scheduler (a joining replica's would start from
-/// its first step).
+/// as it was): only jobs whose ranks are one data-parallel group ([`Rejoin::regroups`])
+/// resize, to another size; a job grows only if it can start replicas
+/// ([`Capabilities::can_grow`]) and has no learning-rate scheduler (a joining replica's
+/// would start from its first step).
+///
+/// [`Rejoin::regroups`]: crate::actors::spawner::Rejoin::regroups
 pub(crate) fn plan_resize(
     n: usize,
     from: usize,
-    replicas_only: bool,
+    caps: &Capabilities,
     lr_scheduled: bool,
-    can_grow: bool,
 ) -> Result<ResizePlan, String> {
-    if !replicas_only {
+    if !caps.rejoin.regroups() {
         return Err("only data-parallel jobs can be resized yet".into());
     }
     if n == from {
@@ -445,7 +450,7 @@ pub(crate) fn plan_resize(
                 .into(),
         );
     }
-    if !can_grow {
+    if !caps.can_grow {
         return Err("this job cannot grow".into());
     }
     Ok(ResizePlan::Grow { from, to: n })
@@ -459,8 +464,11 @@ pub(crate) fn refill_target(dp: u32, max: u32, waiting: usize) -> Option<u32> {
     (k > 0).then(|| dp + k as u32)
 }
 
-/// ELASTIC-3: whether a job waits for devices rather than train on: a data-parallel job
-/// below its elastic minimum, not already paused.
-pub(crate) fn must_wait_for_devices(replicas_only: bool, dp: u32, min: u32, paused: bool) -> bool {
-    replicas_only && dp < min && !paused
+/// ELASTIC-3: whether a job waits for devices rather than train on: a resizable
+/// data-parallel group (`resizable`: [`Rejoin::regroups`]) below its elastic minimum, not
+/// already paused.
+///
+/// [`Rejoin::regroups`]: crate::actors::spawner::Rejoin::regroups
+pub(crate) fn must_wait_for_devices(resizable: bool, dp: u32, min: u32, paused: bool) -> bool {
+    resizable && dp < min && !paused
 }

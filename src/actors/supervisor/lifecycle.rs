@@ -38,14 +38,17 @@ where
         let (r, _) = Actor::spawn_linked(None, DeviceActor, d.clone(), myself.get_cell()).await?;
         devices.push((d.clone(), r));
     }
-    let spawned = (a.spawn)(SpawnContext {
-        step_timeout: a.step_timeout,
-        supervisor: myself.get_cell(),
-        devices: devices.clone(),
-        layout: a.layout,
-        comm: a.comm.clone(),
-    })
-    .await?;
+    let caps = a.spawn.capabilities();
+    let spawned = a
+        .spawn
+        .spawn(SpawnContext {
+            step_timeout: a.step_timeout,
+            supervisor: myself.get_cell(),
+            devices: devices.clone(),
+            layout: a.layout,
+            comm: a.comm.clone(),
+        })
+        .await?;
     let checkpointer = match &a.checkpoints {
         Some(c) => Some(Checkpointer::spawn(c.sink.clone(), a.events.clone())?),
         None => None,
@@ -65,14 +68,12 @@ where
         devices: spawned
             .devices
             .unwrap_or_else(|| devices.into_iter().map(|(d, r)| (r, d.id())).collect()),
-        reconnect: spawned.reconnect,
+        caps,
         stages: spawned.stages,
         others: spawned.others,
         shutdown: spawned.shutdown,
         model_ranks: spawned.model_ranks,
         assemble: spawned.assemble,
-        replicas_only: spawned.replicas_only,
-        replicated_state: spawned.replicated_state,
         comm: a.comm.clone(),
         myself: myself.get_cell(),
         generation: Generation(0),

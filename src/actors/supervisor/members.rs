@@ -12,6 +12,7 @@ use super::spawn::{Grow, GrowArgs, RemoteGrowArgs};
 use super::state::SupervisorState;
 use crate::actors::device::{DeviceActor, DeviceMsg};
 use crate::actors::group::{GroupActor, GroupArgs};
+use crate::actors::spawner::Rejoin;
 use crate::actors::stage::StageMsg;
 use crate::comm::LocalGroup;
 use crate::device::MeshDevice;
@@ -22,8 +23,9 @@ use crate::mesh::{Generation, Layout, Rank};
 pub(super) type Member<M> = (ActorRef<StageMsg<M>>, (ActorRef<DeviceMsg>, DeviceId));
 
 /// Make `members` (in their new rank order) the job's data-parallel group under the next
-/// generation: the old group is shut down and its actors stopped, every member joins a new
-/// collective group (`StageMsg::Regroup`), the layout follows.
+/// generation, as the strategy's `Rejoin` says: the old group is shut down and its actors
+/// stopped, every member joins a new collective group (`StageMsg::Regroup`, or `Reconnect`
+/// across processes), the layout follows. A rewired mesh (a pipeline) has no such group.
 pub(super) async fn rebuild_group<M, I>(
     state: &mut SupervisorState<M, I>,
     members: Vec<Member<M>>,
@@ -32,6 +34,11 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
+    if !state.caps.rejoin.regroups() {
+        return Err(Error::InvalidConfig(
+            "a rewired mesh has no data-parallel group to rebuild".into(),
+        ));
+    }
     // The old group is over: wake anything still waiting in it, stop its actors.
     (state.shutdown)();
     for o in state.others.drain(..) {
@@ -40,7 +47,7 @@ where
     }
     let n = members.len();
     let generation = Generation(state.generation.0 + 1);
-    if state.reconnect {
+    if state.caps.rejoin == Rejoin::Reconnect {
         return reconnect_group(state, members, generation).await;
     }
     let group = LocalGroup::new(n, generation, state.comm.clone());

@@ -92,7 +92,8 @@ where
         .first()
         .map(|(_, e)| e.clone())
         .unwrap_or_else(|| Error::Runtime("a failure without an error".into()));
-    let mut lost = decide::lost_ranks(&failure.0, &state.stage_ids(), state.replicas_only);
+    let peers_are_ranks = state.caps.rejoin.regroups();
+    let mut lost = decide::lost_ranks(&failure.0, &state.stage_ids(), peers_are_ranks);
     if state.reconnect_devices && !lost.is_empty() {
         // Across processes one failure can take several ranks (a node holding several
         // devices): every other rank whose device does not answer is lost with it.
@@ -111,11 +112,9 @@ where
         stage_of: &stage_of,
         lost: &lost,
         message_fault: failure.0.iter().any(|(_, e)| e.is_message_fault()),
-        replicas_only: state.replicas_only,
-        can_rewire: state.rewire.is_some(),
+        caps: state.caps,
         finished: &finished,
         lr_scheduled: state.lr_scheduled,
-        replicated_state: state.replicated_state,
     };
     let plan = decide::on_failure(&state.recovery, &mut state.restarts, Instant::now(), &facts);
     if plan.drops_lost() {
@@ -463,7 +462,9 @@ where
     let shard = checkpoint.shards.clone();
     let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
     let mut members = Vec::with_capacity(state.stages.len());
-    if state.replicas_only {
+    let regroups = state.caps.rejoin.regroups();
+    if regroups {
+        // One data-parallel group: new replicas for the lost ranks, regrouped below.
         for r in 0..state.stages.len() {
             if lost.contains(&r) {
                 members.push(spawn_replica(state, r).await?);
@@ -472,7 +473,7 @@ where
             }
         }
     } else {
-        // A pipeline: fresh stages for the lost ranks, the whole mesh rewired.
+        // A rewired mesh (a pipeline): fresh stages for the lost ranks, every rank rewired.
         replace_pipeline_stages(state, lost).await?;
         members = state
             .stages
@@ -490,7 +491,7 @@ where
         })
         .await?;
     }
-    if state.replicas_only {
+    if regroups {
         rebuild_group(state, members).await?;
     }
     state.last_checkpoint = Some(checkpoint.step);

@@ -90,7 +90,8 @@ pub(super) async fn minimum_wait_over<M, I>(
 pub(super) fn wait_for_minimum<M, I>(state: &mut SupervisorState<M, I>, next: u64) {
     let min = state.elastic.0;
     let dp = state.layout.dp();
-    if !decide::must_wait_for_devices(state.replicas_only, dp, min, state.paused.is_some()) {
+    let resizable = state.caps.rejoin.regroups();
+    if !decide::must_wait_for_devices(resizable, dp, min, state.paused.is_some()) {
         return;
     }
     let generation = state.generation;
@@ -135,17 +136,11 @@ where
     I: Send + Sync + 'static,
 {
     let from = state.stages.len();
-    let plan = decide::plan_resize(
-        n,
-        from,
-        state.replicas_only,
-        state.lr_scheduled,
-        state.grow.is_some(),
-    )
-    .map_err(Error::InvalidConfig)?;
+    let plan = decide::plan_resize(n, from, &state.caps, state.lr_scheduled)
+        .map_err(Error::InvalidConfig)?;
     // ZERO-3: where each rank holds a shard of the state, every shard is gathered before
     // anyone leaves and re-sharded onto the new group once it is built.
-    let gathered = if state.replicated_state {
+    let gathered = if state.caps.replicated_state {
         None
     } else {
         Some(snapshot_state(state).await?)

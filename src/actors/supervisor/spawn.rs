@@ -1,7 +1,7 @@
-//! What a job's spawner hands the Supervisor, and what the Supervisor hands it back when the
-//! mesh changes: the spawn context, the spawned stages, how to add a replica (`Grow`) and how
-//! to rewire a pipeline (REC-6). The strategy seam on the host side: the Supervisor never
-//! learns which kind of job made them.
+//! What a job's [`Spawner`](crate::actors::spawner::Spawner) and the Supervisor hand each
+//! other: the spawn context, the spawned stages, and the handles the Supervisor uses when the
+//! mesh changes: how to add a replica (`Grow`) and how to rewire a pipeline (REC-6). What the
+//! Supervisor may do with them is the spawner's `Capabilities`, not part of these values.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,23 +42,14 @@ pub(crate) struct Spawned<M> {
     pub(crate) model_ranks: Vec<usize>,
     /// Puts the trained model together from those ranks' models.
     pub(crate) assemble: fn(Vec<M>) -> Option<M>,
-    /// Whether every rank is a whole data-parallel replica (a lost one can be dropped).
-    pub(crate) replicas_only: bool,
-    /// Whether every data-parallel rank holds its block's whole training state (false under
-    /// ZeRO: a rank's optimizer shard exists nowhere else, so checkpoints gather every rank,
-    /// a lost rank rolls back, and a resize re-shards).
-    pub(crate) replicated_state: bool,
-    /// Starts one more data-parallel replica (jobs that can grow).
+    /// Starts one more data-parallel replica: there when the capabilities say `can_grow`.
     pub(crate) grow: Option<Grow<M>>,
     /// Rewires a pipeline mesh under a new generation, starting fresh stages for replaced
-    /// ranks (REC-6).
+    /// ranks (REC-6): there when the capabilities' `rejoin` is `Rewire`.
     pub(crate) rewire: Option<RewireStages<M>>,
     /// The device actors, by rank, when the spawner started them itself (a cluster job's
     /// proxies of other processes' devices); `None`: the context's devices.
     pub(crate) devices: Option<Vec<(ActorRef<DeviceMsg>, DeviceId)>>,
-    /// Whether the stages join a rebuilt group by `StageMsg::Reconnect` (each connects its
-    /// own data plane: a cluster job) rather than `Regroup` with an in-process group.
-    pub(crate) reconnect: bool,
 }
 
 /// What [`RewireStages`] rewires.
@@ -179,13 +170,4 @@ pub(crate) type GrowStage<M> = Arc<
             >,
         > + Send
         + Sync,
->;
-
-/// Spawns a job's stage actors: data-parallel replicas or pipeline stages.
-pub(crate) type SpawnStages<M> = Box<
-    dyn FnOnce(
-            SpawnContext,
-        ) -> std::pin::Pin<
-            Box<dyn std::future::Future<Output = Result<Spawned<M>, ActorProcessingErr>> + Send>,
-        > + Send,
 >;

@@ -16,6 +16,7 @@ use super::step::RunningStep;
 use super::{JobStatus, RunSummary, SupervisorMsg, Trained};
 use crate::actors::checkpointer::Checkpointer;
 use crate::actors::device::DeviceMsg;
+use crate::actors::spawner::Capabilities;
 use crate::actors::stage::StageMsg;
 use crate::comm::CommConfig;
 use crate::device::MeshDevice;
@@ -44,16 +45,13 @@ pub struct SupervisorState<M, I> {
     /// Wakes every stage blocked in a collective or a link, whatever happens to the actors'
     /// mailboxes (RT-4).
     pub(super) shutdown: Arc<dyn Fn() + Send + Sync>,
-    /// Whether stages join a rebuilt group by `Reconnect` (a cluster job).
-    pub(super) reconnect: bool,
+    /// What the job's strategy allows (recovery, resize, checkpoints, rejoining).
+    pub(super) caps: Capabilities,
     /// Whether the spawner found the devices itself (a cluster job's proxies of other
     /// processes' devices): replacements find theirs the same way.
     pub(super) reconnect_devices: bool,
     pub(super) model_ranks: Vec<usize>,
     pub(super) assemble: fn(Vec<M>) -> Option<M>,
-    pub(super) replicas_only: bool,
-    /// See [`Spawned::replicated_state`](super::spawn::Spawned::replicated_state).
-    pub(super) replicated_state: bool,
     /// Collective settings, for rebuilt groups.
     pub(super) comm: CommConfig,
     /// The Supervisor itself, to link rebuilt actors to.

@@ -85,10 +85,10 @@ where
     state.attempts += 1;
     let attempt = state.attempts;
     let generation = state.generation;
-    let (crew, timeout, replicas_only, me) = (
+    let (crew, timeout, peers_are_ranks, me) = (
         state.crew(),
         state.step_timeout,
-        state.replicas_only,
+        state.caps.rejoin.regroups(),
         state.me(),
     );
     let task = tokio::spawn(async move {
@@ -118,7 +118,7 @@ where
         let (reports, failure) = call_all_partial(&crew, build, timeout, Some(step)).await;
         let wall = started.elapsed();
         let failure = match failure {
-            Some(e) => Some(diagnose(&crew, e, replicas_only).await),
+            Some(e) => Some(diagnose(&crew, e, peers_are_ranks).await),
             None => None,
         };
         unfinished.me = None;
@@ -172,9 +172,10 @@ impl Drop for Unfinished {
     }
 }
 
-/// A collective time-out in a data-parallel job: tell stuck from dead by probing the missing
-/// ranks' devices (HB-1). Other failures are returned as they are.
-async fn diagnose<M: Send + 'static>(crew: &Crew<M>, e: Error, replicas_only: bool) -> Error {
+/// A collective time-out where the ranks are one data-parallel group (`peers_are_ranks`: a
+/// missing rank of the collective is a rank of the job): tell stuck from dead by probing the
+/// missing ranks' devices (HB-1). Other failures are returned as they are.
+async fn diagnose<M: Send + 'static>(crew: &Crew<M>, e: Error, peers_are_ranks: bool) -> Error {
     let Error::Comm(CommError::Timeout {
         generation,
         seq,
@@ -185,7 +186,7 @@ async fn diagnose<M: Send + 'static>(crew: &Crew<M>, e: Error, replicas_only: bo
     else {
         return e;
     };
-    if !replicas_only {
+    if !peers_are_ranks {
         return Error::Comm(CommError::Timeout {
             generation,
             seq,

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 
 use super::*;
+use crate::actors::spawner::Rejoin;
 use crate::mesh::Rank;
 use crate::recovery::OnReplicaLoss;
 
@@ -151,15 +152,18 @@ proptest! {
             policy.on_replica_loss = OnReplicaLoss::Shrink;
         }
         policy.roll_back = roll_back;
+        let caps = if replicas_only {
+            Capabilities::data_parallel(replicated_state, Rejoin::Regroup)
+        } else {
+            Capabilities::pipeline(replicated_state)
+        };
         let f = Failure {
             stage_of: &stage_of,
             lost: &lost,
             message_fault,
-            replicas_only,
-            can_rewire: !replicas_only,
+            caps,
             finished: &finished,
             lr_scheduled,
-            replicated_state,
         };
         let d = on_failure(&policy, &mut RestartLog::default(), Instant::now(), &f);
         // SV-5: a lost ZeRO rank is never dropped nor copied from a twin: roll back or fail.
@@ -291,7 +295,12 @@ proptest! {
         n in 0usize..10, from in 1usize..10, replicas_only in any::<bool>(),
         lr_scheduled in any::<bool>(), can_grow in any::<bool>(),
     ) {
-        match plan_resize(n, from, replicas_only, lr_scheduled, can_grow) {
+        let caps = Capabilities {
+            can_grow,
+            rejoin: if replicas_only { Rejoin::Regroup } else { Rejoin::Rewire },
+            ..Capabilities::data_parallel(true, Rejoin::Regroup)
+        };
+        match plan_resize(n, from, &caps, lr_scheduled) {
             Ok(ResizePlan::Shrink { to }) => prop_assert!(replicas_only && to == n && n < from),
             Ok(ResizePlan::Grow { from: f, to }) => {
                 prop_assert!(replicas_only && f == from && to == n && n > from);
@@ -339,10 +348,10 @@ fn rec_6_twins_are_the_first_survivor_of_the_same_stage() {
     // dp = 3, pp = 2: ranks 0..3 hold stage 0, ranks 3..6 stage 1.
     let stage_of = [0, 0, 0, 1, 1, 1];
     assert_eq!(
-        twins_of(&stage_of, &[0, 4], false, true),
+        twins_of(&stage_of, &[0, 4], true),
         Some(vec![(0, 1), (4, 3)])
     );
-    assert_eq!(twins_of(&stage_of, &[3, 4, 5], false, true), None);
-    assert_eq!(twins_of(&stage_of, &[0], true, true), None);
-    assert_eq!(twins_of(&stage_of, &[0], false, false), None);
+    assert_eq!(twins_of(&stage_of, &[3, 4, 5], true), None);
+    // Stages without twins: data-parallel replicas, or a pipeline whose state is sharded.
+    assert_eq!(twins_of(&stage_of, &[0], false), None);
 }

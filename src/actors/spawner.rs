@@ -1,0 +1,172 @@
+//! `Spawner`: the host side of a training strategy. A job's spawner starts its stage actors
+//! (and their groups, links and devices where it finds them itself) and says, as
+//! [`Capabilities`], what the Supervisor may do with them when the mesh changes: where the
+//! training state lives, whether a lost rank can be dropped, whether a lost stage has twins
+//! to copy from, whether the job grows, how members rejoin a rebuilt mesh. The Supervisor
+//! drives every strategy through this one seam and reads its decisions off `Capabilities`;
+//! it never learns which strategy it drives.
+//!
+//! The strategies (each in the file of its spawn code):
+//!
+//! | spawner | where | capabilities |
+//! |---|---|---|
+//! | `stage::LocalReplicas` | data-parallel replicas in this process | [`Capabilities::data_parallel`] with [`Rejoin::Regroup`] |
+//! | `pipeline_stage::LocalPipeline` | dp × pp pipeline stages in this process | [`Capabilities::pipeline`] |
+//! | `cluster::remote::ClusterReplicas` | data-parallel replicas across processes | [`Capabilities::data_parallel`] with [`Rejoin::Reconnect`] |
+//! | `cluster::remote::ClusterPipeline` | dp × pp pipeline stages across processes | [`Capabilities::pipeline`] |
+//!
+//! Where the next strategy plugs in: a new `Spawner` (its stage actors answer the same
+//! `StageMsg`s) and, on the device side, a `GradientSync` (`parallel::sync`) for how its
+//! ranks keep parameters, gradients and optimizer state in step. Its `Capabilities` tell
+//! the Supervisor's recovery, resize and checkpoints what they may do; the Supervisor does
+//! not change.
+
+use std::future::Future;
+use std::pin::Pin;
+
+use ractor::ActorProcessingErr;
+
+use super::supervisor::{SpawnContext, Spawned};
+use crate::mesh::{Layout, Rank};
+
+/// What spawning a job's stages resolves to.
+pub(crate) type SpawnFuture<M> =
+    Pin<Box<dyn Future<Output = Result<Spawned<M>, ActorProcessingErr>> + Send>>;
+
+/// Starts a job's stage actors and says what the Supervisor may do with them.
+pub(crate) trait Spawner<M>: Send + 'static {
+    /// What the strategy allows; the same before and after [`Spawner::spawn`], and for the
+    /// whole job.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Spawns every rank's stage actor (linked to `cx.supervisor`) with whatever groups and
+    /// links they need, and hands back the stage refs and the handles the Supervisor uses
+    /// when the mesh changes (grow, rewire).
+    fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M>;
+}
+
+/// How the members of a job take their place in a mesh rebuilt under a new generation (after
+/// a loss, a resize or a roll-back).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Rejoin {
+    /// The ranks are one data-parallel group, rebuilt in this process around the new member
+    /// list: each member takes a communicator of a new in-process group
+    /// (`StageMsg::Regroup`).
+    Regroup,
+    /// The ranks are one data-parallel group whose members connect their own data plane (a
+    /// job across processes): each is asked at once to join the group of the new generation,
+    /// the members named by their slots (`StageMsg::Reconnect`).
+    Reconnect,
+    /// The mesh keeps its shape: every rank is wired anew under the new generation, fresh
+    /// stages in the place of replaced ones (`StageMsg::Rewire`, REC-6). Ranks are never
+    /// dropped or added.
+    Rewire,
+}
+
+impl Rejoin {
+    /// Whether the job's ranks are one data-parallel group, in rank order, rebuilt around a
+    /// member list: a collective's missing rank or a broken link's peer is a rank of the job,
+    /// a failure regroups the survivors (or the same members, REC-4), and the group can be
+    /// resized (with an elastic minimum to wait for).
+    pub(crate) fn regroups(self) -> bool {
+        matches!(self, Rejoin::Regroup | Rejoin::Reconnect)
+    }
+}
+
+/// What a strategy allows the Supervisor to do with its ranks. Every recovery, resize and
+/// checkpoint decision reads it instead of assuming a kind of job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Capabilities {
+    /// Every data-parallel rank holds its block's whole training state (false under ZeRO: a
+    /// rank's optimizer shard exists nowhere else, so checkpoints gather every rank, a lost
+    /// rank rolls back, and a resize re-shards).
+    pub(crate) replicated_state: bool,
+    /// A lost rank can be dropped and the group shrunk: data-parallel only, and only when
+    /// the state is replicated (SV-5).
+    pub(crate) droppable_replicas: bool,
+    /// A lost pipeline stage has twins (the same stage of other replicas, holding the same
+    /// state) to be replaced from (REC-6): pipelines only, and only when the state is
+    /// replicated (SV-5).
+    pub(crate) twins: bool,
+    /// The job can start more data-parallel replicas while it runs (ELASTIC-1, ELASTIC-4).
+    pub(crate) can_grow: bool,
+    /// How members rejoin a rebuilt mesh.
+    pub(crate) rejoin: Rejoin,
+}
+
+impl Capabilities {
+    /// Data-parallel replicas: every rank a whole replica in one group that rejoins by
+    /// `rejoin` (`Regroup` or `Reconnect`), can grow, and drops lost ranks where its state is
+    /// replicated.
+    pub(crate) fn data_parallel(replicated_state: bool, rejoin: Rejoin) -> Self {
+        Capabilities {
+            replicated_state,
+            droppable_replicas: replicated_state,
+            twins: false,
+            can_grow: true,
+            rejoin,
+        }
+    }
+
+    /// A dp × pp pipeline: rewired in place, never resized; a lost stage is replaced from its
+    /// twin where the state is replicated.
+    pub(crate) fn pipeline(replicated_state: bool) -> Self {
+        Capabilities {
+            replicated_state,
+            droppable_replicas: false,
+            twins: replicated_state,
+            can_grow: false,
+            rejoin: Rejoin::Rewire,
+        }
+    }
+
+    /// The ranks of `layout` whose snapshots together make the job's training state (a
+    /// checkpoint, the state a joining replica takes): replica 0's stages when the state is
+    /// replicated, every rank when each holds a shard of it. In rank order.
+    pub(crate) fn state_ranks(&self, layout: Layout) -> Vec<usize> {
+        if self.replicated_state {
+            layout
+                .pipeline_group(Rank(0))
+                .unwrap_or_default()
+                .into_iter()
+                .map(Rank::index)
+                .collect()
+        } else {
+            layout.ranks().map(Rank::index).collect()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replicated_state_is_read_from_replica_zero_and_shards_from_every_rank() {
+        let pipeline = Layout::new(2, 3, 1).expect("a valid layout");
+        assert_eq!(
+            Capabilities::pipeline(true).state_ranks(pipeline),
+            [0, 2, 4]
+        );
+        assert_eq!(
+            Capabilities::pipeline(false).state_ranks(pipeline),
+            [0, 1, 2, 3, 4, 5]
+        );
+        let replicas = Layout::data_parallel(3).expect("a valid layout");
+        let caps = Capabilities::data_parallel(true, Rejoin::Regroup);
+        assert_eq!(caps.state_ranks(replicas), [0]);
+        let zero = Capabilities::data_parallel(false, Rejoin::Reconnect);
+        assert_eq!(zero.state_ranks(replicas), [0, 1, 2]);
+    }
+
+    #[test]
+    fn sharded_state_is_neither_dropped_nor_copied_from_twins() {
+        for rejoin in [Rejoin::Regroup, Rejoin::Reconnect] {
+            assert!(!Capabilities::data_parallel(false, rejoin).droppable_replicas);
+            assert!(Capabilities::data_parallel(true, rejoin).droppable_replicas);
+        }
+        assert!(!Capabilities::pipeline(false).twins);
+        assert!(Capabilities::pipeline(true).twins);
+        assert!(!Capabilities::pipeline(true).rejoin.regroups());
+    }
+}
