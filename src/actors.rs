@@ -18,13 +18,13 @@
 //!   error naming the device, the stage and the phase; the group is shut down so peers blocked
 //!   in a collective wake up at once instead of waiting for their time-out.
 
-pub mod checkpointer;
-pub mod device;
-pub mod group;
-pub mod pipeline_stage;
+pub(crate) mod checkpointer;
+pub(crate) mod device;
+pub(crate) mod group;
+pub(crate) mod pipeline_stage;
 pub(crate) mod spawner;
-pub mod stage;
-pub mod supervisor;
+pub(crate) mod stage;
+pub(crate) mod supervisor;
 
 /// Text of a panic payload.
 pub(crate) fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {

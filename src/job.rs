@@ -19,7 +19,7 @@ use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorRef};
 use tokio::sync::{broadcast, oneshot};
 
-use crate::actors::checkpointer::CheckpointSink;
+pub use crate::actors::checkpointer::CheckpointSink;
 use crate::actors::pipeline_stage::{LocalPipeline, PipelineSpec};
 use crate::actors::spawner::Spawner;
 use crate::actors::stage::{LocalReplicas, LossFn, ModelFn, StageSpec};

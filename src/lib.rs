@@ -4,7 +4,7 @@
 //! own program. See `ARCHITECTURE.md` for the code map and the book for a tutorial.
 #![warn(missing_docs, missing_debug_implementations, unreachable_pub)]
 
-pub mod actors;
+pub(crate) mod actors;
 pub mod checkpoint;
 #[cfg(feature = "cluster")]
 pub mod cluster;

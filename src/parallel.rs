@@ -8,13 +8,15 @@
 //! - [`stages`]: the user's model as pipeline stages, and the trained blocks.
 
 pub mod buckets;
-pub mod gradients;
+pub(crate) mod gradients;
 pub mod pipeline;
 pub mod pipeline_exec;
 pub mod sampler;
 pub mod stages;
-pub mod sync;
+pub(crate) mod sync;
 pub mod zero;
+
+pub use sync::HeldBytes;
 
 use burn::tensor::Device;
 use serde::{Deserialize, Serialize};

@@ -121,6 +121,12 @@ pub fn parameter_bits<M: Module>(model: &M) -> Vec<Vec<u32>> {
         .collect()
 }
 
+/// The number of float parameter values of `model` (every tensor's element count, summed):
+/// the size of the flat buffer that gradients and ZeRO shards are cut from.
+pub fn parameter_count<M: Module>(model: &M) -> usize {
+    ParamLayout::of(model).len()
+}
+
 /// Per parameter tensor: `max|a − b| ≤ rel · max|b|` (b is the reference). Returns the worst
 /// ratio `max|a − b| / max|b|` over tensors, or a description of the first tensor that fails.
 pub fn compare_parameters<M: Module>(a: &M, b: &M, rel: f32) -> Result<f32, String> {

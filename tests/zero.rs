@@ -20,11 +20,10 @@ use meshwork::checkpoint::CheckpointStore;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::events::StepDone;
 use meshwork::optim::{LearningRate, OptimizerConfig};
-use meshwork::parallel::gradients::ParamLayout;
 use meshwork::prelude::*;
 use meshwork::testing::{
-    Reference, batches_from_events, compare_parameters, parameter_bits, reference_train,
-    run_recording, steps_of,
+    Reference, batches_from_events, compare_parameters, parameter_bits, parameter_count,
+    reference_train, run_recording, steps_of,
 };
 use meshwork::trace::TraceKind;
 
@@ -158,7 +157,7 @@ async fn check(case: Case) -> Mlp {
     let init = initial_model();
     // Every parameter of the MLP trains (it has no buffers); off autodiff none "requires" a
     // gradient, so the layout of all parameters is the trainable one.
-    let total = ParamLayout::of(&init).len();
+    let total = parameter_count(&init);
     let (outcome, events) = run_recording(
         builder(&case, init.clone(), STEPS)
             .build()
@@ -427,7 +426,7 @@ async fn a_zero_job_re_shards_when_it_grows_and_shrinks() {
         assert_eq!(sizes.first(), Some(&2));
         assert!(sizes.contains(&4), "{sizes:?}");
         assert_eq!(sizes.last(), Some(&3));
-        let total = ParamLayout::of(&init).len() as u64;
+        let total = parameter_count(&init) as u64;
         for s in &steps {
             let n = s.replicas.len() as u64;
             for r in &s.replicas {

@@ -24,7 +24,7 @@ use crate::error::Result;
 use crate::events::JobEvent;
 
 /// How long the end of a job waits for the checkpoint being written.
-pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Where checkpoints go and where a resumed job finds them.
 pub trait CheckpointSink: Send + Sync + std::fmt::Debug {
@@ -78,7 +78,7 @@ impl<F: CheckpointFs + 'static> CheckpointSink for CheckpointStore<F> {
 
 /// A checkpoint waiting for the writer thread.
 #[derive(Debug)]
-pub struct Queued {
+pub(crate) struct Queued {
     /// What to write.
     pub checkpoint: Checkpoint,
     /// Whether the plan fails this write half-way (FaultKind::FailCheckpointWrite).
@@ -97,11 +97,11 @@ enum Work {
 /// At most this many checkpoints wait or are being written (CKW-3): a snapshot is a copy of
 /// the model, so a writer slower than the checkpoint interval must not make them pile up in
 /// memory; the next step boundary waits for the oldest instead.
-pub const MAX_BACKLOG: usize = 2;
+pub(crate) const MAX_BACKLOG: usize = 2;
 
 /// Where checkpoints are queued for the writer thread.
 #[derive(Debug, Clone)]
-pub struct CheckpointQueue {
+pub(crate) struct CheckpointQueue {
     tx: mpsc::Sender<Work>,
     /// Checkpoints queued and not written yet; the writer thread signals each write it ends.
     backlog: Arc<watch::Sender<usize>>,
@@ -109,7 +109,7 @@ pub struct CheckpointQueue {
 
 impl CheckpointQueue {
     /// Queue a write (returns at once, CKW-1); false if the writer has stopped.
-    pub fn send(&self, queued: Queued) -> bool {
+    pub(crate) fn send(&self, queued: Queued) -> bool {
         self.backlog.send_modify(|b| *b += 1);
         let sent = self.tx.send(Work::Write(Box::new(queued))).is_ok();
         if !sent {
@@ -119,13 +119,13 @@ impl CheckpointQueue {
     }
 
     /// Checkpoints queued and not written yet.
-    pub fn backlog(&self) -> usize {
+    pub(crate) fn backlog(&self) -> usize {
         *self.backlog.borrow()
     }
 
     /// Wait until fewer than `limit` checkpoints are queued or being written, woken by the
     /// writer thread as each write ends (CKW-3); after `timeout`, `Err` with the backlog then.
-    pub async fn wait_below(&self, limit: usize, timeout: Duration) -> Result<(), usize> {
+    pub(crate) async fn wait_below(&self, limit: usize, timeout: Duration) -> Result<(), usize> {
         let mut written = self.backlog.subscribe();
         match tokio::time::timeout(timeout, written.wait_for(|b| *b < limit)).await {
             Ok(Ok(_)) => Ok(()),
@@ -135,7 +135,7 @@ impl CheckpointQueue {
 
     /// Wait (blocking, at most `timeout`) until every write queued before is done; false if
     /// the writer has stopped or did not finish in time.
-    pub fn flush(&self, timeout: Duration) -> bool {
+    pub(crate) fn flush(&self, timeout: Duration) -> bool {
         let (done, wait) = mpsc::channel();
         self.tx.send(Work::Flush(done)).is_ok() && wait.recv_timeout(timeout).is_ok()
     }
@@ -143,7 +143,7 @@ impl CheckpointQueue {
 
 /// The writer thread.
 #[derive(Debug)]
-pub struct Checkpointer {
+pub(crate) struct Checkpointer {
     tx: Option<mpsc::Sender<Work>>,
     done: Option<mpsc::Receiver<()>>,
     backlog: Arc<watch::Sender<usize>>,
@@ -151,7 +151,7 @@ pub struct Checkpointer {
 
 impl Checkpointer {
     /// Start the writer thread for `sink`; results are published on `events`.
-    pub fn spawn(
+    pub(crate) fn spawn(
         sink: std::sync::Arc<dyn CheckpointSink>,
         events: broadcast::Sender<JobEvent>,
     ) -> Result<Self> {
@@ -211,7 +211,7 @@ impl Checkpointer {
     }
 
     /// Where checkpoints are queued for writing (a send returns at once, CKW-1).
-    pub fn queue(&self) -> Option<CheckpointQueue> {
+    pub(crate) fn queue(&self) -> Option<CheckpointQueue> {
         self.tx.clone().map(|tx| CheckpointQueue {
             tx,
             backlog: self.backlog.clone(),
@@ -219,7 +219,7 @@ impl Checkpointer {
     }
 
     /// Finish the queued writes, waiting at most `timeout`; false if they did not finish.
-    pub fn drain(&mut self, timeout: Duration) -> bool {
+    pub(crate) fn drain(&mut self, timeout: Duration) -> bool {
         self.tx = None;
         match self.done.take() {
             Some(done) => done.recv_timeout(timeout).is_ok(),

@@ -16,9 +16,9 @@ use crate::error::{Error, Result};
 use crate::mesh::DeviceId;
 
 /// Work for a compute thread (it reports its own result).
-pub type Task = Box<dyn FnOnce() + Send + 'static>;
+pub(crate) type Task = Box<dyn FnOnce() + Send + 'static>;
 
-pub use crate::report::Heartbeat;
+pub(crate) use crate::report::Heartbeat;
 
 #[derive(Debug, Default)]
 struct ThreadStatus {
@@ -35,7 +35,7 @@ std::thread_local! {
 
 /// Report where the running task is (e.g. "step 3, forward of micro-batch 1"), for heartbeats.
 /// Cheap; does nothing off device threads.
-pub fn report_progress(progress: impl FnOnce() -> String) {
+pub(crate) fn report_progress(progress: impl FnOnce() -> String) {
     THREAD_STATUS.with(|s| {
         if let Some(status) = s.borrow().as_ref() {
             status.lock().unwrap_or_else(|e| e.into_inner()).progress =
@@ -45,7 +45,7 @@ pub fn report_progress(progress: impl FnOnce() -> String) {
 }
 
 /// Messages a [`DeviceActor`] handles.
-pub enum DeviceMsg {
+pub(crate) enum DeviceMsg {
     /// Reply with the device's [`Heartbeat`].
     Heartbeat(RpcReplyPort<Heartbeat>),
     /// Run a task on the compute thread (fire and forget: the task reports its own result).
@@ -68,11 +68,11 @@ impl std::fmt::Debug for DeviceMsg {
 
 /// The actor of one logical device.
 #[derive(Debug, Default)]
-pub struct DeviceActor;
+pub(crate) struct DeviceActor;
 
 /// State of a [`DeviceActor`].
 #[derive(Debug)]
-pub struct DeviceState {
+pub(crate) struct DeviceState {
     device: MeshDevice,
     tasks: Option<mpsc::Sender<(String, Task)>>,
     status: Arc<Mutex<ThreadStatus>>,
@@ -160,7 +160,7 @@ fn set_status(status: &Mutex<ThreadStatus>, busy: Option<String>) {
 
 /// Run `f` on `device`'s compute thread and wait for its result. A panic in `f` comes back as
 /// `Err(panic text)`.
-pub async fn run_on<R: Send + 'static>(
+pub(crate) async fn run_on<R: Send + 'static>(
     device: &ActorRef<DeviceMsg>,
     label: impl Into<String>,
     f: impl FnOnce() -> R + Send + 'static,
@@ -205,7 +205,7 @@ pub(crate) async fn run_on_slot<S: Send + 'static, R: Send + 'static>(
 }
 
 /// Ask `device` for a heartbeat, waiting at most `timeout`.
-pub async fn heartbeat(
+pub(crate) async fn heartbeat(
     device: &ActorRef<DeviceMsg>,
     id: DeviceId,
     timeout: Duration,
@@ -219,3 +219,6 @@ pub async fn heartbeat(
         }),
     }
 }
+
+#[cfg(test)]
+mod tests;

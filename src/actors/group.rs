@@ -15,7 +15,13 @@ use crate::mesh::{Generation, Rank};
 
 /// Messages a [`GroupActor`] handles.
 #[derive(Debug)]
-pub enum GroupMsg {
+#[expect(
+    dead_code,
+    reason = "no caller yet: the Supervisor shuts groups down through the spawner's shutdown \
+              closure and stopping the actor (post_stop); kept as the group's status and \
+              shutdown interface for hang diagnosis"
+)]
+pub(crate) enum GroupMsg {
     /// Reply with the group's members and generation.
     Members(RpcReplyPort<(Vec<Rank>, Generation)>),
     /// Shut the group down: every current and future op fails with a typed error.
@@ -24,18 +30,18 @@ pub enum GroupMsg {
 
 /// The actor owning one collective group.
 #[derive(Debug, Default)]
-pub struct GroupActor;
+pub(crate) struct GroupActor;
 
 /// State of a [`GroupActor`].
 #[derive(Debug)]
-pub struct GroupState {
+pub(crate) struct GroupState {
     members: Vec<Rank>,
     group: Arc<LocalGroup>,
 }
 
 /// What a [`GroupActor`] starts from.
 #[derive(Debug)]
-pub struct GroupArgs {
+pub(crate) struct GroupArgs {
     /// Global ranks of the members, in group order.
     pub members: Vec<Rank>,
     /// The transport-level group.

@@ -298,7 +298,7 @@ where
 }
 
 /// The actor of one pipeline stage.
-pub struct PipelineStageActor<I>(std::marker::PhantomData<fn() -> I>);
+pub(crate) struct PipelineStageActor<I>(std::marker::PhantomData<fn() -> I>);
 
 impl<I> Default for PipelineStageActor<I> {
     fn default() -> Self {
@@ -313,7 +313,7 @@ impl<I> std::fmt::Debug for PipelineStageActor<I> {
 }
 
 /// What a pipeline stage starts from.
-pub struct PipelineStageArgs<I> {
+pub(crate) struct PipelineStageArgs<I> {
     id: StageId,
     rank: Rank,
     device: MeshDevice,
@@ -337,7 +337,7 @@ struct Slot<I> {
 }
 
 /// State of a [`PipelineStageActor`].
-pub struct PipelineStageState<I> {
+pub(crate) struct PipelineStageState<I> {
     id: StageId,
     rank: Rank,
     device: MeshDevice,

@@ -41,9 +41,9 @@ use crate::parallel::{ModelContext, NonFinitePolicy};
 use crate::trace::{TraceKind, TraceRecord};
 
 /// Builds one replica's model.
-pub type ModelFn<M> = Arc<dyn Fn(&ModelContext) -> M + Send + Sync>;
+pub(crate) type ModelFn<M> = Arc<dyn Fn(&ModelContext) -> M + Send + Sync>;
 /// Computes the mean loss of a model over some samples, on a device.
-pub type LossFn<M, I> = Arc<dyn Fn(&M, &[I], &Device) -> Tensor<1> + Send + Sync>;
+pub(crate) type LossFn<M, I> = Arc<dyn Fn(&M, &[I], &Device) -> Tensor<1> + Send + Sync>;
 
 /// Everything a stage needs to train, shared by all stages of a job.
 pub(crate) struct StageSpec<M, I> {
@@ -63,10 +63,10 @@ pub(crate) struct StageSpec<M, I> {
     pub(crate) faults: Option<Arc<FaultHooks>>,
 }
 
-pub use crate::report::{InitReport, StepReport};
+pub(crate) use crate::report::{InitReport, StepReport};
 
 /// Messages a [`StageActor`] handles.
-pub enum StageMsg<M> {
+pub(crate) enum StageMsg<M> {
     /// Build the model, receive rank 0's parameters, build the optimizer.
     Init(RpcReplyPort<Result<InitReport>>),
     /// Run one training step over these micro-batches (sample ids).
@@ -94,7 +94,7 @@ pub enum StageMsg<M> {
     /// (others in the list are ignored; a missing one is an error).
     Restore {
         /// The shards.
-        shard: Box<Vec<ShardSnapshot>>,
+        shard: Vec<ShardSnapshot>,
         /// `Ok` once restored.
         reply: RpcReplyPort<Result<()>>,
     },
@@ -112,6 +112,13 @@ pub enum StageMsg<M> {
     /// A stage of another process (a cluster job's proxy) joins a new data-plane group under
     /// `generation` as `rank`, with the stages of `slots` (their ranks in the assembled world)
     /// as members in new-rank order. In-process stages get their group with `Regroup`.
+    #[cfg_attr(
+        not(feature = "cluster"),
+        expect(
+            dead_code,
+            reason = "only a cluster job's proxies (`cluster::remote`) read it"
+        )
+    )]
     Reconnect {
         /// The stage's place in the new mesh.
         id: StageId,
@@ -255,7 +262,7 @@ where
 }
 
 /// The actor of one stage.
-pub struct StageActor<M, I>(std::marker::PhantomData<fn() -> (M, I)>);
+pub(crate) struct StageActor<M, I>(std::marker::PhantomData<fn() -> (M, I)>);
 
 impl<M, I> Default for StageActor<M, I> {
     fn default() -> Self {
@@ -270,7 +277,7 @@ impl<M, I> std::fmt::Debug for StageActor<M, I> {
 }
 
 /// What a stage starts from.
-pub struct StageArgs<M, I> {
+pub(crate) struct StageArgs<M, I> {
     pub(crate) id: StageId,
     pub(crate) rank: Rank,
     pub(crate) device: MeshDevice,
@@ -302,7 +309,7 @@ struct Slot<M> {
 const FUSE_BELOW: usize = 64 * 1024;
 
 /// State of a [`StageActor`].
-pub struct StageState<M, I> {
+pub(crate) struct StageState<M, I> {
     id: StageId,
     rank: Rank,
     device: MeshDevice,
@@ -876,7 +883,3 @@ fn apply_update<M: Module, I>(
     report.held = Some(slot.sync.held());
     (slot, r.map_err(Error::from))
 }
-
-/// Scale `grads` so that their global L2 norm is at most `max_norm`; see
-/// [`crate::parallel::sync::clip_by_global_norm`].
-pub use crate::parallel::sync::clip_by_global_norm;

@@ -60,8 +60,8 @@ pub(crate) use spawn::{
 };
 #[cfg(feature = "cluster")]
 pub(crate) use spawn::{GrowRemote, Grown, RemoteGrowArgs};
-pub use state::SupervisorState;
-pub use step::StepFinished;
+pub(crate) use state::SupervisorState;
+pub(crate) use step::StepFinished;
 
 use crate::actors::spawner::Spawner;
 use crate::comm::CommConfig;
@@ -113,7 +113,7 @@ impl RunSummary {
 
 /// Messages the [`Supervisor`] handles.
 #[derive(Debug)]
-pub enum SupervisorMsg {
+pub(crate) enum SupervisorMsg {
     /// Build the models and synchronize the replicas.
     Init,
     /// Run this step.
@@ -157,7 +157,7 @@ pub struct JobStatus {
 }
 
 /// The job's root actor.
-pub struct Supervisor<M, I>(std::marker::PhantomData<fn() -> (M, I)>);
+pub(crate) struct Supervisor<M, I>(std::marker::PhantomData<fn() -> (M, I)>);
 
 impl<M, I> Default for Supervisor<M, I> {
     fn default() -> Self {
@@ -172,7 +172,7 @@ impl<M, I> std::fmt::Debug for Supervisor<M, I> {
 }
 
 /// What the Supervisor starts from (built by [`crate::job::Job::spawn`]).
-pub struct SupervisorArgs<M, I> {
+pub(crate) struct SupervisorArgs<M, I> {
     pub(crate) spawn: Box<dyn Spawner<M>>,
     pub(crate) items: std::marker::PhantomData<fn() -> I>,
     pub(crate) devices: Vec<MeshDevice>,

@@ -832,7 +832,7 @@ fn lock_links(
 }
 
 /// The head's proxy of a stage in another process (or in the head's own [`NodeStages`]).
-pub struct RemoteStage<M>(std::marker::PhantomData<fn() -> M>);
+pub(crate) struct RemoteStage<M>(std::marker::PhantomData<fn() -> M>);
 
 impl<M> Default for RemoteStage<M> {
     fn default() -> Self {
@@ -847,7 +847,7 @@ impl<M> std::fmt::Debug for RemoteStage<M> {
 }
 
 /// What a [`RemoteStage`] starts from, and its state.
-pub struct RemoteStageArgs<M> {
+pub(crate) struct RemoteStageArgs<M> {
     slot: Rank,
     id: StageId,
     device: DeviceId,
@@ -1117,11 +1117,11 @@ async fn take_model<M>(state: &RemoteStageArgs<M>, wait: Duration) -> Option<M> 
 /// The head's proxy of a device in another process: answers the Supervisor's heartbeats with
 /// the device's own.
 #[derive(Debug, Default)]
-pub struct RemoteDevice;
+pub(crate) struct RemoteDevice;
 
 /// What a [`RemoteDevice`] starts from, and its state.
 #[derive(Debug)]
-pub struct RemoteDeviceArgs {
+pub(crate) struct RemoteDeviceArgs {
     slot: Rank,
     device: DeviceId,
     endpoint: Endpoint,
@@ -1240,7 +1240,7 @@ struct NodeInner<M> {
 /// A process's stages: serves the head's [`StageRequest`]s for its slots with ordinary
 /// [`StageActor`]s (or pipeline stage actors) whose communicators are TCP groups (what a
 /// node's agent, and the head for its own devices, hand requests to).
-pub struct NodeStages<M> {
+pub(crate) struct NodeStages<M> {
     inner: Arc<NodeInner<M>>,
 }
 
@@ -1669,7 +1669,6 @@ impl<M: Send + 'static> NodeInner<M> {
             .map(|b| crate::checkpoint::format::decode_transfer(b, from))
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| RemoteError::Other(e.to_string()))?;
-        let shard = Box::new(shard);
         self.asker(slot, timeout)?
             .call(|reply| StageMsg::Restore { shard, reply })
             .await

@@ -17,7 +17,7 @@ use super::buckets::Bucket;
 
 /// One float parameter's place in the flat buffer.
 #[derive(Debug, Clone)]
-pub struct ParamSlot {
+pub(crate) struct ParamSlot {
     /// The parameter's id (what optimizers key their state by).
     pub id: ParamId,
     /// The parameter's shape.
@@ -28,7 +28,7 @@ pub struct ParamSlot {
 
 /// Where every float parameter of a model sits in a flat buffer (FLAT-1).
 #[derive(Debug, Clone, Default)]
-pub struct ParamLayout {
+pub(crate) struct ParamLayout {
     slots: Vec<ParamSlot>,
     len: usize,
 }
@@ -42,12 +42,12 @@ fn is_trainable<const D: usize>(param: &Param<Tensor<D>>, seen: &mut HashSet<Par
 
 impl ParamLayout {
     /// The layout of all of `module`'s float parameters, in visit order.
-    pub fn of<M: Module>(module: &M) -> Self {
+    pub(crate) fn of<M: Module>(module: &M) -> Self {
         Self::collect(module, false)
     }
 
     /// The layout of the parameters that receive gradients (FLAT-2), in visit order.
-    pub fn trainable<M: Module>(module: &M) -> Self {
+    pub(crate) fn trainable<M: Module>(module: &M) -> Self {
         Self::collect(module, true)
     }
 
@@ -75,17 +75,12 @@ impl ParamLayout {
     }
 
     /// Total number of float elements.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
-    /// Whether the model has no float parameter.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
     /// The slots, in visit order.
-    pub fn slots(&self) -> &[ParamSlot] {
+    pub(crate) fn slots(&self) -> &[ParamSlot] {
         &self.slots
     }
 }
@@ -119,7 +114,7 @@ fn copy_tensor_into<const D: usize>(t: Tensor<D>, out: &mut [f32]) {
 /// layout order (a parameter without a gradient gets zeros). Large buffers are reduced in place,
 /// so the gradients are never copied into one flat buffer.
 #[derive(Debug)]
-pub struct GradientBuffers {
+pub(crate) struct GradientBuffers {
     datas: Vec<TensorData>,
 }
 
@@ -134,7 +129,11 @@ fn into_f32(data: TensorData) -> TensorData {
 impl GradientBuffers {
     /// Take `grads` out of Burn following `module`'s trainable layout
     /// ([`ParamLayout::trainable`]).
-    pub fn take<M: Module>(module: &M, layout: &ParamLayout, grads: GradientsParams) -> Self {
+    pub(crate) fn take<M: Module>(
+        module: &M,
+        layout: &ParamLayout,
+        grads: GradientsParams,
+    ) -> Self {
         struct Take<'a> {
             grads: GradientsParams,
             slots: std::slice::Iter<'a, ParamSlot>,
@@ -167,13 +166,8 @@ impl GradientBuffers {
         Self { datas: t.datas }
     }
 
-    /// The element count of each buffer, in layout order.
-    pub fn sizes(&self) -> Vec<usize> {
-        self.datas.iter().map(TensorData::num_elements).collect()
-    }
-
     /// Mutable views of every buffer, in layout order.
-    pub fn slices_mut(&mut self) -> Vec<&mut [f32]> {
+    pub(crate) fn slices_mut(&mut self) -> Vec<&mut [f32]> {
         self.datas
             .iter_mut()
             .map(|d| {
@@ -184,7 +178,7 @@ impl GradientBuffers {
     }
 
     /// The elements `range` of the buffers laid end to end (the flat order), copied out.
-    pub fn copy_range(&self, range: Range<usize>) -> Vec<f32> {
+    pub(crate) fn copy_range(&self, range: Range<usize>) -> Vec<f32> {
         let mut out = Vec::with_capacity(range.len());
         let mut at = 0;
         for d in &self.datas {
@@ -203,7 +197,7 @@ impl GradientBuffers {
 
     /// The buffers laid end to end in one flat buffer; each is dropped once copied, so at
     /// most one tensor is held twice.
-    pub fn into_flat(self) -> Vec<f32> {
+    pub(crate) fn into_flat(self) -> Vec<f32> {
         let len = self.datas.iter().map(TensorData::num_elements).sum();
         let mut out = Vec::with_capacity(len);
         for d in self.datas {
@@ -216,7 +210,7 @@ impl GradientBuffers {
     }
 
     /// Give the buffers back to Burn as gradients of `module`'s parameters on `device`.
-    pub fn into_gradients<M: Module>(self, module: &M, device: &Device) -> GradientsParams {
+    pub(crate) fn into_gradients<M: Module>(self, module: &M, device: &Device) -> GradientsParams {
         struct Give<'a> {
             datas: std::vec::IntoIter<TensorData>,
             device: &'a Device,
@@ -247,7 +241,7 @@ impl GradientBuffers {
 /// Reduce `buffers` bucket by bucket with `reduce` (a collective): a fused bucket is copied
 /// into `fusion`, reduced, and copied back; an in-place bucket is reduced where it lies.
 /// Returns the elements reduced per bucket, for the trace.
-pub fn reduce_buckets<E>(
+pub(crate) fn reduce_buckets<E>(
     buffers: &mut [&mut [f32]],
     buckets: &[Bucket],
     fusion: &mut Vec<f32>,
@@ -277,7 +271,7 @@ pub fn reduce_buckets<E>(
 
 /// Which float parameters [`map_parameters`] rewrites.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ParamFilter {
+pub(crate) enum ParamFilter {
     /// Every float parameter.
     All,
     /// Only those that take no gradient: buffers (batch-norm statistics) and frozen weights.
@@ -288,7 +282,7 @@ pub enum ParamFilter {
 /// may change the values (ids, devices and training state are kept; `index` counts the
 /// selected parameters). The first error stops the rewriting and is returned beside the
 /// module, so the caller keeps the module either way.
-pub fn map_parameters<M: Module, E>(
+pub(crate) fn map_parameters<M: Module, E>(
     module: M,
     filter: ParamFilter,
     mut f: impl FnMut(usize, &mut [f32]) -> Result<(), E>,
@@ -339,7 +333,7 @@ pub fn map_parameters<M: Module, E>(
 
 /// The elements `range` of the module's trainable parameters in the flat order of `layout`
 /// ([`ParamLayout::trainable`]), copied out; parameters outside the range are not read.
-pub fn trainable_range<M: Module>(
+pub(crate) fn trainable_range<M: Module>(
     module: &M,
     layout: &ParamLayout,
     range: Range<usize>,
@@ -387,7 +381,7 @@ pub fn trainable_range<M: Module>(
 /// `module` with its trainable parameters set from `flat`, laid out as `layout`
 /// ([`ParamLayout::trainable`]); ids, devices and training state are kept, a tied weight
 /// gets its one range at every use.
-pub fn set_trainable<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> M {
+pub(crate) fn set_trainable<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -> M {
     assert_eq!(
         flat.len(),
         layout.len(),
@@ -425,7 +419,7 @@ pub fn set_trainable<M: Module>(module: M, layout: &ParamLayout, flat: &[f32]) -
 
 /// Fingerprint of a module's float parameters (the exact bits, in layout order), computed
 /// without copying them into one buffer.
-pub fn parameter_fingerprint<M: Module>(module: &M) -> u64 {
+pub(crate) fn parameter_fingerprint<M: Module>(module: &M) -> u64 {
     struct Hash(Fingerprint);
     impl ModuleVisitor for Hash {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -441,7 +435,7 @@ pub fn parameter_fingerprint<M: Module>(module: &M) -> u64 {
 }
 
 /// The module's float parameters as one buffer, in layout order.
-pub fn parameters_to_flat<M: Module>(module: &M, layout: &ParamLayout) -> Vec<f32> {
+pub(crate) fn parameters_to_flat<M: Module>(module: &M, layout: &ParamLayout) -> Vec<f32> {
     struct Read<'a> {
         slots: std::slice::Iter<'a, ParamSlot>,
         out: Vec<f32>,
@@ -466,16 +460,16 @@ pub fn parameters_to_flat<M: Module>(module: &M, layout: &ParamLayout) -> Vec<f3
 /// A 64-bit fingerprint of `f32` values' exact bits (FNV-1a), fed in pieces: equal
 /// parameters give equal fingerprints on every rank.
 #[derive(Debug, Clone, Copy)]
-pub struct Fingerprint(u64);
+pub(crate) struct Fingerprint(u64);
 
 impl Fingerprint {
     /// The fingerprint of nothing.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self(0xcbf2_9ce4_8422_2325)
     }
 
     /// Feed more values.
-    pub fn update(&mut self, values: &[f32]) {
+    pub(crate) fn update(&mut self, values: &[f32]) {
         for v in values {
             for b in v.to_bits().to_le_bytes() {
                 self.0 ^= u64::from(b);
@@ -485,7 +479,7 @@ impl Fingerprint {
     }
 
     /// The fingerprint so far.
-    pub fn finish(&self) -> u64 {
+    pub(crate) fn finish(&self) -> u64 {
         self.0
     }
 }

@@ -48,8 +48,9 @@ use crate::comm::{CommError, Communicator};
 use crate::faults::{Phase, with_hooks};
 
 mod wire;
+pub(crate) use wire::PacketWire;
 use wire::RemoteEnd;
-pub use wire::{MAX_EARLY, PacketError, PacketWire, WireError};
+pub use wire::WireError;
 
 /// Gradient buckets of the data-parallel reduction between pipeline replicas.
 const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
@@ -77,7 +78,7 @@ pub type Boundary = Vec<AnyTensor>;
 
 /// A boundary tensor's values as they travel: dims and `f32` values.
 #[derive(Debug, Clone, PartialEq)]
-pub struct WireTensor {
+pub(crate) struct WireTensor {
     /// The shape.
     pub dims: Vec<usize>,
     /// The values, row-major.
@@ -246,7 +247,7 @@ pub enum ExecError {
 }
 
 /// One stage's work, independent of its module type.
-pub trait StageWork<I>: Send {
+pub(crate) trait StageWork<I>: Send {
     /// Forward of a micro-batch: `input` (from the previous stage, or built from `items` on the
     /// first stage); returns the activations to send on, or `None` on the last stage (which
     /// computed and stashed the loss).
@@ -304,7 +305,7 @@ type ForwardFn<M> = Box<dyn Fn(&M, Boundary) -> Boundary + Send>;
 type LossFn<M, I> = Box<dyn Fn(&M, Boundary, &[I], &Device) -> Tensor<1> + Send>;
 
 /// One stage of a pipeline: a Burn module, what it computes, its optimizer.
-pub struct TypedStage<M: Module, I> {
+pub(crate) struct TypedStage<M: Module, I> {
     model: M,
     device: Device,
     forward: Option<ForwardFn<M>>,
@@ -336,7 +337,7 @@ impl<M: Module, I> std::fmt::Debug for TypedStage<M, I> {
 
 impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     /// A middle (or first) stage computing `forward`, on `device` (autodiff is turned on).
-    pub fn new(
+    pub(crate) fn new(
         model: M,
         forward: impl Fn(&M, Boundary) -> Boundary + Send + 'static,
         optimizer: &OptimizerConfig,
@@ -347,7 +348,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     }
 
     /// The last stage: its forward ends in the mean loss over the micro-batch's items.
-    pub fn last(
+    pub(crate) fn last(
         model: M,
         loss: impl Fn(&M, Boundary, &[I], &Device) -> Tensor<1> + Send + 'static,
         optimizer: &OptimizerConfig,
@@ -397,7 +398,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     /// forward again during backward: less memory for more compute (activation
     /// checkpointing). Has no effect on the last stage, whose backward follows its forward. A
     /// forward that draws random numbers (dropout) draws them again when recomputed.
-    pub fn with_recompute(mut self, recompute: bool) -> Self {
+    pub(crate) fn with_recompute(mut self, recompute: bool) -> Self {
         self.recompute = recompute;
         self
     }
@@ -628,7 +629,7 @@ struct Packet {
 /// [`link_capacity`](PipelineSchedule::link_capacity) messages; to a peer in another process
 /// one connection ([`PacketWire`]), whose transport's window bounds what is in flight.
 #[derive(Debug)]
-pub struct StageLinks {
+pub(crate) struct StageLinks {
     stage: u32,
     to: HashMap<(u32, Flow), SyncSender<Packet>>,
     from: HashMap<(u32, Flow), Receiver<Packet>>,
@@ -643,7 +644,7 @@ const ABORT_POLL: Duration = Duration::from_millis(20);
 /// The links of a pipeline running `plan`: for every stage its ends, in stage order. Every
 /// wait on them is bounded by `timeout`, and ends early (with [`ExecError::Aborted`]) once
 /// `abort` is set, so a failure elsewhere wakes every stage at once.
-pub fn links(
+pub(crate) fn links(
     plan: &PipelineSchedule,
     timeout: Duration,
     abort: Arc<AtomicBool>,
@@ -680,7 +681,14 @@ pub fn links(
 /// The ends of `stage`'s links when every peer its list talks to is in another process:
 /// `wires[peer]` is the connection to stage `peer`. A wait is bounded by `timeout`; an abort
 /// reaches it by closing the connections (the abort flag of in-process links plays no part).
-pub fn remote_links(
+#[cfg_attr(
+    not(feature = "cluster"),
+    expect(
+        dead_code,
+        reason = "only a cluster job's proxies (`cluster::remote`) call it"
+    )
+)]
+pub(crate) fn remote_links(
     plan: &PipelineSchedule,
     stage: u32,
     timeout: Duration,
@@ -808,7 +816,7 @@ impl StageLinks {
 
 /// What a stage did in one step.
 #[derive(Debug, Clone, Default)]
-pub struct StageStepRecord {
+pub(crate) struct StageStepRecord {
     /// The instructions executed, in order, with their start and end.
     pub executed: Vec<(Instr, Instant, Instant)>,
     /// Micro-batch losses (last stage only).
@@ -825,32 +833,6 @@ pub struct StageStepRecord {
     pub update: Option<(Instant, Instant)>,
     /// The learning rate of the update.
     pub learning_rate: Option<f64>,
-}
-
-/// The recorded step of every stage as one timeline in microseconds from the step's first
-/// instruction, ready for [`summarize`](super::pipeline::summarize) (the measured bubble, with
-/// the simulator's definitions) and [`render_svg`](super::pipeline::render_svg).
-pub fn recorded_timeline(stages: &[&StageStepRecord]) -> Vec<Vec<TimedInstr>> {
-    let Some(origin) = stages
-        .iter()
-        .flat_map(|r| r.executed.iter().map(|(_, s, _)| *s))
-        .min()
-    else {
-        return Vec::new();
-    };
-    stages
-        .iter()
-        .map(|r| {
-            r.executed
-                .iter()
-                .map(|(instr, s, e)| TimedInstr {
-                    instr: *instr,
-                    start: s.duration_since(origin).as_micros() as u64,
-                    end: e.duration_since(origin).as_micros() as u64,
-                })
-                .collect()
-        })
-        .collect()
 }
 
 /// A timeline (microseconds) as a Chrome trace (Perfetto, `chrome://tracing`): one row per
@@ -887,7 +869,7 @@ fn boundary_bytes(b: &Boundary) -> u64 {
 }
 
 /// What one stage needs to run one step of a schedule.
-pub struct StepContext<'a, I> {
+pub(crate) struct StepContext<'a, I> {
     /// The lists of every stage.
     pub schedule: &'a PipelineSchedule,
     /// Which stage this is.
@@ -918,7 +900,7 @@ impl<I> std::fmt::Debug for StepContext<'_, I> {
 /// executing its list literally (EXEC-1), then the optimizer step of every chunk over the mean
 /// of the micro-batches (EXEC-2), averaged over the data-parallel replicas when there are
 /// several (EXEC-3).
-pub fn run_stage_step<I>(
+pub(crate) fn run_stage_step<I>(
     chunks: &mut [Box<dyn StageWork<I>>],
     cx: StepContext<'_, I>,
 ) -> Result<StageStepRecord, ExecError> {
@@ -1053,4 +1035,4 @@ fn hooked<I, R>(cx: &StepContext<'_, I>, mb: u32, phase: Phase, f: impl FnOnce()
 }
 
 /// Builds the first block's boundary from a micro-batch's items on a device.
-pub type InputsFn<I> = Arc<dyn Fn(&[I], &Device) -> Boundary + Send + Sync>;
+pub(crate) type InputsFn<I> = Arc<dyn Fn(&[I], &Device) -> Boundary + Send + Sync>;

@@ -81,10 +81,8 @@ pub enum SyncError {
 /// What a reduction hands to [`GradientSync::apply`]: the reduced gradients (whole or this
 /// rank's shard) and what the worker must know before applying them.
 #[derive(Debug)]
-pub struct Reduced {
+pub(crate) struct Reduced {
     grads: ReducedGrads,
-    /// The global norm of the reduced gradient before clipping, when clipping was asked.
-    pub norm: Option<f32>,
     /// The reduced gradient holds a non-finite value (found by clipping's norm, which every
     /// rank computes alike, so every rank takes the same decision).
     pub non_finite: bool,
@@ -106,7 +104,7 @@ impl std::fmt::Debug for ReducedGrads {
 
 /// The step's context for a synchronisation: the group, what to do with the gradient, and
 /// where the spans of its collectives go.
-pub struct SyncContext<'a> {
+pub(crate) struct SyncContext<'a> {
     /// The data-parallel group (`None`: this rank is alone).
     pub comm: Option<&'a mut Communicator>,
     /// The device the gradients go back to (without autodiff).
@@ -150,7 +148,7 @@ impl SyncContext<'_> {
 /// How a data-parallel group keeps its parameters, gradients and optimizer state in step
 /// (the device side of a strategy). Called on the device thread, once per step, by every
 /// rank of the group in the same order.
-pub trait GradientSync<M: Module>: Send {
+pub(crate) trait GradientSync<M: Module>: Send {
     /// Reduce this rank's gradients (already weighted by its share of the step's samples)
     /// over the group; scale and clip.
     fn reduce(
@@ -183,16 +181,12 @@ pub trait GradientSync<M: Module>: Send {
         world: usize,
     ) -> Result<(), CheckpointError>;
 
-    /// Whether every rank holds the whole optimizer state (so any one rank's state is the
-    /// group's, and a lost rank loses nothing the others do not have).
-    fn replicated(&self) -> bool;
-
     /// What this rank holds after its last step.
     fn held(&self) -> HeldBytes;
 }
 
 /// The synchronisation `stage` asks for, over `model`'s trainable parameters.
-pub fn for_stage<M: Module>(
+pub(crate) fn for_stage<M: Module>(
     stage: ZeroStage,
     model: &M,
     optimizer: &OptimizerConfig,
@@ -258,7 +252,7 @@ fn all_reduce_buckets(
 /// Scale `grads` so that their global L2 norm is at most `max_norm` (PyTorch's
 /// `clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)`, applied when below 1).
 /// Returns the norm before clipping.
-pub fn clip_by_global_norm(grads: &mut [&mut [f32]], max_norm: f32) -> f32 {
+pub(crate) fn clip_by_global_norm(grads: &mut [&mut [f32]], max_norm: f32) -> f32 {
     let norm = sum_of_squares(grads.iter().map(|g| &**g)).sqrt() as f32;
     clip_to(grads, norm, max_norm);
     norm
@@ -281,7 +275,7 @@ fn clip_to(grads: &mut [&mut [f32]], norm: f32, max_norm: f32) {
 }
 
 /// Plain data parallelism: all-reduce in buckets, Burn's optimizer on the whole model.
-pub struct AllReduceSync {
+pub(crate) struct AllReduceSync {
     optimizer: ModuleOptimizer,
     /// The `f32` words of state Burn's optimizer keeps per parameter element once stepped.
     words: usize,
@@ -312,7 +306,6 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         if cx.direct {
             return Ok(Reduced {
                 grads: ReducedGrads::Whole(grads),
-                norm: None,
                 non_finite: false,
             });
         }
@@ -335,7 +328,6 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
         Ok(Reduced {
             grads: ReducedGrads::Whole(g),
-            norm,
             non_finite: norm.is_some_and(|n| !n.is_finite()),
         })
     }
@@ -367,10 +359,6 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         Ok(())
     }
 
-    fn replicated(&self) -> bool {
-        true
-    }
-
     fn held(&self) -> HeldBytes {
         let mut held = self.held;
         // Burn keeps `words` tensors the size of each parameter once it has stepped it
@@ -383,7 +371,7 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
 }
 
 /// ZeRO stage 1 or 2: each rank keeps the optimizer state of its range of the flat order.
-pub struct ZeroSync {
+pub(crate) struct ZeroSync {
     stage: ZeroStage,
     shard: OptimizerShard,
     /// Every part of the state last restored, kept until the first step after it: the group
@@ -520,7 +508,6 @@ impl<M: Module> GradientSync<M> for ZeroSync {
         };
         Ok(Reduced {
             grads: ReducedGrads::Shard(shard),
-            norm,
             non_finite: norm.is_some_and(|n| !n.is_finite()),
         })
     }
@@ -636,10 +623,6 @@ impl<M: Module> GradientSync<M> for ZeroSync {
         self.shard = shard;
         self.restored = Some(decoded);
         Ok(())
-    }
-
-    fn replicated(&self) -> bool {
-        false
     }
 
     fn held(&self) -> HeldBytes {

@@ -61,10 +61,12 @@ pub(super) async fn restore<M: Send + 'static>(
     timeout: Duration,
     unanswered: impl FnOnce() -> String,
 ) -> Result<()> {
-    let shard = Box::new(shards);
     ask(
         stage,
-        |reply| StageMsg::Restore { shard, reply },
+        |reply| StageMsg::Restore {
+            shard: shards,
+            reply,
+        },
         timeout,
         unanswered,
     )

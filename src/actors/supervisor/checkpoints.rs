@@ -191,7 +191,7 @@ where
     };
     let timeout = state.step_timeout;
     for (stage, id) in state.stages.clone() {
-        let shard = Box::new(c.shards.clone());
+        let shard = c.shards.clone();
         match stage
             .call(|reply| StageMsg::Restore { shard, reply }, Some(timeout))
             .await

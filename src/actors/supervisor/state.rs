@@ -28,7 +28,7 @@ use crate::parallel::sampler::DistributedSampler;
 use crate::recovery::{RecoveryPolicy, RestartLog};
 
 /// State of the [`Supervisor`](super::Supervisor).
-pub struct SupervisorState<M, I> {
+pub(crate) struct SupervisorState<M, I> {
     pub(super) layout: Layout,
     pub(super) steps: u64,
     pub(super) accumulation: u32,

@@ -27,7 +27,7 @@ use crate::trace::TimeBreakdown;
 
 /// The outcome of one step attempt, sent to the Supervisor by the step's task.
 #[derive(Debug)]
-pub struct StepFinished {
+pub(crate) struct StepFinished {
     /// Which attempt (the Supervisor counts them): another than the running one is stale.
     pub(super) attempt: u64,
     /// The mesh's generation when the step started.

@@ -12,7 +12,7 @@ use meshwork::demo::{Mlp, TeacherTask, mse_loss};
 use meshwork::error::{Error, Result};
 use meshwork::events::JobEvent;
 use meshwork::job::{EventsError, Job};
-use meshwork::parallel::sync::HeldBytes;
+use meshwork::parallel::HeldBytes;
 use meshwork::parallel::zero::ZeroStage;
 use serde::{Deserialize, Serialize};
 

@@ -23,7 +23,7 @@ const PACKET_VERSION: u8 = 1;
 
 /// The most packets a receive keeps for the other direction of data before it calls the peer
 /// broken (a correct schedule keeps at most its micro-batches × chunks).
-pub const MAX_EARLY: usize = 4096;
+pub(crate) const MAX_EARLY: usize = 4096;
 
 /// Why a connection to a stage in another process failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -44,7 +44,7 @@ pub enum WireError {
 /// One end of a connection to a stage in another process, carrying whole packets as bytes.
 /// Both calls are bounded by `deadline`; after an error the connection is unusable. Closing
 /// it from another thread (the job's abort) must wake a blocked call.
-pub trait PacketWire: Send + Sync + std::fmt::Debug {
+pub(crate) trait PacketWire: Send + Sync + std::fmt::Debug {
     /// Sends one packet's bytes; returns once the transport took them.
     fn send(&self, bytes: &[u8], deadline: Instant) -> Result<(), WireError>;
     /// Receives the next packet's bytes into `bytes` (replacing its contents).
@@ -53,7 +53,7 @@ pub trait PacketWire: Send + Sync + std::fmt::Debug {
 
 /// Why bytes are not a packet.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PacketError {
+pub(crate) enum PacketError {
     /// The bytes end before what they declare.
     #[error("the packet ends after {got} bytes, inside its {what}")]
     Truncated {
