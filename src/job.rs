@@ -42,6 +42,9 @@ use crate::parallel::zero::{FlatRule, ZeroStage};
 pub use crate::parallel::{ModelContext, NonFinitePolicy};
 use crate::recovery::RecoveryPolicy;
 
+mod fault_tolerance;
+pub use fault_tolerance::FaultTolerance;
+
 /// Default size of a gradient bucket (PyTorch DDP's default).
 pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
 
@@ -83,6 +86,33 @@ impl<M, I> std::fmt::Debug for Job<M, I> {
 }
 
 /// Builds a [`Job`]; every setting has a default except the model, loss, data and batch size.
+///
+/// The methods come in sections, in the order a program usually needs them:
+///
+/// - **What to train**: [`model`](Self::model) or [`initial_model`](Self::initial_model),
+///   and [`loss`](Self::loss); or [`pipeline`](JobBuilder::pipeline) for a model cut into
+///   stages.
+/// - **The common path**: [`data`](Self::data), [`optimizer`](Self::optimizer),
+///   [`learning_rate`](Self::learning_rate), [`data_parallel`](Self::data_parallel),
+///   [`batch_size`](Self::batch_size), [`steps`](Self::steps).
+/// - **Checkpoints**: [`checkpoint_dir`](Self::checkpoint_dir) and how often, how many,
+///   whether to resume.
+/// - **Tuning**: accumulation, ZeRO, clipping, buckets, time-outs; the defaults work.
+/// - **Failures and elasticity**: one [`FaultTolerance`] value through
+///   [`fault_tolerance`](Self::fault_tolerance) (recovery policy, elastic range and wait,
+///   injected faults), or its one-setting shorthands.
+/// - **Across processes** (feature `cluster`): `cluster` on the head, `stage_host` on a node.
+/// - [`build`](Self::build) checks the whole configuration (JOB-1).
+///
+/// ```text
+/// Job::builder()
+///     .initial_model(model).loss(mse_loss)                      // what to train
+///     .data(data).optimizer(AdamConfig::new()).learning_rate(3e-3)
+///     .data_parallel(2).batch_size(128).steps(200)              // the common path
+///     .checkpoint_dir("ckpt")                                   // checkpoints
+///     .fault_tolerance(FaultTolerance::new().recovery(RecoveryPolicy::shrink()).elastic(1, 4))
+///     .build()?
+/// ```
 pub struct JobBuilder<M, I> {
     model: Option<ModelFn<M>>,
     loss: Option<LossFn<M, I>>,
@@ -259,6 +289,9 @@ where
     }
 }
 
+/// # What to train
+///
+/// The model (built per replica, or one model copied to every replica) and its loss.
 impl<M, I> JobBuilder<M, I>
 where
     M: Module + 'static,
@@ -305,6 +338,287 @@ where
     }
 }
 
+/// # What to train: a pipeline
+impl<I> JobBuilder<PipelineModel, I>
+where
+    I: Send + Sync + 'static,
+{
+    /// Train `stages` as a pipeline running `schedule`, in place of a single model and loss.
+    /// With `Schedule::Interleaved { virtual_stages: v, .. }` the list holds K·v blocks and
+    /// each of the K stages runs v of them; otherwise each block is one stage. Combine with
+    /// [`data_parallel`](JobBuilder::data_parallel) for a dp × pp mesh; `batch_size` stays the
+    /// global batch, cut per replica into the schedule's micro-batches. The trained blocks
+    /// come back in a [`PipelineModel`].
+    pub fn pipeline(mut self, stages: PipelineStages<I>, schedule: Schedule) -> Self {
+        self.pipeline = Some(PipelineParts {
+            stages,
+            schedule,
+            spawn: |spec| Box::new(LocalPipeline { spec }),
+            #[cfg(feature = "cluster")]
+            cluster: ClusterFns {
+                spawn: |mesh, spec, layout| {
+                    Box::new(crate::cluster::remote::ClusterPipeline { mesh, spec, layout })
+                },
+                slots: |spec, _| Arc::new(crate::cluster::remote::pipeline::PipelineSlots { spec }),
+            },
+        });
+        self
+    }
+}
+
+/// # The common path
+///
+/// What the quickstart sets: the data, the optimizer and its learning rate, how many
+/// replicas, the global batch and how many steps (the model and loss are set above, or a
+/// pipeline with [`pipeline`](JobBuilder::pipeline)).
+impl<M, I> JobBuilder<M, I>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    /// The training data.
+    pub fn data(mut self, data: impl Dataset<Item = I>) -> Self {
+        self.data = Some(Arc::new(data));
+        self
+    }
+
+    /// The optimizer (SGD, Adam, AdamW configs convert into it).
+    pub fn optimizer(mut self, optimizer: impl Into<OptimizerConfig>) -> Self {
+        self.optimizer = optimizer.into();
+        self
+    }
+
+    /// A constant learning rate.
+    pub fn learning_rate(mut self, lr: f64) -> Self {
+        self.learning_rate = LearningRate::Constant(lr);
+        self
+    }
+
+    /// One of Burn's learning-rate schedulers (e.g.
+    /// `ExponentialLrSchedulerConfig::new(0.1, 0.9).init()?`), stepped once per optimizer step.
+    pub fn lr_scheduler(mut self, scheduler: ModuleLrScheduler) -> Self {
+        self.learning_rate = LearningRate::Scheduler(scheduler);
+        self
+    }
+
+    /// Number of data-parallel replicas.
+    pub fn data_parallel(mut self, dp: u32) -> Self {
+        self.dp = dp;
+        self
+    }
+
+    /// The **global** batch size: each replica takes `batch_size / data_parallel` per step.
+    pub fn batch_size(mut self, global: usize) -> Self {
+        self.batch_size = Some(global);
+        self
+    }
+
+    /// Number of optimizer steps.
+    pub fn steps(mut self, steps: u64) -> Self {
+        self.steps = steps;
+        self
+    }
+
+    /// Seed of the data order.
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// The devices to run on (default: one logical Flex CPU device per replica).
+    pub fn devices(mut self, devices: Vec<MeshDevice>) -> Self {
+        self.devices = Some(devices);
+        self
+    }
+}
+
+/// # Checkpoints
+///
+/// Where checkpoints go, how often, how many are kept, and whether the job resumes from one.
+impl<M, I> JobBuilder<M, I>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    /// Write checkpoints into `dir` (one subdirectory per checkpoint; see
+    /// [`crate::checkpoint`]): every [`checkpoint_every`](Self::checkpoint_every) steps, at
+    /// the end of the run, and on [`JobHandle::checkpoint_now`].
+    pub fn checkpoint_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
+        self.checkpoint_dir = Some(dir.into());
+        self
+    }
+
+    /// Write checkpoints through `sink` (a [`crate::checkpoint::CheckpointStore`] over any
+    /// file system) instead of a directory.
+    pub fn checkpoint_store(mut self, sink: impl CheckpointSink + 'static) -> Self {
+        self.checkpoint_sink = Some(Arc::new(sink));
+        self
+    }
+
+    /// Checkpoint every `n` steps (needs a checkpoint directory or store).
+    pub fn checkpoint_every(mut self, n: u64) -> Self {
+        self.checkpoint_every = Some(n);
+        self
+    }
+
+    /// Keep the newest `k` complete checkpoints (default 3).
+    pub fn keep_checkpoints(mut self, k: usize) -> Self {
+        self.keep_checkpoints = k;
+        self
+    }
+
+    /// Start from the newest valid checkpoint of the directory or store, if there is one
+    /// (newer ones that do not verify are refused and reported in the `Restored` event). The
+    /// job also writes checkpoints there (at least one when it ends), so the directory must be
+    /// writable (CKPT-7); to resume from a read-only copy, copy it first.
+    pub fn resume_from_checkpoint(mut self, resume: bool) -> Self {
+        self.resume = resume;
+        self
+    }
+
+    /// With `true`: resume from a checkpoint, and fail the job with
+    /// [`CheckpointError::NothingToResume`](crate::checkpoint::CheckpointError::NothingToResume)
+    /// when none verifies, instead of starting afresh with a `NothingToResume` event.
+    pub fn require_checkpoint(mut self, require: bool) -> Self {
+        self.require_checkpoint = require;
+        if require {
+            self.resume = true;
+        }
+        self
+    }
+}
+
+/// # Tuning
+///
+/// Settings with working defaults: micro-batches, gradient buckets and clipping, sharded
+/// optimizer state, the non-finite-loss policy, the all-reduce algorithm, time-outs and the
+/// event buffer.
+impl<M, I> JobBuilder<M, I>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    /// Accumulate gradients over `k` micro-batches per step (each replica's share of the
+    /// global batch is cut into `k` equal micro-batches).
+    pub fn gradient_accumulation(mut self, k: u32) -> Self {
+        self.accumulation = k;
+        self
+    }
+
+    /// Shard the training state over the data-parallel replicas, as DeepSpeed's ZeRO and
+    /// PyTorch's `ZeroRedundancyOptimizer` do: [`ZeroStage::One`] keeps each replica's share
+    /// of the optimizer state only, [`ZeroStage::Two`] also reduce-scatters the gradients.
+    /// The trained parameters equal plain data parallelism's. Works with SGD, Adam and AdamW
+    /// (without the optimizer's own per-tensor clipping: use [`Self::clip_grad_norm`]).
+    pub fn zero(mut self, stage: ZeroStage) -> Self {
+        self.zero = stage;
+        self
+    }
+
+    /// Clip gradients so that their global L2 norm is at most `max_norm`.
+    pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
+        self.clip_norm = Some(max_norm);
+        self
+    }
+
+    /// What to do on a NaN or infinite loss.
+    pub fn on_non_finite_loss(mut self, policy: NonFinitePolicy) -> Self {
+        self.non_finite = policy;
+        self
+    }
+
+    /// Size of a gradient bucket for the all-reduce.
+    pub fn bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes;
+        self
+    }
+
+    /// The all-reduce algorithm (default: chosen by size and group).
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.comm.algorithm = algorithm;
+        self
+    }
+
+    /// Time-out of every collective operation.
+    pub fn collective_timeout(mut self, timeout: Duration) -> Self {
+        self.comm.timeout = timeout;
+        self
+    }
+
+    /// Time-out of one step on every stage.
+    pub fn step_timeout(mut self, timeout: Duration) -> Self {
+        self.step_timeout = timeout;
+        self
+    }
+
+    /// How many events are kept for a slow consumer before the oldest are dropped for it.
+    pub fn event_capacity(mut self, events: usize) -> Self {
+        self.event_capacity = events;
+        self
+    }
+}
+
+/// # Failures and elasticity
+///
+/// What the job does when a device is lost, the sizes it may run at, and faults to inject
+/// for a rehearsal: one [`FaultTolerance`] value, or its shorthands one setting at a time.
+impl<M, I> JobBuilder<M, I>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    /// What the job does about failures, in one value: the recovery policy, the elastic range
+    /// and wait, and any faults to inject. Replaces all four settings (a value without a plan
+    /// injects no faults); [`recovery`](Self::recovery), [`elastic`](Self::elastic),
+    /// [`elastic_wait`](Self::elastic_wait) and [`fault_plan`](Self::fault_plan) are
+    /// shorthands that set one of them.
+    pub fn fault_tolerance(mut self, tolerance: FaultTolerance) -> Self {
+        let FaultTolerance {
+            recovery,
+            elastic_min,
+            elastic_max,
+            elastic_wait,
+            fault_plan,
+        } = tolerance;
+        self.recovery = recovery;
+        self.elastic = (elastic_min, elastic_max);
+        self.elastic_wait = elastic_wait;
+        self.faults = fault_plan.map(FaultHooks::new);
+        self
+    }
+
+    /// How to recover from a lost device (default: the job fails with the device's error).
+    pub fn recovery(mut self, policy: RecoveryPolicy) -> Self {
+        self.recovery = policy;
+        self
+    }
+
+    /// The data-parallel sizes [`JobHandle::scale_to`] may ask for (default: 1 and up).
+    ///
+    /// When failures leave fewer than `min` replicas (with a shrinking recovery policy whose
+    /// own `min_replicas` floor still holds), the job waits for devices rather than train on
+    /// (ELASTIC-3): it publishes `WaitingForDevices` and holds its next step until
+    /// `scale_to(n ≥ min)` or `resume()`, and ends with `Error::BelowMinimum` after
+    /// [`JobBuilder::elastic_wait`].
+    pub fn elastic(mut self, min: u32, max: u32) -> Self {
+        self.elastic = (min, max);
+        self
+    }
+
+    /// How long a job below its elastic minimum waits for devices (default 5 minutes).
+    pub fn elastic_wait(mut self, wait: Duration) -> Self {
+        self.elastic_wait = wait;
+        self
+    }
+
+    /// Inject the faults of `plan` (a rehearsal of failures: see [`crate::faults`]).
+    pub fn fault_plan(mut self, plan: FaultPlan) -> Self {
+        self.faults = Some(FaultHooks::new(plan));
+        self
+    }
+}
+
+/// # Across processes (feature `cluster`)
 #[cfg(feature = "cluster")]
 impl<M, I> JobBuilder<M, I>
 where
@@ -381,229 +695,12 @@ where
     }
 }
 
-impl<I> JobBuilder<PipelineModel, I>
-where
-    I: Send + Sync + 'static,
-{
-    /// Train `stages` as a pipeline running `schedule`, in place of a single model and loss.
-    /// With `Schedule::Interleaved { virtual_stages: v, .. }` the list holds K·v blocks and
-    /// each of the K stages runs v of them; otherwise each block is one stage. Combine with
-    /// [`data_parallel`](JobBuilder::data_parallel) for a dp × pp mesh; `batch_size` stays the
-    /// global batch, cut per replica into the schedule's micro-batches. The trained blocks
-    /// come back in a [`PipelineModel`].
-    pub fn pipeline(mut self, stages: PipelineStages<I>, schedule: Schedule) -> Self {
-        self.pipeline = Some(PipelineParts {
-            stages,
-            schedule,
-            spawn: |spec| Box::new(LocalPipeline { spec }),
-            #[cfg(feature = "cluster")]
-            cluster: ClusterFns {
-                spawn: |mesh, spec, layout| {
-                    Box::new(crate::cluster::remote::ClusterPipeline { mesh, spec, layout })
-                },
-                slots: |spec, _| Arc::new(crate::cluster::remote::pipeline::PipelineSlots { spec }),
-            },
-        });
-        self
-    }
-}
-
+/// # Building
 impl<M, I> JobBuilder<M, I>
 where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    /// The training data.
-    pub fn data(mut self, data: impl Dataset<Item = I>) -> Self {
-        self.data = Some(Arc::new(data));
-        self
-    }
-
-    /// The optimizer (SGD, Adam, AdamW configs convert into it).
-    pub fn optimizer(mut self, optimizer: impl Into<OptimizerConfig>) -> Self {
-        self.optimizer = optimizer.into();
-        self
-    }
-
-    /// A constant learning rate.
-    pub fn learning_rate(mut self, lr: f64) -> Self {
-        self.learning_rate = LearningRate::Constant(lr);
-        self
-    }
-
-    /// One of Burn's learning-rate schedulers (e.g.
-    /// `ExponentialLrSchedulerConfig::new(0.1, 0.9).init()?`), stepped once per optimizer step.
-    pub fn lr_scheduler(mut self, scheduler: ModuleLrScheduler) -> Self {
-        self.learning_rate = LearningRate::Scheduler(scheduler);
-        self
-    }
-
-    /// Number of data-parallel replicas.
-    pub fn data_parallel(mut self, dp: u32) -> Self {
-        self.dp = dp;
-        self
-    }
-
-    /// The devices to run on (default: one logical Flex CPU device per replica).
-    pub fn devices(mut self, devices: Vec<MeshDevice>) -> Self {
-        self.devices = Some(devices);
-        self
-    }
-
-    /// The **global** batch size: each replica takes `batch_size / data_parallel` per step.
-    pub fn batch_size(mut self, global: usize) -> Self {
-        self.batch_size = Some(global);
-        self
-    }
-
-    /// Accumulate gradients over `k` micro-batches per step (each replica's share of the
-    /// global batch is cut into `k` equal micro-batches).
-    pub fn gradient_accumulation(mut self, k: u32) -> Self {
-        self.accumulation = k;
-        self
-    }
-
-    /// Size of a gradient bucket for the all-reduce.
-    pub fn bucket_bytes(mut self, bytes: usize) -> Self {
-        self.bucket_bytes = bytes;
-        self
-    }
-
-    /// Clip gradients so that their global L2 norm is at most `max_norm`.
-    pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
-        self.clip_norm = Some(max_norm);
-        self
-    }
-
-    /// Shard the training state over the data-parallel replicas, as DeepSpeed's ZeRO and
-    /// PyTorch's `ZeroRedundancyOptimizer` do: [`ZeroStage::One`] keeps each replica's share
-    /// of the optimizer state only, [`ZeroStage::Two`] also reduce-scatters the gradients.
-    /// The trained parameters equal plain data parallelism's. Works with SGD, Adam and AdamW
-    /// (without the optimizer's own per-tensor clipping: use [`Self::clip_grad_norm`]).
-    pub fn zero(mut self, stage: ZeroStage) -> Self {
-        self.zero = stage;
-        self
-    }
-
-    /// Number of optimizer steps.
-    pub fn steps(mut self, steps: u64) -> Self {
-        self.steps = steps;
-        self
-    }
-
-    /// Seed of the data order.
-    pub fn seed(mut self, seed: u64) -> Self {
-        self.seed = seed;
-        self
-    }
-
-    /// What to do on a NaN or infinite loss.
-    pub fn on_non_finite_loss(mut self, policy: NonFinitePolicy) -> Self {
-        self.non_finite = policy;
-        self
-    }
-
-    /// The all-reduce algorithm (default: chosen by size and group).
-    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
-        self.comm.algorithm = algorithm;
-        self
-    }
-
-    /// Time-out of every collective operation.
-    pub fn collective_timeout(mut self, timeout: Duration) -> Self {
-        self.comm.timeout = timeout;
-        self
-    }
-
-    /// Time-out of one step on every stage.
-    pub fn step_timeout(mut self, timeout: Duration) -> Self {
-        self.step_timeout = timeout;
-        self
-    }
-
-    /// Inject the faults of `plan` (a rehearsal of failures: see [`crate::faults`]).
-    pub fn fault_plan(mut self, plan: FaultPlan) -> Self {
-        self.faults = Some(FaultHooks::new(plan));
-        self
-    }
-
-    /// How to recover from a lost device (default: the job fails with the device's error).
-    pub fn recovery(mut self, policy: RecoveryPolicy) -> Self {
-        self.recovery = policy;
-        self
-    }
-
-    /// Write checkpoints into `dir` (one subdirectory per checkpoint; see
-    /// [`crate::checkpoint`]): every [`checkpoint_every`](Self::checkpoint_every) steps, at
-    /// the end of the run, and on [`JobHandle::checkpoint_now`].
-    pub fn checkpoint_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
-        self.checkpoint_dir = Some(dir.into());
-        self
-    }
-
-    /// Write checkpoints through `sink` (a [`crate::checkpoint::CheckpointStore`] over any
-    /// file system) instead of a directory.
-    pub fn checkpoint_store(mut self, sink: impl CheckpointSink + 'static) -> Self {
-        self.checkpoint_sink = Some(Arc::new(sink));
-        self
-    }
-
-    /// Checkpoint every `n` steps (needs a checkpoint directory or store).
-    pub fn checkpoint_every(mut self, n: u64) -> Self {
-        self.checkpoint_every = Some(n);
-        self
-    }
-
-    /// Keep the newest `k` complete checkpoints (default 3).
-    pub fn keep_checkpoints(mut self, k: usize) -> Self {
-        self.keep_checkpoints = k;
-        self
-    }
-
-    /// Start from the newest valid checkpoint of the directory or store, if there is one
-    /// (newer ones that do not verify are refused and reported in the `Restored` event). The
-    /// job also writes checkpoints there (at least one when it ends), so the directory must be
-    /// writable (CKPT-7); to resume from a read-only copy, copy it first.
-    pub fn resume_from_checkpoint(mut self, resume: bool) -> Self {
-        self.resume = resume;
-        self
-    }
-
-    /// With `true`: resume from a checkpoint, and fail the job with
-    /// [`CheckpointError::NothingToResume`](crate::checkpoint::CheckpointError::NothingToResume)
-    /// when none verifies, instead of starting afresh with a `NothingToResume` event.
-    pub fn require_checkpoint(mut self, require: bool) -> Self {
-        self.require_checkpoint = require;
-        if require {
-            self.resume = true;
-        }
-        self
-    }
-
-    /// The data-parallel sizes [`JobHandle::scale_to`] may ask for (default: 1 and up).
-    ///
-    /// When failures leave fewer than `min` replicas (with a shrinking recovery policy whose
-    /// own `min_replicas` floor still holds), the job waits for devices rather than train on
-    /// (ELASTIC-3): it publishes `WaitingForDevices` and holds its next step until
-    /// `scale_to(n ≥ min)` or `resume()`, and ends with `Error::BelowMinimum` after
-    /// [`JobBuilder::elastic_wait`].
-    pub fn elastic(mut self, min: u32, max: u32) -> Self {
-        self.elastic = (min, max);
-        self
-    }
-
-    /// How long a job below its elastic minimum waits for devices (default 5 minutes).
-    pub fn elastic_wait(mut self, wait: Duration) -> Self {
-        self.elastic_wait = wait;
-        self
-    }
-
-    /// How many events are kept for a slow consumer before the oldest are dropped for it.
-    pub fn event_capacity(mut self, events: usize) -> Self {
-        self.event_capacity = events;
-        self
-    }
-
     /// Check the configuration (JOB-1) and produce the job.
     pub fn build(mut self) -> Result<Job<M, I>> {
         let invalid = |m: String| Err(Error::InvalidConfig(m));

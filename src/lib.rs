@@ -30,14 +30,18 @@ pub use error::{Error, Result};
 /// The types most programs need: `use meshwork::prelude::*;`.
 pub mod prelude {
     pub use crate::comm::{Algorithm, ReduceOp};
+    #[cfg(feature = "burn-dataset")]
+    pub use crate::data::FromBurn;
     pub use crate::data::{Dataset, InMemoryDataset};
     pub use crate::device::{BackendKind, MeshDevice};
     pub use crate::error::{Error, Result};
     pub use crate::events::{JobEvent, StepDone};
     pub use crate::job::{
-        EventStream, Job, JobBuilder, JobHandle, ModelContext, NonFinitePolicy, Trained,
+        EventStream, FaultTolerance, Job, JobBuilder, JobHandle, ModelContext, NonFinitePolicy,
+        Trained,
     };
     pub use crate::mesh::{Layout, Rank};
     pub use crate::parallel::pipeline::Schedule;
     pub use crate::parallel::zero::ZeroStage;
+    pub use crate::recovery::RecoveryPolicy;
 }
