@@ -2,10 +2,12 @@
 //!
 //! - [`sampler`]: which sample ids each replica reads at each step (pure);
 //! - [`buckets`]: how the flat gradient buffer is cut into all-reduce buckets (pure);
-//! - [`gradients`]: flattening a model's gradients into one buffer and back (Burn);
+//! - `gradients` (crate-internal): flattening a model's gradients into one buffer and back (Burn);
 //! - [`pipeline`]: pipeline schedules as instruction lists, their simulator and picture (pure);
 //! - [`pipeline_exec`]: a stage running its list (links, VJP backward, stash, update);
-//! - [`stages`]: the user's model as pipeline stages, and the trained blocks.
+//! - [`stages`]: the user's model as pipeline stages, and the trained blocks;
+//! - `sync` (crate-internal): how a rank's gradients and optimizer state stay in step with its
+//!   group ([`HeldBytes`] is what a rank holds, reported in events).
 
 pub mod buckets;
 pub(crate) mod gradients;

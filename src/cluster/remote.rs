@@ -8,10 +8,10 @@
 //!                 (control plane: StageRequest)       with a TCP Communicator (data plane)
 //! ```
 //!
-//! - Every rank of a cluster job is a proxy on the head: a [`RemoteStage`] answers the
+//! - Every rank of a cluster job is a proxy on the head: a `RemoteStage` answers the
 //!   Supervisor's `StageMsg`s by sending [`StageOp`]s to the process that holds the rank, and
-//!   a [`RemoteDevice`] answers its heartbeats. The head's own devices are served by the same
-//!   [`NodeStages`] in the head's process, without the network: one code path for every rank.
+//!   a `RemoteDevice` answers its heartbeats. The head's own devices are served by the same
+//!   `NodeStages` in the head's process, without the network: one code path for every rank.
 //! - A node builds its stages with the same [`crate::job::JobBuilder`] code as the head
 //!   ([`crate::job::JobBuilder::stage_host`]), so a stage on a node trains exactly as a
 //!   stage in the head's process would; gradients meet over the TCP data plane
@@ -31,7 +31,7 @@
 //! - **REMOTE-3** an abort (the Supervisor's RT-4 shutdown) carries the generation it is for:
 //!   a node ignores an abort older than its slot's group, so a late abort never breaks the
 //!   group a recovery just formed.
-//! - **REMOTE-4** (dp × pp, [`pipeline`]) a pipeline slot starts in two phases and keeps its
+//! - **REMOTE-4** (dp × pp, `pipeline`) a pipeline slot starts in two phases and keeps its
 //!   pipeline links on a listener of their own.
 //! - **REMOTE-5** the world only grows: a node that joins the running job brings the next
 //!   slots, and the job grows onto them (or a roll-back replaces a lost replica with one).
@@ -39,7 +39,7 @@
 //!   [`PART_BYTES`] moves in parts, each message under the control message limit.
 //! - **REMOTE-7** (REC-6 across processes) a lost pipeline stage is started again on a
 //!   waiting slot (a node that joined the running job) and every rank is wired anew under the
-//!   next generation at once ([`pipeline::wire_ops`]); a survivor that takes the new wiring
+//!   next generation at once (`pipeline::wire_ops`); a survivor that takes the new wiring
 //!   ignores aborts of older generations from then on.
 
 use std::collections::HashMap;

@@ -1,9 +1,9 @@
 //! Executing pipeline schedules: a stage runs its instruction list literally.
 //!
-//! [`run_stage_step`] is one stage's step, called on its device thread by
-//! [`PipelineStageActor`](crate::actors::pipeline_stage::PipelineStageActor): it walks the
-//! stage's list over the stage's v model chunks ([`StageWork`], usually a [`TypedStage`]),
-//! moving activations and gradients over [`StageLinks`]: one bounded FIFO per peer and direction
+//! `run_stage_step` (crate-internal, like the rest of the executor) is one stage's step, called on its device thread by
+//! the runtime's `PipelineStageActor`: it walks the
+//! stage's list over the stage's v model chunks (`StageWork`, usually a `TypedStage`),
+//! moving activations and gradients over `StageLinks`: one bounded FIFO per peer and direction
 //! of data, built from the schedule's sends (so interleaved schedules get their wrap-around
 //! links), holding [`link_capacity`](PipelineSchedule::link_capacity) messages (a fast stage
 //! cannot run ahead without limit). Every wait is bounded by a time-out and ends early when the

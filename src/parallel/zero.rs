@@ -1,7 +1,7 @@
 //! ZeRO stages 1 and 2 (Rajbhandari et al., 2020) as data and pure functions: which elements
 //! of the flat parameter order each data-parallel rank owns, the update rules of SGD, Adam and
 //! AdamW on flat slices, and the re-sharding of optimizer state onto another group size.
-//! No Burn tensors, no threads, no I/O: the device side ([`crate::parallel::sync`]) feeds it
+//! No Burn tensors, no threads, no I/O: the device side (`parallel::sync`) feeds it
 //! buffers.
 //!
 //! # Invariants
