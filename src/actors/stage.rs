@@ -783,15 +783,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     let reduced = slot.sync.reduce(&slot.model, grads, &mut cx)?;
     let spans = std::mem::take(&mut cx.spans);
     drop(cx);
-    for (kind, start, took) in spans {
-        trace.push(TraceRecord {
-            rank,
-            step,
-            kind,
-            start_us: start.duration_since(spec.epoch).as_micros() as u64,
-            duration_us: took.as_micros() as u64,
-        });
-    }
+    record_spans(&mut trace, (rank, step), spec.epoch, spans);
     if reduced.non_finite && spec.non_finite == NonFinitePolicy::Stop {
         return Err(Error::NonFiniteGradient { step });
     }
@@ -845,7 +837,6 @@ fn apply_update<M: Module, I>(
     phase: &Mutex<&'static str>,
 ) -> (Slot<M>, Result<()>) {
     *phase.lock().unwrap_or_else(|e| e.into_inner()) = "optimizer step";
-    let t = Instant::now();
     let lr = slot.lr.next_rate();
     report.learning_rate = Some(lr.base());
     let model = slot.model;
@@ -864,22 +855,24 @@ fn apply_update<M: Module, I>(
     let spans = std::mem::take(&mut cx.spans);
     drop(cx);
     slot.model = model;
-    for (kind, start, took) in spans {
-        report.trace.push(TraceRecord {
-            rank: report.rank,
-            step,
-            kind,
-            start_us: start.duration_since(spec.epoch).as_micros() as u64,
-            duration_us: took.as_micros() as u64,
-        });
-    }
-    report.trace.push(TraceRecord {
-        rank: report.rank,
-        step,
-        kind: TraceKind::OptimizerStep,
-        start_us: t.duration_since(spec.epoch).as_micros() as u64,
-        duration_us: t.elapsed().as_micros() as u64,
-    });
+    record_spans(&mut report.trace, (report.rank, step), spec.epoch, spans);
     report.held = Some(slot.sync.held());
     (slot, r.map_err(Error::from))
+}
+
+/// The synchronisation's spans (what, when it began, how long) as this rank's trace records
+/// of `step`, timed from the job's start.
+fn record_spans(
+    trace: &mut Vec<TraceRecord>,
+    (rank, step): (Rank, u64),
+    epoch: Instant,
+    spans: Vec<(TraceKind, Instant, std::time::Duration)>,
+) {
+    trace.extend(spans.into_iter().map(|(kind, start, took)| TraceRecord {
+        rank,
+        step,
+        kind,
+        start_us: start.duration_since(epoch).as_micros() as u64,
+        duration_us: took.as_micros() as u64,
+    }));
 }

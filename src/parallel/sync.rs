@@ -337,12 +337,14 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         model: M,
         reduced: Reduced,
         lr: ModuleLearningRate,
-        _cx: &mut SyncContext<'_>,
+        cx: &mut SyncContext<'_>,
     ) -> Result<M, (M, SyncError)> {
         let ReducedGrads::Whole(grads) = reduced.grads else {
             unreachable!("AllReduceSync reduces whole gradients")
         };
-        Ok(self.optimizer.step(lr, model, grads))
+        Ok(cx.timed(TraceKind::OptimizerStep, |_| {
+            self.optimizer.step(lr, model, grads)
+        }))
     }
 
     fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
