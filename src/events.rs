@@ -218,6 +218,10 @@ pub struct PipelineStageStep {
     pub peak_stash: u32,
     /// The most bytes of boundary tensors it stashed at once.
     pub peak_activation_bytes: u64,
+    /// What its blocks held during the step, instruction by instruction, counted by the
+    /// worker (parameters full and sharded, gradients, stashed activations).
+    #[serde(default)]
+    pub memory: crate::parallel::memory::StepMemory,
 }
 
 /// What a pipeline step looked like, measured from the instructions the stages ran.

@@ -37,7 +37,7 @@ use crate::mesh::Layout;
 pub use crate::optim::{LearningRate, OptimizerConfig};
 pub use crate::parallel::pipeline::Schedule;
 use crate::parallel::sampler::DistributedSampler;
-pub use crate::parallel::stages::{PipelineModel, PipelineStages};
+pub use crate::parallel::stages::{BlockOptions, PipelineModel, PipelineStages};
 use crate::parallel::zero::{FlatRule, ZeroStage};
 pub use crate::parallel::{ModelContext, NonFinitePolicy};
 use crate::recovery::RecoveryPolicy;
@@ -181,7 +181,8 @@ fn check_batch(global: usize, dp: usize, k: usize) -> Result<()> {
 /// What `.pipeline(..)` sets.
 struct PipelineParts<M, I> {
     stages: PipelineStages<I>,
-    schedule: Schedule,
+    /// `None`: a block job (`JobBuilder::blocks`), one stage running every block in turn.
+    schedule: Option<Schedule>,
     spawn: fn(Arc<PipelineSpec<I>>) -> Box<dyn Spawner<M>>,
     #[cfg(feature = "cluster")]
     cluster: ClusterFns<PipelineSpec<I>, M>,
@@ -349,7 +350,25 @@ where
     /// [`data_parallel`](JobBuilder::data_parallel) for a dp × pp mesh; `batch_size` stays the
     /// global batch, cut per replica into the schedule's micro-batches. The trained blocks
     /// come back in a [`PipelineModel`].
-    pub fn pipeline(mut self, stages: PipelineStages<I>, schedule: Schedule) -> Self {
+    pub fn pipeline(self, stages: PipelineStages<I>, schedule: Schedule) -> Self {
+        self.with_blocks(stages, Some(schedule))
+    }
+
+    /// Train the model given as `stages` (its blocks in order) with data parallelism only:
+    /// every replica holds every block and runs them one after the other, micro-batch after
+    /// micro-batch ([`gradient_accumulation`](JobBuilder::gradient_accumulation) of them),
+    /// forwards through the blocks then backwards through them in reverse. Each block's
+    /// gradient is reduced as soon as its last backward of the step is done. This is how a
+    /// model trains with [`ZeroStage::Three`] (fully sharded: each replica keeps only its
+    /// shard of every block's parameters between uses) and with per-block activation
+    /// checkpointing ([`BlockOptions`]); ZeRO stages 0–2 and
+    /// [`clip_grad_norm`](JobBuilder::clip_grad_norm) work as with a single model. The
+    /// trained blocks come back in a [`PipelineModel`].
+    pub fn blocks(self, stages: PipelineStages<I>) -> Self {
+        self.with_blocks(stages, None)
+    }
+
+    fn with_blocks(mut self, stages: PipelineStages<I>, schedule: Option<Schedule>) -> Self {
         self.pipeline = Some(PipelineParts {
             stages,
             schedule,
@@ -819,6 +838,13 @@ where
                     .into(),
             );
         }
+        if self.zero.shards_parameters() && checkpoints.is_some() {
+            return invalid(
+                "checkpoints of a zero(Three) job are not supported yet: remove the checkpoint \
+                 settings or use zero(Two)"
+                    .into(),
+            );
+        }
         if self.recovery.roll_back && checkpoints.is_none() {
             return invalid(
                 "a recovery policy that rolls back needs checkpoints: add .checkpoint_dir(dir) \
@@ -946,6 +972,14 @@ where
         let Some(loss_fn) = self.loss.take() else {
             return invalid("no loss: call .loss(|model, samples, device| ..)".into());
         };
+        if self.zero.shards_parameters() {
+            return invalid(
+                "zero(Three) shards each block's parameters between uses, so it needs the \
+                 model as blocks: give it with .blocks(stages) (or .pipeline(..)) instead of \
+                 .model(..) / .initial_model(..), or use zero(Two)"
+                    .into(),
+            );
+        }
         let dp = self.dp as usize;
         let k = self.accumulation as usize;
         check_batch(global, dp, k)?;
@@ -971,16 +1005,17 @@ where
         global: usize,
         dataset: Arc<dyn Dataset<Item = I>>,
     ) -> Result<(Box<dyn Spawner<M>>, Layout, u32)> {
-        let m = p.schedule.micro_batches();
         #[cfg(feature = "cluster")]
         if let Some(mesh) = self.cluster.take() {
             let spawn = p.cluster.spawn;
             let world = Some(mesh.world_size() as u32);
             let (spec, layout) = self.pipeline_spec(p, global, dataset, world)?;
+            let m = spec.plan.micro_batches();
             return Ok((spawn(mesh, spec, layout), layout, m));
         }
         let spawn = p.spawn;
         let (spec, layout) = self.pipeline_spec(p, global, dataset, None)?;
+        let m = spec.plan.micro_batches();
         Ok((spawn(spec), layout, m))
     }
 
@@ -997,6 +1032,9 @@ where
         if let Some(problem) = p.stages.problem() {
             return invalid(problem);
         }
+        let Some(schedule) = p.schedule else {
+            return self.blocks_spec(p.stages, global, dataset, world);
+        };
         if self.accumulation != 1 {
             return invalid(
                 "gradient_accumulation with a pipeline: the schedule's micro-batches are the \
@@ -1018,7 +1056,7 @@ where
                     .into(),
             );
         }
-        let v = p.schedule.virtual_stages() as usize;
+        let v = schedule.virtual_stages() as usize;
         let blocks = p.stages.len();
         if !blocks.is_multiple_of(v) {
             return invalid(format!(
@@ -1036,21 +1074,63 @@ where
             }
             self.dp = world / pp;
         }
-        let plan = p.schedule.instructions(pp)?;
+        let plan = schedule.instructions(pp)?;
         let dp = self.dp as usize;
-        let m = p.schedule.micro_batches() as usize;
+        let m = schedule.micro_batches() as usize;
         check_batch(global, dp, m)?;
-        let spec = Arc::new(PipelineSpec {
-            stages: p.stages,
+        let spec = self.stages_spec(p.stages, plan, dataset);
+        Ok((spec, Layout::new(self.dp, pp, 1)?))
+    }
+
+    /// A block job's spec: one stage per replica holding every block, running
+    /// [`PipelineSchedule::sequential`](crate::parallel::pipeline::PipelineSchedule::sequential)
+    /// over the accumulation's micro-batches.
+    fn blocks_spec(
+        &mut self,
+        stages: PipelineStages<I>,
+        global: usize,
+        dataset: Arc<dyn Dataset<Item = I>>,
+        world: Option<u32>,
+    ) -> Result<(Arc<PipelineSpec<I>>, Layout)> {
+        if self.non_finite == NonFinitePolicy::Skip {
+            return Err(Error::InvalidConfig(
+                "on_non_finite_loss(Skip) is not supported with .blocks(..) yet (each block \
+                 updates on its own); use Stop"
+                    .into(),
+            ));
+        }
+        if let Some(world) = world {
+            self.dp = world;
+        }
+        let plan = crate::parallel::pipeline::PipelineSchedule::sequential(
+            stages.len() as u32,
+            self.accumulation,
+        )?;
+        check_batch(global, self.dp as usize, self.accumulation as usize)?;
+        let mut spec = self.stages_spec(stages, plan, dataset);
+        Arc::get_mut(&mut spec)
+            .expect("the spec was just made")
+            .clip = self.clip_norm;
+        Ok((spec, Layout::new(self.dp, 1, 1)?))
+    }
+
+    fn stages_spec(
+        &self,
+        stages: PipelineStages<I>,
+        plan: crate::parallel::pipeline::PipelineSchedule,
+        dataset: Arc<dyn Dataset<Item = I>>,
+    ) -> Arc<PipelineSpec<I>> {
+        Arc::new(PipelineSpec {
+            stages,
             plan: Arc::new(plan),
             dataset,
             optimizer: self.optimizer.clone(),
             learning_rate: self.learning_rate.clone(),
             zero: self.zero,
+            clip: None,
             epoch: Instant::now(),
             faults: self.faults.clone(),
-        });
-        Ok((spec, Layout::new(self.dp, pp, 1)?))
+        })
     }
 }
 

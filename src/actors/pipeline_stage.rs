@@ -51,6 +51,8 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) learning_rate: LearningRate,
     /// How much of each block's training state each data-parallel rank keeps (ZeRO).
     pub(crate) zero: crate::parallel::zero::ZeroStage,
+    /// Clip each step's gradient to this global norm over the stage's blocks (block jobs).
+    pub(crate) clip: Option<f32>,
     /// The job's start: trace times are measured from it.
     pub(crate) epoch: Instant,
     /// The fault plan's hooks, if the job has one.
@@ -400,13 +402,20 @@ where
                 let _ = reply.send(step_on_device(state, step, micro_batches).await);
             }
             StageMsg::Fingerprint(reply) => {
+                // A ZeRO-3 stage gathers its blocks' full parameters first (every replica of
+                // the stage is asked at once): the fingerprint, and the model handed over
+                // after it, are the whole blocks.
                 let out = run_on_slot(&state.device_actor, "fingerprint", &mut state.slot, |s| {
-                    fingerprint(&s.chunks)
+                    for chunk in s.chunks.iter_mut() {
+                        chunk.gather(None, s.comm.as_mut())?;
+                    }
+                    Ok::<_, crate::parallel::pipeline_exec::ExecError>(fingerprint(&s.chunks))
                 })
                 .await;
                 let r = match out {
                     None => Err(lost(state)),
-                    Some(Ok(Ok(f))) => Ok(f),
+                    Some(Ok(Ok(Ok(f)))) => Ok(f),
+                    Some(Ok(Ok(Err(e)))) => Err(Error::from(e)),
                     Some(Ok(Err(panic))) => Err(failed(state, "fingerprint", panic)),
                     Some(Err(e)) => Err(e),
                 };
@@ -555,11 +564,16 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
             })
             .collect();
         let f = fingerprint(&chunks);
-        (chunks, f)
+        // At ZeRO-3 each rank keeps only its shard from the start (FSDP-1); no collective.
+        let mut chunks = chunks;
+        for chunk in chunks.iter_mut() {
+            chunk.shard_parameters(comm.as_ref());
+        }
+        (chunks, f, comm)
     })
     .await?;
     match out {
-        Ok((chunks, f)) => {
+        Ok((chunks, f, comm)) => {
             state.slot = Some(Slot {
                 chunks,
                 links,
@@ -637,6 +651,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
                 micro_batches: &items,
                 inputs: &inputs,
                 replicas: slot.comm.as_mut(),
+                clip: spec.clip,
                 on_instr: &on_instr,
                 faults: spec.faults.as_deref().map(|h| (h, device_id, step)),
             },
@@ -725,6 +740,7 @@ fn report<I>(
                 .collect(),
             peak_stash: record.peak_stash,
             peak_activation_bytes: record.peak_stash_bytes,
+            memory: record.memory,
         }),
         held: None,
     }

@@ -166,6 +166,17 @@ impl GradientBuffers {
         Self { datas: t.datas }
     }
 
+    /// Views of every buffer, in layout order.
+    pub(crate) fn slices(&self) -> Vec<&[f32]> {
+        self.datas
+            .iter()
+            .map(|d| {
+                d.as_slice::<f32>()
+                    .expect("gradient buffers are converted to f32 when taken")
+            })
+            .collect()
+    }
+
     /// Mutable views of every buffer, in layout order.
     pub(crate) fn slices_mut(&mut self) -> Vec<&mut [f32]> {
         self.datas
@@ -388,33 +399,60 @@ pub(crate) fn set_trainable<M: Module>(module: M, layout: &ParamLayout, flat: &[
         "a flat buffer of the layout's length"
     );
     struct Write<'a> {
-        ranges: std::collections::HashMap<ParamId, Range<usize>>,
+        slots: std::collections::HashMap<ParamId, (Range<usize>, Shape)>,
         flat: &'a [f32],
     }
     impl ModuleMapper for Write<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let Some(range) = self.ranges.get(&param.id).cloned() else {
+            let Some((range, shape)) = self.slots.get(&param.id).cloned() else {
                 return param;
             };
             let values = &self.flat[range];
             param.map(|old| {
                 let device = old.device();
                 let grad = old.is_require_grad();
-                let data = TensorData::new(values.to_vec(), old.shape());
+                // The layout's shape: a released parameter (see `release_trainable`) is empty.
+                let data = TensorData::new(values.to_vec(), shape);
                 let t = Tensor::<D>::from_data(data, &device);
                 if grad { t.require_grad() } else { t }
             })
         }
     }
     let mut w = Write {
-        ranges: layout
+        slots: layout
             .slots
             .iter()
-            .map(|s| (s.id, s.range.clone()))
+            .map(|s| (s.id, (s.range.clone(), s.shape.clone())))
             .collect(),
         flat,
     };
     module.map(&mut w)
+}
+
+/// `module` with the trainable parameters of `layout` replaced by empty tensors (every
+/// dimension 0; ids, devices and training state kept): what a ZeRO-3 rank keeps of a block
+/// between uses. [`set_trainable`] gives them their values and shapes back.
+pub(crate) fn release_trainable<M: Module>(module: M, layout: &ParamLayout) -> M {
+    struct Empty {
+        ids: HashSet<ParamId>,
+    }
+    impl ModuleMapper for Empty {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if !self.ids.contains(&param.id) {
+                return param;
+            }
+            param.map(|old| {
+                let device = old.device();
+                let grad = old.is_require_grad();
+                let data = TensorData::new(Vec::<f32>::new(), [0usize; D]);
+                let t = Tensor::<D>::from_data(data, &device);
+                if grad { t.require_grad() } else { t }
+            })
+        }
+    }
+    module.map(&mut Empty {
+        ids: layout.slots.iter().map(|s| s.id).collect(),
+    })
 }
 
 /// Fingerprint of a module's float parameters (the exact bits, in layout order), computed

@@ -436,6 +436,12 @@ impl PipelineSchedule {
         })
     }
 
+    /// The list of a block job: one stage holding all `blocks` as its chunks, each
+    /// micro-batch forwarded through blocks 0..n then backwarded through n..0.
+    pub fn sequential(blocks: u32, micro_batches: u32) -> Result<Self, ScheduleError> {
+        schedule::sequential(blocks, micro_batches)
+    }
+
     /// Stages (K).
     pub fn stages(&self) -> u32 {
         self.stages

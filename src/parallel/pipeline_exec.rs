@@ -39,6 +39,7 @@ use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
 
 use super::gradients::parameter_fingerprint;
+use super::memory::{BlockBytes, StepMemory};
 use super::sync::{self, GradientSync, SyncContext};
 use super::zero::{UnsupportedOptimizer, ZeroStage};
 use crate::checkpoint::{
@@ -267,10 +268,34 @@ pub(crate) trait StageWork<I>: Send {
         mb: u32,
         grad_out: Option<Vec<WireTensor>>,
     ) -> Result<Vec<WireTensor>, ExecError>;
-    /// Optimizer step with the accumulated gradients: summed over the data-parallel replicas
-    /// of this stage through `replicas` (when given), then scaled by `scale`.
-    /// Returns the learning rate used.
-    fn step(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<f64, ExecError>;
+    /// Make the block's full parameters present for its next forward (`backward_of: None`)
+    /// or for the backward of micro-batch `mb` (`Some(mb)`): a ZeRO-3 block all-gathers them
+    /// over `replicas` (FSDP-2); other blocks hold them already.
+    fn gather(
+        &mut self,
+        backward_of: Option<u32>,
+        replicas: Option<&mut Communicator>,
+    ) -> Result<(), ExecError>;
+    /// Reduce the accumulated gradients over the data-parallel replicas of this stage through
+    /// `replicas` (when given) and scale them by `scale`, keeping the result for
+    /// [`apply`](Self::apply); called right after the block's last backward of the step.
+    fn reduce(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<(), ExecError>;
+    /// Whether the gradients of this step were reduced already.
+    fn reduced(&self) -> bool;
+    /// The sum of squares of the reduced gradient this rank holds, and whether it is a shard
+    /// (to be summed over the replicas), for a global norm.
+    fn norm_part(&self) -> Option<(f64, bool)>;
+    /// Clip the reduced gradient with a global norm computed over several blocks.
+    fn clip(&mut self, norm: f32, max_norm: f32);
+    /// The optimizer step with the reduced gradient (and the exchange that keeps the
+    /// replicas' parameters in step). Returns the learning rate used.
+    fn apply(&mut self, replicas: Option<&mut Communicator>) -> Result<f64, ExecError>;
+    /// What the block holds now (MEM-1).
+    fn memory(&self) -> BlockBytes;
+    /// Keep only this rank's shard of the block's parameters, as rank `replicas.rank()` of
+    /// the group (ZeRO-3, FSDP-1; no collective: every replica starts from the same record);
+    /// a no-op for the other strategies.
+    fn shard_parameters(&mut self, replicas: Option<&Communicator>);
     /// The loss of each micro-batch seen since the last step (last stage only).
     fn take_losses(&mut self) -> Vec<f32>;
     /// Micro-batches stashed now and the bytes of their boundary tensors.
@@ -318,6 +343,21 @@ pub(crate) struct TypedStage<M: Module, I> {
     accumulated: GradientsAccumulator<M>,
     losses: Vec<f32>,
     recompute: bool,
+    /// Release a sharded block's full parameters after each forward (ZeRO-3; the last
+    /// block never does: its backward follows its forward).
+    reshard_after_forward: bool,
+    /// Whether the sync shards the parameters (ZeRO-3).
+    shards_params: bool,
+    /// The module a released block's forward ran with, kept for that micro-batch's
+    /// backward when the forward is not recomputed: Burn's graph holds its tensors anyway,
+    /// and the gradients are found through them.
+    kept: HashMap<u32, M>,
+    /// The step's reduced gradient, between `reduce` and `apply`.
+    reduced: Option<sync::Reduced>,
+    /// Gradient bytes held now.
+    grads_bytes: u64,
+    /// Trainable parameter elements.
+    param_len: usize,
     /// False on the first stage (set by each forward).
     input_grads: bool,
 }
@@ -378,7 +418,14 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             1,
         )
         .expect("whole (unsharded) optimizer state supports every optimizer");
+        let param_len = super::gradients::ParamLayout::trainable(&model).len();
         Self {
+            reshard_after_forward: true,
+            shards_params: false,
+            kept: HashMap::new(),
+            reduced: None,
+            grads_bytes: 0,
+            param_len,
             sync,
             model,
             device,
@@ -401,6 +448,28 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     pub(crate) fn with_recompute(mut self, recompute: bool) -> Self {
         self.recompute = recompute;
         self
+    }
+
+    /// Whether a sharded (ZeRO-3) block releases its full parameters after each forward and
+    /// gathers them again for the backward (true), or keeps them until its backward.
+    pub(crate) fn with_reshard_after_forward(mut self, reshard: bool) -> Self {
+        self.reshard_after_forward = reshard;
+        self
+    }
+
+    fn sync_cx<'a>(
+        device: &'a Device,
+        scale: f32,
+        replicas: Option<&'a mut Communicator>,
+    ) -> SyncContext<'a> {
+        SyncContext {
+            comm: replicas,
+            device,
+            scale,
+            clip: None,
+            direct: false,
+            spans: Vec::new(),
+        }
     }
 }
 
@@ -437,6 +506,13 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                 self.stash
                     .insert(mb, (leaves, Stashed::Outputs(out.clone())));
             }
+            if self.shards_params && self.reshard_after_forward {
+                let used = self.model.clone();
+                self.model = self.sync.release(self.model.clone());
+                if !self.recompute {
+                    self.kept.insert(mb, used);
+                }
+            }
             Some(out)
         }
     }
@@ -452,6 +528,8 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
             instr: what.to_string(),
         };
         let (leaves, stashed) = self.stash.remove(&mb).ok_or_else(|| missing("backward"))?;
+        // The module the graph was built with: the one kept at the forward, or this one.
+        let used = self.kept.remove(&mb);
         let (leaves, stashed) = match stashed {
             Stashed::Nothing => {
                 let forward = self
@@ -501,30 +579,75 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         } else {
             Vec::new()
         };
-        let params = GradientsParams::from_module(&mut grads, &self.model);
+        let params = GradientsParams::from_module(&mut grads, used.as_ref().unwrap_or(&self.model));
+        drop(used);
         self.accumulated.accumulate(&self.model, params);
+        self.grads_bytes = 4 * self.param_len as u64;
+        // A sharded block keeps only its shard until its next use (FSDP-1).
+        self.model = self.sync.release(self.model.clone());
         Ok(upstream)
     }
 
-    fn step(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<f64, ExecError> {
+    fn gather(
+        &mut self,
+        backward_of: Option<u32>,
+        replicas: Option<&mut Communicator>,
+    ) -> Result<(), ExecError> {
+        if backward_of.is_some_and(|mb| self.kept.contains_key(&mb)) {
+            return Ok(());
+        }
+        let inner = self.device.clone().inner();
+        let mut cx = Self::sync_cx(&inner, 1.0, replicas);
+        let model = self.model.clone();
+        match self.sync.gather(model, &mut cx) {
+            Ok(model) => {
+                self.model = model;
+                Ok(())
+            }
+            Err((model, e)) => {
+                self.model = model;
+                Err(sync_failed(e))
+            }
+        }
+    }
+
+    fn reduce(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<(), ExecError> {
         let grads = self.accumulated.grads();
         let inner = self.device.clone().inner();
-        let mut cx = SyncContext {
-            comm: replicas,
-            device: &inner,
-            scale,
-            clip: None,
-            direct: false,
-            spans: Vec::new(),
-        };
-        let failed = |e: sync::SyncError| match e {
-            sync::SyncError::Comm(c) => ExecError::Comm(c),
-            other => ExecError::Unsupported(other.to_string()),
-        };
+        let mut cx = Self::sync_cx(&inner, scale, replicas);
         let reduced = self
             .sync
             .reduce(&self.model, grads, &mut cx)
-            .map_err(failed)?;
+            .map_err(sync_failed)?;
+        self.grads_bytes = self.sync.held().grads;
+        self.reduced = Some(reduced);
+        Ok(())
+    }
+
+    fn reduced(&self) -> bool {
+        self.reduced.is_some()
+    }
+
+    fn norm_part(&self) -> Option<(f64, bool)> {
+        self.reduced
+            .as_ref()
+            .and_then(sync::Reduced::sum_of_squares)
+    }
+
+    fn clip(&mut self, norm: f32, max_norm: f32) {
+        if let Some(r) = self.reduced.as_mut() {
+            r.clip_to(norm, max_norm);
+        }
+    }
+
+    fn apply(&mut self, replicas: Option<&mut Communicator>) -> Result<f64, ExecError> {
+        let reduced = self.reduced.take().ok_or_else(|| ExecError::MissingInput {
+            stage: u32::MAX,
+            mb: 0,
+            instr: "the update (no reduced gradient)".into(),
+        })?;
+        let inner = self.device.clone().inner();
+        let mut cx = Self::sync_cx(&inner, 1.0, replicas);
         let lr = self.lr.next_rate();
         let rate = lr.base();
         let model = self.model.clone();
@@ -532,10 +655,31 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
             Ok(model) => model,
             Err((model, e)) => {
                 self.model = model;
-                return Err(failed(e));
+                return Err(sync_failed(e));
             }
         };
+        self.grads_bytes = 0;
         Ok(rate)
+    }
+
+    fn shard_parameters(&mut self, replicas: Option<&Communicator>) {
+        if !self.shards_params {
+            return;
+        }
+        let (rank, world) = replicas.map_or((0, 1), |c| (c.rank().index(), c.world()));
+        self.model = self.sync.shard(self.model.clone(), rank, world);
+    }
+
+    fn memory(&self) -> BlockBytes {
+        let whole = 4 * self.param_len as u64;
+        let held = self.sync.held();
+        BlockBytes {
+            full_params: whole * (u64::from(self.sync.holds_full()) + self.kept.len() as u64),
+            param_shard: if self.shards_params { held.params } else { 0 },
+            grads: self.grads_bytes,
+            optimizer: held.optimizer,
+            activations: self.stashed().1,
+        }
     }
 
     fn take_losses(&mut self) -> Vec<f32> {
@@ -564,6 +708,9 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
 
     fn begin_step(&mut self) {
         self.stash.clear();
+        self.kept.clear();
+        self.reduced = None;
+        self.grads_bytes = 0;
         self.accumulated = GradientsAccumulator::new();
         self.losses.clear();
     }
@@ -587,6 +734,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
     }
 
     fn shard_optimizer(&mut self, stage: ZeroStage) -> Result<(), UnsupportedOptimizer> {
+        self.shards_params = stage.shards_parameters();
         self.sync = sync::for_stage(
             stage,
             &self.model,
@@ -605,6 +753,14 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
 
     fn into_module(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
         Box::new(self.model)
+    }
+}
+
+/// A synchronisation's failure as the executor reports it.
+fn sync_failed(e: sync::SyncError) -> ExecError {
+    match e {
+        sync::SyncError::Comm(c) => ExecError::Comm(c),
+        other => ExecError::Unsupported(other.to_string()),
     }
 }
 
@@ -829,6 +985,8 @@ pub(crate) struct StageStepRecord {
     pub peak_stash: u32,
     /// When the step began (before its first instruction) and ended (after the optimizer).
     pub span: Option<(Instant, Instant)>,
+    /// What the stage's blocks held, instruction by instruction (MEM-1, MEM-2).
+    pub memory: StepMemory,
     /// When the gradient reduction and optimizer step began and ended.
     pub update: Option<(Instant, Instant)>,
     /// The learning rate of the update.
@@ -883,6 +1041,9 @@ pub(crate) struct StepContext<'a, I> {
     /// The communicator of this stage's data-parallel group (the same stage in every
     /// pipeline replica), if there is more than one replica.
     pub replicas: Option<&'a mut Communicator>,
+    /// Clip the step's gradient to this global L2 norm over all the stage's blocks (a block
+    /// job's stage holds every block).
+    pub clip: Option<f32>,
     /// Called before each instruction runs (progress for heartbeats and failure reports).
     pub on_instr: &'a dyn Fn(&Instr),
     /// The fault plan's hooks, called around every forward and backward, with the device
@@ -919,8 +1080,22 @@ pub(crate) fn run_stage_step<I>(
     for chunk in chunks.iter_mut() {
         chunk.begin_step();
     }
+    let mut cx = cx;
+    let mut replicas = cx.replicas.take();
+    let world = replicas.as_ref().map_or(1, |c| c.world());
+    let scale = 1.0 / (plan.micro_batches() as usize * world) as f32;
+    // Each chunk's gradient is reduced right after its last backward of the step, while the
+    // earlier blocks' backwards are still to come (every replica at the same point, FSDP-2).
+    let mut last_backward: HashMap<u32, usize> = HashMap::new();
+    for (i, instr) in plan.list(me).iter().enumerate() {
+        if let Instr::Backward { chunk, .. } = instr {
+            last_backward.insert(chunk.0, i);
+        }
+    }
     let mut record = StageStepRecord::default();
     let began = Instant::now();
+    let since = |t: Instant| t.saturating_duration_since(began).as_micros() as u64;
+    record.memory.record(0, chunks.iter().map(|c| c.memory()));
     // Keyed by (micro-batch, local chunk).
     let mut inbox: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
     let mut outbox: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
@@ -931,7 +1106,7 @@ pub(crate) fn run_stage_step<I>(
         mb: instr.mb().0,
         instr: format!("{instr:?}"),
     };
-    for instr in plan.list(me) {
+    for (index, instr) in plan.list(me).iter().enumerate() {
         (cx.on_instr)(instr);
         let t0 = Instant::now();
         let key = (instr.mb().0, instr.chunk().0);
@@ -960,6 +1135,7 @@ pub(crate) fn run_stage_step<I>(
                         .map(|w| AnyTensor::from_wire(w, &device))
                         .collect::<Result<_, _>>()?
                 };
+                work.gather(None, replicas.as_deref_mut())?;
                 let out = hooked(&cx, mb.0, Phase::Forward, || {
                     work.forward(mb.0, input, items, !first_block)
                 });
@@ -978,6 +1154,7 @@ pub(crate) fn run_stage_step<I>(
             }
             Instr::Backward { mb, .. } => {
                 let g = grads_in.remove(&key);
+                work.gather(Some(mb.0), replicas.as_deref_mut())?;
                 let upstream = hooked(&cx, mb.0, Phase::Backward, || work.backward(mb.0, g));
                 let upstream = upstream.map_err(|e| match e {
                     ExecError::MissingInput { mb, instr, .. } => ExecError::MissingInput {
@@ -991,6 +1168,9 @@ pub(crate) fn run_stage_step<I>(
                     other => other,
                 })?;
                 grads_out.insert(key, upstream);
+                if last_backward.get(&instr.chunk().0) == Some(&index) {
+                    work.reduce(scale, replicas.as_deref_mut())?;
+                }
             }
             Instr::SendGradient { mb, to, .. } => {
                 let tensors = grads_out.remove(&key).ok_or_else(|| missing(instr))?;
@@ -1005,22 +1185,45 @@ pub(crate) fn run_stage_step<I>(
             .fold((0, 0), |(n, b), (n2, b2)| (n + n2, b + b2));
         record.peak_stash = record.peak_stash.max(count);
         record.peak_stash_bytes = record.peak_stash_bytes.max(bytes);
+        record
+            .memory
+            .record(since(Instant::now()), chunks.iter().map(|c| c.memory()));
     }
-    let cx_faults = StepContext {
-        replicas: None,
-        ..cx
-    };
-    let mut replicas = cx.replicas;
-    let world = replicas.as_ref().map_or(1, |c| c.world());
-    let scale = 1.0 / (plan.micro_batches() as usize * world) as f32;
     let t = Instant::now();
+    // A chunk the list never ran backward on (none in a valid schedule) reduces now.
     for chunk in chunks.iter_mut() {
-        let rate = hooked(&cx_faults, 0, Phase::Update, || {
-            chunk.step(scale, replicas.as_deref_mut())
+        if !chunk.reduced() {
+            chunk.reduce(scale, replicas.as_deref_mut())?;
+        }
+    }
+    if let Some(max) = cx.clip {
+        let sums: Vec<_> = chunks.iter().map(|c| c.norm_part()).collect();
+        let partial = sums.iter().any(|s| s.is_some_and(|(_, p)| p));
+        let total: f64 = sums.iter().flatten().map(|(v, _)| v).sum();
+        // The same arithmetic as ZeRO's clipping: each rank's sum, all-reduced in f32.
+        let mut sum = [total as f32];
+        if partial && let Some(comm) = replicas.as_deref_mut().filter(|c| c.world() > 1) {
+            comm.all_reduce(&mut sum, crate::comm::ReduceOp::Sum)?;
+        }
+        let norm = if partial {
+            f64::from(sum[0]).sqrt() as f32
+        } else {
+            total.sqrt() as f32
+        };
+        for chunk in chunks.iter_mut() {
+            chunk.clip(norm, max);
+        }
+    }
+    for chunk in chunks.iter_mut() {
+        let rate = hooked(&cx, 0, Phase::Update, || {
+            chunk.apply(replicas.as_deref_mut())
         })?;
         record.learning_rate = Some(rate);
         record.losses.extend(chunk.take_losses());
     }
+    record
+        .memory
+        .record(since(Instant::now()), chunks.iter().map(|c| c.memory()));
     record.update = Some((t, Instant::now()));
     record.span = Some((began, Instant::now()));
     Ok(record)

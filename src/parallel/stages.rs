@@ -53,6 +53,44 @@ pub fn materialize<M: Module>(module: M) -> M {
     module
 }
 
+/// How one block trains, beyond what it computes ([`PipelineStages::block`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct BlockOptions {
+    /// Keep only the block's inputs between a micro-batch's forward and its backward and run
+    /// the forward again during the backward (activation checkpointing): less memory for
+    /// more compute. Default: off.
+    pub recompute: bool,
+    /// At ZeRO stage 3, release the block's full parameters right after its forward and
+    /// all-gather them again for its backward (FSDP's `reshard_after_forward`). Without
+    /// `recompute`, Burn's autodiff graph keeps the forward's parameter tensors until the
+    /// backward, so they stay counted as held and are not gathered again; with it, the
+    /// memory is really freed. Default: on. Has no effect below stage 3.
+    pub reshard_after_forward: bool,
+}
+
+impl Default for BlockOptions {
+    fn default() -> Self {
+        Self {
+            recompute: false,
+            reshard_after_forward: true,
+        }
+    }
+}
+
+impl BlockOptions {
+    /// Set [`recompute`](Self::recompute).
+    pub fn recompute(mut self, recompute: bool) -> Self {
+        self.recompute = recompute;
+        self
+    }
+
+    /// Set [`reshard_after_forward`](Self::reshard_after_forward).
+    pub fn reshard_after_forward(mut self, reshard: bool) -> Self {
+        self.reshard_after_forward = reshard;
+        self
+    }
+}
+
 /// Builds one block's stage on a device (called once per data-parallel replica).
 type BuildFn<I> =
     Arc<dyn Fn(&Device, &OptimizerConfig, LearningRate) -> Box<dyn StageWork<I>> + Send + Sync>;
@@ -122,8 +160,24 @@ impl<I: 'static> PipelineStages<I> {
         module: M,
         forward: impl Fn(&M, Boundary) -> Boundary + Send + Sync + Clone + 'static,
     ) -> Self {
+        self.block(module, BlockOptions::default().recompute(true), forward)
+    }
+
+    /// Like [`stage`](Self::stage), with `options` choosing how the block trains:
+    /// activation checkpointing, and whether a ZeRO-3 job releases its parameters between
+    /// the block's forward and its backward.
+    pub fn block<M: Module + 'static>(
+        self,
+        module: M,
+        options: BlockOptions,
+        forward: impl Fn(&M, Boundary) -> Boundary + Send + Sync + Clone + 'static,
+    ) -> Self {
         self.push(module, false, move |m, d, o, lr| {
-            Box::new(TypedStage::new(m, forward.clone(), o, lr, d).with_recompute(true))
+            Box::new(
+                TypedStage::new(m, forward.clone(), o, lr, d)
+                    .with_recompute(options.recompute)
+                    .with_reshard_after_forward(options.reshard_after_forward),
+            )
         })
     }
 

@@ -4,7 +4,7 @@
 //!
 //! A [`GradientSync`] is a value a worker holds (like `burn-train`'s `TrainingStrategy`):
 //! the worker computes gradients and calls [`GradientSync::reduce`] then
-//! [`GradientSync::apply`]; it never branches on how the group synchronises. Two
+//! [`GradientSync::apply`]; it never branches on how the group synchronises. Three
 //! implementations exist:
 //! - [`AllReduceSync`]: every rank holds the whole optimizer state; gradients are all-reduced
 //!   in buckets, and Burn's optimizer steps the whole model (plain data parallelism).
@@ -12,6 +12,9 @@
 //!   of the optimizer state and the shards are all-gathered) or stage 2 (reduce-scatter, so
 //!   each rank also holds only its shard of the reduced gradient), over
 //!   [`crate::parallel::zero`]'s pure update rules.
+//! - `sharded::ShardedSync`: ZeRO stage 3 for one block of a block or pipeline job: only the
+//!   rank's shard of the parameters is kept between uses; [`GradientSync::gather`] and
+//!   [`GradientSync::release`] (no-ops for the others) bracket each forward and backward.
 //!
 //! Where the next strategies plug in: gradient compression wraps the reduction of
 //! `AllReduceSync`; local SGD / DiLoCo make `reduce` local and average parameters in `apply`
@@ -35,11 +38,14 @@ use crate::comm::{CommError, Communicator, ReduceOp};
 use crate::optim::OptimizerConfig;
 use crate::trace::TraceKind;
 
+mod sharded;
+
 /// What one rank holds of the training state, in bytes (`f32` words × 4), as a worker reports
 /// it for `meshwork bench memory` and the sharding proofs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct HeldBytes {
-    /// Parameters (the whole model on every rank at ZeRO stages 0–2).
+    /// Parameters held between uses: the whole model on every rank at ZeRO stages 0–2, this
+    /// rank's shard of it at stage 3.
     pub params: u64,
     /// Gradients held at the optimizer step, after the reduction.
     pub grads: u64,
@@ -90,13 +96,41 @@ pub(crate) struct Reduced {
 
 enum ReducedGrads {
     Whole(GradientsParams),
+    /// The whole reduced gradient, flat, turned back into Burn's gradients at the update.
+    Buffers(GradientBuffers),
     Shard(Vec<f32>),
+}
+
+impl Reduced {
+    /// The sum of the squares of the reduced gradient this rank holds, and whether it is a
+    /// part of the group's (a shard, to be summed over the group) rather than the whole;
+    /// `None` when the gradient went to the optimizer untouched (`SyncContext::direct`).
+    pub(crate) fn sum_of_squares(&self) -> Option<(f64, bool)> {
+        match &self.grads {
+            ReducedGrads::Whole(_) => None,
+            ReducedGrads::Buffers(b) => Some((sum_of_squares(b.slices().into_iter()), false)),
+            ReducedGrads::Shard(s) => Some((sum_of_squares(std::iter::once(&s[..])), true)),
+        }
+    }
+
+    /// Clip with a global `norm` computed over several reductions (a block job's blocks):
+    /// the coefficient of [`clip_by_global_norm`]. Marks the gradient non-finite when the
+    /// norm is.
+    pub(crate) fn clip_to(&mut self, norm: f32, max_norm: f32) {
+        self.non_finite |= !norm.is_finite();
+        match &mut self.grads {
+            ReducedGrads::Whole(_) => {}
+            ReducedGrads::Buffers(b) => clip_to(&mut b.slices_mut(), norm, max_norm),
+            ReducedGrads::Shard(s) => clip_to(&mut [&mut s[..]], norm, max_norm),
+        }
+    }
 }
 
 impl std::fmt::Debug for ReducedGrads {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ReducedGrads::Whole(_) => write!(f, "Whole"),
+            ReducedGrads::Buffers(_) => write!(f, "Buffers"),
             ReducedGrads::Shard(s) => write!(f, "Shard({} elements)", s.len()),
         }
     }
@@ -183,6 +217,31 @@ pub(crate) trait GradientSync<M: Module>: Send {
 
     /// What this rank holds after its last step.
     fn held(&self) -> HeldBytes;
+
+    /// `model` with its full parameters, for a forward or a backward: ZeRO-3 all-gathers
+    /// them from the group's shards (a collective: every rank of the group calls it at the
+    /// same point of its list, FSDP-2); the other strategies hold them always.
+    fn gather(&mut self, model: M, _cx: &mut SyncContext<'_>) -> Result<M, (M, SyncError)> {
+        Ok(model)
+    }
+
+    /// `model` without its full parameters, once a forward or backward is done with them
+    /// (ZeRO-3 keeps only this rank's shard); the other strategies keep them.
+    fn release(&mut self, model: M) -> M {
+        model
+    }
+
+    /// `model` (whole, as every replica starts) keeping only rank `rank` of `world`'s
+    /// shard of its parameters (ZeRO-3); the other strategies keep them whole.
+    fn shard(&mut self, model: M, _rank: usize, _world: usize) -> M {
+        model
+    }
+
+    /// Whether the model handed to [`gather`](Self::gather) last holds its full parameters
+    /// now.
+    fn holds_full(&self) -> bool {
+        true
+    }
 }
 
 /// The synchronisation `stage` asks for, over `model`'s trainable parameters.
@@ -216,6 +275,7 @@ pub(crate) fn for_stage<M: Module>(
             fusion: Vec::new(),
             held: HeldBytes::default(),
         }),
+        ZeroStage::Three => Box::new(sharded::ShardedSync::new(FlatRule::of(optimizer)?, layout)),
     })
 }
 
@@ -324,10 +384,9 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         // the same decision (DP-3).
         let norm = cx.clip.map(|max| clip_by_global_norm(&mut views, max));
         drop(views);
-        let g = buffers.into_gradients(model, cx.device);
         cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
         Ok(Reduced {
-            grads: ReducedGrads::Whole(g),
+            grads: ReducedGrads::Buffers(buffers),
             non_finite: norm.is_some_and(|n| !n.is_finite()),
         })
     }
@@ -339,8 +398,12 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         lr: ModuleLearningRate,
         cx: &mut SyncContext<'_>,
     ) -> Result<M, (M, SyncError)> {
-        let ReducedGrads::Whole(grads) = reduced.grads else {
-            unreachable!("AllReduceSync reduces whole gradients")
+        let grads = match reduced.grads {
+            ReducedGrads::Whole(grads) => grads,
+            ReducedGrads::Buffers(buffers) => cx.timed(TraceKind::Flatten, |cx| {
+                buffers.into_gradients(&model, cx.device)
+            }),
+            ReducedGrads::Shard(_) => unreachable!("AllReduceSync reduces whole gradients"),
         };
         Ok(cx.timed(TraceKind::OptimizerStep, |_| {
             self.optimizer.step(lr, model, grads)

@@ -36,15 +36,21 @@ pub enum ZeroStage {
     /// Stage 2: as stage 1, but gradients are reduce-scattered, so each rank also holds only
     /// its shard of the reduced gradient.
     Two,
+    /// Stage 3 (fully sharded data parallelism, FSDP): as stage 2, and each rank also keeps
+    /// only its shard of every block's parameters between uses; a block's parameters are
+    /// all-gathered before its forward and backward and released after them. Needs the model
+    /// given as blocks (`JobBuilder::blocks` or `JobBuilder::pipeline`).
+    Three,
 }
 
 impl ZeroStage {
-    /// The stage's number (0, 1 or 2).
+    /// The stage's number (0 to 3).
     pub fn number(self) -> u8 {
         match self {
             ZeroStage::Off => 0,
             ZeroStage::One => 1,
             ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
         }
     }
 
@@ -54,13 +60,19 @@ impl ZeroStage {
             0 => Some(ZeroStage::Off),
             1 => Some(ZeroStage::One),
             2 => Some(ZeroStage::Two),
+            3 => Some(ZeroStage::Three),
             _ => None,
         }
     }
 
-    /// Whether optimizer state is sharded (stage 1 or 2).
+    /// Whether optimizer state is sharded (stage 1, 2 or 3).
     pub fn shards_optimizer(self) -> bool {
         self != ZeroStage::Off
+    }
+
+    /// Whether parameters are sharded between uses (stage 3).
+    pub fn shards_parameters(self) -> bool {
+        self == ZeroStage::Three
     }
 }
 

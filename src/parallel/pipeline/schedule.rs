@@ -50,6 +50,27 @@ pub(super) fn generate(
     PipelineSchedule::from_lists(stages, micro_batches, virtual_stages, LINK_CAPACITY, lists)
 }
 
+/// One device holding all `blocks` as its chunks, micro-batch after micro-batch: the
+/// forwards of blocks 0..n, then the backwards of blocks n..0 (a block job's list; the
+/// boundaries between blocks pass through the stage's links to itself).
+pub(super) fn sequential(
+    blocks: u32,
+    micro_batches: u32,
+) -> Result<PipelineSchedule, ScheduleError> {
+    check_dimensions(1, micro_batches, blocks)?;
+    let order: Vec<Compute> = (0..micro_batches)
+        .flat_map(|m| {
+            let forwards = (0..blocks).map(move |c| Compute::Forward(MicroBatch(m), Chunk(c)));
+            let backwards = (0..blocks)
+                .rev()
+                .map(move |c| Compute::Backward(MicroBatch(m), Chunk(c)));
+            forwards.chain(backwards)
+        })
+        .collect();
+    let list = with_communication(1, blocks, StageIndex(0), &order);
+    PipelineSchedule::from_lists(1, micro_batches, blocks, LINK_CAPACITY, vec![list])
+}
+
 /// All forwards, then all backwards, in micro-batch order.
 fn gpipe(micro_batches: u32) -> Vec<Compute> {
     let forwards = (0..micro_batches).map(|m| Compute::Forward(MicroBatch(m), Chunk(0)));

@@ -1,0 +1,275 @@
+//! ZeRO stage 3 (fully sharded data parallelism) for one block: each rank of the block's
+//! data-parallel group keeps only its range of the block's flat trainable parameters
+//! ([`owned_range`], ZERO-1), the optimizer state of that range and, after the reduction,
+//! the gradient of that range. The full parameters exist only between a
+//! [`gather`](GradientSync::gather) (an all-gather of the shards) and the next
+//! [`release`](GradientSync::release).
+//!
+//! Invariants (tested in `tests/fsdp.rs`):
+//! - FSDP-1: between uses a rank holds `owned_range` of the block's parameters only; the
+//!   module's trainable parameters are empty tensors then.
+//! - FSDP-2: every rank of the group gathers, reduces and steps a block at the same point
+//!   of the same list, so the collectives pair up; a rank that never arrives is the
+//!   communicator's typed time-out.
+//! - FSDP-3: the update is [`FlatRule`]'s on the shard (ZERO-2's arithmetic), so a ZeRO-3
+//!   step equals one device's step element for element.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::module::Module;
+use burn::optim::GradientsParams;
+
+use super::{
+    GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext, SyncError, clip_to, sum_of_squares,
+};
+use crate::checkpoint::{CheckpointError, OptimizerState};
+use crate::comm::ReduceOp;
+use crate::parallel::gradients::{
+    GradientBuffers, ParamLayout, release_trainable, set_trainable, trainable_range,
+};
+use crate::parallel::zero::{FlatRule, OptimizerShard, owned_range};
+use crate::trace::TraceKind;
+
+/// One block's ZeRO-3 state on one rank.
+pub(crate) struct ShardedSync {
+    layout: ParamLayout,
+    /// This rank's range of the flat parameters; `None` until the first gather, which takes
+    /// it from the full module every replica was built with.
+    params: Option<Vec<f32>>,
+    shard: OptimizerShard,
+    /// Whether the module holds its full parameters now.
+    full: bool,
+    held: HeldBytes,
+}
+
+impl std::fmt::Debug for ShardedSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "ShardedSync(owns {:?})", self.shard.range)
+    }
+}
+
+impl ShardedSync {
+    pub(super) fn new(rule: FlatRule, layout: ParamLayout) -> Self {
+        let len = layout.len();
+        Self {
+            shard: OptimizerShard::fresh(rule, len, 1, 0),
+            params: None,
+            layout,
+            full: true,
+            held: HeldBytes {
+                params: 4 * len as u64,
+                owned: (0, len as u64),
+                ..HeldBytes::default()
+            },
+        }
+    }
+
+    /// This rank's range in the context's group; the first call (the module still full)
+    /// takes the shard of the parameters and a fresh optimizer shard for it.
+    fn owned<M: Module>(
+        &mut self,
+        model: &M,
+        cx: &SyncContext<'_>,
+    ) -> Result<Range<usize>, SyncError> {
+        self.owned_as(model, cx.rank(), cx.world())
+    }
+
+    fn owned_as<M: Module>(
+        &mut self,
+        model: &M,
+        rank: usize,
+        world: usize,
+    ) -> Result<Range<usize>, SyncError> {
+        let want = owned_range(self.layout.len(), world, rank);
+        if self.params.is_none() {
+            debug_assert!(self.full, "a module is full until its first release");
+            self.params = Some(trainable_range(model, &self.layout, want.clone()));
+            if self.shard.range != want && self.shard.state.steps == 0 {
+                self.shard = OptimizerShard::fresh(self.shard.rule, self.layout.len(), world, rank);
+            }
+        }
+        if self.shard.range != want {
+            return Err(SyncError::NotResharded {
+                have: self.shard.range.clone(),
+                want,
+                rank,
+                world,
+            });
+        }
+        self.held.params = 4 * want.len() as u64;
+        self.held.owned = (want.start as u64, want.end as u64);
+        Ok(want)
+    }
+
+    /// Each parameter's part of `range` with its learning rate.
+    fn segments(&self, range: &Range<usize>, lr: &ModuleLearningRate) -> Vec<(Range<usize>, f64)> {
+        self.layout
+            .slots()
+            .iter()
+            .filter_map(|s| {
+                let (lo, hi) = (range.start.max(s.range.start), range.end.min(s.range.end));
+                (lo < hi).then(|| {
+                    (
+                        lo - range.start..hi - range.start,
+                        lr.lr_from_param(s.id, None),
+                    )
+                })
+            })
+            .collect()
+    }
+}
+
+impl<M: Module> GradientSync<M> for ShardedSync {
+    fn gather(&mut self, model: M, cx: &mut SyncContext<'_>) -> Result<M, (M, SyncError)> {
+        if let Err(e) = self.owned(&model, cx) {
+            return Err((model, e));
+        }
+        if self.full {
+            return Ok(model);
+        }
+        let shard = self.params.as_deref().expect("set by `owned`");
+        let flat = match cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
+            Some(comm) => {
+                let mut flat = vec![0.0f32; self.layout.len()];
+                let t = Instant::now();
+                if let Err(e) = comm.all_gather(shard, &mut flat) {
+                    return Err((model, SyncError::Comm(e)));
+                }
+                cx.spans.push((
+                    TraceKind::AllGather {
+                        bytes: (flat.len() * 4) as u64,
+                    },
+                    t,
+                    t.elapsed(),
+                ));
+                flat
+            }
+            None => shard.to_vec(),
+        };
+        self.full = true;
+        Ok(set_trainable(model, &self.layout, &flat))
+    }
+
+    fn shard(&mut self, model: M, rank: usize, world: usize) -> M {
+        match self.owned_as(&model, rank, world) {
+            Ok(_) => <Self as GradientSync<M>>::release(self, model),
+            // A shard already taken for another group stays; the first gather reports it.
+            Err(_) => model,
+        }
+    }
+
+    fn release(&mut self, model: M) -> M {
+        if !self.full || self.params.is_none() {
+            // Never gathered yet: the module is the replica's starting record; the first
+            // gather takes its shard from it.
+            return model;
+        }
+        self.full = false;
+        release_trainable(model, &self.layout)
+    }
+
+    fn holds_full(&self) -> bool {
+        self.full
+    }
+
+    fn reduce(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+        cx: &mut SyncContext<'_>,
+    ) -> Result<Reduced, SyncError> {
+        let range = self.owned(model, cx)?;
+        let t = Instant::now();
+        let flat = GradientBuffers::take(model, &self.layout, grads).into_flat();
+        cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
+        self.held.grads_backward = 4 * self.layout.len() as u64;
+        let mut shard = match cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
+            Some(comm) => {
+                let mut shard = vec![0.0f32; range.len()];
+                let t = Instant::now();
+                comm.reduce_scatter(&flat, &mut shard, ReduceOp::Sum)?;
+                cx.spans.push((
+                    TraceKind::ReduceScatter {
+                        bytes: (flat.len() * 4) as u64,
+                    },
+                    t,
+                    t.elapsed(),
+                ));
+                shard
+            }
+            None => flat[range].to_vec(),
+        };
+        drop(flat);
+        self.held.grads = 4 * shard.len() as u64;
+        if cx.scale != 1.0 {
+            shard.iter_mut().for_each(|g| *g *= cx.scale);
+        }
+        let norm = match cx.clip {
+            None => None,
+            Some(max) => {
+                let mut sum = [sum_of_squares(std::iter::once(&shard[..])) as f32];
+                if let Some(comm) = cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
+                    comm.all_reduce(&mut sum, ReduceOp::Sum)?;
+                }
+                let norm = f64::from(sum[0]).sqrt() as f32;
+                clip_to(&mut [&mut shard[..]], norm, max);
+                Some(norm)
+            }
+        };
+        Ok(Reduced {
+            grads: ReducedGrads::Shard(shard),
+            non_finite: norm.is_some_and(|n| !n.is_finite()),
+        })
+    }
+
+    fn apply(
+        &mut self,
+        model: M,
+        reduced: Reduced,
+        lr: ModuleLearningRate,
+        cx: &mut SyncContext<'_>,
+    ) -> Result<M, (M, SyncError)> {
+        let ReducedGrads::Shard(grads) = reduced.grads else {
+            unreachable!("ShardedSync reduces shards")
+        };
+        let range = match self.owned(&model, cx) {
+            Ok(r) => r,
+            Err(e) => return Err((model, e)),
+        };
+        let segments = self.segments(&range, &lr);
+        let t = Instant::now();
+        let values = self.params.as_mut().expect("set by `owned`");
+        self.shard
+            .rule
+            .step(&mut self.shard.state, values, &grads, &segments);
+        cx.spans.push((TraceKind::OptimizerStep, t, t.elapsed()));
+        self.held.optimizer = self.shard.state.bytes() as u64;
+        // The module's copy, if any, is stale now: the next use gathers the new shards.
+        Ok(<Self as GradientSync<M>>::release(self, model))
+    }
+
+    fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
+        Err(CheckpointError::Optimizer {
+            reason: "checkpoints of a ZeRO-3 job are not supported yet".into(),
+        })
+    }
+
+    fn restore_optimizer(
+        &mut self,
+        _state: &OptimizerState,
+        _rank: usize,
+        _world: usize,
+    ) -> Result<(), CheckpointError> {
+        Err(CheckpointError::Optimizer {
+            reason: "restoring a ZeRO-3 job is not supported yet".into(),
+        })
+    }
+
+    fn held(&self) -> HeldBytes {
+        let mut held = self.held;
+        held.optimizer = self.shard.state.bytes() as u64;
+        held
+    }
+}

@@ -1,0 +1,361 @@
+//! Block jobs (`JobBuilder::blocks`) at every ZeRO stage, ZeRO-3 (fully sharded) included,
+//! equal one device.
+//!
+//! Each case trains the same initial blocks on the same data with a block job and with a
+//! plain single-device Burn loop over the blocks composed into one module (same record, the
+//! global batches the step events report, the same optimizer and clipping), then compares
+//! every parameter tensor: `max|a − b| ≤ 1e-5 · max|reference|` (f32). The step events prove
+//! the work was distributed (disjoint sample ids per replica covering the global batch) and,
+//! at ZeRO-3, sharded (FSDP-1: each rank holds its shard of the parameters only, a fraction
+//! of the whole; its peak of full parameters stays within one block: MEM-1, MEM-2).
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{AdamConfig, AdamWConfig, SgdConfig};
+use burn::tensor::activation::relu;
+use burn::tensor::{Device, Tensor};
+use meshwork::data::InMemoryDataset;
+use meshwork::demo::{Sample, TeacherTask, batch_tensors};
+use meshwork::events::StepDone;
+use meshwork::job::{BlockOptions, Job, PipelineModel, PipelineStages};
+use meshwork::optim::{LearningRate, OptimizerConfig};
+use meshwork::parallel::memory::full_param_bound;
+use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
+use meshwork::parallel::zero::ZeroStage;
+use meshwork::testing::{
+    Reference, batches_from_events, compare_parameters, parameter_bits, parameter_count,
+    reference_train, run_recording, steps_of,
+};
+
+const TOLERANCE: f32 = 1e-5;
+const STEPS: u64 = 3;
+/// Divisible by 2, 3 and 4 replicas × 1 or 2 micro-batches.
+const BATCH: usize = 24;
+const WIDTHS: [usize; 5] = [8, 16, 12, 10, 3];
+
+#[derive(Module, Debug)]
+struct Block {
+    linear: Linear,
+}
+
+/// The blocks composed: what the one-device reference trains.
+#[derive(Module, Debug)]
+struct Stack {
+    blocks: Vec<Block>,
+}
+
+fn init_blocks() -> Vec<Block> {
+    let device = Device::flex();
+    device.seed(23);
+    WIDTHS
+        .windows(2)
+        .map(|w| Block {
+            linear: LinearConfig::new(w[0], w[1]).init(&device),
+        })
+        .collect()
+}
+
+fn data() -> InMemoryDataset<Sample> {
+    TeacherTask {
+        d_in: WIDTHS[0],
+        d_out: WIDTHS[WIDTHS.len() - 1],
+        noise: 0.1,
+        seed: 9,
+    }
+    .dataset(BATCH * 4)
+}
+
+fn two(b: &Boundary) -> Tensor<2> {
+    match &b[0] {
+        AnyTensor::D2(t) => t.clone(),
+        other => panic!("unexpected boundary tensor {other:?}"),
+    }
+}
+
+fn mse(out: Tensor<2>, y: Tensor<2>) -> Tensor<1> {
+    let d = out - y;
+    (d.clone() * d).mean()
+}
+
+fn hidden(m: &Block, x: Boundary) -> Boundary {
+    vec![AnyTensor::D2(relu(m.linear.forward(two(&x))))]
+}
+
+fn as_stages(init: &[Block], options: BlockOptions) -> PipelineStages<Sample> {
+    let last = init.len() - 1;
+    let mut stages = PipelineStages::new(|items: &[Sample], d: &Device| {
+        vec![AnyTensor::D2(batch_tensors(items, d).0)]
+    });
+    for b in &init[..last] {
+        stages = stages.block(b.clone(), options, hidden);
+    }
+    stages.last(
+        init[last].clone(),
+        |m: &Block, x: Boundary, items: &[Sample], d: &Device| {
+            mse(m.linear.forward(two(&x)), batch_tensors(items, d).1)
+        },
+    )
+}
+
+fn stack_loss(s: &Stack, items: &[Sample], d: &Device) -> Tensor<1> {
+    let (x, y) = batch_tensors(items, d);
+    let last = s.blocks.len() - 1;
+    let mut h = vec![AnyTensor::D2(x)];
+    for b in &s.blocks[..last] {
+        h = hidden(b, h);
+    }
+    mse(s.blocks[last].linear.forward(two(&h)), y)
+}
+
+#[derive(Clone, Debug)]
+struct Case {
+    dp: u32,
+    zero: ZeroStage,
+    optimizer: OptimizerConfig,
+    accumulation: u32,
+    clip: Option<f32>,
+    options: BlockOptions,
+}
+
+fn case(dp: u32, zero: ZeroStage, optimizer: impl Into<OptimizerConfig>) -> Case {
+    Case {
+        dp,
+        zero,
+        optimizer: optimizer.into(),
+        accumulation: 1,
+        clip: None,
+        options: BlockOptions::default(),
+    }
+}
+
+/// Run `case`; returns the trained blocks and the step events.
+async fn train(case: &Case, init: &[Block]) -> (Vec<Block>, Vec<StepDone>) {
+    let mut b = Job::builder()
+        .blocks(as_stages(init, case.options))
+        .data(data())
+        .optimizer(case.optimizer.clone())
+        .learning_rate(0.05)
+        .data_parallel(case.dp)
+        .batch_size(BATCH)
+        .gradient_accumulation(case.accumulation)
+        .zero(case.zero)
+        .steps(STEPS)
+        .seed(3)
+        .collective_timeout(Duration::from_secs(20))
+        .step_timeout(Duration::from_secs(60));
+    if let Some(c) = case.clip {
+        b = b.clip_grad_norm(c);
+    }
+    let job = b.build().expect("a valid block job");
+    let (out, events) = tokio::time::timeout(Duration::from_secs(120), run_recording(job))
+        .await
+        .expect("the job ends within its bound");
+    let mut model: PipelineModel = out.unwrap_or_else(|e| panic!("{case:?}: {e}")).model;
+    let blocks = (0..init.len())
+        .map(|i| {
+            model
+                .take_block::<Block>(i)
+                .unwrap_or_else(|| panic!("block {i} came back"))
+        })
+        .collect();
+    (blocks, steps_of(&events))
+}
+
+/// The plain one-device loop on the batches the job used.
+fn reference(case: &Case, init: &[Block], steps: &[StepDone]) -> Vec<Block> {
+    reference_train(
+        Stack {
+            blocks: init.to_vec(),
+        },
+        stack_loss,
+        &data(),
+        &batches_from_events(steps),
+        &Reference {
+            optimizer: case.optimizer.clone(),
+            learning_rate: LearningRate::Constant(0.05),
+            clip_norm: case.clip,
+        },
+        &Device::flex(),
+    )
+    .blocks
+}
+
+fn block_bytes(init: &[Block]) -> Vec<u64> {
+    init.iter().map(|b| 4 * parameter_count(b) as u64).collect()
+}
+
+/// The work was distributed: one report per replica, disjoint sample ids covering the
+/// global batch; at ZeRO-3 every rank holds less than the whole model between uses.
+fn assert_distributed(case: &Case, init: &[Block], steps: &[StepDone]) {
+    let whole: u64 = block_bytes(init).iter().sum();
+    assert_eq!(steps.len() as u64, STEPS);
+    for s in steps {
+        assert_eq!(s.replicas.len(), case.dp as usize, "one report per replica");
+        let mut ids = HashSet::new();
+        for r in &s.replicas {
+            for id in &r.sample_ids {
+                assert!(ids.insert(*id), "sample {id} used twice at step {}", s.step);
+            }
+            let memory = &r.pipeline.as_ref().expect("a block job's record").memory;
+            if case.zero == ZeroStage::Three {
+                assert!(
+                    memory.param_shards > 0 && memory.param_shards < whole,
+                    "{case:?}: rank {} holds {} parameter bytes of {whole}",
+                    r.rank.0,
+                    memory.param_shards
+                );
+                let bound = whole.div_ceil(u64::from(case.dp)) + 4 * init.len() as u64;
+                assert!(
+                    memory.param_shards <= bound,
+                    "{case:?}: shards of 1/dp of each block"
+                );
+            } else {
+                assert_eq!(memory.param_shards, 0);
+                assert_eq!(memory.peak_full_params, whole, "ZeRO 0–2 hold every block");
+            }
+        }
+        assert_eq!(ids.len(), BATCH, "replicas together make the global batch");
+    }
+}
+
+fn assert_matches(case: &Case, trained: &[Block], init: &[Block], steps: &[StepDone]) {
+    let reference = reference(case, init, steps);
+    let mut moved = 0;
+    for (i, ((t, r), b0)) in trained.iter().zip(&reference).zip(init).enumerate() {
+        moved += usize::from(compare_parameters(t, b0, 1e-4).is_err());
+        compare_parameters(t, r, TOLERANCE).unwrap_or_else(|e| panic!("{case:?} block {i}: {e}"));
+    }
+    assert!(moved > 0, "{case:?}: training moved no block");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsdp_1_zero_3_at_dp_2_3_4_matches_one_device_with_every_optimizer() {
+    let init = init_blocks();
+    let cases = [
+        case(2, ZeroStage::Three, SgdConfig::new()),
+        Case {
+            accumulation: 2,
+            clip: Some(0.05),
+            ..case(3, ZeroStage::Three, AdamConfig::new())
+        },
+        Case {
+            clip: Some(0.05),
+            ..case(4, ZeroStage::Three, AdamWConfig::new())
+        },
+        Case {
+            accumulation: 2,
+            options: BlockOptions::default().recompute(true),
+            ..case(2, ZeroStage::Three, AdamWConfig::new())
+        },
+        Case {
+            options: BlockOptions::default().reshard_after_forward(false),
+            ..case(3, ZeroStage::Three, AdamConfig::new())
+        },
+    ];
+    for c in &cases {
+        let (trained, steps) = train(c, &init).await;
+        assert_distributed(c, &init, &steps);
+        assert_matches(c, &trained, &init, &steps);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_0_1_2_over_blocks_match_one_device() {
+    let init = init_blocks();
+    for zero in [ZeroStage::Off, ZeroStage::One, ZeroStage::Two] {
+        let c = Case {
+            accumulation: 2,
+            clip: Some(0.05),
+            ..case(2, zero, AdamConfig::new())
+        };
+        let (trained, steps) = train(&c, &init).await;
+        assert_distributed(&c, &init, &steps);
+        assert_matches(&c, &trained, &init, &steps);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fsdp_a_zero_3_run_twice_is_bitwise_equal() {
+    let init = init_blocks();
+    let c = Case {
+        clip: Some(0.05),
+        ..case(3, ZeroStage::Three, AdamConfig::new())
+    };
+    let (a, _) = train(&c, &init).await;
+    let (b, _) = train(&c, &init).await;
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(parameter_bits(x), parameter_bits(y), "same seed, same bits");
+    }
+}
+
+/// MEM-1/MEM-2: with recomputed blocks a ZeRO-3 rank never holds more than one block's full
+/// parameters (plus its shards), and keeps only the blocks' inputs as activations; without
+/// recompute it keeps inputs and outputs; at ZeRO-0 every block is held whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mem_1_peaks_of_parameters_and_activations_are_as_predicted() {
+    let init = init_blocks();
+    let bytes = block_bytes(&init);
+    let dp = 2u32;
+    let rows = (BATCH / dp as usize) as u64;
+    let n = WIDTHS.len() - 1;
+    // Stashed at the last forward: each block's input (and, kept, its output) + the loss.
+    let inputs: u64 = WIDTHS[..n]
+        .iter()
+        .map(|w| 4 * rows * *w as u64)
+        .sum::<u64>()
+        + 4;
+    let outputs: u64 = WIDTHS[1..n].iter().map(|w| 4 * rows * *w as u64).sum();
+    for (zero, recompute) in [
+        (ZeroStage::Three, true),
+        (ZeroStage::Three, false),
+        (ZeroStage::Off, true),
+    ] {
+        let c = Case {
+            options: BlockOptions::default().recompute(recompute),
+            ..case(dp, zero, AdamConfig::new())
+        };
+        let (trained, steps) = train(&c, &init).await;
+        assert_distributed(&c, &init, &steps);
+        assert_matches(&c, &trained, &init, &steps);
+        for r in steps.iter().flat_map(|s| &s.replicas) {
+            let m = &r.pipeline.as_ref().expect("a block job's record").memory;
+            let want = if recompute { inputs } else { inputs + outputs };
+            assert_eq!(m.peak_activations, want, "{c:?}: stashed activations");
+            assert!(m.timeline.len() > 2 * n, "a point after every instruction");
+            let peak_params = m.timeline.iter().map(|p| p.params).max().unwrap_or(0);
+            match (zero, recompute) {
+                (ZeroStage::Three, true) => {
+                    assert!(
+                        m.peak_full_params <= full_param_bound(&bytes, 0),
+                        "{c:?}: at most one block whole at a time, held {}",
+                        m.peak_full_params
+                    );
+                    assert!(peak_params <= full_param_bound(&bytes, 0) + m.param_shards);
+                }
+                (ZeroStage::Three, false) => {
+                    // Burn's graph keeps each block's forward parameters until its backward.
+                    assert!(m.peak_full_params <= bytes.iter().sum::<u64>());
+                }
+                _ => assert_eq!(m.peak_full_params, bytes.iter().sum::<u64>()),
+            }
+        }
+    }
+}
+
+#[test]
+fn zero_3_with_a_plain_model_is_refused_naming_blocks() {
+    let init = meshwork::demo::Mlp::new(&[8, 4, 3], &Device::flex());
+    let err = Job::builder()
+        .initial_model(init)
+        .loss(meshwork::demo::mse_loss)
+        .data(data())
+        .batch_size(BATCH)
+        .optimizer(AdamConfig::new())
+        .zero(ZeroStage::Three)
+        .build()
+        .expect_err("ZeRO-3 needs blocks");
+    assert!(err.to_string().contains(".blocks(stages)"), "{err}");
+}
