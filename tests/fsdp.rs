@@ -23,6 +23,7 @@ use meshwork::events::StepDone;
 use meshwork::job::{BlockOptions, Job, PipelineModel, PipelineStages};
 use meshwork::optim::{LearningRate, OptimizerConfig};
 use meshwork::parallel::memory::full_param_bound;
+use meshwork::parallel::pipeline::Schedule;
 use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
 use meshwork::parallel::zero::ZeroStage;
 use meshwork::testing::{
@@ -118,6 +119,8 @@ struct Case {
     accumulation: u32,
     clip: Option<f32>,
     options: BlockOptions,
+    /// Train as a pipeline with this schedule instead of `.blocks(..)`.
+    schedule: Option<Schedule>,
 }
 
 fn case(dp: u32, zero: ZeroStage, optimizer: impl Into<OptimizerConfig>) -> Case {
@@ -128,19 +131,25 @@ fn case(dp: u32, zero: ZeroStage, optimizer: impl Into<OptimizerConfig>) -> Case
         accumulation: 1,
         clip: None,
         options: BlockOptions::default(),
+        schedule: None,
     }
 }
 
 /// Run `case`; returns the trained blocks and the step events.
 async fn train(case: &Case, init: &[Block]) -> (Vec<Block>, Vec<StepDone>) {
-    let mut b = Job::builder()
-        .blocks(as_stages(init, case.options))
+    let stages = as_stages(init, case.options);
+    let b = match case.schedule {
+        Some(s) => Job::builder().pipeline(stages, s),
+        None => Job::builder()
+            .blocks(stages)
+            .gradient_accumulation(case.accumulation),
+    };
+    let mut b = b
         .data(data())
         .optimizer(case.optimizer.clone())
         .learning_rate(0.05)
         .data_parallel(case.dp)
         .batch_size(BATCH)
-        .gradient_accumulation(case.accumulation)
         .zero(case.zero)
         .steps(STEPS)
         .seed(3)
@@ -193,13 +202,28 @@ fn assert_distributed(case: &Case, init: &[Block], steps: &[StepDone]) {
     let whole: u64 = block_bytes(init).iter().sum();
     assert_eq!(steps.len() as u64, STEPS);
     for s in steps {
-        assert_eq!(s.replicas.len(), case.dp as usize, "one report per replica");
+        let stages = if case.schedule.is_some() {
+            init.len()
+        } else {
+            1
+        };
+        assert_eq!(
+            s.replicas.len(),
+            case.dp as usize * stages,
+            "one report per stage"
+        );
         let mut ids = HashSet::new();
         for r in &s.replicas {
-            for id in &r.sample_ids {
+            // Every stage of a pipeline replica reads its replica's samples: count stage 0's.
+            for id in r.sample_ids.iter().filter(|_| r.stage.stage == 0) {
                 assert!(ids.insert(*id), "sample {id} used twice at step {}", s.step);
             }
             let memory = &r.pipeline.as_ref().expect("a block job's record").memory;
+            let whole = if stages == 1 {
+                whole
+            } else {
+                block_bytes(init)[r.stage.stage as usize]
+            };
             if case.zero == ZeroStage::Three {
                 assert!(
                     memory.param_shards > 0 && memory.param_shards < whole,
@@ -253,6 +277,11 @@ async fn fsdp_1_zero_3_at_dp_2_3_4_matches_one_device_with_every_optimizer() {
         Case {
             options: BlockOptions::default().reshard_after_forward(false),
             ..case(3, ZeroStage::Three, AdamConfig::new())
+        },
+        // ZeRO-3 in a dp 2 × pp 4 pipeline: each stage's block sharded over its replicas.
+        Case {
+            schedule: Some(Schedule::OneFOneB { micro_batches: 2 }),
+            ..case(2, ZeroStage::Three, AdamConfig::new())
         },
     ];
     for c in &cases {
