@@ -214,6 +214,30 @@ pub fn mlp_pipeline(
 /// parameters for every job built from them) as pipeline blocks, as [`mlp_pipeline`] makes
 /// them.
 pub fn mlp_pipeline_of(parts: Vec<MlpStage>) -> crate::parallel::stages::PipelineStages<Sample> {
+    mlp_blocks_of(parts, crate::parallel::stages::BlockOptions::default())
+}
+
+/// The demo MLP of `widths` as blocks of one layer each, for
+/// [`Job::builder().blocks(..)`](crate::job::JobBuilder::blocks) (fully sharded data
+/// parallelism, per-block recomputation): every block but the last trains with `options`.
+pub fn mlp_blocks(
+    widths: &[usize],
+    options: crate::parallel::stages::BlockOptions,
+    device: &Device,
+) -> Option<crate::parallel::stages::PipelineStages<Sample>> {
+    let layers = widths.len().checked_sub(1).filter(|&l| l > 0)?;
+    Some(mlp_blocks_of(
+        split_mlp(widths, &vec![1; layers], device)?,
+        options,
+    ))
+}
+
+/// These blocks of the demo MLP as blocks training with `options` (the last one, which ends
+/// in the loss, trains with the defaults).
+pub fn mlp_blocks_of(
+    parts: Vec<MlpStage>,
+    options: crate::parallel::stages::BlockOptions,
+) -> crate::parallel::stages::PipelineStages<Sample> {
     use crate::parallel::pipeline_exec::{AnyTensor, Boundary};
     let last = parts.len().saturating_sub(1);
     let mut stages =
@@ -231,7 +255,7 @@ pub fn mlp_pipeline_of(parts: Vec<MlpStage>) -> crate::parallel::stages::Pipelin
                 },
             )
         } else {
-            stages.stage(part, |m: &MlpStage, x: Boundary| {
+            stages.block(part, options, |m: &MlpStage, x: Boundary| {
                 vec![AnyTensor::D2(m.forward(rank2(&x)))]
             })
         };

@@ -125,26 +125,38 @@ pub(crate) enum BenchCommand {
         #[arg(long, value_enum)]
         algo: AlgoArg,
     },
-    /// Memory per data-parallel rank under ZeRO stage 0, 1 or 2 (parameters, gradients,
-    /// optimizer state at the optimizer step and between steps) against the ZeRO paper's
-    /// formula, with peak RSS and samples/s against plain data parallelism; demo MLP with
-    /// Adam.
+    /// Memory per data-parallel rank under ZeRO stage 0 to 3, with or without per-block
+    /// recomputation (peak parameters, full and sharded, gradients, optimizer state and
+    /// activations, counted by the worker) against the ZeRO paper's figures, with peak RSS
+    /// and samples/s against plain data parallelism over the same blocks; the demo MLP as
+    /// one-layer blocks, with Adam.
     Memory {
         /// Data-parallel replicas.
         #[arg(long, default_value_t = 2)]
         dp: u32,
-        /// ZeRO stage: 0, 1 or 2.
+        /// ZeRO stage: 0, 1, 2 or 3.
         #[arg(long, default_value_t = 2)]
         zero: u8,
-        /// Width of the demo MLP's two hidden layers (1024: about 1.1 million parameters).
+        /// Width of the demo MLP's hidden layers (1024 with --depth 2: about 1.1 million
+        /// parameters).
         #[arg(long, default_value_t = 1024)]
         hidden: usize,
-        /// Timed steps (after 3 warm-up steps).
-        #[arg(long, default_value_t = 20)]
+        /// Hidden layers of the demo MLP (one block per layer).
+        #[arg(long, default_value_t = 2)]
+        depth: usize,
+        /// Keep only each block's input and recompute its forward during backward.
+        #[arg(long)]
+        recompute: bool,
+        /// Timed steps (after 2 warm-up steps).
+        #[arg(long, default_value_t = 10)]
         steps: u64,
         /// Global batch size.
         #[arg(long, default_value_t = 128)]
         batch_size: usize,
+        /// Draw one rank's bytes over the last step (this run above plain data parallel) as
+        /// an SVG picture into this file.
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
         /// One JSON object.
         #[arg(long)]
         json: bool,
@@ -158,6 +170,10 @@ pub(crate) enum BenchCommand {
         zero: u8,
         #[arg(long)]
         hidden: usize,
+        #[arg(long)]
+        depth: usize,
+        #[arg(long)]
+        recompute: bool,
         #[arg(long)]
         steps: u64,
         #[arg(long)]
@@ -248,16 +264,22 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             dp,
             zero,
             hidden,
+            depth,
+            recompute,
             steps,
             batch_size,
+            svg,
             json,
         } => crate::memory_bench::run(
             crate::memory_bench::MemoryBench {
                 dp,
                 zero,
                 hidden,
+                depth,
+                recompute,
                 steps,
                 batch_size,
+                svg,
             },
             json,
         ),
@@ -265,14 +287,19 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             dp,
             zero,
             hidden,
+            depth,
+            recompute,
             steps,
             batch_size,
         } => crate::memory_bench::worker(crate::memory_bench::MemoryBench {
             dp,
             zero,
             hidden,
+            depth,
+            recompute,
             steps,
             batch_size,
+            svg: None,
         }),
         BenchCommand::Recovery {
             dp,

@@ -15,6 +15,7 @@ mod bench;
 #[cfg(feature = "cluster")]
 mod cluster;
 mod memory_bench;
+mod memory_svg;
 mod pipeline_bench;
 mod recovery_bench;
 #[cfg(feature = "cluster")]

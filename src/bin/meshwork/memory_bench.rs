@@ -1,34 +1,52 @@
-//! `meshwork bench memory`: what each data-parallel rank holds of the training state under
-//! ZeRO stage 0, 1 or 2, against the ZeRO paper's formula (Rajbhandari et al., 2020: for
-//! fp32 training with Adam, parameters Ψ, gradients Ψ — Ψ/N at stage 2 — and optimizer state
-//! 2Ψ/N words at stages 1 and 2), with peak RSS and samples/s against plain data parallelism
-//! measured in the same run (each side in its own child process, alternated, median kept).
+//! `meshwork bench memory`: what each data-parallel rank holds of the training state (the
+//! parameters, full and sharded, the gradients, the optimizer state and the activations kept
+//! for backward, counted by the worker itself) for the demo MLP given as blocks of one layer,
+//! under ZeRO stage 0 to 3 and with per-block recomputation, against the ZeRO paper's
+//! figures (Rajbhandari et al., 2020: 16Ψ bytes per rank with Adam without sharding, split
+//! 4Ψ + 4Ψ + 8Ψ in f32; at stage 3, 16Ψ/N plus the block being computed), with peak RSS and
+//! samples/s against plain data parallelism over the same blocks measured in the same run
+//! (each side in its own child process, alternated, median kept).
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::process::Command;
 
 use burn::optim::AdamConfig;
-use meshwork::demo::{Mlp, TeacherTask, mse_loss};
+use burn::tensor::Device;
+use meshwork::demo::{TeacherTask, mlp_blocks};
 use meshwork::error::{Error, Result};
 use meshwork::events::JobEvent;
-use meshwork::job::{EventsError, Job};
-use meshwork::parallel::HeldBytes;
+use meshwork::job::{BlockOptions, EventsError, Job};
+use meshwork::parallel::memory::StepMemory;
 use meshwork::parallel::zero::ZeroStage;
 use serde::{Deserialize, Serialize};
 
+use crate::memory_svg::{Panel, Point};
+
 /// Warm-up steps not timed.
-const WARMUP: u64 = 3;
+const WARMUP: u64 = 2;
 /// Alternated runs of each side; the median is kept.
 const ROUNDS: usize = 3;
 
 /// What `bench memory` is asked.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct MemoryBench {
     pub(crate) dp: u32,
     pub(crate) zero: u8,
     pub(crate) hidden: usize,
+    pub(crate) depth: usize,
+    pub(crate) recompute: bool,
     pub(crate) steps: u64,
     pub(crate) batch_size: usize,
+    /// Draw one rank's bytes over the last step, this run beside the baseline.
+    pub(crate) svg: Option<PathBuf>,
+}
+
+/// One side of the comparison.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Side {
+    zero: u8,
+    recompute: bool,
 }
 
 /// What one child reports.
@@ -36,41 +54,56 @@ pub(crate) struct MemoryBench {
 struct WorkerReport {
     samples_per_s: f64,
     peak_rss_bytes: u64,
-    /// The largest holding of any rank at the last step.
-    held: HeldBytes,
-    /// Ψ: trainable parameter elements.
-    elements: u64,
+    /// What the rank holding the most held during the last step.
+    memory: StepMemory,
 }
 
-/// The demo MLP of `meshwork train`: 32 inputs, two hidden layers, 4 outputs.
-fn widths(hidden: usize) -> [usize; 4] {
-    [32, hidden, hidden, 4]
+/// The demo MLP: 32 inputs, `depth` hidden layers of `hidden`, 4 outputs; one block per layer.
+fn widths(hidden: usize, depth: usize) -> Vec<usize> {
+    let mut w = vec![32];
+    w.extend(std::iter::repeat_n(hidden, depth));
+    w.push(4);
+    w
 }
 
-fn args(b: &MemoryBench, zero: u8) -> Vec<String> {
-    vec![
+/// Trainable elements per layer (weights and biases).
+fn layer_elements(widths: &[usize]) -> Vec<u64> {
+    widths
+        .windows(2)
+        .map(|w| (w[0] * w[1] + w[1]) as u64)
+        .collect()
+}
+
+fn args(b: &MemoryBench, side: Side) -> Vec<String> {
+    let mut a: Vec<String> = vec![
         "bench".into(),
         "memory-worker".into(),
         "--dp".into(),
         b.dp.to_string(),
         "--zero".into(),
-        zero.to_string(),
+        side.zero.to_string(),
         "--hidden".into(),
         b.hidden.to_string(),
+        "--depth".into(),
+        b.depth.to_string(),
         "--steps".into(),
         b.steps.to_string(),
         "--batch-size".into(),
         b.batch_size.to_string(),
-    ]
+    ];
+    if side.recompute {
+        a.push("--recompute".into());
+    }
+    a
 }
 
-fn child(b: &MemoryBench, zero: u8) -> Result<WorkerReport> {
+fn child(b: &MemoryBench, side: Side) -> Result<WorkerReport> {
     let exe = std::env::current_exe().map_err(|e| Error::Io {
         path: "current executable".into(),
         reason: e.to_string(),
     })?;
     let out = Command::new(&exe)
-        .args(args(b, zero))
+        .args(args(b, side))
         .output()
         .map_err(|e| Error::Io {
             path: exe.display().to_string(),
@@ -80,7 +113,7 @@ fn child(b: &MemoryBench, zero: u8) -> Result<WorkerReport> {
     let line = text.lines().last().unwrap_or_default();
     serde_json::from_str(line).map_err(|e| {
         Error::Runtime(format!(
-            "bench child (zero {zero}) gave no report ({e}); stderr: {}",
+            "bench child ({side:?}) gave no report ({e}); stderr: {}",
             String::from_utf8_lossy(&out.stderr)
         ))
     })
@@ -92,91 +125,171 @@ fn median(mut runs: Vec<WorkerReport>) -> WorkerReport {
     runs.swap_remove(mid)
 }
 
+/// The ZeRO paper's bytes per rank for Ψ parameters with Adam in f32 at `zero` over `n`
+/// ranks: (parameters, gradients, optimizer state).
+fn paper_bytes(psi: f64, n: f64, zero: u8) -> (f64, f64, f64) {
+    let params = if zero >= 3 { 4.0 * psi / n } else { 4.0 * psi };
+    let grads = if zero >= 2 { 4.0 * psi / n } else { 4.0 * psi };
+    let optim = if zero >= 1 { 8.0 * psi / n } else { 8.0 * psi };
+    (params, grads, optim)
+}
+
 /// Run both sides and print the figures.
 pub(crate) fn run(b: MemoryBench, json: bool) -> Result<()> {
-    if b.zero > 2 || b.dp == 0 || b.steps == 0 {
+    if b.zero > 3 || b.dp == 0 || b.steps == 0 || b.depth == 0 || b.hidden == 0 {
         return Err(Error::InvalidConfig(
-            "--zero 0, 1 or 2; --dp and --steps at least 1".into(),
+            "--zero 0 to 3; --dp, --steps, --depth and --hidden at least 1".into(),
         ));
     }
+    let side = Side {
+        zero: b.zero,
+        recompute: b.recompute,
+    };
+    // The baseline: plain data parallelism over the same blocks, nothing recomputed.
+    let plain = Side {
+        zero: 0,
+        recompute: false,
+    };
     let mut runs = Vec::new();
     let mut baselines = Vec::new();
     for _ in 0..ROUNDS {
-        runs.push(child(&b, b.zero)?);
-        baselines.push(child(&b, 0)?);
+        runs.push(child(&b, side)?);
+        baselines.push(child(&b, plain)?);
     }
     let run = median(runs);
     let base = median(baselines);
+    let w = widths(b.hidden, b.depth);
+    let layers = layer_elements(&w);
+    let psi = layers.iter().sum::<u64>() as f64;
+    let largest = layers.iter().copied().max().unwrap_or(0) as f64;
     let n = f64::from(b.dp);
-    let psi = run.elements as f64;
-    // The ZeRO paper's words per rank (×4 bytes for f32).
-    let words_params = psi;
-    let words_grads = if b.zero == 2 { psi / n } else { psi };
-    let words_optim = if b.zero >= 1 {
-        2.0 * psi / n
-    } else {
-        2.0 * psi
-    };
-    let h = run.held;
-    let ratio = |measured: u64, words: f64| measured as f64 / (4.0 * words);
+    let (f_params, f_grads, f_optim) = paper_bytes(psi, n, b.zero);
+    // ZeRO-3's allowance: the block being computed, its full parameters and gradient.
+    let allowance = 16.0 * psi / n + 8.0 * largest;
+    let m = &run.memory;
+    let held_params = m.peak_full_params + m.param_shards;
+    let state = held_params + m.peak_grads + m.optimizer;
+    let throughput = run.samples_per_s / base.samples_per_s.max(1e-12);
+    if let Some(path) = &b.svg {
+        let panel = |title: String, m: &StepMemory| Panel {
+            title,
+            points: m
+                .timeline
+                .iter()
+                .map(|p| Point {
+                    t_ms: p.at_us as f64 / 1000.0,
+                    params: p.params,
+                    grads: p.grads,
+                    optimizer: m.optimizer,
+                    activations: p.activations,
+                })
+                .collect(),
+        };
+        let svg = crate::memory_svg::render(&[
+            panel(
+                format!(
+                    "ZeRO-0 (plain data parallel), dp {}: one rank, one step",
+                    b.dp
+                ),
+                &base.memory,
+            ),
+            panel(
+                format!(
+                    "ZeRO-{}{}, dp {}: one rank, one step",
+                    b.zero,
+                    if b.recompute {
+                        " with recomputation"
+                    } else {
+                        ""
+                    },
+                    b.dp
+                ),
+                m,
+            ),
+        ]);
+        std::fs::write(path, svg).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+    }
     if json {
         println!(
             "{}",
             serde_json::json!({
                 "world": b.dp,
                 "zero": b.zero,
-                "elements": run.elements,
-                "param_bytes": h.params,
-                "grad_bytes": h.grads,
-                "grad_bytes_backward": h.grads_backward,
-                "optim_bytes": h.optimizer,
-                "between_steps_bytes": h.params + h.optimizer,
-                "formula_param_bytes": 4.0 * words_params,
-                "formula_grad_bytes": 4.0 * words_grads,
-                "formula_optim_bytes": 4.0 * words_optim,
-                "optim_ratio": ratio(h.optimizer, words_optim),
-                "grad_ratio": ratio(h.grads, words_grads),
+                "precision": "f32",
+                "recompute": b.recompute,
+                "elements": psi,
+                "largest_block_elements": largest,
+                "param_bytes": held_params,
+                "peak_full_param_bytes": m.peak_full_params,
+                "param_shard_bytes": m.param_shards,
+                "grad_bytes": m.peak_grads,
+                "optim_bytes": m.optimizer,
+                "activation_bytes": m.peak_activations,
+                "state_bytes": state,
+                "formula_param_bytes": f_params,
+                "formula_grad_bytes": f_grads,
+                "formula_optim_bytes": f_optim,
+                "formula_unsharded_bytes": 16.0 * psi,
+                "stage3_allowance_bytes": allowance,
+                "state_to_allowance": state as f64 / allowance,
+                "baseline_activation_bytes": base.memory.peak_activations,
+                "baseline_state_bytes": base.memory.peak_full_params + base.memory.peak_grads
+                    + base.memory.optimizer,
                 "peak_rss_bytes": run.peak_rss_bytes,
                 "baseline_peak_rss_bytes": base.peak_rss_bytes,
                 "samples_per_s": run.samples_per_s,
                 "baseline_samples_per_s": base.samples_per_s,
-                "throughput_ratio": run.samples_per_s / base.samples_per_s.max(1e-12),
+                "throughput_ratio": throughput,
             })
         );
         return Ok(());
     }
     let mib = |bytes: f64| bytes / 1_048_576.0;
     println!(
-        "# ZeRO-{} at dp {}: demo MLP {:?} (Ψ = {} parameters), Adam, batch {}, {} timed steps; \
-         median of {ROUNDS} alternated runs per side",
+        "# ZeRO-{}{} at dp {}: demo MLP {:?} as {} one-layer blocks (Ψ = {psi} parameters, \
+         largest block {largest}), Adam, f32, batch {}, {} timed steps; median of {ROUNDS} \
+         alternated runs per side",
         b.zero,
+        if b.recompute { " + recompute" } else { "" },
         b.dp,
-        widths(b.hidden),
-        run.elements,
+        w,
+        layers.len(),
         b.batch_size,
         b.steps
     );
-    println!("per rank, at the optimizer step (measured | ZeRO formula | ratio):");
-    for (what, measured, words) in [
-        ("parameters", h.params, words_params),
-        ("gradients", h.grads, words_grads),
-        ("optimizer state", h.optimizer, words_optim),
+    println!("per rank, peak over the step (measured | ZeRO paper, f32 Adam):");
+    for (what, measured, formula) in [
+        ("parameters", held_params, f_params),
+        ("gradients", m.peak_grads, f_grads),
+        ("optimizer state", m.optimizer, f_optim),
     ] {
         println!(
-            "  {what:<16} {:>9.2} MiB | {:>9.2} MiB | {:.3}",
+            "  {what:<16} {:>9.2} MiB | {:>9.2} MiB",
             mib(measured as f64),
-            mib(4.0 * words),
-            ratio(measured, words)
+            mib(formula)
         );
     }
     println!(
-        "  between steps: {:.2} MiB (parameters + optimizer state; no gradient is kept)",
-        mib((h.params + h.optimizer) as f64)
+        "  of which full parameters materialised at once: {:.2} MiB (shards {:.2} MiB)",
+        mib(m.peak_full_params as f64),
+        mib(m.param_shards as f64)
     );
     println!(
-        "  right after Burn's backward: {:.2} MiB of gradients (Burn's single backward call \
-         materialises every gradient before any reduction)",
-        mib(h.grads_backward as f64)
+        "  parameters + gradients + optimizer: {:.2} MiB; without sharding 16Ψ = {:.2} MiB; \
+         stage-3 allowance 16Ψ/N + the largest block's parameters and gradient = {:.2} MiB; \
+         ratio {:.3}",
+        mib(state as f64),
+        mib(16.0 * psi),
+        mib(allowance),
+        state as f64 / allowance
+    );
+    println!(
+        "  activations kept for backward: {:.2} MiB (plain data parallel {:.2} MiB)",
+        mib(m.peak_activations as f64),
+        mib(base.memory.peak_activations as f64)
     );
     println!(
         "peak RSS (whole process, {} ranks): {:.1} MiB; plain data parallel {:.1} MiB",
@@ -185,30 +298,34 @@ pub(crate) fn run(b: MemoryBench, json: bool) -> Result<()> {
         mib(base.peak_rss_bytes as f64)
     );
     println!(
-        "samples/s: {:.0}; plain data parallel {:.0}; ratio {:.3}",
-        run.samples_per_s,
-        base.samples_per_s,
-        run.samples_per_s / base.samples_per_s.max(1e-12)
+        "samples/s: {:.0}; plain data parallel over the same blocks {:.0}; ratio {throughput:.3}",
+        run.samples_per_s, base.samples_per_s,
     );
+    if let Some(path) = &b.svg {
+        println!("picture written to {}", path.display());
+    }
     Ok(())
 }
 
 /// One side, in this (child) process: train and print a [`WorkerReport`] line.
 pub(crate) fn worker(b: MemoryBench) -> Result<()> {
     let zero = ZeroStage::from_number(b.zero)
-        .ok_or_else(|| Error::InvalidConfig(format!("--zero {}: 0, 1 or 2", b.zero)))?;
+        .ok_or_else(|| Error::InvalidConfig(format!("--zero {}: 0 to 3", b.zero)))?;
     let runtime = tokio::runtime::Runtime::new().map_err(|e| Error::Runtime(e.to_string()))?;
     let report = runtime.block_on(async move {
-        let w = widths(b.hidden);
+        let w = widths(b.hidden, b.depth);
         let task = TeacherTask {
             d_in: w[0],
-            d_out: w[3],
+            d_out: w[w.len() - 1],
             noise: 0.1,
             seed: 1,
         };
+        let device = Device::flex();
+        device.seed(1);
+        let blocks = mlp_blocks(&w, BlockOptions::default().recompute(b.recompute), &device)
+            .ok_or_else(|| Error::InvalidConfig("the demo MLP needs a layer".into()))?;
         let job = Job::builder()
-            .model(move |ctx| Mlp::new(&w, &ctx.device))
-            .loss(mse_loss)
+            .blocks(blocks)
             .data(task.dataset(b.batch_size * 4))
             .optimizer(AdamConfig::new())
             .learning_rate(1e-3)
@@ -220,7 +337,7 @@ pub(crate) fn worker(b: MemoryBench) -> Result<()> {
         let handle = job.spawn().await?;
         let mut events = handle.events();
         let (mut samples, mut wall) = (0u64, 0.0f64);
-        let mut held = HeldBytes::default();
+        let mut memory = StepMemory::default();
         loop {
             match events.recv().await {
                 Ok(JobEvent::StepDone(s)) => {
@@ -236,10 +353,12 @@ pub(crate) fn worker(b: MemoryBench) -> Result<()> {
                     if let Some(most) = s
                         .replicas
                         .iter()
-                        .filter_map(|r| r.held)
-                        .max_by_key(|h| h.params + h.grads + h.optimizer)
+                        .filter_map(|r| r.pipeline.as_ref().map(|p| &p.memory))
+                        .max_by_key(|m| {
+                            m.peak_full_params + m.param_shards + m.peak_grads + m.optimizer
+                        })
                     {
-                        held = most;
+                        memory = most.clone();
                     }
                 }
                 Ok(_) | Err(EventsError::Missed(_)) => {}
@@ -250,8 +369,7 @@ pub(crate) fn worker(b: MemoryBench) -> Result<()> {
         Ok::<_, Error>(WorkerReport {
             samples_per_s: samples as f64 / wall.max(1e-12),
             peak_rss_bytes: crate::bench::peak_rss_bytes(),
-            held,
-            elements: held.params / 4,
+            memory,
         })
     })?;
     let mut out = std::io::stdout();
@@ -261,4 +379,25 @@ pub(crate) fn worker(b: MemoryBench) -> Result<()> {
         serde_json::to_string(&report).unwrap_or_default()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_papers_figures_shard_as_each_stage_says() {
+        let (psi, n) = (1000.0, 4.0);
+        assert_eq!(paper_bytes(psi, n, 0), (4000.0, 4000.0, 8000.0));
+        assert_eq!(paper_bytes(psi, n, 1), (4000.0, 4000.0, 2000.0));
+        assert_eq!(paper_bytes(psi, n, 2), (4000.0, 1000.0, 2000.0));
+        assert_eq!(paper_bytes(psi, n, 3), (1000.0, 1000.0, 2000.0));
+    }
+
+    #[test]
+    fn the_demo_mlp_has_one_block_per_layer() {
+        let w = widths(8, 3);
+        assert_eq!(w, vec![32, 8, 8, 8, 4]);
+        assert_eq!(layer_elements(&w), vec![264, 72, 72, 36]);
+    }
 }
