@@ -727,5 +727,6 @@ fn report<I>(
             peak_activation_bytes: record.peak_stash_bytes,
         }),
         held: None,
+        loss_scale: None,
     }
 }

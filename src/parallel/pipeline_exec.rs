@@ -516,6 +516,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
             clip: None,
             direct: false,
             spans: Vec::new(),
+            precision: sync::SyncPrecision::default(),
         };
         let failed = |e: sync::SyncError| match e {
             sync::SyncError::Comm(c) => ExecError::Comm(c),
