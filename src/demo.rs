@@ -9,7 +9,7 @@
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::activation::relu;
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
 use crate::data::InMemoryDataset;
@@ -46,8 +46,13 @@ impl Mlp {
         Some(Self { layers })
     }
 
-    /// The output for a batch of inputs `[batch, d_in]`.
+    /// The output for a batch of inputs `[batch, d_in]`, in the dtype of the model's
+    /// parameters: the input is cast to it first (a no-op in `f32`; what a model trained in
+    /// low precision does, see [`crate::parallel::autocast`]).
     pub fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
+        if let Some(first) = self.layers.first() {
+            x = x.cast(first.weight.val().dtype());
+        }
         let last = self.layers.len().saturating_sub(1);
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward(x);
@@ -135,10 +140,11 @@ pub fn batch_tensors(samples: &[Sample], device: &Device) -> (Tensor<2>, Tensor<
     )
 }
 
-/// Mean-squared error of the model over some samples (the loss of the demo job).
+/// Mean-squared error of the model over some samples (the loss of the demo job), in `f32`
+/// whatever the model's precision (its output is cast first; a no-op in `f32`).
 pub fn mse_loss(model: &Mlp, samples: &[Sample], device: &Device) -> Tensor<1> {
     let (x, y) = batch_tensors(samples, device);
-    let diff = model.forward(x) - y;
+    let diff = model.forward(x).cast(FloatDType::F32) - y;
     (diff.clone() * diff).mean()
 }
 

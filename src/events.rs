@@ -41,6 +41,16 @@ pub enum JobEvent {
         /// Whether the job skipped the step (else it stops).
         skipped: bool,
     },
+    /// Mixed precision with loss scaling (f16): the all-reduced gradient of `step` held an
+    /// inf or a NaN, so every replica skipped the step and backed the scale off (PREC-2).
+    GradientOverflow {
+        /// The step.
+        step: u64,
+        /// The scale the step's loss was multiplied by.
+        scale: f32,
+        /// The scale from the next step on.
+        next_scale: f32,
+    },
     /// A device (and the stage on it) was lost at `step`.
     DeviceLost {
         /// The step during which it was lost.
@@ -190,8 +200,12 @@ pub struct StepDone {
     pub wall_s: f64,
     /// The learning rate the optimizer used (`None` when skipped).
     pub learning_rate: Option<f64>,
-    /// True when the non-finite policy skipped the update.
+    /// True when the update was skipped: by the non-finite policy, or by the loss scaler
+    /// on an overflow (then a `GradientOverflow` event comes before).
     pub skipped: bool,
+    /// The loss scale the step used (f16 mixed precision), `None` without loss scaling.
+    #[serde(default)]
+    pub loss_scale: Option<f32>,
     /// What each rank did, by rank (with pipelines, every stage of every replica).
     pub replicas: Vec<ReplicaStep>,
     /// With pipeline parallelism: the step's measured timeline and memory figures.

@@ -22,7 +22,7 @@ use tokio::sync::{broadcast, oneshot};
 pub use crate::actors::checkpointer::CheckpointSink;
 use crate::actors::pipeline_stage::{LocalPipeline, PipelineSpec};
 use crate::actors::spawner::Spawner;
-use crate::actors::stage::{LocalReplicas, LossFn, ModelFn, StageSpec};
+use crate::actors::stage::{LocalReplicas, LossFn, MixedPrecision, ModelFn, StageSpec};
 use crate::actors::supervisor::CheckpointSettings;
 pub use crate::actors::supervisor::{JobStatus, RunSummary, Trained};
 use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
@@ -40,6 +40,7 @@ use crate::parallel::sampler::DistributedSampler;
 pub use crate::parallel::stages::{BlockOptions, PipelineModel, PipelineStages};
 use crate::parallel::zero::{FlatRule, ZeroStage};
 pub use crate::parallel::{ModelContext, NonFinitePolicy};
+use crate::precision::{LossScalerConfig, Precision};
 use crate::recovery::RecoveryPolicy;
 
 mod fault_tolerance;
@@ -97,7 +98,8 @@ impl<M, I> std::fmt::Debug for Job<M, I> {
 ///   [`batch_size`](Self::batch_size), [`steps`](Self::steps).
 /// - **Checkpoints**: [`checkpoint_dir`](Self::checkpoint_dir) and how often, how many,
 ///   whether to resume.
-/// - **Tuning**: accumulation, ZeRO, clipping, buckets, time-outs; the defaults work.
+/// - **Tuning**: accumulation, ZeRO, mixed precision, clipping, buckets, time-outs; the
+///   defaults work.
 /// - **Failures and elasticity**: one [`FaultTolerance`] value through
 ///   [`fault_tolerance`](Self::fault_tolerance) (recovery policy, elastic range and wait,
 ///   injected faults), or its one-setting shorthands.
@@ -130,6 +132,7 @@ pub struct JobBuilder<M, I> {
     bucket_bytes: usize,
     clip_norm: Option<f32>,
     zero: ZeroStage,
+    mixed: MixedPrecision,
     steps: u64,
     seed: u64,
     non_finite: NonFinitePolicy,
@@ -222,6 +225,7 @@ where
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             clip_norm: None,
             zero: ZeroStage::Off,
+            mixed: MixedPrecision::default(),
             steps: 100,
             seed: 0,
             non_finite: NonFinitePolicy::Stop,
@@ -509,9 +513,9 @@ where
 
 /// # Tuning
 ///
-/// Settings with working defaults: micro-batches, gradient buckets and clipping, sharded
-/// optimizer state, the non-finite-loss policy, the all-reduce algorithm, time-outs and the
-/// event buffer.
+/// Settings with working defaults: micro-batches, mixed precision, gradient buckets and
+/// clipping, sharded optimizer state, the non-finite-loss policy, the all-reduce algorithm,
+/// time-outs and the event buffer.
 impl<M, I> JobBuilder<M, I>
 where
     M: Send + 'static,
@@ -531,6 +535,35 @@ where
     /// (without the optimizer's own per-tensor clipping: use [`Self::clip_grad_norm`]).
     pub fn zero(mut self, stage: ZeroStage) -> Self {
         self.zero = stage;
+        self
+    }
+
+    /// Run forward and backward in `precision` (mixed precision, like PyTorch's autocast):
+    /// each micro-batch computes on a copy of the model cast to the 16-bit type, its
+    /// gradients reach the `f32` master weights as `f32`, and the optimizer steps the master
+    /// weights, which are what checkpoints and the trained model hold (PREC-1). At
+    /// [`Precision::F16`] the loss is scaled dynamically ([`Self::loss_scaler`]): a step
+    /// whose all-reduced gradient overflows is skipped on every replica (PREC-2,
+    /// `JobEvent::GradientOverflow`). The model must cast its input to its parameters' dtype
+    /// and the loss function its output to `f32` (no-ops in `f32`; see
+    /// [`crate::parallel::autocast`]). Data-parallel jobs only (not pipelines yet).
+    pub fn precision(mut self, precision: Precision) -> Self {
+        self.mixed.precision = precision;
+        self
+    }
+
+    /// All-reduce gradients in the 16-bit type of [`Self::precision`] instead of `f32`:
+    /// half the bytes on the wire, each sum still accumulated in `f32` and rounded once
+    /// (COMM-5). Off by default; no effect at `f32`.
+    pub fn low_precision_gradients(mut self, low: bool) -> Self {
+        self.mixed.low_gradients = low;
+        self
+    }
+
+    /// How f16's dynamic loss scaling moves its scale (default: `torch.amp.GradScaler`'s,
+    /// 2^16, ×2 every 2000 clean steps, ×0.5 on an overflow).
+    pub fn loss_scaler(mut self, config: LossScalerConfig) -> Self {
+        self.mixed.scaler = config;
         self
     }
 
@@ -744,6 +777,9 @@ where
         if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
             return invalid("a time-out of zero: use a positive duration".into());
         }
+        if self.mixed.precision.scales_loss() {
+            self.mixed.scaler.validate()?;
+        }
         if self.zero.shards_optimizer()
             && let Err(e) = FlatRule::of(&self.optimizer)
         {
@@ -787,6 +823,15 @@ where
                 layout.dp(),
                 layout.pp(),
                 devices.len()
+            ));
+        }
+        let precision = self.mixed.precision;
+        let dtype = crate::parallel::autocast::float_dtype(precision);
+        if let Some(d) = devices.iter().find(|d| !d.burn().supports_dtype(dtype)) {
+            return invalid(format!(
+                "precision({precision}): device {} does not compute in {precision}; use \
+                 Precision::F32 or devices that support it",
+                d.id()
             ));
         }
         if let Some(f) = &self.faults {
@@ -995,6 +1040,7 @@ where
             non_finite: self.non_finite,
             epoch: Instant::now(),
             faults: self.faults.clone(),
+            mixed: self.mixed,
         }))
     }
 
@@ -1048,6 +1094,13 @@ where
                  the stages); remove it or train without .pipeline(..)"
                     .into(),
             );
+        }
+        if self.mixed.precision.is_low() {
+            return invalid(format!(
+                "precision({}) is not supported with a pipeline yet (its stages and links \
+                 compute and send f32); use Precision::F32 or train without .pipeline(..)",
+                self.mixed.precision
+            ));
         }
         if self.non_finite == NonFinitePolicy::Skip {
             return invalid(

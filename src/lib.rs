@@ -20,6 +20,7 @@ pub mod job;
 pub mod mesh;
 pub mod optim;
 pub mod parallel;
+pub mod precision;
 pub mod recovery;
 pub mod report;
 pub mod testing;
@@ -43,5 +44,6 @@ pub mod prelude {
     pub use crate::mesh::{Layout, Rank};
     pub use crate::parallel::pipeline::Schedule;
     pub use crate::parallel::zero::ZeroStage;
+    pub use crate::precision::{LossScalerConfig, Precision};
     pub use crate::recovery::RecoveryPolicy;
 }

@@ -1,6 +1,7 @@
 //! Parallel strategies: how work and data are split across the mesh.
 //!
 //! - [`sampler`]: which sample ids each replica reads at each step (pure);
+//! - [`autocast`]: the low-precision copy a micro-batch computes with (mixed precision);
 //! - [`buckets`]: how the flat gradient buffer is cut into all-reduce buckets (pure);
 //! - `gradients` (crate-internal): flattening a model's gradients into one buffer and back (Burn);
 //! - [`memory`]: what a block job's rank held during a step, instruction by instruction;
@@ -10,6 +11,7 @@
 //! - `sync` (crate-internal): how a rank's gradients and optimizer state stay in step with its
 //!   group ([`HeldBytes`] is what a rank holds, reported in events).
 
+pub mod autocast;
 pub mod buckets;
 pub(crate) mod gradients;
 pub mod memory;

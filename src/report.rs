@@ -52,4 +52,8 @@ pub struct StepReport {
     /// What the rank held of the training state at this step (`None` when it did not step).
     #[serde(default)]
     pub held: Option<crate::parallel::sync::HeldBytes>,
+    /// The loss scale this step used and the one the next step uses (f16 mixed precision),
+    /// `None` without loss scaling.
+    #[serde(default)]
+    pub loss_scale: Option<(f32, f32)>,
 }

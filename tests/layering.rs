@@ -24,6 +24,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         &[
             "mesh",
             "config",
+            "precision",
             "trace",
             "recovery",
             "parallel::sampler",

@@ -77,3 +77,64 @@ async fn dp_2_on_wgpu_matches_single_wgpu_device() {
     .await
     .expect("bounded");
 }
+
+/// Mixed precision on wgpu (PREC-1): for each 16-bit type, where the device computes in it, a
+/// dp 2 job tracks the f32 job's loss within 5 % at every step after the third and keeps f32
+/// master weights; where it does not (Mesa's software Vulkan may lack 16-bit float shaders),
+/// `build()` refuses the precision naming the device (JOB-1) instead of computing garbage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_precision_on_wgpu_tracks_f32_or_is_refused() {
+    use burn::tensor::FloatDType;
+    use meshwork::parallel::autocast::{compute_dtype, float_dtype};
+    tokio::time::timeout(Duration::from_secs(600), async {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let data = TeacherTask {
+            d_in: 8,
+            d_out: 3,
+            noise: 0.05,
+            seed: 21,
+        }
+        .dataset(256);
+        let job = |precision: Precision| {
+            device.seed(9);
+            Job::builder()
+                .initial_model(Mlp::new(&[8, 32, 3], &device))
+                .loss(mse_loss)
+                .data(data.clone())
+                .optimizer(burn::optim::AdamConfig::new())
+                .learning_rate(0.01)
+                .data_parallel(2)
+                .devices(MeshDevice::wgpu(2))
+                .batch_size(16)
+                .steps(12)
+                .precision(precision)
+                .build()
+        };
+        let (outcome, events) = run_recording(job(Precision::F32).expect("valid job")).await;
+        outcome.expect("the f32 job succeeds");
+        let reference: Vec<f32> = steps_of(&events).iter().map(|s| s.loss).collect();
+        for precision in [Precision::Bf16, Precision::F16] {
+            if !device.supports_dtype(float_dtype(precision)) {
+                let refused = job(precision);
+                assert!(
+                    matches!(&refused, Err(Error::InvalidConfig(m)) if m.contains("does not compute in")),
+                    "{precision} unsupported: refused at build"
+                );
+                eprintln!("wgpu: {precision} not supported by this device, refused at build");
+                continue;
+            }
+            let (outcome, events) = run_recording(job(precision).expect("valid job")).await;
+            let model = outcome.expect("the job succeeds").model;
+            assert_eq!(compute_dtype(&model), Some(FloatDType::F32), "f32 master weights");
+            let losses: Vec<f32> = steps_of(&events).iter().map(|s| s.loss).collect();
+            for (i, (l, r)) in losses.iter().zip(&reference).enumerate().skip(3) {
+                assert!(
+                    (l - r).abs() <= 0.05 * r,
+                    "{precision} step {i}: {l} vs f32 {r}"
+                );
+            }
+        }
+    })
+    .await
+    .expect("bounded");
+}

@@ -743,5 +743,6 @@ fn report<I>(
             memory: record.memory,
         }),
         held: None,
+        loss_scale: None,
     }
 }

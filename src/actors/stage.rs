@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{Device, Tensor};
+use burn::tensor::{Device, FloatDType, Tensor};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
@@ -34,10 +34,12 @@ use crate::faults::{DeviceMessages, FaultHooks, Phase, with_hooks};
 use crate::mesh::{DeviceId, StageId};
 use crate::mesh::{Generation, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
+use crate::parallel::autocast::low_precision_copy;
 use crate::parallel::gradients::{ParamFilter, ParamLayout, map_parameters, parameter_fingerprint};
-use crate::parallel::sync::{self, GradientSync, Reduced, SyncContext};
+use crate::parallel::sync::{self, GradientSync, Reduced, SyncContext, SyncPrecision};
 use crate::parallel::zero::ZeroStage;
 use crate::parallel::{ModelContext, NonFinitePolicy};
+use crate::precision::{LossScaler, LossScalerConfig, Precision};
 use crate::trace::{TraceKind, TraceRecord};
 
 /// Builds one replica's model.
@@ -61,6 +63,40 @@ pub(crate) struct StageSpec<M, I> {
     pub(crate) epoch: Instant,
     /// The fault plan's hooks, if the job has one.
     pub(crate) faults: Option<Arc<FaultHooks>>,
+    /// Mixed precision: what forward and backward run in, whether gradients travel in it,
+    /// and the loss scaler's configuration (used at f16).
+    pub(crate) mixed: MixedPrecision,
+}
+
+/// A job's mixed-precision settings, as the worker applies them.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct MixedPrecision {
+    pub(crate) precision: Precision,
+    /// All-reduce gradients in the 16-bit type (else `f32`).
+    pub(crate) low_gradients: bool,
+    pub(crate) scaler: LossScalerConfig,
+}
+
+impl MixedPrecision {
+    /// The loss scaler a rank starts with: one at f16, none otherwise.
+    pub(crate) fn new_scaler(&self) -> Result<Option<LossScaler>> {
+        if !self.precision.scales_loss() {
+            return Ok(None);
+        }
+        Ok(Some(LossScaler::new(self.scaler)?))
+    }
+
+    /// What a reduction does for it, with a scaler or not.
+    pub(crate) fn sync(&self, scaling: bool) -> SyncPrecision {
+        SyncPrecision {
+            wire: if self.low_gradients {
+                self.precision
+            } else {
+                Precision::F32
+            },
+            find_overflow: scaling,
+        }
+    }
 }
 
 pub(crate) use crate::report::{InitReport, StepReport};
@@ -302,6 +338,8 @@ struct Slot<M> {
     lr: LearningRate,
     /// Whether the model has float parameters without gradients (buffers, frozen weights).
     has_buffers: bool,
+    /// The dynamic loss scaler (f16 mixed precision); the same on every replica (PREC-2).
+    scaler: Option<LossScaler>,
 }
 
 /// Tensors smaller than this many elements (or a quarter of a bucket, if less) are fused with
@@ -549,6 +587,7 @@ where
                 model,
                 sync,
                 has_buffers,
+                scaler: spec.mixed.new_scaler()?,
                 comm,
                 lr: spec.learning_rate.clone(),
             },
@@ -667,8 +706,16 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     };
     let world = slot.comm.world();
     let k = micro_batches.len();
-    // One device, one micro-batch, no clipping: Burn's gradients go straight to the optimizer.
-    let direct = world == 1 && k == 1 && spec.clip_norm.is_none();
+    // One device, one micro-batch, no clipping, nothing to unscale or narrow: Burn's
+    // gradients go straight to the optimizer.
+    let mixed = spec.mixed.sync(slot.scaler.is_some());
+    let direct = world == 1
+        && k == 1
+        && spec.clip_norm.is_none()
+        && !mixed.find_overflow
+        && !mixed.wire.is_low();
+    // f16: the loss is multiplied by the scale before backward, the reduced gradient divided.
+    let loss_scale = slot.scaler.as_ref().map(LossScaler::scale);
     let ad = device.clone().autodiff();
     let mut trace = Vec::new();
     let mut span = |kind: TraceKind, start: Instant| {
@@ -697,7 +744,10 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
             })
             .collect::<Result<Vec<I>>>()?;
         let loss = with_hooks(hooks, device_id, step, m as u32, Phase::Forward, || {
-            (spec.loss_fn)(&slot.model, &items, &ad)
+            // Mixed precision: forward on a low-precision copy whose casts hand the f32
+            // master its gradients (PREC-1); the identity at f32.
+            let model = low_precision_copy(&slot.model, spec.mixed.precision);
+            (spec.loss_fn)(&model, &items, &ad).cast(FloatDType::F32)
         });
         let value: f32 = loss.clone().into_scalar();
         loss_sum += value * ids.len() as f32;
@@ -712,7 +762,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
         report_progress(|| format!("step {step}: backward of micro-batch {m}"));
         let t = Instant::now();
         // DP-2: this micro-batch's share of the step's samples.
-        let weight = ids.len() as f32 / global.max(1) as f32;
+        let weight = ids.len() as f32 / global.max(1) as f32 * loss_scale.unwrap_or(1.0);
         let grads = with_hooks(hooks, device_id, step, m as u32, Phase::Backward, || {
             let loss = if weight == 1.0 { loss } else { loss * weight };
             GradientsParams::from_grads(loss.backward(), &slot.model)
@@ -762,6 +812,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
                     trace,
                     pipeline: None,
                     held: None,
+                    loss_scale: loss_scale.map(|s| (s, s)),
                 },
                 None,
             )),
@@ -775,16 +826,23 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     let mut cx = SyncContext {
         comm: Some(&mut slot.comm),
         device: &inner,
-        scale: 1.0,
+        scale: loss_scale.map_or(1.0, |s| 1.0 / s),
         clip: spec.clip_norm,
         direct,
         spans: Vec::new(),
+        precision: mixed,
     };
     let reduced = slot.sync.reduce(&slot.model, grads, &mut cx)?;
     let spans = std::mem::take(&mut cx.spans);
     drop(cx);
     record_spans(&mut trace, (rank, step), spec.epoch, spans);
-    if reduced.non_finite && spec.non_finite == NonFinitePolicy::Stop {
+    // PREC-2: every replica holds the same reduced gradient, so every scaler decides alike.
+    let scaled = slot.scaler.as_mut().map(|s| {
+        let used = s.scale();
+        s.update(reduced.non_finite);
+        (used, s.scale())
+    });
+    if reduced.non_finite && spec.non_finite == NonFinitePolicy::Stop && scaled.is_none() {
         return Err(Error::NonFiniteGradient { step });
     }
     let skip = reduced.non_finite;
@@ -797,6 +855,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
             trace,
             pipeline: None,
             held: None,
+            loss_scale: scaled,
         },
         (!skip).then_some(reduced),
     ))
@@ -847,6 +906,7 @@ fn apply_update<M: Module, I>(
         clip: None,
         direct: false,
         spans: Vec::new(),
+        precision: SyncPrecision::default(),
     };
     let (model, r) = match slot.sync.apply(model, reduced, lr, &mut cx) {
         Ok(model) => (model, Ok(())),

@@ -72,6 +72,15 @@ impl Communicator {
         }
     }
 
+    /// A TCP communicator's data payload bytes sent so far (TCP-7's tests).
+    #[cfg(all(test, feature = "cluster"))]
+    pub(crate) fn tcp_data_bytes_sent(&self) -> Option<u64> {
+        match &self.transport {
+            Transport::Tcp(t) => Some(t.data_bytes_sent()),
+            _ => None,
+        }
+    }
+
     /// A hierarchical group's communicator for `rank` (feature `cluster`): `local` is its
     /// communicator in its process's in-process group (ranks in `plan.local` order), `leaders`
     /// (on a process's leader, when there are two or more processes) its communicator in the

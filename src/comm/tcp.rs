@@ -45,8 +45,11 @@
 //!    sender thread, `RecvReduce`/`RecvCopy` read the peer's frames piece by piece straight
 //!    into the buffer (reducing each piece while it is in the cache), `Finish` is local. A
 //!    step larger than [`TcpConfig::frame_bytes`] travels as several frames. Payloads are the
-//!    buffer's little-endian bytes; f16 and bf16 collectives move their f32 working buffer, so
-//!    partial sums are rounded once, at the end, exactly as in process (COMM-5).
+//!    buffer's little-endian bytes. f16 and bf16 collectives work on an f32 buffer: partial
+//!    sums (what the receiver reduces) travel as f32, so each sum is rounded once, at the end,
+//!    exactly as in process (COMM-5); final values (what the receiver copies: the all-gather
+//!    phase of a ring, a tree's way down, a broadcast, an all-gather) travel as 2 bytes per
+//!    element (TCP-7).
 //! 3. **Completion.** The op returns once every byte it sent was handed to the kernel.
 //!
 //! Send and recv exchange headers too: the sender sends its call, the receiver answers with
@@ -75,6 +78,10 @@
 //!   [`CommError::Poisoned`] carrying that root cause instead of waiting for their time-out.
 //! - TCP-6 (shutdown): [`TcpShutdown::shutdown`] wakes a waiting op with
 //!   [`CommError::Shutdown`], and every later op fails the same way (COMM-4).
+//! - TCP-7 (16-bit payloads): an f16 or bf16 op sends the ranges its receivers copy (final
+//!   values) as 2 bytes per element and those they reduce (partial sums) as f32, so its
+//!   results equal the in-process transport's bit for bit; a broadcast or an all-gather moves
+//!   2 bytes per element, a ring all-reduce 6 per element per ring pass instead of 8.
 
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -89,7 +96,7 @@ use serde::{Deserialize, Serialize};
 use super::element::{Element, as_f32_mut, combine, finish, narrow, widen};
 use super::plan::{self, Plan, Step};
 use super::{
-    Algorithm, CallShape, CollectiveKind, CommConfig, CommError, Communicator, LinkFailure,
+    Algorithm, CallShape, CollectiveKind, CommConfig, CommError, Communicator, DType, LinkFailure,
     RankCall, ReduceOp, chunk_range,
 };
 use crate::comm::net::link::{
@@ -102,7 +109,7 @@ mod schedule;
 mod tests;
 
 pub use schedule::{LinkRole, link_role};
-use schedule::{SendMode, peers_with_role, send_modes};
+use schedule::{SendMode, peers_with_role, send_modes, sends_of_final_values};
 
 #[cfg(not(target_endian = "little"))]
 compile_error!(
@@ -315,7 +322,9 @@ impl TcpGroup {
             header: Vec::new(),
             work: Vec::new(),
             scratch: Vec::new(),
+            scratch16: Vec::new(),
             plan_cache: None,
+            data_bytes_sent: 0,
         };
         Ok(TcpGroup { comm })
     }
@@ -704,6 +713,55 @@ impl PayloadSink for ReduceSink<'_> {
     }
 }
 
+/// Reads received 16-bit elements into a scratch piece and widens them into an f32 buffer.
+struct WidenSink<'a> {
+    dst: *mut f32,
+    /// Bytes of the step already received.
+    base: usize,
+    scratch: &'a mut Vec<u8>,
+    dtype: DType,
+}
+
+impl PayloadSink for WidenSink<'_> {
+    fn piece(&mut self, _offset: usize, len: usize) -> &mut [u8] {
+        if self.scratch.len() < len {
+            self.scratch.resize(len, 0);
+        }
+        &mut self.scratch[..len]
+    }
+
+    fn arrived(&mut self, offset: usize, len: usize) {
+        let (start, n) = ((self.base + offset) / 2, len / 2);
+        // SAFETY: as for CopySink: this range of the buffer is this rank's to write now.
+        let dst = unsafe { std::slice::from_raw_parts_mut(self.dst.add(start), n) };
+        for (d, b) in dst.iter_mut().zip(self.scratch[..len].chunks_exact(2)) {
+            let bits = u16::from_le_bytes([b[0], b[1]]);
+            *d = match self.dtype {
+                DType::BF16 => half::bf16::from_bits(bits).to_f32(),
+                _ => half::f16::from_bits(bits).to_f32(),
+            };
+        }
+    }
+}
+
+impl StepSink for WidenSink<'_> {
+    fn set_base(&mut self, base: usize) {
+        self.base = base;
+    }
+}
+
+/// Final f32 values as the little-endian bytes of `dtype` (f16 or bf16), rounded to nearest
+/// even: what the op's end rounds them to anyway (TCP-7).
+fn narrow_bytes(dtype: DType, values: &[f32]) -> Vec<u8> {
+    values
+        .iter()
+        .flat_map(|&v| match dtype {
+            DType::BF16 => half::bf16::from_f32(v).to_bits().to_le_bytes(),
+            _ => half::f16::from_f32(v).to_bits().to_le_bytes(),
+        })
+        .collect()
+}
+
 /// The bytes of a slice of elements (f32, f16, bf16: plain bit patterns).
 fn bytes_of<T: Element>(values: &[T]) -> &[u8] {
     // SAFETY: Element types have no padding and every byte is initialized.
@@ -735,7 +793,12 @@ pub(crate) struct TcpCommunicator {
     work: Vec<f32>,
     /// Received pieces being reduced.
     scratch: Vec<f32>,
+    /// Received 16-bit pieces being widened (TCP-7).
+    scratch16: Vec<u8>,
     plan_cache: Option<(Rank, Plan, Vec<SendMode>)>,
+    /// Data payload bytes handed to the links so far (not counting headers and framing).
+    #[cfg_attr(not(test), allow(dead_code, reason = "read by the tests of TCP-7"))]
+    data_bytes_sent: u64,
 }
 
 /// Who an op is, for its errors.
@@ -1211,8 +1274,17 @@ impl TcpCommunicator {
         let algorithm = call.algorithm.unwrap_or(Algorithm::Ring);
         let (plan, modes) = self.plan_for(call.kind, algorithm, call.len, root);
         self.last_algorithm = Some(algorithm);
+        // TCP-7: a 16-bit op sends its final values as 16-bit.
+        let finals = match call.dtype {
+            Some(d @ (DType::F16 | DType::BF16)) => {
+                Some((d, sends_of_final_values(&plan, self.rank)))
+            }
+            _ => None,
+        };
+        let narrow = finals.as_ref().map(|(d, f)| (*d, &f[..]));
         // SAFETY: forwarded.
-        let result = unsafe { self.execute(plan.steps_of(self.rank), &modes, base, op, id) };
+        let result =
+            unsafe { self.execute(plan.steps_of(self.rank), &modes, narrow, base, op, id) };
         let result = result.and_then(|()| self.wait_all_sent(id));
         self.plan_cache = Some((root, plan, modes));
         result.map_err(|e| self.fail(e))
@@ -1225,6 +1297,7 @@ impl TcpCommunicator {
         &mut self,
         steps: &[Step],
         modes: &[SendMode],
+        narrow: Option<(DType, &[bool])>,
         base: *mut f32,
         op: ReduceOp,
         id: OpId,
@@ -1236,7 +1309,20 @@ impl TcpCommunicator {
             match step {
                 Step::Send { to, range } => {
                     let mode = modes.get(sends).copied().unwrap_or(SendMode::Copy);
+                    let final_16 = narrow.and_then(|(d, finals)| {
+                        finals.get(sends).copied().unwrap_or(false).then_some(d)
+                    });
                     sends += 1;
+                    if let Some(dtype) = final_16 {
+                        // SAFETY: the range lies in the buffer (PLAN-1 and the plan tests).
+                        let values = unsafe {
+                            std::slice::from_raw_parts(base.add(range.start), range.len())
+                        };
+                        let bytes = narrow_bytes(dtype, values);
+                        self.data_bytes_sent += bytes.len() as u64;
+                        self.push(to.index(), Payload::Owned(bytes), id)?;
+                        continue;
+                    }
                     // SAFETY: the range lies in the buffer (PLAN-1 and the plan tests).
                     let bytes = unsafe {
                         std::slice::from_raw_parts(
@@ -1251,10 +1337,17 @@ impl TcpCommunicator {
                         }),
                         SendMode::Copy => Payload::Owned(bytes.to_vec()),
                     };
+                    self.data_bytes_sent += (range.len() * 4) as u64;
                     let ticket = self.push(to.index(), payload, id)?;
                     if mode == SendMode::Borrow {
                         borrowed.push((to.index(), ticket, range.clone()));
                     }
+                }
+                Step::RecvCopy { from, range } if narrow.is_some() => {
+                    self.wait_overlapping(&mut borrowed, range, id)?;
+                    let dtype = narrow.map_or(DType::F16, |(d, _)| d);
+                    // SAFETY: forwarded; the range is this rank's to write now.
+                    unsafe { self.recv_widened(from.index(), base, range, dtype, id)? };
                 }
                 Step::RecvReduce { from, range } | Step::RecvCopy { from, range } => {
                     self.wait_overlapping(&mut borrowed, range, id)?;
@@ -1335,6 +1428,38 @@ impl TcpCommunicator {
         };
         self.scratch = scratch;
         result
+    }
+
+    /// Receives `range` of a 16-bit op's final values from `peer` as 16-bit elements and
+    /// widens them into the f32 buffer at `base` (TCP-7).
+    ///
+    /// # Safety
+    /// `range` of the buffer at `base` is this rank's to write now.
+    unsafe fn recv_widened(
+        &mut self,
+        peer: usize,
+        base: *mut f32,
+        range: &Range<usize>,
+        dtype: DType,
+        id: OpId,
+    ) -> Result<(), CommError> {
+        let mut scratch = std::mem::take(&mut self.scratch16);
+        let mut sink = WidenSink {
+            // SAFETY: forwarded.
+            dst: unsafe { base.add(range.start) },
+            base: 0,
+            scratch: &mut scratch,
+            dtype,
+        };
+        let result = self.recv_bytes(peer, range.len() * 2, 2, &mut sink, id);
+        self.scratch16 = scratch;
+        result
+    }
+
+    /// Data payload bytes this rank handed to its links so far (TCP-7's tests).
+    #[cfg(test)]
+    pub(crate) fn data_bytes_sent(&self) -> u64 {
+        self.data_bytes_sent
     }
 
     /// Reads frames from `peer` into `sink` until `expected` bytes arrived.

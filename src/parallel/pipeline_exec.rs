@@ -469,6 +469,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             clip: None,
             direct: false,
             spans: Vec::new(),
+            precision: sync::SyncPrecision::default(),
         }
     }
 }

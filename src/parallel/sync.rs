@@ -34,8 +34,9 @@ use super::gradients::{
 };
 use super::zero::{FlatRule, OptimizerShard, ZeroStage, owned_range, reshard};
 use crate::checkpoint::{CheckpointError, OptimizerPart, OptimizerState};
-use crate::comm::{CommError, Communicator, ReduceOp};
+use crate::comm::{CommError, Communicator, Element, ReduceOp};
 use crate::optim::OptimizerConfig;
+use crate::precision::Precision;
 use crate::trace::TraceKind;
 
 mod sharded;
@@ -151,6 +152,75 @@ pub(crate) struct SyncContext<'a> {
     pub direct: bool,
     /// The collectives' and copies' spans: what, when it began, how long.
     pub spans: Vec<(TraceKind, Instant, std::time::Duration)>,
+    /// Mixed precision: the type gradients travel in, and whether to look for an overflow.
+    pub precision: SyncPrecision,
+}
+
+/// What mixed precision asks of a reduction.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SyncPrecision {
+    /// The type gradients travel in: `F32`, or a 16-bit type the collectives reduce in `f32`
+    /// and round once (COMM-5).
+    pub wire: Precision,
+    /// Look for an inf or a NaN in the reduced gradient (loss scaling): found on any rank, it
+    /// is [`Reduced::non_finite`] on every rank (PREC-2).
+    pub find_overflow: bool,
+}
+
+/// All-reduce (sum) an `f32` bucket, travelling as `wire`'s type.
+fn all_reduce_as(comm: &mut Communicator, b: &mut [f32], wire: Precision) -> Result<(), CommError> {
+    fn narrow<T: Element>(comm: &mut Communicator, b: &mut [f32]) -> Result<(), CommError> {
+        let mut n: Vec<T> = b.iter().map(|&v| T::from_f32(v)).collect();
+        comm.all_reduce(&mut n, ReduceOp::Sum)?;
+        b.iter_mut().zip(&n).for_each(|(d, s)| *d = s.to_f32());
+        Ok(())
+    }
+    match wire {
+        Precision::F32 => comm.all_reduce(b, ReduceOp::Sum),
+        Precision::Bf16 => narrow::<half::bf16>(comm, b),
+        Precision::F16 => narrow::<half::f16>(comm, b),
+    }
+}
+
+/// Reduce-scatter (sum) a flat `f32` gradient into this rank's shard, travelling as `wire`'s
+/// type.
+fn reduce_scatter_as(
+    comm: &mut Communicator,
+    flat: &[f32],
+    shard: &mut [f32],
+    wire: Precision,
+) -> Result<(), CommError> {
+    fn narrow<T: Element>(c: &mut Communicator, f: &[f32], s: &mut [f32]) -> Result<(), CommError> {
+        let input: Vec<T> = f.iter().map(|&v| T::from_f32(v)).collect();
+        let mut out = vec![T::from_f32(0.0); s.len()];
+        c.reduce_scatter(&input, &mut out, ReduceOp::Sum)?;
+        s.iter_mut().zip(&out).for_each(|(d, v)| *d = v.to_f32());
+        Ok(())
+    }
+    match wire {
+        Precision::F32 => comm.reduce_scatter(flat, shard, ReduceOp::Sum),
+        Precision::Bf16 => narrow::<half::bf16>(comm, flat, shard),
+        Precision::F16 => narrow::<half::f16>(comm, flat, shard),
+    }
+}
+
+/// Whether the reduced gradient overflowed anywhere in the group (PREC-2): `local` is what
+/// this rank holds; a shard's finding is all-reduced (max) so every rank learns it.
+fn overflow_in_group(
+    local: &[&[f32]],
+    sharded: bool,
+    cx: &mut SyncContext<'_>,
+) -> Result<bool, CommError> {
+    if !cx.precision.find_overflow {
+        return Ok(false);
+    }
+    let mut found = [f32::from(u8::from(
+        local.iter().any(|p| p.iter().any(|g| !g.is_finite())),
+    ))];
+    if sharded && let Some(comm) = cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
+        comm.all_reduce(&mut found, ReduceOp::Max)?;
+    }
+    Ok(found[0] > 0.0)
 }
 
 impl std::fmt::Debug for SyncContext<'_> {
@@ -293,12 +363,14 @@ fn all_reduce_buckets(
         return Ok(());
     }
     let mut spans = Vec::new();
+    let wire = cx.precision.wire;
+    let wire_bytes = if wire.is_low() { 2 } else { 4 };
     reduce_buckets(views, buckets, fusion, |b| {
         let t = Instant::now();
-        let r = comm.all_reduce(b, ReduceOp::Sum);
+        let r = all_reduce_as(comm, b, wire);
         spans.push((
             TraceKind::AllReduce {
-                bytes: (b.len() * 4) as u64,
+                bytes: (b.len() * wire_bytes) as u64,
             },
             t,
             t.elapsed(),
@@ -383,11 +455,13 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         // The norm of the all-reduced gradient is the same on every rank, so every rank takes
         // the same decision (DP-3).
         let norm = cx.clip.map(|max| clip_by_global_norm(&mut views, max));
+        let parts: Vec<&[f32]> = views.iter().map(|v| &**v).collect();
+        let overflow = overflow_in_group(&parts, false, cx)?;
         drop(views);
         cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
         Ok(Reduced {
             grads: ReducedGrads::Buffers(buffers),
-            non_finite: norm.is_some_and(|n| !n.is_finite()),
+            non_finite: overflow || norm.is_some_and(|n| !n.is_finite()),
         })
     }
 
@@ -531,7 +605,7 @@ impl<M: Module> GradientSync<M> for ZeroSync {
                 let mut shard = vec![0.0f32; range.len()];
                 let comm = cx.comm.as_deref_mut().expect("world > 1 has a group");
                 let t = Instant::now();
-                comm.reduce_scatter(&flat, &mut shard, ReduceOp::Sum)?;
+                reduce_scatter_as(comm, &flat, &mut shard, cx.precision.wire)?;
                 cx.spans.push((
                     TraceKind::ReduceScatter {
                         bytes: (flat.len() * 4) as u64,
@@ -571,9 +645,10 @@ impl<M: Module> GradientSync<M> for ZeroSync {
                 Some(norm)
             }
         };
+        let overflow = overflow_in_group(&[&shard[..]], cx.world() > 1, cx)?;
         Ok(Reduced {
             grads: ReducedGrads::Shard(shard),
-            non_finite: norm.is_some_and(|n| !n.is_finite()),
+            non_finite: overflow || norm.is_some_and(|n| !n.is_finite()),
         })
     }
 

@@ -259,6 +259,7 @@ where
                 trace: Vec::new(),
                 pipeline: None,
                 held: None,
+                loss_scale: None,
             });
             (report, id)
         })

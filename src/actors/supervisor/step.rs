@@ -316,17 +316,28 @@ pub(super) fn step_done<M, I>(
         });
     let loss = (weighted / counted.max(1) as f64) as f32;
     let skipped = reports.iter().any(|r| r.learning_rate.is_none());
+    let loss_scale = reports.iter().find_map(|r| r.loss_scale);
     if skipped {
-        let ranks = reports
+        let ranks: Vec<_> = reports
             .iter()
             .filter(|r| r.local_loss.is_some_and(|l| !l.is_finite()))
             .map(|r| r.rank)
             .collect();
-        state.publish(JobEvent::NonFiniteLoss {
-            step,
-            ranks,
-            skipped: true,
-        });
+        match loss_scale {
+            // The loss scaler skipped it (PREC-2): the losses were finite.
+            Some((scale, next_scale)) if ranks.is_empty() => {
+                state.publish(JobEvent::GradientOverflow {
+                    step,
+                    scale,
+                    next_scale,
+                });
+            }
+            _ => state.publish(JobEvent::NonFiniteLoss {
+                step,
+                ranks,
+                skipped: true,
+            }),
+        }
     }
     let learning_rate = reports.iter().find_map(|r| r.learning_rate);
     let pipeline = pipeline_step(&stage_ids, &reports, state.layout);
@@ -369,6 +380,7 @@ pub(super) fn step_done<M, I>(
         wall_s,
         learning_rate,
         skipped,
+        loss_scale: loss_scale.map(|(used, _)| used),
         replicas,
         pipeline,
     }));

@@ -33,7 +33,7 @@ pub(crate) struct ClusterTrainArgs {
     /// Run the head of a multi-process job: listen for nodes here (`host:port`, port 0 for
     /// any free port; the address is printed).
     #[arg(long)]
-    listen: Option<String>,
+    pub(crate) listen: Option<String>,
     /// Nodes to wait for (with --listen).
     #[arg(long)]
     nodes: Option<u32>,

@@ -122,6 +122,41 @@ pub(crate) fn send_modes(plan: &Plan, rank: Rank) -> Vec<SendMode> {
         .collect()
 }
 
+/// For each send among `rank`'s steps, in order: whether its receiver copies the range
+/// (`RecvCopy`: the op's final values) rather than reducing it (`RecvReduce`: a partial sum).
+/// PLAN-1 pairs the k-th send from a to b with b's k-th receive from a. A 16-bit collective
+/// sends final values as 16-bit (TCP-7): rounding a final value is what the op's end does
+/// anyway, so only partial sums need their f32 bytes.
+pub(crate) fn sends_of_final_values(plan: &Plan, rank: Rank) -> Vec<bool> {
+    let me = rank.index();
+    let mut nth = vec![0usize; plan.world];
+    plan.steps_of(rank)
+        .iter()
+        .filter_map(|s| match s {
+            Step::Send { to, .. } => Some(to.index()),
+            _ => None,
+        })
+        .map(|to| {
+            let Some(k) = nth.get_mut(to) else {
+                return false;
+            };
+            let receive = plan
+                .steps
+                .get(to)
+                .into_iter()
+                .flatten()
+                .filter_map(|s| match s {
+                    Step::RecvCopy { from, .. } if from.index() == me => Some(true),
+                    Step::RecvReduce { from, .. } if from.index() == me => Some(false),
+                    _ => None,
+                })
+                .nth(*k);
+            *k += 1;
+            receive.unwrap_or(false)
+        })
+        .collect()
+}
+
 /// The modes [`send_modes`] picks, as a function of (rank, step index), for checking.
 #[cfg(test)]
 pub(crate) fn chosen_modes(plan: &Plan) -> impl Fn(usize, usize) -> SendMode + '_ {

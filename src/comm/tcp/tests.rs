@@ -161,6 +161,58 @@ fn every_collective_over_tcp_equals_in_process_bit_for_bit() {
     }
 }
 
+/// TCP-7: f16 and bf16 final values travel as 2 bytes per element: a broadcast and an
+/// all-gather move half the bytes of the same op in f32, a ring all-reduce (partial sums as
+/// f32, final values as 16-bit) three quarters; the results stay bit-identical to the
+/// in-process transport (`every_collective_over_tcp_equals_in_process_bit_for_bit`).
+#[test]
+fn sixteen_bit_final_values_travel_as_two_bytes_per_element() {
+    fn bytes_of_ops<T: Element>(comm: &mut Communicator) -> [u64; 3] {
+        let sent = |c: &Communicator| c.tcp_data_bytes_sent().expect("a TCP communicator");
+        let (me, world) = (comm.rank().index(), comm.world());
+        let len = 3000;
+        let mut out = [0; 3];
+        let before = sent(comm);
+        let mut buf = input::<T>(me, len, 1);
+        comm.all_reduce(&mut buf, ReduceOp::Sum)
+            .expect("all_reduce");
+        out[0] = sent(comm) - before;
+        let before = sent(comm);
+        comm.broadcast(&mut buf, rank_of(0)).expect("broadcast");
+        out[1] = sent(comm) - before;
+        let before = sent(comm);
+        let mine = input::<T>(me, chunk_range(len, world, me).len(), 2);
+        let mut all = vec![T::from_f32(0.0); len];
+        comm.all_gather(&mine, &mut all).expect("all_gather");
+        out[2] = sent(comm) - before;
+        out
+    }
+    let per_rank = on_tcp(3, config(), |comm| {
+        comm.set_algorithm(Algorithm::Ring);
+        (
+            bytes_of_ops::<f32>(comm),
+            bytes_of_ops::<f16>(comm),
+            bytes_of_ops::<bf16>(comm),
+        )
+    });
+    for (r, (wide, f16_bytes, bf16_bytes)) in per_rank.iter().enumerate() {
+        // A ring all-reduce of 3000 elements over 3 ranks: each rank sends 2 chunks of 1000
+        // partial sums and 2 chunks of 1000 final values.
+        assert_eq!(wide[0], 4 * 4000, "rank {r}: f32 all-reduce");
+        for narrow in [f16_bytes, bf16_bytes] {
+            assert_eq!(
+                narrow[0],
+                4 * 2000 + 2 * 2000,
+                "rank {r}: 16-bit all-reduce"
+            );
+            assert_eq!(2 * narrow[1], wide[1], "rank {r}: 16-bit broadcast");
+            assert_eq!(2 * narrow[2], wide[2], "rank {r}: 16-bit all-gather");
+        }
+    }
+    let broadcast: u64 = per_rank.iter().map(|(w, _, _)| w[1]).sum();
+    assert!(broadcast > 0, "the broadcast moved data");
+}
+
 #[test]
 fn auto_runs_ring_for_large_buffers_and_tree_for_small_ones_across_processes() {
     let algos = on_tcp(3, config(), |comm| {
