@@ -100,12 +100,12 @@ impl LearningRate {
         match self {
             LearningRate::Constant(_) => Ok(None),
             LearningRate::Scheduler(s) => {
-                let bytes = s
-                    .to_record()
-                    .into_bytes()
-                    .map_err(|e| CheckpointError::LrSchedulerRecord {
-                        reason: e.to_string(),
-                    })?;
+                let bytes =
+                    s.to_record()
+                        .into_bytes()
+                        .map_err(|e| CheckpointError::LrSchedulerRecord {
+                            reason: e.to_string(),
+                        })?;
                 Ok(Some(LrSchedulerState {
                     record: bytes.to_vec(),
                 }))
@@ -122,10 +122,11 @@ impl LearningRate {
             (LearningRate::Scheduler(_), None) => Err(CheckpointError::NoLrSchedulerState),
             (LearningRate::Scheduler(s), Some(state)) => {
                 let bytes = burn::tensor::Bytes::from_bytes_vec(state.record.clone());
-                let record = LrSchedulerRecord::from_bytes(bytes)
-                    .map_err(|e| CheckpointError::LrSchedulerRecord {
+                let record = LrSchedulerRecord::from_bytes(bytes).map_err(|e| {
+                    CheckpointError::LrSchedulerRecord {
                         reason: e.to_string(),
-                    })?;
+                    }
+                })?;
                 *s = s.clone().load_record(record);
                 Ok(())
             }

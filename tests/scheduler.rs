@@ -86,7 +86,6 @@ fn builder(dp: u32, steps: u64, init: &Mlp) -> JobBuilder<Mlp, Sample> {
         .batch_size(GLOBAL_BATCH)
         .steps(steps)
         .seed(6)
-        .step_timeout(Duration::from_secs(60))
 }
 
 async fn run<M: Send + 'static>(job: Job<M, Sample>) -> (Result<Trained<M>>, Vec<JobEvent>) {
@@ -136,7 +135,10 @@ fn assert_matches_reference(init: Mlp, trained: &Mlp, events: &[JobEvent]) {
 fn lr_the_test_schedule_warms_up_then_decays() {
     let r = scheduled_rates();
     assert!(r[0] < r[1] && r[1] < r[WARM_UP], "{r:?}");
-    assert!(r[WARM_UP] > r[WARM_UP + 2] && r[WARM_UP + 2] > r[STEPS as usize - 1], "{r:?}");
+    assert!(
+        r[WARM_UP] > r[WARM_UP + 2] && r[WARM_UP + 2] > r[STEPS as usize - 1],
+        "{r:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -148,7 +150,8 @@ async fn lr_2_a_resumed_warm_up_cosine_run_equals_the_uninterrupted_one() {
 
     // Stop after 5 steps (past the warm-up), then resume to 8 in a new job.
     let dir = temp_dir("resume");
-    let (first, first_events) = run(builder(2, 5, &init).checkpoint_dir(&dir).build().unwrap()).await;
+    let (first, first_events) =
+        run(builder(2, 5, &init).checkpoint_dir(&dir).build().unwrap()).await;
     first.expect("the first part");
     let (resumed, events) = run(builder(2, STEPS, &init)
         .checkpoint_dir(&dir)
@@ -188,7 +191,6 @@ async fn lr_2_a_resumed_pipeline_continues_its_schedule() {
             .batch_size(GLOBAL_BATCH)
             .steps(steps)
             .seed(6)
-            .step_timeout(Duration::from_secs(60))
             .checkpoint_dir(dir)
             .resume_from_checkpoint(resume)
             .build()
@@ -197,7 +199,11 @@ async fn lr_2_a_resumed_pipeline_continues_its_schedule() {
     let whole_dir = temp_dir("pp-whole");
     let (whole, whole_events) = run(job(STEPS, &whole_dir, false)).await;
     let whole = Mlp::from_pipeline(whole.expect("the uninterrupted run").model).expect("blocks");
-    assert_eq!(rates(&whole_events), expected_rates(0, STEPS, 2), "two stages");
+    assert_eq!(
+        rates(&whole_events),
+        expected_rates(0, STEPS, 2),
+        "two stages"
+    );
 
     let dir = temp_dir("pp-resume");
     run(job(5, &dir, false)).await.0.expect("the first part");
@@ -283,7 +289,10 @@ async fn lr_2_replicas_that_join_continue_the_schedule() {
         .iter()
         .find_map(|e| match e {
             JobEvent::Resized {
-                step, from: 2, to: 3, ..
+                step,
+                from: 2,
+                to: 3,
+                ..
             } => Some(*step),
             _ => None,
         })

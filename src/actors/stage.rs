@@ -25,9 +25,7 @@ use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
 use super::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
 use super::supervisor::{Grow, GrowArgs, GrowStage, SpawnContext, Spawned};
-use crate::checkpoint::{
-    ShardId, ShardSnapshot, TrainingState, restore_module, snapshot_module,
-};
+use crate::checkpoint::{ShardId, ShardSnapshot, TrainingState, restore_module, snapshot_module};
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
 use crate::device::MeshDevice;

@@ -172,11 +172,7 @@ fn put_prefix(out: &mut Vec<u8>, magic: &[u8; 8], body_len: usize) {
 
 /// Checks magic and version, and returns the version and the declared length of the bincode
 /// part.
-fn read_prefix(
-    bytes: &[u8],
-    magic: &[u8; 8],
-    path: &Path,
-) -> Result<(u32, u64), CheckpointError> {
+fn read_prefix(bytes: &[u8], magic: &[u8; 8], path: &Path) -> Result<(u32, u64), CheckpointError> {
     let actual = bytes.len() as u64;
     if bytes.len() < PREFIX_LEN {
         if bytes.len() >= 8 && &bytes[..8] != magic {
@@ -608,11 +604,9 @@ pub(crate) fn decode_manifest(bytes: &[u8], path: &Path) -> Result<Manifest, Che
         let body: ManifestBody<'_> = decode_exact(all, path, "manifest")?;
         (body, TrainingState::default())
     } else {
-        let (body, used) = bincode::serde::borrow_decode_from_slice::<ManifestBody<'_>, _>(
-            all,
-            config(),
-        )
-        .map_err(|e| malformed(path, format!("manifest: {e}")))?;
+        let (body, used) =
+            bincode::serde::borrow_decode_from_slice::<ManifestBody<'_>, _>(all, config())
+                .map_err(|e| malformed(path, format!("manifest: {e}")))?;
         let training = decode_exact(&all[used..], path, "manifest's training state")?;
         (body, training)
     };

@@ -42,8 +42,7 @@ use super::gradients::parameter_fingerprint;
 use super::sync::{self, GradientSync, SyncContext};
 use super::zero::{UnsupportedOptimizer, ZeroStage};
 use crate::checkpoint::{
-    CheckpointError, LrSchedulerState, OptimizerState, ShardParams, restore_module,
-    snapshot_module,
+    CheckpointError, LrSchedulerState, OptimizerState, ShardParams, restore_module, snapshot_module,
 };
 use crate::comm::{CommError, Communicator};
 use crate::faults::{Phase, with_hooks};

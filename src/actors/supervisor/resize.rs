@@ -136,8 +136,7 @@ where
     I: Send + Sync + 'static,
 {
     let from = state.stages.len();
-    let plan = decide::plan_resize(n, from, &state.caps)
-        .map_err(Error::InvalidConfig)?;
+    let plan = decide::plan_resize(n, from, &state.caps).map_err(Error::InvalidConfig)?;
     // ZERO-3: where each rank holds a shard of the state, every shard is gathered before
     // anyone leaves and re-sharded onto the new group once it is built.
     let gathered = if state.caps.replicated_state {
