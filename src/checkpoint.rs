@@ -172,9 +172,10 @@ pub struct TrainingState {
 }
 
 impl TrainingState {
-    /// A training state holding the learning-rate scheduler's state `lr_scheduler`.
-    pub fn with_lr_scheduler(lr_scheduler: Option<LrSchedulerState>) -> Self {
-        Self { lr_scheduler }
+    /// This training state with the learning-rate scheduler's state `lr_scheduler`.
+    pub fn with_lr_scheduler(mut self, lr_scheduler: Option<LrSchedulerState>) -> Self {
+        self.lr_scheduler = lr_scheduler;
+        self
     }
 
     /// Whether it holds nothing.

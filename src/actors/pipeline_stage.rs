@@ -427,7 +427,7 @@ where
                                 params,
                                 optimizer: Some(optimizer),
                                 // CKPT-9, LR-2: the scheduler travels with the block.
-                                training: TrainingState::with_lr_scheduler(w.lr_state()?),
+                                training: TrainingState::default().with_lr_scheduler(w.lr_state()?),
                             })
                         })
                         .collect::<std::result::Result<Vec<_>, CheckpointError>>()

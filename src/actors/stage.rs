@@ -452,7 +452,7 @@ async fn snapshot<M: Module + 'static, I>(state: &mut StageState<M, I>) -> Resul
                 shard,
                 params,
                 optimizer: Some(optimizer?),
-                training: TrainingState::with_lr_scheduler(lr?),
+                training: TrainingState::default().with_lr_scheduler(lr?),
             })
         }
         Err(panic) => Err(failed(state, "checkpoint snapshot", panic)),

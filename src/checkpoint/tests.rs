@@ -519,8 +519,9 @@ fn arb_shard(pp: u32) -> impl Strategy<Value = ShardSnapshot> {
 
 /// CKPT-9: a training state, empty or with a scheduler record of any bytes.
 fn arb_training() -> impl Strategy<Value = TrainingState> {
-    prop::option::of(prop::collection::vec(any::<u8>(), 0..64))
-        .prop_map(|r| TrainingState::with_lr_scheduler(r.map(|record| LrSchedulerState { record })))
+    prop::option::of(prop::collection::vec(any::<u8>(), 0..64)).prop_map(|r| {
+        TrainingState::default().with_lr_scheduler(r.map(|record| LrSchedulerState { record }))
+    })
 }
 
 fn arb_checkpoint() -> impl Strategy<Value = Checkpoint> {
@@ -915,7 +916,7 @@ fn ckpt_8_a_sharded_snapshot_travels_whole_between_processes() {
 }
 
 fn with_scheduler(mut c: Checkpoint, record: &[u8]) -> Checkpoint {
-    let training = TrainingState::with_lr_scheduler(Some(LrSchedulerState {
+    let training = TrainingState::default().with_lr_scheduler(Some(LrSchedulerState {
         record: record.to_vec(),
     }));
     for s in &mut c.shards {

@@ -268,7 +268,7 @@ where
 }
 
 /// REC-7: the survivors (in their new rank order) that did not finish `step` take the
-/// parameters and optimizer state of the first one that did.
+/// parameters, optimizer state and learning-rate schedule (LR-2) of the first one that did.
 async fn catch_up_from<M, I>(
     state: &mut SupervisorState<M, I>,
     step: u64,
