@@ -54,6 +54,11 @@
 //!   part, each listed in the manifest with its length and CRC-32 and verified like a shard
 //!   file; the parts must tile the block's flat parameter order exactly once. Loading gives
 //!   back every part, so the training layer can re-shard them onto another group size.
+//! - **CKPT-9 training state.** A shard snapshot carries its stage's [`TrainingState`] (the
+//!   learning-rate scheduler's record); every stage of a job steps the same schedule, so the
+//!   shards of one checkpoint carry equal states (a write is refused otherwise) and the
+//!   manifest (format version 3) stores it once; every shard read back gets it. A version 2
+//!   manifest, written before it existed, reads as an empty training state.
 //! - **CKPT-7 writable before training.** [`CheckpointStore::check_writable`] creates the root
 //!   and writes, syncs and removes a probe file in it; a job with a checkpoint directory calls
 //!   it when it is built, so a directory that cannot be written is refused before the first
@@ -82,8 +87,15 @@ pub use params::{
 };
 pub use store::{CheckpointStore, Loaded, Refused};
 
-/// The on-disk format version this build writes and the only one it reads.
-pub const FORMAT_VERSION: u32 = 2;
+/// The on-disk format version this build writes. It also reads [`OLDEST_READABLE_VERSION`]
+/// and every version between.
+///
+/// Version 3 added the manifest's [`TrainingState`] (CKPT-9); a version 2 checkpoint reads
+/// as one with an empty training state.
+pub const FORMAT_VERSION: u32 = 3;
+
+/// The oldest on-disk format version this build still reads.
+pub const OLDEST_READABLE_VERSION: u32 = 2;
 
 /// Which part of the model a shard file holds: one pipeline stage (and one tensor-parallel
 /// slice of it). Data-parallel replicas hold the same shard; one copy is stored.
@@ -143,6 +155,48 @@ pub struct ShardSnapshot {
     pub params: ShardParams,
     /// The shard's optimizer state, if it has one yet.
     pub optimizer: Option<OptimizerState>,
+    /// The step state of the stage that took the snapshot (its learning-rate scheduler):
+    /// the same on every shard of one checkpoint (CKPT-9).
+    pub training: TrainingState,
+}
+
+/// The state a training step carries from one step to the next besides parameters and
+/// optimizer state: what a resumed, rolled-back or joining replica needs to continue the
+/// run at the same step rather than restart it (CKPT-9). Every field is optional, so that a
+/// job without the feature (a constant learning rate) stores nothing.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct TrainingState {
+    /// The learning-rate scheduler's state, if the job's learning rate comes from one.
+    pub lr_scheduler: Option<LrSchedulerState>,
+}
+
+impl TrainingState {
+    /// This training state with the learning-rate scheduler's state `lr_scheduler`.
+    pub fn with_lr_scheduler(mut self, lr_scheduler: Option<LrSchedulerState>) -> Self {
+        self.lr_scheduler = lr_scheduler;
+        self
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.lr_scheduler.is_none()
+    }
+}
+
+/// A learning-rate scheduler's state as Burn records it (`LrScheduler::to_record`): its
+/// step counters and whatever else it keeps, as the bytes of Burn's own record encoding
+/// (`LrSchedulerRecord::into_bytes`), opaque to this layer.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LrSchedulerState {
+    /// Burn's record of the scheduler, encoded.
+    pub record: Vec<u8>,
+}
+
+impl fmt::Debug for LrSchedulerState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "LrSchedulerState({} bytes)", self.record.len())
+    }
 }
 
 /// Everything a run needs to resume at a step boundary: what [`CheckpointStore::write`]
@@ -208,15 +262,41 @@ pub enum CheckpointError {
         /// The file.
         path: PathBuf,
     },
-    /// The file was written in another format version.
-    #[error("{path} has format version {found}, this build reads version {expected}")]
+    /// The file was written in a format version this build does not read.
+    #[error(
+        "{path} has format version {found}, this build reads versions {OLDEST_READABLE_VERSION} \
+         to {expected}"
+    )]
     VersionMismatch {
         /// The file.
         path: PathBuf,
         /// The version in the file.
         found: u32,
-        /// [`FORMAT_VERSION`].
+        /// [`FORMAT_VERSION`], the newest this build reads.
         expected: u32,
+    },
+    /// The snapshot holds no learning-rate scheduler state where the job has a scheduler
+    /// (it was written with a constant rate, or before format version 3): restoring it would
+    /// restart the schedule.
+    #[error(
+        "the snapshot holds no learning-rate scheduler state (written with a constant rate, or \
+         before checkpoint format 3): the job's scheduler would restart its schedule"
+    )]
+    NoLrSchedulerState,
+    /// Burn could not encode a scheduler's record, or a stored one does not decode.
+    #[error("the learning-rate scheduler's record: {reason}")]
+    LrSchedulerRecord {
+        /// Burn's error.
+        reason: String,
+    },
+    /// Two shards of one checkpoint carry different training states (CKPT-9): their stages
+    /// did not step the same learning-rate schedule.
+    #[error("{first} and {other} carry different training states (learning-rate scheduler)")]
+    TrainingStateDiffers {
+        /// The first shard.
+        first: ShardId,
+        /// A shard whose training state differs from the first's.
+        other: ShardId,
     },
     /// The file is shorter than its contents declare.
     #[error("{path} is truncated: {declared} bytes declared, {actual} present")]

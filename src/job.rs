@@ -74,7 +74,6 @@ struct JobParts<M, I> {
     seed: u64,
     elastic: (u32, u32),
     elastic_wait: Duration,
-    lr_scheduled: bool,
 }
 
 impl<M, I> std::fmt::Debug for Job<M, I> {
@@ -277,7 +276,6 @@ where
                 seed: a.seed,
                 elastic: a.elastic,
                 elastic_wait: a.elastic_wait,
-                lr_scheduled: a.lr_scheduled,
                 events: events.clone(),
                 outcome: outcome_tx,
             },
@@ -418,7 +416,10 @@ where
     }
 
     /// One of Burn's learning-rate schedulers (e.g.
-    /// `ExponentialLrSchedulerConfig::new(0.1, 0.9).init()?`), stepped once per optimizer step.
+    /// `ExponentialLrSchedulerConfig::new(0.1, 0.9).init()?`), stepped once per applied
+    /// optimizer step (LR-1). Its state is saved with every checkpoint and copied with every
+    /// snapshot (LR-2, CKPT-9), so a resumed or rolled-back job and a replica that joins
+    /// continue the schedule where it was.
     pub fn lr_scheduler(mut self, scheduler: ModuleLrScheduler) -> Self {
         self.learning_rate = LearningRate::Scheduler(scheduler);
         self
@@ -866,23 +867,6 @@ where
             }
             None => None,
         };
-        let lr_scheduled = matches!(self.learning_rate, LearningRate::Scheduler(_));
-        if lr_scheduled && self.resume {
-            return invalid(
-                "resume_from_checkpoint with an lr_scheduler: the scheduler's state is not in \
-                 checkpoints yet, so the resumed run would restart its schedule; use a constant \
-                 learning rate"
-                    .into(),
-            );
-        }
-        if self.recovery.roll_back && lr_scheduled {
-            return invalid(
-                "a recovery policy that rolls back with an lr_scheduler: the scheduler's state \
-                 is not in checkpoints yet, so a rollback would restart its schedule; use a \
-                 constant learning rate"
-                    .into(),
-            );
-        }
         if self.zero.shards_parameters() && checkpoints.is_some() {
             return invalid(
                 "checkpoints of a zero(Three) job are not supported yet: remove the checkpoint \
@@ -948,7 +932,6 @@ where
                 seed: self.seed,
                 elastic: self.elastic,
                 elastic_wait: self.elastic_wait,
-                lr_scheduled,
             }),
         })
     }

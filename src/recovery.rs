@@ -20,7 +20,7 @@
 //!   (with `roll_back`) or ends with the failure's error.
 //! - REC-7: where some survivors finished the failed step's last collective (and applied it)
 //!   and others did not, the others take the state of one that did and the step is not
-//!   redone (with a learning-rate scheduler, whose state is not copied: REC-5 or the error).
+//!   redone; the state taken includes the learning-rate scheduler's (LR-2 in `optim`).
 //! - REC-2: more than `max_restarts` recoveries within `window` end the job with
 //!   `Error::TooManyFailures`, carrying the last failure.
 //! - REC-3: anything else (pipeline jobs, too few survivors, `Fail`) ends the job with the

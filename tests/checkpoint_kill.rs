@@ -19,7 +19,8 @@ use std::time::{Duration, Instant};
 
 use burn::tensor::Device;
 use meshwork::checkpoint::{
-    Checkpoint, CheckpointStore, DataCursor, RngState, ShardId, ShardSnapshot, snapshot_module,
+    Checkpoint, CheckpointStore, DataCursor, RngState, ShardId, ShardSnapshot, TrainingState,
+    snapshot_module,
 };
 use meshwork::demo::Mlp;
 use meshwork::mesh::Layout;
@@ -46,6 +47,7 @@ fn checkpoint(step: u64) -> Checkpoint {
             shard: ShardId::stage(0),
             params: snapshot_module(&model),
             optimizer: None,
+            training: TrainingState::default(),
         }],
     }
 }

@@ -51,10 +51,15 @@ fn data() -> InMemoryDataset<Sample> {
     .dataset(256)
 }
 
+/// Burn's generator is process-global: the tests of this file run on parallel threads, so a
+/// model is seeded and drawn under this lock, in one piece.
+static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn mlp() -> Mlp {
+    let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
     let device = Device::flex();
     device.seed(9);
-    Mlp::new(&[8, 32, 32, 3], &device)
+    meshwork::parallel::stages::materialize(Mlp::new(&[8, 32, 32, 3], &device))
 }
 
 /// A small model with LayerNorm: linear, LayerNorm, ReLU, linear. Its forward casts its input
@@ -68,6 +73,7 @@ struct NormNet {
 
 impl NormNet {
     fn new(device: &Device) -> Self {
+        let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
         device.seed(13);
         meshwork::parallel::stages::materialize(Self {
             input: LinearConfig::new(8, 32).init(device),

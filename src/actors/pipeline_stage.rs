@@ -26,7 +26,7 @@ use super::group::{GroupActor, GroupArgs};
 use super::spawner::{Capabilities, SpawnFuture, Spawner};
 use super::stage::{InitReport, StageMsg, StepReport};
 use super::supervisor::{RewireArgs, RewireStages, Rewired, SpawnContext, Spawned};
-use crate::checkpoint::{CheckpointError, ShardId, ShardSnapshot};
+use crate::checkpoint::{CheckpointError, ShardId, ShardSnapshot, TrainingState};
 use crate::comm::{Communicator, LocalGroup};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
@@ -435,6 +435,8 @@ where
                                 shard: ShardId::stage(plan.block(stage, Chunk(c as u32))),
                                 params,
                                 optimizer: Some(optimizer),
+                                // CKPT-9, LR-2: the scheduler travels with the block.
+                                training: TrainingState::default().with_lr_scheduler(w.lr_state()?),
                             })
                         })
                         .collect::<std::result::Result<Vec<_>, CheckpointError>>()
@@ -465,6 +467,7 @@ where
                                 "no {wanted} to restore {id} from"
                             )));
                         };
+                        w.restore_lr(shard.training.lr_scheduler.as_ref())?;
                         w.restore(&shard.params, shard.optimizer.as_ref(), rank_of)?;
                     }
                     Ok(())

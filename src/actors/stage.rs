@@ -25,7 +25,7 @@ use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
 use super::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
 use super::supervisor::{Grow, GrowArgs, GrowStage, SpawnContext, Spawned};
-use crate::checkpoint::{ShardId, ShardSnapshot, restore_module, snapshot_module};
+use crate::checkpoint::{ShardId, ShardSnapshot, TrainingState, restore_module, snapshot_module};
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
@@ -478,16 +478,19 @@ async fn snapshot<M: Module + 'static, I>(state: &mut StageState<M, I>) -> Resul
     let out = run_on(&state.device_actor, "checkpoint snapshot", move || {
         let params = snapshot_module(&slot.model);
         let optimizer = slot.sync.optimizer_state();
-        (slot, params, optimizer)
+        // CKPT-9, LR-2: the scheduler's state travels with the parameters.
+        let lr = slot.lr.state();
+        (slot, params, optimizer, lr)
     })
     .await?;
     match out {
-        Ok((slot, params, optimizer)) => {
+        Ok((slot, params, optimizer, lr)) => {
             state.slot = Some(slot);
             Ok(ShardSnapshot {
                 shard,
                 params,
                 optimizer: Some(optimizer?),
+                training: TrainingState::default().with_lr_scheduler(lr?),
             })
         }
         Err(panic) => Err(failed(state, "checkpoint snapshot", panic)),
@@ -503,16 +506,22 @@ async fn restore<M: Module + 'static, I>(
         return Err(lost(state));
     };
     let out = run_on(&state.device_actor, "checkpoint restore", move || {
-        let r = restore_module(slot.model.clone(), &shard.params).and_then(|model| {
-            if let Some(o) = &shard.optimizer {
-                let (rank, world) = (slot.comm.rank().index(), slot.comm.world());
-                slot.sync.restore_optimizer(o, rank, world)?;
-            }
-            Ok(model)
-        });
+        // LR-2: the schedule continues at the snapshot's step.
+        let mut lr = slot.lr.clone();
+        let r = lr
+            .restore(shard.training.lr_scheduler.as_ref())
+            .and_then(|()| restore_module(slot.model.clone(), &shard.params))
+            .and_then(|model| {
+                if let Some(o) = &shard.optimizer {
+                    let (rank, world) = (slot.comm.rank().index(), slot.comm.world());
+                    slot.sync.restore_optimizer(o, rank, world)?;
+                }
+                Ok(model)
+            });
         match r {
             Ok(model) => {
                 slot.model = model;
+                slot.lr = lr;
                 (slot, Ok(()))
             }
             Err(e) => (slot, Err(e)),
@@ -896,7 +905,8 @@ fn apply_update<M: Module, I>(
     phase: &Mutex<&'static str>,
 ) -> (Slot<M>, Result<()>) {
     *phase.lock().unwrap_or_else(|e| e.into_inner()) = "optimizer step";
-    let lr = slot.lr.next_rate();
+    // LR-1: the schedule advances only with an applied step.
+    let (lr, lr_after) = slot.lr.peek_next();
     report.learning_rate = Some(lr.base());
     let model = slot.model;
     let mut cx = SyncContext {
@@ -912,6 +922,9 @@ fn apply_update<M: Module, I>(
         Ok(model) => (model, Ok(())),
         Err((model, e)) => (model, Err(e)),
     };
+    if r.is_ok() {
+        slot.lr.commit(lr_after);
+    }
     let spans = std::mem::take(&mut cx.spans);
     drop(cx);
     slot.model = model;

@@ -192,7 +192,6 @@ pub(crate) struct SupervisorArgs<M, I> {
     pub(crate) elastic: (u32, u32),
     /// How long the job waits for devices below the elastic minimum (ELASTIC-3).
     pub(crate) elastic_wait: Duration,
-    pub(crate) lr_scheduled: bool,
     pub(crate) events: broadcast::Sender<JobEvent>,
     pub(crate) outcome: oneshot::Sender<Result<Trained<M>>>,
 }

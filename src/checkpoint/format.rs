@@ -7,7 +7,14 @@
 //! part file:  "MWCKOPTP" | version u32 | header_len u64 | header (bincode: shard, index, of,
 //!             range, total) | the part's optimizer state bytes (a sharded optimizer, CKPT-8)
 //! manifest:   "MWCKMANF" | version u32 | body_len u64 | body (bincode) | crc32 u32 of all before
+//!             (body: step, layout, cursor, RNG, shard entries, and from version 3 on the
+//!             training state, CKPT-9)
+//! training:   "MWCKTRNS" | version u32 | body_len u64 | body (bincode): a shard's training
+//!             state, the last piece of a transfer (never a file of its own)
 //! ```
+//!
+//! Every file is written in [`FORMAT_VERSION`]; versions from [`OLDEST_READABLE_VERSION`] on
+//! are read (shard and part files did not change between 2 and 3).
 //!
 //! Integers outside the bincode parts are little-endian. Decoding follows CKPT-4: headers are
 //! decoded with bincode's borrowing serde decoder, so a string is a slice of the bytes that
@@ -21,14 +28,17 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use super::{
-    Checkpoint, CheckpointError, DataCursor, FORMAT_VERSION, NamedParam, OptimizerPart,
-    OptimizerState, RngState, ShardId, ShardParams, ShardSnapshot,
+    Checkpoint, CheckpointError, DataCursor, FORMAT_VERSION, NamedParam, OLDEST_READABLE_VERSION,
+    OptimizerPart, OptimizerState, RngState, ShardId, ShardParams, ShardSnapshot, TrainingState,
 };
 use crate::mesh::Layout;
 
 const SHARD_MAGIC: &[u8; 8] = b"MWCKSHRD";
 const MANIFEST_MAGIC: &[u8; 8] = b"MWCKMANF";
 const PART_MAGIC: &[u8; 8] = b"MWCKOPTP";
+const TRAINING_MAGIC: &[u8; 8] = b"MWCKTRNS";
+/// The first version whose manifest ends with the training state.
+const TRAINING_SINCE: u32 = 3;
 /// Magic, version and the length of the bincode part.
 const PREFIX_LEN: usize = 8 + 4 + 8;
 const CRC_LEN: usize = 4;
@@ -119,6 +129,8 @@ pub(crate) struct Manifest {
     pub(crate) cursor: DataCursor,
     pub(crate) rng: RngState,
     pub(crate) shards: Vec<ShardEntry>,
+    /// Every shard's training state (CKPT-9); empty in a version 2 manifest.
+    pub(crate) training: TrainingState,
 }
 
 impl Manifest {
@@ -130,6 +142,12 @@ impl Manifest {
             cursor: checkpoint.cursor,
             rng: checkpoint.rng,
             shards,
+            // CKPT-9: equal on every shard (checked before writing).
+            training: checkpoint
+                .shards
+                .first()
+                .map(|s| s.training.clone())
+                .unwrap_or_default(),
         }
     }
 }
@@ -152,8 +170,9 @@ fn put_prefix(out: &mut Vec<u8>, magic: &[u8; 8], body_len: usize) {
     out.extend_from_slice(&(body_len as u64).to_le_bytes());
 }
 
-/// Checks magic and version, and returns the declared length of the bincode part.
-fn read_prefix(bytes: &[u8], magic: &[u8; 8], path: &Path) -> Result<u64, CheckpointError> {
+/// Checks magic and version, and returns the version and the declared length of the bincode
+/// part.
+fn read_prefix(bytes: &[u8], magic: &[u8; 8], path: &Path) -> Result<(u32, u64), CheckpointError> {
     let actual = bytes.len() as u64;
     if bytes.len() < PREFIX_LEN {
         if bytes.len() >= 8 && &bytes[..8] != magic {
@@ -173,7 +192,7 @@ fn read_prefix(bytes: &[u8], magic: &[u8; 8], path: &Path) -> Result<u64, Checkp
         });
     }
     let version = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
-    if version != FORMAT_VERSION {
+    if !(OLDEST_READABLE_VERSION..=FORMAT_VERSION).contains(&version) {
         return Err(CheckpointError::VersionMismatch {
             path: path.to_path_buf(),
             found: version,
@@ -182,7 +201,7 @@ fn read_prefix(bytes: &[u8], magic: &[u8; 8], path: &Path) -> Result<u64, Checkp
     }
     let mut len = [0u8; 8];
     len.copy_from_slice(&bytes[12..20]);
-    Ok(u64::from_le_bytes(len))
+    Ok((version, u64::from_le_bytes(len)))
 }
 
 /// Borrow-decodes exactly `bytes` as one `T`: trailing bytes are an error.
@@ -243,7 +262,7 @@ pub(crate) fn encode_shard(shard: &ShardSnapshot) -> Vec<u8> {
 
 /// Decodes a shard file (CKPT-4).
 pub(crate) fn decode_shard(bytes: &[u8], path: &Path) -> Result<ShardSnapshot, CheckpointError> {
-    let header_len = read_prefix(bytes, SHARD_MAGIC, path)?;
+    let (_, header_len) = read_prefix(bytes, SHARD_MAGIC, path)?;
     let rest = &bytes[PREFIX_LEN..];
     let truncated = |declared: u64| CheckpointError::Truncated {
         path: path.to_path_buf(),
@@ -322,6 +341,7 @@ pub(crate) fn decode_shard(bytes: &[u8], path: &Path) -> Result<ShardSnapshot, C
         shard: header.shard,
         params: ShardParams::from_params(params),
         optimizer,
+        training: TrainingState::default(),
     })
 }
 
@@ -348,7 +368,7 @@ pub(crate) fn decode_part(
     path: &Path,
     (shard, index, of): (ShardId, u32, u32),
 ) -> Result<OptimizerPart, CheckpointError> {
-    let header_len = read_prefix(bytes, PART_MAGIC, path)?;
+    let (_, header_len) = read_prefix(bytes, PART_MAGIC, path)?;
     let rest = &bytes[PREFIX_LEN..];
     let header_end = usize::try_from(header_len)
         .ok()
@@ -409,8 +429,9 @@ pub(crate) fn check_parts(parts: &mut [OptimizerPart], path: &Path) -> Result<()
 }
 
 /// One shard with its optimizer parts as one byte string, for moving a snapshot between
-/// processes: the shard file's bytes, then each part file's, each preceded by its length
-/// (u64, little-endian). Every piece keeps its own magic, version and checks.
+/// processes: the shard file's bytes, then each part file's, then its training state if it
+/// has one (CKPT-9), each preceded by its length (u64, little-endian). Every piece keeps its
+/// own magic, version and checks.
 #[cfg_attr(not(feature = "cluster"), allow(dead_code))]
 pub(crate) fn encode_transfer(shard: &ShardSnapshot) -> Vec<u8> {
     let parts = shard
@@ -426,6 +447,9 @@ pub(crate) fn encode_transfer(shard: &ShardSnapshot) -> Vec<u8> {
             .enumerate()
             .map(|(i, p)| encode_part(shard.shard, i as u32, of, p)),
     );
+    if !shard.training.is_empty() {
+        pieces.push(encode_training(&shard.training));
+    }
     let mut out = Vec::with_capacity(pieces.iter().map(|p| p.len() + 8).sum());
     for p in &pieces {
         out.extend_from_slice(&(p.len() as u64).to_le_bytes());
@@ -451,10 +475,16 @@ pub(crate) fn decode_transfer(bytes: &[u8], path: &Path) -> Result<ShardSnapshot
         pieces.push(&tail[..len]);
         rest = &tail[len..];
     }
-    let (first, parts) = pieces
+    let (first, mut parts) = pieces
         .split_first()
         .ok_or_else(|| malformed(path, "no shard in the transfer"))?;
     let mut shard = decode_shard(first, path)?;
+    if let Some((last, before)) = parts.split_last()
+        && last.starts_with(TRAINING_MAGIC)
+    {
+        shard.training = decode_training(last, path)?;
+        parts = before;
+    }
     if !parts.is_empty() {
         let of = parts.len() as u32;
         // One rank's snapshot holds its own part only: the parts tile the order once the
@@ -468,6 +498,31 @@ pub(crate) fn decode_transfer(bytes: &[u8], path: &Path) -> Result<ShardSnapshot
         shard.optimizer = Some(OptimizerState::from_parts(decoded));
     }
     Ok(shard)
+}
+
+/// The bytes of a shard's training state on its own (the last piece of a transfer).
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+fn encode_training(training: &TrainingState) -> Vec<u8> {
+    let body = encode_bincode(training);
+    let mut out = Vec::with_capacity(PREFIX_LEN + body.len());
+    put_prefix(&mut out, TRAINING_MAGIC, body.len());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// Decodes [`encode_training`]'s bytes.
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+fn decode_training(bytes: &[u8], path: &Path) -> Result<TrainingState, CheckpointError> {
+    let (_, body_len) = read_prefix(bytes, TRAINING_MAGIC, path)?;
+    let body = &bytes[PREFIX_LEN..];
+    if body_len != body.len() as u64 {
+        return Err(CheckpointError::Truncated {
+            path: path.to_path_buf(),
+            declared: (PREFIX_LEN as u64).saturating_add(body_len),
+            actual: bytes.len() as u64,
+        });
+    }
+    decode_exact(body, path, "training state")
 }
 
 /// The bytes of a manifest.
@@ -499,7 +554,9 @@ pub(crate) fn encode_manifest(manifest: &Manifest) -> Vec<u8> {
             })
             .collect(),
     };
-    let body = encode_bincode(&body);
+    // CKPT-9: the training state follows the version 2 body.
+    let mut body = encode_bincode(&body);
+    body.extend_from_slice(&encode_bincode(&manifest.training));
     let mut out = Vec::with_capacity(PREFIX_LEN + body.len() + CRC_LEN);
     put_prefix(&mut out, MANIFEST_MAGIC, body.len());
     out.extend_from_slice(&body);
@@ -510,7 +567,7 @@ pub(crate) fn encode_manifest(manifest: &Manifest) -> Vec<u8> {
 
 /// Decodes a manifest: magic, version, length, checksum, then the body (CKPT-2, CKPT-4).
 pub(crate) fn decode_manifest(bytes: &[u8], path: &Path) -> Result<Manifest, CheckpointError> {
-    let body_len = read_prefix(bytes, MANIFEST_MAGIC, path)?;
+    let (version, body_len) = read_prefix(bytes, MANIFEST_MAGIC, path)?;
     let expected = (PREFIX_LEN as u64 + CRC_LEN as u64).saturating_add(body_len);
     let actual = bytes.len() as u64;
     if expected > actual {
@@ -542,7 +599,17 @@ pub(crate) fn decode_manifest(bytes: &[u8], path: &Path) -> Result<Manifest, Che
             computed,
         });
     }
-    let body: ManifestBody<'_> = decode_exact(&bytes[PREFIX_LEN..crc_at], path, "manifest")?;
+    let all = &bytes[PREFIX_LEN..crc_at];
+    let (body, training) = if version < TRAINING_SINCE {
+        let body: ManifestBody<'_> = decode_exact(all, path, "manifest")?;
+        (body, TrainingState::default())
+    } else {
+        let (body, used) =
+            bincode::serde::borrow_decode_from_slice::<ManifestBody<'_>, _>(all, config())
+                .map_err(|e| malformed(path, format!("manifest: {e}")))?;
+        let training = decode_exact(&all[used..], path, "manifest's training state")?;
+        (body, training)
+    };
     let layout = Layout::new(body.layout.dp(), body.layout.pp(), body.layout.tp())
         .map_err(|e| malformed(path, format!("layout: {e}")))?;
     let mut seen = HashSet::with_capacity(body.shards.len());
@@ -593,5 +660,6 @@ pub(crate) fn decode_manifest(bytes: &[u8], path: &Path) -> Result<Manifest, Che
         cursor: body.cursor,
         rng: body.rng,
         shards,
+        training,
     })
 }

@@ -116,6 +116,15 @@ impl<F: CheckpointFs> CheckpointStore<F> {
                 return Err(CheckpointError::DuplicateShard { shard: s.shard });
             }
         }
+        // CKPT-9: the manifest holds one training state, that of every shard.
+        if let Some((first, rest)) = checkpoint.shards.split_first()
+            && let Some(other) = rest.iter().find(|s| s.training != first.training)
+        {
+            return Err(CheckpointError::TrainingStateDiffers {
+                first: first.shard,
+                other: other.shard,
+            });
+        }
         let dir = self.dir_of(checkpoint.step);
         if let Err(e) = self.write_dir(&dir, checkpoint, fail_half_way) {
             let _ = self.fs.remove_dir_all(&dir);
@@ -349,6 +358,8 @@ impl<F: CheckpointFs> CheckpointStore<F> {
             let (path, bytes) =
                 self.read_verified(dir, entry.shard, &entry.file, (entry.len, entry.crc32))?;
             let mut shard = format::decode_shard(&bytes, &path)?;
+            // CKPT-9: every shard continues with the manifest's training state.
+            shard.training = manifest.training.clone();
             if !entry.parts.is_empty() {
                 // CKPT-8: the sharded optimizer's parts.
                 if shard.optimizer.is_some() {

@@ -29,6 +29,7 @@ fn shard(pp: u32, seed: f32) -> ShardSnapshot {
             param("layers.0.bias", 21 + u64::from(pp), &[2], -seed),
         ]),
         optimizer: Some(OptimizerState::from_bytes(vec![pp as u8, 7, 7, 7])),
+        training: TrainingState::default(),
     }
 }
 
@@ -124,6 +125,7 @@ fn huge_declared_lengths_are_refused_without_allocating() {
         shard: ShardId::stage(0),
         params: ShardParams::from_params(vec![param("w", 1, &[2], 0.0)]),
         optimizer: None,
+        training: TrainingState::default(),
     };
     let bytes = format::encode_shard(&s);
     // The header starts at byte 20: shard id (2 varints), params len (1), then the name's
@@ -149,6 +151,7 @@ fn huge_declared_lengths_are_refused_without_allocating() {
             values: vec![],
         }]),
         optimizer: None,
+        training: TrainingState::default(),
     };
     let bytes = format::encode_shard(&huge_dims);
     assert!(matches!(
@@ -165,6 +168,7 @@ fn huge_declared_lengths_are_refused_without_allocating() {
             values: vec![],
         }]),
         optimizer: None,
+        training: TrainingState::default(),
     };
     let bytes = format::encode_shard(&big);
     assert!(matches!(
@@ -509,7 +513,15 @@ fn arb_shard(pp: u32) -> impl Strategy<Value = ShardSnapshot> {
             shard: ShardId::stage(pp),
             params: ShardParams::from_params(params),
             optimizer: opt.map(OptimizerState::from_bytes),
+            training: TrainingState::default(),
         })
+}
+
+/// CKPT-9: a training state, empty or with a scheduler record of any bytes.
+fn arb_training() -> impl Strategy<Value = TrainingState> {
+    prop::option::of(prop::collection::vec(any::<u8>(), 0..64)).prop_map(|r| {
+        TrainingState::default().with_lr_scheduler(r.map(|record| LrSchedulerState { record }))
+    })
 }
 
 fn arb_checkpoint() -> impl Strategy<Value = Checkpoint> {
@@ -518,14 +530,21 @@ fn arb_checkpoint() -> impl Strategy<Value = Checkpoint> {
         (1u32..5, 1u32..4, 1u32..3),
         any::<(u64, u64, u64, u64)>(),
         (0u32..3).prop_flat_map(|n| (0..n).map(arb_shard).collect::<Vec<_>>()),
+        arb_training(),
     )
         .prop_map(
-            |(step, (dp, pp, tp), (e, b, seed, state), shards)| Checkpoint {
-                step: step % 1_000_000_000,
-                layout: Layout::new(dp, pp, tp).expect("degrees ≥ 1"),
-                cursor: DataCursor { epoch: e, batch: b },
-                rng: RngState { seed, state },
-                shards,
+            |(step, (dp, pp, tp), (e, b, seed, state), mut shards, training)| {
+                // CKPT-9: every shard of a checkpoint carries the same training state.
+                for s in &mut shards {
+                    s.training = training.clone();
+                }
+                Checkpoint {
+                    step: step % 1_000_000_000,
+                    layout: Layout::new(dp, pp, tp).expect("degrees ≥ 1"),
+                    cursor: DataCursor { epoch: e, batch: b },
+                    rng: RngState { seed, state },
+                    shards,
+                }
             },
         )
 }
@@ -713,6 +732,7 @@ fn ckpt5_resumed_adam_matches_uninterrupted_training() {
             shard: ShardId::stage(0),
             params: snapshot_module(&model),
             optimizer: Some(OptimizerState::capture(&optim).expect("serializes")),
+            training: TrainingState::default(),
         }],
         ..checkpoint(3)
     };
@@ -893,4 +913,83 @@ fn ckpt_8_a_sharded_snapshot_travels_whole_between_processes() {
         plain.shards[0]
     );
     assert!(format::decode_transfer(&bytes[..bytes.len() - 1], Path::new("t")).is_err());
+}
+
+fn with_scheduler(mut c: Checkpoint, record: &[u8]) -> Checkpoint {
+    let training = TrainingState::default().with_lr_scheduler(Some(LrSchedulerState {
+        record: record.to_vec(),
+    }));
+    for s in &mut c.shards {
+        s.training = training.clone();
+    }
+    c
+}
+
+/// CKPT-9: the training state is stored once in the manifest and every shard reads it back;
+/// it travels with a shard between processes.
+#[test]
+fn ckpt9_training_state_is_stored_once_and_given_to_every_shard() {
+    let store = memory_store(1);
+    let c = with_scheduler(checkpoint(4), &[1, 2, 3, 250]);
+    store.write(&c).expect("writes");
+    let loaded = store.latest_valid().expect("lists").expect("found");
+    assert_eq!(loaded.checkpoint, c);
+    assert_eq!(
+        loaded.checkpoint.shards[1].training.lr_scheduler,
+        Some(LrSchedulerState {
+            record: vec![1, 2, 3, 250]
+        })
+    );
+    let bytes = format::encode_transfer(&c.shards[0]);
+    let back = format::decode_transfer(&bytes, Path::new("t")).expect("decodes");
+    assert_eq!(back, c.shards[0]);
+    assert!(format::decode_transfer(&bytes[..bytes.len() - 1], Path::new("t")).is_err());
+}
+
+/// CKPT-9: shards that disagree on the training state are not written.
+#[test]
+fn ckpt9_shards_with_different_training_states_are_refused() {
+    let store = memory_store(1);
+    let mut c = with_scheduler(checkpoint(4), &[1]);
+    c.shards[1].training = TrainingState::default();
+    assert_eq!(
+        store.write(&c),
+        Err(CheckpointError::TrainingStateDiffers {
+            first: ShardId::stage(0),
+            other: ShardId::stage(1),
+        })
+    );
+}
+
+/// CKPT-9: a version 2 checkpoint (no training state in its manifest) still loads, with an
+/// empty training state.
+#[test]
+fn ckpt9_a_version_2_checkpoint_loads_with_an_empty_training_state() {
+    let store = memory_store(1);
+    let c = checkpoint(4);
+    store.write(&c).expect("writes");
+    let path = step_dir(4).join("manifest");
+    // Rewrite the manifest as version 2 wrote it: the same body without the training state
+    // (an empty one is bincode's one-byte `None`), version 2, its checksum.
+    assert!(store.fs().modify(&path, |b| {
+        let body_len = u64::from_le_bytes(b[12..20].try_into().expect("8 bytes")) - 1;
+        let mut v2 = b[..8].to_vec();
+        v2.extend_from_slice(&2u32.to_le_bytes());
+        v2.extend_from_slice(&body_len.to_le_bytes());
+        v2.extend_from_slice(&b[20..20 + body_len as usize]);
+        assert_eq!(b[20 + body_len as usize], 0, "an empty training state");
+        let crc = crc32fast::hash(&v2);
+        v2.extend_from_slice(&crc.to_le_bytes());
+        *b = v2;
+    }));
+    let loaded = store.latest_valid().expect("lists").expect("found");
+    assert!(loaded.refused.is_empty());
+    assert_eq!(loaded.checkpoint, c);
+    assert!(
+        loaded
+            .checkpoint
+            .shards
+            .iter()
+            .all(|s| s.training.is_empty())
+    );
 }

@@ -43,7 +43,7 @@ use super::memory::{BlockBytes, StepMemory};
 use super::sync::{self, GradientSync, SyncContext};
 use super::zero::{UnsupportedOptimizer, ZeroStage};
 use crate::checkpoint::{
-    CheckpointError, OptimizerState, ShardParams, restore_module, snapshot_module,
+    CheckpointError, LrSchedulerState, OptimizerState, ShardParams, restore_module, snapshot_module,
 };
 use crate::comm::{CommError, Communicator};
 use crate::faults::{Phase, with_hooks};
@@ -317,6 +317,11 @@ pub(crate) trait StageWork<I>: Send {
         optimizer: Option<&OptimizerState>,
         rank_of: (usize, usize),
     ) -> Result<(), CheckpointError>;
+    /// The stage's learning-rate scheduler state, `None` for a constant rate (LR-2).
+    fn lr_state(&self) -> Result<Option<LrSchedulerState>, CheckpointError>;
+    /// Continue the learning-rate schedule from a snapshot's state (LR-2); nothing changes
+    /// on an error.
+    fn restore_lr(&mut self, state: Option<&LrSchedulerState>) -> Result<(), CheckpointError>;
     /// Shard the block's optimizer state over its data-parallel group (ZeRO), before the
     /// first step.
     fn shard_optimizer(&mut self, stage: ZeroStage) -> Result<(), UnsupportedOptimizer>;
@@ -649,7 +654,8 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         })?;
         let inner = self.device.clone().inner();
         let mut cx = Self::sync_cx(&inner, 1.0, replicas);
-        let lr = self.lr.next_rate();
+        // LR-1: the schedule advances only with an applied step.
+        let (lr, lr_after) = self.lr.peek_next();
         let rate = lr.base();
         let model = self.model.clone();
         self.model = match self.sync.apply(model, reduced, lr, &mut cx) {
@@ -660,6 +666,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
             }
         };
         self.grads_bytes = 0;
+        self.lr.commit(lr_after);
         Ok(rate)
     }
 
@@ -732,6 +739,14 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         }
         self.model = model;
         Ok(())
+    }
+
+    fn lr_state(&self) -> Result<Option<LrSchedulerState>, CheckpointError> {
+        self.lr.state()
+    }
+
+    fn restore_lr(&mut self, state: Option<&LrSchedulerState>) -> Result<(), CheckpointError> {
+        self.lr.restore(state)
     }
 
     fn shard_optimizer(&mut self, stage: ZeroStage) -> Result<(), UnsupportedOptimizer> {

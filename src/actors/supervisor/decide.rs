@@ -207,16 +207,12 @@ pub(crate) struct Failure<'a> {
     pub(crate) caps: Capabilities,
     /// Per current rank, whether it finished the failed step (and applied its update).
     pub(crate) finished: &'a [bool],
-    /// The learning rate comes from a scheduler, whose state cannot be copied.
-    pub(crate) lr_scheduled: bool,
 }
 
 /// Why a step applied by some ranks and not by others ends the job (the policy does not
 /// roll back).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Divergence {
-    /// Data-parallel survivors: a learning-rate scheduler's state cannot be copied (REC-7).
-    Scheduler,
     /// Pipeline stages: a stage updates once its own all-reduce is done (REC-6).
     Stages,
 }
@@ -337,13 +333,8 @@ pub(crate) fn on_failure(
     let done: Vec<bool> = survivors.iter().map(|&r| finished(r)).collect();
     let completed = done.iter().any(|d| *d);
     let mixed = completed && !done.iter().all(|d| *d);
-    if mixed && f.lr_scheduled {
-        return if policy.roll_back {
-            OnFailure::RollBack
-        } else {
-            OnFailure::Diverged(Divergence::Scheduler)
-        };
-    }
+    // The behind survivors copy the source's parameters, optimizer state and learning-rate
+    // schedule (LR-2).
     let catch_up = mixed.then(|| CatchUp {
         source: done.iter().position(|d| *d).unwrap_or(0),
         behind: (0..done.len()).filter(|&r| !done[r]).collect(),
@@ -424,15 +415,14 @@ pub(crate) enum ResizePlan {
 /// What a resize from `from` to `n` replicas does, or why it is refused (the mesh is left
 /// as it was): only jobs whose ranks are one data-parallel group ([`Rejoin::regroups`])
 /// resize, to another size; a job grows only if it can start replicas
-/// ([`Capabilities::can_grow`]) and has no learning-rate scheduler (a joining replica's
-/// would start from its first step).
+/// ([`Capabilities::can_grow`]); a joining replica takes rank 0's learning-rate schedule
+/// with its state (LR-2).
 ///
 /// [`Rejoin::regroups`]: crate::actors::spawner::Rejoin::regroups
 pub(crate) fn plan_resize(
     n: usize,
     from: usize,
     caps: &Capabilities,
-    lr_scheduled: bool,
 ) -> Result<ResizePlan, String> {
     if !caps.rejoin.regroups() {
         return Err("only data-parallel jobs can be resized yet".into());
@@ -442,13 +432,6 @@ pub(crate) fn plan_resize(
     }
     if n < from {
         return Ok(ResizePlan::Shrink { to: n });
-    }
-    if lr_scheduled {
-        return Err(
-            "a job with a learning-rate scheduler cannot grow yet: a joining replica's \
-             scheduler would start from its first step"
-                .into(),
-        );
     }
     if !caps.can_grow {
         return Err("this job cannot grow".into());

@@ -102,7 +102,6 @@ where
         next_device_id: a.devices.iter().map(|d| d.id().0).max().unwrap_or(0),
         scale_target: None,
         elastic: a.elastic,
-        lr_scheduled: a.lr_scheduled,
         paused: None,
         below_min: None,
         elastic_wait: a.elastic_wait,

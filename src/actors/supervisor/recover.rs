@@ -114,7 +114,6 @@ where
         message_fault: failure.0.iter().any(|(_, e)| e.is_message_fault()),
         caps: state.caps,
         finished: &finished,
-        lr_scheduled: state.lr_scheduled,
     };
     let plan = decide::on_failure(&state.recovery, &mut state.restarts, Instant::now(), &facts);
     if plan.drops_lost() {
@@ -142,11 +141,6 @@ where
                  agree again (the loss: {first})"
             )))
         }
-        OnFailure::Diverged(Divergence::Scheduler) => Err(Error::Runtime(format!(
-            "step {step} was applied on some survivors and not on others, and a \
-             learning-rate scheduler's state cannot be copied to the others; only a \
-             checkpoint can make the replicas equal again (after: {first})"
-        ))),
         OnFailure::ReplaceFromTwins { twins } => {
             state.interrupted = None;
             replace_from_twins(state, step, &twins, first).await
@@ -275,7 +269,7 @@ where
 }
 
 /// REC-7: the survivors (in their new rank order) that did not finish `step` take the
-/// parameters and optimizer state of the first one that did.
+/// parameters, optimizer state and learning-rate schedule (LR-2) of the first one that did.
 async fn catch_up_from<M, I>(
     state: &mut SupervisorState<M, I>,
     step: u64,

@@ -123,8 +123,8 @@ pub(super) fn refill_from_waiting<M, I>(state: &SupervisorState<M, I>) {
 
 /// Resize a data-parallel job to `n` replicas at a step boundary (ELASTIC-1): leaving replicas
 /// are stopped; joining ones get a device (a spare of the builder's list, else a new logical
-/// device of the same backend), build the model, take rank 0's parameters and optimizer state,
-/// and everyone regroups under the next generation. The global batch stays the same.
+/// device of the same backend), build the model, take rank 0's parameters, optimizer state
+/// and learning-rate schedule (LR-2), and everyone regroups under the next generation. The global batch stays the same.
 /// `InvalidConfig`: refused, the mesh is as it was; any other error: failed half-way.
 pub(super) async fn resize<M, I>(
     state: &mut SupervisorState<M, I>,
@@ -136,8 +136,7 @@ where
     I: Send + Sync + 'static,
 {
     let from = state.stages.len();
-    let plan = decide::plan_resize(n, from, &state.caps, state.lr_scheduled)
-        .map_err(Error::InvalidConfig)?;
+    let plan = decide::plan_resize(n, from, &state.caps).map_err(Error::InvalidConfig)?;
     // ZERO-3: where each rank holds a shard of the state, every shard is gathered before
     // anyone leaves and re-sharded onto the new group once it is built.
     let gathered = if state.caps.replicated_state {

@@ -90,8 +90,6 @@ pub(crate) struct SupervisorState<M, I> {
     pub(super) scale_target: Option<u32>,
     /// Smallest and largest data-parallel size `scale_to` accepts.
     pub(super) elastic: (u32, u32),
-    /// Whether the learning rate comes from a scheduler (whose state is not transferred).
-    pub(super) lr_scheduled: bool,
     /// The step a pause held back, run on `Resume`.
     pub(super) paused: Option<Option<u64>>,
     /// Set while the job waits below the elastic minimum: the generation that waits, since.

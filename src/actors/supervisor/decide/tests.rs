@@ -124,8 +124,8 @@ proptest! {
     }
 
     /// REC-1..7 on top of `recovery::decide`: survivors never include a lost rank; a step
-    /// applied by some survivors and not others is caught up from one that applied it, or
-    /// (with a scheduler) rolled back or fatal; twins are survivors of the same stage index,
+    /// applied by some survivors and not others is caught up from one that applied it (its
+    /// learning-rate schedule with it, LR-2); twins are survivors of the same stage index,
     /// and no replacement happens once a survivor applied the step.
     #[test]
     fn failures_never_keep_a_lost_rank_nor_apply_a_step_twice(
@@ -133,7 +133,6 @@ proptest! {
         lost_mask in any::<u16>(),
         done_mask in any::<u16>(),
         message_fault in any::<bool>(),
-        lr_scheduled in any::<bool>(),
         shrink in any::<bool>(),
         roll_back in any::<bool>(),
         min in 1u32..4,
@@ -163,7 +162,6 @@ proptest! {
             message_fault,
             caps,
             finished: &finished,
-            lr_scheduled,
         };
         let d = on_failure(&policy, &mut RestartLog::default(), Instant::now(), &f);
         // SV-5: a lost ZeRO rank is never dropped nor copied from a twin: roll back or fail.
@@ -187,7 +185,6 @@ proptest! {
                 let done: Vec<bool> = survivors.iter().map(|&r| finished[r]).collect();
                 prop_assert_eq!(completed, done.iter().any(|d| *d));
                 let mixed = completed && !done.iter().all(|d| *d);
-                prop_assert!(!(mixed && lr_scheduled));
                 prop_assert_eq!(catch_up.is_some(), mixed);
                 if let Some(c) = catch_up {
                     prop_assert!(done[c.source]);
@@ -205,9 +202,6 @@ proptest! {
                 prop_assert!((0..world).all(|r| lost.contains(&r) || !finished[r]));
             }
             OnFailure::RollBack => prop_assert!(roll_back),
-            OnFailure::Diverged(Divergence::Scheduler) => {
-                prop_assert!(replicas_only && lr_scheduled && !roll_back);
-            }
             OnFailure::Diverged(Divergence::Stages) => {
                 prop_assert!(!replicas_only && !roll_back);
                 prop_assert!((0..world).any(|r| !lost.contains(&r) && finished[r]));
@@ -288,26 +282,26 @@ proptest! {
     }
 
     /// A resize at a boundary: refused (mesh unchanged) for pipelines, the same size, and
-    /// growth without a way to grow or with a scheduler; otherwise a shrink to `n` or a
+    /// growth without a way to grow (a scheduler does not matter, LR-2); otherwise a shrink to `n` or a
     /// growth from the current size to `n`.
     #[test]
     fn resizes_are_planned_only_where_they_can_be_carried_out(
         n in 0usize..10, from in 1usize..10, replicas_only in any::<bool>(),
-        lr_scheduled in any::<bool>(), can_grow in any::<bool>(),
+        can_grow in any::<bool>(),
     ) {
         let caps = Capabilities {
             can_grow,
             rejoin: if replicas_only { Rejoin::Regroup } else { Rejoin::Rewire },
             ..Capabilities::data_parallel(true, Rejoin::Regroup)
         };
-        match plan_resize(n, from, &caps, lr_scheduled) {
+        match plan_resize(n, from, &caps) {
             Ok(ResizePlan::Shrink { to }) => prop_assert!(replicas_only && to == n && n < from),
             Ok(ResizePlan::Grow { from: f, to }) => {
                 prop_assert!(replicas_only && f == from && to == n && n > from);
-                prop_assert!(!lr_scheduled && can_grow);
+                prop_assert!(can_grow);
             }
             Err(_) => prop_assert!(
-                !replicas_only || n == from || (n > from && (lr_scheduled || !can_grow))
+                !replicas_only || n == from || (n > from && !can_grow)
             ),
         }
     }
