@@ -435,6 +435,12 @@ async fn ovl_1_blocks_in_flight_0_1_2_give_bitwise_equal_parameters() {
                 _ => 0,
             };
             assert_eq!(gathers, want, "{c:?}: gathers in the trace");
+            if in_flight == 0 {
+                // In place, a collective runs between instructions, never beside one.
+                for r in steps.iter().flat_map(|s| &s.replicas) {
+                    assert_eq!(r.breakdown.overlapped_s, 0.0, "{c:?}");
+                }
+            }
             if in_flight == 2 {
                 assert_matches(&c, &trained, &init, &steps);
             }

@@ -1420,7 +1420,6 @@ impl<'w, 'c, I> Walk<'w, 'c, I> {
         };
         for (index, instr) in plan.list(me).iter().enumerate() {
             (cx.on_instr)(instr);
-            let t0 = Instant::now();
             let key = (instr.mb().0, instr.chunk().0);
             let first_block = plan.block(me, instr.chunk()) == 0;
             if matches!(instr, Instr::Forward { .. } | Instr::Backward { .. }) {
@@ -1428,6 +1427,11 @@ impl<'w, 'c, I> Walk<'w, 'c, I> {
                 // The peak: this block's parameters and those gathered ahead (MEM-2).
                 self.record_memory(record);
             }
+            // The instruction's span is its own work: a gather waited for before it and the
+            // reduction issued after it are the collectives' spans (so the breakdown tells
+            // what overlapped).
+            let t0 = Instant::now();
+            let mut reduce = None;
             let work = self
                 .chunks
                 .get_mut(instr.chunk().0 as usize)
@@ -1485,7 +1489,7 @@ impl<'w, 'c, I> Walk<'w, 'c, I> {
                     })?;
                     grads_out.insert(key, upstream);
                     if last_backward.get(&instr.chunk().0) == Some(&index) {
-                        self.reduce(instr.chunk().0, lane)?;
+                        reduce = Some(instr.chunk().0);
                     }
                 }
                 Instr::SendGradient { mb, to, .. } => {
@@ -1495,6 +1499,9 @@ impl<'w, 'c, I> Walk<'w, 'c, I> {
                 }
             }
             record.executed.push((*instr, t0, Instant::now()));
+            if let Some(chunk) = reduce {
+                self.reduce(chunk, lane)?;
+            }
             let (count, bytes) = self
                 .chunks
                 .iter()

@@ -221,7 +221,7 @@ pub(crate) trait GradientSync<M: Module>: Send {
     /// What this rank holds after its last step.
     fn held(&self) -> HeldBytes;
 
-    /// The reduction split from its collective (SYNC-5), for an executor that runs the
+    /// The reduction split from its collective (COLL-1), for an executor that runs the
     /// collectives elsewhere (a communication thread, `parallel::overlap`): take this rank's
     /// gradients (already weighted) out of Burn as plain buffers and name the collective that
     /// reduces them over the group, this rank being `rank_of = (rank, world)`.
