@@ -17,7 +17,7 @@
 //!   reductions are all taken and one after the update.
 //! - MEM-3: with recomputed, resharded ZeRO-3 blocks, a rank's peak of full parameters is
 //!   at most [`full_param_bound`]`(block_bytes, blocks_in_flight)`: the block computing and
-//!   at most `blocks_in_flight` gathered ahead (OVL-2 of the executor). Without recompute,
+//!   at most `blocks_in_flight` gathered ahead (EXEC-5). Without recompute,
 //!   Burn's graph keeps each block's forward parameters until its backward.
 
 use serde::{Deserialize, Serialize};

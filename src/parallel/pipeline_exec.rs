@@ -27,6 +27,15 @@
 //! - EXEC-4: every step starts clean: what an unfinished attempt left in a stage (stashed
 //!   micro-batches, accumulated gradients, losses) is dropped, so a step redone after a
 //!   recovery (REC-6) is the step itself.
+//! - EXEC-5: the step's collectives for its blocks (a ZeRO-3 block's all-gathers, every
+//!   block's gradient reduction) go through the stage's `CommLane` (`parallel::overlap`): with
+//!   `blocks_in_flight` n > 0 on a communication thread, the gathers issued in list order at
+//!   most n ahead of their use (so at most n gathered-but-unused blocks exist besides the one
+//!   computing, MEM-3) and at most n reductions in flight, each issued right after its block's
+//!   last backward and all taken before the clip and the update; with n = 0 each in place when
+//!   its result is needed. Which uses gather is decided from the blocks' options at the step's
+//!   start (`StageWork::gather_plan`), so every replica issues the same collectives in the same
+//!   order (OVL-1) and the parameters are bitwise the same for every n.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -1224,8 +1233,7 @@ pub(crate) fn run_stage_step<I>(
 type Prefetched = (usize, u32, Option<Ticket>, u64);
 
 /// One step's walk over a stage's list: the instructions, the gathers issued ahead of their
-/// use (at most `blocks_in_flight` gathered but unused, OVL-2 of the executor's docs) and the
-/// reductions in flight.
+/// use (at most `blocks_in_flight` gathered but unused, EXEC-5) and the reductions in flight.
 struct Walk<'w, 'c, I> {
     chunks: &'w mut [Box<dyn StageWork<I>>],
     cx: &'w StepContext<'c, I>,

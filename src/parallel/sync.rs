@@ -16,6 +16,15 @@
 //!   rank's shard of the parameters is kept between uses; [`GradientSync::gather`] and
 //!   [`GradientSync::release`] (no-ops for the others) bracket each forward and backward.
 //!
+//! A block executor runs the collectives itself, on a communication thread beside the
+//! compute (`parallel::overlap`): it calls [`GradientSync::start_reduce`] (Burn's gradients
+//! out as one flat buffer, and the [`Collective`] that reduces it), runs the collective
+//! where it likes, and hands the result to [`GradientSync::finish_reduce`]; ZeRO-3's
+//! parameters come the same way ([`GradientSync::start_gather`] /
+//! [`GradientSync::finish_gather`]). The tensor work stays here, only buffers cross, and the
+//! collective is the same calls on the same buffers as in `reduce` (COLL-1), so the
+//! executor never branches on the strategy and overlap never changes a bit.
+//!
 //! Where the next strategies plug in: gradient compression wraps the reduction of
 //! `AllReduceSync`; local SGD / DiLoCo make `reduce` local and average parameters in `apply`
 //! every H steps; a parameter server's worker pushes in `reduce` and pulls in `apply`.
