@@ -350,7 +350,7 @@ pub(crate) trait StageWork<I>: Send {
     /// Fingerprint of the stage's parameters.
     fn fingerprint(&self) -> u64;
     /// Forget what an unfinished step left behind: stashed micro-batches, accumulated
-    /// gradients, losses (EXEC-4).
+    /// gradients, losses, a sharded block's full parameters (EXEC-4).
     fn begin_step(&mut self);
     /// The stage's parameters by name and its optimizer state (a checkpoint shard, or what a
     /// twin's replacement starts from).
@@ -794,6 +794,11 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
     }
 
     fn begin_step(&mut self) {
+        // A sharded block starts every step from its shard (an unfinished attempt or a
+        // fingerprint may have left it whole), so every replica's `gather_plan` is the same.
+        if self.shards_params {
+            self.model = self.sync.release(self.model.clone());
+        }
         self.stash.clear();
         self.kept.clear();
         self.reduced = None;

@@ -13,7 +13,8 @@
 //!   each rank also holds only its shard of the reduced gradient), over
 //!   [`crate::parallel::zero`]'s pure update rules.
 //! - `sharded::ShardedSync`: ZeRO stage 3 for one block of a block or pipeline job: only the
-//!   rank's shard of the parameters is kept between uses; [`GradientSync::gather`] and
+//!   rank's shard of the parameters is kept between uses; a gather
+//!   ([`GradientSync::start_gather`] / [`GradientSync::finish_gather`]) and
 //!   [`GradientSync::release`] (no-ops for the others) bracket each forward and backward.
 //!
 //! A block executor runs the collectives itself, on a communication thread beside the
@@ -255,7 +256,7 @@ pub(crate) trait GradientSync<M: Module>: Send {
     /// rank `rank_of` of the group: ZeRO-3's shard (a collective: every rank of the group
     /// issues it at the same point of its list, FSDP-2); `None` for the strategies that hold
     /// the parameters always. The parameters do not change between steps' updates, so the
-    /// gather may be issued ahead of its use (prefetch, OVL-2).
+    /// gather may be issued ahead of its use (prefetch, EXEC-5).
     fn start_gather(
         &mut self,
         _model: &M,

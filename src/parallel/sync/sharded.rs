@@ -1,8 +1,10 @@
 //! ZeRO stage 3 (fully sharded data parallelism) for one block: each rank of the block's
 //! data-parallel group keeps only its range of the block's flat trainable parameters
 //! ([`owned_range`], ZERO-1), the optimizer state of that range and, after the reduction,
-//! the gradient of that range. The full parameters exist only between a
-//! [`gather`](GradientSync::gather) (an all-gather of the shards) and the next
+//! the gradient of that range. The full parameters exist only between a gather (an
+//! all-gather of the shards: [`start_gather`](GradientSync::start_gather)'s collective, run
+//! wherever the executor runs it, possibly ahead of the use, then
+//! [`finish_gather`](GradientSync::finish_gather)) and the next
 //! [`release`](GradientSync::release).
 //!
 //! Invariants (tested in `tests/fsdp.rs`):
