@@ -132,6 +132,7 @@ pub struct JobBuilder<M, I> {
     clip_norm: Option<f32>,
     zero: ZeroStage,
     mixed: MixedPrecision,
+    blocks_in_flight: usize,
     steps: u64,
     seed: u64,
     non_finite: NonFinitePolicy,
@@ -225,6 +226,7 @@ where
             clip_norm: None,
             zero: ZeroStage::Off,
             mixed: MixedPrecision::default(),
+            blocks_in_flight: 1,
             steps: 100,
             seed: 0,
             non_finite: NonFinitePolicy::Stop,
@@ -368,6 +370,21 @@ where
     /// trained blocks come back in a [`PipelineModel`].
     pub fn blocks(self, stages: PipelineStages<I>) -> Self {
         self.with_blocks(stages, None)
+    }
+
+    /// Overlap a block or pipeline job's collectives with its compute, like FSDP's
+    /// `limit_all_gathers` prefetch: a communication thread beside each stage runs them while
+    /// the blocks compute. A [`ZeroStage::Three`] block's parameters are all-gathered up to
+    /// `n` blocks ahead of their use (forwards, then backwards, then the next micro-batch),
+    /// so at most `n` gathered-but-unused blocks exist at once besides the one computing; and
+    /// each block's gradient reduction (all-reduce or reduce-scatter, at every ZeRO stage)
+    /// runs while the earlier blocks' backwards compute, at most `n` at once, all of them
+    /// finished before clipping and the update. `0` runs every collective in place when its
+    /// result is needed (no overlap). The result is bitwise the same for every `n`.
+    /// Default 1.
+    pub fn blocks_in_flight(mut self, n: usize) -> Self {
+        self.blocks_in_flight = n;
+        self
     }
 
     fn with_blocks(mut self, stages: PipelineStages<I>, schedule: Option<Schedule>) -> Self {
@@ -1164,6 +1181,7 @@ where
             learning_rate: self.learning_rate.clone(),
             zero: self.zero,
             clip: None,
+            blocks_in_flight: self.blocks_in_flight,
             epoch: Instant::now(),
             faults: self.faults.clone(),
         })

@@ -5,6 +5,8 @@
 //! - [`buckets`]: how the flat gradient buffer is cut into all-reduce buckets (pure);
 //! - `gradients` (crate-internal): flattening a model's gradients into one buffer and back (Burn);
 //! - [`memory`]: what a block job's rank held during a step, instruction by instruction;
+//! - `overlap` (crate-internal): a stage's collectives on a communication thread beside its
+//!   compute (prefetched gathers, gradient reductions in flight);
 //! - [`pipeline`]: pipeline schedules as instruction lists, their simulator and picture (pure);
 //! - [`pipeline_exec`]: a stage running its list (links, VJP backward, stash, update);
 //! - [`stages`]: the user's model as pipeline stages, and the trained blocks;
@@ -15,6 +17,7 @@ pub mod autocast;
 pub mod buckets;
 pub(crate) mod gradients;
 pub mod memory;
+pub(crate) mod overlap;
 pub mod pipeline;
 pub mod pipeline_exec;
 pub mod sampler;

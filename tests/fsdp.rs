@@ -17,19 +17,23 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamConfig, AdamWConfig, SgdConfig};
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
+use meshwork::comm::{CollectiveKind, CommError};
 use meshwork::data::InMemoryDataset;
 use meshwork::demo::{Sample, TeacherTask, batch_tensors};
+use meshwork::error::Error;
 use meshwork::events::StepDone;
-use meshwork::job::{BlockOptions, Job, PipelineModel, PipelineStages};
+use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
+use meshwork::job::{BlockOptions, Job, JobBuilder, PipelineModel, PipelineStages};
 use meshwork::optim::{LearningRate, OptimizerConfig};
 use meshwork::parallel::memory::full_param_bound;
 use meshwork::parallel::pipeline::Schedule;
-use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
+use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary, ExecError};
 use meshwork::parallel::zero::ZeroStage;
 use meshwork::testing::{
     Reference, batches_from_events, compare_parameters, parameter_bits, parameter_count,
     reference_train, run_recording, steps_of,
 };
+use meshwork::trace::TraceKind;
 
 const TOLERANCE: f32 = 1e-5;
 const STEPS: u64 = 3;
@@ -121,6 +125,8 @@ struct Case {
     options: BlockOptions,
     /// Train as a pipeline with this schedule instead of `.blocks(..)`.
     schedule: Option<Schedule>,
+    /// `JobBuilder::blocks_in_flight`.
+    in_flight: usize,
 }
 
 fn case(dp: u32, zero: ZeroStage, optimizer: impl Into<OptimizerConfig>) -> Case {
@@ -132,11 +138,12 @@ fn case(dp: u32, zero: ZeroStage, optimizer: impl Into<OptimizerConfig>) -> Case
         clip: None,
         options: BlockOptions::default(),
         schedule: None,
+        in_flight: 1,
     }
 }
 
-/// Run `case`; returns the trained blocks and the step events.
-async fn train(case: &Case, init: &[Block]) -> (Vec<Block>, Vec<StepDone>) {
+/// The job `case` describes, to build.
+fn builder(case: &Case, init: &[Block]) -> JobBuilder<PipelineModel, Sample> {
     let stages = as_stages(init, case.options);
     let b = match case.schedule {
         Some(s) => Job::builder().pipeline(stages, s),
@@ -144,7 +151,8 @@ async fn train(case: &Case, init: &[Block]) -> (Vec<Block>, Vec<StepDone>) {
             .blocks(stages)
             .gradient_accumulation(case.accumulation),
     };
-    let mut b = b
+    let b = b
+        .blocks_in_flight(case.in_flight)
         .data(data())
         .optimizer(case.optimizer.clone())
         .learning_rate(0.05)
@@ -155,10 +163,15 @@ async fn train(case: &Case, init: &[Block]) -> (Vec<Block>, Vec<StepDone>) {
         .seed(3)
         .collective_timeout(Duration::from_secs(20))
         .step_timeout(Duration::from_secs(60));
-    if let Some(c) = case.clip {
-        b = b.clip_grad_norm(c);
+    match case.clip {
+        Some(c) => b.clip_grad_norm(c),
+        None => b,
     }
-    let job = b.build().expect("a valid block job");
+}
+
+/// Run `case`; returns the trained blocks and the step events.
+async fn train(case: &Case, init: &[Block]) -> (Vec<Block>, Vec<StepDone>) {
+    let job = builder(case, init).build().expect("a valid block job");
     let (out, events) = tokio::time::timeout(Duration::from_secs(120), run_recording(job))
         .await
         .expect("the job ends within its bound");
@@ -320,9 +333,10 @@ async fn fsdp_a_zero_3_run_twice_is_bitwise_equal() {
     }
 }
 
-/// MEM-1/MEM-2: with recomputed blocks a ZeRO-3 rank never holds more than one block's full
-/// parameters (plus its shards), and keeps only the blocks' inputs as activations; without
-/// recompute it keeps inputs and outputs; at ZeRO-0 every block is held whole.
+/// MEM-1/MEM-2: without overlap, with recomputed blocks a ZeRO-3 rank never holds more than
+/// one block's full parameters (plus its shards), and keeps only the blocks' inputs as
+/// activations; without recompute it keeps inputs and outputs; at ZeRO-0 every block is held
+/// whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mem_1_peaks_of_parameters_and_activations_are_as_predicted() {
     let init = init_blocks();
@@ -344,6 +358,7 @@ async fn mem_1_peaks_of_parameters_and_activations_are_as_predicted() {
     ] {
         let c = Case {
             options: BlockOptions::default().recompute(recompute),
+            in_flight: 0,
             ..case(dp, zero, AdamConfig::new())
         };
         let (trained, steps) = train(&c, &init).await;
@@ -372,6 +387,155 @@ async fn mem_1_peaks_of_parameters_and_activations_are_as_predicted() {
             }
         }
     }
+}
+
+/// OVL-1: the collectives on a communication thread, gathers prefetched up to 0, 1 or 2
+/// blocks ahead and reductions in flight, give bitwise the parameters of running them in
+/// place (ZeRO-3 and ZeRO-0 over blocks, dp 2 and 3, two micro-batches so that prefetches
+/// cross from one to the next); with overlap the collectives are in the trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ovl_1_blocks_in_flight_0_1_2_give_bitwise_equal_parameters() {
+    let init = init_blocks();
+    for (zero, dp) in [(ZeroStage::Three, 2), (ZeroStage::Off, 3)] {
+        let mut runs = Vec::new();
+        for in_flight in [0, 1, 2] {
+            let c = Case {
+                accumulation: 2,
+                clip: Some(0.05),
+                options: BlockOptions::default().recompute(true),
+                in_flight,
+                ..case(dp, zero, AdamConfig::new())
+            };
+            let (trained, steps) = train(&c, &init).await;
+            assert_distributed(&c, &init, &steps);
+            let gathers = steps
+                .iter()
+                .flat_map(|s| &s.replicas)
+                .flat_map(|r| &r.trace)
+                .filter(|t| matches!(t.kind, TraceKind::AllGather { .. }))
+                .count();
+            let reductions = steps
+                .iter()
+                .flat_map(|s| &s.replicas)
+                .flat_map(|r| &r.trace)
+                .filter(|t| {
+                    matches!(
+                        t.kind,
+                        TraceKind::AllReduce { .. } | TraceKind::ReduceScatter { .. }
+                    )
+                })
+                .count();
+            // Each rank, each step: one reduction per block; at ZeRO-3 a gather per forward
+            // and per recomputed backward but the last block's (2 micro-batches).
+            let ranks = STEPS as usize * dp as usize;
+            let blocks = init.len();
+            assert_eq!(reductions, ranks * blocks, "{c:?}: every block reduced");
+            let want = match zero {
+                ZeroStage::Three => ranks * 2 * (2 * blocks - 1),
+                _ => 0,
+            };
+            assert_eq!(gathers, want, "{c:?}: gathers in the trace");
+            if in_flight == 0 {
+                // In place, a collective runs between instructions, never beside one.
+                for r in steps.iter().flat_map(|s| &s.replicas) {
+                    assert_eq!(r.breakdown.overlapped_s, 0.0, "{c:?}");
+                }
+            }
+            if in_flight == 2 {
+                assert_matches(&c, &trained, &init, &steps);
+            }
+            runs.push(trained);
+        }
+        for (n, run) in runs.iter().enumerate().skip(1) {
+            for (i, (a, b)) in runs[0].iter().zip(run).enumerate() {
+                assert_eq!(
+                    parameter_bits(a),
+                    parameter_bits(b),
+                    "{zero:?} dp {dp}: block {i} with {n} in flight differs from none"
+                );
+            }
+        }
+    }
+}
+
+/// MEM-3: with prefetch a ZeRO-3 rank holds at most the block computing and the
+/// `blocks_in_flight` gathered ahead ([`full_param_bound`]), plus its shards; and more than
+/// one block at some point (the gathers really ran ahead), counted by the worker.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mem_3_prefetch_holds_at_most_the_blocks_in_flight_and_more_than_one() {
+    let init = init_blocks();
+    let bytes = block_bytes(&init);
+    let largest = *bytes.iter().max().expect("blocks");
+    for in_flight in [1, 2] {
+        let c = Case {
+            accumulation: 2,
+            options: BlockOptions::default().recompute(true),
+            in_flight,
+            ..case(2, ZeroStage::Three, SgdConfig::new())
+        };
+        let (trained, steps) = train(&c, &init).await;
+        assert_distributed(&c, &init, &steps);
+        assert_matches(&c, &trained, &init, &steps);
+        let bound = full_param_bound(&bytes, in_flight);
+        for r in steps.iter().flat_map(|s| &s.replicas) {
+            let m = &r.pipeline.as_ref().expect("a block job's record").memory;
+            assert!(
+                m.peak_full_params <= bound,
+                "{c:?}: held {} of full parameters, bound {bound}",
+                m.peak_full_params
+            );
+            let peak_params = m.timeline.iter().map(|p| p.params).max().unwrap_or(0);
+            assert!(peak_params <= bound + m.param_shards);
+            assert!(
+                m.peak_full_params > largest,
+                "{c:?}: a prefetch held a second block ({} ≤ one block, {largest})",
+                m.peak_full_params
+            );
+        }
+    }
+}
+
+/// OVL-3: a collective that fails mid-step (a corrupted message of the third collective
+/// replica 1 sends at step 1: block 2's prefetched all-gather) ends the step, and the job
+/// without a recovery policy, with an error naming the block and the collective, within
+/// the time-out rather than hanging.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ovl_3_a_failed_collective_mid_step_ends_the_step_naming_its_block() {
+    let init = init_blocks();
+    let c = Case {
+        options: BlockOptions::default().recompute(true),
+        ..case(2, ZeroStage::Three, SgdConfig::new())
+    };
+    let plan = FaultPlan::new(1).with(Fault {
+        device: 1,
+        step: 1,
+        micro_batch: Some(0),
+        phase: Phase::Forward,
+        kind: FaultKind::CorruptMessage { message: 2 },
+    });
+    let job = builder(&c, &init)
+        .fault_plan(plan)
+        .collective_timeout(Duration::from_secs(5))
+        .build()
+        .expect("a valid block job");
+    let started = std::time::Instant::now();
+    let (out, _) = tokio::time::timeout(Duration::from_secs(60), run_recording(job))
+        .await
+        .expect("the job ends instead of hanging");
+    match out.map(|_| ()) {
+        Err(Error::Pipeline(ExecError::BlockCollective {
+            block, op, cause, ..
+        })) => {
+            assert_eq!(block, 2, "the third collective is block 2's gather");
+            assert_eq!(op, CollectiveKind::AllGather);
+            assert!(
+                matches!(cause, CommError::CorruptMessage { from, .. } if from.0 == 1),
+                "{cause}"
+            );
+        }
+        other => panic!("expected block 2's all-gather to fail, got {other:?}"),
+    }
+    assert!(started.elapsed() < Duration::from_secs(30));
 }
 
 #[test]

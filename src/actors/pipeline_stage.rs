@@ -32,6 +32,7 @@ use crate::data::Dataset;
 use crate::device::MeshDevice;
 use crate::error::{Error, Result};
 use crate::events::PipelineStageStep;
+use crate::faults::DeviceMessages;
 use crate::mesh::StageId;
 use crate::mesh::{Coord, Generation, Layout, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
@@ -53,6 +54,9 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) zero: crate::parallel::zero::ZeroStage,
     /// Clip each step's gradient to this global norm over the stage's blocks (block jobs).
     pub(crate) clip: Option<f32>,
+    /// Blocks whose gathered parameters may wait for their use at once, the collectives
+    /// overlapping the compute (`JobBuilder::blocks_in_flight`; 0: no overlap).
+    pub(crate) blocks_in_flight: usize,
     /// The job's start: trace times are measured from it.
     pub(crate) epoch: Instant,
     /// The fault plan's hooks, if the job has one.
@@ -407,7 +411,7 @@ where
                 // after it, are the whole blocks.
                 let out = run_on_slot(&state.device_actor, "fingerprint", &mut state.slot, |s| {
                     for chunk in s.chunks.iter_mut() {
-                        chunk.gather(None, s.comm.as_mut())?;
+                        chunk.gather_now(s.comm.as_mut())?;
                     }
                     Ok::<_, crate::parallel::pipeline_exec::ExecError>(fingerprint(&s.chunks))
                 })
@@ -623,6 +627,16 @@ async fn step_on_device<I: Send + Sync + 'static>(
     let thread_phase = phase.clone();
     let ids = micro_batches.clone();
     let out = run_on(&state.device_actor, format!("step {step}"), move || {
+        if let Some(h) = &spec.faults {
+            // FaultPlan: this step's collective messages are counted from here (COMM-8 hook),
+            // on whichever thread runs the stage's collectives.
+            h.begin_step(device_id, step);
+            if h.has_message_faults()
+                && let Some(comm) = slot.comm.as_mut()
+            {
+                comm.set_message_hook(Some(DeviceMessages::new(h.clone(), device_id)));
+            }
+        }
         let items: Result<Vec<Vec<I>>> = ids
             .iter()
             .map(|mb| {
@@ -656,6 +670,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
                 replicas: slot.comm.as_mut(),
                 clip: spec.clip,
                 on_instr: &on_instr,
+                blocks_in_flight: spec.blocks_in_flight,
                 faults: spec.faults.as_deref().map(|h| (h, device_id, step)),
             },
         );
@@ -714,6 +729,20 @@ fn report<I>(
             duration_us: e.saturating_duration_since(*s).as_micros() as u64,
         })
         .collect();
+    // The blocks' gathers and reductions, as the communication thread ran them beside the
+    // instructions: the time breakdown shows how much of them the compute hid.
+    trace.extend(
+        record
+            .collectives
+            .iter()
+            .map(|(kind, start, took)| TraceRecord {
+                rank: state.rank,
+                step,
+                kind: kind.clone(),
+                start_us: us(*start),
+                duration_us: took.as_micros() as u64,
+            }),
+    );
     if let Some((s, e)) = record.update {
         trace.push(TraceRecord {
             rank: state.rank,

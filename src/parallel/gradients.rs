@@ -220,6 +220,17 @@ impl GradientBuffers {
         out
     }
 
+    /// `flat` cut back into one buffer per parameter of `layout` (the inverse of
+    /// [`into_flat`](Self::into_flat)).
+    pub(crate) fn from_flat(layout: &ParamLayout, flat: Vec<f32>) -> Self {
+        let datas = layout
+            .slots
+            .iter()
+            .map(|s| TensorData::new(flat[s.range.clone()].to_vec(), s.shape.clone()))
+            .collect();
+        Self { datas }
+    }
+
     /// Give the buffers back to Burn as gradients of `module`'s parameters on `device`.
     pub(crate) fn into_gradients<M: Module>(self, module: &M, device: &Device) -> GradientsParams {
         struct Give<'a> {
@@ -247,6 +258,25 @@ impl GradientBuffers {
         module.visit(&mut g);
         g.grads
     }
+}
+
+/// Where each of `buckets` (planned over `layout`'s slots) sits in the flat buffer: a fused
+/// bucket's tensors and an in-place chunk are each one range (BUCKET-2), so reducing these
+/// ranges of the flat buffer makes the same calls as [`reduce_buckets`] on the same values.
+pub(crate) fn bucket_ranges(buckets: &[Bucket], layout: &ParamLayout) -> Vec<Range<usize>> {
+    buckets
+        .iter()
+        .map(|b| match b {
+            Bucket::Fused { tensors, len } => {
+                let start = layout.slots[tensors.start].range.start;
+                start..start + len
+            }
+            Bucket::InPlace { tensor, range } => {
+                let start = layout.slots[*tensor].range.start;
+                start + range.start..start + range.end
+            }
+        })
+        .collect()
 }
 
 /// Reduce `buffers` bucket by bucket with `reduce` (a collective): a fused bucket is copied

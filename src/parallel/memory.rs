@@ -2,12 +2,23 @@
 //! process's resident memory): the bytes of full parameters materialised, of parameter
 //! shards, of gradients and of stashed activations, instruction by instruction.
 //!
+//! Full parameters are those in the blocks' modules (gathered for a use, or kept for a
+//! pending backward) plus those gathered ahead of their use and not yet taken by their
+//! block (prefetched, `JobBuilder::blocks_in_flight`): counted from the moment their
+//! all-gather is issued, so a buffer being filled on the communication thread counts.
+//!
 //! Invariants:
 //! - MEM-1: the figures are `f32` words × 4 of what the worker's own structures hold (the
 //!   modules' trainable parameters, the shards, the accumulated or reduced gradients, the
 //!   stashed boundary tensors); Burn's autodiff graph inside a block is not counted.
-//! - MEM-2: every peak is the maximum over the step's [`MemoryPoint`]s, one taken after
-//!   every instruction, after each block's reduction and after the update.
+//! - MEM-2: every peak is the maximum over the step's [`MemoryPoint`]s, one taken before
+//!   every forward and backward (its block's parameters gathered, the next ones prefetched:
+//!   the moment the most are whole), one after every instruction, one once the step's
+//!   reductions are all taken and one after the update.
+//! - MEM-3: with recomputed, resharded ZeRO-3 blocks, a rank's peak of full parameters is
+//!   at most [`full_param_bound`]`(block_bytes, blocks_in_flight)`: the block computing and
+//!   at most `blocks_in_flight` gathered ahead (EXEC-5). Without recompute,
+//!   Burn's graph keeps each block's forward parameters until its backward.
 
 use serde::{Deserialize, Serialize};
 
@@ -80,14 +91,65 @@ impl StepMemory {
     }
 }
 
-/// The most full-parameter bytes a rank may hold at once when `in_flight` blocks beyond the
-/// one computing may be materialised: the largest sum over `in_flight + 1` consecutive
-/// blocks of `block_bytes`.
+/// The most full-parameter bytes a rank of a block job may hold at once with recomputed,
+/// resharded blocks (MEM-3) when up to `in_flight` blocks' gathered parameters wait for
+/// their use beside the block computing (`JobBuilder::blocks_in_flight`): the largest sum
+/// of `in_flight + 1` consecutive entries of the order the rank gathers its blocks in,
+/// `0, 1, …, n−1, n−2, …, 0` over and over (each micro-batch's forwards, then its
+/// backwards; the last block's backward follows its forward with no gather). A prefetch
+/// crosses from one micro-batch's block 0 to the next one's, so the same block may count
+/// twice. With `in_flight = 0` it is the largest block.
 pub fn full_param_bound(block_bytes: &[u64], in_flight: usize) -> u64 {
-    let w = (in_flight + 1).min(block_bytes.len()).max(1);
-    block_bytes
+    let n = block_bytes.len();
+    if n == 0 {
+        return 0;
+    }
+    let cycle: Vec<u64> = (0..n)
+        .chain((0..n.saturating_sub(1)).rev())
+        .map(|b| block_bytes[b])
+        .collect();
+    let w = in_flight + 1;
+    let order: Vec<u64> = cycle
+        .iter()
+        .copied()
+        .cycle()
+        .take(cycle.len() * (w.div_ceil(cycle.len()) + 1))
+        .collect();
+    order
         .windows(w)
         .map(|x| x.iter().sum::<u64>())
         .max()
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::full_param_bound;
+
+    proptest! {
+        /// MEM-3's bound: the largest block alone without prefetch, one more block per block
+        /// in flight, and never more than the sum of the largest blocks counted twice each.
+        #[test]
+        fn mem_3_bound_grows_by_at_most_one_block_per_block_in_flight(
+            bytes in proptest::collection::vec(1u64..1000, 1..6),
+            in_flight in 0usize..6,
+        ) {
+            let largest = *bytes.iter().max().expect("not empty");
+            prop_assert_eq!(full_param_bound(&bytes, 0), largest);
+            let bound = full_param_bound(&bytes, in_flight);
+            let next = full_param_bound(&bytes, in_flight + 1);
+            prop_assert!(next > bound && next <= bound + largest);
+            prop_assert!(bound <= largest * (in_flight as u64 + 1));
+        }
+    }
+
+    #[test]
+    fn mem_3_bound_counts_block_0_twice_across_micro_batches() {
+        // Order 0 1 2 1 0 | 0 1 2 …: the window (1, 0, 0) is the largest of three.
+        assert_eq!(full_param_bound(&[50, 40, 10], 2), 140);
+        assert_eq!(full_param_bound(&[50, 40, 10], 1), 100);
+        assert_eq!(full_param_bound(&[7], 3), 28);
+    }
 }

@@ -27,6 +27,15 @@
 //! - EXEC-4: every step starts clean: what an unfinished attempt left in a stage (stashed
 //!   micro-batches, accumulated gradients, losses) is dropped, so a step redone after a
 //!   recovery (REC-6) is the step itself.
+//! - EXEC-5: the step's collectives for its blocks (a ZeRO-3 block's all-gathers, every
+//!   block's gradient reduction) go through the stage's `CommLane` (`parallel::overlap`): with
+//!   `blocks_in_flight` n > 0 on a communication thread, the gathers issued in list order at
+//!   most n ahead of their use (so at most n gathered-but-unused blocks exist besides the one
+//!   computing, MEM-3) and at most n reductions in flight, each issued right after its block's
+//!   last backward and all taken before the clip and the update; with n = 0 each in place when
+//!   its result is needed. Which uses gather is decided from the blocks' options at the step's
+//!   start (`StageWork::gather_plan`), so every replica issues the same collectives in the same
+//!   order (OVL-1) and the parameters are bitwise the same for every n.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -40,12 +49,13 @@ use burn::tensor::{Device, Tensor, TensorData};
 
 use super::gradients::parameter_fingerprint;
 use super::memory::{BlockBytes, StepMemory};
-use super::sync::{self, GradientSync, SyncContext};
+use super::overlap::{CommLane, Ticket, with_lane};
+use super::sync::{self, Collective, GradientSync, SyncContext};
 use super::zero::{UnsupportedOptimizer, ZeroStage};
 use crate::checkpoint::{
     CheckpointError, LrSchedulerState, OptimizerState, ShardParams, restore_module, snapshot_module,
 };
-use crate::comm::{CommError, Communicator};
+use crate::comm::{CollectiveKind, CommError, Communicator};
 use crate::faults::{Phase, with_hooks};
 
 mod wire;
@@ -57,7 +67,7 @@ pub use wire::WireError;
 const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
 /// Tensors below this many elements are fused into one bucket.
 const FUSE_BELOW: usize = 64 * 1024;
-use super::pipeline::{Instr, PipelineSchedule, StageIndex, TimedInstr};
+use super::pipeline::{Chunk, Instr, PipelineSchedule, StageIndex, TimedInstr};
 
 use crate::optim::{LearningRate, OptimizerConfig};
 
@@ -231,6 +241,32 @@ pub enum ExecError {
         /// The micro-batch that arrived.
         got: u32,
     },
+    /// A collective the stage ran for one of its blocks (gathering its parameters, reducing
+    /// its gradient) failed; later collectives of the step did not run (OVL-3).
+    #[error("stage {stage}: the {op} of block {block} failed: {cause}")]
+    BlockCollective {
+        /// This stage.
+        stage: u32,
+        /// The block (its index in the model).
+        block: u32,
+        /// The collective.
+        op: CollectiveKind,
+        /// What the communicator said.
+        cause: CommError,
+    },
+    /// The result of a block's collective did not come within the time-outs of the
+    /// collectives ahead of it (OVL-2).
+    #[error("stage {stage}: the {op} of block {block} gave no result within {waited:?}")]
+    BlockCollectiveTimeout {
+        /// This stage.
+        stage: u32,
+        /// The block (its index in the model).
+        block: u32,
+        /// The collective.
+        op: CollectiveKind,
+        /// How long the stage waited.
+        waited: Duration,
+    },
     /// The schedule needs something this executor does not do yet.
     #[error("unsupported schedule: {0}")]
     Unsupported(String),
@@ -268,18 +304,29 @@ pub(crate) trait StageWork<I>: Send {
         mb: u32,
         grad_out: Option<Vec<WireTensor>>,
     ) -> Result<Vec<WireTensor>, ExecError>;
-    /// Make the block's full parameters present for its next forward (`backward_of: None`)
-    /// or for the backward of micro-batch `mb` (`Some(mb)`): a ZeRO-3 block all-gathers them
-    /// over `replicas` (FSDP-2); other blocks hold them already.
-    fn gather(
+    /// For each use of the block in a step's list, in order (`None`: a forward; `Some(mb)`:
+    /// the backward of micro-batch `mb`), whether its parameters must be gathered for it: a
+    /// ZeRO-3 block that does not hold them then (FSDP-2). Decided from the block's options
+    /// and state at the step's start only, so every replica decides alike (OVL-1).
+    fn gather_plan(&self, uses: &[Option<u32>]) -> Vec<bool>;
+    /// The all-gather of the block's parameters for a use [`gather_plan`](Self::gather_plan)
+    /// marked, as rank `rank_of` of its group (`None`: the block holds them always).
+    fn start_gather(&mut self, rank_of: (usize, usize)) -> Result<Option<Collective>, ExecError>;
+    /// Take the full parameters `full` the gather brought.
+    fn finish_gather(&mut self, full: Vec<f32>);
+    /// Gather the block's full parameters over `replicas` now, if it does not hold them.
+    fn gather_now(&mut self, replicas: Option<&mut Communicator>) -> Result<(), ExecError>;
+    /// Take the step's accumulated gradients out as the collective that reduces them over
+    /// the block's group (`rank_of`); called right after the block's last backward of the
+    /// step.
+    fn start_reduce(&mut self, rank_of: (usize, usize)) -> Result<Collective, ExecError>;
+    /// Take the reduction's result `out`, scaled by `scale`, for [`apply`](Self::apply).
+    fn finish_reduce(
         &mut self,
-        backward_of: Option<u32>,
-        replicas: Option<&mut Communicator>,
+        out: Vec<f32>,
+        scale: f32,
+        rank_of: (usize, usize),
     ) -> Result<(), ExecError>;
-    /// Reduce the accumulated gradients over the data-parallel replicas of this stage through
-    /// `replicas` (when given) and scale them by `scale`, keeping the result for
-    /// [`apply`](Self::apply); called right after the block's last backward of the step.
-    fn reduce(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<(), ExecError>;
     /// Whether the gradients of this step were reduced already.
     fn reduced(&self) -> bool;
     /// The sum of squares of the reduced gradient this rank holds, and whether it is a shard
@@ -303,7 +350,7 @@ pub(crate) trait StageWork<I>: Send {
     /// Fingerprint of the stage's parameters.
     fn fingerprint(&self) -> u64;
     /// Forget what an unfinished step left behind: stashed micro-batches, accumulated
-    /// gradients, losses (EXEC-4).
+    /// gradients, losses, a sharded block's full parameters (EXEC-4).
     fn begin_step(&mut self);
     /// The stage's parameters by name and its optimizer state (a checkpoint shard, or what a
     /// twin's replacement starts from).
@@ -594,18 +641,45 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         Ok(upstream)
     }
 
-    fn gather(
-        &mut self,
-        backward_of: Option<u32>,
-        replicas: Option<&mut Communicator>,
-    ) -> Result<(), ExecError> {
-        if backward_of.is_some_and(|mb| self.kept.contains_key(&mb)) {
-            return Ok(());
+    fn gather_plan(&self, uses: &[Option<u32>]) -> Vec<bool> {
+        if !self.shards_params {
+            return vec![false; uses.len()];
         }
-        let inner = self.device.clone().inner();
-        let mut cx = Self::sync_cx(&inner, 1.0, replicas);
-        let model = self.model.clone();
-        match self.sync.gather(model, &mut cx) {
+        // What `forward` and `backward` do to the module, replayed: a middle block releases
+        // after its forward when resharding (keeping the module for the backward unless it
+        // recomputes), every block releases after its backward.
+        let middle = self.loss.is_none();
+        let releases_after_forward = middle && self.reshard_after_forward;
+        let keeps = releases_after_forward && !self.recompute;
+        let mut full = self.sync.holds_full();
+        uses.iter()
+            .map(|u| match u {
+                None => {
+                    let need = !full;
+                    full = !releases_after_forward;
+                    need
+                }
+                Some(_) => {
+                    let need = !keeps && !full;
+                    full = false;
+                    need
+                }
+            })
+            .collect()
+    }
+
+    fn start_gather(&mut self, rank_of: (usize, usize)) -> Result<Option<Collective>, ExecError> {
+        self.sync
+            .start_gather(&self.model, rank_of)
+            .map_err(sync_failed)
+    }
+
+    fn finish_gather(&mut self, full: Vec<f32>) {
+        self.model = self.sync.finish_gather(self.model.clone(), full);
+    }
+
+    fn gather_now(&mut self, replicas: Option<&mut Communicator>) -> Result<(), ExecError> {
+        match self.sync.gather(self.model.clone(), replicas) {
             Ok(model) => {
                 self.model = model;
                 Ok(())
@@ -617,13 +691,26 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         }
     }
 
-    fn reduce(&mut self, scale: f32, replicas: Option<&mut Communicator>) -> Result<(), ExecError> {
+    fn start_reduce(&mut self, rank_of: (usize, usize)) -> Result<Collective, ExecError> {
         let grads = self.accumulated.grads();
-        let inner = self.device.clone().inner();
-        let mut cx = Self::sync_cx(&inner, scale, replicas);
+        let collective = self
+            .sync
+            .start_reduce(&self.model, grads, rank_of)
+            .map_err(sync_failed)?;
+        // The flat gradient is held (queued or being reduced) until the result comes.
+        self.grads_bytes = 4 * self.param_len as u64;
+        Ok(collective)
+    }
+
+    fn finish_reduce(
+        &mut self,
+        out: Vec<f32>,
+        scale: f32,
+        rank_of: (usize, usize),
+    ) -> Result<(), ExecError> {
         let reduced = self
             .sync
-            .reduce(&self.model, grads, &mut cx)
+            .finish_reduce(out, scale, rank_of)
             .map_err(sync_failed)?;
         self.grads_bytes = self.sync.held().grads;
         self.reduced = Some(reduced);
@@ -715,6 +802,11 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
     }
 
     fn begin_step(&mut self) {
+        // A sharded block starts every step from its shard (an unfinished attempt or a
+        // fingerprint may have left it whole), so every replica's `gather_plan` is the same.
+        if self.shards_params {
+            self.model = self.sync.release(self.model.clone());
+        }
         self.stash.clear();
         self.kept.clear();
         self.reduced = None;
@@ -1005,6 +1097,10 @@ pub(crate) struct StageStepRecord {
     pub memory: StepMemory,
     /// When the gradient reduction and optimizer step began and ended.
     pub update: Option<(Instant, Instant)>,
+    /// The collectives the step's forwards and backwards issued for its blocks (gathers,
+    /// gradient reductions), as they ran: on the communication thread, overlapping the
+    /// instructions, when blocks may be in flight.
+    pub collectives: Vec<sync::Span>,
     /// The learning rate of the update.
     pub learning_rate: Option<f64>,
 }
@@ -1062,6 +1158,10 @@ pub(crate) struct StepContext<'a, I> {
     pub clip: Option<f32>,
     /// Called before each instruction runs (progress for heartbeats and failure reports).
     pub on_instr: &'a dyn Fn(&Instr),
+    /// How many blocks' gathered parameters may wait for their use at once, the gathers
+    /// and gradient reductions running on a communication thread meanwhile (OVL-1); 0: the
+    /// collectives run in place, each when its result is needed.
+    pub blocks_in_flight: usize,
     /// The fault plan's hooks, called around every forward and backward, with the device
     /// and the step they are called for.
     pub faults: Option<(&'a crate::faults::FaultHooks, crate::mesh::DeviceId, u64)>,
@@ -1098,120 +1198,24 @@ pub(crate) fn run_stage_step<I>(
     }
     let mut cx = cx;
     let mut replicas = cx.replicas.take();
-    let world = replicas.as_ref().map_or(1, |c| c.world());
-    let scale = 1.0 / (plan.micro_batches() as usize * world) as f32;
-    // Each chunk's gradient is reduced right after its last backward of the step, while the
-    // earlier blocks' backwards are still to come (every replica at the same point, FSDP-2).
-    let mut last_backward: HashMap<u32, usize> = HashMap::new();
-    for (i, instr) in plan.list(me).iter().enumerate() {
-        if let Instr::Backward { chunk, .. } = instr {
-            last_backward.insert(chunk.0, i);
-        }
-    }
+    let rank_of = replicas
+        .as_ref()
+        .map_or((0, 1), |c| (c.rank().index(), c.world()));
+    let scale = 1.0 / (plan.micro_batches() as usize * rank_of.1) as f32;
     let mut record = StageStepRecord::default();
     let began = Instant::now();
-    let since = |t: Instant| t.saturating_duration_since(began).as_micros() as u64;
     record.memory.record(0, chunks.iter().map(|c| c.memory()));
-    // Keyed by (micro-batch, local chunk).
-    let mut inbox: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
-    let mut outbox: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
-    let mut grads_in: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
-    let mut grads_out: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
-    let missing = |instr: &Instr| ExecError::MissingInput {
-        stage: me.0,
-        mb: instr.mb().0,
-        instr: format!("{instr:?}"),
-    };
-    for (index, instr) in plan.list(me).iter().enumerate() {
-        (cx.on_instr)(instr);
-        let t0 = Instant::now();
-        let key = (instr.mb().0, instr.chunk().0);
-        let first_block = plan.block(me, instr.chunk()) == 0;
-        let work = chunks
-            .get_mut(instr.chunk().0 as usize)
-            .ok_or_else(|| missing(instr))?;
-        match *instr {
-            Instr::RecvActivation { mb, from, .. } => {
-                let msg = cx.links.recv(from.0, Flow::Activation, mb.0)?;
-                inbox.insert(key, msg);
-            }
-            Instr::Forward { mb, .. } => {
-                let items = cx
-                    .micro_batches
-                    .get(mb.0 as usize)
-                    .ok_or_else(|| missing(instr))?;
-                let device = work.device().clone();
-                let input = if first_block {
-                    (cx.inputs)(items, &device)
-                } else {
-                    inbox
-                        .remove(&key)
-                        .ok_or_else(|| missing(instr))?
-                        .into_iter()
-                        .map(|w| AnyTensor::from_wire(w, &device))
-                        .collect::<Result<_, _>>()?
-                };
-                work.gather(None, replicas.as_deref_mut())?;
-                let out = hooked(&cx, mb.0, Phase::Forward, || {
-                    work.forward(mb.0, input, items, !first_block)
-                });
-                if let Some(out) = out {
-                    outbox.insert(key, out.iter().map(AnyTensor::to_wire).collect());
-                }
-            }
-            Instr::SendActivation { mb, to, .. } => {
-                let tensors = outbox.remove(&key).ok_or_else(|| missing(instr))?;
-                cx.links
-                    .send(to.0, Flow::Activation, Packet { mb: mb.0, tensors })?;
-            }
-            Instr::RecvGradient { mb, from, .. } => {
-                let msg = cx.links.recv(from.0, Flow::Gradient, mb.0)?;
-                grads_in.insert(key, msg);
-            }
-            Instr::Backward { mb, .. } => {
-                let g = grads_in.remove(&key);
-                work.gather(Some(mb.0), replicas.as_deref_mut())?;
-                let upstream = hooked(&cx, mb.0, Phase::Backward, || work.backward(mb.0, g));
-                let upstream = upstream.map_err(|e| match e {
-                    ExecError::MissingInput { mb, instr, .. } => ExecError::MissingInput {
-                        stage: me.0,
-                        mb,
-                        instr,
-                    },
-                    ExecError::ShapeMismatch { mb, .. } => {
-                        ExecError::ShapeMismatch { stage: me.0, mb }
-                    }
-                    other => other,
-                })?;
-                grads_out.insert(key, upstream);
-                if last_backward.get(&instr.chunk().0) == Some(&index) {
-                    work.reduce(scale, replicas.as_deref_mut())?;
-                }
-            }
-            Instr::SendGradient { mb, to, .. } => {
-                let tensors = grads_out.remove(&key).ok_or_else(|| missing(instr))?;
-                cx.links
-                    .send(to.0, Flow::Gradient, Packet { mb: mb.0, tensors })?;
-            }
-        }
-        record.executed.push((*instr, t0, Instant::now()));
-        let (count, bytes) = chunks
-            .iter()
-            .map(|c| c.stashed())
-            .fold((0, 0), |(n, b), (n2, b2)| (n + n2, b + b2));
-        record.peak_stash = record.peak_stash.max(count);
-        record.peak_stash_bytes = record.peak_stash_bytes.max(bytes);
-        record
-            .memory
-            .record(since(Instant::now()), chunks.iter().map(|c| c.memory()));
-    }
+    // The step's forwards and backwards, with their collectives on the lane: overlapped
+    // with the compute when blocks may be in flight (OVL-1), in place otherwise.
+    let threaded = cx.blocks_in_flight > 0;
+    with_lane(replicas.as_deref_mut(), threaded, me.0, |lane| {
+        let mut walk = Walk::new(chunks, &cx, rank_of, scale, began);
+        let out = walk.run(lane, &mut record);
+        record.collectives = lane.take_spans();
+        out
+    })?;
+    let since = |t: Instant| t.saturating_duration_since(began).as_micros() as u64;
     let t = Instant::now();
-    // A chunk the list never ran backward on (none in a valid schedule) reduces now.
-    for chunk in chunks.iter_mut() {
-        if !chunk.reduced() {
-            chunk.reduce(scale, replicas.as_deref_mut())?;
-        }
-    }
     if let Some(max) = cx.clip {
         let sums: Vec<_> = chunks.iter().map(|c| c.norm_part()).collect();
         let partial = sums.iter().any(|s| s.is_some_and(|(_, p)| p));
@@ -1243,6 +1247,312 @@ pub(crate) fn run_stage_step<I>(
     record.update = Some((t, Instant::now()));
     record.span = Some((began, Instant::now()));
     Ok(record)
+}
+
+/// A gather issued ahead of its use: the instruction it is for, the chunk, its ticket
+/// (`None`: the block needed no collective) and the bytes of full parameters it brings.
+type Prefetched = (usize, u32, Option<Ticket>, u64);
+
+/// One step's walk over a stage's list: the instructions, the gathers issued ahead of their
+/// use (at most `blocks_in_flight` gathered but unused, EXEC-5) and the reductions in flight.
+struct Walk<'w, 'c, I> {
+    chunks: &'w mut [Box<dyn StageWork<I>>],
+    cx: &'w StepContext<'c, I>,
+    rank_of: (usize, usize),
+    scale: f32,
+    began: Instant,
+    /// Every gather of the step, in list order: (instruction index, chunk).
+    gathers: Vec<(usize, u32)>,
+    /// The next of `gathers` to issue.
+    next_gather: usize,
+    /// Issued, not yet taken by their block, in order.
+    prefetched: std::collections::VecDeque<Prefetched>,
+    /// Reductions issued, not yet taken: (chunk, ticket), in order.
+    reducing: std::collections::VecDeque<(u32, Ticket)>,
+}
+
+impl<'w, 'c, I> Walk<'w, 'c, I> {
+    fn new(
+        chunks: &'w mut [Box<dyn StageWork<I>>],
+        cx: &'w StepContext<'c, I>,
+        rank_of: (usize, usize),
+        scale: f32,
+        began: Instant,
+    ) -> Self {
+        let list = cx.schedule.list(cx.stage);
+        // Each chunk's uses in list order, and where each sits in the list.
+        let mut uses: Vec<Vec<(usize, Option<u32>)>> = vec![Vec::new(); chunks.len()];
+        for (i, instr) in list.iter().enumerate() {
+            let u = match *instr {
+                Instr::Forward { .. } => None,
+                Instr::Backward { mb, .. } => Some(mb.0),
+                _ => continue,
+            };
+            if let Some(c) = uses.get_mut(instr.chunk().0 as usize) {
+                c.push((i, u));
+            }
+        }
+        let mut gathers: Vec<(usize, u32)> = uses
+            .iter()
+            .enumerate()
+            .flat_map(|(c, u)| {
+                let plan = chunks[c].gather_plan(&u.iter().map(|(_, u)| *u).collect::<Vec<_>>());
+                u.iter()
+                    .zip(plan)
+                    .filter(|(_, need)| *need)
+                    .map(move |((i, _), _)| (*i, c as u32))
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        gathers.sort_unstable();
+        Self {
+            chunks,
+            cx,
+            rank_of,
+            scale,
+            began,
+            gathers,
+            next_gather: 0,
+            prefetched: std::collections::VecDeque::new(),
+            reducing: std::collections::VecDeque::new(),
+        }
+    }
+
+    fn block(&self, chunk: u32) -> u32 {
+        self.cx.schedule.block(self.cx.stage, Chunk(chunk))
+    }
+
+    fn in_flight(&self) -> usize {
+        self.cx.blocks_in_flight
+    }
+
+    /// Record what the blocks hold now, with the prefetched full parameters (MEM-1).
+    fn record_memory(&self, record: &mut StageStepRecord) {
+        let prefetched: u64 = self.prefetched.iter().map(|p| p.3).sum();
+        let at = self.began.elapsed().as_micros() as u64;
+        record.memory.record(
+            at,
+            self.chunks
+                .iter()
+                .map(|c| c.memory())
+                .chain(std::iter::once(BlockBytes {
+                    full_params: prefetched,
+                    ..BlockBytes::default()
+                })),
+        );
+    }
+
+    /// Issue the next gather of the step.
+    fn issue_gather(&mut self, lane: &mut CommLane<'_>) -> Result<(), ExecError> {
+        let Some(&(at, chunk)) = self.gathers.get(self.next_gather) else {
+            return Ok(());
+        };
+        self.next_gather += 1;
+        let block = self.block(chunk);
+        let rank_of = self.rank_of;
+        let prefetched = match self.chunk(chunk)?.start_gather(rank_of)? {
+            Some(c) => {
+                let bytes = c.output_bytes();
+                (at, chunk, Some(lane.issue(block, c)), bytes)
+            }
+            None => (at, chunk, None, 0),
+        };
+        self.prefetched.push_back(prefetched);
+        Ok(())
+    }
+
+    fn chunk(&mut self, chunk: u32) -> Result<&mut Box<dyn StageWork<I>>, ExecError> {
+        let stage = self.cx.stage.0;
+        self.chunks
+            .get_mut(chunk as usize)
+            .ok_or_else(|| ExecError::MissingInput {
+                stage,
+                mb: 0,
+                instr: format!("a gather or reduction of chunk {chunk}"),
+            })
+    }
+
+    /// Before instruction `index` computes: its block's parameters, if it gathers them (the
+    /// gather issued now if not ahead), then the next gathers up to the window (OVL-2).
+    fn gather_for(&mut self, index: usize, lane: &mut CommLane<'_>) -> Result<(), ExecError> {
+        let needed = self.gathers.get(self.next_gather - self.prefetched.len());
+        if needed.is_some_and(|&(at, _)| at == index) {
+            if self.prefetched.is_empty() {
+                self.issue_gather(lane)?;
+            }
+            let (at, chunk, ticket, _) = self
+                .prefetched
+                .pop_front()
+                .expect("issued just above if not ahead");
+            debug_assert_eq!(at, index, "gathers are taken in list order");
+            if let Some(ticket) = ticket {
+                let full = lane.wait(ticket)?;
+                self.chunk(chunk)?.finish_gather(full);
+            }
+        }
+        while self.prefetched.len() < self.in_flight() && self.next_gather < self.gathers.len() {
+            self.issue_gather(lane)?;
+        }
+        Ok(())
+    }
+
+    /// Right after `chunk`'s last backward: issue its reduction; keep at most
+    /// `blocks_in_flight` in flight (none without overlap).
+    fn reduce(&mut self, chunk: u32, lane: &mut CommLane<'_>) -> Result<(), ExecError> {
+        let block = self.block(chunk);
+        let rank_of = self.rank_of;
+        let collective = self.chunk(chunk)?.start_reduce(rank_of)?;
+        let ticket = lane.issue(block, collective);
+        self.reducing.push_back((chunk, ticket));
+        while self.reducing.len() > self.in_flight() {
+            self.take_reduction(lane)?;
+        }
+        Ok(())
+    }
+
+    fn take_reduction(&mut self, lane: &mut CommLane<'_>) -> Result<(), ExecError> {
+        let Some((chunk, ticket)) = self.reducing.pop_front() else {
+            return Ok(());
+        };
+        let out = lane.wait(ticket)?;
+        let (scale, rank_of) = (self.scale, self.rank_of);
+        self.chunk(chunk)?.finish_reduce(out, scale, rank_of)
+    }
+
+    /// Execute the list (EXEC-1), then take every reduction.
+    fn run(
+        &mut self,
+        lane: &mut CommLane<'_>,
+        record: &mut StageStepRecord,
+    ) -> Result<(), ExecError> {
+        let cx = self.cx;
+        let me = cx.stage;
+        let plan = cx.schedule;
+        // Each chunk's gradient is reduced right after its last backward of the step, while
+        // the earlier blocks' backwards are still to come (every replica at the same point,
+        // FSDP-2).
+        let mut last_backward: HashMap<u32, usize> = HashMap::new();
+        for (i, instr) in plan.list(me).iter().enumerate() {
+            if let Instr::Backward { chunk, .. } = instr {
+                last_backward.insert(chunk.0, i);
+            }
+        }
+        // Keyed by (micro-batch, local chunk).
+        let mut inbox: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
+        let mut outbox: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
+        let mut grads_in: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
+        let mut grads_out: HashMap<(u32, u32), Vec<WireTensor>> = HashMap::new();
+        let missing = |instr: &Instr| ExecError::MissingInput {
+            stage: me.0,
+            mb: instr.mb().0,
+            instr: format!("{instr:?}"),
+        };
+        for (index, instr) in plan.list(me).iter().enumerate() {
+            (cx.on_instr)(instr);
+            let key = (instr.mb().0, instr.chunk().0);
+            let first_block = plan.block(me, instr.chunk()) == 0;
+            if matches!(instr, Instr::Forward { .. } | Instr::Backward { .. }) {
+                self.gather_for(index, lane)?;
+                // The peak: this block's parameters and those gathered ahead (MEM-2).
+                self.record_memory(record);
+            }
+            // The instruction's span is its own work: a gather waited for before it and the
+            // reduction issued after it are the collectives' spans (so the breakdown tells
+            // what overlapped).
+            let t0 = Instant::now();
+            let mut reduce = None;
+            let work = self
+                .chunks
+                .get_mut(instr.chunk().0 as usize)
+                .ok_or_else(|| missing(instr))?;
+            match *instr {
+                Instr::RecvActivation { mb, from, .. } => {
+                    let msg = cx.links.recv(from.0, Flow::Activation, mb.0)?;
+                    inbox.insert(key, msg);
+                }
+                Instr::Forward { mb, .. } => {
+                    let items = cx
+                        .micro_batches
+                        .get(mb.0 as usize)
+                        .ok_or_else(|| missing(instr))?;
+                    let device = work.device().clone();
+                    let input = if first_block {
+                        (cx.inputs)(items, &device)
+                    } else {
+                        inbox
+                            .remove(&key)
+                            .ok_or_else(|| missing(instr))?
+                            .into_iter()
+                            .map(|w| AnyTensor::from_wire(w, &device))
+                            .collect::<Result<_, _>>()?
+                    };
+                    let out = hooked(cx, mb.0, Phase::Forward, || {
+                        work.forward(mb.0, input, items, !first_block)
+                    });
+                    if let Some(out) = out {
+                        outbox.insert(key, out.iter().map(AnyTensor::to_wire).collect());
+                    }
+                }
+                Instr::SendActivation { mb, to, .. } => {
+                    let tensors = outbox.remove(&key).ok_or_else(|| missing(instr))?;
+                    cx.links
+                        .send(to.0, Flow::Activation, Packet { mb: mb.0, tensors })?;
+                }
+                Instr::RecvGradient { mb, from, .. } => {
+                    let msg = cx.links.recv(from.0, Flow::Gradient, mb.0)?;
+                    grads_in.insert(key, msg);
+                }
+                Instr::Backward { mb, .. } => {
+                    let g = grads_in.remove(&key);
+                    let upstream = hooked(cx, mb.0, Phase::Backward, || work.backward(mb.0, g));
+                    let upstream = upstream.map_err(|e| match e {
+                        ExecError::MissingInput { mb, instr, .. } => ExecError::MissingInput {
+                            stage: me.0,
+                            mb,
+                            instr,
+                        },
+                        ExecError::ShapeMismatch { mb, .. } => {
+                            ExecError::ShapeMismatch { stage: me.0, mb }
+                        }
+                        other => other,
+                    })?;
+                    grads_out.insert(key, upstream);
+                    if last_backward.get(&instr.chunk().0) == Some(&index) {
+                        reduce = Some(instr.chunk().0);
+                    }
+                }
+                Instr::SendGradient { mb, to, .. } => {
+                    let tensors = grads_out.remove(&key).ok_or_else(|| missing(instr))?;
+                    cx.links
+                        .send(to.0, Flow::Gradient, Packet { mb: mb.0, tensors })?;
+                }
+            }
+            record.executed.push((*instr, t0, Instant::now()));
+            if let Some(chunk) = reduce {
+                self.reduce(chunk, lane)?;
+            }
+            let (count, bytes) = self
+                .chunks
+                .iter()
+                .map(|c| c.stashed())
+                .fold((0, 0), |(n, b), (n2, b2)| (n + n2, b + b2));
+            record.peak_stash = record.peak_stash.max(count);
+            record.peak_stash_bytes = record.peak_stash_bytes.max(bytes);
+            self.record_memory(record);
+        }
+        // A chunk the list never ran backward on (none in a valid schedule) reduces now.
+        for chunk in 0..self.chunks.len() as u32 {
+            let pending = self.reducing.iter().any(|(c, _)| *c == chunk);
+            if !pending && !self.chunk(chunk)?.reduced() {
+                self.reduce(chunk, lane)?;
+            }
+        }
+        while !self.reducing.is_empty() {
+            self.take_reduction(lane)?;
+        }
+        self.record_memory(record);
+        Ok(())
+    }
 }
 
 /// Run a forward or backward under the fault plan's hooks, if any.

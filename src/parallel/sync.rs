@@ -13,8 +13,18 @@
 //!   each rank also holds only its shard of the reduced gradient), over
 //!   [`crate::parallel::zero`]'s pure update rules.
 //! - `sharded::ShardedSync`: ZeRO stage 3 for one block of a block or pipeline job: only the
-//!   rank's shard of the parameters is kept between uses; [`GradientSync::gather`] and
+//!   rank's shard of the parameters is kept between uses; a gather
+//!   ([`GradientSync::start_gather`] / [`GradientSync::finish_gather`]) and
 //!   [`GradientSync::release`] (no-ops for the others) bracket each forward and backward.
+//!
+//! A block executor runs the collectives itself, on a communication thread beside the
+//! compute (`parallel::overlap`): it calls [`GradientSync::start_reduce`] (Burn's gradients
+//! out as one flat buffer, and the [`Collective`] that reduces it), runs the collective
+//! where it likes, and hands the result to [`GradientSync::finish_reduce`]; ZeRO-3's
+//! parameters come the same way ([`GradientSync::start_gather`] /
+//! [`GradientSync::finish_gather`]). The tensor work stays here, only buffers cross, and the
+//! collective is the same calls on the same buffers as in `reduce` (COLL-1), so the
+//! executor never branches on the strategy and overlap never changes a bit.
 //!
 //! Where the next strategies plug in: gradient compression wraps the reduction of
 //! `AllReduceSync`; local SGD / DiLoCo make `reduce` local and average parameters in `apply`
@@ -30,7 +40,7 @@ use burn::tensor::Device;
 
 use super::buckets::{Bucket, plan_buckets};
 use super::gradients::{
-    GradientBuffers, ParamLayout, reduce_buckets, set_trainable, trainable_range,
+    GradientBuffers, ParamLayout, bucket_ranges, reduce_buckets, set_trainable, trainable_range,
 };
 use super::zero::{FlatRule, OptimizerShard, ZeroStage, owned_range, reshard};
 use crate::checkpoint::{CheckpointError, OptimizerPart, OptimizerState};
@@ -39,7 +49,10 @@ use crate::optim::OptimizerConfig;
 use crate::precision::Precision;
 use crate::trace::TraceKind;
 
+mod collective;
 mod sharded;
+
+pub(crate) use collective::{Collective, Span};
 
 /// What one rank holds of the training state, in bytes (`f32` words × 4), as a worker reports
 /// it for `meshwork bench memory` and the sharding proofs.
@@ -288,11 +301,64 @@ pub(crate) trait GradientSync<M: Module>: Send {
     /// What this rank holds after its last step.
     fn held(&self) -> HeldBytes;
 
-    /// `model` with its full parameters, for a forward or a backward: ZeRO-3 all-gathers
-    /// them from the group's shards (a collective: every rank of the group calls it at the
-    /// same point of its list, FSDP-2); the other strategies hold them always.
-    fn gather(&mut self, model: M, _cx: &mut SyncContext<'_>) -> Result<M, (M, SyncError)> {
-        Ok(model)
+    /// The reduction split from its collective (COLL-1), for an executor that runs the
+    /// collectives elsewhere (a communication thread, `parallel::overlap`): take this rank's
+    /// gradients (already weighted) out of Burn as plain buffers and name the collective that
+    /// reduces them over the group, this rank being `rank_of = (rank, world)`.
+    fn start_reduce(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+        rank_of: (usize, usize),
+    ) -> Result<Collective, SyncError>;
+
+    /// The second half of [`start_reduce`](Self::start_reduce): `out` is its collective's
+    /// result; scale it by `scale` and keep it for [`apply`](Self::apply). Clipping is the
+    /// caller's ([`Reduced::clip_to`], over several blocks).
+    fn finish_reduce(
+        &mut self,
+        out: Vec<f32>,
+        scale: f32,
+        rank_of: (usize, usize),
+    ) -> Result<Reduced, SyncError>;
+
+    /// The all-gather that gives `model` its full parameters for a forward or a backward, as
+    /// rank `rank_of` of the group: ZeRO-3's shard (a collective: every rank of the group
+    /// issues it at the same point of its list, FSDP-2); `None` for the strategies that hold
+    /// the parameters always. The parameters do not change between steps' updates, so the
+    /// gather may be issued ahead of its use (prefetch, EXEC-5).
+    fn start_gather(
+        &mut self,
+        _model: &M,
+        _rank_of: (usize, usize),
+    ) -> Result<Option<Collective>, SyncError> {
+        Ok(None)
+    }
+
+    /// `model` with the full parameters `full`, the result of
+    /// [`start_gather`](Self::start_gather)'s collective.
+    fn finish_gather(&mut self, model: M, _full: Vec<f32>) -> M {
+        model
+    }
+
+    /// `model` with its full parameters now, gathering them over `comm` on this thread if
+    /// it does not hold them.
+    fn gather(&mut self, model: M, comm: Option<&mut Communicator>) -> Result<M, (M, SyncError)> {
+        if self.holds_full() {
+            return Ok(model);
+        }
+        let rank_of = comm
+            .as_ref()
+            .map_or((0, 1), |c| (c.rank().index(), c.world()));
+        let collective = match self.start_gather(&model, rank_of) {
+            Ok(Some(c)) => c,
+            Ok(None) => return Ok(model),
+            Err(e) => return Err((model, e)),
+        };
+        match collective.run(comm).0 {
+            Ok(full) => Ok(self.finish_gather(model, full)),
+            Err(e) => Err((model, SyncError::Comm(e))),
+        }
     }
 
     /// `model` without its full parameters, once a forward or backward is done with them
@@ -484,6 +550,38 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         }))
     }
 
+    fn start_reduce(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+        _rank_of: (usize, usize),
+    ) -> Result<Collective, SyncError> {
+        let whole = 4 * self.layout.len() as u64;
+        self.held.params = whole;
+        self.held.grads_backward = whole;
+        self.held.owned = (0, self.layout.len() as u64);
+        Ok(Collective::AllReduce {
+            buf: GradientBuffers::take(model, &self.layout, grads).into_flat(),
+            buckets: bucket_ranges(&self.buckets, &self.layout),
+        })
+    }
+
+    fn finish_reduce(
+        &mut self,
+        mut out: Vec<f32>,
+        scale: f32,
+        _rank_of: (usize, usize),
+    ) -> Result<Reduced, SyncError> {
+        if scale != 1.0 {
+            out.iter_mut().for_each(|g| *g *= scale);
+        }
+        self.held.grads = 4 * out.len() as u64;
+        Ok(Reduced {
+            grads: ReducedGrads::Buffers(GradientBuffers::from_flat(&self.layout, out)),
+            non_finite: false,
+        })
+    }
+
     fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
         OptimizerState::capture(&self.optimizer)
     }
@@ -535,20 +633,19 @@ impl ZeroSync {
     /// stepped. A stepped shard with nothing restored cannot move (its neighbours' state is
     /// elsewhere): the caller reports that.
     fn owned(&mut self, cx: &SyncContext<'_>) -> Range<usize> {
-        let want = owned_range(self.layout.len(), cx.world(), cx.rank());
+        self.owned_as(cx.rank(), cx.world())
+    }
+
+    fn owned_as(&mut self, rank: usize, world: usize) -> Range<usize> {
+        let want = owned_range(self.layout.len(), world, rank);
         if want != self.shard.range {
             if let Some(parts) = &self.restored {
-                if let Ok(shard) = reshard(parts, self.layout.len(), cx.world(), cx.rank()) {
+                if let Ok(shard) = reshard(parts, self.layout.len(), world, rank) {
                     let rule = self.shard.rule;
                     self.shard = OptimizerShard { rule, ..shard };
                 }
             } else if self.shard.state.steps == 0 {
-                self.shard = OptimizerShard::fresh(
-                    self.shard.rule,
-                    self.layout.len(),
-                    cx.world(),
-                    cx.rank(),
-                );
+                self.shard = OptimizerShard::fresh(self.shard.rule, self.layout.len(), world, rank);
             }
         }
         self.restored = None;
@@ -690,6 +787,64 @@ impl<M: Module> GradientSync<M> for ZeroSync {
             None => values,
         };
         Ok(set_trainable(model, &self.layout, &flat))
+    }
+
+    fn start_reduce(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+        (rank, world): (usize, usize),
+    ) -> Result<Collective, SyncError> {
+        let range = self.owned_as(rank, world);
+        let want = owned_range(self.layout.len(), world, rank);
+        if range != want {
+            return Err(SyncError::NotResharded {
+                have: range,
+                want,
+                rank,
+                world,
+            });
+        }
+        let whole = 4 * self.layout.len() as u64;
+        self.held.params = whole;
+        self.held.grads_backward = whole;
+        self.held.owned = (range.start as u64, range.end as u64);
+        let flat = GradientBuffers::take(model, &self.layout, grads).into_flat();
+        Ok(match self.stage {
+            ZeroStage::Two if world > 1 => Collective::ReduceScatter {
+                flat,
+                out: range.len(),
+            },
+            _ => Collective::AllReduce {
+                buf: flat,
+                buckets: bucket_ranges(&self.buckets, &self.layout),
+            },
+        })
+    }
+
+    fn finish_reduce(
+        &mut self,
+        out: Vec<f32>,
+        scale: f32,
+        (rank, world): (usize, usize),
+    ) -> Result<Reduced, SyncError> {
+        let range = owned_range(self.layout.len(), world, rank);
+        // Stage 2 reduce-scattered to the shard; otherwise the whole buffer came back.
+        let mut shard = match self.stage {
+            ZeroStage::Two if world > 1 => out,
+            _ => out[range].to_vec(),
+        };
+        self.held.grads = match self.stage {
+            ZeroStage::Two => 4 * shard.len() as u64,
+            _ => 4 * self.layout.len() as u64,
+        };
+        if scale != 1.0 {
+            shard.iter_mut().for_each(|g| *g *= scale);
+        }
+        Ok(Reduced {
+            grads: ReducedGrads::Shard(shard),
+            non_finite: false,
+        })
     }
 
     fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {

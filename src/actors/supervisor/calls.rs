@@ -199,6 +199,12 @@ fn root_cause(errors: Vec<Error>) -> Option<Error> {
                             | CommError::Poisoned { .. }
                             | CommError::Link { .. }
                     )
+                    | ExecError::BlockCollective {
+                        cause: CommError::Shutdown { .. }
+                            | CommError::Poisoned { .. }
+                            | CommError::Link { .. },
+                        ..
+                    }
             )
         )
     };

@@ -368,6 +368,7 @@ pub(super) fn step_done<M, I>(
         compute_s: mean.compute_s / n,
         communication_s: mean.communication_s / n,
         waiting_s: mean.waiting_s / n,
+        overlapped_s: mean.overlapped_s / n,
     });
     if !skipped {
         s.first_loss.get_or_insert(loss);

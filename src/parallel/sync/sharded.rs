@@ -1,8 +1,10 @@
 //! ZeRO stage 3 (fully sharded data parallelism) for one block: each rank of the block's
 //! data-parallel group keeps only its range of the block's flat trainable parameters
 //! ([`owned_range`], ZERO-1), the optimizer state of that range and, after the reduction,
-//! the gradient of that range. The full parameters exist only between a
-//! [`gather`](GradientSync::gather) (an all-gather of the shards) and the next
+//! the gradient of that range. The full parameters exist only between a gather (an
+//! all-gather of the shards: [`start_gather`](GradientSync::start_gather)'s collective, run
+//! wherever the executor runs it, possibly ahead of the use, then
+//! [`finish_gather`](GradientSync::finish_gather)) and the next
 //! [`release`](GradientSync::release).
 //!
 //! Invariants (tested in `tests/fsdp.rs`):
@@ -22,7 +24,8 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 
 use super::{
-    GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext, SyncError, clip_to, sum_of_squares,
+    Collective, GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext, SyncError,
+    sum_of_squares,
 };
 use crate::checkpoint::{CheckpointError, OptimizerState};
 use crate::comm::ReduceOp;
@@ -122,34 +125,22 @@ impl ShardedSync {
 }
 
 impl<M: Module> GradientSync<M> for ShardedSync {
-    fn gather(&mut self, model: M, cx: &mut SyncContext<'_>) -> Result<M, (M, SyncError)> {
-        if let Err(e) = self.owned(&model, cx) {
-            return Err((model, e));
-        }
-        if self.full {
-            return Ok(model);
-        }
-        let shard = self.params.as_deref().expect("set by `owned`");
-        let flat = match cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
-            Some(comm) => {
-                let mut flat = vec![0.0f32; self.layout.len()];
-                let t = Instant::now();
-                if let Err(e) = comm.all_gather(shard, &mut flat) {
-                    return Err((model, SyncError::Comm(e)));
-                }
-                cx.spans.push((
-                    TraceKind::AllGather {
-                        bytes: (flat.len() * 4) as u64,
-                    },
-                    t,
-                    t.elapsed(),
-                ));
-                flat
-            }
-            None => shard.to_vec(),
-        };
+    fn start_gather(
+        &mut self,
+        model: &M,
+        (rank, world): (usize, usize),
+    ) -> Result<Option<Collective>, SyncError> {
+        self.owned_as(model, rank, world)?;
+        let shard = self.params.as_deref().expect("set by `owned_as`");
+        Ok(Some(Collective::AllGather {
+            shard: shard.to_vec(),
+            len: self.layout.len(),
+        }))
+    }
+
+    fn finish_gather(&mut self, model: M, full: Vec<f32>) -> M {
         self.full = true;
-        Ok(set_trainable(model, &self.layout, &flat))
+        set_trainable(model, &self.layout, &full)
     }
 
     fn shard(&mut self, model: M, rank: usize, world: usize) -> M {
@@ -180,47 +171,52 @@ impl<M: Module> GradientSync<M> for ShardedSync {
         grads: GradientsParams,
         cx: &mut SyncContext<'_>,
     ) -> Result<Reduced, SyncError> {
-        let range = self.owned(model, cx)?;
+        let rank_of = (cx.rank(), cx.world());
         let t = Instant::now();
-        let flat = GradientBuffers::take(model, &self.layout, grads).into_flat();
+        let collective = <Self as GradientSync<M>>::start_reduce(self, model, grads, rank_of)?;
         cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
-        self.held.grads_backward = 4 * self.layout.len() as u64;
-        let mut shard = match cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
-            Some(comm) => {
-                let mut shard = vec![0.0f32; range.len()];
-                let t = Instant::now();
-                comm.reduce_scatter(&flat, &mut shard, ReduceOp::Sum)?;
-                cx.spans.push((
-                    TraceKind::ReduceScatter {
-                        bytes: (flat.len() * 4) as u64,
-                    },
-                    t,
-                    t.elapsed(),
-                ));
-                shard
+        let (out, span) = collective.run(cx.comm.as_deref_mut());
+        cx.spans.extend(span);
+        let mut reduced = <Self as GradientSync<M>>::finish_reduce(self, out?, cx.scale, rank_of)?;
+        if let (Some(max), ReducedGrads::Shard(shard)) = (cx.clip, &reduced.grads) {
+            // The global norm from the shards: every rank's sum of squares, all-reduced.
+            let mut sum = [sum_of_squares(std::iter::once(&shard[..])) as f32];
+            if let Some(comm) = cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
+                comm.all_reduce(&mut sum, ReduceOp::Sum)?;
             }
-            None => flat[range].to_vec(),
-        };
-        drop(flat);
-        self.held.grads = 4 * shard.len() as u64;
-        if cx.scale != 1.0 {
-            shard.iter_mut().for_each(|g| *g *= cx.scale);
+            reduced.clip_to(f64::from(sum[0]).sqrt() as f32, max);
         }
-        let norm = match cx.clip {
-            None => None,
-            Some(max) => {
-                let mut sum = [sum_of_squares(std::iter::once(&shard[..])) as f32];
-                if let Some(comm) = cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
-                    comm.all_reduce(&mut sum, ReduceOp::Sum)?;
-                }
-                let norm = f64::from(sum[0]).sqrt() as f32;
-                clip_to(&mut [&mut shard[..]], norm, max);
-                Some(norm)
-            }
-        };
+        Ok(reduced)
+    }
+
+    fn start_reduce(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+        (rank, world): (usize, usize),
+    ) -> Result<Collective, SyncError> {
+        let range = self.owned_as(model, rank, world)?;
+        let flat = GradientBuffers::take(model, &self.layout, grads).into_flat();
+        self.held.grads_backward = 4 * self.layout.len() as u64;
+        Ok(Collective::ReduceScatter {
+            flat,
+            out: range.len(),
+        })
+    }
+
+    fn finish_reduce(
+        &mut self,
+        mut shard: Vec<f32>,
+        scale: f32,
+        _rank_of: (usize, usize),
+    ) -> Result<Reduced, SyncError> {
+        self.held.grads = 4 * shard.len() as u64;
+        if scale != 1.0 {
+            shard.iter_mut().for_each(|g| *g *= scale);
+        }
         Ok(Reduced {
             grads: ReducedGrads::Shard(shard),
-            non_finite: norm.is_some_and(|n| !n.is_finite()),
+            non_finite: false,
         })
     }
 
