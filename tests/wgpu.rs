@@ -17,6 +17,10 @@ use meshwork::testing::{
 /// Same bound as on CPU: max|a − b| ≤ 1e-5 · max|reference| per tensor.
 const TOLERANCE: f32 = 1e-5;
 
+/// The device's random generator is shared by this file's tests, which run on parallel
+/// threads: a model is seeded and drawn under this lock, in one piece.
+static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dp_2_on_wgpu_matches_single_wgpu_device() {
     tokio::time::timeout(Duration::from_secs(600), async {
@@ -28,8 +32,11 @@ async fn dp_2_on_wgpu_matches_single_wgpu_device() {
             seed: 11,
         };
         let data = task.dataset(256);
-        device.seed(5);
-        let init = Mlp::new(&[8, 32, 3], &device);
+        let init = {
+            let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
+            device.seed(5);
+            meshwork::parallel::stages::materialize(Mlp::new(&[8, 32, 3], &device))
+        };
         let job = Job::builder()
             .initial_model(init.clone())
             .loss(mse_loss)
@@ -96,9 +103,13 @@ async fn mixed_precision_on_wgpu_tracks_f32_or_is_refused() {
         }
         .dataset(256);
         let job = |precision: Precision| {
-            device.seed(9);
+            let init = {
+                let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
+                device.seed(9);
+                meshwork::parallel::stages::materialize(Mlp::new(&[8, 32, 3], &device))
+            };
             Job::builder()
-                .initial_model(Mlp::new(&[8, 32, 3], &device))
+                .initial_model(init)
                 .loss(mse_loss)
                 .data(data.clone())
                 .optimizer(burn::optim::AdamConfig::new())

@@ -147,6 +147,13 @@ pub(crate) enum BenchCommand {
         /// Keep only each block's input and recompute its forward during backward.
         #[arg(long)]
         recompute: bool,
+        /// What forward and backward compute in: f32, bf16 or f16 (f32 master weights).
+        #[arg(long, default_value = "f32")]
+        precision: meshwork::precision::Precision,
+        /// Blocks whose parameters may be gathered ahead of the one computing (ZeRO-3
+        /// prefetch; 0: no overlap).
+        #[arg(long, default_value_t = 1)]
+        in_flight: usize,
         /// Timed steps (after 2 warm-up steps).
         #[arg(long, default_value_t = 10)]
         steps: u64,
@@ -174,6 +181,10 @@ pub(crate) enum BenchCommand {
         depth: usize,
         #[arg(long)]
         recompute: bool,
+        #[arg(long)]
+        precision: meshwork::precision::Precision,
+        #[arg(long)]
+        in_flight: usize,
         #[arg(long)]
         steps: u64,
         #[arg(long)]
@@ -266,6 +277,8 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             hidden,
             depth,
             recompute,
+            precision,
+            in_flight,
             steps,
             batch_size,
             svg,
@@ -277,6 +290,8 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                 hidden,
                 depth,
                 recompute,
+                precision,
+                in_flight,
                 steps,
                 batch_size,
                 svg,
@@ -289,6 +304,8 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             hidden,
             depth,
             recompute,
+            precision,
+            in_flight,
             steps,
             batch_size,
         } => crate::memory_bench::worker(crate::memory_bench::MemoryBench {
@@ -297,6 +314,8 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             hidden,
             depth,
             recompute,
+            precision,
+            in_flight,
             steps,
             batch_size,
             svg: None,

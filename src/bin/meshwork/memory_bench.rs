@@ -19,6 +19,7 @@ use meshwork::events::JobEvent;
 use meshwork::job::{BlockOptions, EventsError, Job};
 use meshwork::parallel::memory::StepMemory;
 use meshwork::parallel::zero::ZeroStage;
+use meshwork::precision::Precision;
 use serde::{Deserialize, Serialize};
 
 use crate::memory_svg::{Panel, Point};
@@ -36,6 +37,9 @@ pub(crate) struct MemoryBench {
     pub(crate) hidden: usize,
     pub(crate) depth: usize,
     pub(crate) recompute: bool,
+    pub(crate) precision: Precision,
+    /// Blocks whose parameters may be gathered ahead of the one computing (prefetch).
+    pub(crate) in_flight: usize,
     pub(crate) steps: u64,
     pub(crate) batch_size: usize,
     /// Draw one rank's bytes over the last step, this run beside the baseline.
@@ -47,6 +51,7 @@ pub(crate) struct MemoryBench {
 struct Side {
     zero: u8,
     recompute: bool,
+    precision: Precision,
 }
 
 /// What one child reports.
@@ -86,6 +91,10 @@ fn args(b: &MemoryBench, side: Side) -> Vec<String> {
         b.hidden.to_string(),
         "--depth".into(),
         b.depth.to_string(),
+        "--precision".into(),
+        side.precision.name().into(),
+        "--in-flight".into(),
+        b.in_flight.to_string(),
         "--steps".into(),
         b.steps.to_string(),
         "--batch-size".into(),
@@ -125,13 +134,31 @@ fn median(mut runs: Vec<WorkerReport>) -> WorkerReport {
     runs.swap_remove(mid)
 }
 
-/// The ZeRO paper's bytes per rank for Ψ parameters with Adam in f32 at `zero` over `n`
-/// ranks: (parameters, gradients, optimizer state).
-fn paper_bytes(psi: f64, n: f64, zero: u8) -> (f64, f64, f64) {
-    let params = if zero >= 3 { 4.0 * psi / n } else { 4.0 * psi };
-    let grads = if zero >= 2 { 4.0 * psi / n } else { 4.0 * psi };
-    let optim = if zero >= 1 { 8.0 * psi / n } else { 8.0 * psi };
+/// The ZeRO paper's bytes per rank for Ψ parameters with Adam at `zero` over `n` ranks:
+/// (parameters, gradients, optimizer state). In f32: 4Ψ + 4Ψ + 8Ψ (Adam's two moments); in
+/// mixed precision: 2Ψ + 2Ψ + 12Ψ (16-bit parameters and gradients; the optimizer keeps f32
+/// master weights beside the moments).
+fn paper_bytes(psi: f64, n: f64, zero: u8, precision: Precision) -> (f64, f64, f64) {
+    let (p, g, o) = if precision.is_low() {
+        (2.0, 2.0, 12.0)
+    } else {
+        (4.0, 4.0, 8.0)
+    };
+    let params = if zero >= 3 { p * psi / n } else { p * psi };
+    let grads = if zero >= 2 { g * psi / n } else { g * psi };
+    let optim = if zero >= 1 { o * psi / n } else { o * psi };
     (params, grads, optim)
+}
+
+/// The most bytes of parameters, gradients and optimizer state held at one instant of the
+/// step (the peaks of each, reported apart, need not coincide).
+fn peak_state(m: &StepMemory) -> u64 {
+    m.timeline
+        .iter()
+        .map(|p| p.params + p.grads)
+        .max()
+        .unwrap_or(0)
+        + m.optimizer
 }
 
 /// Run both sides and print the figures.
@@ -144,11 +171,13 @@ pub(crate) fn run(b: MemoryBench, json: bool) -> Result<()> {
     let side = Side {
         zero: b.zero,
         recompute: b.recompute,
+        precision: b.precision,
     };
-    // The baseline: plain data parallelism over the same blocks, nothing recomputed.
+    // The baseline: plain data parallelism over the same blocks, in f32, nothing recomputed.
     let plain = Side {
         zero: 0,
         recompute: false,
+        precision: Precision::F32,
     };
     let mut runs = Vec::new();
     let mut baselines = Vec::new();
@@ -163,12 +192,13 @@ pub(crate) fn run(b: MemoryBench, json: bool) -> Result<()> {
     let psi = layers.iter().sum::<u64>() as f64;
     let largest = layers.iter().copied().max().unwrap_or(0) as f64;
     let n = f64::from(b.dp);
-    let (f_params, f_grads, f_optim) = paper_bytes(psi, n, b.zero);
+    let (f_params, f_grads, f_optim) = paper_bytes(psi, n, b.zero, b.precision);
     // ZeRO-3's allowance: the block being computed, its full parameters and gradient.
     let allowance = 16.0 * psi / n + 8.0 * largest;
     let m = &run.memory;
     let held_params = m.peak_full_params + m.param_shards;
-    let state = held_params + m.peak_grads + m.optimizer;
+    // Parameters, gradients and optimizer state held at the same instant, at its peak.
+    let state = peak_state(m);
     let throughput = run.samples_per_s / base.samples_per_s.max(1e-12);
     if let Some(path) = &b.svg {
         let panel = |title: String, m: &StepMemory| Panel {
@@ -218,7 +248,8 @@ pub(crate) fn run(b: MemoryBench, json: bool) -> Result<()> {
             serde_json::json!({
                 "world": b.dp,
                 "zero": b.zero,
-                "precision": "f32",
+                "precision": b.precision.name(),
+                "blocks_in_flight": b.in_flight,
                 "recompute": b.recompute,
                 "elements": psi,
                 "largest_block_elements": largest,
@@ -236,8 +267,7 @@ pub(crate) fn run(b: MemoryBench, json: bool) -> Result<()> {
                 "stage3_allowance_bytes": allowance,
                 "state_to_allowance": state as f64 / allowance,
                 "baseline_activation_bytes": base.memory.peak_activations,
-                "baseline_state_bytes": base.memory.peak_full_params + base.memory.peak_grads
-                    + base.memory.optimizer,
+                "baseline_state_bytes": peak_state(&base.memory),
                 "peak_rss_bytes": run.peak_rss_bytes,
                 "baseline_peak_rss_bytes": base.peak_rss_bytes,
                 "samples_per_s": run.samples_per_s,
@@ -249,18 +279,30 @@ pub(crate) fn run(b: MemoryBench, json: bool) -> Result<()> {
     }
     let mib = |bytes: f64| bytes / 1_048_576.0;
     println!(
-        "# ZeRO-{}{} at dp {}: demo MLP {:?} as {} one-layer blocks (Ψ = {psi} parameters, \
-         largest block {largest}), Adam, f32, batch {}, {} timed steps; median of {ROUNDS} \
-         alternated runs per side",
+        "# ZeRO-{}{} at dp {}, {} blocks in flight: demo MLP {:?} as {} one-layer blocks (Ψ = \
+         {psi} parameters, largest block {largest}), Adam, {}, batch {}, {} timed steps; \
+         median of {ROUNDS} alternated runs per side; the baseline is plain data parallel over \
+         the same blocks in f32",
         b.zero,
         if b.recompute { " + recompute" } else { "" },
         b.dp,
+        b.in_flight,
         w,
         layers.len(),
+        b.precision,
         b.batch_size,
         b.steps
     );
-    println!("per rank, peak over the step (measured | ZeRO paper, f32 Adam):");
+    println!(
+        "per rank, peak over the step (measured | ZeRO paper, {} Adam){}:",
+        b.precision,
+        if b.precision.is_low() {
+            "; meshwork keeps the f32 master weights in the model and f32 gradients, counted \
+             under parameters and gradients, and casts a 16-bit copy of a block for its compute"
+        } else {
+            ""
+        }
+    );
     for (what, measured, formula) in [
         ("parameters", held_params, f_params),
         ("gradients", m.peak_grads, f_grads),
@@ -278,9 +320,9 @@ pub(crate) fn run(b: MemoryBench, json: bool) -> Result<()> {
         mib(m.param_shards as f64)
     );
     println!(
-        "  parameters + gradients + optimizer: {:.2} MiB; without sharding 16Ψ = {:.2} MiB; \
-         stage-3 allowance 16Ψ/N + the largest block's parameters and gradient = {:.2} MiB; \
-         ratio {:.3}",
+        "  parameters + gradients + optimizer held at once, at the peak: {:.2} MiB; without \
+         sharding 16Ψ = {:.2} MiB; stage-3 allowance 16Ψ/N + the largest block's parameters \
+         and gradient = {:.2} MiB; ratio {:.3}",
         mib(state as f64),
         mib(16.0 * psi),
         mib(allowance),
@@ -332,6 +374,8 @@ pub(crate) fn worker(b: MemoryBench) -> Result<()> {
             .data_parallel(b.dp)
             .batch_size(b.batch_size)
             .zero(zero)
+            .precision(b.precision)
+            .blocks_in_flight(b.in_flight)
             .steps(b.steps + WARMUP)
             .build()?;
         let handle = job.spawn().await?;
@@ -388,10 +432,20 @@ mod tests {
     #[test]
     fn the_papers_figures_shard_as_each_stage_says() {
         let (psi, n) = (1000.0, 4.0);
-        assert_eq!(paper_bytes(psi, n, 0), (4000.0, 4000.0, 8000.0));
-        assert_eq!(paper_bytes(psi, n, 1), (4000.0, 4000.0, 2000.0));
-        assert_eq!(paper_bytes(psi, n, 2), (4000.0, 1000.0, 2000.0));
-        assert_eq!(paper_bytes(psi, n, 3), (1000.0, 1000.0, 2000.0));
+        let f32 = Precision::F32;
+        assert_eq!(paper_bytes(psi, n, 0, f32), (4000.0, 4000.0, 8000.0));
+        assert_eq!(paper_bytes(psi, n, 1, f32), (4000.0, 4000.0, 2000.0));
+        assert_eq!(paper_bytes(psi, n, 2, f32), (4000.0, 1000.0, 2000.0));
+        assert_eq!(paper_bytes(psi, n, 3, f32), (1000.0, 1000.0, 2000.0));
+        // Mixed precision: the same 16Ψ, split 2 + 2 + 12.
+        assert_eq!(
+            paper_bytes(psi, n, 0, Precision::Bf16),
+            (2000.0, 2000.0, 12000.0)
+        );
+        assert_eq!(
+            paper_bytes(psi, n, 3, Precision::F16),
+            (500.0, 500.0, 3000.0)
+        );
     }
 
     #[test]
