@@ -43,6 +43,7 @@ pub mod prelude {
     };
     pub use crate::mesh::{Layout, Rank};
     pub use crate::parallel::pipeline::Schedule;
+    pub use crate::parallel::stages::{BlockOptions, PipelineStages};
     pub use crate::parallel::zero::ZeroStage;
     pub use crate::precision::{LossScalerConfig, Precision};
     pub use crate::recovery::RecoveryPolicy;
