@@ -122,10 +122,14 @@ async fn main() -> meshwork::Result<()> {
     println!("last loss: {full_loss:.4} (plain) and {small_loss:.4} (sharded)");
     let held = |m: &StepMemory| m.peak_full_params + m.param_shards + m.optimizer;
     if held(&small) * 2 > held(&full) || small.peak_activations >= full.peak_activations {
-        return Err(meshwork::Error::Runtime("ZeRO-3 held as much as plain".into()));
+        return Err(meshwork::Error::Runtime(
+            "ZeRO-3 held as much as plain".into(),
+        ));
     }
     if (small_loss - full_loss).abs() > 0.1 * full_loss {
-        return Err(meshwork::Error::Runtime("bf16 did not learn like f32".into()));
+        return Err(meshwork::Error::Runtime(
+            "bf16 did not learn like f32".into(),
+        ));
     }
     Ok(())
 }
