@@ -83,7 +83,8 @@ pub use fs::{
     CheckpointFile, CheckpointFs, FaultyFile, FaultyFs, FsOp, MemoryFile, MemoryFs, RealFs,
 };
 pub use params::{
-    NamedParam, OptimizerPart, OptimizerState, ShardParams, restore_module, snapshot_module,
+    NamedParam, OptimizerPart, OptimizerState, ParamPart, ShardParams, restore_module,
+    snapshot_module,
 };
 pub use store::{CheckpointStore, Loaded, Refused};
 
@@ -388,6 +389,13 @@ pub enum CheckpointError {
     #[error("optimizer state: {reason}")]
     Optimizer {
         /// Burn's error text.
+        reason: String,
+    },
+    /// A ZeRO-3 block's parameter parts (CKPT-10) do not make one flat vector for this block,
+    /// or are restored where they cannot be.
+    #[error("parameter parts: {reason}")]
+    ParameterParts {
+        /// What is wrong with them.
         reason: String,
     },
 }
