@@ -54,6 +54,14 @@
 //!   part, each listed in the manifest with its length and CRC-32 and verified like a shard
 //!   file; the parts must tile the block's flat parameter order exactly once. Loading gives
 //!   back every part, so the training layer can re-shard them onto another group size.
+//! - **CKPT-10 sharded parameters.** A ZeRO-3 block's snapshot holds its rank's part of the
+//!   block's flat trainable parameters ([`ParamPart`]: range, total, values), stored as one
+//!   entry of the shard file named `#flat[start..end]/total` (no module path starts with `#`),
+//!   so it is length- and CRC-checked with the file; the block's other float parameters
+//!   (buffers) stay by name. The Supervisor adds every rank's part to the block's snapshot;
+//!   loading puts the parts together ([`ShardParams::flat_parameters`]) only if they tile the
+//!   flat order exactly once, and the restoring rank keeps its range of the whole for its own
+//!   group, so the checkpoint re-shards onto any data-parallel size.
 //! - **CKPT-9 training state.** A shard snapshot carries its stage's [`TrainingState`] (the
 //!   learning-rate scheduler's record); every stage of a job steps the same schedule, so the
 //!   shards of one checkpoint carry equal states (a write is refused otherwise) and the

@@ -52,9 +52,7 @@ use super::memory::{BlockBytes, StepMemory};
 use super::overlap::{CommLane, Ticket, with_lane};
 use super::sync::{self, Collective, GradientSync, SyncContext};
 use super::zero::{UnsupportedOptimizer, ZeroStage};
-use crate::checkpoint::{
-    CheckpointError, LrSchedulerState, OptimizerState, ShardParams,
-};
+use crate::checkpoint::{CheckpointError, LrSchedulerState, OptimizerState, ShardParams};
 use crate::comm::{CollectiveKind, CommError, Communicator};
 use crate::faults::{Phase, with_hooks};
 

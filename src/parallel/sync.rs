@@ -670,10 +670,11 @@ pub(crate) fn restore_flat<M: Module>(
 
 /// A ZeRO optimizer shard as its checkpoint part (CKPT-8).
 pub(crate) fn shard_state(own: &OptimizerShard) -> Result<OptimizerState, CheckpointError> {
-    let bytes = bincode::serde::encode_to_vec(&own, bincode::config::standard())
-        .map_err(|e| CheckpointError::Optimizer {
+    let bytes = bincode::serde::encode_to_vec(own, bincode::config::standard()).map_err(|e| {
+        CheckpointError::Optimizer {
             reason: format!("encoding the ZeRO shard: {e}"),
-        })?;
+        }
+    })?;
     Ok(OptimizerState::from_parts(vec![OptimizerPart {
         range: own.range.start as u64..own.range.end as u64,
         total: own.total as u64,
@@ -684,11 +685,11 @@ pub(crate) fn shard_state(own: &OptimizerShard) -> Result<OptimizerState, Checkp
 /// `state`'s parts re-sharded onto rank `rank` of `world` (ZERO-3) with `own`'s rule, and
 /// the decoded parts; an error unless they are ZeRO parts of the same kind of rule.
 pub(crate) fn restore_shard(
-state: &OptimizerState,
-own: &OptimizerShard,
-len: usize,
-rank: usize,
-world: usize,
+    state: &OptimizerState,
+    own: &OptimizerShard,
+    len: usize,
+    rank: usize,
+    world: usize,
 ) -> Result<(OptimizerShard, Vec<OptimizerShard>), CheckpointError> {
     let Some(parts) = state.parts() else {
         return Err(CheckpointError::Optimizer {
@@ -722,11 +723,10 @@ world: usize,
             Ok(shard)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let mut shard = reshard(&decoded, len, world, rank).map_err(|e| {
-        CheckpointError::Optimizer {
+    let mut shard =
+        reshard(&decoded, len, world, rank).map_err(|e| CheckpointError::Optimizer {
             reason: e.to_string(),
-        }
-    })?;
+        })?;
     // The configured rule steps on (a resumed job may change, say, its weight decay), as
     // long as its state has the same buffers.
     if shard.rule.state_words() != own.rule.state_words()

@@ -15,6 +15,9 @@
 //!   communicator's typed time-out.
 //! - FSDP-3: the update is [`FlatRule`]'s on the shard (ZERO-2's arithmetic), so a ZeRO-3
 //!   step equals one device's step element for element.
+//! - CKPT-10 (with `tests/fsdp.rs`): a snapshot holds this rank's parameter part and
+//!   optimizer part only; a restore puts every rank's parameter parts together and keeps this
+//!   rank's range of them for the restoring group, the optimizer parts re-sharded alike.
 
 use std::collections::HashSet;
 use std::ops::Range;
