@@ -54,6 +54,14 @@
 //!   part, each listed in the manifest with its length and CRC-32 and verified like a shard
 //!   file; the parts must tile the block's flat parameter order exactly once. Loading gives
 //!   back every part, so the training layer can re-shard them onto another group size.
+//! - **CKPT-10 sharded parameters.** A ZeRO-3 block's snapshot holds its rank's part of the
+//!   block's flat trainable parameters ([`ParamPart`]: range, total, values), stored as one
+//!   entry of the shard file named `#flat[start..end]/total` (no module path starts with `#`),
+//!   so it is length- and CRC-checked with the file; the block's other float parameters
+//!   (buffers) stay by name. The Supervisor adds every rank's part to the block's snapshot;
+//!   loading puts the parts together ([`ShardParams::flat_parameters`]) only if they tile the
+//!   flat order exactly once, and the restoring rank keeps its range of the whole for its own
+//!   group, so the checkpoint re-shards onto any data-parallel size.
 //! - **CKPT-9 training state.** A shard snapshot carries its stage's [`TrainingState`] (the
 //!   learning-rate scheduler's record); every stage of a job steps the same schedule, so the
 //!   shards of one checkpoint carry equal states (a write is refused otherwise) and the
@@ -83,7 +91,8 @@ pub use fs::{
     CheckpointFile, CheckpointFs, FaultyFile, FaultyFs, FsOp, MemoryFile, MemoryFs, RealFs,
 };
 pub use params::{
-    NamedParam, OptimizerPart, OptimizerState, ShardParams, restore_module, snapshot_module,
+    NamedParam, OptimizerPart, OptimizerState, ParamPart, ShardParams, restore_module,
+    snapshot_module,
 };
 pub use store::{CheckpointStore, Loaded, Refused};
 
@@ -388,6 +397,13 @@ pub enum CheckpointError {
     #[error("optimizer state: {reason}")]
     Optimizer {
         /// Burn's error text.
+        reason: String,
+    },
+    /// A ZeRO-3 block's parameter parts (CKPT-10) do not make one flat vector for this block,
+    /// or are restored where they cannot be.
+    #[error("parameter parts: {reason}")]
+    ParameterParts {
+        /// What is wrong with them.
         reason: String,
     },
 }

@@ -884,13 +884,6 @@ where
             }
             None => None,
         };
-        if self.zero.shards_parameters() && checkpoints.is_some() {
-            return invalid(
-                "checkpoints of a zero(Three) job are not supported yet: remove the checkpoint \
-                 settings or use zero(Two)"
-                    .into(),
-            );
-        }
         if self.recovery.roll_back && checkpoints.is_none() {
             return invalid(
                 "a recovery policy that rolls back needs checkpoints: add .checkpoint_dir(dir) \

@@ -552,3 +552,196 @@ fn zero_3_with_a_plain_model_is_refused_naming_blocks() {
         .expect_err("ZeRO-3 needs blocks");
     assert!(err.to_string().contains(".blocks(stages)"), "{err}");
 }
+
+/// A ZeRO-3 job of `n` steps at `dp`, checkpointing into `dir` (every `every` steps, or at
+/// the end), resuming from it when `resume`.
+fn checkpointed(
+    dp: u32,
+    n: u64,
+    dir: &std::path::Path,
+    resume: bool,
+) -> Job<PipelineModel, Sample> {
+    builder(
+        &case(dp, ZeroStage::Three, AdamConfig::new()),
+        &init_blocks(),
+    )
+    .steps(n)
+    .checkpoint_dir(dir)
+    .resume_from_checkpoint(resume)
+    .build()
+    .expect("a valid ZeRO-3 job with checkpoints")
+}
+
+async fn blocks_of(
+    job: Job<PipelineModel, Sample>,
+) -> (Vec<Block>, Vec<meshwork::events::JobEvent>) {
+    let (out, events) = tokio::time::timeout(Duration::from_secs(120), run_recording(job))
+        .await
+        .expect("the job ends within its bound");
+    let mut model = out.expect("the job succeeds").model;
+    let blocks = (0..WIDTHS.len() - 1)
+        .map(|i| model.take_block::<Block>(i).expect("every block"))
+        .collect();
+    (blocks, events)
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("meshwork-fsdp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// CKPT-10: a ZeRO-3 checkpoint holds one parameter part per rank (no rank writes the whole
+/// block); resumed at dp 2 it continues bitwise, resumed at dp 3 (re-sharded parameters and
+/// optimizer state) it ends within 1e-5 · max|ref| of the uninterrupted dp-2 run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ckpt_10_a_zero_3_checkpoint_resumes_bitwise_and_on_another_dp_size() {
+    use meshwork::checkpoint::CheckpointStore;
+    let (whole, _) = blocks_of(checkpointed(2, 4, &temp_dir("whole"), false)).await;
+    let (same, other) = (temp_dir("same"), temp_dir("other"));
+    for dir in [&same, &other] {
+        blocks_of(checkpointed(2, 2, dir, false)).await;
+    }
+    let saved = CheckpointStore::open(&same, 3)
+        .expect("a store")
+        .latest_valid()
+        .expect("listed")
+        .expect("a checkpoint");
+    assert_eq!(saved.checkpoint.step, 2);
+    assert_eq!(saved.checkpoint.shards.len(), WIDTHS.len() - 1);
+    for (shard, b) in saved.checkpoint.shards.iter().zip(init_blocks()) {
+        let n = parameter_count(&b);
+        let parts = shard.params.params();
+        assert_eq!(
+            parts.len(),
+            2,
+            "{}: one parameter part per rank",
+            shard.shard
+        );
+        assert!(
+            parts.iter().all(|p| p.values.len() < n),
+            "only shards stored"
+        );
+        let flat = shard
+            .params
+            .flat_parameters(n)
+            .expect("parts tile the block");
+        assert_eq!(flat.map(|f| f.len()), Some(n));
+    }
+
+    let (resumed, events) = blocks_of(checkpointed(2, 4, &same, true)).await;
+    assert_eq!(
+        steps_of(&events).first().map(|s| s.step),
+        Some(2),
+        "resumed"
+    );
+    for (a, b) in resumed.iter().zip(&whole) {
+        assert_eq!(parameter_bits(a), parameter_bits(b), "dp 2 resumes bitwise");
+    }
+    let (resharded, events) = blocks_of(checkpointed(3, 4, &other, true)).await;
+    let steps = steps_of(&events);
+    assert_eq!(
+        steps.first().map(|s| (s.step, s.replicas.len())),
+        Some((2, 3))
+    );
+    for (i, (a, b)) in resharded.iter().zip(&whole).enumerate() {
+        compare_parameters(a, b, TOLERANCE).unwrap_or_else(|e| panic!("block {i}: {e}"));
+    }
+    for dir in [same, other] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+/// A lost ZeRO-3 rank's shards exist nowhere else: the job rolls back to its checkpoint and
+/// ends bitwise where the uninterrupted run ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_3_job_rolls_back_to_its_checkpoint_and_ends_as_the_uninterrupted_run() {
+    use meshwork::events::JobEvent;
+    use meshwork::recovery::RecoveryPolicy;
+    let (whole, _) = blocks_of(checkpointed(2, 4, &temp_dir("plain"), false)).await;
+    let dir = temp_dir("rollback");
+    let plan = FaultPlan::new(4).with(Fault {
+        device: 1,
+        step: 3,
+        micro_batch: Some(0),
+        phase: Phase::Backward,
+        kind: FaultKind::Panic,
+    });
+    let job = builder(
+        &case(2, ZeroStage::Three, AdamConfig::new()),
+        &init_blocks(),
+    )
+    .steps(4)
+    .fault_plan(plan)
+    .recovery(RecoveryPolicy::roll_back())
+    .checkpoint_dir(&dir)
+    .checkpoint_every(2)
+    .build()
+    .expect("a valid job");
+    let (trained, events) = blocks_of(job).await;
+    let rolled: Vec<(u64, u64)> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::RolledBack {
+                failed_step, step, ..
+            } => Some((*failed_step, *step)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        rolled,
+        vec![(3, 2)],
+        "rolled back to the checkpoint of step 2"
+    );
+    for (a, b) in trained.iter().zip(&whole) {
+        assert_eq!(
+            parameter_bits(a),
+            parameter_bits(b),
+            "as if never interrupted"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// CKPT-10 across stages: a ZeRO-3 checkpoint resumes in a ZeRO-2 block job (the same flat
+/// optimizer parts, full parameters put together) within 1e-5 · max|ref| of the uninterrupted
+/// ZeRO-3 run; a ZeRO-0 job cannot take the sharded optimizer state and says so, and a ZeRO-3
+/// job refuses a checkpoint of whole parameters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ckpt_10_a_zero_3_checkpoint_resumes_at_zero_2_and_is_refused_where_it_cannot() {
+    let (whole, _) = blocks_of(checkpointed(2, 4, &temp_dir("z3-whole"), false)).await;
+    let dir = temp_dir("z3-to-z2");
+    blocks_of(checkpointed(2, 2, &dir, false)).await;
+    let resume = |zero: ZeroStage, dir: &std::path::Path| {
+        builder(&case(2, zero, AdamConfig::new()), &init_blocks())
+            .steps(4)
+            .checkpoint_dir(dir)
+            .resume_from_checkpoint(true)
+            .build()
+            .expect("a valid job")
+    };
+    let run = |job| async {
+        tokio::time::timeout(Duration::from_secs(120), run_recording(job))
+            .await
+            .expect("the job ends")
+            .0
+    };
+    let Err(err) = run(resume(ZeroStage::Off, &dir)).await else {
+        panic!("ZeRO-0 cannot load sharded optimizer state");
+    };
+    assert!(
+        err.to_string().contains("sharded (ZeRO) optimizer state"),
+        "{err}"
+    );
+
+    let (two, _) = blocks_of(resume(ZeroStage::Two, &dir)).await;
+    for (i, (a, b)) in two.iter().zip(&whole).enumerate() {
+        compare_parameters(a, b, TOLERANCE).unwrap_or_else(|e| panic!("block {i}: {e}"));
+    }
+    // The ZeRO-2 run wrote whole parameters at step 4: a ZeRO-3 job does not take them.
+    let Err(err) = run(resume(ZeroStage::Three, &dir)).await else {
+        panic!("ZeRO-3 refuses whole parameters");
+    };
+    assert!(err.to_string().contains("parameter parts"), "{err}");
+    let _ = std::fs::remove_dir_all(dir);
+}

@@ -13,6 +13,8 @@
 //!             state, the last piece of a transfer (never a file of its own)
 //! ```
 //!
+//! A ZeRO-3 block's parameter part is one more parameter entry of the shard file (CKPT-10).
+//!
 //! Every file is written in [`FORMAT_VERSION`]; versions from [`OLDEST_READABLE_VERSION`] on
 //! are read (shard and part files did not change between 2 and 3).
 //!

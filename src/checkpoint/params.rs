@@ -95,6 +95,131 @@ impl ShardParams {
     }
 }
 
+/// The name prefix of a parameter part's entry (CKPT-10): no module path starts with `#`.
+const PART_PREFIX: &str = "#flat[";
+
+/// One data-parallel rank's part of a ZeRO-3 block's parameters (CKPT-10): which elements of
+/// the block's flat trainable-parameter order it covers, and their values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamPart {
+    /// The elements covered.
+    pub range: std::ops::Range<u64>,
+    /// The length of the whole flat order.
+    pub total: u64,
+    /// Their values, `range`'s length of them.
+    pub values: Vec<f32>,
+}
+
+impl ParamPart {
+    /// The entry that stores it among named parameters: `#flat[start..end]/total`, one
+    /// dimension; it travels and is checksummed like any parameter of the shard file.
+    fn into_named(self) -> NamedParam {
+        NamedParam {
+            name: format!(
+                "{PART_PREFIX}{}..{}]/{}",
+                self.range.start, self.range.end, self.total
+            ),
+            id: 0,
+            dims: vec![self.values.len()],
+            values: self.values,
+        }
+    }
+
+    /// The part an entry stores; `None` for a module's parameter, an error for an entry
+    /// named as a part that does not parse or whose length is not its range's.
+    fn of_named(p: &NamedParam) -> Option<Result<Self, CheckpointError>> {
+        let rest = p.name.strip_prefix(PART_PREFIX)?;
+        let bad = || CheckpointError::ParameterParts {
+            reason: format!("entry {} is not a well-formed part", p.name),
+        };
+        let parse = || -> Option<(u64, u64, u64)> {
+            let (range, total) = rest.split_once("]/")?;
+            let (start, end) = range.split_once("..")?;
+            Some((start.parse().ok()?, end.parse().ok()?, total.parse().ok()?))
+        };
+        Some(match parse() {
+            Some((start, end, total))
+                if start <= end && end <= total && (end - start) as usize == p.values.len() =>
+            {
+                Ok(ParamPart {
+                    range: start..end,
+                    total,
+                    values: p.values.clone(),
+                })
+            }
+            _ => Err(bad()),
+        })
+    }
+}
+
+impl ShardParams {
+    /// `named` (a sharded block's parameters that are not in its flat order, such as
+    /// buffers) with `part` of its flat trainable parameters (CKPT-10).
+    pub fn with_part(named: ShardParams, part: ParamPart) -> Self {
+        let mut params = named.params;
+        params.push(part.into_named());
+        Self { params }
+    }
+
+    /// The module parameters by name, without parameter parts.
+    pub fn named(&self) -> impl Iterator<Item = &NamedParam> {
+        self.params
+            .iter()
+            .filter(|p| !p.name.starts_with(PART_PREFIX))
+    }
+
+    /// Whether it holds parameter parts (a ZeRO-3 block's snapshot, CKPT-10).
+    pub fn has_parts(&self) -> bool {
+        self.params.iter().any(|p| p.name.starts_with(PART_PREFIX))
+    }
+
+    /// These parameters with `other`'s parameter parts added (every rank's snapshot of a
+    /// ZeRO-3 block holds its own part); a part already held is not added twice.
+    pub fn add_parts(&mut self, other: ShardParams) {
+        for p in other.params {
+            if p.name.starts_with(PART_PREFIX) && self.get(&p.name).is_none() {
+                self.params.push(p);
+            }
+        }
+    }
+
+    /// The flat trainable parameters of a block of `total` elements, put together from the
+    /// parameter parts (CKPT-10): `None` when there are none; an error unless they tile
+    /// `0..total` exactly once.
+    pub fn flat_parameters(&self, total: usize) -> Result<Option<Vec<f32>>, CheckpointError> {
+        let mut parts = self
+            .params
+            .iter()
+            .filter_map(ParamPart::of_named)
+            .collect::<Result<Vec<_>, _>>()?;
+        if parts.is_empty() {
+            return Ok(None);
+        }
+        parts.sort_by_key(|p| (p.range.start, p.range.end));
+        let mut flat = Vec::with_capacity(total);
+        for p in parts {
+            if p.total != total as u64 || p.range.start != flat.len() as u64 {
+                return Err(CheckpointError::ParameterParts {
+                    reason: format!(
+                        "a part covers {:?} of {} where the block has {total} elements and \
+                         the parts so far end at {}",
+                        p.range,
+                        p.total,
+                        flat.len()
+                    ),
+                });
+            }
+            flat.extend_from_slice(&p.values);
+        }
+        if flat.len() != total {
+            return Err(CheckpointError::ParameterParts {
+                reason: format!("the parts stop at element {} of {total}", flat.len()),
+            });
+        }
+        Ok(Some(flat))
+    }
+}
+
 /// Tracks the path of the parameter being visited; a path seen twice (a module that visits
 /// the same field twice) gets a `#n` suffix so names stay unique, the same way every time.
 #[derive(Default)]

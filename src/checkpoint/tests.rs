@@ -993,3 +993,78 @@ fn ckpt9_a_version_2_checkpoint_loads_with_an_empty_training_state() {
             .all(|s| s.training.is_empty())
     );
 }
+
+/// `total` elements cut into parts at `cuts`, each `ParamPart` of its own snapshot.
+fn param_parts(total: usize, cuts: &[usize]) -> Vec<ShardParams> {
+    let mut bounds: Vec<usize> = cuts.iter().map(|c| c % (total + 1)).collect();
+    bounds.extend([0, total]);
+    bounds.sort_unstable();
+    bounds.dedup();
+    bounds
+        .windows(2)
+        .map(|w| {
+            ShardParams::with_part(
+                ShardParams::from_params(vec![param("norm.gamma", 5, &[2], 1.0)]),
+                ParamPart {
+                    range: w[0] as u64..w[1] as u64,
+                    total: total as u64,
+                    values: (w[0]..w[1]).map(|i| i as f32).collect(),
+                },
+            )
+        })
+        .collect()
+}
+
+proptest! {
+    /// CKPT-10: every rank's parameter part, added in any order and through a shard file,
+    /// puts the block's flat parameters back together; the named parameters stay apart.
+    #[test]
+    fn ckpt_10_parameter_parts_assemble_in_any_order(
+        total in 1usize..200,
+        cuts in proptest::collection::vec(0usize..200, 0..5),
+        rotate in 0usize..8,
+    ) {
+        let mut snaps = param_parts(total, &cuts);
+        let n = snaps.len();
+        snaps.rotate_left(rotate % n);
+        let mut all = snaps[0].clone();
+        for s in snaps.into_iter().skip(1) {
+            all.add_parts(s);
+        }
+        let snapshot = ShardSnapshot {
+            shard: ShardId::stage(0),
+            params: all,
+            optimizer: None,
+            training: TrainingState::default(),
+        };
+        let bytes = format::encode_shard(&snapshot);
+        let back = format::decode_shard(&bytes, Path::new("x")).expect("decodes");
+        let flat = back.params.flat_parameters(total).expect("parts tile");
+        prop_assert_eq!(flat, Some((0..total).map(|i| i as f32).collect::<Vec<_>>()));
+        prop_assert_eq!(back.params.named().count(), 1);
+    }
+}
+
+#[test]
+fn ckpt_10_parts_with_a_gap_or_another_total_are_refused() {
+    let parts = param_parts(10, &[3, 6]);
+    let mut gap = parts[0].clone();
+    gap.add_parts(parts[2].clone());
+    assert!(matches!(
+        gap.flat_parameters(10),
+        Err(CheckpointError::ParameterParts { .. })
+    ));
+    let mut all = parts[0].clone();
+    for p in &parts[1..] {
+        all.add_parts(p.clone());
+    }
+    assert!(all.flat_parameters(10).is_ok());
+    assert!(matches!(
+        all.flat_parameters(11),
+        Err(CheckpointError::ParameterParts { .. })
+    ));
+    assert_eq!(
+        ShardParams::from_params(vec![param("a", 1, &[2], 0.0)]).flat_parameters(2),
+        Ok(None)
+    );
+}

@@ -52,9 +52,7 @@ use super::memory::{BlockBytes, StepMemory};
 use super::overlap::{CommLane, Ticket, with_lane};
 use super::sync::{self, Collective, GradientSync, SyncContext};
 use super::zero::{UnsupportedOptimizer, ZeroStage};
-use crate::checkpoint::{
-    CheckpointError, LrSchedulerState, OptimizerState, ShardParams, restore_module, snapshot_module,
-};
+use crate::checkpoint::{CheckpointError, LrSchedulerState, OptimizerState, ShardParams};
 use crate::comm::{CollectiveKind, CommError, Communicator};
 use crate::faults::{Phase, with_hooks};
 
@@ -816,7 +814,10 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
     }
 
     fn snapshot(&self) -> Result<(ShardParams, OptimizerState), CheckpointError> {
-        Ok((snapshot_module(&self.model), self.sync.optimizer_state()?))
+        Ok((
+            self.sync.snapshot_params(&self.model),
+            self.sync.optimizer_state()?,
+        ))
     }
 
     fn restore(
@@ -825,7 +826,9 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         optimizer: Option<&OptimizerState>,
         (rank, world): (usize, usize),
     ) -> Result<(), CheckpointError> {
-        let model = restore_module(self.model.clone(), params)?;
+        let model = self
+            .sync
+            .restore_params(self.model.clone(), params, rank, world)?;
         if let Some(o) = optimizer {
             self.sync.restore_optimizer(o, rank, world)?;
         }

@@ -43,7 +43,9 @@ use super::gradients::{
     GradientBuffers, ParamLayout, bucket_ranges, reduce_buckets, set_trainable, trainable_range,
 };
 use super::zero::{FlatRule, OptimizerShard, ZeroStage, owned_range, reshard};
-use crate::checkpoint::{CheckpointError, OptimizerPart, OptimizerState};
+use crate::checkpoint::{
+    CheckpointError, OptimizerPart, OptimizerState, ShardParams, restore_module, snapshot_module,
+};
 use crate::comm::{CommError, Communicator, Element, ReduceOp};
 use crate::optim::OptimizerConfig;
 use crate::precision::Precision;
@@ -285,6 +287,30 @@ pub(crate) trait GradientSync<M: Module>: Send {
         lr: ModuleLearningRate,
         cx: &mut SyncContext<'_>,
     ) -> Result<M, (M, SyncError)>;
+
+    /// The parameters of `model` (the block this synchronises) for a checkpoint or a peer:
+    /// every float parameter by name, or, where the parameters are sharded (ZeRO-3), this
+    /// rank's part of the flat trainable parameters and the others by name (CKPT-10).
+    fn snapshot_params(&self, model: &M) -> ShardParams {
+        snapshot_module(model)
+    }
+
+    /// `model` with the parameters of a snapshot of the same block, as rank `rank` of
+    /// `world` (parameter parts are put together, CKPT-10, and a sharded block keeps its
+    /// part of them for that group).
+    fn restore_params(
+        &mut self,
+        model: M,
+        params: &ShardParams,
+        _rank: usize,
+        _world: usize,
+    ) -> Result<M, CheckpointError> {
+        if !params.has_parts() {
+            return restore_module(model, params);
+        }
+        let layout = ParamLayout::trainable(&model);
+        Ok(restore_flat(model, &layout, params)?.0)
+    }
 
     /// This rank's optimizer state, for a checkpoint or a peer (a part of it when sharded).
     fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError>;
@@ -607,6 +633,116 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
     }
 }
 
+/// `model` with the parameters of `params` (CKPT-10): its flat trainable parameters (in
+/// `layout`'s order) put together from the parameter parts, the other float parameters by
+/// name; the flat vector is returned too. Without parts, every parameter by name (and no flat
+/// vector). The trainable parameters keep `model`'s ids, which `layout` is keyed by.
+pub(crate) fn restore_flat<M: Module>(
+    model: M,
+    layout: &ParamLayout,
+    params: &ShardParams,
+) -> Result<(M, Option<Vec<f32>>), CheckpointError> {
+    let Some(flat) = params.flat_parameters(layout.len())? else {
+        return Ok((restore_module(model, params)?, None));
+    };
+    let model = set_trainable(model, layout, &flat);
+    let trainable: std::collections::HashSet<u64> =
+        layout.slots().iter().map(|s| s.id.val()).collect();
+    let merged = snapshot_module(&model)
+        .params()
+        .iter()
+        .map(|p| {
+            if trainable.contains(&p.id) {
+                Ok(p.clone())
+            } else {
+                params
+                    .get(&p.name)
+                    .cloned()
+                    .ok_or_else(|| CheckpointError::MissingParameter {
+                        name: p.name.clone(),
+                    })
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let model = restore_module(model, &ShardParams::from_params(merged))?;
+    Ok((model, Some(flat)))
+}
+
+/// A ZeRO optimizer shard as its checkpoint part (CKPT-8).
+pub(crate) fn shard_state(own: &OptimizerShard) -> Result<OptimizerState, CheckpointError> {
+    let bytes = bincode::serde::encode_to_vec(own, bincode::config::standard()).map_err(|e| {
+        CheckpointError::Optimizer {
+            reason: format!("encoding the ZeRO shard: {e}"),
+        }
+    })?;
+    Ok(OptimizerState::from_parts(vec![OptimizerPart {
+        range: own.range.start as u64..own.range.end as u64,
+        total: own.total as u64,
+        bytes,
+    }]))
+}
+
+/// `state`'s parts re-sharded onto rank `rank` of `world` (ZERO-3) with `own`'s rule, and
+/// the decoded parts; an error unless they are ZeRO parts of the same kind of rule.
+pub(crate) fn restore_shard(
+    state: &OptimizerState,
+    own: &OptimizerShard,
+    len: usize,
+    rank: usize,
+    world: usize,
+) -> Result<(OptimizerShard, Vec<OptimizerShard>), CheckpointError> {
+    let Some(parts) = state.parts() else {
+        return Err(CheckpointError::Optimizer {
+            reason: "the checkpoint holds a whole-model optimizer state (no ZeRO); it \
+                     cannot be sharded: resume without `zero` or start afresh"
+                .into(),
+        });
+    };
+    let decoded = parts
+        .iter()
+        .map(|p| {
+            let (shard, used) = bincode::serde::decode_from_slice::<OptimizerShard, _>(
+                &p.bytes,
+                bincode::config::standard(),
+            )
+            .map_err(|e| CheckpointError::Optimizer {
+                reason: format!("a ZeRO part does not decode: {e}"),
+            })?;
+            let matches = used == p.bytes.len()
+                && shard.range.start as u64 == p.range.start
+                && shard.range.end as u64 == p.range.end
+                && shard.total as u64 == p.total;
+            if !matches {
+                return Err(CheckpointError::Optimizer {
+                    reason: format!(
+                        "a ZeRO part listed as {:?} of {} holds {:?} of {}",
+                        p.range, p.total, shard.range, shard.total
+                    ),
+                });
+            }
+            Ok(shard)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut shard =
+        reshard(&decoded, len, world, rank).map_err(|e| CheckpointError::Optimizer {
+            reason: e.to_string(),
+        })?;
+    // The configured rule steps on (a resumed job may change, say, its weight decay), as
+    // long as its state has the same buffers.
+    if shard.rule.state_words() != own.rule.state_words()
+        || std::mem::discriminant(&shard.rule) != std::mem::discriminant(&own.rule)
+    {
+        return Err(CheckpointError::Optimizer {
+            reason: format!(
+                "the checkpoint's optimizer is {:?}, this job's is {:?}",
+                shard.rule, own.rule
+            ),
+        });
+    }
+    shard.rule = own.rule;
+    Ok((shard, decoded))
+}
+
 /// ZeRO stage 1 or 2: each rank keeps the optimizer state of its range of the flat order.
 pub(crate) struct ZeroSync {
     stage: ZeroStage,
@@ -848,15 +984,7 @@ impl<M: Module> GradientSync<M> for ZeroSync {
     }
 
     fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
-        let bytes = bincode::serde::encode_to_vec(&self.shard, bincode::config::standard())
-            .map_err(|e| CheckpointError::Optimizer {
-                reason: format!("encoding the ZeRO shard: {e}"),
-            })?;
-        Ok(OptimizerState::from_parts(vec![OptimizerPart {
-            range: self.shard.range.start as u64..self.shard.range.end as u64,
-            total: self.shard.total as u64,
-            bytes,
-        }]))
+        shard_state(&self.shard)
     }
 
     fn restore_optimizer(
@@ -865,56 +993,7 @@ impl<M: Module> GradientSync<M> for ZeroSync {
         rank: usize,
         world: usize,
     ) -> Result<(), CheckpointError> {
-        let Some(parts) = state.parts() else {
-            return Err(CheckpointError::Optimizer {
-                reason: "the checkpoint holds a whole-model optimizer state (no ZeRO); it \
-                         cannot be sharded: resume without `zero` or start afresh"
-                    .into(),
-            });
-        };
-        let decoded = parts
-            .iter()
-            .map(|p| {
-                let (shard, used) = bincode::serde::decode_from_slice::<OptimizerShard, _>(
-                    &p.bytes,
-                    bincode::config::standard(),
-                )
-                .map_err(|e| CheckpointError::Optimizer {
-                    reason: format!("a ZeRO part does not decode: {e}"),
-                })?;
-                let matches = used == p.bytes.len()
-                    && shard.range.start as u64 == p.range.start
-                    && shard.range.end as u64 == p.range.end
-                    && shard.total as u64 == p.total;
-                if !matches {
-                    return Err(CheckpointError::Optimizer {
-                        reason: format!(
-                            "a ZeRO part listed as {:?} of {} holds {:?} of {}",
-                            p.range, p.total, shard.range, shard.total
-                        ),
-                    });
-                }
-                Ok(shard)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut shard = reshard(&decoded, self.layout.len(), world, rank).map_err(|e| {
-            CheckpointError::Optimizer {
-                reason: e.to_string(),
-            }
-        })?;
-        // The configured rule steps on (a resumed job may change, say, its weight decay), as
-        // long as its state has the same buffers.
-        if shard.rule.state_words() != self.shard.rule.state_words()
-            || std::mem::discriminant(&shard.rule) != std::mem::discriminant(&self.shard.rule)
-        {
-            return Err(CheckpointError::Optimizer {
-                reason: format!(
-                    "the checkpoint's optimizer is {:?}, this job's is {:?}",
-                    shard.rule, self.shard.rule
-                ),
-            });
-        }
-        shard.rule = self.shard.rule;
+        let (shard, decoded) = restore_shard(state, &self.shard, self.layout.len(), rank, world)?;
         self.shard = shard;
         self.restored = Some(decoded);
         Ok(())

@@ -99,8 +99,10 @@ where
         for snap in got {
             match all.iter_mut().find(|s| s.shard == snap.shard) {
                 // Another rank's part of a block already taken: keep the parameters (equal
-                // on every rank) and add its optimizer part.
+                // on every rank, or, for ZeRO-3, add its parameter part: CKPT-10) and add its
+                // optimizer part.
                 Some(kept) => {
+                    kept.params.add_parts(snap.params);
                     kept.optimizer = match (kept.optimizer.take(), snap.optimizer) {
                         (Some(a), Some(b)) => OptimizerState::merge_parts([a, b]),
                         (a, b) => a.or(b),

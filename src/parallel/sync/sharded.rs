@@ -15,7 +15,11 @@
 //!   communicator's typed time-out.
 //! - FSDP-3: the update is [`FlatRule`]'s on the shard (ZERO-2's arithmetic), so a ZeRO-3
 //!   step equals one device's step element for element.
+//! - CKPT-10 (with `tests/fsdp.rs`): a snapshot holds this rank's parameter part and
+//!   optimizer part only; a restore puts every rank's parameter parts together and keeps this
+//!   rank's range of them for the restoring group, the optimizer parts re-sharded alike.
 
+use std::collections::HashSet;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -25,9 +29,9 @@ use burn::optim::GradientsParams;
 
 use super::{
     Collective, GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext, SyncError,
-    sum_of_squares,
+    restore_flat, restore_shard, shard_state, sum_of_squares,
 };
-use crate::checkpoint::{CheckpointError, OptimizerState};
+use crate::checkpoint::{CheckpointError, OptimizerState, ParamPart, ShardParams, snapshot_module};
 use crate::comm::ReduceOp;
 use crate::parallel::gradients::{
     GradientBuffers, ParamLayout, release_trainable, set_trainable, trainable_range,
@@ -246,21 +250,75 @@ impl<M: Module> GradientSync<M> for ShardedSync {
         Ok(<Self as GradientSync<M>>::release(self, model))
     }
 
+    fn snapshot_params(&self, model: &M) -> ShardParams {
+        // CKPT-10: this rank's part only, the other float parameters (buffers) by name.
+        let trainable: HashSet<u64> = self.layout.slots().iter().map(|s| s.id.val()).collect();
+        let named = snapshot_module(model)
+            .params()
+            .iter()
+            .filter(|p| !trainable.contains(&p.id))
+            .cloned()
+            .collect();
+        let (range, values) = match &self.params {
+            Some(values) => (self.shard.range.clone(), values.clone()),
+            // Never sharded yet: the module holds the replica's starting record.
+            None => {
+                let all = 0..self.layout.len();
+                (all.clone(), trainable_range(model, &self.layout, all))
+            }
+        };
+        ShardParams::with_part(
+            ShardParams::from_params(named),
+            ParamPart {
+                range: range.start as u64..range.end as u64,
+                total: self.layout.len() as u64,
+                values,
+            },
+        )
+    }
+
+    fn restore_params(
+        &mut self,
+        model: M,
+        params: &ShardParams,
+        rank: usize,
+        world: usize,
+    ) -> Result<M, CheckpointError> {
+        if !params.has_parts() {
+            return Err(CheckpointError::ParameterParts {
+                reason: "the checkpoint holds this block's whole parameters by name (written \
+                         without zero(Three)); a zero(Three) job resumes only its own kind of \
+                         checkpoint"
+                    .into(),
+            });
+        }
+        let (model, flat) = restore_flat(model, &self.layout, params)?;
+        let flat = flat.expect("parts were checked present");
+        // CKPT-10: re-sharded onto this group: this rank keeps its range of the whole.
+        let want = owned_range(self.layout.len(), world, rank);
+        self.params = Some(flat[want.clone()].to_vec());
+        if self.shard.range != want {
+            self.shard = OptimizerShard::fresh(self.shard.rule, self.layout.len(), world, rank);
+        }
+        self.held.params = 4 * want.len() as u64;
+        self.held.owned = (want.start as u64, want.end as u64);
+        self.full = true;
+        Ok(<Self as GradientSync<M>>::release(self, model))
+    }
+
     fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
-        Err(CheckpointError::Optimizer {
-            reason: "checkpoints of a ZeRO-3 job are not supported yet".into(),
-        })
+        shard_state(&self.shard)
     }
 
     fn restore_optimizer(
         &mut self,
-        _state: &OptimizerState,
-        _rank: usize,
-        _world: usize,
+        state: &OptimizerState,
+        rank: usize,
+        world: usize,
     ) -> Result<(), CheckpointError> {
-        Err(CheckpointError::Optimizer {
-            reason: "restoring a ZeRO-3 job is not supported yet".into(),
-        })
+        let (shard, _) = restore_shard(state, &self.shard, self.layout.len(), rank, world)?;
+        self.shard = shard;
+        Ok(())
     }
 
     fn held(&self) -> HeldBytes {
