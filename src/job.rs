@@ -1078,6 +1078,22 @@ where
         if let Some(problem) = p.stages.problem() {
             return invalid(problem);
         }
+        // MIX-1: blocks compute in bf16 or f16 with f32 gradients; what they do not do yet
+        // is refused here.
+        if self.mixed.precision.scales_loss() {
+            return invalid(format!(
+                "precision({}) is not supported with .blocks(..) or .pipeline(..) yet (its \
+                 dynamic loss scaling is not done across blocks); use Precision::Bf16",
+                self.mixed.precision
+            ));
+        }
+        if self.mixed.low_gradients && self.mixed.precision.is_low() {
+            return invalid(
+                "low_precision_gradients(true) is not supported with .blocks(..) or \
+                 .pipeline(..) yet (their gradients are reduced in f32); remove it"
+                    .into(),
+            );
+        }
         let Some(schedule) = p.schedule else {
             return self.blocks_spec(p.stages, global, dataset, world);
         };
@@ -1094,13 +1110,6 @@ where
                  the stages); remove it or train without .pipeline(..)"
                     .into(),
             );
-        }
-        if self.mixed.precision.is_low() {
-            return invalid(format!(
-                "precision({}) is not supported with a pipeline yet (its stages and links \
-                 compute and send f32); use Precision::F32 or train without .pipeline(..)",
-                self.mixed.precision
-            ));
         }
         if self.non_finite == NonFinitePolicy::Skip {
             return invalid(
@@ -1184,6 +1193,7 @@ where
             blocks_in_flight: self.blocks_in_flight,
             epoch: Instant::now(),
             faults: self.faults.clone(),
+            precision: self.mixed.precision,
         })
     }
 }

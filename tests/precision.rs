@@ -26,6 +26,7 @@ use meshwork::demo::{Mlp, Sample, TeacherTask, batch_tensors, mse_loss};
 use meshwork::events::{JobEvent, StepDone};
 use meshwork::optim::LearningRate;
 use meshwork::parallel::autocast::{compute_dtype, low_precision_copy};
+use meshwork::parallel::stages::BlockOptions;
 use meshwork::precision::LossScalerConfig;
 use meshwork::prelude::*;
 use meshwork::testing::{
@@ -127,7 +128,7 @@ fn losses(steps: &[StepDone]) -> Vec<f32> {
 
 /// Runs `job`, checks that it finished with bit-identical replicas that shared every step's
 /// batch, and returns its model and steps.
-async fn run<M: Module + 'static>(job: Job<M, Sample>, dp: usize) -> (M, Vec<StepDone>) {
+async fn run<M: Send + 'static>(job: Job<M, Sample>, dp: usize) -> (M, Vec<StepDone>) {
     let (outcome, events) = run_recording(job).await;
     let model = outcome.expect("job succeeds").model;
     let steps = steps_of(&events);
@@ -427,17 +428,86 @@ async fn checkpoints_hold_f32_master_weights() {
     .await;
 }
 
+/// The demo MLP's widths as blocks of one layer each, at ZeRO-3 over 2 replicas, the middle
+/// blocks recomputed in their backward, in `precision`.
+fn block_job(precision: Precision) -> Job<meshwork::parallel::stages::PipelineModel, Sample> {
+    let stages = {
+        let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
+        let device = Device::flex();
+        device.seed(9);
+        meshwork::demo::mlp_blocks(
+            &[8, 32, 32, 3],
+            BlockOptions::default().recompute(true),
+            &device,
+        )
+        .expect("blocks of the MLP")
+    };
+    Job::builder()
+        .blocks(stages)
+        .data(data())
+        .optimizer(AdamConfig::new())
+        .learning_rate(0.01)
+        .data_parallel(2)
+        .zero(ZeroStage::Three)
+        .batch_size(GLOBAL_BATCH)
+        .steps(STEPS)
+        .seed(4)
+        .precision(precision)
+        .collective_timeout(Duration::from_secs(30))
+        .build()
+        .expect("a valid block job")
+}
+
+/// MIX-1: a ZeRO-3 block job in bf16 tracks the f32 block job's loss, its replicas (each
+/// holding a shard, whole blocks gathered for the fingerprint) end bit-identical, the same job
+/// twice gives the same bits, and the master weights are f32.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bf16_block_job_at_zero_3_tracks_f32() {
+    bounded(async {
+        let (_, reference) = run(block_job(Precision::F32), 2).await;
+        let (mut a, steps) = run(block_job(Precision::Bf16), 2).await;
+        let (mut b, _) = run(block_job(Precision::Bf16), 2).await;
+        assert_tracks("blocks bf16", &losses(&steps), &losses(&reference));
+        assert_ne!(losses(&steps), losses(&reference), "the blocks computed in bf16");
+        for s in &steps {
+            for r in &s.replicas {
+                let memory = &r.pipeline.as_ref().expect("a block job's record").memory;
+                assert!(memory.param_shards > 0, "ZeRO-3: each rank holds a shard");
+            }
+        }
+        for i in 0..3 {
+            let (x, y) = (
+                a.take_block::<meshwork::demo::MlpStage>(i).expect("a block"),
+                b.take_block::<meshwork::demo::MlpStage>(i).expect("a block"),
+            );
+            assert_f32_master(&x);
+            assert_eq!(parameter_bits(&x), parameter_bits(&y), "block {i} reproducible");
+        }
+    })
+    .await;
+}
+
 #[test]
-fn pipelines_refuse_low_precision_and_bad_scalers_are_refused() {
+fn f16_and_16_bit_gradients_are_refused_with_blocks_and_bad_scalers_are_refused() {
     let parts =
         meshwork::demo::mlp_pipeline(&[8, 16, 3], &[1, 1], &Device::flex()).expect("a split");
     let r = Job::builder()
         .pipeline(parts, Schedule::GPipe { micro_batches: 2 })
         .data(data())
         .batch_size(8)
-        .precision(Precision::Bf16)
+        .precision(Precision::F16)
         .build();
-    assert!(matches!(r, Err(Error::InvalidConfig(m)) if m.contains("precision(bf16)")));
+    assert!(matches!(r, Err(Error::InvalidConfig(m)) if m.contains("precision(f16)")));
+    let parts = meshwork::demo::mlp_blocks(&[8, 16, 3], BlockOptions::default(), &Device::flex())
+        .expect("blocks");
+    let r = Job::builder()
+        .blocks(parts)
+        .data(data())
+        .batch_size(8)
+        .precision(Precision::Bf16)
+        .low_precision_gradients(true)
+        .build();
+    assert!(matches!(r, Err(Error::InvalidConfig(m)) if m.contains("low_precision_gradients")));
     let r = builder(mlp(), mse_loss, Precision::F16, 1)
         .loss_scaler(LossScalerConfig::default().growth_interval(0))
         .build();

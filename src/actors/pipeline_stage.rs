@@ -61,6 +61,9 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) epoch: Instant,
     /// The fault plan's hooks, if the job has one.
     pub(crate) faults: Option<Arc<crate::faults::FaultHooks>>,
+    /// What every block's forward and backward compute in (MIX-1; gradients are reduced in
+    /// `f32`).
+    pub(crate) precision: crate::precision::Precision,
 }
 
 /// A mesh's wiring under one generation: per rank its links and data-parallel
@@ -567,6 +570,7 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
                 let mut work = (block.build)(&device, &spec.optimizer, spec.learning_rate.clone());
                 work.shard_optimizer(spec.zero)
                     .expect("the job refuses an optimizer ZeRO cannot shard when it is built");
+                work.set_precision(spec.precision);
                 work
             })
             .collect();

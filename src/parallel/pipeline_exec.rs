@@ -45,7 +45,7 @@ use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
 use super::gradients::parameter_fingerprint;
 use super::memory::{BlockBytes, StepMemory};
@@ -70,6 +70,8 @@ const FUSE_BELOW: usize = 64 * 1024;
 use super::pipeline::{Chunk, Instr, PipelineSchedule, StageIndex, TimedInstr};
 
 use crate::optim::{LearningRate, OptimizerConfig};
+use crate::parallel::autocast::low_precision_copy;
+use crate::precision::Precision;
 
 /// A tensor of rank 1 to 4 crossing a stage boundary.
 #[derive(Debug, Clone)]
@@ -141,13 +143,17 @@ impl AnyTensor {
         each_rank!(self.clone(), t => t.detach())
     }
 
-    /// `(self · other).sum()` for tensors of the same rank.
+    /// `(self · other).sum()` for tensors of the same rank, `other` (an `f32` wire value)
+    /// cast to `self`'s dtype first (a low-precision block's output, MIX-1).
     fn dot(&self, other: &AnyTensor) -> Option<Tensor<1>> {
+        fn dot<const D: usize>(a: &Tensor<D>, b: &Tensor<D>) -> Tensor<1> {
+            (a.clone() * b.clone().cast(a.dtype())).sum()
+        }
         Some(match (self, other) {
-            (AnyTensor::D1(a), AnyTensor::D1(b)) => (a.clone() * b.clone()).sum(),
-            (AnyTensor::D2(a), AnyTensor::D2(b)) => (a.clone() * b.clone()).sum(),
-            (AnyTensor::D3(a), AnyTensor::D3(b)) => (a.clone() * b.clone()).sum(),
-            (AnyTensor::D4(a), AnyTensor::D4(b)) => (a.clone() * b.clone()).sum(),
+            (AnyTensor::D1(a), AnyTensor::D1(b)) => dot(a, b),
+            (AnyTensor::D2(a), AnyTensor::D2(b)) => dot(a, b),
+            (AnyTensor::D3(a), AnyTensor::D3(b)) => dot(a, b),
+            (AnyTensor::D4(a), AnyTensor::D4(b)) => dot(a, b),
             _ => return None,
         })
     }
@@ -372,6 +378,9 @@ pub(crate) trait StageWork<I>: Send {
     /// Shard the block's optimizer state over its data-parallel group (ZeRO), before the
     /// first step.
     fn shard_optimizer(&mut self, stage: ZeroStage) -> Result<(), UnsupportedOptimizer>;
+    /// Run forward and backward in `precision` on a low-precision copy of the `f32` master
+    /// parameters (MIX-1); `f32` until called.
+    fn set_precision(&mut self, precision: Precision);
     /// The device (with autodiff) the stage computes on.
     fn device(&self) -> &Device;
     /// The module, type-erased (for `downcast`).
@@ -412,6 +421,8 @@ pub(crate) struct TypedStage<M: Module, I> {
     param_len: usize,
     /// False on the first stage (set by each forward).
     input_grads: bool,
+    /// What forward and backward compute in (MIX-1).
+    precision: Precision,
 }
 
 enum Stashed {
@@ -490,6 +501,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             losses: Vec::new(),
             recompute: false,
             input_grads: true,
+            precision: Precision::F32,
         }
     }
 
@@ -540,8 +552,11 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         } else {
             input
         };
+        // MIX-1: the forward runs on a low-precision copy whose casts hand the f32 master its
+        // gradients (the identity at f32); the loss is f32.
+        let model = low_precision_copy(&self.model, self.precision);
         if let Some(loss) = &self.loss {
-            let l = loss(&self.model, leaves.clone(), items, &self.device);
+            let l = loss(&model, leaves.clone(), items, &self.device).cast(FloatDType::F32);
             self.losses.push(l.clone().into_scalar());
             self.stash.insert(mb, (leaves, Stashed::Loss(Box::new(l))));
             None
@@ -550,7 +565,8 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                 .forward
                 .as_ref()
                 .expect("a stage has a forward or a loss");
-            let out = forward(&self.model, leaves.clone());
+            let out = forward(&model, leaves.clone());
+            drop(model);
             if self.recompute {
                 // Keep the inputs' values only: no graph survives until the backward.
                 let inputs = leaves.iter().map(AnyTensor::detached).collect();
@@ -594,7 +610,10 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                 } else {
                     leaves
                 };
-                let out = forward(&self.model, leaves.clone());
+                let out = forward(
+                    &low_precision_copy(&self.model, self.precision),
+                    leaves.clone(),
+                );
                 (leaves, Stashed::Outputs(out))
             }
             other => (leaves, other),
@@ -853,6 +872,10 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
             1,
         )?;
         Ok(())
+    }
+
+    fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
     }
 
     fn device(&self) -> &Device {
