@@ -1080,13 +1080,6 @@ where
         }
         // MIX-1: blocks compute in bf16 or f16 with f32 gradients; what they do not do yet
         // is refused here.
-        if self.mixed.precision.scales_loss() {
-            return invalid(format!(
-                "precision({}) is not supported with .blocks(..) or .pipeline(..) yet (its \
-                 dynamic loss scaling is not done across blocks); use Precision::Bf16",
-                self.mixed.precision
-            ));
-        }
         if self.mixed.low_gradients && self.mixed.precision.is_low() {
             return invalid(
                 "low_precision_gradients(true) is not supported with .blocks(..) or \
@@ -1097,6 +1090,14 @@ where
         let Some(schedule) = p.schedule else {
             return self.blocks_spec(p.stages, global, dataset, world);
         };
+        if self.mixed.precision.scales_loss() {
+            return invalid(format!(
+                "precision({}) is not supported with .pipeline(..) yet (its loss scaler's \
+                 overflow would have to be agreed across the pipeline's stages); use \
+                 Precision::Bf16, or train with .blocks(..)",
+                self.mixed.precision
+            ));
+        }
         if self.accumulation != 1 {
             return invalid(
                 "gradient_accumulation with a pipeline: the schedule's micro-batches are the \
@@ -1193,7 +1194,7 @@ where
             blocks_in_flight: self.blocks_in_flight,
             epoch: Instant::now(),
             faults: self.faults.clone(),
-            precision: self.mixed.precision,
+            mixed: self.mixed,
         })
     }
 }

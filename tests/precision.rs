@@ -26,7 +26,9 @@ use meshwork::demo::{Mlp, Sample, TeacherTask, batch_tensors, mse_loss};
 use meshwork::events::{JobEvent, StepDone};
 use meshwork::optim::LearningRate;
 use meshwork::parallel::autocast::{compute_dtype, low_precision_copy};
-use meshwork::parallel::stages::BlockOptions;
+use meshwork::demo::{MlpStage, rank2};
+use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
+use meshwork::parallel::stages::{BlockOptions, PipelineModel, PipelineStages};
 use meshwork::precision::LossScalerConfig;
 use meshwork::prelude::*;
 use meshwork::testing::{
@@ -428,20 +430,28 @@ async fn checkpoints_hold_f32_master_weights() {
     .await;
 }
 
-/// The demo MLP's widths as blocks of one layer each, at ZeRO-3 over 2 replicas, the middle
-/// blocks recomputed in their backward, in `precision`.
-fn block_job(precision: Precision) -> Job<meshwork::parallel::stages::PipelineModel, Sample> {
-    let stages = {
-        let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
-        let device = Device::flex();
-        device.seed(9);
-        meshwork::demo::mlp_blocks(
-            &[8, 32, 32, 3],
-            BlockOptions::default().recompute(true),
-            &device,
-        )
-        .expect("blocks of the MLP")
-    };
+/// The demo MLP's layers (`mlp()`'s widths) as blocks of one layer each.
+fn mlp_layers() -> Vec<MlpStage> {
+    let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
+    let device = Device::flex();
+    device.seed(9);
+    meshwork::demo::split_mlp(&[8, 32, 32, 3], &[1, 1, 1], &device).expect("blocks of the MLP")
+}
+
+/// The MLP's blocks at ZeRO-3 over 2 replicas, the middle blocks recomputed in their
+/// backward, in `precision`.
+fn block_job(precision: Precision) -> Job<PipelineModel, Sample> {
+    let stages =
+        meshwork::demo::mlp_blocks_of(mlp_layers(), BlockOptions::default().recompute(true));
+    block_builder(stages, precision)
+        .build()
+        .expect("a valid block job")
+}
+
+fn block_builder(
+    stages: PipelineStages<Sample>,
+    precision: Precision,
+) -> JobBuilder<PipelineModel, Sample> {
     Job::builder()
         .blocks(stages)
         .data(data())
@@ -454,8 +464,6 @@ fn block_job(precision: Precision) -> Job<meshwork::parallel::stages::PipelineMo
         .seed(4)
         .precision(precision)
         .collective_timeout(Duration::from_secs(30))
-        .build()
-        .expect("a valid block job")
 }
 
 /// MIX-1: a ZeRO-3 block job in bf16 tracks the f32 block job's loss, its replicas (each
@@ -483,6 +491,69 @@ async fn bf16_block_job_at_zero_3_tracks_f32() {
             assert_f32_master(&x);
             assert_eq!(parameter_bits(&x), parameter_bits(&y), "block {i} reproducible");
         }
+    })
+    .await;
+}
+
+/// MIX-2: in an f16 block job at ZeRO-3, an overflow injected on one replica's last block at
+/// step 3 (its loss × 10⁶) makes every replica skip step 3 and halve the scale (each block's
+/// flag combined across blocks and replicas); the scale grows after every 2 clean steps; the
+/// replicas end bit-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f16_block_job_skips_together_on_an_overflow() {
+    bounded(async {
+        const OVERFLOW_STEP: usize = 3;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let mut layers = mlp_layers();
+        let last = layers.pop().expect("a last layer");
+        let mut stages = PipelineStages::new(|items: &[Sample], d: &Device| {
+            vec![AnyTensor::D2(batch_tensors(items, d).0)]
+        });
+        for layer in layers {
+            stages = stages.block(layer, BlockOptions::default(), |m: &MlpStage, x: Boundary| {
+                vec![AnyTensor::D2(m.forward(rank2(&x)))]
+            });
+        }
+        // One micro-batch per replica and step: calls 2s and 2s + 1 are step s.
+        let stages = stages.last(
+            last,
+            move |m: &MlpStage, x: Boundary, items: &[Sample], d: &Device| {
+                let (_, y) = batch_tensors(items, d);
+                let diff = m.forward(rank2(&x)).cast(FloatDType::F32) - y;
+                let l = (diff.clone() * diff).mean();
+                if seen.fetch_add(1, Ordering::SeqCst) == 2 * OVERFLOW_STEP {
+                    l * 1e6
+                } else {
+                    l
+                }
+            },
+        );
+        let config = LossScalerConfig {
+            init_scale: 1024.0,
+            ..LossScalerConfig::default()
+        }
+        .growth_interval(2);
+        let job = block_builder(stages, Precision::F16)
+            .loss_scaler(config)
+            .build()
+            .expect("valid job");
+        let (_, steps) = run(job, 2).await;
+        let used: Vec<f32> = steps
+            .iter()
+            .map(|s| s.loss_scale.expect("f16 scales"))
+            .collect();
+        let mut want = vec![1024.0, 1024.0, 2048.0, 2048.0, 1024.0, 1024.0];
+        let mut s = 2048.0;
+        while want.len() < STEPS as usize {
+            want.extend([s, s]);
+            s *= 2.0;
+        }
+        want.truncate(STEPS as usize);
+        assert_eq!(used, want, "the scale each step used");
+        let skipped: Vec<u64> = steps.iter().filter(|s| s.skipped).map(|s| s.step).collect();
+        assert_eq!(skipped, vec![OVERFLOW_STEP as u64], "only the overflowing step");
+        assert!(calls.load(Ordering::SeqCst) >= 2 * STEPS as usize);
     })
     .await;
 }

@@ -41,6 +41,7 @@ use crate::parallel::pipeline_exec::{
     StageLinks, StageStepRecord, StageWork, StepContext, links, run_stage_step,
 };
 use crate::parallel::stages::{PipelineModel, PipelineStages};
+use crate::precision::LossScaler;
 use crate::trace::{TraceKind, TraceRecord};
 
 /// Everything the stages of a pipeline job share.
@@ -62,8 +63,8 @@ pub(crate) struct PipelineSpec<I> {
     /// The fault plan's hooks, if the job has one.
     pub(crate) faults: Option<Arc<crate::faults::FaultHooks>>,
     /// What every block's forward and backward compute in (MIX-1; gradients are reduced in
-    /// `f32`).
-    pub(crate) precision: crate::precision::Precision,
+    /// `f32`), and f16's loss scaler (MIX-2).
+    pub(crate) mixed: super::stage::MixedPrecision,
 }
 
 /// A mesh's wiring under one generation: per rank its links and data-parallel
@@ -343,6 +344,8 @@ struct Slot<I> {
     chunks: Vec<Box<dyn StageWork<I>>>,
     links: StageLinks,
     comm: Option<Communicator>,
+    /// f16's dynamic loss scaler, the same on every replica (MIX-2).
+    scaler: Option<LossScaler>,
 }
 
 /// State of a [`PipelineStageActor`].
@@ -570,7 +573,7 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
                 let mut work = (block.build)(&device, &spec.optimizer, spec.learning_rate.clone());
                 work.shard_optimizer(spec.zero)
                     .expect("the job refuses an optimizer ZeRO cannot shard when it is built");
-                work.set_precision(spec.precision);
+                work.set_precision(spec.mixed.precision);
                 work
             })
             .collect();
@@ -589,6 +592,7 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
                 chunks,
                 links,
                 comm,
+                scaler: state.spec.mixed.new_scaler()?,
             });
             Ok(InitReport {
                 before: f,
@@ -663,6 +667,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
             *thread_phase.lock().unwrap_or_else(|e| e.into_inner()) = what;
         };
         let inputs = |items: &[I], d: &burn::tensor::Device| (spec.stages.inputs)(items, d);
+        let loss_scale = slot.scaler.as_ref().map(LossScaler::scale);
         let r = run_stage_step(
             &mut slot.chunks,
             StepContext {
@@ -676,16 +681,28 @@ async fn step_on_device<I: Send + Sync + 'static>(
                 on_instr: &on_instr,
                 blocks_in_flight: spec.blocks_in_flight,
                 faults: spec.faults.as_deref().map(|h| (h, device_id, step)),
+                loss_scale,
             },
         );
         (slot, r.map_err(Error::from))
     })
     .await?;
     match out {
-        Ok((slot, r)) => {
+        Ok((mut slot, r)) => {
+            // MIX-2: every replica saw the same overflow flag, so every scaler decides alike.
+            let scaled = match (&r, slot.scaler.as_mut()) {
+                (Ok(record), Some(s)) => {
+                    let used = s.scale();
+                    s.update(record.overflow.unwrap_or(false));
+                    Some((used, s.scale()))
+                }
+                _ => None,
+            };
             state.slot = Some(slot);
             let record = r?;
-            Ok(report(state, step, micro_batches, record))
+            let mut report = report(state, step, micro_batches, record);
+            report.loss_scale = scaled;
+            Ok(report)
         }
         Err(panic) => {
             let during = phase.lock().unwrap_or_else(|e| e.into_inner()).clone();

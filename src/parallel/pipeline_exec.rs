@@ -381,6 +381,11 @@ pub(crate) trait StageWork<I>: Send {
     /// Run forward and backward in `precision` on a low-precision copy of the `f32` master
     /// parameters (MIX-1); `f32` until called.
     fn set_precision(&mut self, precision: Precision);
+    /// Multiply the loss by `scale` before backward (the last block; f16's loss scaler,
+    /// MIX-2); 1 until called.
+    fn set_loss_scale(&mut self, scale: f32);
+    /// Whether this rank's reduced gradient has an inf or a NaN (MIX-2).
+    fn overflowed(&self) -> bool;
     /// The device (with autodiff) the stage computes on.
     fn device(&self) -> &Device;
     /// The module, type-erased (for `downcast`).
@@ -423,6 +428,8 @@ pub(crate) struct TypedStage<M: Module, I> {
     input_grads: bool,
     /// What forward and backward compute in (MIX-1).
     precision: Precision,
+    /// The loss is multiplied by this before backward (MIX-2).
+    loss_scale: f32,
 }
 
 enum Stashed {
@@ -502,6 +509,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             recompute: false,
             input_grads: true,
             precision: Precision::F32,
+            loss_scale: 1.0,
         }
     }
 
@@ -619,6 +627,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
             other => (leaves, other),
         };
         let mut grads = match (stashed, grad_out) {
+            (Stashed::Loss(l), _) if self.loss_scale != 1.0 => (*l * self.loss_scale).backward(),
             (Stashed::Loss(l), _) => l.backward(),
             (Stashed::Outputs(out), Some(g)) => {
                 if g.len() != out.len() {
@@ -878,6 +887,16 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         self.precision = precision;
     }
 
+    fn set_loss_scale(&mut self, scale: f32) {
+        self.loss_scale = scale;
+    }
+
+    fn overflowed(&self) -> bool {
+        self.reduced
+            .as_ref()
+            .is_some_and(sync::Reduced::has_non_finite)
+    }
+
     fn device(&self) -> &Device {
         &self.device
     }
@@ -1124,8 +1143,11 @@ pub(crate) struct StageStepRecord {
     /// gradient reductions), as they ran: on the communication thread, overlapping the
     /// instructions, when blocks may be in flight.
     pub collectives: Vec<sync::Span>,
-    /// The learning rate of the update.
+    /// The learning rate of the update (`None`: no update, the step was skipped).
     pub learning_rate: Option<f64>,
+    /// With a loss scale: whether the step's reduced gradient overflowed on any block of any
+    /// replica, and was skipped (MIX-2).
+    pub overflow: Option<bool>,
 }
 
 /// A timeline (microseconds) as a Chrome trace (Perfetto, `chrome://tracing`): one row per
@@ -1188,6 +1210,9 @@ pub(crate) struct StepContext<'a, I> {
     /// The fault plan's hooks, called around every forward and backward, with the device
     /// and the step they are called for.
     pub faults: Option<(&'a crate::faults::FaultHooks, crate::mesh::DeviceId, u64)>,
+    /// f16's loss scale: the last block multiplies its loss by it, the reduced gradients are
+    /// divided by it, and an overflow anywhere skips the step everywhere (MIX-2).
+    pub loss_scale: Option<f32>,
 }
 
 impl<I> std::fmt::Debug for StepContext<'_, I> {
@@ -1218,13 +1243,15 @@ pub(crate) fn run_stage_step<I>(
     // gradients, losses), so a redone step is the step itself.
     for chunk in chunks.iter_mut() {
         chunk.begin_step();
+        chunk.set_loss_scale(cx.loss_scale.unwrap_or(1.0));
     }
     let mut cx = cx;
     let mut replicas = cx.replicas.take();
     let rank_of = replicas
         .as_ref()
         .map_or((0, 1), |c| (c.rank().index(), c.world()));
-    let scale = 1.0 / (plan.micro_batches() as usize * rank_of.1) as f32;
+    let scale = 1.0 / (plan.micro_batches() as usize * rank_of.1) as f32
+        / cx.loss_scale.unwrap_or(1.0);
     let mut record = StageStepRecord::default();
     let began = Instant::now();
     record.memory.record(0, chunks.iter().map(|c| c.memory()));
@@ -1239,6 +1266,23 @@ pub(crate) fn run_stage_step<I>(
     })?;
     let since = |t: Instant| t.saturating_duration_since(began).as_micros() as u64;
     let t = Instant::now();
+    // MIX-2: an overflow in any block of any replica skips the step on every replica (the
+    // flags of every block, all-reduced over the stage's group).
+    if cx.loss_scale.is_some() {
+        let mut found = [f32::from(u8::from(chunks.iter().any(|c| c.overflowed())))];
+        if let Some(comm) = replicas.as_deref_mut().filter(|c| c.world() > 1) {
+            comm.all_reduce(&mut found, crate::comm::ReduceOp::Max)?;
+        }
+        let overflow = found[0] > 0.0;
+        record.overflow = Some(overflow);
+        if overflow {
+            for chunk in chunks.iter_mut() {
+                record.losses.extend(chunk.take_losses());
+            }
+            record.span = Some((began, Instant::now()));
+            return Ok(record);
+        }
+    }
     if let Some(max) = cx.clip {
         let sums: Vec<_> = chunks.iter().map(|c| c.norm_part()).collect();
         let partial = sums.iter().any(|s| s.is_some_and(|(_, p)| p));
