@@ -23,10 +23,10 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, FloatDType, Tensor};
 use meshwork::checkpoint::CheckpointStore;
 use meshwork::demo::{Mlp, Sample, TeacherTask, batch_tensors, mse_loss};
+use meshwork::demo::{MlpStage, rank2};
 use meshwork::events::{JobEvent, StepDone};
 use meshwork::optim::LearningRate;
 use meshwork::parallel::autocast::{compute_dtype, low_precision_copy};
-use meshwork::demo::{MlpStage, rank2};
 use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
 use meshwork::parallel::stages::{BlockOptions, PipelineModel, PipelineStages};
 use meshwork::precision::LossScalerConfig;
@@ -476,7 +476,11 @@ async fn bf16_block_job_at_zero_3_tracks_f32() {
         let (mut a, steps) = run(block_job(Precision::Bf16), 2).await;
         let (mut b, _) = run(block_job(Precision::Bf16), 2).await;
         assert_tracks("blocks bf16", &losses(&steps), &losses(&reference));
-        assert_ne!(losses(&steps), losses(&reference), "the blocks computed in bf16");
+        assert_ne!(
+            losses(&steps),
+            losses(&reference),
+            "the blocks computed in bf16"
+        );
         for s in &steps {
             for r in &s.replicas {
                 let memory = &r.pipeline.as_ref().expect("a block job's record").memory;
@@ -485,11 +489,17 @@ async fn bf16_block_job_at_zero_3_tracks_f32() {
         }
         for i in 0..3 {
             let (x, y) = (
-                a.take_block::<meshwork::demo::MlpStage>(i).expect("a block"),
-                b.take_block::<meshwork::demo::MlpStage>(i).expect("a block"),
+                a.take_block::<meshwork::demo::MlpStage>(i)
+                    .expect("a block"),
+                b.take_block::<meshwork::demo::MlpStage>(i)
+                    .expect("a block"),
             );
             assert_f32_master(&x);
-            assert_eq!(parameter_bits(&x), parameter_bits(&y), "block {i} reproducible");
+            assert_eq!(
+                parameter_bits(&x),
+                parameter_bits(&y),
+                "block {i} reproducible"
+            );
         }
     })
     .await;
@@ -511,9 +521,11 @@ async fn f16_block_job_skips_together_on_an_overflow() {
             vec![AnyTensor::D2(batch_tensors(items, d).0)]
         });
         for layer in layers {
-            stages = stages.block(layer, BlockOptions::default(), |m: &MlpStage, x: Boundary| {
-                vec![AnyTensor::D2(m.forward(rank2(&x)))]
-            });
+            stages = stages.block(
+                layer,
+                BlockOptions::default(),
+                |m: &MlpStage, x: Boundary| vec![AnyTensor::D2(m.forward(rank2(&x)))],
+            );
         }
         // One micro-batch per replica and step: calls 2s and 2s + 1 are step s.
         let stages = stages.last(
@@ -552,8 +564,75 @@ async fn f16_block_job_skips_together_on_an_overflow() {
         want.truncate(STEPS as usize);
         assert_eq!(used, want, "the scale each step used");
         let skipped: Vec<u64> = steps.iter().filter(|s| s.skipped).map(|s| s.step).collect();
-        assert_eq!(skipped, vec![OVERFLOW_STEP as u64], "only the overflowing step");
+        assert_eq!(
+            skipped,
+            vec![OVERFLOW_STEP as u64],
+            "only the overflowing step"
+        );
         assert!(calls.load(Ordering::SeqCst) >= 2 * STEPS as usize);
+    })
+    .await;
+}
+
+/// MIX-3: an f16 job checkpointed after 5 steps and resumed ends bitwise equal to the
+/// uninterrupted run and uses the same loss scale at every step after the resume (the
+/// scaler's scale and clean-step count travel in the checkpoint); the checkpoint holds them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f16_resumed_job_continues_its_loss_scale() {
+    bounded(async {
+        const RESUMED: u64 = 8;
+        let config = LossScalerConfig {
+            init_scale: 1024.0,
+            ..LossScalerConfig::default()
+        }
+        .growth_interval(2);
+        let job = |steps: u64, dir: &std::path::Path, resume: bool| {
+            builder(mlp(), mse_loss, Precision::F16, 2)
+                .loss_scaler(config)
+                .steps(steps)
+                .checkpoint_dir(dir)
+                .resume_from_checkpoint(resume)
+                .build()
+                .expect("valid job")
+        };
+        let temp = |name: &str| {
+            let d = std::env::temp_dir()
+                .join(format!("meshwork-precision-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            d
+        };
+        let (whole_dir, dir) = (temp("scale-whole"), temp("scale-resume"));
+        let (outcome, events) = run_recording(job(RESUMED, &whole_dir, false)).await;
+        let whole = outcome.expect("the uninterrupted run").model;
+        let whole_steps = steps_of(&events);
+        let (outcome, _) = run_recording(job(5, &dir, false)).await;
+        outcome.expect("the first part");
+        let store = CheckpointStore::open(&dir, 3).expect("store");
+        let saved = store
+            .latest_valid()
+            .expect("listable")
+            .expect("a checkpoint at the end");
+        let state = saved.checkpoint.shards[0]
+            .training
+            .loss_scale
+            .expect("the scaler's state is checkpointed");
+        // Steps 0..4 clean: grown at steps 1 and 3, one clean step since.
+        assert_eq!((state.scale, state.clean_steps), (4096.0, 1));
+        let (outcome, events) = run_recording(job(RESUMED, &dir, true)).await;
+        let resumed = outcome.expect("the resumed run").model;
+        let scales = |steps: &[StepDone]| -> Vec<(u64, Option<f32>)> {
+            steps
+                .iter()
+                .filter(|s| s.step >= 5)
+                .map(|s| (s.step, s.loss_scale))
+                .collect()
+        };
+        let resumed_steps = steps_of(&events);
+        assert_eq!(resumed_steps.len(), 3, "the resumed run trained steps 5..8");
+        assert_eq!(scales(&resumed_steps), scales(&whole_steps));
+        assert_eq!(parameter_bits(&resumed), parameter_bits(&whole));
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&whole_dir);
     })
     .await;
 }

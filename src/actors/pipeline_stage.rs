@@ -435,6 +435,7 @@ where
                 let plan = state.spec.plan.clone();
                 let stage = StageIndex(state.id.stage);
                 let out = run_on_slot(&state.device_actor, "snapshot", &mut state.slot, move |s| {
+                    let scale = s.scaler.as_ref().map(LossScaler::state);
                     // One shard per block the stage holds (CKPT-6).
                     s.chunks
                         .iter()
@@ -446,7 +447,10 @@ where
                                 params,
                                 optimizer: Some(optimizer),
                                 // CKPT-9, LR-2: the scheduler travels with the block.
-                                training: TrainingState::default().with_lr_scheduler(w.lr_state()?),
+                                // MIX-3: and the stage's loss scaler.
+                                training: TrainingState::default()
+                                    .with_lr_scheduler(w.lr_state()?)
+                                    .with_loss_scale(scale),
                             })
                         })
                         .collect::<std::result::Result<Vec<_>, CheckpointError>>()
@@ -480,7 +484,9 @@ where
                         w.restore_lr(shard.training.lr_scheduler.as_ref())?;
                         w.restore(&shard.params, shard.optimizer.as_ref(), rank_of)?;
                     }
-                    Ok(())
+                    // MIX-3: every shard of a checkpoint carries the same training state.
+                    let scale = shard.first().and_then(|x| x.training.loss_scale);
+                    super::stage::restore_scaler(s.scaler.as_mut(), scale)
                 })
                 .await;
                 let r = match out {

@@ -1250,8 +1250,8 @@ pub(crate) fn run_stage_step<I>(
     let rank_of = replicas
         .as_ref()
         .map_or((0, 1), |c| (c.rank().index(), c.world()));
-    let scale = 1.0 / (plan.micro_batches() as usize * rank_of.1) as f32
-        / cx.loss_scale.unwrap_or(1.0);
+    let scale =
+        1.0 / (plan.micro_batches() as usize * rank_of.1) as f32 / cx.loss_scale.unwrap_or(1.0);
     let mut record = StageStepRecord::default();
     let began = Instant::now();
     record.memory.record(0, chunks.iter().map(|c| c.memory()));
