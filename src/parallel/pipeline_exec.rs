@@ -36,6 +36,15 @@
 //!   its result is needed. Which uses gather is decided from the blocks' options at the step's
 //!   start (`StageWork::gather_plan`), so every replica issues the same collectives in the same
 //!   order (OVL-1) and the parameters are bitwise the same for every n.
+//! - MIX-1: in low precision a block's forward (and its recompute) runs on
+//!   `low_precision_copy` of its `f32` master module (the casts inside the autodiff graph, so
+//!   the gradients reach the master as `f32`), the loss is cast to `f32`; boundary tensors
+//!   travel as `f32` values, a block casts its input (as a data-parallel model does) and a
+//!   received output gradient is cast to the output's dtype.
+//! - MIX-2: with a loss scale (f16) the last block's loss is multiplied by it before backward
+//!   and the reductions divide by it; each block's reduced gradient is checked for an inf or a
+//!   NaN, the flags combined over the stage's blocks and all-reduced (max) over its replicas,
+//!   so every replica skips the same step (no update, no schedule advance).
 
 use std::collections::HashMap;
 use std::sync::Arc;
