@@ -63,7 +63,8 @@
 //!   flat order exactly once, and the restoring rank keeps its range of the whole for its own
 //!   group, so the checkpoint re-shards onto any data-parallel size.
 //! - **CKPT-9 training state.** A shard snapshot carries its stage's [`TrainingState`] (the
-//!   learning-rate scheduler's record); every stage of a job steps the same schedule, so the
+//!   learning-rate scheduler's record, f16's loss scaler's scale and clean-step count); every
+//!   stage of a job steps the same schedule and scaler, so the
 //!   shards of one checkpoint carry equal states (a write is refused otherwise) and the
 //!   manifest (format version 3) stores it once; every shard read back gets it. A version 2
 //!   manifest, written before it existed, reads as an empty training state.
@@ -86,6 +87,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::mesh::Layout;
 pub use crate::parallel::sampler::DataCursor;
+use crate::precision::ScalerState;
 
 pub use fs::{
     CheckpointFile, CheckpointFs, FaultyFile, FaultyFs, FsOp, MemoryFile, MemoryFs, RealFs,
@@ -173,11 +175,14 @@ pub struct ShardSnapshot {
 /// optimizer state: what a resumed, rolled-back or joining replica needs to continue the
 /// run at the same step rather than restart it (CKPT-9). Every field is optional, so that a
 /// job without the feature (a constant learning rate) stores nothing.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct TrainingState {
     /// The learning-rate scheduler's state, if the job's learning rate comes from one.
     pub lr_scheduler: Option<LrSchedulerState>,
+    /// f16's dynamic loss scaler's state (its scale and clean-step count), if the job
+    /// scales its loss.
+    pub loss_scale: Option<ScalerState>,
 }
 
 impl TrainingState {
@@ -187,9 +192,15 @@ impl TrainingState {
         self
     }
 
+    /// This training state with the loss scaler's state `loss_scale`.
+    pub fn with_loss_scale(mut self, loss_scale: Option<ScalerState>) -> Self {
+        self.loss_scale = loss_scale;
+        self
+    }
+
     /// Whether it holds nothing.
     pub fn is_empty(&self) -> bool {
-        self.lr_scheduler.is_none()
+        self.lr_scheduler.is_none() && self.loss_scale.is_none()
     }
 }
 

@@ -158,7 +158,12 @@ pub struct MlpStage {
 
 impl MlpStage {
     /// The stage's output for `x`: ReLU after every layer except the model's last.
-    pub fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+    /// The input is cast to the stage's parameters' dtype first (a block trained in low
+    /// precision receives `f32` boundary values; the identity at `f32`).
+    pub fn forward(&self, mut x: Tensor<2>) -> Tensor<2> {
+        if let Some(first) = self.layers.first() {
+            x = x.cast(first.weight.val().dtype());
+        }
         let n = self.layers.len();
         self.layers.iter().enumerate().fold(x, |h, (i, l)| {
             let h = l.forward(h);
@@ -256,7 +261,7 @@ pub fn mlp_blocks_of(
                 part,
                 |m: &MlpStage, x: Boundary, items: &[Sample], d: &Device| {
                     let (_, y) = batch_tensors(items, d);
-                    let diff = m.forward(rank2(&x)) - y;
+                    let diff = m.forward(rank2(&x)).cast(FloatDType::F32) - y;
                     (diff.clone() * diff).mean()
                 },
             )

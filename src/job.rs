@@ -1071,9 +1071,26 @@ where
         if let Some(problem) = p.stages.problem() {
             return invalid(problem);
         }
+        // MIX-1: blocks compute in bf16 or f16 with f32 gradients; what they do not do yet
+        // is refused here.
+        if self.mixed.low_gradients && self.mixed.precision.is_low() {
+            return invalid(
+                "low_precision_gradients(true) is not supported with .blocks(..) or \
+                 .pipeline(..) yet (their gradients are reduced in f32); remove it"
+                    .into(),
+            );
+        }
         let Some(schedule) = p.schedule else {
             return self.blocks_spec(p.stages, global, dataset, world);
         };
+        if self.mixed.precision.scales_loss() {
+            return invalid(format!(
+                "precision({}) is not supported with .pipeline(..) yet (its loss scaler's \
+                 overflow would have to be agreed across the pipeline's stages); use \
+                 Precision::Bf16, or train with .blocks(..)",
+                self.mixed.precision
+            ));
+        }
         if self.accumulation != 1 {
             return invalid(
                 "gradient_accumulation with a pipeline: the schedule's micro-batches are the \
@@ -1087,13 +1104,6 @@ where
                  the stages); remove it or train without .pipeline(..)"
                     .into(),
             );
-        }
-        if self.mixed.precision.is_low() {
-            return invalid(format!(
-                "precision({}) is not supported with a pipeline yet (its stages and links \
-                 compute and send f32); use Precision::F32 or train without .pipeline(..)",
-                self.mixed.precision
-            ));
         }
         if self.non_finite == NonFinitePolicy::Skip {
             return invalid(
@@ -1177,6 +1187,7 @@ where
             blocks_in_flight: self.blocks_in_flight,
             epoch: Instant::now(),
             faults: self.faults.clone(),
+            mixed: self.mixed,
         })
     }
 }

@@ -261,6 +261,36 @@ fn require_checkpoint_makes_resuming_from_nothing_an_error() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// `--zero 3 --recompute` trains the demo MLP as blocks, in bf16, and saves it.
+#[test]
+fn zero_3_with_recompute_in_bf16_trains_blocks_and_saves_the_model() {
+    let dir = scratch("zero-3");
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    let model = dir.join("model.mpk");
+    let (code, stdout, stderr) = run(&[
+        "train",
+        "--zero",
+        "3",
+        "--precision",
+        "bf16",
+        "--recompute",
+        "--dp",
+        "2",
+        "--steps",
+        "3",
+        "--batch-size",
+        "16",
+        "--hidden",
+        "16",
+        "--save-model",
+        path(&model),
+    ]);
+    assert_eq!(code, Some(0), "stderr:\n{stderr}");
+    assert!(stdout.contains("model written to"), "stdout:\n{stdout}");
+    assert!(model.exists());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_pipeline_job_writes_its_checkpoints_and_resumes_from_them() {
     let dir = scratch("pipeline-checkpoints");

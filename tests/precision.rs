@@ -23,9 +23,12 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, FloatDType, Tensor};
 use meshwork::checkpoint::CheckpointStore;
 use meshwork::demo::{Mlp, Sample, TeacherTask, batch_tensors, mse_loss};
+use meshwork::demo::{MlpStage, rank2};
 use meshwork::events::{JobEvent, StepDone};
 use meshwork::optim::LearningRate;
 use meshwork::parallel::autocast::{compute_dtype, low_precision_copy};
+use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
+use meshwork::parallel::stages::{BlockOptions, PipelineModel, PipelineStages};
 use meshwork::precision::LossScalerConfig;
 use meshwork::prelude::*;
 use meshwork::testing::{
@@ -127,7 +130,7 @@ fn losses(steps: &[StepDone]) -> Vec<f32> {
 
 /// Runs `job`, checks that it finished with bit-identical replicas that shared every step's
 /// batch, and returns its model and steps.
-async fn run<M: Module + 'static>(job: Job<M, Sample>, dp: usize) -> (M, Vec<StepDone>) {
+async fn run<M: Send + 'static>(job: Job<M, Sample>, dp: usize) -> (M, Vec<StepDone>) {
     let (outcome, events) = run_recording(job).await;
     let model = outcome.expect("job succeeds").model;
     let steps = steps_of(&events);
@@ -427,17 +430,234 @@ async fn checkpoints_hold_f32_master_weights() {
     .await;
 }
 
+/// The demo MLP's layers (`mlp()`'s widths) as blocks of one layer each.
+fn mlp_layers() -> Vec<MlpStage> {
+    let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
+    let device = Device::flex();
+    device.seed(9);
+    meshwork::demo::split_mlp(&[8, 32, 32, 3], &[1, 1, 1], &device).expect("blocks of the MLP")
+}
+
+/// The MLP's blocks at ZeRO-3 over 2 replicas, the middle blocks recomputed in their
+/// backward, in `precision`.
+fn block_job(precision: Precision) -> Job<PipelineModel, Sample> {
+    let stages =
+        meshwork::demo::mlp_blocks_of(mlp_layers(), BlockOptions::default().recompute(true));
+    block_builder(stages, precision)
+        .build()
+        .expect("a valid block job")
+}
+
+fn block_builder(
+    stages: PipelineStages<Sample>,
+    precision: Precision,
+) -> JobBuilder<PipelineModel, Sample> {
+    Job::builder()
+        .blocks(stages)
+        .data(data())
+        .optimizer(AdamConfig::new())
+        .learning_rate(0.01)
+        .data_parallel(2)
+        .zero(ZeroStage::Three)
+        .batch_size(GLOBAL_BATCH)
+        .steps(STEPS)
+        .seed(4)
+        .precision(precision)
+        .collective_timeout(Duration::from_secs(30))
+}
+
+/// MIX-1: a ZeRO-3 block job in bf16 tracks the f32 block job's loss, its replicas (each
+/// holding a shard, whole blocks gathered for the fingerprint) end bit-identical, the same job
+/// twice gives the same bits, and the master weights are f32.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bf16_block_job_at_zero_3_tracks_f32() {
+    bounded(async {
+        let (_, reference) = run(block_job(Precision::F32), 2).await;
+        let (mut a, steps) = run(block_job(Precision::Bf16), 2).await;
+        let (mut b, _) = run(block_job(Precision::Bf16), 2).await;
+        assert_tracks("blocks bf16", &losses(&steps), &losses(&reference));
+        assert_ne!(
+            losses(&steps),
+            losses(&reference),
+            "the blocks computed in bf16"
+        );
+        for s in &steps {
+            for r in &s.replicas {
+                let memory = &r.pipeline.as_ref().expect("a block job's record").memory;
+                assert!(memory.param_shards > 0, "ZeRO-3: each rank holds a shard");
+            }
+        }
+        for i in 0..3 {
+            let (x, y) = (
+                a.take_block::<meshwork::demo::MlpStage>(i)
+                    .expect("a block"),
+                b.take_block::<meshwork::demo::MlpStage>(i)
+                    .expect("a block"),
+            );
+            assert_f32_master(&x);
+            assert_eq!(
+                parameter_bits(&x),
+                parameter_bits(&y),
+                "block {i} reproducible"
+            );
+        }
+    })
+    .await;
+}
+
+/// MIX-2: in an f16 block job at ZeRO-3, an overflow injected on one replica's last block at
+/// step 3 (its loss × 10⁶) makes every replica skip step 3 and halve the scale (each block's
+/// flag combined across blocks and replicas); the scale grows after every 2 clean steps; the
+/// replicas end bit-identical.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f16_block_job_skips_together_on_an_overflow() {
+    bounded(async {
+        const OVERFLOW_STEP: usize = 3;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let seen = calls.clone();
+        let mut layers = mlp_layers();
+        let last = layers.pop().expect("a last layer");
+        let mut stages = PipelineStages::new(|items: &[Sample], d: &Device| {
+            vec![AnyTensor::D2(batch_tensors(items, d).0)]
+        });
+        for layer in layers {
+            stages = stages.block(
+                layer,
+                BlockOptions::default(),
+                |m: &MlpStage, x: Boundary| vec![AnyTensor::D2(m.forward(rank2(&x)))],
+            );
+        }
+        // One micro-batch per replica and step: calls 2s and 2s + 1 are step s.
+        let stages = stages.last(
+            last,
+            move |m: &MlpStage, x: Boundary, items: &[Sample], d: &Device| {
+                let (_, y) = batch_tensors(items, d);
+                let diff = m.forward(rank2(&x)).cast(FloatDType::F32) - y;
+                let l = (diff.clone() * diff).mean();
+                if seen.fetch_add(1, Ordering::SeqCst) == 2 * OVERFLOW_STEP {
+                    l * 1e6
+                } else {
+                    l
+                }
+            },
+        );
+        let config = LossScalerConfig {
+            init_scale: 1024.0,
+            ..LossScalerConfig::default()
+        }
+        .growth_interval(2);
+        let job = block_builder(stages, Precision::F16)
+            .loss_scaler(config)
+            .build()
+            .expect("valid job");
+        let (_, steps) = run(job, 2).await;
+        let used: Vec<f32> = steps
+            .iter()
+            .map(|s| s.loss_scale.expect("f16 scales"))
+            .collect();
+        let mut want = vec![1024.0, 1024.0, 2048.0, 2048.0, 1024.0, 1024.0];
+        let mut s = 2048.0;
+        while want.len() < STEPS as usize {
+            want.extend([s, s]);
+            s *= 2.0;
+        }
+        want.truncate(STEPS as usize);
+        assert_eq!(used, want, "the scale each step used");
+        let skipped: Vec<u64> = steps.iter().filter(|s| s.skipped).map(|s| s.step).collect();
+        assert_eq!(
+            skipped,
+            vec![OVERFLOW_STEP as u64],
+            "only the overflowing step"
+        );
+        assert!(calls.load(Ordering::SeqCst) >= 2 * STEPS as usize);
+    })
+    .await;
+}
+
+/// MIX-3: an f16 job checkpointed after 5 steps and resumed ends bitwise equal to the
+/// uninterrupted run and uses the same loss scale at every step after the resume (the
+/// scaler's scale and clean-step count travel in the checkpoint); the checkpoint holds them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn f16_resumed_job_continues_its_loss_scale() {
+    bounded(async {
+        const RESUMED: u64 = 8;
+        let config = LossScalerConfig {
+            init_scale: 1024.0,
+            ..LossScalerConfig::default()
+        }
+        .growth_interval(2);
+        let job = |steps: u64, dir: &std::path::Path, resume: bool| {
+            builder(mlp(), mse_loss, Precision::F16, 2)
+                .loss_scaler(config)
+                .steps(steps)
+                .checkpoint_dir(dir)
+                .resume_from_checkpoint(resume)
+                .build()
+                .expect("valid job")
+        };
+        let temp = |name: &str| {
+            let d = std::env::temp_dir()
+                .join(format!("meshwork-precision-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&d);
+            d
+        };
+        let (whole_dir, dir) = (temp("scale-whole"), temp("scale-resume"));
+        let (outcome, events) = run_recording(job(RESUMED, &whole_dir, false)).await;
+        let whole = outcome.expect("the uninterrupted run").model;
+        let whole_steps = steps_of(&events);
+        let (outcome, _) = run_recording(job(5, &dir, false)).await;
+        outcome.expect("the first part");
+        let store = CheckpointStore::open(&dir, 3).expect("store");
+        let saved = store
+            .latest_valid()
+            .expect("listable")
+            .expect("a checkpoint at the end");
+        let state = saved.checkpoint.shards[0]
+            .training
+            .loss_scale
+            .expect("the scaler's state is checkpointed");
+        // Steps 0..4 clean: grown at steps 1 and 3, one clean step since.
+        assert_eq!((state.scale, state.clean_steps), (4096.0, 1));
+        let (outcome, events) = run_recording(job(RESUMED, &dir, true)).await;
+        let resumed = outcome.expect("the resumed run").model;
+        let scales = |steps: &[StepDone]| -> Vec<(u64, Option<f32>)> {
+            steps
+                .iter()
+                .filter(|s| s.step >= 5)
+                .map(|s| (s.step, s.loss_scale))
+                .collect()
+        };
+        let resumed_steps = steps_of(&events);
+        assert_eq!(resumed_steps.len(), 3, "the resumed run trained steps 5..8");
+        assert_eq!(scales(&resumed_steps), scales(&whole_steps));
+        assert_eq!(parameter_bits(&resumed), parameter_bits(&whole));
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&whole_dir);
+    })
+    .await;
+}
+
 #[test]
-fn pipelines_refuse_low_precision_and_bad_scalers_are_refused() {
+fn f16_and_16_bit_gradients_are_refused_with_blocks_and_bad_scalers_are_refused() {
     let parts =
         meshwork::demo::mlp_pipeline(&[8, 16, 3], &[1, 1], &Device::flex()).expect("a split");
     let r = Job::builder()
         .pipeline(parts, Schedule::GPipe { micro_batches: 2 })
         .data(data())
         .batch_size(8)
-        .precision(Precision::Bf16)
+        .precision(Precision::F16)
         .build();
-    assert!(matches!(r, Err(Error::InvalidConfig(m)) if m.contains("precision(bf16)")));
+    assert!(matches!(r, Err(Error::InvalidConfig(m)) if m.contains("precision(f16)")));
+    let parts = meshwork::demo::mlp_blocks(&[8, 16, 3], BlockOptions::default(), &Device::flex())
+        .expect("blocks");
+    let r = Job::builder()
+        .blocks(parts)
+        .data(data())
+        .batch_size(8)
+        .precision(Precision::Bf16)
+        .low_precision_gradients(true)
+        .build();
+    assert!(matches!(r, Err(Error::InvalidConfig(m)) if m.contains("low_precision_gradients")));
     let r = builder(mlp(), mse_loss, Precision::F16, 1)
         .loss_scaler(LossScalerConfig::default().growth_interval(0))
         .build();

@@ -41,6 +41,7 @@ use crate::parallel::pipeline_exec::{
     StageLinks, StageStepRecord, StageWork, StepContext, links, run_stage_step,
 };
 use crate::parallel::stages::{PipelineModel, PipelineStages};
+use crate::precision::LossScaler;
 use crate::trace::{TraceKind, TraceRecord};
 
 /// Everything the stages of a pipeline job share.
@@ -61,6 +62,9 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) epoch: Instant,
     /// The fault plan's hooks, if the job has one.
     pub(crate) faults: Option<Arc<crate::faults::FaultHooks>>,
+    /// What every block's forward and backward compute in (MIX-1; gradients are reduced in
+    /// `f32`), and f16's loss scaler (MIX-2).
+    pub(crate) mixed: super::stage::MixedPrecision,
 }
 
 /// A mesh's wiring under one generation: per rank its links and data-parallel
@@ -340,6 +344,8 @@ struct Slot<I> {
     chunks: Vec<Box<dyn StageWork<I>>>,
     links: StageLinks,
     comm: Option<Communicator>,
+    /// f16's dynamic loss scaler, the same on every replica (MIX-2).
+    scaler: Option<LossScaler>,
 }
 
 /// State of a [`PipelineStageActor`].
@@ -429,6 +435,7 @@ where
                 let plan = state.spec.plan.clone();
                 let stage = StageIndex(state.id.stage);
                 let out = run_on_slot(&state.device_actor, "snapshot", &mut state.slot, move |s| {
+                    let scale = s.scaler.as_ref().map(LossScaler::state);
                     // One shard per block the stage holds (CKPT-6).
                     s.chunks
                         .iter()
@@ -440,7 +447,10 @@ where
                                 params,
                                 optimizer: Some(optimizer),
                                 // CKPT-9, LR-2: the scheduler travels with the block.
-                                training: TrainingState::default().with_lr_scheduler(w.lr_state()?),
+                                // MIX-3: and the stage's loss scaler.
+                                training: TrainingState::default()
+                                    .with_lr_scheduler(w.lr_state()?)
+                                    .with_loss_scale(scale),
                             })
                         })
                         .collect::<std::result::Result<Vec<_>, CheckpointError>>()
@@ -474,7 +484,9 @@ where
                         w.restore_lr(shard.training.lr_scheduler.as_ref())?;
                         w.restore(&shard.params, shard.optimizer.as_ref(), rank_of)?;
                     }
-                    Ok(())
+                    // MIX-3: every shard of a checkpoint carries the same training state.
+                    let scale = shard.first().and_then(|x| x.training.loss_scale);
+                    super::stage::restore_scaler(s.scaler.as_mut(), scale)
                 })
                 .await;
                 let r = match out {
@@ -567,6 +579,7 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
                 let mut work = (block.build)(&device, &spec.optimizer, spec.learning_rate.clone());
                 work.shard_optimizer(spec.zero)
                     .expect("the job refuses an optimizer ZeRO cannot shard when it is built");
+                work.set_precision(spec.mixed.precision);
                 work
             })
             .collect();
@@ -585,6 +598,7 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
                 chunks,
                 links,
                 comm,
+                scaler: state.spec.mixed.new_scaler()?,
             });
             Ok(InitReport {
                 before: f,
@@ -659,6 +673,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
             *thread_phase.lock().unwrap_or_else(|e| e.into_inner()) = what;
         };
         let inputs = |items: &[I], d: &burn::tensor::Device| (spec.stages.inputs)(items, d);
+        let loss_scale = slot.scaler.as_ref().map(LossScaler::scale);
         let r = run_stage_step(
             &mut slot.chunks,
             StepContext {
@@ -672,16 +687,28 @@ async fn step_on_device<I: Send + Sync + 'static>(
                 on_instr: &on_instr,
                 blocks_in_flight: spec.blocks_in_flight,
                 faults: spec.faults.as_deref().map(|h| (h, device_id, step)),
+                loss_scale,
             },
         );
         (slot, r.map_err(Error::from))
     })
     .await?;
     match out {
-        Ok((slot, r)) => {
+        Ok((mut slot, r)) => {
+            // MIX-2: every replica saw the same overflow flag, so every scaler decides alike.
+            let scaled = match (&r, slot.scaler.as_mut()) {
+                (Ok(record), Some(s)) => {
+                    let used = s.scale();
+                    s.update(record.overflow.unwrap_or(false));
+                    Some((used, s.scale()))
+                }
+                _ => None,
+            };
             state.slot = Some(slot);
             let record = r?;
-            Ok(report(state, step, micro_batches, record))
+            let mut report = report(state, step, micro_batches, record);
+            report.loss_scale = scaled;
+            Ok(report)
         }
         Err(panic) => {
             let during = phase.lock().unwrap_or_else(|e| e.into_inner()).clone();

@@ -480,17 +480,21 @@ async fn snapshot<M: Module + 'static, I>(state: &mut StageState<M, I>) -> Resul
         let optimizer = slot.sync.optimizer_state();
         // CKPT-9, LR-2: the scheduler's state travels with the parameters.
         let lr = slot.lr.state();
-        (slot, params, optimizer, lr)
+        let scale = slot.scaler.as_ref().map(LossScaler::state);
+        (slot, params, optimizer, (lr, scale))
     })
     .await?;
     match out {
-        Ok((slot, params, optimizer, lr)) => {
+        Ok((slot, params, optimizer, (lr, scale))) => {
             state.slot = Some(slot);
             Ok(ShardSnapshot {
                 shard,
                 params,
                 optimizer: Some(optimizer?),
-                training: TrainingState::default().with_lr_scheduler(lr?),
+                // CKPT-9, MIX-3: the loss scaler's state travels with the parameters.
+                training: TrainingState::default()
+                    .with_lr_scheduler(lr?)
+                    .with_loss_scale(scale),
             })
         }
         Err(panic) => Err(failed(state, "checkpoint snapshot", panic)),
@@ -505,6 +509,7 @@ async fn restore<M: Module + 'static, I>(
     let Some(mut slot) = state.slot.take() else {
         return Err(lost(state));
     };
+    let loss_scale = shard.training.loss_scale;
     let out = run_on(&state.device_actor, "checkpoint restore", move || {
         // LR-2: the schedule continues at the snapshot's step.
         let mut lr = slot.lr.clone();
@@ -529,12 +534,27 @@ async fn restore<M: Module + 'static, I>(
     })
     .await?;
     match out {
-        Ok((slot, r)) => {
+        Ok((mut slot, r)) => {
+            let r = r
+                .map_err(Error::from)
+                .and_then(|()| restore_scaler(slot.scaler.as_mut(), loss_scale));
             state.slot = Some(slot);
-            r.map_err(Error::from)
+            r
         }
         Err(panic) => Err(failed(state, "checkpoint restore", panic)),
     }
+}
+
+/// MIX-3: a restored stage's loss scaler continues from the snapshot's state, if it has one
+/// (a checkpoint of an earlier format, or of a job without a scaler, leaves it as it is).
+pub(crate) fn restore_scaler(
+    scaler: Option<&mut LossScaler>,
+    state: Option<crate::precision::ScalerState>,
+) -> Result<()> {
+    if let (Some(s), Some(state)) = (scaler, state) {
+        s.restore(state)?;
+    }
+    Ok(())
 }
 
 fn lost<M, I>(state: &StageState<M, I>) -> Error {

@@ -517,11 +517,23 @@ fn arb_shard(pp: u32) -> impl Strategy<Value = ShardSnapshot> {
         })
 }
 
-/// CKPT-9: a training state, empty or with a scheduler record of any bytes.
+/// CKPT-9: a training state, empty or with a scheduler record of any bytes, and a loss
+/// scaler's state or none.
 fn arb_training() -> impl Strategy<Value = TrainingState> {
-    prop::option::of(prop::collection::vec(any::<u8>(), 0..64)).prop_map(|r| {
-        TrainingState::default().with_lr_scheduler(r.map(|record| LrSchedulerState { record }))
-    })
+    (
+        prop::option::of(prop::collection::vec(any::<u8>(), 0..64)),
+        prop::option::of((1.0f32..1e9, 0u32..2000)),
+    )
+        .prop_map(|(r, scale)| {
+            TrainingState::default()
+                .with_lr_scheduler(r.map(|record| LrSchedulerState { record }))
+                .with_loss_scale(
+                    scale.map(|(scale, clean_steps)| crate::precision::ScalerState {
+                        scale,
+                        clean_steps,
+                    }),
+                )
+        })
 }
 
 fn arb_checkpoint() -> impl Strategy<Value = Checkpoint> {
@@ -970,14 +982,15 @@ fn ckpt9_a_version_2_checkpoint_loads_with_an_empty_training_state() {
     store.write(&c).expect("writes");
     let path = step_dir(4).join("manifest");
     // Rewrite the manifest as version 2 wrote it: the same body without the training state
-    // (an empty one is bincode's one-byte `None`), version 2, its checksum.
+    // (an empty one is bincode's two one-byte `None`s), version 2, its checksum.
     assert!(store.fs().modify(&path, |b| {
-        let body_len = u64::from_le_bytes(b[12..20].try_into().expect("8 bytes")) - 1;
+        let body_len = u64::from_le_bytes(b[12..20].try_into().expect("8 bytes")) - 2;
         let mut v2 = b[..8].to_vec();
         v2.extend_from_slice(&2u32.to_le_bytes());
         v2.extend_from_slice(&body_len.to_le_bytes());
         v2.extend_from_slice(&b[20..20 + body_len as usize]);
-        assert_eq!(b[20 + body_len as usize], 0, "an empty training state");
+        let start = 20 + body_len as usize;
+        assert_eq!(b[start..start + 2], [0, 0], "an empty training state");
         let crc = crc32fast::hash(&v2);
         v2.extend_from_slice(&crc.to_le_bytes());
         *b = v2;

@@ -36,6 +36,15 @@
 //!   its result is needed. Which uses gather is decided from the blocks' options at the step's
 //!   start (`StageWork::gather_plan`), so every replica issues the same collectives in the same
 //!   order (OVL-1) and the parameters are bitwise the same for every n.
+//! - MIX-1: in low precision a block's forward (and its recompute) runs on
+//!   `low_precision_copy` of its `f32` master module (the casts inside the autodiff graph, so
+//!   the gradients reach the master as `f32`), the loss is cast to `f32`; boundary tensors
+//!   travel as `f32` values, a block casts its input (as a data-parallel model does) and a
+//!   received output gradient is cast to the output's dtype.
+//! - MIX-2: with a loss scale (f16) the last block's loss is multiplied by it before backward
+//!   and the reductions divide by it; each block's reduced gradient is checked for an inf or a
+//!   NaN, the flags combined over the stage's blocks and all-reduced (max) over its replicas,
+//!   so every replica skips the same step (no update, no schedule advance).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -45,7 +54,7 @@ use std::time::{Duration, Instant};
 
 use burn::module::Module;
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
 use super::gradients::parameter_fingerprint;
 use super::memory::{BlockBytes, StepMemory};
@@ -68,6 +77,8 @@ const FUSE_BELOW: usize = 64 * 1024;
 use super::pipeline::{Chunk, Instr, PipelineSchedule, StageIndex, TimedInstr};
 
 use crate::optim::{LearningRate, OptimizerConfig};
+use crate::parallel::autocast::low_precision_copy;
+use crate::precision::Precision;
 
 /// A tensor of rank 1 to 4 crossing a stage boundary.
 #[derive(Debug, Clone)]
@@ -139,13 +150,17 @@ impl AnyTensor {
         each_rank!(self.clone(), t => t.detach())
     }
 
-    /// `(self · other).sum()` for tensors of the same rank.
+    /// `(self · other).sum()` for tensors of the same rank, `other` (an `f32` wire value)
+    /// cast to `self`'s dtype first (a low-precision block's output, MIX-1).
     fn dot(&self, other: &AnyTensor) -> Option<Tensor<1>> {
+        fn dot<const D: usize>(a: &Tensor<D>, b: &Tensor<D>) -> Tensor<1> {
+            (a.clone() * b.clone().cast(a.dtype())).sum()
+        }
         Some(match (self, other) {
-            (AnyTensor::D1(a), AnyTensor::D1(b)) => (a.clone() * b.clone()).sum(),
-            (AnyTensor::D2(a), AnyTensor::D2(b)) => (a.clone() * b.clone()).sum(),
-            (AnyTensor::D3(a), AnyTensor::D3(b)) => (a.clone() * b.clone()).sum(),
-            (AnyTensor::D4(a), AnyTensor::D4(b)) => (a.clone() * b.clone()).sum(),
+            (AnyTensor::D1(a), AnyTensor::D1(b)) => dot(a, b),
+            (AnyTensor::D2(a), AnyTensor::D2(b)) => dot(a, b),
+            (AnyTensor::D3(a), AnyTensor::D3(b)) => dot(a, b),
+            (AnyTensor::D4(a), AnyTensor::D4(b)) => dot(a, b),
             _ => return None,
         })
     }
@@ -370,6 +385,14 @@ pub(crate) trait StageWork<I>: Send {
     /// Shard the block's optimizer state over its data-parallel group (ZeRO), before the
     /// first step.
     fn shard_optimizer(&mut self, stage: ZeroStage) -> Result<(), UnsupportedOptimizer>;
+    /// Run forward and backward in `precision` on a low-precision copy of the `f32` master
+    /// parameters (MIX-1); `f32` until called.
+    fn set_precision(&mut self, precision: Precision);
+    /// Multiply the loss by `scale` before backward (the last block; f16's loss scaler,
+    /// MIX-2); 1 until called.
+    fn set_loss_scale(&mut self, scale: f32);
+    /// Whether this rank's reduced gradient has an inf or a NaN (MIX-2).
+    fn overflowed(&self) -> bool;
     /// The device (with autodiff) the stage computes on.
     fn device(&self) -> &Device;
     /// The module, type-erased (for `downcast`).
@@ -410,6 +433,10 @@ pub(crate) struct TypedStage<M: Module, I> {
     param_len: usize,
     /// False on the first stage (set by each forward).
     input_grads: bool,
+    /// What forward and backward compute in (MIX-1).
+    precision: Precision,
+    /// The loss is multiplied by this before backward (MIX-2).
+    loss_scale: f32,
 }
 
 enum Stashed {
@@ -488,6 +515,8 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             losses: Vec::new(),
             recompute: false,
             input_grads: true,
+            precision: Precision::F32,
+            loss_scale: 1.0,
         }
     }
 
@@ -538,8 +567,11 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         } else {
             input
         };
+        // MIX-1: the forward runs on a low-precision copy whose casts hand the f32 master its
+        // gradients (the identity at f32); the loss is f32.
+        let model = low_precision_copy(&self.model, self.precision);
         if let Some(loss) = &self.loss {
-            let l = loss(&self.model, leaves.clone(), items, &self.device);
+            let l = loss(&model, leaves.clone(), items, &self.device).cast(FloatDType::F32);
             self.losses.push(l.clone().into_scalar());
             self.stash.insert(mb, (leaves, Stashed::Loss(Box::new(l))));
             None
@@ -548,7 +580,8 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                 .forward
                 .as_ref()
                 .expect("a stage has a forward or a loss");
-            let out = forward(&self.model, leaves.clone());
+            let out = forward(&model, leaves.clone());
+            drop(model);
             if self.recompute {
                 // Keep the inputs' values only: no graph survives until the backward.
                 let inputs = leaves.iter().map(AnyTensor::detached).collect();
@@ -592,12 +625,16 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                 } else {
                     leaves
                 };
-                let out = forward(&self.model, leaves.clone());
+                let out = forward(
+                    &low_precision_copy(&self.model, self.precision),
+                    leaves.clone(),
+                );
                 (leaves, Stashed::Outputs(out))
             }
             other => (leaves, other),
         };
         let mut grads = match (stashed, grad_out) {
+            (Stashed::Loss(l), _) if self.loss_scale != 1.0 => (*l * self.loss_scale).backward(),
             (Stashed::Loss(l), _) => l.backward(),
             (Stashed::Outputs(out), Some(g)) => {
                 if g.len() != out.len() {
@@ -858,6 +895,20 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         Ok(())
     }
 
+    fn set_precision(&mut self, precision: Precision) {
+        self.precision = precision;
+    }
+
+    fn set_loss_scale(&mut self, scale: f32) {
+        self.loss_scale = scale;
+    }
+
+    fn overflowed(&self) -> bool {
+        self.reduced
+            .as_ref()
+            .is_some_and(sync::Reduced::has_non_finite)
+    }
+
     fn device(&self) -> &Device {
         &self.device
     }
@@ -1104,8 +1155,11 @@ pub(crate) struct StageStepRecord {
     /// gradient reductions), as they ran: on the communication thread, overlapping the
     /// instructions, when blocks may be in flight.
     pub collectives: Vec<sync::Span>,
-    /// The learning rate of the update.
+    /// The learning rate of the update (`None`: no update, the step was skipped).
     pub learning_rate: Option<f64>,
+    /// With a loss scale: whether the step's reduced gradient overflowed on any block of any
+    /// replica, and was skipped (MIX-2).
+    pub overflow: Option<bool>,
 }
 
 /// A timeline (microseconds) as a Chrome trace (Perfetto, `chrome://tracing`): one row per
@@ -1168,6 +1222,9 @@ pub(crate) struct StepContext<'a, I> {
     /// The fault plan's hooks, called around every forward and backward, with the device
     /// and the step they are called for.
     pub faults: Option<(&'a crate::faults::FaultHooks, crate::mesh::DeviceId, u64)>,
+    /// f16's loss scale: the last block multiplies its loss by it, the reduced gradients are
+    /// divided by it, and an overflow anywhere skips the step everywhere (MIX-2).
+    pub loss_scale: Option<f32>,
 }
 
 impl<I> std::fmt::Debug for StepContext<'_, I> {
@@ -1198,13 +1255,15 @@ pub(crate) fn run_stage_step<I>(
     // gradients, losses), so a redone step is the step itself.
     for chunk in chunks.iter_mut() {
         chunk.begin_step();
+        chunk.set_loss_scale(cx.loss_scale.unwrap_or(1.0));
     }
     let mut cx = cx;
     let mut replicas = cx.replicas.take();
     let rank_of = replicas
         .as_ref()
         .map_or((0, 1), |c| (c.rank().index(), c.world()));
-    let scale = 1.0 / (plan.micro_batches() as usize * rank_of.1) as f32;
+    let scale =
+        1.0 / (plan.micro_batches() as usize * rank_of.1) as f32 / cx.loss_scale.unwrap_or(1.0);
     let mut record = StageStepRecord::default();
     let began = Instant::now();
     record.memory.record(0, chunks.iter().map(|c| c.memory()));
@@ -1219,6 +1278,23 @@ pub(crate) fn run_stage_step<I>(
     })?;
     let since = |t: Instant| t.saturating_duration_since(began).as_micros() as u64;
     let t = Instant::now();
+    // MIX-2: an overflow in any block of any replica skips the step on every replica (the
+    // flags of every block, all-reduced over the stage's group).
+    if cx.loss_scale.is_some() {
+        let mut found = [f32::from(u8::from(chunks.iter().any(|c| c.overflowed())))];
+        if let Some(comm) = replicas.as_deref_mut().filter(|c| c.world() > 1) {
+            comm.all_reduce(&mut found, crate::comm::ReduceOp::Max)?;
+        }
+        let overflow = found[0] > 0.0;
+        record.overflow = Some(overflow);
+        if overflow {
+            for chunk in chunks.iter_mut() {
+                record.losses.extend(chunk.take_losses());
+            }
+            record.span = Some((began, Instant::now()));
+            return Ok(record);
+        }
+    }
     if let Some(max) = cx.clip {
         let sums: Vec<_> = chunks.iter().map(|c| c.norm_part()).collect();
         let partial = sums.iter().any(|s| s.is_some_and(|(_, p)| p));

@@ -129,6 +129,18 @@ impl Reduced {
         }
     }
 
+    /// Whether the reduced gradient this rank holds has an inf or a NaN (a loss scaler's
+    /// overflow, found by a block job across its blocks, MIX-2).
+    pub(crate) fn has_non_finite(&self) -> bool {
+        let bad = |s: &[f32]| s.iter().any(|g| !g.is_finite());
+        self.non_finite
+            || match &self.grads {
+                ReducedGrads::Whole(_) => false,
+                ReducedGrads::Buffers(b) => b.slices().into_iter().any(bad),
+                ReducedGrads::Shard(s) => bad(s),
+            }
+    }
+
     /// Clip with a global `norm` computed over several reductions (a block job's blocks):
     /// the coefficient of [`clip_by_global_norm`]. Marks the gradient non-finite when the
     /// norm is.

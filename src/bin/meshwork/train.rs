@@ -6,7 +6,7 @@ use std::time::Duration;
 use burn::module::Module;
 use burn::optim::AdamConfig;
 use indicatif::{ProgressBar, ProgressStyle};
-use meshwork::demo::{Mlp, TeacherTask, mlp_pipeline, mse_loss};
+use meshwork::demo::{Mlp, TeacherTask, mlp_blocks, mlp_blocks_of, mse_loss, split_mlp};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
 use meshwork::events::{JobEvent, PipelineStep};
@@ -14,6 +14,7 @@ use meshwork::faults::FaultPlan;
 use meshwork::job::{EventsError, Job, JobHandle, RunSummary, Trained};
 use meshwork::parallel::pipeline::{Schedule, even_split, render_svg};
 use meshwork::parallel::pipeline_exec::chrome_trace;
+use meshwork::parallel::stages::BlockOptions;
 use meshwork::parallel::zero::ZeroStage;
 use meshwork::precision::Precision;
 use meshwork::recovery::RecoveryPolicy;
@@ -40,9 +41,15 @@ pub(crate) struct TrainArgs {
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
     /// ZeRO stage: 0 (every replica holds the whole optimizer state), 1 (each holds its
-    /// 1/N share of Adam's state) or 2 (and only its share of the reduced gradient).
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=2))]
+    /// 1/N share of Adam's state), 2 (and only its share of the reduced gradient) or 3 (and
+    /// only its share of the parameters: the demo MLP trains as blocks of one layer, each
+    /// gathered for its use).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     zero: u8,
+    /// Recompute each block's forward during its backward (activation checkpointing): less
+    /// memory for more compute. Without --pp the demo MLP trains as blocks of one layer.
+    #[arg(long)]
+    recompute: bool,
     /// Precision of forward and backward: f32, bf16 or f16 (the optimizer steps f32 master
     /// weights; f16 scales the loss dynamically and skips steps whose gradient overflows).
     /// Data parallel in one process only.
@@ -296,8 +303,10 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         let blocks = (args.pp * schedule.virtual_stages()) as usize;
         let pipeline_widths = pipeline_widths(args.hidden);
         let layers = pipeline_widths.len() - 1;
+        let options = BlockOptions::default().recompute(args.recompute);
         let stages = even_split(layers, blocks)
-            .and_then(|split| mlp_pipeline(&pipeline_widths, &split, &model_device))
+            .and_then(|split| split_mlp(&pipeline_widths, &split, &model_device))
+            .map(|parts| mlp_blocks_of(parts, options))
             .ok_or_else(|| {
                 Error::InvalidConfig(format!(
                     "--pp {} × {} virtual stages: the demo MLP has {layers} layers, so at most \
@@ -351,6 +360,32 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
                 println!("timeline written to {}", path.display());
             }
         }
+        if let Some(path) = &args.save_model {
+            save_pipeline(trained.model, path)?;
+        }
+        return Ok(());
+    }
+    if args.zero == 3 || args.recompute {
+        // ZeRO-3 and recomputation work per block: the MLP as blocks of one layer each.
+        let options = BlockOptions::default().recompute(args.recompute);
+        let stages = mlp_blocks(&widths(args.hidden), options, &model_device)
+            .ok_or_else(|| Error::Runtime("the demo MLP did not cut into blocks".into()))?;
+        let builder = checkpoint_settings(&args.checkpoint_flags(), Job::builder())
+            .blocks(stages)
+            .data(data);
+        let job = settings(
+            &args,
+            builder,
+            dp,
+            devices,
+            plan,
+            policy,
+            collective_timeout,
+        )
+        .build()?;
+        let (trained, _) = drive(job.spawn().await?, args.steps).await;
+        let trained = trained?;
+        report(&trained.summary, &task);
         if let Some(path) = &args.save_model {
             save_pipeline(trained.model, path)?;
         }
