@@ -299,7 +299,11 @@ impl From<&Error> for RemoteError {
                 stage: *stage,
                 reason: reason.clone(),
             },
-            Error::Comm(c) | Error::Pipeline(ExecError::Comm(c)) => Self::Comm(c.clone()),
+            // A block's collective carries its cause: the head classifies a peer woken by the
+            // group's shutdown as a consequence by it (the block is named in the node's log).
+            Error::Comm(c)
+            | Error::Pipeline(ExecError::Comm(c))
+            | Error::Pipeline(ExecError::BlockCollective { cause: c, .. }) => Self::Comm(c.clone()),
             Error::NonFiniteLoss { step, ranks } => Self::NonFiniteLoss {
                 step: *step,
                 ranks: ranks.clone(),
