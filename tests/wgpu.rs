@@ -149,3 +149,72 @@ async fn mixed_precision_on_wgpu_tracks_f32_or_is_refused() {
     .await
     .expect("bounded");
 }
+
+/// ZeRO-3 on wgpu (FSDP-1, MEM-1): a block job whose replicas keep only their shard of every
+/// block equals the same blocks trained by plain data parallelism on wgpu (itself equal to one
+/// device: `tests/fsdp.rs`), within the bound above; each rank held a shard, never the model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn zero_3_blocks_on_wgpu_match_plain_data_parallel() {
+    use meshwork::demo::mlp_blocks;
+    tokio::time::timeout(Duration::from_secs(600), async {
+        let device = Device::wgpu(DeviceKind::DefaultDevice);
+        let data = TeacherTask {
+            d_in: 32,
+            d_out: 4,
+            noise: 0.1,
+            seed: 17,
+        }
+        .dataset(256);
+        let blocks = {
+            let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
+            device.seed(3);
+            mlp_blocks(
+                &[32, 48, 48, 4],
+                BlockOptions::default().recompute(true),
+                &device,
+            )
+            .expect("the demo MLP as blocks")
+        };
+        let job = |zero: ZeroStage| {
+            Job::builder()
+                .blocks(blocks.clone())
+                .zero(zero)
+                .data(data.clone())
+                .optimizer(burn::optim::AdamConfig::new())
+                .learning_rate(0.01)
+                .data_parallel(2)
+                .devices(MeshDevice::wgpu(2))
+                .batch_size(16)
+                .steps(4)
+                .build()
+                .expect("valid job")
+        };
+        let mut trained = Vec::new();
+        for zero in [ZeroStage::Off, ZeroStage::Three] {
+            let (outcome, events) = run_recording(job(zero)).await;
+            let model = outcome.expect("the block job succeeds on wgpu").model;
+            let steps = steps_of(&events);
+            assert_eq!(steps.len(), 4);
+            for s in &steps {
+                assert_eq!(s.replicas.len(), 2, "two replicas computed");
+                for r in &s.replicas {
+                    let m = &r.pipeline.as_ref().expect("block step figures").memory;
+                    if zero == ZeroStage::Three {
+                        assert!(m.param_shards > 0, "a rank holds its shard");
+                        assert!(
+                            m.peak_full_params < 4 * (32 * 48 + 48 + 48 * 48 + 48 + 48 * 4 + 4),
+                            "a rank never held the whole model at once: {m:?}"
+                        );
+                    } else {
+                        assert_eq!(m.param_shards, 0);
+                    }
+                }
+            }
+            trained.push(Mlp::from_pipeline(model).expect("the demo MLP's blocks"));
+        }
+        compare_parameters(&trained[1], &trained[0], TOLERANCE)
+            .expect("ZeRO-3 equals plain data parallel on wgpu");
+    })
+    .await
+    .expect("bounded");
+}
