@@ -52,13 +52,20 @@ struct Stack {
     blocks: Vec<Block>,
 }
 
+/// Burn's generator is process-global and this file's tests run on parallel threads: the
+/// blocks are seeded and drawn under this lock, in one piece.
+static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn init_blocks() -> Vec<Block> {
+    let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
     let device = Device::flex();
     device.seed(23);
     WIDTHS
         .windows(2)
-        .map(|w| Block {
-            linear: LinearConfig::new(w[0], w[1]).init(&device),
+        .map(|w| {
+            meshwork::parallel::stages::materialize(Block {
+                linear: LinearConfig::new(w[0], w[1]).init(&device),
+            })
         })
         .collect()
 }

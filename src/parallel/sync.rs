@@ -799,23 +799,28 @@ impl ZeroSync {
         self.restored = None;
         self.shard.range.clone()
     }
+}
 
-    /// Each parameter's part of `range` with its learning rate.
-    fn segments(&self, range: &Range<usize>, lr: &ModuleLearningRate) -> Vec<(Range<usize>, f64)> {
-        self.layout
-            .slots()
-            .iter()
-            .filter_map(|s| {
-                let (lo, hi) = (range.start.max(s.range.start), range.end.min(s.range.end));
-                (lo < hi).then(|| {
-                    (
-                        lo - range.start..hi - range.start,
-                        lr.lr_from_param(s.id, None),
-                    )
-                })
+/// Each parameter's part of `range` (of the flat trainable order of `layout`), relative to
+/// the range's start, with its learning rate: what a flat update rule steps a shard by.
+fn lr_segments(
+    layout: &ParamLayout,
+    range: &Range<usize>,
+    lr: &ModuleLearningRate,
+) -> Vec<(Range<usize>, f64)> {
+    layout
+        .slots()
+        .iter()
+        .filter_map(|s| {
+            let (lo, hi) = (range.start.max(s.range.start), range.end.min(s.range.end));
+            (lo < hi).then(|| {
+                (
+                    lo - range.start..hi - range.start,
+                    lr.lr_from_param(s.id, None),
+                )
             })
-            .collect()
-    }
+        })
+        .collect()
 }
 
 impl<M: Module> GradientSync<M> for ZeroSync {
@@ -910,7 +915,7 @@ impl<M: Module> GradientSync<M> for ZeroSync {
         let range = self.shard.range.clone();
         let t = Instant::now();
         let mut values = trainable_range(&model, &self.layout, range.clone());
-        let segments = self.segments(&range, &lr);
+        let segments = lr_segments(&self.layout, &range, &lr);
         self.shard
             .rule
             .step(&mut self.shard.state, &mut values, &grads, &segments);

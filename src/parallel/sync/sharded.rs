@@ -29,7 +29,7 @@ use burn::optim::GradientsParams;
 
 use super::{
     Collective, GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext, SyncError,
-    restore_flat, restore_shard, shard_state, sum_of_squares,
+    lr_segments, restore_flat, restore_shard, shard_state, sum_of_squares,
 };
 use crate::checkpoint::{CheckpointError, OptimizerState, ParamPart, ShardParams, snapshot_module};
 use crate::comm::ReduceOp;
@@ -108,23 +108,6 @@ impl ShardedSync {
         self.held.params = 4 * want.len() as u64;
         self.held.owned = (want.start as u64, want.end as u64);
         Ok(want)
-    }
-
-    /// Each parameter's part of `range` with its learning rate.
-    fn segments(&self, range: &Range<usize>, lr: &ModuleLearningRate) -> Vec<(Range<usize>, f64)> {
-        self.layout
-            .slots()
-            .iter()
-            .filter_map(|s| {
-                let (lo, hi) = (range.start.max(s.range.start), range.end.min(s.range.end));
-                (lo < hi).then(|| {
-                    (
-                        lo - range.start..hi - range.start,
-                        lr.lr_from_param(s.id, None),
-                    )
-                })
-            })
-            .collect()
     }
 }
 
@@ -238,7 +221,7 @@ impl<M: Module> GradientSync<M> for ShardedSync {
             Ok(r) => r,
             Err(e) => return Err((model, e)),
         };
-        let segments = self.segments(&range, &lr);
+        let segments = lr_segments(&self.layout, &range, &lr);
         let t = Instant::now();
         let values = self.params.as_mut().expect("set by `owned`");
         self.shard
