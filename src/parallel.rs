@@ -10,6 +10,7 @@
 //! - [`pipeline`]: pipeline schedules as instruction lists, their simulator and picture (pure);
 //! - [`pipeline_exec`]: a stage running its list (links, VJP backward, stash, update);
 //! - [`stages`]: the user's model as pipeline stages, and the trained blocks;
+//! - [`tensor`]: tensor parallelism (Megatron-LM): split layers, their collectives, sharding;
 //! - `sync` (crate-internal): how a rank's gradients and optimizer state stay in step with its
 //!   group ([`HeldBytes`] is what a rank holds, reported in events).
 
@@ -23,6 +24,7 @@ pub mod pipeline_exec;
 pub mod sampler;
 pub mod stages;
 pub(crate) mod sync;
+pub mod tensor;
 pub mod zero;
 
 pub use sync::HeldBytes;

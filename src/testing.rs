@@ -16,6 +16,14 @@ use crate::events::StepDone;
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::gradients::{ParamLayout, parameters_to_flat};
 
+/// Burn's random generator is process-global (on Flex) and a test binary's tests run on
+/// parallel threads: hold this guard while seeding and drawing a model, so the draws of one
+/// test are not interleaved with another's (the same seed then gives the same model).
+pub fn draw_lock() -> std::sync::MutexGuard<'static, ()> {
+    static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    DRAW.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Settings of the reference loop.
 #[derive(Debug, Clone)]
 pub struct Reference {
