@@ -339,3 +339,4 @@ pub fn cluster_fingerprint(
         "demo-mlp", &model,
     ))
 }
+pub mod gpt;

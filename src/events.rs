@@ -236,6 +236,9 @@ pub struct PipelineStageStep {
     /// worker (parameters full and sharded, gradients, stashed activations).
     #[serde(default)]
     pub memory: crate::parallel::memory::StepMemory,
+    /// What its tensor-parallel group's collectives moved during the step (none at tp = 1).
+    #[serde(default)]
+    pub tensor_parallel: Option<crate::parallel::tensor::TpTraffic>,
 }
 
 /// What a pipeline step looked like, measured from the instructions the stages ran.

@@ -125,6 +125,8 @@ pub struct JobBuilder<M, I> {
     optimizer: OptimizerConfig,
     learning_rate: LearningRate,
     dp: u32,
+    /// The tensor-parallel degree (`tensor_parallel`).
+    tp: u32,
     devices: Option<Vec<MeshDevice>>,
     batch_size: Option<usize>,
     accumulation: u32,
@@ -227,6 +229,7 @@ where
             zero: ZeroStage::Off,
             mixed: MixedPrecision::default(),
             blocks_in_flight: 1,
+            tp: 1,
             steps: 100,
             seed: 0,
             non_finite: NonFinitePolicy::Stop,
@@ -543,6 +546,19 @@ where
     /// global batch is cut into `k` equal micro-batches).
     pub fn gradient_accumulation(mut self, k: u32) -> Self {
         self.accumulation = k;
+        self
+    }
+
+    /// Split every tensor-parallel block ([`PipelineStages::tp_block`]) over `t` ranks, as
+    /// Megatron-LM does: each rank holds its slice of the block's split matrices, and the
+    /// ranks' partial results meet in all-reduces (one per split region in the forward, one
+    /// in the backward). Combines with [`data_parallel`](Self::data_parallel) and
+    /// [`pipeline`](Self::pipeline) into a dp × pp × tp mesh (tp ranks fastest in the rank
+    /// order, MESH-1); works with [`blocks`](Self::blocks) and `pipeline` jobs. Not yet with
+    /// ZeRO, mixed precision, checkpoints, recovery other than ending the job, elastic
+    /// resizing, or across processes: those are refused when the job is built.
+    pub fn tensor_parallel(mut self, t: u32) -> Self {
+        self.tp = t;
         self
     }
 
@@ -958,6 +974,13 @@ where
                     .into(),
             ));
         };
+        if self.tp != 1 {
+            return Err(Error::InvalidConfig(format!(
+                "tensor_parallel({}) splits blocks: give the model as tensor-parallel blocks \
+                 with .blocks(stages) or .pipeline(stages, schedule) instead of .model(..)",
+                self.tp
+            )));
+        }
         #[cfg(feature = "cluster")]
         if let Some(mesh) = self.cluster.take() {
             let world = mesh.world_size() as u32;
@@ -1071,6 +1094,9 @@ where
         if let Some(problem) = p.stages.problem() {
             return invalid(problem);
         }
+        if let Some(problem) = self.tensor_parallel_problem(&p.stages, world) {
+            return invalid(problem);
+        }
         // MIX-1: blocks compute in bf16 or f16 with f32 gradients; what they do not do yet
         // is refused here.
         if self.mixed.low_gradients && self.mixed.precision.is_low() {
@@ -1135,7 +1161,7 @@ where
         let m = schedule.micro_batches() as usize;
         check_batch(global, dp, m)?;
         let spec = self.stages_spec(p.stages, plan, dataset);
-        Ok((spec, Layout::new(self.dp, pp, 1)?))
+        Ok((spec, Layout::new(self.dp, pp, self.tp)?))
     }
 
     /// A block job's spec: one stage per replica holding every block, running
@@ -1167,7 +1193,53 @@ where
         Arc::get_mut(&mut spec)
             .expect("the spec was just made")
             .clip = self.clip_norm;
-        Ok((spec, Layout::new(self.dp, 1, 1)?))
+        Ok((spec, Layout::new(self.dp, 1, self.tp)?))
+    }
+
+    /// Why this job cannot be split `tensor_parallel(t)` ways (t > 1): what is not done yet
+    /// is refused here, with what to change.
+    fn tensor_parallel_problem(
+        &self,
+        stages: &PipelineStages<I>,
+        world: Option<u32>,
+    ) -> Option<String> {
+        let t = self.tp;
+        if t == 0 {
+            return Some("tensor_parallel(0): the degree must be at least 1".into());
+        }
+        if t == 1 {
+            return None;
+        }
+        if let Some(problem) = stages.tensor_parallel_problem(t as usize) {
+            return Some(problem);
+        }
+        let not_yet = |what: &str| {
+            Some(format!(
+                "tensor_parallel({t}) with {what} is not supported yet; remove one of them"
+            ))
+        };
+        if world.is_some() {
+            return not_yet("a job across processes (cluster)");
+        }
+        if self.zero != ZeroStage::Off {
+            return not_yet(&format!("ZeRO ({:?})", self.zero));
+        }
+        if self.mixed.precision.is_low() {
+            return not_yet(&format!("precision({})", self.mixed.precision));
+        }
+        if self.checkpoint_dir.is_some()
+            || self.checkpoint_sink.is_some()
+            || self.checkpoint_every.is_some()
+            || self.resume
+        {
+            return not_yet("checkpoints");
+        }
+        if self.recovery.on_replica_loss != crate::recovery::OnReplicaLoss::Fail
+            || self.recovery.roll_back
+        {
+            return not_yet("a recovery policy other than ending the job");
+        }
+        None
     }
 
     fn stages_spec(
@@ -1183,6 +1255,7 @@ where
             optimizer: self.optimizer.clone(),
             learning_rate: self.learning_rate.clone(),
             zero: self.zero,
+            tensor_parallel: self.tp,
             clip: None,
             blocks_in_flight: self.blocks_in_flight,
             epoch: Instant::now(),

@@ -178,11 +178,22 @@ pub struct StageId {
     pub replica: u32,
     /// The stage index in the pipeline (0 without pipeline parallelism).
     pub stage: u32,
+    /// The rank in the stage's tensor-parallel group (0 without tensor parallelism).
+    #[serde(default)]
+    pub tp: u32,
 }
 
 impl std::fmt::Display for StageId {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "stage {} of replica {}", self.stage, self.replica)
+        if self.tp > 0 {
+            write!(
+                f,
+                "stage {} (tensor-parallel rank {}) of replica {}",
+                self.stage, self.tp, self.replica
+            )
+        } else {
+            write!(f, "stage {} of replica {}", self.stage, self.replica)
+        }
     }
 }
 

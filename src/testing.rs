@@ -111,8 +111,9 @@ pub fn batches_from_events(steps: &[StepDone]) -> Vec<Vec<usize>> {
         .map(|s| {
             s.replicas
                 .iter()
-                // A pipeline's stages all report their replica's samples: count them once.
-                .filter(|r| r.stage.stage == 0)
+                // A pipeline's stages (and a stage's tensor-parallel ranks) all report their
+                // replica's samples: count them once.
+                .filter(|r| r.stage.stage == 0 && r.stage.tp == 0)
                 .flat_map(|r| r.sample_ids.clone())
                 .collect()
         })

@@ -203,6 +203,7 @@ fn write_control_seed_corpus() {
                     id: meshwork::error::StageId {
                         replica: 2,
                         stage: 0,
+                        tp: 0,
                     },
                     alone: true,
                 }),

@@ -95,7 +95,8 @@ async fn rt_4_panic_in_forward_ends_job_with_error_naming_device_and_stage() {
                     *stage,
                     StageId {
                         replica: replica as u32,
-                        stage: 0
+                        stage: 0,
+                        tp: 0,
                     }
                 );
                 assert_eq!(during, "forward");

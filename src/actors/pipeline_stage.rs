@@ -40,7 +40,8 @@ use crate::parallel::pipeline::{Chunk, Instr, PipelineSchedule, StageIndex, Time
 use crate::parallel::pipeline_exec::{
     StageLinks, StageStepRecord, StageWork, StepContext, links, run_stage_step,
 };
-use crate::parallel::stages::{PipelineModel, PipelineStages};
+use crate::parallel::stages::{BlockPart, PipelineModel, PipelineStages};
+use crate::parallel::tensor::TensorParallel;
 use crate::precision::LossScaler;
 use crate::trace::{TraceKind, TraceRecord};
 
@@ -53,6 +54,9 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) learning_rate: LearningRate,
     /// How much of each block's training state each data-parallel rank keeps (ZeRO).
     pub(crate) zero: crate::parallel::zero::ZeroStage,
+    /// The tensor-parallel degree: above 1 every rank holds a slice of the split blocks, so
+    /// no rank's state has a twin (recovery ends the job or rolls back).
+    pub(crate) tensor_parallel: u32,
     /// Clip each step's gradient to this global norm over the stage's blocks (block jobs).
     pub(crate) clip: Option<f32>,
     /// Blocks whose gathered parameters may wait for their use at once, the collectives
@@ -67,18 +71,49 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) mixed: super::stage::MixedPrecision,
 }
 
-/// A mesh's wiring under one generation: per rank its links and data-parallel
-/// communicator, the collective groups' actors, and how to wake everything blocked in it.
+/// One rank's wiring: links to its pipeline's other stages, the communicator of its
+/// data-parallel group (none at dp = 1) and of its tensor-parallel group (none at tp = 1).
+type RankWiring = (StageLinks, Option<Communicator>, Option<Communicator>);
+
+/// A mesh's wiring under one generation: per rank its links and communicators, the
+/// collective groups' actors, and how to wake everything blocked in it.
 struct Wiring {
-    /// `per_rank[rank]`: links to its replica's other stages, and its stage index's
-    /// communicator (none at dp = 1).
-    per_rank: Vec<Option<(StageLinks, Option<Communicator>)>>,
+    per_rank: Vec<Option<RankWiring>>,
     others: Vec<ractor::ActorCell>,
     shutdown: Arc<dyn Fn() + Send + Sync>,
 }
 
-/// Wire a dp × pp mesh: every replica's stages connected by their own links, every stage
-/// index's replicas in one collective group of `generation`.
+/// One collective group of `ranks` (in group order) under `generation`, watched by a
+/// [`GroupActor`]: its communicators in the same order.
+async fn group_of(
+    ranks: Vec<Rank>,
+    comm: &crate::comm::CommConfig,
+    generation: Generation,
+    supervisor: &ractor::ActorCell,
+    groups: &mut Vec<Arc<LocalGroup>>,
+    others: &mut Vec<ractor::ActorCell>,
+) -> Result<Vec<Communicator>, ActorProcessingErr> {
+    let group = LocalGroup::new(ranks.len(), generation, comm.clone());
+    groups.push(group.clone());
+    let comms = group.communicators();
+    let (g, _) = Actor::spawn_linked(
+        None,
+        GroupActor,
+        GroupArgs {
+            members: ranks,
+            group,
+        },
+        supervisor.clone(),
+    )
+    .await?;
+    others.push(g.get_cell());
+    Ok(comms)
+}
+
+/// Wire a dp × pp × tp mesh: every (replica, tensor-parallel rank)'s pipeline connected by
+/// its own links, every (stage, tensor-parallel rank)'s replicas in one data-parallel group,
+/// every (replica, stage)'s tensor-parallel ranks in one tensor-parallel group, all of
+/// `generation`.
 async fn wire<I>(
     spec: &PipelineSpec<I>,
     layout: Layout,
@@ -86,57 +121,74 @@ async fn wire<I>(
     generation: Generation,
     supervisor: &ractor::ActorCell,
 ) -> Result<Wiring, ActorProcessingErr> {
-    let (dp, pp) = (layout.dp(), layout.pp());
+    let (dp, pp, tp) = (layout.dp(), layout.pp(), layout.tp());
     let abort = Arc::new(AtomicBool::new(false));
-    // links[replica][stage]
-    let mut replica_links: Vec<Vec<Option<StageLinks>>> = (0..dp)
-        .map(|_| {
+    let mut per_rank: Vec<Option<RankWiring>> = Vec::new();
+    // Links: one pipeline per (replica, tensor-parallel rank).
+    let mut links_of: std::collections::HashMap<(u32, u32), Vec<Option<StageLinks>>> =
+        std::collections::HashMap::new();
+    for replica in 0..dp {
+        for t in 0..tp {
             // A link is point-to-point communication: bounded like a collective.
-            links(&spec.plan, comm.timeout, abort.clone())
+            let l = links(&spec.plan, comm.timeout, abort.clone())
                 .into_iter()
                 .map(Some)
-                .collect()
-        })
-        .collect();
-    // comms[stage][replica]: one data-parallel group per stage index.
+                .collect();
+            links_of.insert((replica, t), l);
+        }
+    }
     let mut groups = Vec::new();
     let mut others = Vec::new();
-    let mut comms: Vec<Vec<Option<Communicator>>> = Vec::new();
-    for stage in 0..pp {
-        if dp == 1 {
-            comms.push(vec![None]);
-            continue;
+    let mut dp_comm: std::collections::HashMap<Rank, Communicator> =
+        std::collections::HashMap::new();
+    let mut tp_comm: std::collections::HashMap<Rank, Communicator> =
+        std::collections::HashMap::new();
+    let rank_of = |dp: u32, pp: u32, tp: u32| layout.rank_of(Coord { dp, pp, tp });
+    if dp > 1 {
+        for stage in 0..pp {
+            for t in 0..tp {
+                let members: Vec<Rank> = (0..dp).filter_map(|r| rank_of(r, stage, t)).collect();
+                let comms = group_of(
+                    members.clone(),
+                    comm,
+                    generation,
+                    supervisor,
+                    &mut groups,
+                    &mut others,
+                )
+                .await?;
+                dp_comm.extend(members.into_iter().zip(comms));
+            }
         }
-        let group = LocalGroup::new(dp as usize, generation, comm.clone());
-        groups.push(group.clone());
-        comms.push(group.communicators().into_iter().map(Some).collect());
-        let members = (0..dp)
-            .filter_map(|replica| {
-                layout.rank_of(Coord {
-                    dp: replica,
-                    pp: stage,
-                    tp: 0,
-                })
-            })
-            .collect();
-        let (g, _) = Actor::spawn_linked(
-            None,
-            GroupActor,
-            GroupArgs { members, group },
-            supervisor.clone(),
-        )
-        .await?;
-        others.push(g.get_cell());
     }
-    let per_rank = layout
-        .ranks()
-        .map(|rank| {
-            let coord = layout.coord_of(rank)?;
-            let (r, s) = (coord.dp as usize, coord.pp as usize);
-            let links = replica_links[r][s].take()?;
-            Some((links, comms[s][r].take()))
-        })
-        .collect();
+    if tp > 1 {
+        for replica in 0..dp {
+            for stage in 0..pp {
+                let members: Vec<Rank> =
+                    (0..tp).filter_map(|t| rank_of(replica, stage, t)).collect();
+                let comms = group_of(
+                    members.clone(),
+                    comm,
+                    generation,
+                    supervisor,
+                    &mut groups,
+                    &mut others,
+                )
+                .await?;
+                tp_comm.extend(members.into_iter().zip(comms));
+            }
+        }
+    }
+    for rank in layout.ranks() {
+        let w = layout.coord_of(rank).and_then(|c| {
+            let links = links_of
+                .get_mut(&(c.dp, c.tp))?
+                .get_mut(c.pp as usize)?
+                .take()?;
+            Some((links, dp_comm.remove(&rank), tp_comm.remove(&rank)))
+        });
+        per_rank.push(w);
+    }
     Ok(Wiring {
         per_rank,
         others,
@@ -155,7 +207,7 @@ async fn spawn_stage<I: Send + Sync + 'static>(
     layout: Layout,
     rank: Rank,
     (device, device_ref): (&MeshDevice, &ActorRef<DeviceMsg>),
-    wiring: Option<(StageLinks, Option<Communicator>)>,
+    wiring: Option<RankWiring>,
     supervisor: &ractor::ActorCell,
 ) -> Result<(ActorRef<StageMsg<PipelineModel>>, StageId), ActorProcessingErr> {
     let coord = layout
@@ -164,16 +216,19 @@ async fn spawn_stage<I: Send + Sync + 'static>(
     let id = StageId {
         replica: coord.dp,
         stage: coord.pp,
+        tp: coord.tp,
     };
-    let (links, comm) = wiring.map_or((None, None), |(l, c)| (Some(l), c));
+    let (links, comm, tp) = wiring.map_or((None, None, None), |(l, c, t)| (Some(l), c, t));
     let args = PipelineStageArgs {
         id,
         rank,
+        tp_rank: coord.tp,
         device: device.clone(),
         device_actor: device_ref.clone(),
         spec: spec.clone(),
         links,
         comm,
+        tp,
     };
     let (a, _) = Actor::spawn_linked(
         None,
@@ -199,11 +254,13 @@ pub(crate) async fn spawn_unlinked<I: Send + Sync + 'static>(
     let args = PipelineStageArgs {
         id,
         rank,
+        tp_rank: 0,
         device,
         device_actor,
         spec,
         links: Some(links),
         comm,
+        tp: None,
     };
     let (a, _) = Actor::spawn(None, PipelineStageActor::<I>::default(), args).await?;
     Ok(a)
@@ -221,7 +278,7 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::pipeline(!self.spec.zero.shards_optimizer())
+        Capabilities::pipeline(!self.spec.zero.shards_optimizer() && self.spec.tensor_parallel <= 1)
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {
@@ -245,12 +302,15 @@ where
                     .await?,
                 );
             }
+            // Replica 0's stages, every tensor-parallel rank of each (TP-3).
+            let tp = cx.layout.tp();
             let model_ranks = (0..pp)
-                .filter_map(|stage| {
+                .flat_map(|stage| (0..tp).map(move |t| (stage, t)))
+                .filter_map(|(stage, t)| {
                     cx.layout.rank_of(Coord {
                         dp: 0,
                         pp: stage,
-                        tp: 0,
+                        tp: t,
                     })
                 })
                 .map(Rank::index)
@@ -285,7 +345,7 @@ where
                         survivors: wiring
                             .per_rank
                             .into_iter()
-                            .map(|w| w.map(|(l, c)| (Box::new(l), c)))
+                            .map(|w| w.map(|(l, c, _)| (Box::new(l), c)))
                             .collect(),
                         others: wiring.others,
                         shutdown: wiring.shutdown,
@@ -298,7 +358,7 @@ where
                 shutdown: wiring.shutdown,
                 others: wiring.others,
                 model_ranks,
-                assemble: |parts| Some(PipelineModel::merge(parts)),
+                assemble: PipelineModel::merge,
                 grow: None,
                 rewire: Some(rewire),
                 devices: None,
@@ -326,11 +386,15 @@ impl<I> std::fmt::Debug for PipelineStageActor<I> {
 pub(crate) struct PipelineStageArgs<I> {
     id: StageId,
     rank: Rank,
+    /// Its rank in its tensor-parallel group.
+    tp_rank: u32,
     device: MeshDevice,
     device_actor: ActorRef<DeviceMsg>,
     spec: Arc<PipelineSpec<I>>,
     links: Option<StageLinks>,
     comm: Option<Communicator>,
+    /// The communicator of its tensor-parallel group (none at tp = 1).
+    tp: Option<Communicator>,
 }
 
 impl<I> std::fmt::Debug for PipelineStageArgs<I> {
@@ -346,17 +410,21 @@ struct Slot<I> {
     comm: Option<Communicator>,
     /// f16's dynamic loss scaler, the same on every replica (MIX-2).
     scaler: Option<LossScaler>,
+    /// The rank's tensor-parallel group, shared by its blocks.
+    tp: Arc<TensorParallel>,
 }
 
 /// State of a [`PipelineStageActor`].
 pub(crate) struct PipelineStageState<I> {
     id: StageId,
     rank: Rank,
+    /// Its rank in its tensor-parallel group.
+    tp_rank: u32,
     device: MeshDevice,
     device_actor: ActorRef<DeviceMsg>,
     spec: Arc<PipelineSpec<I>>,
-    /// Links and communicator until `Init` builds the chunks.
-    pending: Option<(StageLinks, Option<Communicator>)>,
+    /// Links and communicators until `Init` builds the chunks.
+    pending: Option<RankWiring>,
     slot: Option<Slot<I>>,
 }
 
@@ -385,10 +453,11 @@ where
         Ok(PipelineStageState {
             id: a.id,
             rank: a.rank,
+            tp_rank: a.tp_rank,
             device: a.device,
             device_actor: a.device_actor,
             spec: a.spec,
-            pending: Some((links, a.comm)),
+            pending: Some((links, a.comm, a.tp)),
             slot: None,
         })
     }
@@ -512,12 +581,25 @@ where
             StageMsg::TakeModel(reply) => {
                 let plan = state.spec.plan.clone();
                 let stage = StageIndex(state.id.stage);
+                let tp_rank = state.tp_rank;
+                let blocks = &state.spec.stages.blocks;
                 let model = state.slot.take().map(|slot| {
-                    PipelineModel::from_blocks(
+                    PipelineModel::from_parts(
                         slot.chunks
                             .into_iter()
                             .enumerate()
-                            .map(|(c, w)| (plan.block(stage, Chunk(c as u32)), w.into_module()))
+                            .map(|(c, w)| {
+                                let block = plan.block(stage, Chunk(c as u32));
+                                BlockPart {
+                                    block,
+                                    tp_rank,
+                                    module: w.into_module(),
+                                    unshard: blocks
+                                        .get(block as usize)
+                                        .and_then(|b| b.tensor_parallel.as_ref())
+                                        .map(|(_, u)| u.clone()),
+                                }
+                            })
                             .collect(),
                     )
                 });
@@ -565,40 +647,51 @@ fn failed<I>(state: &PipelineStageState<I>, during: &str, reason: String) -> Err
 }
 
 async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Result<InitReport> {
-    let Some((links, comm)) = state.pending.take() else {
+    let Some((links, comm, tp)) = state.pending.take() else {
         return Err(Error::Runtime(format!("{} initialized twice", state.id)));
     };
     let spec = state.spec.clone();
     let stage = StageIndex(state.id.stage);
     let device = state.device.burn().clone();
+    let tp = Arc::new(tp.map_or_else(TensorParallel::single, TensorParallel::new));
+    let tp_group = tp.clone();
     let out = run_on(&state.device_actor, "init", move || {
-        // Every replica builds its chunks from the same records: they start identical.
-        let chunks: Vec<Box<dyn StageWork<I>>> = (0..spec.plan.virtual_stages())
-            .map(|c| {
-                let block = &spec.stages.blocks[spec.plan.block(stage, Chunk(c)) as usize];
-                let mut work = (block.build)(&device, &spec.optimizer, spec.learning_rate.clone());
-                work.shard_optimizer(spec.zero)
-                    .expect("the job refuses an optimizer ZeRO cannot shard when it is built");
-                work.set_precision(spec.mixed.precision);
-                work
-            })
-            .collect();
+        // Every replica builds its chunks from the same records: they start identical; a
+        // tensor-parallel block keeps the rank's slice (TP-3).
+        let built: Result<Vec<Box<dyn StageWork<I>>>, crate::config::InvalidConfig> =
+            (0..spec.plan.virtual_stages())
+                .map(|c| {
+                    let block = &spec.stages.blocks[spec.plan.block(stage, Chunk(c)) as usize];
+                    let mut work =
+                        (block.build)(&device, &spec.optimizer, spec.learning_rate.clone(), &tp)?;
+                    work.shard_optimizer(spec.zero)
+                        .expect("the job refuses an optimizer ZeRO cannot shard when it is built");
+                    work.set_precision(spec.mixed.precision);
+                    Ok(work)
+                })
+                .collect();
+        let chunks = match built {
+            Ok(chunks) => chunks,
+            Err(e) => return Err(e),
+        };
         let f = fingerprint(&chunks);
         // At ZeRO-3 each rank keeps only its shard from the start (FSDP-1); no collective.
         let mut chunks = chunks;
         for chunk in chunks.iter_mut() {
             chunk.shard_parameters(comm.as_ref());
         }
-        (chunks, f, comm)
+        Ok((chunks, f, comm))
     })
     .await?;
     match out {
-        Ok((chunks, f, comm)) => {
+        Ok(Err(e)) => Err(Error::InvalidConfig(format!("{}: {e}", state.id))),
+        Ok(Ok((chunks, f, comm))) => {
             state.slot = Some(Slot {
                 chunks,
                 links,
                 comm,
                 scaler: state.spec.mixed.new_scaler()?,
+                tp: tp_group,
             });
             Ok(InitReport {
                 before: f,
@@ -704,10 +797,14 @@ async fn step_on_device<I: Send + Sync + 'static>(
                 }
                 _ => None,
             };
+            let traffic = (slot.tp.degree() > 1).then(|| slot.tp.take_traffic());
             state.slot = Some(slot);
             let record = r?;
             let mut report = report(state, step, micro_batches, record);
             report.loss_scale = scaled;
+            if let Some(p) = report.pipeline.as_mut() {
+                p.tensor_parallel = traffic;
+            }
             Ok(report)
         }
         Err(panic) => {
@@ -800,6 +897,7 @@ fn report<I>(
             peak_stash: record.peak_stash,
             peak_activation_bytes: record.peak_stash_bytes,
             memory: record.memory,
+            tensor_parallel: None,
         }),
         held: None,
         loss_scale: None,

@@ -238,6 +238,7 @@ where
                 let id = StageId {
                     replica: coord.dp,
                     stage: coord.pp,
+                    tp: 0,
                 };
                 let (r, _) = Actor::spawn_linked(
                     None,

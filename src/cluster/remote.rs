@@ -394,10 +394,12 @@ impl ClusterMesh {
                 StageId {
                     replica: slot.0,
                     stage: 0,
+                    tp: 0,
                 },
                 |c| StageId {
                     replica: c.dp,
                     stage: c.pp,
+                    tp: 0,
                 },
             )
         };
@@ -585,7 +587,7 @@ where
                 pipelined: true,
                 rebuild,
                 model_ranks,
-                assemble: |parts| Some(PipelineModel::merge(parts)),
+                assemble: PipelineModel::merge,
             };
             mesh.spawn_all(shape, cx)
                 .await
@@ -771,6 +773,7 @@ impl<M: Send + 'static> Proxies<M> {
                     let id = StageId {
                         replica: coord.dp,
                         stage: coord.pp,
+                        tp: 0,
                     };
                     let start = StageOp::Start { id, alone: false };
                     let listening = |a: &StageAnswer| matches!(a, StageAnswer::Listening(_));
@@ -1276,6 +1279,7 @@ impl<M: Send + 'static> NodeStages<M> {
                 let id = StageId {
                     replica: slot.0,
                     stage: 0,
+                    tp: 0,
                 };
                 (
                     slot.0,

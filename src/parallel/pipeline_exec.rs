@@ -52,7 +52,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::time::{Duration, Instant};
 
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
@@ -60,6 +60,7 @@ use super::gradients::parameter_fingerprint;
 use super::memory::{BlockBytes, StepMemory};
 use super::overlap::{CommLane, Ticket, with_lane};
 use super::sync::{self, Collective, GradientSync, SyncContext};
+use super::tensor::TensorParallel;
 use super::zero::{UnsupportedOptimizer, ZeroStage};
 use crate::checkpoint::{CheckpointError, LrSchedulerState, OptimizerState, ShardParams};
 use crate::comm::{CollectiveKind, CommError, Communicator};
@@ -280,6 +281,22 @@ pub enum ExecError {
         /// How long the stage waited.
         waited: Duration,
     },
+    /// A collective of a tensor-parallel block's group failed (TP-4).
+    #[error(
+        "stage {stage}: the tensor-parallel group of block {block} failed during {during} of micro-batch {mb}: {cause}"
+    )]
+    TensorParallel {
+        /// This stage.
+        stage: u32,
+        /// The block (its index in the model).
+        block: u32,
+        /// The micro-batch.
+        mb: u32,
+        /// What the block was computing.
+        during: &'static str,
+        /// What the communicator said.
+        cause: CommError,
+    },
     /// The schedule needs something this executor does not do yet.
     #[error("unsupported schedule: {0}")]
     Unsupported(String),
@@ -296,6 +313,24 @@ pub enum ExecError {
     },
 }
 
+impl ExecError {
+    /// A block's error with its stage and block filled in (a block does not know them).
+    fn in_block(self, stage: u32, block: u32) -> Self {
+        match self {
+            ExecError::TensorParallel {
+                mb, during, cause, ..
+            } => ExecError::TensorParallel {
+                stage,
+                block,
+                mb,
+                during,
+                cause,
+            },
+            other => other,
+        }
+    }
+}
+
 /// One stage's work, independent of its module type.
 pub(crate) trait StageWork<I>: Send {
     /// Forward of a micro-batch: `input` (from the previous stage, or built from `items` on the
@@ -309,7 +344,7 @@ pub(crate) trait StageWork<I>: Send {
         input: Boundary,
         items: &[I],
         input_grads: bool,
-    ) -> Option<Boundary>;
+    ) -> Result<Option<Boundary>, ExecError>;
     /// Backward of a micro-batch from the received output gradient (`None` on the last stage);
     /// returns the gradients of the stage's inputs, to send upstream.
     fn backward(
@@ -399,8 +434,8 @@ pub(crate) trait StageWork<I>: Send {
     fn into_module(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
 }
 
-type ForwardFn<M> = Box<dyn Fn(&M, Boundary) -> Boundary + Send>;
-type LossFn<M, I> = Box<dyn Fn(&M, Boundary, &[I], &Device) -> Tensor<1> + Send>;
+type ForwardFn<M> = Box<dyn Fn(&M, Boundary, &TensorParallel) -> Boundary + Send>;
+type LossFn<M, I> = Box<dyn Fn(&M, Boundary, &[I], &Device, &TensorParallel) -> Tensor<1> + Send>;
 
 /// One stage of a pipeline: a Burn module, what it computes, its optimizer.
 pub(crate) struct TypedStage<M: Module, I> {
@@ -437,6 +472,11 @@ pub(crate) struct TypedStage<M: Module, I> {
     precision: Precision,
     /// The loss is multiplied by this before backward (MIX-2).
     loss_scale: f32,
+    /// The rank's tensor-parallel group (a group of one unless the block is
+    /// tensor-parallel).
+    tp: Arc<TensorParallel>,
+    /// A tensor-parallel block's split parameters and their axes (TP-1..2).
+    split: Option<HashMap<ParamId, usize>>,
 }
 
 enum Stashed {
@@ -456,7 +496,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     /// A middle (or first) stage computing `forward`, on `device` (autodiff is turned on).
     pub(crate) fn new(
         model: M,
-        forward: impl Fn(&M, Boundary) -> Boundary + Send + 'static,
+        forward: impl Fn(&M, Boundary, &TensorParallel) -> Boundary + Send + 'static,
         optimizer: &OptimizerConfig,
         lr: LearningRate,
         device: &Device,
@@ -467,7 +507,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     /// The last stage: its forward ends in the mean loss over the micro-batch's items.
     pub(crate) fn last(
         model: M,
-        loss: impl Fn(&M, Boundary, &[I], &Device) -> Tensor<1> + Send + 'static,
+        loss: impl Fn(&M, Boundary, &[I], &Device, &TensorParallel) -> Tensor<1> + Send + 'static,
         optimizer: &OptimizerConfig,
         lr: LearningRate,
         device: &Device,
@@ -517,6 +557,77 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             input_grads: true,
             precision: Precision::F32,
             loss_scale: 1.0,
+            tp: Arc::new(TensorParallel::single()),
+            split: None,
+        }
+    }
+
+    /// Make this a tensor-parallel block of `tp`'s group, whose module is the rank's part
+    /// with these split parameters (TP-1..2).
+    pub(crate) fn with_tensor_parallel(
+        mut self,
+        tp: Arc<TensorParallel>,
+        split: HashMap<ParamId, usize>,
+    ) -> Self {
+        self.tp = tp;
+        self.split = Some(split);
+        self
+    }
+
+    /// Whether the block's backward follows the tensor-parallel rules (TP-1..2).
+    fn splits(&self) -> bool {
+        self.split.is_some() && self.tp.degree() > 1
+    }
+
+    /// The tensor-parallel group's failure during `during`, if one happened (TP-4).
+    fn tp_failed(&self, mb: u32, during: &'static str) -> Result<(), ExecError> {
+        match self.tp.take_failure() {
+            Some(cause) => Err(ExecError::TensorParallel {
+                stage: u32::MAX,
+                block: u32::MAX,
+                mb,
+                during,
+                cause,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// TP-2: sum each replicated parameter's gradient over the tensor-parallel group.
+    fn sum_replicated(&self, grads: &mut GradientsParams) {
+        struct Sum<'a> {
+            grads: &'a mut GradientsParams,
+            split: &'a HashMap<ParamId, usize>,
+            tp: &'a TensorParallel,
+        }
+        impl burn::module::ModuleVisitor for Sum<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+                if self.split.contains_key(&param.id) {
+                    return;
+                }
+                let Some(g) = self.grads.remove::<D>(param.id) else {
+                    return;
+                };
+                let device = g.device();
+                let dims = g.dims().to_vec();
+                let mut values = g
+                    .into_data()
+                    .convert::<f32>()
+                    .try_into_vec::<f32>()
+                    .unwrap_or_default();
+                self.tp.sum_parameter(&mut values);
+                self.grads.register::<D>(
+                    param.id,
+                    Tensor::from_data(TensorData::new(values, dims), &device),
+                );
+            }
+        }
+        if let Some(split) = &self.split {
+            self.model.visit(&mut Sum {
+                grads,
+                split,
+                tp: &self.tp,
+            });
         }
     }
 
@@ -560,7 +671,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         input: Boundary,
         items: &[I],
         input_grads: bool,
-    ) -> Option<Boundary> {
+    ) -> Result<Option<Boundary>, ExecError> {
         self.input_grads = input_grads;
         let leaves: Boundary = if input_grads {
             input.into_iter().map(AnyTensor::require_grad).collect()
@@ -571,17 +682,20 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         // gradients (the identity at f32); the loss is f32.
         let model = low_precision_copy(&self.model, self.precision);
         if let Some(loss) = &self.loss {
-            let l = loss(&model, leaves.clone(), items, &self.device).cast(FloatDType::F32);
+            let l =
+                loss(&model, leaves.clone(), items, &self.device, &self.tp).cast(FloatDType::F32);
+            self.tp_failed(mb, "the loss")?;
             self.losses.push(l.clone().into_scalar());
             self.stash.insert(mb, (leaves, Stashed::Loss(Box::new(l))));
-            None
+            Ok(None)
         } else {
             let forward = self
                 .forward
                 .as_ref()
                 .expect("a stage has a forward or a loss");
-            let out = forward(&model, leaves.clone());
+            let out = forward(&model, leaves.clone(), &self.tp);
             drop(model);
+            self.tp_failed(mb, "the forward")?;
             if self.recompute {
                 // Keep the inputs' values only: no graph survives until the backward.
                 let inputs = leaves.iter().map(AnyTensor::detached).collect();
@@ -597,7 +711,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                     self.kept.insert(mb, used);
                 }
             }
-            Some(out)
+            Ok(Some(out))
         }
     }
 
@@ -628,13 +742,23 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                 let out = forward(
                     &low_precision_copy(&self.model, self.precision),
                     leaves.clone(),
+                    &self.tp,
                 );
+                self.tp_failed(mb, "the recomputed forward")?;
                 (leaves, Stashed::Outputs(out))
             }
             other => (leaves, other),
         };
+        // TP-1: a tensor-parallel block's backward is seeded with the output gradient / T.
+        let seed = if self.splits() {
+            1.0 / self.tp.degree() as f32
+        } else {
+            1.0
+        };
         let mut grads = match (stashed, grad_out) {
-            (Stashed::Loss(l), _) if self.loss_scale != 1.0 => (*l * self.loss_scale).backward(),
+            (Stashed::Loss(l), _) if self.loss_scale * seed != 1.0 => {
+                (*l * (self.loss_scale * seed)).backward()
+            }
             (Stashed::Loss(l), _) => l.backward(),
             (Stashed::Outputs(out), Some(g)) => {
                 if g.len() != out.len() {
@@ -655,18 +779,28 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                         None => d,
                     });
                 }
-                total
-                    .ok_or_else(|| missing("backward (no outputs)"))?
-                    .backward()
+                let total = total.ok_or_else(|| missing("backward (no outputs)"))?;
+                if seed != 1.0 {
+                    (total * seed).backward()
+                } else {
+                    total.backward()
+                }
             }
             (Stashed::Outputs(_), None) => return Err(missing("backward (no gradient)")),
             (Stashed::Nothing, _) => unreachable!("recomputed above"),
         };
-        let upstream = if self.input_grads {
+        let mut upstream: Vec<WireTensor> = if self.input_grads {
             leaves.iter().map(|x| x.grad_wire(&grads)).collect()
         } else {
             Vec::new()
         };
+        if self.splits() {
+            // TP-1: Megatron's `f` — the inputs' gradients summed over the group.
+            for g in &mut upstream {
+                self.tp.sum_activation(&mut g.values);
+            }
+            self.tp_failed(mb, "the sum of the input gradient")?;
+        }
         let params = GradientsParams::from_module(&mut grads, used.as_ref().unwrap_or(&self.model));
         drop(used);
         self.accumulated.accumulate(&self.model, params);
@@ -727,7 +861,11 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
     }
 
     fn start_reduce(&mut self, rank_of: (usize, usize)) -> Result<Collective, ExecError> {
-        let grads = self.accumulated.grads();
+        let mut grads = self.accumulated.grads();
+        if self.splits() {
+            self.sum_replicated(&mut grads);
+            self.tp_failed(0, "the sum of the replicated parameters' gradients")?;
+        }
         let collective = self
             .sync
             .start_reduce(&self.model, grads, rank_of)
@@ -1480,7 +1618,11 @@ impl<'w, 'c, I> Walk<'w, 'c, I> {
     fn reduce(&mut self, chunk: u32, lane: &mut CommLane<'_>) -> Result<(), ExecError> {
         let block = self.block(chunk);
         let rank_of = self.rank_of;
-        let collective = self.chunk(chunk)?.start_reduce(rank_of)?;
+        let stage = self.cx.stage.0;
+        let collective = self
+            .chunk(chunk)?
+            .start_reduce(rank_of)
+            .map_err(|e| e.in_block(stage, block))?;
         let ticket = lane.issue(block, collective);
         self.reducing.push_back((chunk, ticket));
         while self.reducing.len() > self.in_flight() {
@@ -1565,9 +1707,11 @@ impl<'w, 'c, I> Walk<'w, 'c, I> {
                             .map(|w| AnyTensor::from_wire(w, &device))
                             .collect::<Result<_, _>>()?
                     };
+                    let block = plan.block(me, instr.chunk());
                     let out = hooked(cx, mb.0, Phase::Forward, || {
                         work.forward(mb.0, input, items, !first_block)
-                    });
+                    })
+                    .map_err(|e| e.in_block(me.0, block))?;
                     if let Some(out) = out {
                         outbox.insert(key, out.iter().map(AnyTensor::to_wire).collect());
                     }
@@ -1593,7 +1737,7 @@ impl<'w, 'c, I> Walk<'w, 'c, I> {
                         ExecError::ShapeMismatch { mb, .. } => {
                             ExecError::ShapeMismatch { stage: me.0, mb }
                         }
-                        other => other,
+                        other => other.in_block(me.0, plan.block(me, instr.chunk())),
                     })?;
                     grads_out.insert(key, upstream);
                     if last_backward.get(&instr.chunk().0) == Some(&index) {

@@ -19,6 +19,10 @@ use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 
 use super::pipeline_exec::{Boundary, InputsFn, StageWork, TypedStage};
+use super::tensor::{
+    TensorParallel, TensorParallelModule, UnshardError, check_split, shard, split_axes,
+};
+use crate::config::InvalidConfig;
 use crate::optim::{LearningRate, OptimizerConfig};
 
 /// `module` with every parameter drawn now, on the calling thread (REPRO-1).
@@ -91,14 +95,36 @@ impl BlockOptions {
     }
 }
 
-/// Builds one block's stage on a device (called once per data-parallel replica).
-type BuildFn<I> =
-    Arc<dyn Fn(&Device, &OptimizerConfig, LearningRate) -> Box<dyn StageWork<I>> + Send + Sync>;
+/// Builds one block's stage on a device (called once per rank holding the block), as its
+/// rank of its tensor-parallel group; fails when a tensor-parallel block cannot be split over
+/// that group.
+type BuildFn<I> = Arc<
+    dyn Fn(
+            &Device,
+            &OptimizerConfig,
+            LearningRate,
+            &Arc<TensorParallel>,
+        ) -> Result<Box<dyn StageWork<I>>, InvalidConfig>
+        + Send
+        + Sync,
+>;
+
+/// A trained block's module, type-erased.
+pub(crate) type AnyModule = Box<dyn Any + Send>;
+
+/// Puts a tensor-parallel block's parts (in rank order) back into the whole module.
+pub(crate) type UnshardFn =
+    Arc<dyn Fn(Vec<AnyModule>) -> Result<AnyModule, UnshardError> + Send + Sync>;
+
+/// Why a tensor-parallel block cannot be split over a group of this size.
+type CheckFn = Arc<dyn Fn(usize) -> Result<(), InvalidConfig> + Send + Sync>;
 
 /// One block of the model: how to build its stage.
 pub(crate) struct Block<I> {
     pub(crate) build: BuildFn<I>,
     pub(crate) is_last: bool,
+    /// A tensor-parallel block: how to check a degree and put its parts back together.
+    pub(crate) tensor_parallel: Option<(CheckFn, UnshardFn)>,
 }
 
 impl<I> Clone for Block<I> {
@@ -106,6 +132,7 @@ impl<I> Clone for Block<I> {
         Self {
             build: self.build.clone(),
             is_last: self.is_last,
+            tensor_parallel: self.tensor_parallel.clone(),
         }
     }
 }
@@ -148,7 +175,8 @@ impl<I: 'static> PipelineStages<I> {
         forward: impl Fn(&M, Boundary) -> Boundary + Send + Sync + Clone + 'static,
     ) -> Self {
         self.push(module, false, move |m, d, o, lr| {
-            Box::new(TypedStage::new(m, forward.clone(), o, lr, d))
+            let forward = forward.clone();
+            Box::new(TypedStage::new(m, move |m, x, _| forward(m, x), o, lr, d))
         })
     }
 
@@ -173,8 +201,9 @@ impl<I: 'static> PipelineStages<I> {
         forward: impl Fn(&M, Boundary) -> Boundary + Send + Sync + Clone + 'static,
     ) -> Self {
         self.push(module, false, move |m, d, o, lr| {
+            let forward = forward.clone();
             Box::new(
-                TypedStage::new(m, forward.clone(), o, lr, d)
+                TypedStage::new(m, move |m, x, _| forward(m, x), o, lr, d)
                     .with_recompute(options.recompute)
                     .with_reshard_after_forward(options.reshard_after_forward),
             )
@@ -189,8 +218,103 @@ impl<I: 'static> PipelineStages<I> {
         loss: impl Fn(&M, Boundary, &[I], &Device) -> Tensor<1> + Send + Sync + Clone + 'static,
     ) -> Self {
         self.push(module, true, move |m, d, o, lr| {
-            Box::new(TypedStage::last(m, loss.clone(), o, lr, d))
+            let loss = loss.clone();
+            Box::new(TypedStage::last(
+                m,
+                move |m, x, items, d, _| loss(m, x, items, d),
+                o,
+                lr,
+                d,
+            ))
         })
+    }
+
+    /// Add a tensor-parallel block ([`crate::parallel::tensor`]): each rank of the job's
+    /// tensor-parallel group keeps its slice of `module`'s split parameters and computes
+    /// `forward` with its [`TensorParallel`] handle. The block's inputs' gradients are summed
+    /// over the group after its backward (Megatron's `f`, TP-1), its replicated parameters'
+    /// gradients once per step (TP-2). Without `JobBuilder::tensor_parallel` (a group of one)
+    /// it is an ordinary block.
+    pub fn tp_block<M: TensorParallelModule + 'static>(
+        self,
+        module: M,
+        forward: impl Fn(&M, Boundary, &TensorParallel) -> Boundary + Send + Sync + Clone + 'static,
+    ) -> Self {
+        self.tp_block_with(module, BlockOptions::default(), forward)
+    }
+
+    /// Like [`tp_block`](Self::tp_block), with `options` choosing how the block trains
+    /// (activation checkpointing; a recomputed forward runs its collectives again).
+    pub fn tp_block_with<M: TensorParallelModule + 'static>(
+        self,
+        module: M,
+        options: BlockOptions,
+        forward: impl Fn(&M, Boundary, &TensorParallel) -> Boundary + Send + Sync + Clone + 'static,
+    ) -> Self {
+        self.push_tp(module, false, move |m, d, o, lr| {
+            TypedStage::new(m, forward.clone(), o, lr, d)
+                .with_recompute(options.recompute)
+                .with_reshard_after_forward(options.reshard_after_forward)
+        })
+    }
+
+    /// Add the last block as a tensor-parallel block: its loss (the mean over the
+    /// micro-batch's items, the same on every rank of the group) is computed with the rank's
+    /// [`TensorParallel`] handle, e.g. by
+    /// [`vocab_parallel_cross_entropy`](crate::parallel::tensor::layers::vocab_parallel_cross_entropy).
+    pub fn tp_last<M: TensorParallelModule + 'static>(
+        self,
+        module: M,
+        loss: impl Fn(&M, Boundary, &[I], &Device, &TensorParallel) -> Tensor<1>
+        + Send
+        + Sync
+        + Clone
+        + 'static,
+    ) -> Self {
+        self.push_tp(module, true, move |m, d, o, lr| {
+            TypedStage::last(m, loss.clone(), o, lr, d)
+        })
+    }
+
+    fn push_tp<M: TensorParallelModule + 'static>(
+        mut self,
+        module: M,
+        is_last: bool,
+        make: impl Fn(M, &Device, &OptimizerConfig, LearningRate) -> TypedStage<M, I>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        let module = materialize(module);
+        let check_module = Mutex::new(module.clone());
+        let check: CheckFn = Arc::new(move |degree| {
+            check_split(
+                &*check_module.lock().unwrap_or_else(|e| e.into_inner()),
+                degree,
+            )
+        });
+        let unshard: UnshardFn = Arc::new(|parts: Vec<AnyModule>| {
+            let parts = parts
+                .into_iter()
+                .map(|p| p.downcast::<M>().map(|m| *m))
+                .collect::<Result<Vec<M>, _>>()
+                .map_err(|_| UnshardError::Empty)?;
+            super::tensor::unshard(parts).map(|m| Box::new(m) as AnyModule)
+        });
+        let module = Mutex::new(module);
+        self.blocks.push(Block {
+            build: Arc::new(move |device, optimizer, lr, tp| {
+                let m = module.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let axes = split_axes(&m);
+                let part = shard(m, tp.rank(), tp.degree())?;
+                let stage =
+                    make(part, device, optimizer, lr).with_tensor_parallel(tp.clone(), axes);
+                Ok(Box::new(stage) as Box<dyn StageWork<I>>)
+            }),
+            is_last,
+            tensor_parallel: Some((check, unshard)),
+        });
+        self
     }
 
     fn push<M: Module + 'static>(
@@ -205,11 +329,12 @@ impl<I: 'static> PipelineStages<I> {
         // Each replica builds its stage from a copy of the same record, drawn now (REPRO-1).
         let module = Mutex::new(materialize(module));
         self.blocks.push(Block {
-            build: Arc::new(move |device, optimizer, lr| {
+            build: Arc::new(move |device, optimizer, lr, _| {
                 let m = module.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                make(m, device, optimizer, lr)
+                Ok(make(m, device, optimizer, lr))
             }),
             is_last,
+            tensor_parallel: None,
         });
         self
     }
@@ -240,11 +365,50 @@ impl<I: 'static> PipelineStages<I> {
         }
         None
     }
+
+    /// Why these blocks cannot be trained over a tensor-parallel group of `degree`: no block
+    /// is tensor-parallel (the group would compute the same thing `degree` times), or a block
+    /// cannot be split over it.
+    pub(crate) fn tensor_parallel_problem(&self, degree: usize) -> Option<String> {
+        if degree <= 1 {
+            return None;
+        }
+        let checks: Vec<_> = self
+            .blocks
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| b.tensor_parallel.as_ref().map(|(check, _)| (i, check)))
+            .collect();
+        if checks.is_empty() {
+            return Some(format!(
+                "tensor_parallel({degree}) needs tensor-parallel blocks: add them with \
+                 .tp_block(..) / .tp_last(..) (no block here splits its parameters, so every \
+                 rank of the group would compute the same thing)"
+            ));
+        }
+        checks
+            .into_iter()
+            .find_map(|(i, check)| check(degree).err().map(|e| format!("block {i}: {e}")))
+    }
+}
+
+/// One rank's trained block, before a tensor-parallel block's parts are put together.
+pub(crate) struct BlockPart {
+    /// The block's index in the model.
+    pub(crate) block: u32,
+    /// The rank in its tensor-parallel group.
+    pub(crate) tp_rank: u32,
+    /// The module.
+    pub(crate) module: AnyModule,
+    /// How to put the parts together (tensor-parallel blocks).
+    pub(crate) unshard: Option<UnshardFn>,
 }
 
 /// The trained modules of a pipeline job, block by block.
 pub struct PipelineModel {
     blocks: Vec<(u32, Box<dyn Any + Send>)>,
+    /// Parts not yet put together (a tensor-parallel rank's slices).
+    parts: Vec<BlockPart>,
 }
 
 impl std::fmt::Debug for PipelineModel {
@@ -257,20 +421,54 @@ impl Clone for PipelineModel {
     /// Only the block indices survive a clone (the modules are type-erased); the runtime never
     /// clones a pipeline model.
     fn clone(&self) -> Self {
-        Self { blocks: Vec::new() }
+        Self {
+            blocks: Vec::new(),
+            parts: Vec::new(),
+        }
     }
 }
 
 impl PipelineModel {
-    pub(crate) fn from_blocks(blocks: Vec<(u32, Box<dyn Any + Send>)>) -> Self {
-        Self { blocks }
+    /// One rank's blocks, to be merged with the other ranks' ([`merge`](Self::merge)).
+    pub(crate) fn from_parts(parts: Vec<BlockPart>) -> Self {
+        Self {
+            blocks: Vec::new(),
+            parts,
+        }
     }
 
-    /// Merge the blocks of several stages, in block order.
-    pub(crate) fn merge(parts: Vec<PipelineModel>) -> Self {
-        let mut blocks: Vec<_> = parts.into_iter().flat_map(|p| p.blocks).collect();
+    /// Merge the blocks of several ranks, in block order: a tensor-parallel block's parts
+    /// (one per rank of its group) are put back together (TP-3); of a replicated block, the
+    /// group's first rank's copy is kept. `None` if a block's parts do not fit together.
+    pub(crate) fn merge(models: Vec<PipelineModel>) -> Option<Self> {
+        let mut parts: Vec<BlockPart> = Vec::new();
+        let mut blocks: Vec<(u32, AnyModule)> = Vec::new();
+        for m in models {
+            blocks.extend(m.blocks);
+            parts.extend(m.parts);
+        }
+        parts.sort_by_key(|p| (p.block, p.tp_rank));
+        let mut parts = parts.into_iter().peekable();
+        while let Some(first) = parts.next() {
+            let mut same = vec![first];
+            while let Some(p) = parts.next_if(|p| p.block == same[0].block) {
+                same.push(p);
+            }
+            let block = same[0].block;
+            let unshard = same[0].unshard.clone();
+            let module = match unshard {
+                Some(unshard) if same.len() > 1 => {
+                    unshard(same.into_iter().map(|p| p.module).collect()).ok()?
+                }
+                _ => same.into_iter().next()?.module,
+            };
+            blocks.push((block, module));
+        }
         blocks.sort_by_key(|(i, _)| *i);
-        Self { blocks }
+        Some(Self {
+            blocks,
+            parts: Vec::new(),
+        })
     }
 
     /// Number of blocks.

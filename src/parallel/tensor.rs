@@ -328,6 +328,46 @@ pub fn split_axes<M: TensorParallelModule>(module: &M) -> HashMap<ParamId, usize
     axes
 }
 
+/// Why `module` cannot be split over `degree` ranks: its own rule
+/// ([`TensorParallelModule::check_degree`]) or a split axis shorter than `degree`.
+pub fn check_split<M: TensorParallelModule>(
+    module: &M,
+    degree: usize,
+) -> Result<(), InvalidConfig> {
+    if degree <= 1 {
+        return Ok(());
+    }
+    module.check_degree(degree)?;
+    struct Lengths<'a> {
+        axes: &'a HashMap<ParamId, usize>,
+        degree: usize,
+        short: Option<String>,
+    }
+    impl ModuleVisitor for Lengths<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(&axis) = self.axes.get(&param.id) {
+                let len = param.dims().get(axis).copied().unwrap_or(0);
+                if len < self.degree && self.short.is_none() {
+                    self.short = Some(format!(
+                        "parameter {} is split along axis {axis} of length {len} over a \
+                         tensor-parallel group of {}: a rank would hold nothing; use a degree \
+                         of at most {len}",
+                        param.id, self.degree
+                    ));
+                }
+            }
+        }
+    }
+    let axes = split_axes(module);
+    let mut l = Lengths {
+        axes: &axes,
+        degree,
+        short: None,
+    };
+    module.visit(&mut l);
+    l.short.map_or(Ok(()), |e| Err(InvalidConfig(e)))
+}
+
 /// Rank `rank` of `degree`'s part of `module`: every split parameter cut to its
 /// [`chunk_range`] along its axis (a copy: the full tensor is not kept), every other parameter
 /// as it is; ids are kept (TP-3). Refused when the module cannot be split over `degree`

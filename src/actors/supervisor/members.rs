@@ -58,6 +58,7 @@ where
         let id = StageId {
             replica: new_rank as u32,
             stage: 0,
+            tp: 0,
         };
         let regroup = |reply| StageMsg::Regroup {
             id,
@@ -114,6 +115,7 @@ where
         let id = StageId {
             replica: new_rank as u32,
             stage: 0,
+            tp: 0,
         };
         let (stage, slots, timeout) = (stage.clone(), slots.clone(), state.step_timeout);
         joins.spawn(async move {
@@ -142,6 +144,7 @@ where
         let id = StageId {
             replica: new_rank as u32,
             stage: 0,
+            tp: 0,
         };
         stages.push((stage, id));
         devices.push(device);
@@ -200,6 +203,7 @@ where
     let id = StageId {
         replica: r as u32,
         stage: 0,
+        tp: 0,
     };
     let (stage, device) = match grow {
         Grow::Local(grow) => {

@@ -240,6 +240,7 @@ where
             let id = old_ids.get(r).copied().unwrap_or(StageId {
                 replica: r as u32,
                 stage: 0,
+                tp: 0,
             });
             let report = report.unwrap_or_else(|| StepReport {
                 rank: Rank(r as u32),

@@ -213,6 +213,7 @@ where
         let id = StageId {
             replica: r as u32,
             stage: 0,
+            tp: 0,
         };
         let joined = match spawn_replica(state, r).await {
             Ok((stage, device)) => {

@@ -192,13 +192,25 @@ pub(crate) fn rebuild_blocks<I: Send + Sync + 'static>(
                     .find(|s| s.shard.pp == block)
                     .ok_or_else(|| format!("the snapshot of {id} has no block {block}"))?;
                 let make = &spec.stages.blocks[block as usize].build;
-                let mut work = make(&device, &spec.optimizer, spec.learning_rate.clone());
+                let single = Arc::new(crate::parallel::tensor::TensorParallel::single());
+                let mut work = make(
+                    &device,
+                    &spec.optimizer,
+                    spec.learning_rate.clone(),
+                    &single,
+                )
+                .map_err(|e| format!("block {block} of {id} cannot be built: {e}"))?;
                 work.restore(&shard.params, None, (0, 1))
                     .map_err(|e| format!("block {block} of {id} does not restore: {e}"))?;
-                Ok((block, work.into_module()))
+                Ok(crate::parallel::stages::BlockPart {
+                    block,
+                    tp_rank: 0,
+                    module: work.into_module(),
+                    unshard: None,
+                })
             })
             .collect::<Result<Vec<_>, String>>()?;
-        Ok(PipelineModel::from_blocks(blocks))
+        Ok(PipelineModel::from_parts(blocks))
     })
 }
 
@@ -241,6 +253,7 @@ pub(crate) fn wire_ops(
             let id = StageId {
                 replica: coord.dp,
                 stage: coord.pp,
+                tp: 0,
             };
             let (replicas, stages) =
                 partners(layout, id).ok_or_else(|| format!("{id} is outside {layout:?}"))?;
@@ -340,6 +353,7 @@ mod tests {
         let id = StageId {
             replica: 1,
             stage: 2,
+            tp: 0,
         };
         let (replicas, stages) = partners(layout, id).unwrap();
         assert_eq!(replicas, [Rank(4), Rank(5)]);
@@ -347,6 +361,7 @@ mod tests {
         let outside = StageId {
             replica: 2,
             stage: 0,
+            tp: 0,
         };
         assert!(partners(layout, outside).is_none());
     }

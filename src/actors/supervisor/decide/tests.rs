@@ -219,7 +219,7 @@ proptest! {
         failed in proptest::collection::vec(0usize..8, 0..3),
         unresponsive in proptest::collection::vec(0u32..8, 0..3),
     ) {
-        let stages: Vec<StageId> = (0..world as u32).map(|r| StageId { replica: r, stage: 0 }).collect();
+        let stages: Vec<StageId> = (0..world as u32).map(|r| StageId { replica: r, stage: 0, tp: 0 }).collect();
         let mut failures: Vec<(Option<usize>, Error)> = named
             .iter()
             .filter(|&&r| r < world)
@@ -228,7 +228,7 @@ proptest! {
         for &r in &failed {
             failures.push((None, Error::StageLost {
                 device: crate::error::DeviceId(r as u32),
-                stage: StageId { replica: r as u32, stage: 0 },
+                stage: StageId { replica: r as u32, stage: 0, tp: 0 },
                 reason: "gone".into(),
             }));
         }
