@@ -5,8 +5,16 @@
 //!
 //! With the `burn-dataset` feature (on by default), [`FromBurn`] lets any
 //! `burn::data::dataset::Dataset` be a job's data, read in place.
+//!
+//! [`text`] turns a text into character tokens, a training and a validation split and
+//! fixed-length windows over each ([`TextWindows`], a [`Dataset`]), for character-level
+//! language models.
 
 use std::sync::Arc;
+
+pub mod text;
+
+pub use text::{CharCorpus, CharVocab, TextError, TextWindow, TextWindows};
 
 /// Random access to the samples of a job. Shared by every device thread, so `Send + Sync`.
 pub trait Dataset: Send + Sync + 'static {

@@ -5,6 +5,9 @@
 //! Gaussian noise `ε ~ N(0, σ²)`. The mean-squared error the best model can reach is `σ²`
 //! ([`TeacherTask::attainable_loss`]), so a run's last loss says how close training got.
 //! Everything is generated from a seed: nothing is downloaded.
+//!
+//! [`kjv`]: the King James Bible shipped with the crate, the text of the character-level
+//! models (`kjv_text`, `kjv_corpus`).
 
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
@@ -14,6 +17,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::data::InMemoryDataset;
 use crate::parallel::sampler::SplitMix64;
+
+pub mod kjv;
+
+pub use kjv::{KJV_VALIDATION_FRACTION, KjvError, kjv_corpus, kjv_text};
 
 /// A multi-layer perceptron with ReLU between layers.
 #[derive(Module, Debug)]
