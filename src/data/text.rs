@@ -161,6 +161,13 @@ impl TextWindow {
     }
 }
 
+impl AsRef<[u32]> for TextWindow {
+    /// All `seq_len + 1` tokens (what a model's batch is cut from).
+    fn as_ref(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
 /// Windows of `seq_len + 1` tokens taken every `stride` tokens over one split (TEXT-2), as a
 /// job's [`Dataset`]. Cloning shares the tokens.
 #[derive(Debug, Clone)]

@@ -294,7 +294,7 @@ impl Gpt {
     /// together; `None` if a block is missing or of another type.
     pub fn from_blocks(mut model: PipelineModel) -> Option<Self> {
         let blocks = model.len();
-        if blocks < 2 || blocks % 2 != 0 {
+        if blocks < 2 || !blocks.is_multiple_of(2) {
             return None;
         }
         let embedding = model.take_block::<GptEmbedding>(0)?;
@@ -312,6 +312,36 @@ impl Gpt {
             layers,
             head,
         })
+    }
+}
+
+/// The mean next-token loss (nats per token) of `model` on the first `max_windows` windows of
+/// `data`, in batches of `batch` (one device, no gradient): a validation loss.
+pub fn mean_loss<D>(model: &Gpt, data: &D, max_windows: usize, batch: usize, device: &Device) -> f64
+where
+    D: crate::data::Dataset,
+    D::Item: AsRef<[u32]>,
+{
+    let n = data.len().min(max_windows);
+    let batch = batch.max(1);
+    let (mut total, mut count) = (0.0f64, 0usize);
+    let mut start = 0;
+    while start < n {
+        let items: Vec<D::Item> = (start..(start + batch).min(n))
+            .filter_map(|i| data.get(i))
+            .collect();
+        start += batch;
+        if items.is_empty() {
+            continue;
+        }
+        let loss: f32 = gpt_loss(model, &items, device).detach().into_scalar();
+        total += f64::from(loss) * items.len() as f64;
+        count += items.len();
+    }
+    if count == 0 {
+        f64::NAN
+    } else {
+        total / count as f64
     }
 }
 

@@ -14,6 +14,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 #[cfg(feature = "cluster")]
 mod cluster;
+mod gpt_train;
 mod memory_bench;
 mod memory_svg;
 mod pipeline_bench;

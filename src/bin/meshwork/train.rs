@@ -22,24 +22,48 @@ use meshwork::recovery::RecoveryPolicy;
 /// Flags of `meshwork train`.
 #[derive(Debug, clap::Args)]
 pub(crate) struct TrainArgs {
-    /// Data-parallel replicas (default: one per core).
+    /// The model: `mlp` (the demo MLP on a teacher task) or `gpt` (a small character-level
+    /// GPT on the King James Bible, with --tp for tensor parallelism).
+    #[arg(long, default_value = "mlp")]
+    model: String,
+    /// Data-parallel replicas (default: one per core, divided by --pp × --tp).
     #[arg(long)]
-    dp: Option<u32>,
+    pub(crate) dp: Option<u32>,
+    /// Tensor-parallel degree (--model gpt): each layer's matrices split over this many
+    /// devices (Megatron-LM); must divide --heads.
+    #[arg(long, default_value_t = 1)]
+    tp: u32,
+    /// With --model gpt: after training, print this many characters sampled from the model.
+    #[arg(long)]
+    sample: Option<usize>,
+    /// GPT: transformer layers.
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    /// GPT: features per character.
+    #[arg(long, default_value_t = 64)]
+    d_model: usize,
+    /// GPT: attention heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// GPT: characters of context.
+    #[arg(long, default_value_t = 64)]
+    context: usize,
     /// Optimizer steps.
     #[arg(long, default_value_t = 300)]
-    steps: u64,
-    /// Global batch size (split across replicas).
-    #[arg(long, default_value_t = 256)]
-    batch_size: usize,
+    pub(crate) steps: u64,
+    /// Global batch size (split across replicas; default 256 samples for the MLP, 32
+    /// windows for the GPT).
+    #[arg(long)]
+    batch_size: Option<usize>,
     /// Backend of the logical devices: flex (CPU) or wgpu.
     #[arg(long, default_value = "flex")]
-    device: BackendKind,
+    pub(crate) device: BackendKind,
     /// Seed of the model initialization, the data and its order.
     #[arg(long, default_value_t = 0)]
-    seed: u64,
+    pub(crate) seed: u64,
     /// Adam's learning rate.
     #[arg(long, default_value_t = 3e-3)]
-    lr: f64,
+    pub(crate) lr: f64,
     /// ZeRO stage: 0 (every replica holds the whole optimizer state), 1 (each holds its
     /// 1/N share of Adam's state), 2 (and only its share of the reduced gradient) or 3 (and
     /// only its share of the parameters: the demo MLP trains as blocks of one layer, each
@@ -68,10 +92,10 @@ pub(crate) struct TrainArgs {
     /// Pipeline stages: > 1 cuts the demo MLP into that many stages, one stage actor (and
     /// device) each; combined with --dp for a dp × pp mesh.
     #[arg(long, default_value_t = 1)]
-    pp: u32,
+    pub(crate) pp: u32,
     /// Micro-batches per step (pipeline only).
     #[arg(long, default_value_t = 4)]
-    micro_batches: u32,
+    pub(crate) micro_batches: u32,
     /// Pipeline schedule: gpipe, 1f1b or interleaved.
     #[arg(long, default_value = "1f1b")]
     schedule: String,
@@ -108,11 +132,18 @@ pub(crate) struct TrainArgs {
     require_checkpoint: bool,
     /// The collective time-out in seconds (a rank that does not arrive within it is named).
     #[arg(long, default_value_t = 60.0)]
-    collective_timeout: f64,
+    pub(crate) collective_timeout: f64,
     /// Several processes: the head's flags (see `meshwork node` for the nodes').
     #[cfg(feature = "cluster")]
     #[command(flatten)]
     cluster: crate::cluster::ClusterTrainArgs,
+}
+
+impl TrainArgs {
+    /// `--batch-size`, or the model's default.
+    pub(crate) fn batch_size_or(&self, default: usize) -> usize {
+        self.batch_size.unwrap_or(default)
+    }
 }
 
 /// The fault plan and recovery policy the flags ask for.
@@ -154,7 +185,12 @@ fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
     let at_least_one = [
         ("--dp", args.dp.map(u64::from)),
         ("--pp", Some(u64::from(args.pp))),
-        ("--batch-size", Some(args.batch_size as u64)),
+        ("--batch-size", args.batch_size.map(|b| b as u64)),
+        ("--tp", Some(u64::from(args.tp))),
+        ("--layers", Some(args.layers as u64)),
+        ("--d-model", Some(args.d_model as u64)),
+        ("--heads", Some(args.heads as u64)),
+        ("--context", Some(args.context as u64)),
         ("--hidden", Some(args.hidden as u64)),
         ("--micro-batches", Some(u64::from(args.micro_batches))),
         ("--virtual-stages", Some(u64::from(args.virtual_stages))),
@@ -188,6 +224,19 @@ fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
 
 pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
     check_flags(&args)?;
+    match args.model.as_str() {
+        "mlp" => {}
+        "gpt" => return run_gpt(args),
+        other => {
+            return Err(Error::InvalidConfig(format!("--model {other}: mlp or gpt")));
+        }
+    }
+    if args.tp != 1 || args.sample.is_some() {
+        return Err(Error::InvalidConfig(
+            "--tp and --sample are for --model gpt (the demo MLP has no tensor-parallel blocks)"
+                .into(),
+        ));
+    }
     // CKPT-7 before anything starts (a cluster head would otherwise wait for its nodes first);
     // a directory that does not exist is not made for a required checkpoint.
     if let Some(dir) = &args.checkpoint_dir
@@ -212,7 +261,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
             };
             crate::cluster::demo_spec(
                 &widths,
-                (args.seed, args.batch_size, args.steps),
+                (args.seed, args.batch_size_or(256), args.steps),
                 (args.lr, args.zero),
                 args.collective_timeout,
                 pipeline,
@@ -245,6 +294,56 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
         reason: e.to_string(),
     })?;
     runtime.block_on(train(args))
+}
+
+/// `meshwork train --model gpt`: in this process only (tensor parallelism is not yet
+/// across processes), without the MLP's checkpoint, fault and precision flags.
+fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
+    let unsupported = [
+        ("--zero", args.zero != 0),
+        ("--recompute", args.recompute),
+        ("--precision", args.precision.is_low()),
+        ("--checkpoint-dir", args.checkpoint_dir.is_some()),
+        ("--faults", args.faults.is_some()),
+        ("--save-model", args.save_model.is_some()),
+        ("--timeline", args.timeline.is_some()),
+        ("--on-replica-loss", args.on_replica_loss != "fail"),
+    ];
+    if let Some((flag, _)) = unsupported.iter().find(|(_, given)| *given) {
+        return Err(Error::InvalidConfig(format!(
+            "{flag} is not supported with --model gpt yet"
+        )));
+    }
+    #[cfg(feature = "cluster")]
+    if args.cluster.listen.is_some() {
+        return Err(Error::InvalidConfig(
+            "--model gpt trains in one process (tensor parallelism across processes is not \
+             supported yet)"
+                .into(),
+        ));
+    }
+    let flags = crate::gpt_train::GptFlags {
+        config: meshwork::demo::gpt::GptConfig {
+            vocab: 0,
+            context: args.context,
+            d_model: args.d_model,
+            heads: args.heads,
+            layers: args.layers,
+        },
+        tp: args.tp,
+        sample: args.sample,
+    };
+    if !args.d_model.is_multiple_of(args.heads) {
+        return Err(Error::InvalidConfig(format!(
+            "--d-model {} does not split into --heads {}",
+            args.d_model, args.heads
+        )));
+    }
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| meshwork::error::Error::Io {
+        path: "tokio runtime".into(),
+        reason: e.to_string(),
+    })?;
+    runtime.block_on(crate::gpt_train::train(&args, flags))
 }
 
 /// The demo MLP's widths: 32 inputs, two hidden layers, 4 outputs.
@@ -288,7 +387,7 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
     println!(
         "meshwork train: {mesh} × {:?} device(s), global batch {}, {} steps, attainable loss {:.4}",
         args.device,
-        args.batch_size,
+        args.batch_size_or(256),
         args.steps,
         task.attainable_loss()
     );
@@ -454,7 +553,7 @@ fn settings<M: Send + 'static, I: Send + Sync + 'static>(
         .low_precision_gradients(args.low_precision_gradients)
         .data_parallel(dp)
         .devices(devices)
-        .batch_size(args.batch_size)
+        .batch_size(args.batch_size_or(256))
         .steps(args.steps)
         .seed(args.seed)
         .recovery(policy)
