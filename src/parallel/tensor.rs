@@ -75,10 +75,11 @@ struct TpCounters {
     activation_bytes: AtomicU64,
     activation_reduces: AtomicU64,
     parameter_bytes: AtomicU64,
+    nanos: AtomicU64,
 }
 
 /// What a rank's tensor-parallel collectives moved since the counters were last taken.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TpTraffic {
     /// Bytes of activations and activation gradients all-reduced (the forward's `g` and the
     /// backward's `f`), counted as the buffer's length in bytes once per all-reduce.
@@ -87,6 +88,9 @@ pub struct TpTraffic {
     pub activation_reduces: u64,
     /// Bytes of replicated parameters' gradients summed over the group (TP-2).
     pub parameter_bytes: u64,
+    /// Seconds spent in the group's collectives (waiting for the peers included).
+    #[serde(default)]
+    pub seconds: f64,
 }
 
 impl TensorParallel {
@@ -170,6 +174,7 @@ impl TensorParallel {
         let mine = values_of(&local);
         let mut all = vec![0.0f32; mine.len() * self.degree];
         if !self.failed() {
+            let started = std::time::Instant::now();
             let r = match self.comm.as_ref() {
                 Some(c) => c
                     .lock()
@@ -177,6 +182,9 @@ impl TensorParallel {
                     .all_gather(&mine, &mut all),
                 None => Ok(()),
             };
+            self.stats
+                .nanos
+                .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             if let Err(e) = r {
                 self.fail(e);
             }
@@ -229,6 +237,7 @@ impl TensorParallel {
             activation_bytes: self.stats.activation_bytes.swap(0, Ordering::Relaxed),
             activation_reduces: self.stats.activation_reduces.swap(0, Ordering::Relaxed),
             parameter_bytes: self.stats.parameter_bytes.swap(0, Ordering::Relaxed),
+            seconds: self.stats.nanos.swap(0, Ordering::Relaxed) as f64 * 1e-9,
         }
     }
 
@@ -278,10 +287,14 @@ impl TensorParallel {
             }
             Traffic::None => {}
         }
+        let started = std::time::Instant::now();
         let r = comm
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .all_reduce(values, op);
+        self.stats
+            .nanos
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         if let Err(e) = r {
             self.fail(e);
         }
