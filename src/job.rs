@@ -554,9 +554,12 @@ where
     /// ranks' partial results meet in all-reduces (one per split region in the forward, one
     /// in the backward). Combines with [`data_parallel`](Self::data_parallel) and
     /// [`pipeline`](Self::pipeline) into a dp × pp × tp mesh (tp ranks fastest in the rank
-    /// order, MESH-1); works with [`blocks`](Self::blocks) and `pipeline` jobs. Not yet with
-    /// ZeRO, mixed precision, checkpoints, recovery other than ending the job, elastic
-    /// resizing, or across processes: those are refused when the job is built.
+    /// order, MESH-1); works with [`blocks`](Self::blocks) and `pipeline` jobs. Checkpoints
+    /// hold each rank's slices (`shard-ppB-tpT`) and restore onto the same degree; a lost
+    /// rank is replaced from its twin in another replica or rolled back, as a pipeline stage
+    /// is. Not yet with ZeRO, mixed precision, restoring onto another degree, or across
+    /// processes: those are refused when the job is built (or, for a checkpoint of another
+    /// degree, when it is read).
     pub fn tensor_parallel(mut self, t: u32) -> Self {
         self.tp = t;
         self
@@ -1226,18 +1229,6 @@ where
         }
         if self.mixed.precision.is_low() {
             return not_yet(&format!("precision({})", self.mixed.precision));
-        }
-        if self.checkpoint_dir.is_some()
-            || self.checkpoint_sink.is_some()
-            || self.checkpoint_every.is_some()
-            || self.resume
-        {
-            return not_yet("checkpoints");
-        }
-        if self.recovery.on_replica_loss != crate::recovery::OnReplicaLoss::Fail
-            || self.recovery.roll_back
-        {
-            return not_yet("a recovery policy other than ending the job");
         }
         None
     }

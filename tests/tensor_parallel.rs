@@ -10,11 +10,14 @@ use burn::optim::momentum::MomentumConfig;
 use burn::tensor::Device;
 use meshwork::data::InMemoryDataset;
 use meshwork::demo::gpt::{Gpt, GptConfig, gpt_loss};
+use meshwork::events::JobEvent;
 use meshwork::events::StepDone;
-use meshwork::job::{Job, PipelineModel};
+use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
+use meshwork::job::{Job, JobBuilder, PipelineModel};
 use meshwork::optim::LearningRate;
 use meshwork::parallel::pipeline::Schedule;
 use meshwork::parallel::zero::ZeroStage;
+use meshwork::recovery::RecoveryPolicy;
 use meshwork::testing::{
     Reference, batches_from_events, compare_parameters, draw_lock, parameter_bits, parameter_count,
     reference_train, run_recording, steps_of,
@@ -84,6 +87,34 @@ struct Layout {
 }
 
 async fn train(layout: Layout, init: &Gpt) -> (Gpt, Vec<StepDone>) {
+    let job = builder(layout, init)
+        .build()
+        .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
+    let (gpt, events) = run(job).await;
+    (gpt, steps_of(&events))
+}
+
+async fn run(job: Job<PipelineModel, Window>) -> (Gpt, Vec<JobEvent>) {
+    let (out, events) = tokio::time::timeout(Duration::from_secs(180), run_recording(job))
+        .await
+        .expect("the job ends within its bound");
+    let model: PipelineModel = out
+        .unwrap_or_else(|e| panic!("{e}; events: {:#?}", events_summary(&events)))
+        .model;
+    let gpt = Gpt::from_blocks(model).expect("the trained blocks make the GPT back");
+    (gpt, events)
+}
+
+/// The events other than step reports, for a failure's message.
+fn events_summary(events: &[JobEvent]) -> Vec<String> {
+    events
+        .iter()
+        .filter(|e| !matches!(e, JobEvent::StepDone(_)))
+        .map(|e| format!("{e:?}").chars().take(300).collect())
+        .collect()
+}
+
+fn builder(layout: Layout, init: &Gpt) -> JobBuilder<PipelineModel, Window> {
     let stages = init.clone().into_blocks::<Window>();
     let b = if layout.pp > 1 {
         // Each stage holds several blocks by interleaving (block b on stage b mod pp).
@@ -98,8 +129,7 @@ async fn train(layout: Layout, init: &Gpt) -> (Gpt, Vec<StepDone>) {
     } else {
         Job::builder().blocks(stages)
     };
-    let job = b
-        .tensor_parallel(layout.tp)
+    b.tensor_parallel(layout.tp)
         .data_parallel(layout.dp)
         .data(data())
         .optimizer(sgd())
@@ -109,14 +139,6 @@ async fn train(layout: Layout, init: &Gpt) -> (Gpt, Vec<StepDone>) {
         .seed(5)
         .collective_timeout(Duration::from_secs(20))
         .step_timeout(Duration::from_secs(60))
-        .build()
-        .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
-    let (out, events) = tokio::time::timeout(Duration::from_secs(180), run_recording(job))
-        .await
-        .expect("the job ends within its bound");
-    let model: PipelineModel = out.unwrap_or_else(|e| panic!("{layout:?}: {e}")).model;
-    let gpt = Gpt::from_blocks(model).expect("the trained blocks make the GPT back");
-    (gpt, steps_of(&events))
 }
 
 fn reference(init: &Gpt, steps: &[StepDone]) -> Gpt {
@@ -297,14 +319,6 @@ fn what_tensor_parallelism_does_not_do_yet_is_refused() {
     )
     .expect("refused");
     assert!(e.contains("ZeRO"), "{e}");
-    let e = build(
-        Job::builder()
-            .blocks(init.into_blocks())
-            .tensor_parallel(2)
-            .checkpoint_dir(std::env::temp_dir().join("meshwork-tp-refused")),
-    )
-    .expect("refused");
-    assert!(e.contains("checkpoints"), "{e}");
     // A model with no tensor-parallel block would be computed tp times: refused.
     let plain = meshwork::demo::mlp_blocks(&[4, 8, 2], Default::default(), &Device::flex())
         .expect("two layers");
@@ -325,4 +339,150 @@ fn what_tensor_parallelism_does_not_do_yet_is_refused() {
         .map(|e| e.to_string())
         .expect("refused");
     assert!(e.contains("tensor-parallel blocks"), "{e}");
+}
+
+fn temp_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("meshwork-tp-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// TP-5: checkpoints hold each tensor-parallel rank's slices: a dp 2 × tp 2 job stopped after
+/// 6 steps and resumed ends bitwise where the uninterrupted run ends; a checkpoint is refused
+/// by a job of another tensor-parallel degree, saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp_5_a_checkpoint_resumes_bitwise_and_another_degree_is_refused() {
+    let layout = Layout {
+        dp: 2,
+        pp: 1,
+        tp: 2,
+    };
+    let init = initial();
+    let (whole, _) = train(layout, &init).await;
+    let dir = temp_dir("resume");
+    let first = builder(layout, &init)
+        .steps(6)
+        .checkpoint_dir(&dir)
+        .build()
+        .expect("a valid job");
+    let _ = run(first).await;
+    let second = builder(layout, &init)
+        .checkpoint_dir(&dir)
+        .resume_from_checkpoint(true)
+        .build()
+        .expect("a valid job");
+    let (resumed, events) = run(second).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, JobEvent::Restored { step: 6, .. })),
+        "resumed after step 6"
+    );
+    assert_eq!(
+        parameter_bits(&resumed),
+        parameter_bits(&whole),
+        "as if never stopped"
+    );
+    let other = builder(
+        Layout {
+            dp: 1,
+            pp: 1,
+            tp: 4,
+        },
+        &init,
+    )
+    .checkpoint_dir(&dir)
+    .resume_from_checkpoint(true)
+    .build()
+    .expect("a valid job");
+    let (out, _) = tokio::time::timeout(Duration::from_secs(60), run_recording(other))
+        .await
+        .expect("the job ends within its bound");
+    let e = out.err().expect("another degree is refused").to_string();
+    assert!(e.contains("tensor-parallel degree 2"), "{e}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// A lost tensor-parallel rank: in a dp 2 × tp 2 job with `shrink` it is replaced from its
+/// twin (the same tensor-parallel rank of the other replica) and the step redone; in a tp 2
+/// job with `roll_back` (no twin) the job rolls back to its checkpoint. Both end bitwise
+/// where the uninterrupted run ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_tensor_parallel_rank_is_replaced_from_its_twin_or_rolled_back() {
+    let layout = Layout {
+        dp: 2,
+        pp: 1,
+        tp: 2,
+    };
+    let init = initial();
+    let (whole, _) = train(layout, &init).await;
+    // Rank 1 is replica 0's tensor-parallel rank 1 (tp ranks fastest, MESH-1).
+    let plan = || {
+        FaultPlan::new(4).with(Fault {
+            device: 1,
+            step: 5,
+            micro_batch: Some(0),
+            phase: Phase::Backward,
+            kind: FaultKind::Panic,
+        })
+    };
+    let twin = builder(layout, &init)
+        .fault_plan(plan())
+        .recovery(RecoveryPolicy::shrink())
+        .build()
+        .expect("a valid job");
+    let (replaced, events) = run(twin).await;
+    let from: Vec<String> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::StageReplaced { stage, twin, .. } => Some(format!("{stage} <- {twin}")),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(from.len(), 1, "one stage replaced: {from:?}");
+    assert!(
+        from[0].contains("tensor-parallel rank 1"),
+        "the lost rank's place: {from:?}"
+    );
+    assert_eq!(parameter_bits(&replaced), parameter_bits(&whole), "redone");
+    // Without a second replica the lost rank's slices exist nowhere else: roll back.
+    let single = Layout {
+        dp: 1,
+        pp: 1,
+        tp: 2,
+    };
+    let (whole, _) = train(single, &init).await;
+    let dir = temp_dir("rollback");
+    let plan = FaultPlan::new(2).with(Fault {
+        device: 1,
+        step: 5,
+        micro_batch: Some(0),
+        phase: Phase::Backward,
+        kind: FaultKind::Panic,
+    });
+    let roll = builder(single, &init)
+        .fault_plan(plan)
+        .recovery(RecoveryPolicy::roll_back())
+        .checkpoint_dir(&dir)
+        .checkpoint_every(4)
+        .build()
+        .expect("a valid job");
+    let (rolled, events) = run(roll).await;
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            JobEvent::RolledBack {
+                failed_step: 5,
+                step: 4,
+                ..
+            }
+        )),
+        "rolled back to the checkpoint of step 4"
+    );
+    assert_eq!(
+        parameter_bits(&rolled),
+        parameter_bits(&whole),
+        "rolled back"
+    );
+    let _ = std::fs::remove_dir_all(dir);
 }

@@ -54,8 +54,7 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) learning_rate: LearningRate,
     /// How much of each block's training state each data-parallel rank keeps (ZeRO).
     pub(crate) zero: crate::parallel::zero::ZeroStage,
-    /// The tensor-parallel degree: above 1 every rank holds a slice of the split blocks, so
-    /// no rank's state has a twin (recovery ends the job or rolls back).
+    /// The tensor-parallel degree (every rank holds its slice of the split blocks).
     pub(crate) tensor_parallel: u32,
     /// Clip each step's gradient to this global norm over the stage's blocks (block jobs).
     pub(crate) clip: Option<f32>,
@@ -278,7 +277,9 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::pipeline(!self.spec.zero.shards_optimizer() && self.spec.tensor_parallel <= 1)
+        // A tensor-parallel rank's twins are the same (stage, tensor-parallel rank) of the
+        // other replicas: the Supervisor pairs them by place.
+        Capabilities::pipeline(!self.spec.zero.shards_optimizer())
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {
@@ -345,7 +346,7 @@ where
                         survivors: wiring
                             .per_rank
                             .into_iter()
-                            .map(|w| w.map(|(l, c, _)| (Box::new(l), c)))
+                            .map(|w| w.map(|(l, c, t)| (Box::new(l), c, t)))
                             .collect(),
                         others: wiring.others,
                         shutdown: wiring.shutdown,
@@ -502,6 +503,7 @@ where
             }
             StageMsg::Snapshot(reply) => {
                 let plan = state.spec.plan.clone();
+                let tp_rank = state.tp_rank;
                 let stage = StageIndex(state.id.stage);
                 let out = run_on_slot(&state.device_actor, "snapshot", &mut state.slot, move |s| {
                     let scale = s.scaler.as_ref().map(LossScaler::state);
@@ -512,7 +514,11 @@ where
                         .map(|(c, w)| {
                             let (params, optimizer) = w.snapshot()?;
                             Ok(ShardSnapshot {
-                                shard: ShardId::stage(plan.block(stage, Chunk(c as u32))),
+                                // A tensor-parallel rank's slices are a shard of their own.
+                                shard: ShardId {
+                                    pp: plan.block(stage, Chunk(c as u32)),
+                                    tp: tp_rank,
+                                },
                                 params,
                                 optimizer: Some(optimizer),
                                 // CKPT-9, LR-2: the scheduler travels with the block.
@@ -535,6 +541,7 @@ where
             }
             StageMsg::Restore { shard, reply } => {
                 let plan = state.spec.plan.clone();
+                let tp_rank = state.tp_rank;
                 let stage = StageIndex(state.id.stage);
                 let id = state.id;
                 let out = run_on_slot(&state.device_actor, "restore", &mut state.slot, move |s| {
@@ -544,7 +551,10 @@ where
                         .as_ref()
                         .map_or((0, 1), |c| (c.rank().index(), c.world()));
                     for (c, w) in s.chunks.iter_mut().enumerate() {
-                        let wanted = ShardId::stage(plan.block(stage, Chunk(c as u32)));
+                        let wanted = ShardId {
+                            pp: plan.block(stage, Chunk(c as u32)),
+                            tp: tp_rank,
+                        };
                         let Some(shard) = shard.iter().find(|x| x.shard == wanted) else {
                             return Err(Error::InvalidConfig(format!(
                                 "no {wanted} to restore {id} from"
@@ -605,11 +615,22 @@ where
                 });
                 let _ = reply.send(model);
             }
-            StageMsg::Rewire { links, comm, reply } => {
+            StageMsg::Rewire {
+                links,
+                comm,
+                tp,
+                reply,
+            } => {
                 let r = match state.slot.as_mut() {
                     Some(slot) => {
                         slot.links = *links;
                         slot.comm = comm;
+                        // The tensor-parallel group of the new generation, for every block.
+                        slot.tp =
+                            Arc::new(tp.map_or_else(TensorParallel::single, TensorParallel::new));
+                        for chunk in &mut slot.chunks {
+                            chunk.set_tensor_parallel(&slot.tp);
+                        }
                         Ok(())
                     }
                     None => Err(lost(state)),

@@ -125,10 +125,10 @@ impl Capabilities {
     /// replicated, every rank when each holds a shard of it. In rank order.
     pub(crate) fn state_ranks(&self, layout: Layout) -> Vec<usize> {
         if self.replicated_state {
+            // Replica 0: every stage, every tensor-parallel rank of each.
             layout
-                .pipeline_group(Rank(0))
-                .unwrap_or_default()
-                .into_iter()
+                .ranks()
+                .filter(|&r| layout.coord_of(r).is_some_and(|c| c.dp == 0))
                 .map(Rank::index)
                 .collect()
         } else {

@@ -1854,7 +1854,12 @@ impl<M: Send + 'static> NodeInner<M> {
             let links = Box::new(links);
             return self
                 .asker(slot, timeout)?
-                .call(|reply| StageMsg::Rewire { links, comm, reply })
+                .call(|reply| StageMsg::Rewire {
+                    links,
+                    comm,
+                    tp: None,
+                    reply,
+                })
                 .await;
         }
         let start = SlotStart {

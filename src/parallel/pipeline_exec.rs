@@ -428,6 +428,9 @@ pub(crate) trait StageWork<I>: Send {
     fn set_loss_scale(&mut self, scale: f32);
     /// Whether this rank's reduced gradient has an inf or a NaN (MIX-2).
     fn overflowed(&self) -> bool;
+    /// Compute with this tensor-parallel group from now on (a rewired mesh's new
+    /// generation); a no-op for a block that is not tensor-parallel.
+    fn set_tensor_parallel(&mut self, tp: &Arc<TensorParallel>);
     /// The device (with autodiff) the stage computes on.
     fn device(&self) -> &Device;
     /// The module, type-erased (for `downcast`).
@@ -1045,6 +1048,12 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         self.reduced
             .as_ref()
             .is_some_and(sync::Reduced::has_non_finite)
+    }
+
+    fn set_tensor_parallel(&mut self, tp: &Arc<TensorParallel>) {
+        if self.split.is_some() {
+            self.tp = tp.clone();
+        }
     }
 
     fn device(&self) -> &Device {

@@ -196,7 +196,8 @@ pub(crate) fn twins_of(
 /// What the Supervisor knows about a failure.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Failure<'a> {
-    /// Each current rank's stage index (0 everywhere in a data-parallel job).
+    /// Each current rank's place in the model: its stage index, with its tensor-parallel
+    /// rank (0 everywhere in a data-parallel job); equal places are twins.
     pub(crate) stage_of: &'a [u32],
     /// The ranks lost ([`lost_ranks`], with those whose device does not answer).
     pub(crate) lost: &'a [usize],

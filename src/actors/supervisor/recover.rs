@@ -364,11 +364,16 @@ where
         }
     }
     for (r, wiring) in rewired.survivors.into_iter().enumerate() {
-        let Some((links, comm)) = wiring else {
+        let Some((links, comm, tp)) = wiring else {
             continue;
         };
         let (stage, id) = state.stages[r].clone();
-        let rewire = |reply| StageMsg::Rewire { links, comm, reply };
+        let rewire = |reply| StageMsg::Rewire {
+            links,
+            comm,
+            tp,
+            reply,
+        };
         ask(&stage, rewire, timeout, || {
             format!("{id} did not take its new wiring")
         })

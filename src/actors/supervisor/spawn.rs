@@ -78,6 +78,7 @@ pub(crate) struct Rewired<M> {
         Option<(
             Box<crate::parallel::pipeline_exec::StageLinks>,
             Option<crate::comm::Communicator>,
+            Option<crate::comm::Communicator>,
         )>,
     >,
     /// The new collective groups' actors.

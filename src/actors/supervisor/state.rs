@@ -170,9 +170,13 @@ impl<M, I> SupervisorState<M, I> {
         format!("actor {id}")
     }
 
-    /// Each current rank's stage index.
+    /// Each current rank's place in the model: its stage index and its tensor-parallel rank
+    /// (ranks of the same place in different replicas hold the same state: twins).
     pub(super) fn stage_of(&self) -> Vec<u32> {
-        self.stages.iter().map(|(_, id)| id.stage).collect()
+        self.stages
+            .iter()
+            .map(|(_, id)| (id.stage << 16) | (id.tp & 0xffff))
+            .collect()
     }
 
     /// The current ranks' stages.
