@@ -1246,7 +1246,6 @@ where
             optimizer: self.optimizer.clone(),
             learning_rate: self.learning_rate.clone(),
             zero: self.zero,
-            tensor_parallel: self.tp,
             clip: None,
             blocks_in_flight: self.blocks_in_flight,
             epoch: Instant::now(),

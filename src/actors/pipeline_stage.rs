@@ -54,8 +54,6 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) learning_rate: LearningRate,
     /// How much of each block's training state each data-parallel rank keeps (ZeRO).
     pub(crate) zero: crate::parallel::zero::ZeroStage,
-    /// The tensor-parallel degree (every rank holds its slice of the split blocks).
-    pub(crate) tensor_parallel: u32,
     /// Clip each step's gradient to this global norm over the stage's blocks (block jobs).
     pub(crate) clip: Option<f32>,
     /// Blocks whose gathered parameters may wait for their use at once, the collectives

@@ -68,19 +68,21 @@ pub(crate) struct RewireArgs {
     pub(crate) slots: Vec<DeviceId>,
 }
 
+/// What a surviving stage takes with `StageMsg::Rewire`: its links, its data-parallel
+/// communicator and its tensor-parallel communicator (none at dp = 1, tp = 1).
+pub(crate) type SurvivorWiring = (
+    Box<crate::parallel::pipeline_exec::StageLinks>,
+    Option<crate::comm::Communicator>,
+    Option<crate::comm::Communicator>,
+);
+
 /// A rewired mesh.
 pub(crate) struct Rewired<M> {
     /// The fresh stage actors, by rank (not initialized yet).
     pub(crate) fresh: Vec<(usize, ActorRef<StageMsg<M>>)>,
     /// Per rank, the wiring a surviving stage takes with `StageMsg::Rewire` (none for fresh
     /// ranks).
-    pub(crate) survivors: Vec<
-        Option<(
-            Box<crate::parallel::pipeline_exec::StageLinks>,
-            Option<crate::comm::Communicator>,
-            Option<crate::comm::Communicator>,
-        )>,
-    >,
+    pub(crate) survivors: Vec<Option<SurvivorWiring>>,
     /// The new collective groups' actors.
     pub(crate) others: Vec<ractor::ActorCell>,
     /// Wakes everything blocked in the new wiring.
