@@ -6,6 +6,10 @@ cargo run --release -- train --dp 2 --batch-size 128 --steps 50 --save-model dem
 cargo run --release -- train --pp 2 --micro-batches 4 --steps 20 --timeline pipeline.svg
 # two replicas of a two-stage interleaved pipeline (2 × 2 devices, 2 chunks per stage)
 cargo run --release -- train --pp 2 --dp 2 --schedule interleaved --virtual-stages 2 --micro-batches 4 --steps 20
+# ANCHOR: gpt
+# the small GPT on the King James Bible, each layer split over two devices; 60 characters sampled at the end
+cargo run --release -- train --model gpt --tp 2 --steps 30 --sample 60
+# ANCHOR_END: gpt
 # ANCHOR: faults
 # a fault-injection run: four replicas, a kill and a panic from the plan, shrinking to the survivors
 cargo run --release -- train --dp 4 --batch-size 48 --steps 20 --faults book/snippets/faults.json --on-replica-loss shrink
