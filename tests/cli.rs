@@ -314,3 +314,60 @@ fn a_pipeline_job_writes_its_checkpoints_and_resumes_from_them() {
     assert!(stdout.contains("resumed after step 2"), "stdout:\n{stdout}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bench_tensor_reports_megatron_s_all_reduce_bytes_as_json() {
+    let dir = scratch("bench-tensor");
+    let svg = dir.join("split.svg");
+    let (code, stdout, stderr) = run(&[
+        "bench",
+        "tensor",
+        "--tp",
+        "2",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--seq",
+        "8",
+        "--batch",
+        "4",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--json",
+        "--svg",
+        path(&svg),
+    ]);
+    assert_eq!(code, Some(0), "stderr:\n{stderr}");
+    let line = stdout.lines().last().expect("one JSON line");
+    let f: serde_json::Value = serde_json::from_str(line).expect("the line is JSON");
+    for key in [
+        "tp",
+        "samples_per_s",
+        "baseline_samples_per_s",
+        "allreduce_bytes_per_layer",
+        "expected_allreduce_bytes_per_layer",
+        "comm_share",
+        "speedup",
+    ] {
+        assert!(f.get(key).is_some(), "{key} missing from {line}");
+    }
+    assert_eq!(f["tp"], 2);
+    // Megatron: 2 forward + 2 backward all-reduces of b·s·h f32 values per layer.
+    let expected = 4 * 4 * 8 * 64 * 4;
+    assert_eq!(f["expected_allreduce_bytes_per_layer"], expected);
+    assert_eq!(
+        f["allreduce_bytes_per_layer"], f["expected_allreduce_bytes_per_layer"],
+        "{line}"
+    );
+    assert_eq!(f["bytes_as_expected"], true);
+    assert_eq!(f["allreduces_per_layer"], 4.0);
+    // The same layer trained two ways: the losses agree (f32 summation order only).
+    let diff = f["loss_max_rel_diff"].as_f64().expect("a number");
+    assert!(diff < 1e-5, "{line}");
+    let picture = std::fs::read_to_string(&svg).expect("the picture was written");
+    assert!(picture.starts_with("<svg") && picture.contains("all-reduce"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

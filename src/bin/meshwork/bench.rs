@@ -168,6 +168,39 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Tensor parallelism: one GPT transformer layer (attention split by heads, MLP column
+    /// then row) over `tp` ranks against tp 1, alternated runs, median: samples/s, the
+    /// activation bytes all-reduced per layer per micro-batch against Megatron's figure, and
+    /// the share of the step spent in the group's collectives.
+    Tensor {
+        /// Tensor-parallel ranks (must divide --heads).
+        #[arg(long, default_value_t = 2)]
+        tp: u32,
+        /// Features per token.
+        #[arg(long, default_value_t = 1024)]
+        hidden: usize,
+        /// Attention heads (must divide --hidden).
+        #[arg(long, default_value_t = 16)]
+        heads: usize,
+        /// Sequence length.
+        #[arg(long, default_value_t = 64)]
+        seq: usize,
+        /// Sequences per step (one micro-batch).
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        /// Steps per run; the first two (one of two, none of one) are warm-up, not timed.
+        #[arg(long, default_value_t = 6)]
+        steps: u64,
+        /// Alternated runs of each side; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Draw the layer's column/row split over the ranks as an SVG picture into this file.
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// (internal) One side of `bench memory`, run in a child process.
     #[command(hide = true)]
     MemoryWorker {
@@ -320,6 +353,30 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             batch_size,
             svg: None,
         }),
+        BenchCommand::Tensor {
+            tp,
+            hidden,
+            heads,
+            seq,
+            batch,
+            steps,
+            repeats,
+            svg,
+            json,
+        } => {
+            let f = crate::tensor_bench::run(&crate::tensor_bench::TensorBench {
+                tp,
+                hidden,
+                heads,
+                seq,
+                batch,
+                steps,
+                repeats,
+                svg,
+            })?;
+            crate::tensor_bench::print(&f, json);
+            Ok(())
+        }
         BenchCommand::Recovery {
             dp,
             steps,

@@ -4,6 +4,7 @@
 //!   on logical devices, with a progress bar and a final report;
 //! - `meshwork bench allreduce …` measures collective bandwidth (like nccl-tests);
 //! - `meshwork bench dp …` measures data-parallel weak scaling against a plain Burn loop;
+//! - `meshwork bench tensor …` measures one tensor-parallel GPT layer against tp 1;
 //! - `meshwork node …` (feature `cluster`) joins a multi-process job whose head is
 //!   `meshwork train --listen … --nodes …`.
 
@@ -21,6 +22,8 @@ mod pipeline_bench;
 mod recovery_bench;
 #[cfg(feature = "cluster")]
 mod tcp_bench;
+mod tensor_bench;
+mod tensor_svg;
 mod train;
 
 /// Train Burn models on many devices at once.
