@@ -557,8 +557,8 @@ where
     /// order, MESH-1); works with [`blocks`](Self::blocks) and `pipeline` jobs. Checkpoints
     /// hold each rank's slices (`shard-ppB-tpT`) and restore onto the same degree; a lost
     /// rank is replaced from its twin in another replica or rolled back, as a pipeline stage
-    /// is. Not yet with ZeRO, mixed precision, restoring onto another degree, or across
-    /// processes: those are refused when the job is built (or, for a checkpoint of another
+    /// is. Not yet with ZeRO, mixed precision, `clip_grad_norm`, restoring onto another
+    /// degree, or across processes: those are refused when the job is built (or, for a checkpoint of another
     /// degree, when it is read).
     pub fn tensor_parallel(mut self, t: u32) -> Self {
         self.tp = t;
@@ -1229,6 +1229,11 @@ where
         }
         if self.mixed.precision.is_low() {
             return not_yet(&format!("precision({})", self.mixed.precision));
+        }
+        if self.clip_norm.is_some() {
+            // The global norm would need the split parameters' squares summed over the
+            // group and the replicated ones counted once.
+            return not_yet("clip_grad_norm");
         }
         None
     }

@@ -70,6 +70,12 @@ impl Layout {
             if value == 0 {
                 return Err(InvalidConfig(format!("{name} degree is 0: use at least 1")));
             }
+            if value > u32::from(u16::MAX) {
+                return Err(InvalidConfig(format!(
+                    "{name} degree {value}: at most {} per axis",
+                    u16::MAX
+                )));
+            }
         }
         Ok(Self { dp, pp, tp })
     }

@@ -319,6 +319,14 @@ fn what_tensor_parallelism_does_not_do_yet_is_refused() {
     )
     .expect("refused");
     assert!(e.contains("ZeRO"), "{e}");
+    let e = build(
+        Job::builder()
+            .blocks(init.clone().into_blocks())
+            .tensor_parallel(2)
+            .clip_grad_norm(1.0),
+    )
+    .expect("refused");
+    assert!(e.contains("clip_grad_norm"), "{e}");
     // A model with no tensor-parallel block would be computed tp times: refused.
     let plain = meshwork::demo::mlp_blocks(&[4, 8, 2], Default::default(), &Device::flex())
         .expect("two layers");
@@ -488,4 +496,42 @@ async fn a_lost_tensor_parallel_rank_is_replaced_from_its_twin_or_rolled_back() 
         "rolled back"
     );
     let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Accumulation over 2 micro-batches and recomputed attention and MLP blocks (whose forward
+/// all-reduces run again in the backward) at tp 2 equal one device too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp2_with_accumulation_and_recompute_equals_one_device() {
+    use meshwork::parallel::stages::BlockOptions;
+    let init = initial();
+    let job = Job::builder()
+        .blocks(
+            init.clone()
+                .into_blocks_with::<Window>(BlockOptions::default().recompute(true)),
+        )
+        .gradient_accumulation(2)
+        .tensor_parallel(2)
+        .data(data())
+        .optimizer(sgd())
+        .learning_rate(LR)
+        .batch_size(BATCH)
+        .steps(STEPS)
+        .seed(5)
+        .collective_timeout(Duration::from_secs(20))
+        .step_timeout(Duration::from_secs(60))
+        .build()
+        .expect("a valid job");
+    let (trained, events) = run(job).await;
+    let steps = steps_of(&events);
+    let want = reference(&init, &steps);
+    let worst = compare_parameters(&trained, &want, TOLERANCE).unwrap_or_else(|e| panic!("{e}"));
+    println!("tp 2, accumulation 2, recompute: worst relative difference {worst:e}");
+    for s in &steps {
+        let traffic = s.replicas[0]
+            .pipeline
+            .as_ref()
+            .and_then(|p| p.tensor_parallel)
+            .expect("a tensor-parallel rank's traffic");
+        assert!(traffic.activation_reduces > 0, "the group all-reduced");
+    }
 }

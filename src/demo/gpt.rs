@@ -14,7 +14,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::parallel::pipeline_exec::{AnyTensor, Boundary};
 use crate::parallel::sampler::SplitMix64;
-use crate::parallel::stages::{PipelineModel, PipelineStages, materialize};
+use crate::parallel::stages::{BlockOptions, PipelineModel, PipelineStages, materialize};
 use crate::parallel::tensor::layers::{
     ColumnParallelLinear, ParallelMlp, ParallelSelfAttention, VocabParallelEmbedding,
     vocab_parallel_cross_entropy,
@@ -104,13 +104,16 @@ impl GptHead {
     /// `[batch, seq]`.
     pub fn loss(&self, x: Tensor<3>, targets: Tensor<2, Int>, tp: &TensorParallel) -> Tensor<1> {
         let [b, s, d] = x.dims();
-        let logits = self.head.forward(self.norm.forward(x).reshape([b * s, d]));
+        let logits = self
+            .head
+            .forward(self.norm.forward(x).reshape([b * s, d]), tp);
         vocab_parallel_cross_entropy(logits, targets.reshape([b * s]), self.vocab, tp)
     }
 
     /// The whole logits `[batch, seq, vocab]` (one device).
     pub fn logits(&self, x: Tensor<3>) -> Tensor<3> {
-        self.head.forward(self.norm.forward(x))
+        self.head
+            .forward(self.norm.forward(x), &TensorParallel::single())
     }
 }
 
@@ -261,8 +264,26 @@ impl Gpt {
     /// The model as tensor-parallel blocks (embedding, attention and MLP per layer, head),
     /// reading each item's tokens through `AsRef<[u32]>`: a window of `seq + 1` tokens whose
     /// first `seq` are the input and last `seq` the targets.
+    ///
+    /// A window must hold `seq + 1 ≤ context + 1` tokens, all below the vocabulary size, and
+    /// the windows of a batch the same number: a batch that does not is a panic on the stage's
+    /// device thread, which the job reports as the stage's failure with this reason.
     pub fn into_blocks<I: AsRef<[u32]> + 'static>(self) -> PipelineStages<I> {
-        let mut stages = PipelineStages::new(|items: &[I], d: &Device| {
+        self.into_blocks_with(BlockOptions::default())
+    }
+
+    /// Like [`into_blocks`](Self::into_blocks), every attention and MLP block training with
+    /// `options` (e.g. activation checkpointing; a recomputed forward runs its all-reduce
+    /// again).
+    pub fn into_blocks_with<I: AsRef<[u32]> + 'static>(
+        self,
+        options: BlockOptions,
+    ) -> PipelineStages<I> {
+        let (vocab, context) = (self.embedding.tokens.vocab(), self.context());
+        let mut stages = PipelineStages::new(move |items: &[I], d: &Device| {
+            if let Err(e) = check_windows(items, vocab, context) {
+                panic!("{e}");
+            }
             let (inputs, _) = token_batch(items, d);
             vec![AnyTensor::D2(inputs.float())]
         })
@@ -271,13 +292,14 @@ impl Gpt {
         });
         for layer in self.layers {
             stages = stages
-                .tp_block(
+                .tp_block_with(
                     layer.attention,
+                    options,
                     |m: &ParallelSelfAttention, x: Boundary, tp| {
                         vec![AnyTensor::D3(m.forward(rank3(&x), tp))]
                     },
                 )
-                .tp_block(layer.mlp, |m: &ParallelMlp, x: Boundary, tp| {
+                .tp_block_with(layer.mlp, options, |m: &ParallelMlp, x: Boundary, tp| {
                     vec![AnyTensor::D3(m.forward(rank3(&x), tp))]
                 });
         }
@@ -345,6 +367,40 @@ where
     }
 }
 
+/// Why a batch of windows cannot be the GPT's input: windows of different lengths, longer
+/// than `context + 1` or shorter than 2 tokens, or a token outside the vocabulary.
+pub fn check_windows<I: AsRef<[u32]>>(
+    items: &[I],
+    vocab: usize,
+    context: usize,
+) -> Result<(), String> {
+    let Some(first) = items.first() else {
+        return Err("an empty batch of windows".into());
+    };
+    let len = first.as_ref().len();
+    if len < 2 || len > context + 1 {
+        return Err(format!(
+            "a window of {len} tokens: the GPT takes 2 to {} (its context + 1)",
+            context + 1
+        ));
+    }
+    for (i, w) in items.iter().enumerate() {
+        let w = w.as_ref();
+        if w.len() != len {
+            return Err(format!(
+                "window {i} of the batch has {} tokens, the first {len}",
+                w.len()
+            ));
+        }
+        if let Some(t) = w.iter().find(|&&t| t as usize >= vocab) {
+            return Err(format!(
+                "window {i} holds token {t}, outside the vocabulary of {vocab}"
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The inputs and targets `[batch, seq]` of windows of `seq + 1` tokens.
 pub fn token_batch<I: AsRef<[u32]>>(
     items: &[I],
@@ -367,7 +423,8 @@ pub fn token_batch<I: AsRef<[u32]>>(
     )
 }
 
-/// The one-device loss of a batch of windows (the reference loop's loss).
+/// The one-device loss of a batch of windows (the reference loop's loss); the windows must
+/// pass [`check_windows`].
 pub fn gpt_loss<I: AsRef<[u32]>>(model: &Gpt, items: &[I], device: &Device) -> Tensor<1> {
     let (inputs, targets) = token_batch(items, device);
     model.loss(inputs, targets, &TensorParallel::single())

@@ -60,7 +60,7 @@ use super::gradients::parameter_fingerprint;
 use super::memory::{BlockBytes, StepMemory};
 use super::overlap::{CommLane, Ticket, with_lane};
 use super::sync::{self, Collective, GradientSync, SyncContext};
-use super::tensor::TensorParallel;
+use super::tensor::{TensorParallel, TpFailure};
 use super::zero::{UnsupportedOptimizer, ZeroStage};
 use crate::checkpoint::{CheckpointError, LrSchedulerState, OptimizerState, ShardParams};
 use crate::comm::{CollectiveKind, CommError, Communicator};
@@ -297,6 +297,17 @@ pub enum ExecError {
         /// What the communicator said.
         cause: CommError,
     },
+    /// A tensor-parallel block computed a split layer after a `reduce`: two split regions in
+    /// one block, whose gradients the executor's rules would get wrong (TP-6).
+    #[error(
+        "stage {stage}: block {block} has two tensor-parallel split regions (a split layer after a reduce); cut it into one block per region"
+    )]
+    TensorParallelRegions {
+        /// This stage.
+        stage: u32,
+        /// The block (its index in the model).
+        block: u32,
+    },
     /// The schedule needs something this executor does not do yet.
     #[error("unsupported schedule: {0}")]
     Unsupported(String),
@@ -326,6 +337,9 @@ impl ExecError {
                 during,
                 cause,
             },
+            ExecError::TensorParallelRegions { .. } => {
+                ExecError::TensorParallelRegions { stage, block }
+            }
             other => other,
         }
     }
@@ -585,12 +599,16 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     /// The tensor-parallel group's failure during `during`, if one happened (TP-4).
     fn tp_failed(&self, mb: u32, during: &'static str) -> Result<(), ExecError> {
         match self.tp.take_failure() {
-            Some(cause) => Err(ExecError::TensorParallel {
+            Some(TpFailure::Comm(cause)) => Err(ExecError::TensorParallel {
                 stage: u32::MAX,
                 block: u32::MAX,
                 mb,
                 during,
                 cause,
+            }),
+            Some(TpFailure::SecondRegion) => Err(ExecError::TensorParallelRegions {
+                stage: u32::MAX,
+                block: u32::MAX,
             }),
             None => Ok(()),
         }
@@ -685,6 +703,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         // gradients (the identity at f32); the loss is f32.
         let model = low_precision_copy(&self.model, self.precision);
         if let Some(loss) = &self.loss {
+            self.tp.begin_block();
             let l =
                 loss(&model, leaves.clone(), items, &self.device, &self.tp).cast(FloatDType::F32);
             self.tp_failed(mb, "the loss")?;
@@ -696,6 +715,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                 .forward
                 .as_ref()
                 .expect("a stage has a forward or a loss");
+            self.tp.begin_block();
             let out = forward(&model, leaves.clone(), &self.tp);
             drop(model);
             self.tp_failed(mb, "the forward")?;
@@ -742,6 +762,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                 } else {
                     leaves
                 };
+                self.tp.begin_block();
                 let out = forward(
                     &low_precision_copy(&self.model, self.precision),
                     leaves.clone(),
@@ -989,6 +1010,8 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         self.grads_bytes = 0;
         self.accumulated = GradientsAccumulator::new();
         self.losses.clear();
+        // A failure an unfinished attempt left behind is not this step's (TP-4).
+        let _ = self.tp.take_failure();
     }
 
     fn snapshot(&self) -> Result<(ShardParams, OptimizerState), CheckpointError> {

@@ -42,6 +42,9 @@
 //! - TP-4: a collective that fails inside a forward does not panic and does not wait again:
 //!   the failure is kept, later collectives of the block return at once, and the executor
 //!   turns it into an error naming the block.
+//! - TP-6: a block holds one split region: at `T > 1` a split layer that runs after a
+//!   `reduce` of the same block's forward ([`TensorParallel::enter_split`]) fails the step
+//!   with an error naming the block, instead of training with wrong gradients.
 
 pub mod layers;
 
@@ -66,8 +69,21 @@ pub struct TensorParallel {
     rank: usize,
     degree: usize,
     comm: Option<Mutex<Communicator>>,
-    failure: Mutex<Option<CommError>>,
+    failure: Mutex<Option<TpFailure>>,
+    /// A `reduce` (Megatron's `g`) ran since the block's forward began: a split layer may
+    /// not follow it in the same block (TP-6).
+    closed: std::sync::atomic::AtomicBool,
     stats: TpCounters,
+}
+
+/// Why a tensor-parallel block's forward could not be computed right (TP-4, TP-6).
+#[derive(Debug, Clone)]
+pub(crate) enum TpFailure {
+    /// A collective of the group failed.
+    Comm(CommError),
+    /// A split layer ran after a `reduce` in the same block: a second split region, whose
+    /// gradients the executor's rules would get wrong.
+    SecondRegion,
 }
 
 #[derive(Debug, Default)]
@@ -101,6 +117,7 @@ impl TensorParallel {
             degree: 1,
             comm: None,
             failure: Mutex::new(None),
+            closed: std::sync::atomic::AtomicBool::new(false),
             stats: TpCounters::default(),
         }
     }
@@ -113,6 +130,7 @@ impl TensorParallel {
             degree,
             comm: (degree > 1).then(|| Mutex::new(comm)),
             failure: Mutex::new(None),
+            closed: std::sync::atomic::AtomicBool::new(false),
             stats: TpCounters::default(),
         }
     }
@@ -132,12 +150,26 @@ impl TensorParallel {
         chunk_range(len, self.degree, self.rank)
     }
 
+    /// A split layer is about to compute: at `T > 1`, one after a `reduce` of the same
+    /// block is a second split region, refused (the block's forward then fails, TP-6).
+    pub fn enter_split(&self) {
+        if self.degree > 1 && self.closed.load(Ordering::Relaxed) {
+            self.fail(TpFailure::SecondRegion);
+        }
+    }
+
+    /// A tensor-parallel block's forward begins (the executor calls this).
+    pub(crate) fn begin_block(&self) {
+        self.closed.store(false, Ordering::Relaxed);
+    }
+
     /// Megatron's `g`: the sum of every rank's `partial` (forward), the gradient passed to
     /// `partial` times `T` (backward; TP-1).
     pub fn reduce<const D: usize>(&self, partial: Tensor<D>) -> Tensor<D> {
         if self.degree == 1 {
             return partial;
         }
+        self.closed.store(true, Ordering::Relaxed);
         let mut values = values_of(&partial);
         self.collective(&mut values, ReduceOp::Sum, Traffic::Activation);
         let full = Tensor::<D>::from_data(
@@ -186,7 +218,7 @@ impl TensorParallel {
                 .nanos
                 .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             if let Err(e) = r {
-                self.fail(e);
+                self.fail(TpFailure::Comm(e));
             }
         }
         let device = local.device();
@@ -241,8 +273,8 @@ impl TensorParallel {
         }
     }
 
-    /// The first collective failure since the last call (TP-4).
-    pub(crate) fn take_failure(&self) -> Option<CommError> {
+    /// The first failure since the last call (TP-4, TP-6).
+    pub(crate) fn take_failure(&self) -> Option<TpFailure> {
         self.failure
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -256,7 +288,7 @@ impl TensorParallel {
             .is_some()
     }
 
-    fn fail(&self, e: CommError) {
+    fn fail(&self, e: TpFailure) {
         let mut f = self.failure.lock().unwrap_or_else(|e| e.into_inner());
         if f.is_none() {
             *f = Some(e);
@@ -296,7 +328,7 @@ impl TensorParallel {
             .nanos
             .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         if let Err(e) = r {
-            self.fail(e);
+            self.fail(TpFailure::Comm(e));
         }
     }
 }

@@ -40,11 +40,13 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         .validation_windows(context, context)
         .map_err(data_err)?;
     let (pp, tp) = (args.pp, gpt.tp);
+    let too_many = || Error::InvalidConfig("--dp × --pp × --tp is too large".into());
+    let per_replica = pp.checked_mul(tp).ok_or_else(too_many)?;
     let dp = args.dp.unwrap_or_else(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get() as u32);
-        (cores / (pp * tp)).max(1)
+        (cores / per_replica).max(1)
     });
-    let world = (dp * pp * tp) as usize;
+    let world = dp.checked_mul(per_replica).ok_or_else(too_many)? as usize;
     let devices = MeshDevice::of_kind(args.device, world)?;
     let model_device = devices[0].burn().clone();
     model_device.seed(args.seed);

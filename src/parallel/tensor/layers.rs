@@ -45,14 +45,16 @@ impl ColumnParallelLinear {
         Self { linear }
     }
 
-    /// This rank's output features `[.., out / T]`.
-    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+    /// This rank's output features `[.., out / T]` (a split region opens here, TP-6).
+    pub fn forward<const D: usize>(&self, x: Tensor<D>, tp: &TensorParallel) -> Tensor<D> {
+        tp.enter_split();
         self.linear.forward(x)
     }
 
     /// Every rank's output features gathered `[.., out]` (`out` must be divisible by `T`).
     pub fn forward_gathered<const D: usize>(&self, x: Tensor<D>, tp: &TensorParallel) -> Tensor<D> {
-        tp.gather_last(self.forward(x))
+        let local = self.forward(x, tp);
+        tp.gather_last(local)
     }
 
     /// Output features this rank computes.
@@ -152,9 +154,9 @@ impl ParallelSelfAttention {
             t.reshape([b, s, local_heads, self.head_dim])
                 .swap_dims(1, 2)
         };
-        let q = split(self.query.forward(h.clone()));
-        let k = split(self.key.forward(h.clone()));
-        let v = split(self.value.forward(h));
+        let q = split(self.query.forward(h.clone(), tp));
+        let k = split(self.key.forward(h.clone(), tp));
+        let v = split(self.value.forward(h, tp));
         let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f32).sqrt();
         let mask: Tensor<4, Bool> = Tensor::<2, Bool>::tril_mask([s, s], 0, &scores.device())
             .reshape([1, 1, s, s])
@@ -178,6 +180,13 @@ impl TensorParallelModule for ParallelSelfAttention {
     }
 
     fn check_degree(&self, degree: usize) -> Result<(), InvalidConfig> {
+        let d_model = self.query.linear.weight.dims()[0];
+        if self.head_dim * self.heads != d_model {
+            return Err(InvalidConfig(format!(
+                "{d_model} features do not split into {} attention heads",
+                self.heads
+            )));
+        }
         if !self.heads.is_multiple_of(degree.max(1)) {
             return Err(InvalidConfig(format!(
                 "{} attention heads do not split over a tensor-parallel group of {degree}: \
@@ -211,7 +220,7 @@ impl ParallelMlp {
 
     /// `x + down(gelu(up(norm(x))))`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>, tp: &TensorParallel) -> Tensor<D> {
-        let h = gelu(self.up.forward(self.norm.forward(x.clone())));
+        let h = gelu(self.up.forward(self.norm.forward(x.clone()), tp));
         x + self.down.forward(h, tp)
     }
 }
@@ -252,6 +261,7 @@ impl VocabParallelEmbedding {
 
     /// The embeddings `[batch, seq, d_model]` of `tokens` `[batch, seq]`.
     pub fn forward(&self, tokens: Tensor<2, Int>, tp: &TensorParallel) -> Tensor<3> {
+        tp.enter_split();
         let range = tp.range(self.vocab);
         if tp.degree() == 1 {
             return embedding(self.weight.val(), tokens);
@@ -365,7 +375,11 @@ mod tests {
             let outs = on_group(t, |tp| {
                 let a = shard(attn.clone(), tp.rank(), tp.degree()).expect("splits");
                 let m = shard(mlp.clone(), tp.rank(), tp.degree()).expect("splits");
-                values(m.forward(a.forward(x.clone(), tp), tp))
+                // Two blocks: attention, then the MLP (one split region each, TP-6).
+                tp.begin_block();
+                let h = a.forward(x.clone(), tp);
+                tp.begin_block();
+                values(m.forward(h, tp))
             });
             for out in outs {
                 close(&out, &want, 1e-5);
@@ -387,13 +401,18 @@ mod tests {
         let one = TensorParallel::single();
         let loss_of =
             |tp: &TensorParallel, e: &VocabParallelEmbedding, h: &ColumnParallelLinear| {
+                tp.begin_block();
                 let x = e.forward(tokens.clone(), tp).reshape([6, 6]);
-                let logits = h.forward(x);
+                tp.begin_block();
+                let logits = h.forward(x, tp);
                 vocab_parallel_cross_entropy(logits, targets.clone(), 11, tp)
             };
         let want = values(loss_of(&one, &emb, &head));
         // Burn's own cross-entropy on the one-device logits.
-        let logits = head.forward(embedding(emb.weight.val(), tokens.clone()).reshape([6, 6]));
+        let logits = head.forward(
+            embedding(emb.weight.val(), tokens.clone()).reshape([6, 6]),
+            &one,
+        );
         let burn_loss = burn::nn::loss::CrossEntropyLossConfig::new()
             .init(&d)
             .forward(logits, targets.clone());
@@ -417,7 +436,7 @@ mod tests {
         d.seed(5);
         let col = ColumnParallelLinear::new(4, 6, true, &d);
         let x = Tensor::<2>::random([3, 4], burn::tensor::Distribution::Default, &d);
-        let want = values(col.forward(x.clone()));
+        let want = values(col.forward(x.clone(), &TensorParallel::single()));
         let outs = on_group(2, |tp| {
             let c = shard(col.clone(), tp.rank(), tp.degree()).expect("splits");
             assert_eq!(c.local_out(), 3, "each rank holds half the columns");
@@ -430,7 +449,61 @@ mod tests {
             .map(|r| shard(col.clone(), r, 2).expect("splits"))
             .collect();
         let back = unshard(parts).expect("parts fit");
-        assert_eq!(values(back.forward(x)), want);
+        assert_eq!(values(back.forward(x, &TensorParallel::single())), want);
+    }
+
+    /// TP-4: a rank whose peer never comes gets its own values back after the time-out, the
+    /// failure is kept, and the next collective returns at once instead of waiting again.
+    #[test]
+    fn tp_4_a_failed_collective_is_kept_and_not_waited_for_again() {
+        let config = CommConfig {
+            timeout: std::time::Duration::from_millis(200),
+            ..CommConfig::default()
+        };
+        let group = LocalGroup::new(2, Generation(0), config);
+        let mut comms = group.communicators();
+        let tp = TensorParallel::new(comms.remove(0));
+        let x = Tensor::<2>::ones([2, 3], &device());
+        let out = tp.reduce(x.clone());
+        assert_eq!(values(out), vec![1.0; 6], "its own values, not a sum");
+        let started = std::time::Instant::now();
+        let _ = tp.reduce(x);
+        assert!(
+            started.elapsed() < std::time::Duration::from_millis(150),
+            "the second collective does not wait"
+        );
+        match tp.take_failure() {
+            Some(crate::parallel::tensor::TpFailure::Comm(e)) => {
+                assert!(e.to_string().contains("rank"), "{e}")
+            }
+            other => panic!("a kept communication failure, got {other:?}"),
+        }
+    }
+
+    /// TP-6: a split layer after a reduce in the same block is refused at T > 1 (a second
+    /// split region), allowed at T = 1.
+    #[test]
+    fn tp_6_a_second_split_region_in_one_block_is_refused() {
+        let d = device();
+        let attn = ParallelSelfAttention::new(8, 4, &d);
+        let mlp = ParallelMlp::new(8, 16, &d);
+        let x = Tensor::<3>::zeros([1, 2, 8], &d);
+        let one = TensorParallel::single();
+        let _ = mlp.forward(attn.forward(x.clone(), &one), &one);
+        assert!(one.take_failure().is_none());
+        let failures = on_group(2, |tp| {
+            tp.begin_block();
+            let a = shard(attn.clone(), tp.rank(), 2).expect("splits");
+            let m = shard(mlp.clone(), tp.rank(), 2).expect("splits");
+            let _ = m.forward(a.forward(x.clone(), tp), tp);
+            tp.take_failure()
+        });
+        for f in failures {
+            assert!(
+                matches!(f, Some(crate::parallel::tensor::TpFailure::SecondRegion)),
+                "{f:?}"
+            );
+        }
     }
 
     #[test]
@@ -439,5 +512,8 @@ mod tests {
         assert!(attn.check_degree(2).is_ok());
         let e = attn.check_degree(3).expect_err("4 heads over 3 ranks");
         assert!(e.0.contains("4 attention heads"), "{e}");
+        let odd = ParallelSelfAttention::new(10, 4, &device());
+        let e = odd.check_degree(2).expect_err("10 features in 4 heads");
+        assert!(e.0.contains("do not split into 4"), "{e}");
     }
 }
