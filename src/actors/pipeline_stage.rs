@@ -118,7 +118,7 @@ async fn wire<I>(
     generation: Generation,
     supervisor: &ractor::ActorCell,
 ) -> Result<Wiring, ActorProcessingErr> {
-    let (dp, pp, tp) = (layout.dp(), layout.pp(), layout.tp());
+    let (dp, tp) = (layout.dp(), layout.tp());
     let abort = Arc::new(AtomicBool::new(false));
     let mut per_rank: Vec<Option<RankWiring>> = Vec::new();
     // Links: one pipeline per (replica, tensor-parallel rank).
@@ -136,46 +136,40 @@ async fn wire<I>(
     }
     let mut groups = Vec::new();
     let mut others = Vec::new();
-    let mut dp_comm: std::collections::HashMap<Rank, Communicator> =
-        std::collections::HashMap::new();
-    let mut tp_comm: std::collections::HashMap<Rank, Communicator> =
-        std::collections::HashMap::new();
-    let rank_of = |dp: u32, pp: u32, tp: u32| layout.rank_of(Coord { dp, pp, tp });
-    if dp > 1 {
-        for stage in 0..pp {
-            for t in 0..tp {
-                let members: Vec<Rank> = (0..dp).filter_map(|r| rank_of(r, stage, t)).collect();
-                let comms = group_of(
-                    members.clone(),
-                    comm,
-                    generation,
-                    supervisor,
-                    &mut groups,
-                    &mut others,
-                )
-                .await?;
-                dp_comm.extend(members.into_iter().zip(comms));
-            }
-        }
+    // One data-parallel group per (stage, tp rank), one tensor-parallel group per
+    // (replica, stage): the layout's own groups, each in group order.
+    let dp_groups = if dp > 1 {
+        layout.data_parallel_groups()
+    } else {
+        Vec::new()
+    };
+    let tp_groups: Vec<Vec<Rank>> = if tp > 1 {
+        layout
+            .ranks()
+            .filter(|&r| layout.coord_of(r).is_some_and(|c| c.tp == 0))
+            .filter_map(|r| layout.tensor_parallel_group(r))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut comms: [std::collections::HashMap<Rank, Communicator>; 2] = Default::default();
+    for (kind, members) in dp_groups
+        .into_iter()
+        .map(|g| (0, g))
+        .chain(tp_groups.into_iter().map(|g| (1, g)))
+    {
+        let made = group_of(
+            members.clone(),
+            comm,
+            generation,
+            supervisor,
+            &mut groups,
+            &mut others,
+        )
+        .await?;
+        comms[kind].extend(members.into_iter().zip(made));
     }
-    if tp > 1 {
-        for replica in 0..dp {
-            for stage in 0..pp {
-                let members: Vec<Rank> =
-                    (0..tp).filter_map(|t| rank_of(replica, stage, t)).collect();
-                let comms = group_of(
-                    members.clone(),
-                    comm,
-                    generation,
-                    supervisor,
-                    &mut groups,
-                    &mut others,
-                )
-                .await?;
-                tp_comm.extend(members.into_iter().zip(comms));
-            }
-        }
-    }
+    let [mut dp_comm, mut tp_comm] = comms;
     for rank in layout.ranks() {
         let w = layout.coord_of(rank).and_then(|c| {
             let links = links_of
