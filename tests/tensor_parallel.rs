@@ -129,6 +129,14 @@ fn builder(layout: Layout, init: &Gpt) -> JobBuilder<PipelineModel, Window> {
     } else {
         Job::builder().blocks(stages)
     };
+    settings(b, layout)
+}
+
+/// The settings every job of this file shares, on a builder that has its blocks.
+fn settings(
+    b: JobBuilder<PipelineModel, Window>,
+    layout: Layout,
+) -> JobBuilder<PipelineModel, Window> {
     b.tensor_parallel(layout.tp)
         .data_parallel(layout.dp)
         .data(data())
@@ -504,23 +512,21 @@ async fn a_lost_tensor_parallel_rank_is_replaced_from_its_twin_or_rolled_back() 
 async fn tp2_with_accumulation_and_recompute_equals_one_device() {
     use meshwork::parallel::stages::BlockOptions;
     let init = initial();
-    let job = Job::builder()
-        .blocks(
-            init.clone()
-                .into_blocks_with::<Window>(BlockOptions::default().recompute(true)),
-        )
-        .gradient_accumulation(2)
-        .tensor_parallel(2)
-        .data(data())
-        .optimizer(sgd())
-        .learning_rate(LR)
-        .batch_size(BATCH)
-        .steps(STEPS)
-        .seed(5)
-        .collective_timeout(Duration::from_secs(20))
-        .step_timeout(Duration::from_secs(60))
-        .build()
-        .expect("a valid job");
+    let job = settings(
+        Job::builder()
+            .blocks(
+                init.clone()
+                    .into_blocks_with::<Window>(BlockOptions::default().recompute(true)),
+            )
+            .gradient_accumulation(2),
+        Layout {
+            dp: 1,
+            pp: 1,
+            tp: 2,
+        },
+    )
+    .build()
+    .expect("a valid job");
     let (trained, events) = run(job).await;
     let steps = steps_of(&events);
     let want = reference(&init, &steps);
