@@ -77,6 +77,7 @@ use crate::mesh::{Generation, Rank};
 pub mod bench;
 mod communicator;
 mod element;
+pub mod emulate;
 #[cfg(feature = "cluster")]
 pub mod hierarchical;
 mod local;
@@ -238,6 +239,10 @@ pub struct CommConfig {
     /// (COMM-8). Off by default in-process, where memory is not corrupted in transit.
     #[serde(default)]
     pub verify_payloads: bool,
+    /// An emulated network (bandwidth and latency per rank's link) every message of the group
+    /// is held back by (`comm::emulate`, LINK-1..2); `None`: the transport's own speed.
+    #[serde(default)]
+    pub link: Option<emulate::LinkEmulation>,
 }
 
 impl Default for CommConfig {
@@ -247,6 +252,7 @@ impl Default for CommConfig {
             timeout: Duration::from_secs(60),
             algorithm: Algorithm::Auto,
             verify_payloads: false,
+            link: None,
         }
     }
 }
@@ -261,6 +267,12 @@ impl CommConfig {
     /// This config with another algorithm.
     pub fn with_algorithm(mut self, algorithm: Algorithm) -> Self {
         self.algorithm = algorithm;
+        self
+    }
+
+    /// This config with an emulated network (`comm::emulate`), or the transport's own speed.
+    pub fn with_link_emulation(mut self, link: Option<emulate::LinkEmulation>) -> Self {
+        self.link = link;
         self
     }
 

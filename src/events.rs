@@ -281,4 +281,9 @@ pub struct ReplicaStep {
     /// What the rank held of the training state at this step (parameters, gradients,
     /// optimizer state; `None` where the rank did not report it).
     pub held: Option<crate::parallel::sync::HeldBytes>,
+    /// Bytes its transport sent in the step, counted by the transport
+    /// (`Communicator::bytes_sent`), in data-parallel jobs (`.model(..)`); 0 where a direct
+    /// shared-memory plan moved them, and in pipeline and block jobs (not counted yet).
+    #[serde(default)]
+    pub bytes_sent: u64,
 }

@@ -628,6 +628,16 @@ where
         self
     }
 
+    /// Emulate a slower network (`comm::emulate`): every message a rank sends waits for its
+    /// link's latency and its bytes at the link's bandwidth before it leaves (LINK-1), so
+    /// the methods for slow links can be measured on a fast machine. In-process the group
+    /// then runs ring and tree plans only; across processes each process emulates the links
+    /// it sends on (set it on every process's builder). Values are unchanged (LINK-2).
+    pub fn link_emulation(mut self, link: crate::comm::emulate::LinkEmulation) -> Self {
+        self.comm.link = Some(link);
+        self
+    }
+
     /// Time-out of every collective operation.
     pub fn collective_timeout(mut self, timeout: Duration) -> Self {
         self.comm.timeout = timeout;
@@ -810,6 +820,11 @@ where
         }
         if self.event_capacity == 0 {
             return invalid("event_capacity(0): keep at least 1 event".into());
+        }
+        if let Some(link) = &self.comm.link
+            && let Err(e) = link.validate()
+        {
+            return invalid(format!("link_emulation: {e}"));
         }
         if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
             return invalid("a time-out of zero: use a positive duration".into());

@@ -56,4 +56,8 @@ pub struct StepReport {
     /// `None` without loss scaling.
     #[serde(default)]
     pub loss_scale: Option<(f32, f32)>,
+    /// Bytes the rank's transport sent in the step (`Communicator::bytes_sent`: messages of
+    /// its collectives and point-to-point sends, 16-bit values 2 bytes each).
+    #[serde(default)]
+    pub bytes_sent: u64,
 }

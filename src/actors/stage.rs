@@ -657,6 +657,7 @@ where
     let phase = Arc::new(Mutex::new("starting"));
     let thread_phase = phase.clone();
     let out = run_on(&state.device_actor, format!("step {step}"), move || {
+        let sent_before = slot.comm.bytes_sent();
         let r = train_step(
             &mut slot,
             &spec,
@@ -698,7 +699,11 @@ where
             ),
             None => (slot, Ok(())),
         };
-        (slot, applied.map(|()| report))
+        let applied = applied.map(|()| {
+            report.bytes_sent = slot.comm.bytes_sent().saturating_sub(sent_before);
+            report
+        });
+        (slot, applied)
     })
     .await?;
     match out {
@@ -845,6 +850,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
                     pipeline: None,
                     held: None,
                     loss_scale: loss_scale.map(|s| (s, s)),
+                    bytes_sent: 0,
                 },
                 None,
             )),
@@ -888,6 +894,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
             pipeline: None,
             held: None,
             loss_scale: scaled,
+            bytes_sent: 0,
         },
         (!skip).then_some(reduced),
     ))

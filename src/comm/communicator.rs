@@ -108,6 +108,20 @@ impl Communicator {
         false
     }
 
+    /// Bytes this rank has sent so far, counted by the transport: every message of a ring or
+    /// tree plan and every point-to-point send, as elements × the size of their type (16-bit
+    /// values count 2 bytes); in-process, a direct shared-memory plan sends no message and
+    /// counts nothing (a group with an emulated link, `CommConfig::link`, never runs one).
+    pub fn bytes_sent(&self) -> u64 {
+        match &self.transport {
+            Transport::Local(c) => c.bytes_sent(),
+            #[cfg(feature = "cluster")]
+            Transport::Tcp(t) => t.data_bytes_sent(),
+            #[cfg(feature = "cluster")]
+            Transport::Hier(h) => h.bytes_sent(),
+        }
+    }
+
     /// This communicator's rank.
     pub fn rank(&self) -> Rank {
         dispatch!(&self.transport, c => c.rank())

@@ -88,6 +88,11 @@ pub(crate) struct HierCommunicator {
 }
 
 impl HierCommunicator {
+    /// Bytes this rank sent in its process and, on a leader, across processes.
+    pub(crate) fn bytes_sent(&self) -> u64 {
+        self.local.bytes_sent() + self.leaders.as_ref().map_or(0, Communicator::bytes_sent)
+    }
+
     /// Rank `rank`'s side: `local` is its communicator in its process's group (in the plan's
     /// local order), `leaders` its communicator among the leaders (leaders of a group of two
     /// or more processes only).

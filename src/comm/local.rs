@@ -19,6 +19,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::element::{Element, as_f32_mut, combine, finish, narrow, reduce_into, widen};
+use super::emulate::LinkEmulation;
 use super::plan::{self, Plan, Step};
 use super::{
     Algorithm, CallShape, CollectiveKind, CommConfig, CommError, Communicator, MessageHook,
@@ -304,6 +305,7 @@ impl LocalGroup {
                 work: Vec::new(),
                 plan_cache: None,
                 hook: None,
+                bytes_sent: 0,
             })
             .map(Communicator::local)
             .collect()
@@ -695,6 +697,15 @@ impl LocalGroup {
     }
 }
 
+/// How a rank's messages leave it: the fault hook, the emulated link, the size of the op's
+/// elements on the wire, and the bytes sent so far in the op.
+struct Wire<'a> {
+    hook: Option<&'a dyn MessageHook>,
+    link: Option<&'a LinkEmulation>,
+    elem_bytes: usize,
+    sent_bytes: u64,
+}
+
 /// Runs a message plan (ring, tree) on an f32 working buffer of the op's full length, with
 /// `hook` deciding each message's fate (COMM-8).
 #[allow(clippy::too_many_arguments)]
@@ -708,7 +719,7 @@ fn execute_messages(
     kind: CollectiveKind,
     deadline: Instant,
     timeout: Duration,
-    hook: Option<&dyn MessageHook>,
+    wire: &mut Wire<'_>,
 ) -> Result<(), CommError> {
     // Messages sent to / received from each peer so far in this op (COMM-8).
     let mut sent = vec![0u32; group.world];
@@ -721,7 +732,7 @@ fn execute_messages(
                 sent[to] += 1;
                 let mut data = group.take_buffer(&work[range.clone()]);
                 let crc = group.config.verify_payloads.then(|| checksum(&data));
-                let fate = hook.map_or(Tamper::Deliver, |h| {
+                let fate = wire.hook.map_or(Tamper::Deliver, |h| {
                     h.on_send(rank_of(me), rank_of(to), seq, kind, index)
                 });
                 match fate {
@@ -736,6 +747,12 @@ fn execute_messages(
                             *x = f32::from_bits(x.to_bits() ^ (1 << 22));
                         }
                     }
+                }
+                // LINK-1: the message leaves once the emulated link has carried its bytes.
+                let bytes = range.len() * wire.elem_bytes;
+                wire.sent_bytes += bytes as u64;
+                if let Some(link) = wire.link {
+                    std::thread::sleep(link.delay(rank_of(me), bytes));
                 }
                 let message = Message {
                     seq,
@@ -883,6 +900,9 @@ pub(crate) struct LocalCommunicator {
     plan_cache: Option<(Rank, Plan)>,
     /// What happens to each message this rank sends (COMM-8).
     hook: Option<Arc<dyn MessageHook>>,
+    /// Bytes this rank has sent in messages (elements × their size, LINK-1), point-to-point
+    /// included.
+    bytes_sent: u64,
 }
 
 /// Which buffers an op reads and writes, in terms of its conceptual buffer.
@@ -946,6 +966,12 @@ impl LocalCommunicator {
     /// rank of the group should have one.
     pub(crate) fn set_message_hook(&mut self, hook: Option<Arc<dyn MessageHook>>) {
         self.hook = hook;
+    }
+
+    /// Bytes this rank has sent in messages so far (LINK-1's sizes; a direct shared-memory
+    /// plan sends none).
+    pub(crate) fn bytes_sent(&self) -> u64 {
+        self.bytes_sent
     }
 
     /// The algorithm that moved the data of the last all-reduce, reduce-scatter, all-gather or
@@ -1029,18 +1055,28 @@ impl LocalCommunicator {
                 std::mem::forget(guard);
                 Ok(())
             }
-            None => execute_messages(
-                &self.group,
-                me,
-                plan.steps_of(self.rank),
-                work,
-                op,
-                seq,
-                kind,
-                deadline,
-                self.timeout,
-                self.hook.as_deref(),
-            ),
+            None => {
+                let mut wire = Wire {
+                    hook: self.hook.as_deref(),
+                    link: self.group.config.link.as_ref(),
+                    elem_bytes: T::DTYPE.size_bytes(),
+                    sent_bytes: 0,
+                };
+                let r = execute_messages(
+                    &self.group,
+                    me,
+                    plan.steps_of(self.rank),
+                    work,
+                    op,
+                    seq,
+                    kind,
+                    deadline,
+                    self.timeout,
+                    &mut wire,
+                );
+                self.bytes_sent += wire.sent_bytes;
+                r
+            }
         };
         self.plan_cache = Some((root, plan));
         result
@@ -1129,7 +1165,9 @@ impl LocalCommunicator {
             len.saturating_mul(T::DTYPE.size_bytes()),
         );
         // COMM-8: checked or hooked messages need a plan made of messages.
-        let messages_only = self.group.config.verify_payloads || self.hook.is_some();
+        let messages_only = self.group.config.verify_payloads
+            || self.hook.is_some()
+            || self.group.config.link.is_some();
         if messages_only && chosen == Algorithm::Direct {
             Algorithm::Ring
         } else {
@@ -1335,6 +1373,12 @@ impl LocalCommunicator {
         let deadline = self.deadline();
         if let Some(refusal) = self.group.refusal(seq, op, false) {
             return Err(refusal);
+        }
+        // LINK-1: the send is posted once the emulated link has carried its bytes.
+        let bytes = std::mem::size_of_val(buf);
+        self.bytes_sent += bytes as u64;
+        if let Some(link) = &self.group.config.link {
+            std::thread::sleep(link.delay(self.rank, bytes));
         }
         let group = &*self.group;
         let slot = me * group.world + peer;

@@ -94,6 +94,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::element::{Element, as_f32_mut, combine, finish, narrow, widen};
+use super::emulate::LinkEmulation;
 use super::plan::{self, Plan, Step};
 use super::{
     Algorithm, CallShape, CollectiveKind, CommConfig, CommError, Communicator, DType, LinkFailure,
@@ -298,7 +299,8 @@ impl TcpGroup {
                 detail,
             };
             let (writer, reader, closer) = link.split().map_err(|e| setup(e.to_string()))?;
-            let sender = Sender::spawn(me, peer, writer, config.frame_bytes)
+            let link = config.comm.link.clone().map(|l| (me, l));
+            let sender = Sender::spawn(me, peer, writer, config.frame_bytes, link)
                 .map_err(|e| setup(e.to_string()))?;
             closers.push(closer);
             peers[peer.index()] = Some(PeerLink { reader, sender });
@@ -571,13 +573,14 @@ impl Sender {
         peer: Rank,
         writer: LinkWriter,
         frame_bytes: usize,
+        link: Option<(Rank, LinkEmulation)>,
     ) -> std::io::Result<Self> {
         let (queue, jobs) = std::sync::mpsc::sync_channel(SEND_QUEUE);
         let progress = Arc::new(Progress::default());
         let shared = Arc::clone(&progress);
         let thread = std::thread::Builder::new()
             .name(format!("meshwork-tcp-{}-to-{}", me.0, peer.0))
-            .spawn(move || run_sender(writer, &jobs, &shared, frame_bytes))?;
+            .spawn(move || run_sender(writer, &jobs, &shared, frame_bytes, link.as_ref()))?;
         Ok(Self {
             queue: Some(queue),
             progress,
@@ -598,7 +601,13 @@ impl Drop for Sender {
     }
 }
 
-fn run_sender(mut writer: LinkWriter, jobs: &Receiver<Job>, progress: &Progress, frame: usize) {
+fn run_sender(
+    mut writer: LinkWriter,
+    jobs: &Receiver<Job>,
+    progress: &Progress,
+    frame: usize,
+    link: Option<&(Rank, LinkEmulation)>,
+) {
     let mut failed = false;
     while let Ok(job) = jobs.recv() {
         match job {
@@ -618,6 +627,10 @@ fn run_sender(mut writer: LinkWriter, jobs: &Receiver<Job>, progress: &Progress,
                             std::slice::from_raw_parts(raw.ptr, raw.len)
                         },
                     };
+                    // LINK-1: the payload leaves once the emulated link has carried it.
+                    if let Some((me, link)) = link {
+                        std::thread::sleep(link.delay(*me, bytes.len()));
+                    }
                     bytes
                         .chunks(frame.max(1))
                         .try_for_each(|chunk| writer.send(chunk, deadline))
@@ -1456,8 +1469,7 @@ impl TcpCommunicator {
         result
     }
 
-    /// Data payload bytes this rank handed to its links so far (TCP-7's tests).
-    #[cfg(test)]
+    /// Data payload bytes this rank handed to its links so far (TCP-7, LINK-1).
     pub(crate) fn data_bytes_sent(&self) -> u64 {
         self.data_bytes_sent
     }

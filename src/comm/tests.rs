@@ -816,3 +816,77 @@ proptest! {
         }
     }
 }
+
+/// LINK-1/2: an emulated link holds every message back by its cost (a lower bound on the
+/// time: sleeps never end early), counts 2 bytes per 16-bit element, leaves the values bitwise
+/// equal to the plain group's, and a slow rank's link costs its factor more.
+#[test]
+fn emulated_links_delay_count_bytes_and_change_no_value() {
+    use super::emulate::LinkEmulation;
+    let world = 4;
+    let len = 4000;
+    let run = |config: CommConfig| {
+        on_ranks(world, config, |c| {
+            let mut a = input::<f32>(c.rank().index(), len, 7);
+            let mut b = input::<bf16>(c.rank().index(), len, 8);
+            let t = Instant::now();
+            c.all_reduce(&mut a, ReduceOp::Sum).expect("f32 all-reduce");
+            let f32_bytes = c.bytes_sent();
+            c.all_reduce(&mut b, ReduceOp::Sum)
+                .expect("bf16 all-reduce");
+            (
+                bits(&a),
+                bits(&b),
+                f32_bytes,
+                c.bytes_sent() - f32_bytes,
+                t.elapsed(),
+            )
+        })
+        .1
+    };
+    let plain = run(quick().with_algorithm(Algorithm::Ring));
+    let latency = Duration::from_millis(5);
+    let link = LinkEmulation::new(1e9, latency)
+        .and_then(|l| l.with_slow_link(3, 2.0))
+        .expect("valid emulation");
+    // The same plan (Auto would pick direct without emulation, which has no messages).
+    let emulated = run(quick()
+        .with_algorithm(Algorithm::Ring)
+        .with_link_emulation(Some(link)));
+    // The ring sends 2(N−1) chunks of about len/N elements from every rank.
+    let ring_elems = |r: usize| {
+        (0..world)
+            .filter(|&c| c != (r + 1) % world)
+            .map(|c| chunk_range(len, world, c).len())
+            .sum::<usize>()
+            + (0..world)
+                .filter(|&c| c != (r + 2) % world)
+                .map(|c| chunk_range(len, world, c).len())
+                .sum::<usize>()
+    };
+    for (r, (p, e)) in plain.iter().zip(&emulated).enumerate() {
+        assert!(
+            p.0 == e.0 && p.1 == e.1,
+            "LINK-2: rank {r}'s values changed"
+        );
+        // Chunks of len/N: exactly 2(N−1)·len/N elements within one chunk's rounding.
+        let want = 2 * (world - 1) * len / world;
+        assert!(
+            (e.2 as usize / 4).abs_diff(want) <= 2 * world && e.3 * 2 == e.2,
+            "rank {r} sent {} f32 bytes and {} bf16 bytes, want about {} and half of it \
+             (ring chunks {})",
+            e.2,
+            e.3,
+            want * 4,
+            ring_elems(r)
+        );
+        assert_eq!(p.2, e.2, "the same plan sends the same bytes");
+        // 2(N−1) messages per all-reduce, each held back at least the latency (the slow
+        // rank's twice); the ring waits on its slowest sender at every hop.
+        assert!(
+            e.4 >= latency * (2 * 2 * (world as u32 - 1)),
+            "rank {r} took {:?}",
+            e.4
+        );
+    }
+}

@@ -255,6 +255,7 @@ where
                 pipeline: None,
                 held: None,
                 loss_scale: None,
+                bytes_sent: 0,
             });
             (report, id)
         })

@@ -353,6 +353,7 @@ pub(super) fn step_done<M, I>(
             loss: r.local_loss,
             trace: r.trace,
             held: r.held,
+            bytes_sent: r.bytes_sent,
         })
         .collect();
     let mut mean = TimeBreakdown::default();
