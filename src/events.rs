@@ -30,6 +30,31 @@ pub enum JobEvent {
     },
     /// A step finished (or was skipped by the non-finite policy).
     StepDone(StepDone),
+    /// A rank has been persistently slower than the others (`JobBuilder::straggler_detection`,
+    /// STRAG-1): named before any time-out fires.
+    Straggler {
+        /// The step at which it was found.
+        step: u64,
+        /// The rank.
+        rank: Rank,
+        /// Its stage (replica, pipeline stage, tensor-parallel rank).
+        stage: crate::mesh::StageId,
+        /// Its median compute time over the detector's window divided by the ranks' median.
+        slowdown: f64,
+        /// Its median compute time (forward and backward) per step, in seconds.
+        median_s: f64,
+        /// The ranks' median, in seconds.
+        typical_s: f64,
+    },
+    /// A rank named by [`JobEvent::Straggler`] is no longer slow.
+    StragglerRecovered {
+        /// The step.
+        step: u64,
+        /// The rank.
+        rank: Rank,
+        /// Its slowdown now.
+        slowdown: f64,
+    },
     /// A replica computed a NaN or infinite loss (or, with clipping, the all-reduced gradient
     /// was not finite).
     NonFiniteLoss {

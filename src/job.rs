@@ -74,6 +74,7 @@ struct JobParts<M, I> {
     seed: u64,
     elastic: (u32, u32),
     elastic_wait: Duration,
+    stragglers: Option<crate::stragglers::StragglerDetection>,
 }
 
 impl<M, I> std::fmt::Debug for Job<M, I> {
@@ -151,6 +152,7 @@ pub struct JobBuilder<M, I> {
     require_checkpoint: bool,
     elastic: (u32, u32),
     elastic_wait: Duration,
+    stragglers: Option<crate::stragglers::StragglerDetection>,
     /// A job across processes: the world it trains on (`JobBuilder::cluster`).
     #[cfg(feature = "cluster")]
     cluster: Option<crate::cluster::remote::ClusterMesh>,
@@ -246,6 +248,7 @@ where
             require_checkpoint: false,
             elastic: (1, u32::MAX),
             elastic_wait: Duration::from_secs(300),
+            stragglers: Some(crate::stragglers::StragglerDetection::default()),
             #[cfg(feature = "cluster")]
             cluster: None,
             #[cfg(feature = "cluster")]
@@ -281,6 +284,7 @@ where
                 seed: a.seed,
                 elastic: a.elastic,
                 elastic_wait: a.elastic_wait,
+                stragglers: a.stragglers,
                 events: events.clone(),
                 outcome: outcome_tx,
             },
@@ -638,6 +642,17 @@ where
         self
     }
 
+    /// How a persistently slow rank is found and named in the events
+    /// (`JobEvent::Straggler`, STRAG-1..3; default: a median compute time over 5 steps at
+    /// least 1.5 × the ranks' median), or `None` to look for none.
+    pub fn straggler_detection(
+        mut self,
+        detection: Option<crate::stragglers::StragglerDetection>,
+    ) -> Self {
+        self.stragglers = detection;
+        self
+    }
+
     /// Time-out of every collective operation.
     pub fn collective_timeout(mut self, timeout: Duration) -> Self {
         self.comm.timeout = timeout;
@@ -976,6 +991,7 @@ where
                 seed: self.seed,
                 elastic: self.elastic,
                 elastic_wait: self.elastic_wait,
+                stragglers: self.stragglers,
             }),
         })
     }

@@ -22,6 +22,7 @@ pub mod optim;
 pub mod parallel;
 pub mod precision;
 pub mod recovery;
+pub mod stragglers;
 pub mod report;
 pub mod testing;
 pub mod trace;

@@ -375,6 +375,24 @@ async fn a_slow_device_slows_its_replica_and_training_still_equals_the_reference
         compute(1),
         compute(0)
     );
+    // STRAG-1: the slow rank is named once its window is full, with its measured slowdown
+    // (against the median of two ranks, a 20× slower one is at least 1.5× it); the fast one
+    // is not.
+    let named: Vec<(Rank, f64, u64)> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::Straggler {
+                rank,
+                slowdown,
+                step,
+                ..
+            } => Some((*rank, *slowdown, *step)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(named.len(), 1, "{named:?}");
+    assert_eq!(named[0].0, Rank(1));
+    assert!(named[0].1 >= 1.5 && named[0].2 >= 4, "{named:?}");
     assert_matches_reference(init, &trained.model, &events);
 }
 

@@ -27,6 +27,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "precision",
             "trace",
             "recovery",
+            "stragglers",
             "parallel::sampler",
             "parallel::pipeline",
             "parallel::buckets",

@@ -192,6 +192,8 @@ pub(crate) struct SupervisorArgs<M, I> {
     pub(crate) elastic: (u32, u32),
     /// How long the job waits for devices below the elastic minimum (ELASTIC-3).
     pub(crate) elastic_wait: Duration,
+    /// How stragglers are found (STRAG-1..3), if at all.
+    pub(crate) stragglers: Option<crate::stragglers::StragglerDetection>,
     pub(crate) events: broadcast::Sender<JobEvent>,
     pub(crate) outcome: oneshot::Sender<Result<Trained<M>>>,
 }

@@ -105,6 +105,11 @@ where
         paused: None,
         below_min: None,
         elastic_wait: a.elastic_wait,
+        stragglers: a.stragglers.map(|config| super::state::Stragglers {
+            config,
+            generation: Generation(0),
+            detectors: Default::default(),
+        }),
         stop_requested: false,
         finished: false,
         summary: RunSummary::default(),

@@ -96,10 +96,25 @@ pub(crate) struct SupervisorState<M, I> {
     pub(super) below_min: Option<(Generation, Instant)>,
     /// How long the job waits for devices below the elastic minimum.
     pub(super) elastic_wait: Duration,
+    /// The straggler detectors, one per pipeline stage and tensor-parallel rank (replicas of
+    /// the same work are compared), and the generation their ranks are numbered in
+    /// (STRAG-3).
+    pub(super) stragglers: Option<Stragglers>,
     pub(super) stop_requested: bool,
     pub(super) finished: bool,
     pub(super) summary: RunSummary,
     pub(super) _items: std::marker::PhantomData<fn() -> I>,
+}
+
+/// The Supervisor's straggler detection (STRAG-1..3).
+#[derive(Debug)]
+pub(crate) struct Stragglers {
+    pub(super) config: crate::stragglers::StragglerDetection,
+    /// The generation the detectors' ranks are numbered in.
+    pub(super) generation: Generation,
+    /// One detector per (pipeline stage, tensor-parallel rank).
+    pub(super) detectors:
+        std::collections::BTreeMap<(u32, u32), crate::stragglers::StragglerDetector>,
 }
 
 impl<M, I> std::fmt::Debug for SupervisorState<M, I> {

@@ -356,6 +356,7 @@ pub(super) fn step_done<M, I>(
             bytes_sent: r.bytes_sent,
         })
         .collect();
+    observe_stragglers(state, step, &replicas);
     let mut mean = TimeBreakdown::default();
     for r in &replicas {
         mean = mean.plus(r.breakdown);
@@ -444,4 +445,71 @@ fn pipeline_step(
         peak_activation_bytes,
         timeline,
     })
+}
+
+/// STRAG-1..3: feed the step's compute times to the straggler detectors (replicas of the same
+/// pipeline stage and tensor-parallel rank are compared with each other) and publish what
+/// they find; the detectors forget the ranks when the generation changed (renumbered).
+fn observe_stragglers<M, I>(state: &mut SupervisorState<M, I>, step: u64, replicas: &[ReplicaStep]) {
+    let generation = state.generation;
+    let Some(s) = state.stragglers.as_mut() else {
+        return;
+    };
+    if s.generation != generation {
+        s.detectors.clear();
+        s.generation = generation;
+    }
+    let mut groups: std::collections::BTreeMap<(u32, u32), Vec<(u32, f64)>> = Default::default();
+    for r in replicas {
+        groups
+            .entry((r.stage.stage, r.stage.tp))
+            .or_default()
+            .push((r.rank.0, r.breakdown.compute_s));
+    }
+    let config = s.config;
+    let changes: Vec<_> = groups
+        .into_iter()
+        .flat_map(|(key, times)| {
+            s.detectors
+                .entry(key)
+                .or_insert_with(|| crate::stragglers::StragglerDetector::new(config))
+                .observe(&times)
+        })
+        .collect();
+    for change in changes {
+        let event = match change {
+            crate::stragglers::StragglerChange::Slow {
+                rank,
+                slowdown,
+                median_s,
+                typical_s,
+            } => {
+                let Some(r) = replicas.iter().find(|r| r.rank.0 == rank) else {
+                    continue;
+                };
+                tracing::warn!(
+                    step,
+                    rank,
+                    slowdown,
+                    "straggler: rank {rank} computes {slowdown:.2}× slower than the others"
+                );
+                JobEvent::Straggler {
+                    step,
+                    rank: r.rank,
+                    stage: r.stage,
+                    slowdown,
+                    median_s,
+                    typical_s,
+                }
+            }
+            crate::stragglers::StragglerChange::Recovered { rank, slowdown } => {
+                JobEvent::StragglerRecovered {
+                    step,
+                    rank: crate::mesh::Rank(rank),
+                    slowdown,
+                }
+            }
+        };
+        state.publish(event);
+    }
 }
