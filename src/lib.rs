@@ -22,8 +22,8 @@ pub mod optim;
 pub mod parallel;
 pub mod precision;
 pub mod recovery;
-pub mod stragglers;
 pub mod report;
+pub mod stragglers;
 pub mod testing;
 pub mod trace;
 

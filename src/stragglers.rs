@@ -8,11 +8,13 @@
 //! slow-down that persists show.
 //!
 //! Invariants:
-//! - STRAG-1 (persistent only): a rank is named only once `window` steps of it are known
-//!   and its slowdown is at least `threshold`; it is named once, and again only after it was
-//!   reported recovered (slowdown back below `threshold`).
-//! - STRAG-2 (relative): scaling every rank's times by the same factor changes nothing;
-//!   ranks that are all equally slow are no stragglers.
+//! - STRAG-1 (persistent only): a rank is named only once `window` steps of it are known,
+//!   its slowdown is at least `threshold` and its median exceeds the ranks' by at least
+//!   `min_excess_s` (milliseconds of scheduling noise on tiny steps are no straggler); it is
+//!   named once, and again only after it was reported recovered (slowdown back below
+//!   halfway between 1 and `threshold`: hysteresis, so a rank near the line does not flap).
+//! - STRAG-2 (relative): with `min_excess_s` 0, scaling every rank's times by the same factor
+//!   changes nothing; ranks that are all equally slow are no stragglers.
 //! - STRAG-3 (membership): a rank absent from a step (lost, dropped) keeps its history but is
 //!   not compared in that step; ranks are identified by their index in the job's current
 //!   layout, and [`StragglerDetector::reset`] forgets everything when the layout changes.
@@ -28,14 +30,18 @@ pub struct StragglerDetection {
     pub window: usize,
     /// The slowdown (≥ 1) at which a rank is named.
     pub threshold: f64,
+    /// How many seconds its median must exceed the ranks' median by, too.
+    pub min_excess_s: f64,
 }
 
 impl Default for StragglerDetection {
-    /// A rank whose median compute time over 5 steps is 1.5 × the ranks' median.
+    /// A rank whose median compute time over 5 steps is 1.5 × the ranks' median and at
+    /// least 5 ms more.
     fn default() -> Self {
         Self {
             window: 5,
             threshold: 1.5,
+            min_excess_s: 0.005,
         }
     }
 }
@@ -95,6 +101,11 @@ impl StragglerDetector {
                 } else {
                     f64::INFINITY
                 },
+                min_excess_s: if config.min_excess_s.is_finite() {
+                    config.min_excess_s.max(0.0)
+                } else {
+                    f64::INFINITY
+                },
             },
             ..Self::default()
         }
@@ -147,9 +158,13 @@ impl StragglerDetector {
         }
         let present: Vec<u32> = times.iter().map(|(r, _)| *r).collect();
         let mut changes = Vec::new();
+        let recovered_below = (1.0 + self.config.threshold) / 2.0;
         for (rank, (slowdown, median_s, typical_s)) in self.slowdowns(&present) {
             let named = self.named.entry(rank).or_insert(false);
-            if !*named && slowdown >= self.config.threshold {
+            if !*named
+                && slowdown >= self.config.threshold
+                && median_s - typical_s >= self.config.min_excess_s
+            {
                 *named = true;
                 changes.push(StragglerChange::Slow {
                     rank,
@@ -157,7 +172,7 @@ impl StragglerDetector {
                     median_s,
                     typical_s,
                 });
-            } else if *named && slowdown < self.config.threshold {
+            } else if *named && slowdown < recovered_below {
                 *named = false;
                 changes.push(StragglerChange::Recovered { rank, slowdown });
             }
@@ -201,6 +216,13 @@ mod tests {
     }
 
     #[test]
+    fn milliseconds_of_noise_on_tiny_steps_are_no_straggler() {
+        let mut d = StragglerDetector::new(StragglerDetection::default());
+        let steps: Vec<Vec<f64>> = (0..10).map(|_| vec![0.001, 0.001, 0.004]).collect();
+        assert!(run(&mut d, &steps).is_empty());
+    }
+
+    #[test]
     fn one_slow_step_is_not_a_straggler() {
         let mut d = StragglerDetector::new(StragglerDetection::default());
         let mut steps: Vec<Vec<f64>> = (0..10).map(|_| vec![1.0, 1.0, 1.0]).collect();
@@ -215,8 +237,9 @@ mod tests {
             steps in prop::collection::vec(prop::collection::vec(0.1f64..10.0, 3), 1..20),
             scale in 0.01f64..100.0,
         ) {
-            let mut a = StragglerDetector::new(StragglerDetection::default());
-            let mut b = StragglerDetector::new(StragglerDetection::default());
+            let config = StragglerDetection { min_excess_s: 0.0, ..Default::default() };
+            let mut a = StragglerDetector::new(config);
+            let mut b = StragglerDetector::new(config);
             let scaled: Vec<Vec<f64>> =
                 steps.iter().map(|s| s.iter().map(|t| t * scale).collect()).collect();
             let ra: Vec<(u32, bool)> = run(&mut a, &steps).iter().map(kind).collect();
@@ -231,7 +254,11 @@ mod tests {
             steps in prop::collection::vec(prop::collection::vec(0.1f64..10.0, 4), 1..30),
             window in 1usize..6,
         ) {
-            let mut d = StragglerDetector::new(StragglerDetection { window, threshold: 1.5 });
+            let mut d = StragglerDetector::new(StragglerDetection {
+                window,
+                threshold: 1.5,
+                min_excess_s: 0.0,
+            });
             let mut last: BTreeMap<u32, bool> = BTreeMap::new();
             for (i, s) in steps.iter().enumerate() {
                 let times: Vec<(u32, f64)> =

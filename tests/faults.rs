@@ -348,14 +348,19 @@ async fn a_slow_device_slows_its_replica_and_training_still_equals_the_reference
         phase: Phase::Forward,
         kind: FaultKind::Slow { factor: 20.0 },
     });
-    let (outcome, events, _) = run(job(
-        2,
-        &init,
-        plan,
-        RecoveryPolicy::default(),
-        Duration::from_secs(30),
-    ))
-    .await;
+    // The demo's steps take milliseconds: no floor on the excess (STRAG-1).
+    let detection = meshwork::stragglers::StragglerDetection {
+        min_excess_s: 0.0,
+        ..Default::default()
+    };
+    let job = base(2, &init)
+        .fault_plan(plan)
+        .straggler_detection(Some(detection))
+        .collective_timeout(Duration::from_secs(30))
+        .step_timeout(Duration::from_secs(60))
+        .build()
+        .expect("a valid job");
+    let (outcome, events, _) = run(job).await;
     let trained = outcome.expect("a slow device is not a failure");
     assert_eq!(fired(&events), vec![0]);
     // Device 1's forwards take longer than device 0's, step after step.

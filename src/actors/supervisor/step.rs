@@ -450,7 +450,11 @@ fn pipeline_step(
 /// STRAG-1..3: feed the step's compute times to the straggler detectors (replicas of the same
 /// pipeline stage and tensor-parallel rank are compared with each other) and publish what
 /// they find; the detectors forget the ranks when the generation changed (renumbered).
-fn observe_stragglers<M, I>(state: &mut SupervisorState<M, I>, step: u64, replicas: &[ReplicaStep]) {
+fn observe_stragglers<M, I>(
+    state: &mut SupervisorState<M, I>,
+    step: u64,
+    replicas: &[ReplicaStep],
+) {
     let generation = state.generation;
     let Some(s) = state.stragglers.as_mut() else {
         return;

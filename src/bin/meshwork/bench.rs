@@ -201,6 +201,42 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Training over slow and uneven networks: 4 ranks of the demo MLP to a target loss,
+    /// synchronous data parallelism against the compressors and the methods that synchronise
+    /// less often under emulated slow links, and against the parameter server and backup
+    /// workers with one slow rank; time and steps to the target, bytes per rank, final loss.
+    CommEfficiency {
+        /// Every rank's emulated link bandwidth (e.g. 100MB/s, 1Gb/s).
+        #[arg(long, default_value = "100MB/s", value_parser = parse_bandwidth)]
+        link_bandwidth: f64,
+        /// Every rank's emulated link latency (e.g. 2ms, 500us).
+        #[arg(long, default_value = "2ms", value_parser = parse_latency)]
+        link_latency: std::time::Duration,
+        /// How many times slower the slow rank computes (slow-rank scenario).
+        #[arg(long, default_value_t = 3.0)]
+        slow_factor: f64,
+        /// Steps of every run.
+        #[arg(long, default_value_t = 120)]
+        steps: u64,
+        /// Global batch size (all 4 ranks).
+        #[arg(long, default_value_t = 128)]
+        batch_size: usize,
+        /// Width of the MLP's two hidden layers.
+        #[arg(long, default_value_t = 512)]
+        hidden: usize,
+        /// The target loss (default: the loss sync reaches after 60 % of its steps).
+        #[arg(long)]
+        target_loss: Option<f32>,
+        /// Only these methods (comma-separated; sync always runs).
+        #[arg(long, value_delimiter = ',')]
+        methods: Vec<String>,
+        /// Draw the loss against wall time as an SVG picture into this file.
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
+        /// One JSON object per method per line.
+        #[arg(long)]
+        json: bool,
+    },
     /// (internal) One side of `bench memory`, run in a child process.
     #[command(hide = true)]
     MemoryWorker {
@@ -264,6 +300,14 @@ impl From<AlgoArg> for Algorithm {
 }
 
 /// `16MiB`, `64K`, `4096` → bytes.
+fn parse_bandwidth(s: &str) -> std::result::Result<f64, String> {
+    meshwork::comm::emulate::parse_bandwidth(s).map_err(|e| e.to_string())
+}
+
+fn parse_latency(s: &str) -> std::result::Result<std::time::Duration, String> {
+    meshwork::comm::emulate::parse_latency(s).map_err(|e| e.to_string())
+}
+
 fn parse_size(s: &str) -> std::result::Result<usize, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
@@ -375,6 +419,42 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                 svg,
             })?;
             crate::tensor_bench::print(&f, json);
+            Ok(())
+        }
+        BenchCommand::CommEfficiency {
+            link_bandwidth,
+            link_latency,
+            slow_factor,
+            steps,
+            batch_size,
+            hidden,
+            target_loss,
+            methods,
+            svg,
+            json,
+        } => {
+            let link = meshwork::comm::emulate::LinkEmulation::new(link_bandwidth, link_latency)
+                .map_err(|e| Error::InvalidConfig(e.to_string()))?;
+            let b = crate::comm_bench::CommBench {
+                link,
+                slow_factor,
+                steps,
+                batch_size,
+                hidden,
+                target: target_loss,
+                only: methods,
+                svg,
+            };
+            let (runs, target) = crate::comm_bench::run(&b)?;
+            if json {
+                for r in &runs {
+                    let line = serde_json::to_string(r)
+                        .map_err(|e| Error::Runtime(format!("JSON: {e}")))?;
+                    println!("{line}");
+                }
+            } else {
+                crate::comm_bench::print_table(&b, &runs, target);
+            }
             Ok(())
         }
         BenchCommand::Recovery {

@@ -15,6 +15,8 @@ use clap::{Parser, Subcommand};
 mod bench;
 #[cfg(feature = "cluster")]
 mod cluster;
+mod comm_bench;
+mod comm_svg;
 mod gpt_train;
 mod memory_bench;
 mod memory_svg;

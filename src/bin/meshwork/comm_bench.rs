@@ -1,0 +1,281 @@
+//! `meshwork bench comm-efficiency`: the methods for slow and uneven networks, trained on the
+//! demo task with 4 ranks under an emulated network, to a target loss.
+//!
+//! Two scenarios, each in this one process, method after method, from the same initial
+//! model, data and seed:
+//! - **slow links**: every rank's link emulated (`--link-bandwidth`, `--link-latency`,
+//!   `comm::emulate`): synchronous data parallelism (`sync`) against the compressors and the
+//!   methods that synchronise less often;
+//! - **slow rank**: no emulation, one rank's forwards and backwards `--slow-factor` times as
+//!   long (a `FaultPlan` `Slow` fault): `sync` against the parameter server and backup
+//!   workers.
+//!
+//! Per method: the wall time and the steps until the loss (the mean of the last
+//! [`SMOOTH`] steps' losses) first reaches the target, the bytes each rank's transport sent
+//! (mean over ranks, the whole run), and the final loss (the same mean at the end). The
+//! target is `--target-loss`, or by default the loss `sync` reaches after [`TARGET_AT`] of
+//! its steps in the slow-links scenario. Time counts from the replicas' initial broadcast to
+//! the step's `StepDone`.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use burn::optim::AdamConfig;
+use burn::tensor::Device;
+use meshwork::comm::emulate::LinkEmulation;
+use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
+use meshwork::error::{Error, Result};
+use meshwork::events::JobEvent;
+use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
+use meshwork::job::{EventsError, Job, JobBuilder};
+use serde::Serialize;
+
+/// Steps whose losses are averaged into the loss that is compared with the target.
+pub(crate) const SMOOTH: usize = 5;
+/// The default target: the loss `sync` reaches after this share of its steps.
+const TARGET_AT: f64 = 0.6;
+/// Ranks.
+const WORLD: u32 = 4;
+
+/// What `bench comm-efficiency` is asked.
+#[derive(Debug, Clone)]
+pub(crate) struct CommBench {
+    pub(crate) link: LinkEmulation,
+    /// How many times slower the slow rank computes in the slow-rank scenario.
+    pub(crate) slow_factor: f64,
+    /// Steps of every run.
+    pub(crate) steps: u64,
+    /// Global batch (all ranks).
+    pub(crate) batch_size: usize,
+    /// Width of the demo MLP's two hidden layers.
+    pub(crate) hidden: usize,
+    /// The target loss (default: see the module docs).
+    pub(crate) target: Option<f32>,
+    /// Only these methods (by name); empty: all.
+    pub(crate) only: Vec<String>,
+    /// Draw the loss against wall time into this file.
+    pub(crate) svg: Option<PathBuf>,
+}
+
+/// One method's run.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct MethodRun {
+    pub(crate) method: String,
+    pub(crate) scenario: &'static str,
+    pub(crate) time_to_target_s: Option<f64>,
+    pub(crate) steps_to_target: Option<u64>,
+    pub(crate) bytes_per_rank: u64,
+    pub(crate) final_loss: f32,
+    /// Its time to the target over `sync`'s in the same scenario.
+    pub(crate) time_vs_sync: Option<f64>,
+    #[serde(skip)]
+    pub(crate) curve: Vec<(f64, f32)>,
+}
+
+/// The scenarios.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scenario {
+    SlowLinks,
+    SlowRank,
+}
+
+impl Scenario {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Scenario::SlowLinks => "slow-links",
+            Scenario::SlowRank => "slow-rank",
+        }
+    }
+
+    /// The methods this scenario compares (`sync` first).
+    fn methods(self) -> &'static [&'static str] {
+        match self {
+            Scenario::SlowLinks => &["sync"],
+            Scenario::SlowRank => &["sync"],
+        }
+    }
+}
+
+fn task() -> TeacherTask {
+    TeacherTask {
+        d_in: 32,
+        d_out: 8,
+        noise: 0.1,
+        seed: 21,
+    }
+}
+
+fn initial_model(hidden: usize) -> Mlp {
+    let device = Device::flex();
+    device.seed(9);
+    Mlp::new(&[32, hidden, hidden, 8], &device)
+}
+
+/// The job every method shares: the demo MLP, Adam unless the method says otherwise, 4 ranks.
+fn base(b: &CommBench, init: &Mlp) -> JobBuilder<Mlp, Sample> {
+    Job::builder()
+        .initial_model(init.clone())
+        .loss(mse_loss)
+        .data(task().dataset(4096))
+        .optimizer(AdamConfig::new())
+        .learning_rate(1e-3)
+        .data_parallel(WORLD)
+        .batch_size(b.batch_size)
+        .steps(b.steps)
+        .seed(5)
+        .collective_timeout(Duration::from_secs(300))
+        .step_timeout(Duration::from_secs(600))
+}
+
+/// `builder` set up for `method`; `None` for a name this build does not know.
+fn configure(method: &str, builder: JobBuilder<Mlp, Sample>) -> Option<JobBuilder<Mlp, Sample>> {
+    Some(match method {
+        "sync" => builder,
+        _ => return None,
+    })
+}
+
+/// Runs one method in one scenario; the curve is (seconds since the replicas were
+/// synchronised, step loss) per step, and the bytes the mean over ranks of their sent bytes.
+fn run_method(
+    b: &CommBench,
+    init: &Mlp,
+    method: &str,
+    scenario: Scenario,
+) -> Result<(Vec<(f64, f32)>, u64)> {
+    let mut builder = base(b, init);
+    match scenario {
+        Scenario::SlowLinks => builder = builder.link_emulation(b.link.clone()),
+        Scenario::SlowRank => {
+            builder = builder.fault_plan(FaultPlan::new(1).with(Fault {
+                device: WORLD - 1,
+                step: 0,
+                micro_batch: None,
+                phase: Phase::Forward,
+                kind: FaultKind::Slow {
+                    factor: b.slow_factor,
+                },
+            }))
+        }
+    }
+    let job = configure(method, builder)
+        .ok_or_else(|| Error::InvalidConfig(format!("bench comm-efficiency: no method {method}")))?
+        .build()?;
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| Error::Runtime(e.to_string()))?;
+    runtime.block_on(async move {
+        let handle = job.spawn().await?;
+        let mut events = handle.events();
+        let mut start = None;
+        let mut curve = Vec::new();
+        let mut bytes = 0u64;
+        loop {
+            match events.recv().await {
+                Ok(JobEvent::ReplicasSynchronized { .. }) => start = Some(Instant::now()),
+                Ok(JobEvent::StepDone(s)) => {
+                    let t0 = *start.get_or_insert_with(Instant::now);
+                    curve.push((t0.elapsed().as_secs_f64(), s.loss));
+                    let n = s.replicas.len().max(1) as u64;
+                    bytes += s.replicas.iter().map(|r| r.bytes_sent).sum::<u64>() / n;
+                }
+                Ok(_) | Err(EventsError::Missed(_)) => {}
+                Err(EventsError::Closed) => break,
+            }
+        }
+        handle.join().await?;
+        Ok((curve, bytes))
+    })
+}
+
+/// The mean of the last [`SMOOTH`] losses up to each step.
+fn smoothed(curve: &[(f64, f32)]) -> Vec<f32> {
+    (0..curve.len())
+        .map(|i| {
+            let from = (i + 1).saturating_sub(SMOOTH);
+            let w = &curve[from..=i];
+            w.iter().map(|(_, l)| l).sum::<f32>() / w.len() as f32
+        })
+        .collect()
+}
+
+/// The first step (and its time) whose smoothed loss is at most `target`.
+fn reach(curve: &[(f64, f32)], target: f32) -> Option<(u64, f64)> {
+    smoothed(curve)
+        .iter()
+        .position(|l| *l <= target)
+        .map(|i| (i as u64 + 1, curve[i].0))
+}
+
+/// Runs every scenario's methods; returns the runs and the target used.
+pub(crate) fn run(b: &CommBench) -> Result<(Vec<MethodRun>, f32)> {
+    let init = initial_model(b.hidden);
+    let wanted = |m: &str| b.only.is_empty() || m == "sync" || b.only.iter().any(|o| o == m);
+    let mut target = b.target;
+    let mut runs = Vec::new();
+    for scenario in [Scenario::SlowLinks, Scenario::SlowRank] {
+        let mut sync_time = None;
+        for &method in scenario.methods().iter().filter(|m| wanted(m)) {
+            eprintln!("bench comm-efficiency: {} / {method} …", scenario.name());
+            let (curve, bytes) = run_method(b, &init, method, scenario)?;
+            let smooth = smoothed(&curve);
+            if target.is_none() {
+                let at = ((curve.len() as f64 * TARGET_AT).ceil() as usize).clamp(1, curve.len());
+                target = smooth.get(at - 1).copied();
+            }
+            let t = target.unwrap_or(f32::NEG_INFINITY);
+            let reached = reach(&curve, t);
+            if method == "sync" {
+                sync_time = reached.map(|r| r.1);
+            }
+            runs.push(MethodRun {
+                method: method.to_string(),
+                scenario: scenario.name(),
+                time_to_target_s: reached.map(|r| r.1),
+                steps_to_target: reached.map(|r| r.0),
+                bytes_per_rank: bytes,
+                final_loss: smooth.last().copied().unwrap_or(f32::NAN),
+                time_vs_sync: reached.map(|r| r.1).zip(sync_time).map(|(m, s)| m / s),
+                curve,
+            });
+        }
+    }
+    if let Some(path) = &b.svg {
+        let svg = crate::comm_svg::render(&runs, target.unwrap_or(0.0));
+        std::fs::write(path, svg).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+    }
+    Ok((runs, target.unwrap_or(f32::NAN)))
+}
+
+/// The table of `runs`.
+pub(crate) fn print_table(b: &CommBench, runs: &[MethodRun], target: f32) {
+    println!(
+        "comm-efficiency: {WORLD} ranks, demo MLP 32-{h}-{h}-8 (Adam), batch {bs}, {st} steps; \
+         slow links: {link}; slow rank: rank {slow} {f}× slower; target loss {target:.5} \
+         (mean of {SMOOTH} steps)",
+        h = b.hidden,
+        bs = b.batch_size,
+        st = b.steps,
+        link = b.link,
+        slow = WORLD - 1,
+        f = b.slow_factor,
+    );
+    println!(
+        "{:<11} {:<10} {:>15} {:>9} {:>15} {:>11} {:>8}",
+        "scenario", "method", "time to target", "steps", "bytes per rank", "final loss", "vs sync"
+    );
+    let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
+    for r in runs {
+        println!(
+            "{:<11} {:<10} {:>14}s {:>9} {:>15} {:>11.5} {:>8}",
+            r.scenario,
+            r.method,
+            opt(r.time_to_target_s, 2),
+            r.steps_to_target.map_or("-".to_string(), |s| s.to_string()),
+            r.bytes_per_rank,
+            r.final_loss,
+            opt(r.time_vs_sync, 3),
+        );
+    }
+}
