@@ -98,6 +98,57 @@ impl Compression {
     }
 }
 
+/// What else a job does, as far as compression cares ([`check`]).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct JobTraits {
+    /// The job runs blocks or a pipeline (their reductions run on the block executor).
+    pub blocks: bool,
+    /// ZeRO shards the optimizer state (its reduction is a reduce-scatter or sharded).
+    pub zero: bool,
+    /// Tensor parallelism splits the blocks.
+    pub tensor_parallel: bool,
+    /// `low_precision_gradients(true)` already narrows the all-reduce.
+    pub low_precision_gradients: bool,
+    /// f16's loss scaling may skip a step after the reduction (an overflow would reach the
+    /// residual).
+    pub loss_scaling: bool,
+    /// The job runs across processes.
+    pub across_processes: bool,
+}
+
+/// Refuse compression where it cannot run (JOB-1): it is a data-parallel strategy of its
+/// own, so it does not combine with another reduction.
+pub fn check(c: Compression, job: JobTraits) -> Result<(), InvalidConfig> {
+    c.validate()?;
+    if !c.is_on() {
+        return Ok(());
+    }
+    let clash = [
+        (job.blocks, ".blocks(..) or .pipeline(..) (use .model(..))"),
+        (job.zero, "zero(..) (ZeRO reduces its own way)"),
+        (job.tensor_parallel, "tensor_parallel(..)"),
+        (
+            job.low_precision_gradients,
+            "low_precision_gradients(true) (use compression(Compression::Bf16) instead)",
+        ),
+        (
+            job.loss_scaling,
+            "precision(F16)'s loss scaling (a skipped step would leave an overflow in the \
+             residual; use precision(Bf16))",
+        ),
+        (
+            job.across_processes,
+            "a job across processes (not supported yet)",
+        ),
+    ];
+    match clash.iter().find(|(on, _)| *on) {
+        Some((_, what)) => Err(InvalidConfig(format!(
+            "compression({c}) does not combine with {what}; remove one of them"
+        ))),
+        None => Ok(()),
+    }
+}
+
 impl std::fmt::Display for Compression {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -315,7 +366,12 @@ impl Compressor {
         let q = matrices
             .iter()
             .enumerate()
-            .map(|(i, mat)| seeded_uniform(Q_SEED ^ (i as u64).wrapping_mul(0x9E37_79B9), mat.m() * mat.r))
+            .map(|(i, mat)| {
+                seeded_uniform(
+                    Q_SEED ^ (i as u64).wrapping_mul(0x9E37_79B9),
+                    mat.m() * mat.r,
+                )
+            })
             .collect();
         Self {
             scheme,
@@ -348,6 +404,11 @@ impl Compressor {
         &self.residual
     }
 
+    /// The `f32` words of state kept between steps (residual and `Q` factors).
+    pub fn state_words(&self) -> usize {
+        self.residual.len() + self.q.iter().map(Vec::len).sum::<usize>()
+    }
+
     /// Uncompressed steps before compression starts.
     fn warm_up(&self) -> u64 {
         match self.scheme {
@@ -359,9 +420,9 @@ impl Compressor {
     /// The `k` of top-k: `ceil(fraction × len)`, at least 1 and at most `len`.
     pub fn top_k(&self) -> usize {
         match self.scheme {
-            Compression::TopK { fraction } => {
-                ((f64::from(fraction) * self.len as f64).ceil() as usize).clamp(1.min(self.len), self.len)
-            }
+            Compression::TopK { fraction } => ((f64::from(fraction) * self.len as f64).ceil()
+                as usize)
+                .clamp(1.min(self.len), self.len),
             _ => self.len,
         }
     }
@@ -398,7 +459,11 @@ impl Compressor {
     /// the sum over ranks of what each contributes, with error feedback (CMP-1..3). Every
     /// rank calls it once per step.
     pub fn reduce<E: Exchange>(&mut self, grad: &mut [f32], ex: &mut E) -> Result<(), E::Error> {
-        assert_eq!(grad.len(), self.len, "the gradient has the compressor's layout");
+        assert_eq!(
+            grad.len(),
+            self.len,
+            "the gradient has the compressor's layout"
+        );
         let warm = self.step < self.warm_up();
         self.step += 1;
         if warm || self.scheme == Compression::None {
@@ -567,12 +632,8 @@ pub(crate) fn top_k_indices(values: &[f32], k: usize) -> Vec<usize> {
     let mut idx: Vec<usize> = (0..values.len()).collect();
     let k = k.min(values.len());
     if k < values.len() {
-        let order = |a: &usize, b: &usize| {
-            values[*b]
-                .abs()
-                .total_cmp(&values[*a].abs())
-                .then(a.cmp(b))
-        };
+        let order =
+            |a: &usize, b: &usize| values[*b].abs().total_cmp(&values[*a].abs()).then(a.cmp(b));
         idx.select_nth_unstable_by(k, order);
         idx.truncate(k);
     }

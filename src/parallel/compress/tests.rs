@@ -82,7 +82,8 @@ fn run(
                     let mut outs = Vec::new();
                     for step in grads {
                         let mut g = step[rank].clone();
-                        c.reduce(&mut g, &mut ex).expect("no failure in a simulated group");
+                        c.reduce(&mut g, &mut ex)
+                            .expect("no failure in a simulated group");
                         outs.push(g);
                     }
                     (outs, ex.traced, c)
@@ -110,10 +111,8 @@ fn scheme_strategy() -> impl Strategy<Value = Compression> {
         Just(Compression::Bf16),
         Just(Compression::F16),
         (0.05f32..1.0).prop_map(|fraction| Compression::TopK { fraction }),
-        (1usize..4, 0u64..2).prop_map(|(rank, start_after)| Compression::PowerSgd {
-            rank,
-            start_after
-        }),
+        (1usize..4, 0u64..2)
+            .prop_map(|(rank, start_after)| Compression::PowerSgd { rank, start_after }),
     ]
 }
 
@@ -123,7 +122,12 @@ fn gradients(shapes: &[Vec<usize>], steps: usize, world: usize, seed: u64) -> Ve
     let all = seeded_uniform(seed, steps * world * n);
     all.chunks(world * n.max(1))
         .take(steps)
-        .map(|s| s.chunks(n.max(1)).take(world).map(<[f32]>::to_vec).collect())
+        .map(|s| {
+            s.chunks(n.max(1))
+                .take(world)
+                .map(<[f32]>::to_vec)
+                .collect()
+        })
         .collect()
 }
 
@@ -316,7 +320,15 @@ proptest! {
 
 #[test]
 fn bad_names_and_values_are_refused() {
-    for bad in ["topk", "topk:0", "topk:1.5", "powersgd:0", "powersgd:x", "zip", "bf16:2"] {
+    for bad in [
+        "topk",
+        "topk:0",
+        "topk:1.5",
+        "powersgd:0",
+        "powersgd:x",
+        "zip",
+        "bf16:2",
+    ] {
         assert!(bad.parse::<Compression>().is_err(), "{bad} parsed");
     }
     assert_eq!(
