@@ -338,7 +338,7 @@ pub struct Compressor {
 }
 
 /// The seed every rank draws PowerSGD's first `Q` from (CMP-3).
-const Q_SEED: u64 = 0x5EED_0F_9051;
+const Q_SEED: u64 = 0x005E_ED0F_9051;
 
 impl Compressor {
     /// A fresh compressor for a gradient with these parameter `shapes` (flat, in order).
@@ -349,7 +349,7 @@ impl Compressor {
         for dims in shapes {
             let n: usize = dims.iter().product();
             let rows = dims.first().copied().unwrap_or(1);
-            let cols = if rows == 0 { 0 } else { n / rows };
+            let cols = n.checked_div(rows).unwrap_or(0);
             match scheme {
                 Compression::PowerSgd { rank, .. } if dims.len() >= 2 && rows.min(cols) >= 2 => {
                     matrices.push(Matrix {
