@@ -35,6 +35,7 @@ pub use crate::events::{JobEvent, PipelineStageStep, PipelineStep, ReplicaStep, 
 use crate::faults::{FaultHooks, FaultPlan};
 use crate::mesh::Layout;
 pub use crate::optim::{LearningRate, OptimizerConfig};
+use crate::parallel::compress::{self, Compression};
 pub use crate::parallel::pipeline::Schedule;
 use crate::parallel::sampler::DistributedSampler;
 pub use crate::parallel::stages::{BlockOptions, PipelineModel, PipelineStages};
@@ -134,6 +135,7 @@ pub struct JobBuilder<M, I> {
     bucket_bytes: usize,
     clip_norm: Option<f32>,
     zero: ZeroStage,
+    compression: Compression,
     mixed: MixedPrecision,
     blocks_in_flight: usize,
     steps: u64,
@@ -229,6 +231,7 @@ where
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             clip_norm: None,
             zero: ZeroStage::Off,
+            compression: Compression::None,
             mixed: MixedPrecision::default(),
             blocks_in_flight: 1,
             tp: 1,
@@ -579,6 +582,16 @@ where
         self
     }
 
+    /// Send gradients compressed (PyTorch's DDP communication hooks): bf16/f16 values,
+    /// top-k sparsification or PowerSGD, each with error feedback (the part a rank does not
+    /// send waits in its residual, kept in checkpoints). A data-parallel strategy of its own:
+    /// refused with blocks and pipelines, ZeRO, tensor parallelism, `low_precision_gradients`,
+    /// f16 loss scaling and across processes. See [`crate::parallel::compress`].
+    pub fn compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
     /// Run forward and backward in `precision` (mixed precision, like PyTorch's autocast):
     /// each micro-batch computes on a copy of the model cast to the 16-bit type, its
     /// gradients reach the `f32` master weights as `f32`, and the optimizer steps the master
@@ -853,6 +866,15 @@ where
             return invalid(format!("zero({:?}): {e}", self.zero));
         }
         let remote = self.is_remote();
+        let traits = compress::JobTraits {
+            blocks: self.pipeline.is_some(),
+            zero: self.zero != ZeroStage::Off,
+            tensor_parallel: self.tp != 1,
+            low_precision_gradients: self.mixed.low_gradients && self.mixed.precision.is_low(),
+            loss_scaling: self.mixed.precision.scales_loss(),
+            across_processes: remote,
+        };
+        compress::check(self.compression, traits)?;
         if remote {
             if self.faults.is_some() {
                 return invalid(
@@ -1091,6 +1113,7 @@ where
             epoch: Instant::now(),
             faults: self.faults.clone(),
             mixed: self.mixed,
+            compression: self.compression,
         }))
     }
 

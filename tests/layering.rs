@@ -31,6 +31,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "parallel::sampler",
             "parallel::pipeline",
             "parallel::buckets",
+            "parallel::compress",
         ],
     ),
     ("comm", &["comm"]),

@@ -35,6 +35,7 @@ use crate::mesh::{DeviceId, StageId};
 use crate::mesh::{Generation, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::autocast::low_precision_copy;
+use crate::parallel::compress::Compression;
 use crate::parallel::gradients::{ParamFilter, ParamLayout, map_parameters, parameter_fingerprint};
 use crate::parallel::sync::{self, GradientSync, Reduced, SyncContext, SyncPrecision};
 use crate::parallel::zero::ZeroStage;
@@ -66,6 +67,8 @@ pub(crate) struct StageSpec<M, I> {
     /// Mixed precision: what forward and backward run in, whether gradients travel in it,
     /// and the loss scaler's configuration (used at f16).
     pub(crate) mixed: MixedPrecision,
+    /// How gradients travel (`Compression::None`: the strategy's own reduction).
+    pub(crate) compression: Compression,
 }
 
 /// A job's mixed-precision settings, as the worker applies them.
@@ -210,7 +213,9 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::data_parallel(!self.spec.zero.shards_optimizer(), Rejoin::Regroup)
+        // A compressor's residual is each rank's own (CSYNC-2): not replicated.
+        let replicated = !self.spec.zero.shards_optimizer() && !self.spec.compression.is_on();
+        Capabilities::data_parallel(replicated, Rejoin::Regroup)
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {
@@ -604,16 +609,21 @@ where
         });
         synced?;
         let after = parameter_fingerprint(&model);
-        let sync = sync::for_stage(
-            spec.zero,
-            &model,
-            &spec.optimizer,
-            spec.bucket_elems,
-            FUSE_BELOW.min(spec.bucket_elems / 4),
-            comm.rank().index(),
-            comm.world(),
-        )
-        .map_err(|e| Error::InvalidConfig(e.to_string()))?;
+        let sync = if spec.compression.is_on() {
+            let (rank, world) = (comm.rank().index(), comm.world());
+            sync::compressed(spec.compression, &model, &spec.optimizer, rank, world)
+        } else {
+            sync::for_stage(
+                spec.zero,
+                &model,
+                &spec.optimizer,
+                spec.bucket_elems,
+                FUSE_BELOW.min(spec.bucket_elems / 4),
+                comm.rank().index(),
+                comm.world(),
+            )
+            .map_err(|e| Error::InvalidConfig(e.to_string()))?
+        };
         Ok((
             Slot {
                 model,

@@ -4,7 +4,7 @@
 //!
 //! A [`GradientSync`] is a value a worker holds (like `burn-train`'s `TrainingStrategy`):
 //! the worker computes gradients and calls [`GradientSync::reduce`] then
-//! [`GradientSync::apply`]; it never branches on how the group synchronises. Three
+//! [`GradientSync::apply`]; it never branches on how the group synchronises. Four
 //! implementations exist:
 //! - [`AllReduceSync`]: every rank holds the whole optimizer state; gradients are all-reduced
 //!   in buckets, and Burn's optimizer steps the whole model (plain data parallelism).
@@ -26,8 +26,12 @@
 //! collective is the same calls on the same buffers as in `reduce` (COLL-1), so the
 //! executor never branches on the strategy and overlap never changes a bit.
 //!
-//! Where the next strategies plug in: gradient compression wraps the reduction of
-//! `AllReduceSync`; local SGD / DiLoCo make `reduce` local and average parameters in `apply`
+//! - `compressed::CompressedSync`: plain data parallelism whose gradients travel compressed
+//!   ([`crate::parallel::compress`]: bf16/f16, top-k, PowerSGD, with error feedback); its
+//!   checkpoint part holds Burn's optimizer bytes and the rank's residual (CSYNC-1..3).
+//!
+//! Where the next strategies plug in: local SGD / DiLoCo make `reduce` local and average
+//! parameters in `apply`
 //! every H steps; a parameter server's worker pushes in `reduce` and pulls in `apply`.
 
 use std::ops::Range;
@@ -52,6 +56,7 @@ use crate::precision::Precision;
 use crate::trace::TraceKind;
 
 mod collective;
+mod compressed;
 mod sharded;
 
 pub(crate) use collective::{Collective, Span};
@@ -82,6 +87,16 @@ pub enum SyncError {
     /// A collective of the group failed.
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// A compressed reduction found a malformed message.
+    #[error(transparent)]
+    Compression(#[from] crate::parallel::compress::CompressError),
+    /// The block executor asked a data-parallel-only strategy to split its reduction (the
+    /// job builder refuses such jobs first, JOB-1).
+    #[error("{strategy} is a data-parallel strategy: it does not run in block or pipeline jobs")]
+    NotSplittable {
+        /// The strategy.
+        strategy: &'static str,
+    },
     /// This rank's optimizer shard is not the one its place in the group owns: the group
     /// changed and the state was not restored onto it (a runtime bug, not a user error).
     #[error(
@@ -451,6 +466,32 @@ pub(crate) fn for_stage<M: Module>(
         }),
         ZeroStage::Three => Box::new(sharded::ShardedSync::new(FlatRule::of(optimizer)?, layout)),
     })
+}
+
+/// Plain data parallelism with its gradients compressed by `compression` (a scheme that is
+/// on), for rank `rank` of `world` (`compressed::CompressedSync`).
+pub(crate) fn compressed<M: Module>(
+    compression: crate::parallel::compress::Compression,
+    model: &M,
+    optimizer: &OptimizerConfig,
+    rank: usize,
+    world: usize,
+) -> Box<dyn GradientSync<M>> {
+    let layout = ParamLayout::trainable(model);
+    let inner = AllReduceSync {
+        optimizer: optimizer.init(),
+        words: FlatRule::of(optimizer).map_or(0, |r| r.state_words()),
+        layout,
+        buckets: Vec::new(),
+        fusion: Vec::new(),
+        held: HeldBytes::default(),
+    };
+    Box::new(compressed::CompressedSync::new(
+        inner,
+        compression,
+        rank,
+        world,
+    ))
 }
 
 /// Reduce `views` bucket by bucket with an all-reduce, recording each bucket's span.

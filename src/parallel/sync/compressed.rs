@@ -1,0 +1,303 @@
+//! [`CompressedSync`]: data parallelism whose gradients travel compressed
+//! ([`Compression`]): `AllReduceSync`'s update (Burn's optimizer on the whole model) with its
+//! reduction replaced by a [`Compressor`]'s, run over the group's communicator.
+//!
+//! Invariants (tested in `tests/compression.rs`):
+//! - CSYNC-1: every collective of the reduction is recorded as a trace span of this rank's
+//!   step (`AllReduce { bytes }`: the buffer handed in, 2 bytes per element for bf16/f16;
+//!   `AllGather { bytes }`: the gathered buffer), so a step's spans add up to
+//!   [`Compression::predicted_bytes`] (CMP-4).
+//! - CSYNC-2: the error-feedback residual is this rank's own state: the checkpoint holds one
+//!   optimizer part per rank (Burn's optimizer bytes, equal on every rank, plus the rank's
+//!   compressor state), the job's state is not replicated (every rank's part is gathered,
+//!   CKPT-8), and a resume onto the same group gives every rank its own residual back. Onto
+//!   another group size, rank 0 takes the sum of the residuals (what the group still owes,
+//!   CMP-1) and the others start from zero. A checkpoint without compression state (written
+//!   uncompressed) restores the optimizer and starts a fresh compressor.
+//! - CSYNC-3: the wire: the in-process transport reduces 16-bit buffers in shared memory
+//!   (each sum in `f32`, rounded once, COMM-5); the TCP transport sends final values as 2
+//!   bytes per element and ring partial sums as `f32` (TCP-7). Top-k's indices ride bit-cast
+//!   in `f32` words of an all-gather, which copies them untouched.
+//! - Compression is a data-parallel strategy only: the block executor's split reduction
+//!   (`start_reduce`) answers [`SyncError::NotSplittable`]; the job builder refuses
+//!   compression with blocks and pipelines first (JOB-1).
+
+use std::time::Instant;
+
+use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+use burn::module::Module;
+use burn::optim::GradientsParams;
+use serde::{Deserialize, Serialize};
+
+use super::{
+    AllReduceSync, Collective, GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext,
+    SyncError, all_reduce_as, clip_by_global_norm, overflow_in_group,
+};
+use crate::checkpoint::{CheckpointError, OptimizerPart, OptimizerState};
+use crate::parallel::compress::{Compression, Compressor, CompressorState, Exchange};
+use crate::parallel::gradients::{GradientBuffers, ParamLayout};
+use crate::precision::Precision;
+use crate::trace::TraceKind;
+
+/// Plain data parallelism with compressed gradients and error feedback.
+pub(crate) struct CompressedSync {
+    inner: AllReduceSync,
+    compressor: Compressor,
+    /// This rank's place in the group it last stepped or restored in (a checkpoint part is
+    /// keyed by it).
+    place: (usize, usize),
+}
+
+impl std::fmt::Debug for CompressedSync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CompressedSync({})", self.compressor.scheme())
+    }
+}
+
+/// What a rank's checkpoint part holds (CSYNC-2).
+#[derive(Serialize, Deserialize)]
+struct SavedState {
+    /// Burn's optimizer state, as `OptimizerState::capture` writes it.
+    optimizer: Vec<u8>,
+    compressor: CompressorState,
+}
+
+impl CompressedSync {
+    /// Compress `inner`'s reduction with `scheme`, for rank `rank` of `world`.
+    pub(super) fn new(
+        inner: AllReduceSync,
+        scheme: Compression,
+        rank: usize,
+        world: usize,
+    ) -> Self {
+        Self {
+            compressor: Compressor::new(scheme, &shapes(&inner)),
+            inner,
+            place: (rank, world),
+        }
+    }
+}
+
+/// The shapes of the trainable parameters, in the flat order.
+fn shapes(inner: &AllReduceSync) -> Vec<Vec<usize>> {
+    inner
+        .layout
+        .slots()
+        .iter()
+        .map(|s| s.shape.as_slice().to_vec())
+        .collect()
+}
+
+/// The group's communicator as a compressor's [`Exchange`], recording a span per collective
+/// (CSYNC-1). Alone, nothing is exchanged.
+struct OnGroup<'a, 'b> {
+    cx: &'a mut SyncContext<'b>,
+}
+
+impl Exchange for OnGroup<'_, '_> {
+    type Error = SyncError;
+
+    fn world(&self) -> usize {
+        self.cx.world()
+    }
+
+    fn all_reduce(&mut self, buf: &mut [f32], wire: Precision) -> Result<(), SyncError> {
+        let Some(comm) = self.cx.comm.as_deref_mut().filter(|c| c.world() > 1) else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        all_reduce_as(comm, buf, wire)?;
+        let bytes = (buf.len() * if wire.is_low() { 2 } else { 4 }) as u64;
+        self.cx
+            .spans
+            .push((TraceKind::AllReduce { bytes }, t, t.elapsed()));
+        Ok(())
+    }
+
+    fn all_gather(&mut self, mine: &[f32], out: &mut [f32]) -> Result<(), SyncError> {
+        let Some(comm) = self.cx.comm.as_deref_mut().filter(|c| c.world() > 1) else {
+            out.copy_from_slice(mine);
+            return Ok(());
+        };
+        let t = Instant::now();
+        comm.all_gather(mine, out)?;
+        let bytes = 4 * out.len() as u64;
+        self.cx
+            .spans
+            .push((TraceKind::AllGather { bytes }, t, t.elapsed()));
+        Ok(())
+    }
+}
+
+fn optimizer_error(reason: String) -> CheckpointError {
+    CheckpointError::Optimizer { reason }
+}
+
+impl<M: Module> GradientSync<M> for CompressedSync {
+    fn reduce(
+        &mut self,
+        model: &M,
+        grads: GradientsParams,
+        cx: &mut SyncContext<'_>,
+    ) -> Result<Reduced, SyncError> {
+        let layout: &ParamLayout = &self.inner.layout;
+        let whole = 4 * layout.len() as u64;
+        self.inner.held.params = whole;
+        self.inner.held.grads = whole;
+        self.inner.held.grads_backward = whole;
+        self.inner.held.owned = (0, layout.len() as u64);
+        self.place = (cx.rank(), cx.world());
+        let t = Instant::now();
+        let mut flat = GradientBuffers::take(model, layout, grads).into_flat();
+        cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
+        self.compressor.reduce(&mut flat, &mut OnGroup { cx })?;
+        if cx.scale != 1.0 {
+            flat.iter_mut().for_each(|g| *g *= cx.scale);
+        }
+        // Every rank holds the same reduced gradient (CMP-3), so every rank clips alike.
+        let norm = cx
+            .clip
+            .map(|max| clip_by_global_norm(&mut [&mut flat[..]], max));
+        let overflow = overflow_in_group(&[&flat[..]], false, cx)?;
+        Ok(Reduced {
+            grads: ReducedGrads::Buffers(GradientBuffers::from_flat(&self.inner.layout, flat)),
+            non_finite: overflow || norm.is_some_and(|n| !n.is_finite()),
+        })
+    }
+
+    fn apply(
+        &mut self,
+        model: M,
+        reduced: Reduced,
+        lr: ModuleLearningRate,
+        cx: &mut SyncContext<'_>,
+    ) -> Result<M, (M, SyncError)> {
+        self.inner.apply(model, reduced, lr, cx)
+    }
+
+    fn start_reduce(
+        &mut self,
+        _model: &M,
+        _grads: GradientsParams,
+        _rank_of: (usize, usize),
+    ) -> Result<Collective, SyncError> {
+        Err(SyncError::NotSplittable {
+            strategy: "gradient compression",
+        })
+    }
+
+    fn finish_reduce(
+        &mut self,
+        _out: Vec<f32>,
+        _scale: f32,
+        _rank_of: (usize, usize),
+    ) -> Result<Reduced, SyncError> {
+        Err(SyncError::NotSplittable {
+            strategy: "gradient compression",
+        })
+    }
+
+    fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
+        let whole = OptimizerState::capture(&self.inner.optimizer)?;
+        let optimizer = whole
+            .whole_bytes()
+            .expect("Burn's optimizer state is whole")
+            .to_vec();
+        let saved = SavedState {
+            optimizer,
+            compressor: self.compressor.state(),
+        };
+        let bytes = bincode::serde::encode_to_vec(&saved, bincode::config::standard())
+            .map_err(|e| optimizer_error(format!("encoding the compression state: {e}")))?;
+        let (rank, world) = self.place;
+        Ok(OptimizerState::from_parts(vec![OptimizerPart {
+            range: rank as u64..rank as u64 + 1,
+            total: world as u64,
+            bytes,
+        }]))
+    }
+
+    fn restore_optimizer(
+        &mut self,
+        state: &OptimizerState,
+        rank: usize,
+        world: usize,
+    ) -> Result<(), CheckpointError> {
+        self.place = (rank, world);
+        let Some(parts) = state.parts() else {
+            // Written without compression: the optimizer, and a fresh compressor.
+            self.inner.optimizer = state.restore(self.inner.optimizer.clone())?;
+            self.compressor = Compressor::new(self.compressor.scheme(), &shapes(&self.inner));
+            return Ok(());
+        };
+        let mut saved = parts
+            .iter()
+            .map(|p| {
+                let (s, used) = bincode::serde::decode_from_slice::<SavedState, _>(
+                    &p.bytes,
+                    bincode::config::standard(),
+                )
+                .map_err(|e| {
+                    optimizer_error(format!(
+                        "a compression part does not decode (written by another strategy?): {e}"
+                    ))
+                })?;
+                if used != p.bytes.len() {
+                    return Err(optimizer_error(
+                        "a compression part has trailing bytes".into(),
+                    ));
+                }
+                Ok((p.range.start as usize, p.total as usize, s))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        saved.sort_by_key(|(at, _, _)| *at);
+        let own = saved
+            .iter()
+            .position(|(at, total, _)| *at == rank && *total == world);
+        let mut state = match own {
+            Some(i) => saved.swap_remove(i).2,
+            None => {
+                // Another group size: the shared state from the first part, and the sum of
+                // the residuals (what the group owes) on rank 0 only (CSYNC-2).
+                let Some((_, _, first)) = saved.first() else {
+                    return Err(optimizer_error(
+                        "the checkpoint has no compression part".into(),
+                    ));
+                };
+                let mut s = SavedState {
+                    optimizer: first.optimizer.clone(),
+                    compressor: CompressorState {
+                        residual: Vec::new(),
+                        ..first.compressor.clone()
+                    },
+                };
+                if rank == 0 {
+                    for (_, _, p) in &saved {
+                        let r = &p.compressor.residual;
+                        if s.compressor.residual.len() < r.len() {
+                            s.compressor.residual.resize(r.len(), 0.0);
+                        }
+                        s.compressor
+                            .residual
+                            .iter_mut()
+                            .zip(r)
+                            .for_each(|(a, b)| *a += b);
+                    }
+                }
+                s
+            }
+        };
+        let optimizer = std::mem::take(&mut state.optimizer);
+        self.inner.optimizer =
+            OptimizerState::from_bytes(optimizer).restore(self.inner.optimizer.clone())?;
+        self.compressor
+            .restore(state.compressor)
+            .map_err(|e| optimizer_error(e.to_string()))
+    }
+
+    fn held(&self) -> HeldBytes {
+        let mut held = <AllReduceSync as GradientSync<M>>::held(&self.inner);
+        held.optimizer += 4 * self.compressor.state_words() as u64;
+        held
+    }
+}
