@@ -327,3 +327,64 @@ fn compression_is_refused_with_other_reductions() {
         "fraction 0",
     );
 }
+
+/// LINK-1 with compression: the bytes each rank's transport counted in a step
+/// (`ReplicaStep::bytes_sent`, ring plans in-process) equal what the compressor's collectives
+/// send under those plans (`Compressor::ops` through `comm::plan`), plus the step's loss
+/// all-reduce (DP-3) — and are below plain data parallelism's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_transport_counts_the_bytes_the_compressor_predicts() {
+    use meshwork::comm::plan::plan;
+    use meshwork::comm::{Algorithm, CollectiveKind};
+    use meshwork::mesh::Rank;
+    use meshwork::parallel::compress::{Compressor, WireKind};
+    bounded(async {
+        let world = DP as usize;
+        let shapes = shapes(&initial_model());
+        let sent = |kind, len: usize, rank: usize| {
+            plan(kind, Algorithm::Ring, world, len, Rank(0))
+                .expect("a ring plan")
+                .elements_sent()[rank]
+        };
+        let wire_bytes = |c: Compression, rank: usize| -> u64 {
+            let ops = Compressor::new(c, &shapes).ops(world);
+            let grads: usize = ops
+                .iter()
+                .map(|op| {
+                    let (kind, len) = match op.kind {
+                        WireKind::AllReduce => (CollectiveKind::AllReduce, op.elements),
+                        WireKind::AllGather => (CollectiveKind::AllGather, op.elements * world),
+                    };
+                    sent(kind, len, rank) * op.element_bytes
+                })
+                .sum();
+            (grads + 4 * sent(CollectiveKind::AllReduce, world, rank)) as u64
+        };
+        let counted = |steps: &[StepDone]| -> Vec<Vec<u64>> {
+            steps
+                .iter()
+                .map(|s| s.replicas.iter().map(|r| r.bytes_sent).collect())
+                .collect()
+        };
+        let ring = |c| builder(c, sgd(), 0.05, 3).algorithm(Algorithm::Ring);
+        let (_, plain) = train(ring(Compression::None)).await;
+        let plain_bytes = counted(&plain)[0][0];
+        for c in [
+            Compression::Bf16,
+            Compression::TopK { fraction: 0.1 },
+            Compression::PowerSgd {
+                rank: 2,
+                start_after: 0,
+            },
+        ] {
+            let (_, run) = train(ring(c)).await;
+            for (s, per_rank) in counted(&run).iter().enumerate() {
+                for (r, b) in per_rank.iter().enumerate() {
+                    assert_eq!(*b, wire_bytes(c, r), "{c}: step {s}, rank {r}");
+                    assert!(*b < plain_bytes, "{c}: {b} not below plain's {plain_bytes}");
+                }
+            }
+        }
+    })
+    .await;
+}

@@ -28,6 +28,7 @@ use meshwork::error::{Error, Result};
 use meshwork::events::JobEvent;
 use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
 use meshwork::job::{EventsError, Job, JobBuilder};
+use meshwork::parallel::compress::Compression;
 use serde::Serialize;
 
 /// Steps whose losses are averaged into the loss that is compared with the target.
@@ -90,7 +91,7 @@ impl Scenario {
     /// The methods this scenario compares (`sync` first).
     fn methods(self) -> &'static [&'static str] {
         match self {
-            Scenario::SlowLinks => &["sync"],
+            Scenario::SlowLinks => &["sync", "bf16", "topk", "powersgd"],
             Scenario::SlowRank => &["sync"],
         }
     }
@@ -131,6 +132,12 @@ fn base(b: &CommBench, init: &Mlp) -> JobBuilder<Mlp, Sample> {
 fn configure(method: &str, builder: JobBuilder<Mlp, Sample>) -> Option<JobBuilder<Mlp, Sample>> {
     Some(match method {
         "sync" => builder,
+        "bf16" => builder.compression(Compression::Bf16),
+        "topk" => builder.compression(Compression::TopK { fraction: 0.01 }),
+        "powersgd" => builder.compression(Compression::PowerSgd {
+            rank: 4,
+            start_after: 10,
+        }),
         _ => return None,
     })
 }
