@@ -3,6 +3,7 @@
 //! - [`sampler`]: which sample ids each replica reads at each step (pure);
 //! - [`autocast`]: the low-precision copy a micro-batch computes with (mixed precision);
 //! - [`buckets`]: how the flat gradient buffer is cut into all-reduce buckets (pure);
+//! - [`local`]: synchronising less often — local SGD, DiLoCo, EASGD — as update rules (pure);
 //! - `gradients` (crate-internal): flattening a model's gradients into one buffer and back (Burn);
 //! - [`memory`]: what a block job's rank held during a step, instruction by instruction;
 //! - `overlap` (crate-internal): a stage's collectives on a communication thread beside its
@@ -17,6 +18,7 @@
 pub mod autocast;
 pub mod buckets;
 pub(crate) mod gradients;
+pub mod local;
 pub mod memory;
 pub(crate) mod overlap;
 pub mod pipeline;

@@ -30,6 +30,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "parallel::sampler",
             "parallel::pipeline",
             "parallel::buckets",
+            "parallel::local",
         ],
     ),
     ("comm", &["comm"]),
