@@ -13,7 +13,6 @@ use burn::tensor::Device;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::job::EventsError;
 use meshwork::optim::OptimizerConfig;
-use meshwork::parallel::local::LocalUpdates;
 use meshwork::prelude::*;
 use meshwork::trace::TraceKind;
 

@@ -587,7 +587,8 @@ where
     /// ([`crate::parallel::local`]). With `every` 1 and SGD, local SGD equals plain data
     /// parallelism. Checkpoints hold every replica's own parameters, optimizer and the outer
     /// state (LOCAL-4), so a lost replica rolls back (never dropped) and a resumed run equals
-    /// the uninterrupted one; resuming onto another number of replicas is refused. The job
+    /// the uninterrupted one; resuming or resizing onto another number of replicas is
+    /// refused (the job cannot grow; a shrink fails at its next step). The job
     /// must end on a synchronisation (`steps` a multiple of `every`): the trained model is
     /// replica 0's (for EASGD its own variable after the last elastic step). Data-parallel
     /// `.model(..)` jobs in one process only, not with ZeRO, tensor parallelism or f16.

@@ -21,7 +21,6 @@ use meshwork::checkpoint::snapshot_module;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::events::StepDone;
 use meshwork::optim::{LearningRate, OptimizerConfig};
-use meshwork::parallel::local::LocalUpdates;
 use meshwork::prelude::*;
 use meshwork::testing::{
     Reference, batches_from_events, compare_parameters, draw_lock, final_fingerprints,

@@ -222,7 +222,10 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::data_parallel(self.spec.replicated_state(), Rejoin::Regroup)
+        let mut caps = Capabilities::data_parallel(self.spec.replicated_state(), Rejoin::Regroup);
+        // LOCAL-4: a rank's own state does not move onto another group size.
+        caps.can_grow &= self.spec.local.is_none();
+        caps
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {
