@@ -36,6 +36,7 @@ use crate::faults::{FaultHooks, FaultPlan};
 use crate::mesh::Layout;
 pub use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::compress::{self, Compression};
+use crate::parallel::local::LocalUpdates;
 pub use crate::parallel::pipeline::Schedule;
 use crate::parallel::sampler::DistributedSampler;
 pub use crate::parallel::stages::{BlockOptions, PipelineModel, PipelineStages};
@@ -45,6 +46,7 @@ use crate::precision::{LossScalerConfig, Precision};
 use crate::recovery::RecoveryPolicy;
 
 mod fault_tolerance;
+mod local_updates;
 pub use fault_tolerance::FaultTolerance;
 
 /// Default size of a gradient bucket (PyTorch DDP's default).
@@ -136,6 +138,7 @@ pub struct JobBuilder<M, I> {
     clip_norm: Option<f32>,
     zero: ZeroStage,
     compression: Compression,
+    local_updates: Option<LocalUpdates>,
     mixed: MixedPrecision,
     blocks_in_flight: usize,
     steps: u64,
@@ -232,6 +235,7 @@ where
             clip_norm: None,
             zero: ZeroStage::Off,
             compression: Compression::None,
+            local_updates: None,
             mixed: MixedPrecision::default(),
             blocks_in_flight: 1,
             tp: 1,
@@ -592,6 +596,24 @@ where
         self
     }
 
+    /// Synchronise less often: each data-parallel replica steps its own copy of the model
+    /// with the job's optimizer on its own samples, and every `every` steps the replicas meet
+    /// in one all-reduce of their parameters: [`LocalUpdates::LocalSgd`] averages them,
+    /// [`LocalUpdates::DiLoCo`] takes an outer Nesterov-SGD step on their mean change,
+    /// [`LocalUpdates::Easgd`] pulls them toward a centre variable
+    /// ([`crate::parallel::local`]). With `every` 1 and SGD, local SGD equals plain data
+    /// parallelism. Checkpoints hold every replica's own parameters, optimizer and the outer
+    /// state (LOCAL-4), so a lost replica rolls back (never dropped) and a resumed run equals
+    /// the uninterrupted one; resuming or resizing onto another number of replicas is
+    /// refused (the job cannot grow; a shrink fails at its next step). The job
+    /// must end on a synchronisation (`steps` a multiple of `every`): the trained model is
+    /// replica 0's (for EASGD its own variable after the last elastic step). Data-parallel
+    /// `.model(..)` jobs in one process only, not with ZeRO, tensor parallelism or f16.
+    pub fn local_updates(mut self, updates: LocalUpdates) -> Self {
+        self.local_updates = Some(updates);
+        self
+    }
+
     /// Run forward and backward in `precision` (mixed precision, like PyTorch's autocast):
     /// each micro-batch computes on a copy of the model cast to the 16-bit type, its
     /// gradients reach the `f32` master weights as `f32`, and the optimizer steps the master
@@ -875,6 +897,30 @@ where
             across_processes: remote,
         };
         compress::check(self.compression, traits)?;
+        if let Some(updates) = &self.local_updates
+            && self.compression.is_on()
+        {
+            return invalid(format!(
+                "local_updates({updates}) with compression({}): the replicas exchange \
+                 parameters every few steps, not gradients, so there is no gradient to \
+                 compress; use one or the other",
+                self.compression
+            ));
+        }
+        if let Some(updates) = &self.local_updates {
+            local_updates::check(
+                updates,
+                local_updates::Combination {
+                    blocks: self.pipeline.is_some(),
+                    zero: self.zero,
+                    tp: self.tp,
+                    remote,
+                    precision: self.mixed.precision,
+                    dp: self.dp,
+                    steps: self.steps,
+                },
+            )?;
+        }
         if remote {
             if self.faults.is_some() {
                 return invalid(
@@ -1109,6 +1155,7 @@ where
             bucket_elems: self.bucket_bytes / 4,
             clip_norm: self.clip_norm,
             zero: self.zero,
+            local: self.local_updates,
             non_finite: self.non_finite,
             epoch: Instant::now(),
             faults: self.faults.clone(),

@@ -4,6 +4,7 @@
 //! - [`autocast`]: the low-precision copy a micro-batch computes with (mixed precision);
 //! - [`buckets`]: how the flat gradient buffer is cut into all-reduce buckets (pure);
 //! - [`compress`]: gradient compression schemes with error feedback (pure);
+//! - [`local`]: synchronising less often — local SGD, DiLoCo, EASGD — as update rules (pure);
 //! - `gradients` (crate-internal): flattening a model's gradients into one buffer and back (Burn);
 //! - [`memory`]: what a block job's rank held during a step, instruction by instruction;
 //! - `overlap` (crate-internal): a stage's collectives on a communication thread beside its
@@ -19,6 +20,7 @@ pub mod autocast;
 pub mod buckets;
 pub mod compress;
 pub(crate) mod gradients;
+pub mod local;
 pub mod memory;
 pub(crate) mod overlap;
 pub mod pipeline;

@@ -32,6 +32,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "parallel::pipeline",
             "parallel::buckets",
             "parallel::compress",
+            "parallel::local",
         ],
     ),
     ("comm", &["comm"]),

@@ -25,7 +25,7 @@ use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
 use super::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
 use super::supervisor::{Grow, GrowArgs, GrowStage, SpawnContext, Spawned};
-use crate::checkpoint::{ShardId, ShardSnapshot, TrainingState, restore_module, snapshot_module};
+use crate::checkpoint::{ShardId, ShardSnapshot, TrainingState};
 use crate::comm::{Communicator, LocalGroup, ReduceOp};
 use crate::data::Dataset;
 use crate::device::MeshDevice;
@@ -37,6 +37,7 @@ use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::autocast::low_precision_copy;
 use crate::parallel::compress::Compression;
 use crate::parallel::gradients::{ParamFilter, ParamLayout, map_parameters, parameter_fingerprint};
+use crate::parallel::local::LocalUpdates;
 use crate::parallel::sync::{self, GradientSync, Reduced, SyncContext, SyncPrecision};
 use crate::parallel::zero::ZeroStage;
 use crate::parallel::{ModelContext, NonFinitePolicy};
@@ -59,6 +60,9 @@ pub(crate) struct StageSpec<M, I> {
     pub(crate) clip_norm: Option<f32>,
     /// How much of the training state each rank keeps (ZeRO).
     pub(crate) zero: ZeroStage,
+    /// Ranks step alone and meet every H steps (local SGD, DiLoCo, EASGD); `None`: they
+    /// synchronise every step.
+    pub(crate) local: Option<LocalUpdates>,
     pub(crate) non_finite: NonFinitePolicy,
     /// The job's start: trace times are measured from it.
     pub(crate) epoch: Instant,
@@ -99,6 +103,14 @@ impl MixedPrecision {
             },
             find_overflow: scaling,
         }
+    }
+}
+
+impl<M, I> StageSpec<M, I> {
+    /// Whether every replica holds the whole training state: not where ZeRO shards it, nor
+    /// where ranks step alone between synchronisations (LOCAL-4).
+    pub(crate) fn replicated_state(&self) -> bool {
+        !self.zero.shards_optimizer() && self.local.is_none() && !self.compression.is_on()
     }
 }
 
@@ -213,9 +225,10 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        // A compressor's residual is each rank's own (CSYNC-2): not replicated.
-        let replicated = !self.spec.zero.shards_optimizer() && !self.spec.compression.is_on();
-        Capabilities::data_parallel(replicated, Rejoin::Regroup)
+        let mut caps = Capabilities::data_parallel(self.spec.replicated_state(), Rejoin::Regroup);
+        // LOCAL-4: a rank's own state does not move onto another group size.
+        caps.can_grow &= self.spec.local.is_none();
+        caps
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {
@@ -484,21 +497,22 @@ async fn snapshot<M: Module + 'static, I>(state: &mut StageState<M, I>) -> Resul
     };
     let shard = ShardId::stage(state.id.stage);
     let out = run_on(&state.device_actor, "checkpoint snapshot", move || {
-        let params = snapshot_module(&slot.model);
-        let optimizer = slot.sync.optimizer_state();
+        // LOCAL-4: a strategy whose ranks differ keeps each rank's parameters in its part.
+        let taken = slot.sync.snapshot_state(&slot.model);
         // CKPT-9, LR-2: the scheduler's state travels with the parameters.
         let lr = slot.lr.state();
         let scale = slot.scaler.as_ref().map(LossScaler::state);
-        (slot, params, optimizer, (lr, scale))
+        (slot, taken, (lr, scale))
     })
     .await?;
     match out {
-        Ok((slot, params, optimizer, (lr, scale))) => {
+        Ok((slot, taken, (lr, scale))) => {
             state.slot = Some(slot);
+            let (params, optimizer) = taken?;
             Ok(ShardSnapshot {
                 shard,
                 params,
-                optimizer: Some(optimizer?),
+                optimizer: Some(optimizer),
                 // CKPT-9, MIX-3: the loss scaler's state travels with the parameters.
                 training: TrainingState::default()
                     .with_lr_scheduler(lr?)
@@ -523,13 +537,15 @@ async fn restore<M: Module + 'static, I>(
         let mut lr = slot.lr.clone();
         let r = lr
             .restore(shard.training.lr_scheduler.as_ref())
-            .and_then(|()| restore_module(slot.model.clone(), &shard.params))
-            .and_then(|model| {
-                if let Some(o) = &shard.optimizer {
-                    let (rank, world) = (slot.comm.rank().index(), slot.comm.world());
-                    slot.sync.restore_optimizer(o, rank, world)?;
-                }
-                Ok(model)
+            .and_then(|()| {
+                let (rank, world) = (slot.comm.rank().index(), slot.comm.world());
+                slot.sync.restore_state(
+                    slot.model.clone(),
+                    &shard.params,
+                    shard.optimizer.as_ref(),
+                    rank,
+                    world,
+                )
             });
         match r {
             Ok(model) => {
@@ -609,20 +625,31 @@ where
         });
         synced?;
         let after = parameter_fingerprint(&model);
-        let sync = if spec.compression.is_on() {
-            let (rank, world) = (comm.rank().index(), comm.world());
-            sync::compressed(spec.compression, &model, &spec.optimizer, rank, world)
-        } else {
-            sync::for_stage(
+        let fuse_below = FUSE_BELOW.min(spec.bucket_elems / 4);
+        let (rank, world) = (comm.rank().index(), comm.world());
+        let sync = match spec.local {
+            Some(updates) => sync::for_local_updates(
+                updates,
+                &model,
+                &spec.optimizer,
+                spec.bucket_elems,
+                fuse_below,
+                rank,
+                world,
+            ),
+            None if spec.compression.is_on() => {
+                sync::compressed(spec.compression, &model, &spec.optimizer, rank, world)
+            }
+            None => sync::for_stage(
                 spec.zero,
                 &model,
                 &spec.optimizer,
                 spec.bucket_elems,
-                FUSE_BELOW.min(spec.bucket_elems / 4),
-                comm.rank().index(),
-                comm.world(),
+                fuse_below,
+                rank,
+                world,
             )
-            .map_err(|e| Error::InvalidConfig(e.to_string()))?
+            .map_err(|e| Error::InvalidConfig(e.to_string()))?,
         };
         Ok((
             Slot {
@@ -668,6 +695,13 @@ where
     let thread_phase = phase.clone();
     let out = run_on(&state.device_actor, format!("step {step}"), move || {
         let sent_before = slot.comm.bytes_sent();
+        // LOCAL-4: state restored before this rank knew its place in the group.
+        let (r, w) = (slot.comm.rank().index(), slot.comm.world());
+        match slot.sync.settle(&slot.model, r, w) {
+            Ok(Some(model)) => slot.model = model,
+            Ok(None) => {}
+            Err(e) => return (slot, Err(e.into())),
+        }
         let r = train_step(
             &mut slot,
             &spec,
@@ -871,10 +905,12 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
     // strategy's synchronisation reduces it (all-reduce in buckets, or ZeRO's shards).
     set_phase("gradient reduction");
     let inner = device.clone();
+    let local_samples = micro_batches.iter().map(Vec::len).sum::<usize>();
     let mut cx = SyncContext {
         comm: Some(&mut slot.comm),
         device: &inner,
         scale: loss_scale.map_or(1.0, |s| 1.0 / s),
+        share: local_samples as f32 / global.max(1) as f32,
         clip: spec.clip_norm,
         direct,
         spans: Vec::new(),
@@ -953,6 +989,7 @@ fn apply_update<M: Module, I>(
         comm: Some(&mut slot.comm),
         device,
         scale: 1.0,
+        share: 1.0,
         clip: None,
         direct: false,
         spans: Vec::new(),

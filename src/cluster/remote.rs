@@ -522,7 +522,7 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::data_parallel(!self.spec.zero.shards_optimizer(), Rejoin::Reconnect)
+        Capabilities::data_parallel(self.spec.replicated_state(), Rejoin::Reconnect)
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {

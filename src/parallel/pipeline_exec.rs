@@ -677,6 +677,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             comm: replicas,
             device,
             scale,
+            share: 1.0,
             clip: None,
             direct: false,
             spans: Vec::new(),

@@ -12,6 +12,10 @@
 //!   of the optimizer state and the shards are all-gathered) or stage 2 (reduce-scatter, so
 //!   each rank also holds only its shard of the reduced gradient), over
 //!   [`crate::parallel::zero`]'s pure update rules.
+//! - `local::LocalSync`: local SGD, DiLoCo and EASGD ([`crate::parallel::local`]'s rules):
+//!   no gradient collective; each rank steps its own optimizer, and every H steps the ranks
+//!   all-reduce their parameters (or their outer gradients, or their distances to the
+//!   centre) and apply the rule. Data-parallel jobs only.
 //! - `sharded::ShardedSync`: ZeRO stage 3 for one block of a block or pipeline job: only the
 //!   rank's shard of the parameters is kept between uses; a gather
 //!   ([`GradientSync::start_gather`] / [`GradientSync::finish_gather`]) and
@@ -29,10 +33,12 @@
 //! - `compressed::CompressedSync`: plain data parallelism whose gradients travel compressed
 //!   ([`crate::parallel::compress`]: bf16/f16, top-k, PowerSGD, with error feedback); its
 //!   checkpoint part holds Burn's optimizer bytes and the rank's residual (CSYNC-1..3).
+//! - `local::LocalSync`: local SGD, DiLoCo and EASGD ([`crate::parallel::local`]): no
+//!   gradient collective; each rank steps alone and the group meets in one parameter
+//!   all-reduce every H steps (LOCAL-1..5).
 //!
-//! Where the next strategies plug in: local SGD / DiLoCo make `reduce` local and average
-//! parameters in `apply`
-//! every H steps; a parameter server's worker pushes in `reduce` and pulls in `apply`.
+//! Where the next strategy plugs in: a parameter server's worker pushes in `reduce` and
+//! pulls in `apply`.
 
 use std::ops::Range;
 use std::time::Instant;
@@ -57,6 +63,7 @@ use crate::trace::TraceKind;
 
 mod collective;
 mod compressed;
+mod local;
 mod sharded;
 
 pub(crate) use collective::{Collective, Span};
@@ -112,6 +119,16 @@ pub enum SyncError {
         rank: usize,
         /// The group's size.
         world: usize,
+    },
+    /// The strategy's reduction cannot be split from a collective for an executor that runs
+    /// collectives itself (block and pipeline jobs refuse the strategy when built).
+    #[error(
+        "{strategy} has no gradient collective to hand to a block executor: it runs in \
+         data-parallel jobs (.model(..)) only"
+    )]
+    NotSplit {
+        /// The strategy's name.
+        strategy: &'static str,
     },
 }
 
@@ -188,6 +205,10 @@ pub(crate) struct SyncContext<'a> {
     pub device: &'a Device,
     /// Multiply the reduced gradient by this (a pipeline stage's 1 / replicas; 1 otherwise).
     pub scale: f32,
+    /// This rank's share of the step's samples (its samples / the global batch): its
+    /// gradient arrives weighted by it (DP-2); a rank that steps alone (`LocalSync`) divides
+    /// by it to step on its own mean. 1 where it does not matter.
+    pub share: f32,
     /// Clip the reduced gradient to this global L2 norm.
     pub clip: Option<f32>,
     /// Hand Burn's gradients to the optimizer untouched (one rank, nothing to scale or clip).
@@ -342,6 +363,43 @@ pub(crate) trait GradientSync<M: Module>: Send {
     /// This rank's optimizer state, for a checkpoint or a peer (a part of it when sharded).
     fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError>;
 
+    /// Before a data-parallel step, as rank `rank` of `world`: `model` with state restored
+    /// for this place, where a restore had to wait until the rank knew it (a roll-back
+    /// restores a replacement before it joins its group, LOCAL-4); `None` when nothing waits.
+    fn settle(
+        &mut self,
+        _model: &M,
+        _rank: usize,
+        _world: usize,
+    ) -> Result<Option<M>, CheckpointError> {
+        Ok(None)
+    }
+
+    /// The parameters and optimizer state of a data-parallel rank for a checkpoint or a
+    /// peer: [`snapshot_params`](Self::snapshot_params) and
+    /// [`optimizer_state`](Self::optimizer_state), or, where a rank's own parameters are its
+    /// state (`LocalSync`, LOCAL-4), them inside its optimizer part.
+    fn snapshot_state(&self, model: &M) -> Result<(ShardParams, OptimizerState), CheckpointError> {
+        Ok((self.snapshot_params(model), self.optimizer_state()?))
+    }
+
+    /// `model` with a snapshot's parameters and, if it has one, optimizer state, as rank
+    /// `rank` of `world`: the inverse of [`snapshot_state`](Self::snapshot_state).
+    fn restore_state(
+        &mut self,
+        model: M,
+        params: &ShardParams,
+        optimizer: Option<&OptimizerState>,
+        rank: usize,
+        world: usize,
+    ) -> Result<M, CheckpointError> {
+        let model = self.restore_params(model, params, rank, world)?;
+        if let Some(o) = optimizer {
+            self.restore_optimizer(o, rank, world)?;
+        }
+        Ok(model)
+    }
+
     /// Take optimizer state from a checkpoint or a peer, as rank `rank` of `world` (sharded
     /// state is re-sharded onto that group size).
     fn restore_optimizer(
@@ -491,6 +549,30 @@ pub(crate) fn compressed<M: Module>(
         compression,
         rank,
         world,
+    ))
+}
+
+/// The synchronisation of a data-parallel rank that steps alone and meets its group every
+/// `updates.every()` steps (local SGD, DiLoCo, EASGD), as rank `rank` of `world`.
+pub(crate) fn for_local_updates<M: Module>(
+    updates: super::local::LocalUpdates,
+    model: &M,
+    optimizer: &OptimizerConfig,
+    bucket_elems: usize,
+    fuse_below: usize,
+    rank: usize,
+    world: usize,
+) -> Box<dyn GradientSync<M>> {
+    let layout = ParamLayout::trainable(model);
+    let sizes: Vec<usize> = layout.slots().iter().map(|s| s.range.len()).collect();
+    let buckets = plan_buckets(&sizes, bucket_elems, fuse_below);
+    Box::new(local::LocalSync::new(
+        updates,
+        optimizer.init(),
+        FlatRule::of(optimizer).map_or(0, |r| r.state_words()),
+        layout,
+        buckets,
+        (rank, world),
     ))
 }
 
