@@ -16,6 +16,9 @@
 //!   type) and the emulation, never on timing; it is monotone in the size.
 //! - LINK-2 (no effect on values): emulation only holds messages back; every result is bitwise
 //!   what the same plan gives without it.
+//! - LINK-3 (a plan for the network): under [`Algorithm::Auto`] an emulated group picks ring
+//!   or tree per collective by the link's cost model ([`LinkEmulation::choose`]), the same
+//!   choice on every rank; an explicit algorithm is kept.
 
 use std::fmt;
 use std::str::FromStr;
@@ -23,6 +26,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use super::{Algorithm, CollectiveKind};
 use crate::mesh::Rank;
 
 /// The emulated network: every rank's outgoing link, and the slower ones.
@@ -126,6 +130,45 @@ impl LinkEmulation {
             Duration::from_secs_f64(seconds).min(MAX_DELAY)
         } else {
             MAX_DELAY
+        }
+    }
+}
+
+impl LinkEmulation {
+    /// The message plan [`Algorithm::Auto`] takes on this network (LINK-3): the cheaper of
+    /// ring and recursive doubling (tree) by the cost model of [`delay`](Self::delay) on an
+    /// ordinary link — every rank decides alike — for `kind` over `bytes` in a group of
+    /// `world`. Ring sends `2(N−1)` messages of `n/N` bytes for an all-reduce (`N−1` for a
+    /// reduce-scatter or all-gather); doubling sends `⌈log₂N⌉` messages (two more when `N`
+    /// is not a power of two) of `n` bytes for an all-reduce or reduce-scatter, and of
+    /// `n/N, 2n/N, …` for an all-gather. So latency-bound collectives go to the tree and
+    /// bandwidth-bound ones to the ring, as NCCL's tuner does.
+    pub fn choose(&self, kind: CollectiveKind, world: usize, bytes: usize) -> Algorithm {
+        let n = world.max(1) as f64;
+        let b = bytes as f64;
+        let lat = self.latency.as_secs_f64();
+        let bw = self.bandwidth;
+        let rounds = world.max(1).next_power_of_two().trailing_zeros() as f64
+            + if world.is_power_of_two() { 0.0 } else { 2.0 };
+        let cost = |messages: f64, sent: f64| messages * lat + sent / bw;
+        let (ring, tree) = match kind {
+            CollectiveKind::AllReduce => (
+                cost(2.0 * (n - 1.0), 2.0 * (n - 1.0) / n * b),
+                cost(rounds, rounds * b),
+            ),
+            CollectiveKind::ReduceScatter => {
+                (cost(n - 1.0, (n - 1.0) / n * b), cost(rounds, rounds * b))
+            }
+            CollectiveKind::AllGather => (
+                cost(n - 1.0, (n - 1.0) / n * b),
+                cost(rounds, (n - 1.0) / n * b),
+            ),
+            _ => return Algorithm::Ring,
+        };
+        if tree < ring {
+            Algorithm::Tree
+        } else {
+            Algorithm::Ring
         }
     }
 }
@@ -234,6 +277,26 @@ mod tests {
             LinkEmulation::new(1e6, Duration::ZERO)
                 .and_then(|l| l.with_slow_link(1, 0.5))
                 .is_err()
+        );
+    }
+
+    #[test]
+    fn small_collectives_take_the_tree_and_large_ones_the_ring() {
+        let l = LinkEmulation::new(1e8, Duration::from_millis(2)).expect("valid");
+        assert_eq!(l.choose(CollectiveKind::AllReduce, 4, 16), Algorithm::Tree);
+        assert_eq!(
+            l.choose(CollectiveKind::AllReduce, 4, 64 << 20),
+            Algorithm::Ring
+        );
+        // An all-gather's doubling sends no more bytes than the ring, in fewer messages.
+        assert_eq!(
+            l.choose(CollectiveKind::AllGather, 8, 64 << 20),
+            Algorithm::Tree
+        );
+        let fast = LinkEmulation::new(1e8, Duration::ZERO).expect("valid");
+        assert_eq!(
+            fast.choose(CollectiveKind::AllReduce, 4, 1 << 20),
+            Algorithm::Ring
         );
     }
 

@@ -1158,6 +1158,13 @@ impl LocalCommunicator {
 
     /// The algorithm this rank resolves for a collective of `kind` over `len` elements of `T`.
     fn resolve<T: Element>(&self, kind: CollectiveKind, len: usize) -> Algorithm {
+        // LINK-3: on an emulated network, Auto picks the plan by the link's cost model.
+        if let Some(link) = &self.group.config.link
+            && self.algorithm == Algorithm::Auto
+        {
+            let bytes = len.saturating_mul(T::DTYPE.size_bytes());
+            return link.choose(kind, self.group.world, bytes);
+        }
         let chosen = plan::choose(
             self.algorithm,
             kind,

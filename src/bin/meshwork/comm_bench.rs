@@ -29,6 +29,7 @@ use meshwork::events::JobEvent;
 use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
 use meshwork::job::{EventsError, Job, JobBuilder};
 use meshwork::parallel::compress::Compression;
+use meshwork::parallel::local::LocalUpdates;
 use serde::Serialize;
 
 /// Steps whose losses are averaged into the loss that is compared with the target.
@@ -37,6 +38,8 @@ pub(crate) const SMOOTH: usize = 5;
 const TARGET_AT: f64 = 0.6;
 /// Ranks.
 const WORLD: u32 = 4;
+/// Steps between the synchronisations of local SGD and DiLoCo (`--steps` must be a multiple).
+const LOCAL_EVERY: u32 = 8;
 
 /// What `bench comm-efficiency` is asked.
 #[derive(Debug, Clone)]
@@ -91,7 +94,15 @@ impl Scenario {
     /// The methods this scenario compares (`sync` first).
     fn methods(self) -> &'static [&'static str] {
         match self {
-            Scenario::SlowLinks => &["sync", "bf16", "topk", "powersgd"],
+            Scenario::SlowLinks => &[
+                "sync",
+                "bf16",
+                "topk",
+                "powersgd",
+                "local-sgd",
+                "diloco",
+                "easgd",
+            ],
             Scenario::SlowRank => &["sync"],
         }
     }
@@ -138,6 +149,14 @@ fn configure(method: &str, builder: JobBuilder<Mlp, Sample>) -> Option<JobBuilde
             rank: 4,
             start_after: 10,
         }),
+        "local-sgd" => builder.local_updates(LocalUpdates::local_sgd(LOCAL_EVERY)),
+        "diloco" => builder.local_updates(LocalUpdates::DiLoCo {
+            every: LOCAL_EVERY,
+            outer_lr: 0.7,
+            outer_momentum: 0.5,
+            nesterov: true,
+        }),
+        "easgd" => builder.local_updates(LocalUpdates::easgd(4, 0.2)),
         _ => return None,
     })
 }
