@@ -21,6 +21,7 @@
 pub(crate) mod checkpointer;
 pub(crate) mod device;
 pub(crate) mod group;
+pub(crate) mod parameter_server;
 pub(crate) mod pipeline_stage;
 pub(crate) mod spawner;
 pub(crate) mod stage;

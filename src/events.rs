@@ -281,4 +281,8 @@ pub struct ReplicaStep {
     /// What the rank held of the training state at this step (parameters, gradients,
     /// optimizer state; `None` where the rank did not report it).
     pub held: Option<crate::parallel::sync::HeldBytes>,
+    /// A parameter-server worker: the staleness of every gradient of it the server applied
+    /// in this step, and the sample ids dropped (backup workers); `None` in other jobs.
+    #[serde(default)]
+    pub parameter_server: Option<crate::parallel::parameter_server::ParameterServerStep>,
 }

@@ -20,6 +20,7 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::{broadcast, oneshot};
 
 pub use crate::actors::checkpointer::CheckpointSink;
+use crate::actors::parameter_server::SpawnServer;
 use crate::actors::pipeline_stage::{LocalPipeline, PipelineSpec};
 use crate::actors::spawner::Spawner;
 use crate::actors::stage::{LocalReplicas, LossFn, MixedPrecision, ModelFn, StageSpec};
@@ -35,6 +36,7 @@ pub use crate::events::{JobEvent, PipelineStageStep, PipelineStep, ReplicaStep, 
 use crate::faults::{FaultHooks, FaultPlan};
 use crate::mesh::Layout;
 pub use crate::optim::{LearningRate, OptimizerConfig};
+use crate::parallel::parameter_server::{self, ParameterServer};
 pub use crate::parallel::pipeline::Schedule;
 use crate::parallel::sampler::DistributedSampler;
 pub use crate::parallel::stages::{BlockOptions, PipelineModel, PipelineStages};
@@ -133,6 +135,13 @@ pub struct JobBuilder<M, I> {
     bucket_bytes: usize,
     clip_norm: Option<f32>,
     zero: ZeroStage,
+    /// A parameter server and backup workers instead of all-reduce (`parameter_server`).
+    /// How to spawn it (set with the model, where `M` is a Burn module).
+    parameter_server: (
+        Option<ParameterServer>,
+        Option<u32>,
+        Option<SpawnServer<M, I>>,
+    ),
     mixed: MixedPrecision,
     blocks_in_flight: usize,
     steps: u64,
@@ -227,6 +236,7 @@ where
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             clip_norm: None,
             zero: ZeroStage::Off,
+            parameter_server: (None, None, None),
             mixed: MixedPrecision::default(),
             blocks_in_flight: 1,
             tp: 1,
@@ -316,6 +326,7 @@ where
     pub fn model(mut self, f: impl Fn(&ModelContext) -> M + Send + Sync + 'static) -> Self {
         self.model = Some(Arc::new(f));
         self.replicas = Some(|spec| Box::new(LocalReplicas { spec }));
+        self.parameter_server.2 = Some(crate::actors::parameter_server::spawner::<M, I>);
         #[cfg(feature = "cluster")]
         {
             self.replica_cluster = Some(ClusterFns {
@@ -572,6 +583,29 @@ where
     /// (without the optimizer's own per-tensor clipping: use [`Self::clip_grad_norm`]).
     pub fn zero(mut self, stage: ZeroStage) -> Self {
         self.zero = stage;
+        self
+    }
+
+    /// Train through a parameter server instead of all-reduce: the replicas become workers
+    /// that pull parameters, push gradients and wait only as the staleness bound says
+    /// (stale-synchronous parallel; `Staleness::Bounded(0)` equals data parallelism,
+    /// `Unbounded` is asynchronous SGD). A step is a round over its global batch, in which a
+    /// fast worker computes more of it than a slow one; `StepDone`'s replicas report every
+    /// applied gradient's staleness (see [`crate::parallel::parameter_server`]). In-process
+    /// `.model(..)` jobs with SGD, Adam or AdamW at a constant rate, in `f32`, without
+    /// clipping, ZeRO, pipelines or tensor parallelism; the rest is refused by `build()`.
+    pub fn parameter_server(mut self, server: ParameterServer) -> Self {
+        self.parameter_server.0 = Some(server);
+        self
+    }
+
+    /// Synchronous training with `b` backup workers (Chen et al., 2016): each step applies
+    /// the mean gradient of the first `replicas − b` workers to finish and drops the rest
+    /// (their sample ids are in `StepDone`'s replicas). Runs on the parameter server
+    /// (`parameter_server`, with `Staleness::Bounded(0)` if given); `b` must be below the
+    /// number of replicas.
+    pub fn backup_workers(mut self, b: u32) -> Self {
+        self.parameter_server.1 = Some(b);
         self
     }
 
@@ -839,9 +873,24 @@ where
                 );
             }
         }
+        let server = parameter_server::check(
+            self.parameter_server.0,
+            self.parameter_server.1,
+            parameter_server::JobShape {
+                workers: self.dp,
+                pipeline: self.pipeline.is_some(),
+                tensor_parallel: self.tp,
+                zero: self.zero,
+                remote,
+                low_precision: self.mixed.precision != Precision::F32 || self.mixed.low_gradients,
+                clip: self.clip_norm.is_some(),
+                optimizer: &self.optimizer,
+                learning_rate: &self.learning_rate,
+            },
+        )?;
         let (spawn, layout, accumulation) = match self.pipeline.take() {
             Some(p) => self.pipeline_parts(p, global, dataset.clone())?,
-            None => self.replica_parts(global, dataset.clone())?,
+            None => self.replica_parts(global, dataset.clone(), server)?,
         };
         let world = layout.world_size() as usize;
         let devices = match self.devices {
@@ -970,6 +1019,7 @@ where
         &mut self,
         global: usize,
         dataset: Arc<dyn Dataset<Item = I>>,
+        server: Option<(parameter_server::Mode, FlatRule, f64)>,
     ) -> Result<(Box<dyn Spawner<M>>, Layout, u32)> {
         let Some(spawn) = self.replicas else {
             return Err(Error::InvalidConfig(
@@ -1005,6 +1055,10 @@ where
             return Ok(((fns.spawn)(mesh, spec, layout), layout, self.accumulation));
         }
         let spec = self.stage_spec(global, dataset)?;
+        if let (Some(server), Some(ps)) = (server, self.parameter_server.2) {
+            let layout = Layout::data_parallel(self.dp)?;
+            return Ok((ps(spec, server), layout, self.accumulation));
+        }
         Ok((
             spawn(spec),
             Layout::data_parallel(self.dp)?,

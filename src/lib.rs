@@ -42,6 +42,7 @@ pub mod prelude {
         Trained,
     };
     pub use crate::mesh::{Layout, Rank};
+    pub use crate::parallel::parameter_server::{ParameterServer, Staleness};
     pub use crate::parallel::pipeline::Schedule;
     pub use crate::parallel::stages::{BlockOptions, PipelineStages};
     pub use crate::parallel::zero::ZeroStage;

@@ -19,6 +19,7 @@ pub mod buckets;
 pub(crate) mod gradients;
 pub mod memory;
 pub(crate) mod overlap;
+pub mod parameter_server;
 pub mod pipeline;
 pub mod pipeline_exec;
 pub mod sampler;

@@ -56,4 +56,7 @@ pub struct StepReport {
     /// `None` without loss scaling.
     #[serde(default)]
     pub loss_scale: Option<(f32, f32)>,
+    /// A parameter-server worker's gradients applied and samples dropped in the step.
+    #[serde(default)]
+    pub parameter_server: Option<crate::parallel::parameter_server::ParameterServerStep>,
 }

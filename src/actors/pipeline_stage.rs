@@ -914,5 +914,6 @@ fn report<I>(
         }),
         held: None,
         loss_scale: None,
+        parameter_server: None,
     }
 }

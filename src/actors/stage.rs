@@ -845,6 +845,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
                     pipeline: None,
                     held: None,
                     loss_scale: loss_scale.map(|s| (s, s)),
+                    parameter_server: None,
                 },
                 None,
             )),
@@ -888,6 +889,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
             pipeline: None,
             held: None,
             loss_scale: scaled,
+            parameter_server: None,
         },
         (!skip).then_some(reduced),
     ))

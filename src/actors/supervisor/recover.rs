@@ -255,6 +255,7 @@ where
                 pipeline: None,
                 held: None,
                 loss_scale: None,
+                parameter_server: None,
             });
             (report, id)
         })

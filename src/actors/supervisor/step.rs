@@ -353,6 +353,7 @@ pub(super) fn step_done<M, I>(
             loss: r.local_loss,
             trace: r.trace,
             held: r.held,
+            parameter_server: r.parameter_server,
         })
         .collect();
     let mut mean = TimeBreakdown::default();
