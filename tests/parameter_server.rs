@@ -281,15 +281,16 @@ async fn async_and_backup_workers_converge_near_data_parallel() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_lost_worker_is_dropped_and_the_others_finish() {
+/// PSA-2: a worker lost at step 2 (`kind`: its device thread panics, or its device is
+/// killed) is dropped; the three others finish every step and apply the whole batch.
+async fn lose_a_worker(kind: FaultKind) {
     let init = initial_model(&[8, 16, 3]);
     let plan = FaultPlan::new(1).with(Fault {
         device: 2,
         step: 2,
         micro_batch: None,
         phase: Phase::Forward,
-        kind: FaultKind::Panic,
+        kind,
     });
     let job = builder(&init, sgd(), 0.1, 6)
         .parameter_server(ParameterServer::new(Staleness::Bounded(2)))
@@ -303,7 +304,7 @@ async fn a_lost_worker_is_dropped_and_the_others_finish() {
         events
             .iter()
             .any(|e| matches!(e, JobEvent::DeviceLost { device, .. } if device.0 == 2)),
-        "the panicking worker is lost"
+        "the lost worker is named"
     );
     let per_step: Vec<usize> = steps.iter().map(|s| s.replicas.len()).collect();
     assert_eq!(per_step.len(), 6, "every step is published: {per_step:?}");
@@ -322,6 +323,16 @@ async fn a_lost_worker_is_dropped_and_the_others_finish() {
         assert_eq!(applied, GLOBAL_BATCH, "the survivors apply the whole batch");
     }
     assert!(evaluate(&model).is_finite());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psa_2_a_panicking_worker_is_dropped_and_the_others_finish() {
+    lose_a_worker(FaultKind::Panic).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psa_2_a_killed_worker_is_dropped_and_the_others_finish() {
+    lose_a_worker(FaultKind::Kill).await;
 }
 
 #[test]
@@ -370,4 +381,39 @@ fn what_the_server_cannot_serve_is_refused_at_build() {
         ),
         ParameterServerError::Unsupported { .. }
     ));
+}
+
+/// PSA-3: a checkpoint holds the server's parameters and optimizer state; a job resumed from
+/// it ends bitwise where an uninterrupted one does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn psa_3_a_checkpoint_holds_the_server_state_and_resumes_bitwise() {
+    let init = initial_model(&[8, 16, 3]);
+    let adam: OptimizerConfig = burn::optim::AdamConfig::new().into();
+    let job = |steps| {
+        builder(&init, adam.clone(), 1e-2, steps)
+            .parameter_server(ParameterServer::new(Staleness::Bounded(0)))
+    };
+    let (whole, _, _) = run(job(6).build().expect("a valid job")).await;
+    let dir = std::env::temp_dir().join(format!("meshwork-ps-ckpt-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (_, first, _) = run(job(3).checkpoint_dir(&dir).build().expect("a valid job")).await;
+    assert_eq!(first.len(), 3);
+    let (resumed, steps, events) = run(job(6)
+        .checkpoint_dir(&dir)
+        .resume_from_checkpoint(true)
+        .build()
+        .expect("a valid job"))
+    .await;
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, JobEvent::Restored { step: 3, .. }))
+    );
+    assert_eq!(steps.iter().map(|s| s.step).collect::<Vec<_>>(), [3, 4, 5]);
+    assert_eq!(
+        parameter_bits(&resumed),
+        parameter_bits(&whole),
+        "the resumed job ends where the whole one does"
+    );
 }

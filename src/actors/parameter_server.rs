@@ -16,7 +16,9 @@
 //!   did not come (`ParameterServerError::Timeout`); a worker waits for its round at most the
 //!   step time-out.
 //! - **PSA-2** a worker whose device thread fails (panic or error) leaves the server
-//!   (`Leave`) before its step fails: the others go on without it and finish the round
+//!   (`Leave`) before its step fails, and one whose actor ends (a killed device: it says
+//!   nothing) is found by the server's watch within `WATCH_EVERY`: the others go on without
+//!   it and finish the round
 //!   (its item in progress is taken by another worker, PS-4); the Supervisor drops it
 //!   (`droppable_replicas`).
 //! - **PSA-3** the job's training state is the server's: worker 0's snapshot is the server's
@@ -106,6 +108,10 @@ pub(crate) enum ServerMsg {
     },
     /// `worker`'s device thread failed (PSA-2).
     Leave { worker: WorkerId, reason: String },
+    /// The workers' actors: a worker whose actor ended (a killed device) leaves (PSA-2).
+    Watch(Vec<(WorkerId, ractor::ActorCell)>),
+    /// Look for ended workers (every [`WATCH_EVERY`]).
+    Tick,
     /// The parameters, the optimizer state and the rule (a checkpoint, PSA-3).
     State(RpcReplyPort<ServerState>),
     /// Take a checkpoint's parameters and optimizer state.
@@ -125,6 +131,8 @@ impl std::fmt::Debug for ServerMsg {
             ServerMsg::Pull { worker, step, .. } => write!(f, "Pull({worker}, {step})"),
             ServerMsg::Push { worker, item, .. } => write!(f, "Push({worker}, {item})"),
             ServerMsg::Leave { worker, .. } => write!(f, "Leave({worker})"),
+            ServerMsg::Watch(_) => write!(f, "Watch"),
+            ServerMsg::Tick => write!(f, "Tick"),
             ServerMsg::State(_) => write!(f, "State"),
             ServerMsg::Restore { .. } => write!(f, "Restore"),
         }
@@ -155,7 +163,14 @@ pub(crate) struct ServerActorState {
     waiting: Vec<RpcReplyPort<Arc<Vec<f32>>>>,
     pulls: BTreeMap<WorkerId, mpsc::Sender<PullAnswer>>,
     done: BTreeMap<WorkerId, oneshot::Sender<std::result::Result<WorkerRound, String>>>,
+    /// The workers' actors, until they leave.
+    watched: Vec<(WorkerId, ractor::ActorCell)>,
+    /// The timer of `Tick`s.
+    ticks: Option<tokio::task::JoinHandle<()>>,
 }
+
+/// How often the server looks for ended workers.
+const WATCH_EVERY: Duration = Duration::from_millis(50);
 
 impl Actor for ServerActor {
     type Msg = ServerMsg;
@@ -173,16 +188,51 @@ impl Actor for ServerActor {
             waiting: Vec::new(),
             pulls: BTreeMap::new(),
             done: BTreeMap::new(),
+            watched: Vec::new(),
+            ticks: None,
         })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<ServerMsg>,
+        s: &mut ServerActorState,
+    ) -> std::result::Result<(), ActorProcessingErr> {
+        if let Some(t) = s.ticks.take() {
+            t.abort();
+        }
+        Ok(())
     }
 
     async fn handle(
         &self,
-        _myself: ActorRef<ServerMsg>,
+        myself: ActorRef<ServerMsg>,
         msg: ServerMsg,
         s: &mut ServerActorState,
     ) -> std::result::Result<(), ActorProcessingErr> {
         match msg {
+            ServerMsg::Watch(workers) => {
+                s.watched = workers;
+                s.ticks = Some(myself.send_interval(WATCH_EVERY, || ServerMsg::Tick));
+            }
+            ServerMsg::Tick => {
+                // A killed actor never says so: its status does.
+                let ended: Vec<WorkerId> = s
+                    .watched
+                    .iter()
+                    .filter(|(_, cell)| {
+                        matches!(
+                            cell.get_status(),
+                            ractor::ActorStatus::Stopping | ractor::ActorStatus::Stopped
+                        )
+                    })
+                    .map(|(w, _)| *w)
+                    .collect();
+                for worker in ended {
+                    s.watched.retain(|(w, _)| *w != worker);
+                    leave(s, worker, "its actor ended".into());
+                }
+            }
             ServerMsg::Init(params) => {
                 if s.core.is_none() {
                     let a = &s.args;
@@ -253,18 +303,21 @@ impl Actor for ServerActor {
                     core.push(worker, step, item, grads, loss_sum);
                 }
             }
-            ServerMsg::Leave { worker, reason } => {
-                if let Some(core) = s.core.as_mut() {
-                    core.leave(worker);
-                }
-                s.pulls.remove(&worker);
-                if let Some(d) = s.done.remove(&worker) {
-                    let _ = d.send(Err(reason));
-                }
-            }
+            ServerMsg::Leave { worker, reason } => leave(s, worker, reason),
         }
         answer(s);
         Ok(())
+    }
+}
+
+/// `worker` is lost (PSA-2): out of the core, its step fails with `reason`.
+fn leave(s: &mut ServerActorState, worker: WorkerId, reason: String) {
+    if let Some(core) = s.core.as_mut() {
+        core.leave(worker);
+    }
+    s.pulls.remove(&worker);
+    if let Some(d) = s.done.remove(&worker) {
+        let _ = d.send(Err(reason));
     }
 }
 
@@ -380,6 +433,7 @@ where
             .await?;
             let guard = Arc::new(ServerGuard(server.clone()));
             let mut stages = Vec::with_capacity(workers as usize);
+            let mut watched = Vec::with_capacity(workers as usize);
             for (w, (device, device_actor)) in cx.devices.iter().take(workers as usize).enumerate()
             {
                 let id = StageId {
@@ -408,8 +462,12 @@ where
                     cx.supervisor.clone(),
                 )
                 .await?;
+                watched.push((w as u32, r.get_cell()));
                 stages.push((r, id));
             }
+            server
+                .cast(ServerMsg::Watch(watched))
+                .map_err(|e| format!("the parameter server did not start: {e}"))?;
             Ok(Spawned {
                 stages,
                 shutdown: Arc::new(|| {}),

@@ -469,12 +469,6 @@ impl ServerCore {
         self.workers.keys().copied().collect()
     }
 
-    /// Each live worker's clock.
-    #[cfg(test)]
-    pub(crate) fn clocks(&self) -> BTreeMap<WorkerId, u64> {
-        self.workers.iter().map(|(w, k)| (*w, k.clock)).collect()
-    }
-
     /// The smallest clock of the live workers still working in the round (PS-1's `v`).
     pub(crate) fn working_min(&self) -> Option<u64> {
         self.workers
@@ -561,7 +555,7 @@ impl ServerCore {
 
     /// `worker` pushes the gradient of `item` of `step` (weighted by the item's share of the
     /// step's samples) and its loss summed over the item's samples. A push of another step,
-    /// or of an item dropped meanwhile, is discarded.
+    /// of an item dropped meanwhile, or of another length than the parameters is discarded.
     pub(crate) fn push(
         &mut self,
         worker: WorkerId,
@@ -573,6 +567,11 @@ impl ServerCore {
         let Some(round) = self.round.as_mut().filter(|r| r.step == step && !r.done) else {
             return;
         };
+        if grads.len() != self.params.len() {
+            // Not a gradient of these parameters: the item stays with the worker, whose
+            // round then ends by its time-out naming what is missing.
+            return;
+        }
         let Some(w) = self.workers.get_mut(&worker) else {
             return;
         };
@@ -757,7 +756,7 @@ impl ServerCore {
     /// Answer the parked pulls that can be answered: work where there is an item and the gate
     /// lets the worker start; idle where there is none.
     fn serve(&mut self, out: &mut Vec<Answer>) -> bool {
-        if !self.round.as_ref().is_some_and(|r| !r.done) {
+        if self.round.as_ref().is_none_or(|r| r.done) {
             return false;
         }
         self.advance_version();
