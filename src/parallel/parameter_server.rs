@@ -144,6 +144,13 @@ pub struct ParameterServerStep {
     pub version: u64,
     /// Optimizer updates the server applied since the job started, at the end of the step.
     pub updates: u64,
+    /// Bytes of parameters the worker pulled in the step (4 per element per work item).
+    #[serde(default)]
+    pub bytes_pulled: u64,
+    /// Bytes of gradients the server took from the worker in the step (4 per element per
+    /// gradient pushed in time, applied or dropped).
+    #[serde(default)]
+    pub bytes_pushed: u64,
 }
 
 /// Why a parameter-server job cannot be built or failed.
@@ -586,6 +593,7 @@ impl ServerCore {
             return;
         }
         let samples = it.samples().count();
+        w.report.step.bytes_pushed += 4 * grads.len() as u64;
         w.report.loss.0 += loss_sum;
         w.report.loss.1 += samples;
         w.clock += 1;
@@ -789,6 +797,7 @@ impl ServerCore {
             it.state = ItemState::Taken { by: worker };
             let w = self.workers.get_mut(&worker).expect("checked above");
             w.taken = Some((item, self.version, self.updates));
+            w.report.step.bytes_pulled += 4 * self.params.len() as u64;
             self.parked.remove(&worker);
             out.push(Answer::Work {
                 worker,
