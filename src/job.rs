@@ -135,8 +135,8 @@ pub struct JobBuilder<M, I> {
     bucket_bytes: usize,
     clip_norm: Option<f32>,
     zero: ZeroStage,
-    /// A parameter server and backup workers instead of all-reduce (`parameter_server`).
-    /// How to spawn it (set with the model, where `M` is a Burn module).
+    /// The parameter server's settings, the backup workers, and how to spawn them (set with
+    /// the model, where `M` is a Burn module): a job with either trains through the server.
     parameter_server: (
         Option<ParameterServer>,
         Option<u32>,
