@@ -6,6 +6,7 @@
 //! | [`device::DeviceActor`] | one logical device and its compute thread | runs compute tasks on its thread; answers heartbeats while compute runs |
 //! | [`stage::StageActor`] | one data-parallel replica's model, its optimizer state, its communicator | runs a step's work on its device's thread |
 //! | [`pipeline_stage::PipelineStageActor`] | one pipeline stage of one replica: its model chunks, optimizers, links to the neighbouring stages, data-parallel communicator | runs its schedule's instruction list on its device's thread |
+//! | [`parameter_server::ServerActor`], [`parameter_server::WorkerActor`] | a parameter-server job's parameters and optimizer (one shard); one worker per rank | the server applies pushed gradients under its staleness bound; a worker's loop pulls, computes and pushes on its device's thread |
 //! | [`group::GroupActor`] | one collective group (members, generation) | owns the group's lifecycle: status for hang diagnosis, shutdown |
 //!
 //! Invariants:
@@ -21,6 +22,7 @@
 pub(crate) mod checkpointer;
 pub(crate) mod device;
 pub(crate) mod group;
+pub(crate) mod parameter_server;
 pub(crate) mod pipeline_stage;
 pub(crate) mod spawner;
 pub(crate) mod stage;

@@ -155,6 +155,10 @@ pub enum Error {
     /// `src/checkpoint.rs`).
     #[error(transparent)]
     Checkpoint(#[from] crate::checkpoint::CheckpointError),
+    /// A parameter-server job was refused or its server failed
+    /// (`parallel::parameter_server`).
+    #[error(transparent)]
+    ParameterServer(#[from] crate::parallel::parameter_server::ParameterServerError),
     /// Reading or writing a file failed.
     #[error("i/o error on {path}: {reason}")]
     Io {

@@ -311,4 +311,8 @@ pub struct ReplicaStep {
     /// shared-memory plan moved them, and in pipeline and block jobs (not counted yet).
     #[serde(default)]
     pub bytes_sent: u64,
+    /// A parameter-server worker: the staleness of every gradient of it the server applied
+    /// in this step, and the sample ids dropped (backup workers); `None` in other jobs.
+    #[serde(default)]
+    pub parameter_server: Option<crate::parallel::parameter_server::ParameterServerStep>,
 }

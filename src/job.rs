@@ -20,6 +20,7 @@ use ractor::{Actor, ActorRef};
 use tokio::sync::{broadcast, oneshot};
 
 pub use crate::actors::checkpointer::CheckpointSink;
+use crate::actors::parameter_server::SpawnServer;
 use crate::actors::pipeline_stage::{LocalPipeline, PipelineSpec};
 use crate::actors::spawner::Spawner;
 use crate::actors::stage::{LocalReplicas, LossFn, MixedPrecision, ModelFn, StageSpec};
@@ -37,6 +38,7 @@ use crate::mesh::Layout;
 pub use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::compress::{self, Compression};
 use crate::parallel::local::LocalUpdates;
+use crate::parallel::parameter_server::{self, ParameterServer};
 pub use crate::parallel::pipeline::Schedule;
 use crate::parallel::sampler::DistributedSampler;
 pub use crate::parallel::stages::{BlockOptions, PipelineModel, PipelineStages};
@@ -139,6 +141,13 @@ pub struct JobBuilder<M, I> {
     zero: ZeroStage,
     compression: Compression,
     local_updates: Option<LocalUpdates>,
+    /// The parameter server's settings, the backup workers, and how to spawn them (set with
+    /// the model, where `M` is a Burn module): a job with either trains through the server.
+    parameter_server: (
+        Option<ParameterServer>,
+        Option<u32>,
+        Option<SpawnServer<M, I>>,
+    ),
     mixed: MixedPrecision,
     blocks_in_flight: usize,
     steps: u64,
@@ -236,6 +245,7 @@ where
             zero: ZeroStage::Off,
             compression: Compression::None,
             local_updates: None,
+            parameter_server: (None, None, None),
             mixed: MixedPrecision::default(),
             blocks_in_flight: 1,
             tp: 1,
@@ -327,6 +337,7 @@ where
     pub fn model(mut self, f: impl Fn(&ModelContext) -> M + Send + Sync + 'static) -> Self {
         self.model = Some(Arc::new(f));
         self.replicas = Some(|spec| Box::new(LocalReplicas { spec }));
+        self.parameter_server.2 = Some(crate::actors::parameter_server::spawner::<M, I>);
         #[cfg(feature = "cluster")]
         {
             self.replica_cluster = Some(ClusterFns {
@@ -611,6 +622,29 @@ where
     /// `.model(..)` jobs in one process only, not with ZeRO, tensor parallelism or f16.
     pub fn local_updates(mut self, updates: LocalUpdates) -> Self {
         self.local_updates = Some(updates);
+        self
+    }
+
+    /// Train through a parameter server instead of all-reduce: the replicas become workers
+    /// that pull parameters, push gradients and wait only as the staleness bound says
+    /// (stale-synchronous parallel; `Staleness::Bounded(0)` equals data parallelism,
+    /// `Unbounded` is asynchronous SGD). A step is a round over its global batch, in which a
+    /// fast worker computes more of it than a slow one; `StepDone`'s replicas report every
+    /// applied gradient's staleness (see [`crate::parallel::parameter_server`]). In-process
+    /// `.model(..)` jobs with SGD, Adam or AdamW at a constant rate, in `f32`, without
+    /// clipping, ZeRO, pipelines or tensor parallelism; the rest is refused by `build()`.
+    pub fn parameter_server(mut self, server: ParameterServer) -> Self {
+        self.parameter_server.0 = Some(server);
+        self
+    }
+
+    /// Synchronous training with `b` backup workers (Chen et al., 2016): each step applies
+    /// the mean gradient of the first `replicas − b` workers to finish and drops the rest
+    /// (their sample ids are in `StepDone`'s replicas). Runs on the parameter server
+    /// (`parameter_server`, with `Staleness::Bounded(0)` if given); `b` must be below the
+    /// number of replicas.
+    pub fn backup_workers(mut self, b: u32) -> Self {
+        self.parameter_server.1 = Some(b);
         self
     }
 
@@ -937,9 +971,33 @@ where
                 );
             }
         }
+        if (self.parameter_server.0.is_some() || self.parameter_server.1.is_some())
+            && (self.compression.is_on() || self.local_updates.is_some())
+        {
+            return invalid(
+                "parameter_server/backup_workers with compression or local_updates: the \
+                 workers push whole f32 gradients to the server every item; use one method"
+                    .into(),
+            );
+        }
+        let server = parameter_server::check(
+            self.parameter_server.0,
+            self.parameter_server.1,
+            parameter_server::JobShape {
+                workers: self.dp,
+                pipeline: self.pipeline.is_some(),
+                tensor_parallel: self.tp,
+                zero: self.zero,
+                remote,
+                low_precision: self.mixed.precision != Precision::F32 || self.mixed.low_gradients,
+                clip: self.clip_norm.is_some(),
+                optimizer: &self.optimizer,
+                learning_rate: &self.learning_rate,
+            },
+        )?;
         let (spawn, layout, accumulation) = match self.pipeline.take() {
             Some(p) => self.pipeline_parts(p, global, dataset.clone())?,
-            None => self.replica_parts(global, dataset.clone())?,
+            None => self.replica_parts(global, dataset.clone(), server)?,
         };
         let world = layout.world_size() as usize;
         let devices = match self.devices {
@@ -1069,6 +1127,7 @@ where
         &mut self,
         global: usize,
         dataset: Arc<dyn Dataset<Item = I>>,
+        server: Option<(parameter_server::Mode, FlatRule, f64)>,
     ) -> Result<(Box<dyn Spawner<M>>, Layout, u32)> {
         let Some(spawn) = self.replicas else {
             return Err(Error::InvalidConfig(
@@ -1104,6 +1163,10 @@ where
             return Ok(((fns.spawn)(mesh, spec, layout), layout, self.accumulation));
         }
         let spec = self.stage_spec(global, dataset)?;
+        if let (Some(server), Some(ps)) = (server, self.parameter_server.2) {
+            let layout = Layout::data_parallel(self.dp)?;
+            return Ok((ps(spec, server), layout, self.accumulation));
+        }
         Ok((
             spawn(spec),
             Layout::data_parallel(self.dp)?,

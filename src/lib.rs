@@ -45,6 +45,7 @@ pub mod prelude {
     pub use crate::mesh::{Layout, Rank};
     pub use crate::parallel::compress::Compression;
     pub use crate::parallel::local::LocalUpdates;
+    pub use crate::parallel::parameter_server::{ParameterServer, Staleness};
     pub use crate::parallel::pipeline::Schedule;
     pub use crate::parallel::stages::{BlockOptions, PipelineStages};
     pub use crate::parallel::zero::ZeroStage;

@@ -23,6 +23,7 @@ pub(crate) mod gradients;
 pub mod local;
 pub mod memory;
 pub(crate) mod overlap;
+pub mod parameter_server;
 pub mod pipeline;
 pub mod pipeline_exec;
 pub mod sampler;

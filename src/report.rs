@@ -60,4 +60,7 @@ pub struct StepReport {
     /// its collectives and point-to-point sends, 16-bit values 2 bytes each).
     #[serde(default)]
     pub bytes_sent: u64,
+    /// A parameter-server worker's gradients applied and samples dropped in the step.
+    #[serde(default)]
+    pub parameter_server: Option<crate::parallel::parameter_server::ParameterServerStep>,
 }

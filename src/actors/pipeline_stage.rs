@@ -915,5 +915,6 @@ fn report<I>(
         held: None,
         loss_scale: None,
         bytes_sent: 0,
+        parameter_server: None,
     }
 }

@@ -12,6 +12,7 @@
 //! |---|---|---|
 //! | `stage::LocalReplicas` | data-parallel replicas in this process | [`Capabilities::data_parallel`] with [`Rejoin::Regroup`] |
 //! | `pipeline_stage::LocalPipeline` | dp × pp pipeline stages in this process | [`Capabilities::pipeline`] |
+//! | `parameter_server::PsReplicas` | parameter-server workers and their server in this process | replicated (the server's), droppable, no growth, [`Rejoin::Regroup`] |
 //! | `cluster::remote::ClusterReplicas` | data-parallel replicas across processes | [`Capabilities::data_parallel`] with [`Rejoin::Reconnect`] |
 //! | `cluster::remote::ClusterPipeline` | dp × pp pipeline stages across processes | [`Capabilities::pipeline`] |
 //!

@@ -895,6 +895,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
                     held: None,
                     loss_scale: loss_scale.map(|s| (s, s)),
                     bytes_sent: 0,
+                    parameter_server: None,
                 },
                 None,
             )),
@@ -941,6 +942,7 @@ fn train_step<M: Module, I: Send + Sync + 'static>(
             held: None,
             loss_scale: scaled,
             bytes_sent: 0,
+            parameter_server: None,
         },
         (!skip).then_some(reduced),
     ))

@@ -256,6 +256,7 @@ where
                 held: None,
                 loss_scale: None,
                 bytes_sent: 0,
+                parameter_server: None,
             });
             (report, id)
         })

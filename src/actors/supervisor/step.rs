@@ -354,6 +354,7 @@ pub(super) fn step_done<M, I>(
             trace: r.trace,
             held: r.held,
             bytes_sent: r.bytes_sent,
+            parameter_server: r.parameter_server,
         })
         .collect();
     observe_stragglers(state, step, &replicas);

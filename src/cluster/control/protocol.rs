@@ -39,7 +39,7 @@ use crate::mesh::Rank;
 pub const CONTROL_MAGIC: [u8; 4] = *b"MWCT";
 
 /// The control protocol version this build speaks.
-pub const CONTROL_PROTOCOL_VERSION: u16 = 6;
+pub const CONTROL_PROTOCOL_VERSION: u16 = 7;
 
 /// Bytes of the fixed header.
 pub const CONTROL_HEADER_LEN: usize = 10;

@@ -1,0 +1,977 @@
+//! The parameter-server strategy's actors: `ServerActor` (the parameters, the optimizer and
+//! the rounds' bookkeeping: a `parallel::parameter_server::ServerCore` driven by messages),
+//! `WorkerActor` (one per data-parallel rank, answering the same `StageMsg`s as every stage)
+//! and `PsReplicas`, their `Spawner`. What a step, a clock and staleness are is written in
+//! `parallel::parameter_server`.
+//!
+//! A worker's step: it tells the server its share (`Begin`) and starts its loop on its device
+//! thread without waiting for it: pull (parameters and a work item; the server holds the
+//! answer while the SSP gate says wait), compute the item's gradient, push it, again, until
+//! the server says the round is over. The worker answers the Supervisor when the server
+//! reports the round done, not when its loop ends: with backup workers a slow worker's loop
+//! may still compute a gradient the server will drop, and the step does not wait for it.
+//!
+//! - **PSA-1** every wait is bounded: a device thread waits for the server with
+//!   `recv_timeout` (the collective time-out) and fails naming the worker, the shard and what
+//!   did not come (`ParameterServerError::Timeout`); a worker waits for its round at most the
+//!   step time-out.
+//! - **PSA-2** a worker whose device thread fails (panic or error) leaves the server
+//!   (`Leave`) before its step fails, and one whose actor ends (a killed device: it says
+//!   nothing) is found by the server's watch within `WATCH_EVERY`: the others go on without
+//!   it and finish the round
+//!   (its item in progress is taken by another worker, PS-4); the Supervisor drops it
+//!   (`droppable_replicas`).
+//! - **PSA-3** the job's training state is the server's: worker 0's snapshot is the server's
+//!   parameters and optimizer state (`state_ranks` = replica 0), every worker's restore sets
+//!   the server's, and the trained model is the server's parameters in worker 0's model.
+//! - **PSA-4** a lost server (its actor gone) fails the step on every worker with
+//!   `ParameterServerError::ShardLost` naming the shard; a job with a roll-back policy goes
+//!   back to its checkpoint (not built: the server is not restarted, so the error ends the
+//!   job).
+
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use burn::module::Module;
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
+use tokio::sync::oneshot;
+
+use super::device::{DeviceMsg, report_progress, run_on};
+use super::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
+use super::stage::{InitReport, StageMsg, StageSpec, StepReport};
+use super::supervisor::{SpawnContext, Spawned};
+use crate::checkpoint::{ShardId, ShardSnapshot, TrainingState, restore_module, snapshot_module};
+use crate::device::MeshDevice;
+use crate::error::{Error, Result};
+use crate::faults::{Phase, with_hooks};
+use crate::mesh::{Rank, StageId};
+use crate::parallel::gradients::{
+    Fingerprint, GradientBuffers, ParamLayout, parameter_fingerprint, parameters_to_flat,
+    set_trainable,
+};
+use crate::parallel::parameter_server::{
+    Answer, ItemId, Mode, ParameterServerError, ServerCore, WorkerId, WorkerRound,
+};
+use crate::parallel::sync::{restore_shard, shard_state};
+use crate::parallel::zero::{FlatRule, FlatState, OptimizerShard};
+
+/// The one shard built today.
+const SHARD: u32 = 0;
+
+/// What a device thread's pull is answered with.
+#[derive(Debug)]
+pub(crate) enum PullAnswer {
+    /// Compute `item` (these micro-batches) at `clock` on `params`.
+    Work {
+        item: ItemId,
+        clock: u64,
+        micro_batches: Vec<Vec<usize>>,
+        params: Arc<Vec<f32>>,
+    },
+    /// The round is over.
+    RoundOver,
+}
+
+/// The server's parameters, optimizer state and rule.
+type ServerState = (Arc<Vec<f32>>, FlatState, FlatRule);
+
+/// Messages a [`ServerActor`] handles.
+pub(crate) enum ServerMsg {
+    /// Worker 0's initial parameters (DP-1's rank 0); later ones are ignored.
+    Init(Vec<f32>),
+    /// The parameters, once initialized.
+    Params(RpcReplyPort<Arc<Vec<f32>>>),
+    /// `worker` starts `step` with its share; `done` gets its part of the round.
+    Begin {
+        worker: WorkerId,
+        step: u64,
+        micro_batches: Vec<Vec<usize>>,
+        global: usize,
+        done: oneshot::Sender<std::result::Result<WorkerRound, String>>,
+    },
+    /// A device thread asks for work in `step`.
+    Pull {
+        worker: WorkerId,
+        step: u64,
+        reply: mpsc::Sender<PullAnswer>,
+    },
+    /// A device thread's gradient of `item` and its loss summed over the item's samples.
+    Push {
+        worker: WorkerId,
+        step: u64,
+        item: ItemId,
+        grads: Vec<f32>,
+        loss_sum: f64,
+    },
+    /// `worker`'s device thread failed (PSA-2).
+    Leave { worker: WorkerId, reason: String },
+    /// The workers' actors: a worker whose actor ended (a killed device) leaves (PSA-2).
+    Watch(Vec<(WorkerId, ractor::ActorCell)>),
+    /// Look for ended workers (every [`WATCH_EVERY`]).
+    Tick,
+    /// The parameters, the optimizer state and the rule (a checkpoint, PSA-3).
+    State(RpcReplyPort<ServerState>),
+    /// Take a checkpoint's parameters and optimizer state.
+    Restore {
+        params: Vec<f32>,
+        optimizer: FlatState,
+        reply: RpcReplyPort<()>,
+    },
+}
+
+impl std::fmt::Debug for ServerMsg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServerMsg::Init(_) => write!(f, "Init"),
+            ServerMsg::Params(_) => write!(f, "Params"),
+            ServerMsg::Begin { worker, step, .. } => write!(f, "Begin({worker}, {step})"),
+            ServerMsg::Pull { worker, step, .. } => write!(f, "Pull({worker}, {step})"),
+            ServerMsg::Push { worker, item, .. } => write!(f, "Push({worker}, {item})"),
+            ServerMsg::Leave { worker, .. } => write!(f, "Leave({worker})"),
+            ServerMsg::Watch(_) => write!(f, "Watch"),
+            ServerMsg::Tick => write!(f, "Tick"),
+            ServerMsg::State(_) => write!(f, "State"),
+            ServerMsg::Restore { .. } => write!(f, "Restore"),
+        }
+    }
+}
+
+#[cfg(feature = "cluster")]
+impl ractor::Message for ServerMsg {}
+
+/// The parameter server (one shard).
+#[derive(Debug, Default)]
+pub(crate) struct ServerActor;
+
+/// What the server starts from.
+#[derive(Debug)]
+pub(crate) struct ServerArgs {
+    mode: Mode,
+    rule: FlatRule,
+    lr: f64,
+    workers: u32,
+}
+
+/// State of a [`ServerActor`].
+#[derive(Debug)]
+pub(crate) struct ServerActorState {
+    args: ServerArgs,
+    core: Option<ServerCore>,
+    waiting: Vec<RpcReplyPort<Arc<Vec<f32>>>>,
+    pulls: BTreeMap<WorkerId, mpsc::Sender<PullAnswer>>,
+    done: BTreeMap<WorkerId, oneshot::Sender<std::result::Result<WorkerRound, String>>>,
+    /// The workers' actors, until they leave.
+    watched: Vec<(WorkerId, ractor::ActorCell)>,
+    /// The timer of `Tick`s.
+    ticks: Option<tokio::task::JoinHandle<()>>,
+}
+
+/// How often the server looks for ended workers.
+const WATCH_EVERY: Duration = Duration::from_millis(50);
+
+impl Actor for ServerActor {
+    type Msg = ServerMsg;
+    type State = ServerActorState;
+    type Arguments = ServerArgs;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<ServerMsg>,
+        args: ServerArgs,
+    ) -> std::result::Result<ServerActorState, ActorProcessingErr> {
+        Ok(ServerActorState {
+            args,
+            core: None,
+            waiting: Vec::new(),
+            pulls: BTreeMap::new(),
+            done: BTreeMap::new(),
+            watched: Vec::new(),
+            ticks: None,
+        })
+    }
+
+    async fn post_stop(
+        &self,
+        _myself: ActorRef<ServerMsg>,
+        s: &mut ServerActorState,
+    ) -> std::result::Result<(), ActorProcessingErr> {
+        if let Some(t) = s.ticks.take() {
+            t.abort();
+        }
+        Ok(())
+    }
+
+    async fn handle(
+        &self,
+        myself: ActorRef<ServerMsg>,
+        msg: ServerMsg,
+        s: &mut ServerActorState,
+    ) -> std::result::Result<(), ActorProcessingErr> {
+        match msg {
+            ServerMsg::Watch(workers) => {
+                s.watched = workers;
+                s.ticks = Some(myself.send_interval(WATCH_EVERY, || ServerMsg::Tick));
+            }
+            ServerMsg::Tick => {
+                // A killed actor never says so: its status does.
+                let ended: Vec<WorkerId> = s
+                    .watched
+                    .iter()
+                    .filter(|(_, cell)| {
+                        matches!(
+                            cell.get_status(),
+                            ractor::ActorStatus::Stopping | ractor::ActorStatus::Stopped
+                        )
+                    })
+                    .map(|(w, _)| *w)
+                    .collect();
+                for worker in ended {
+                    s.watched.retain(|(w, _)| *w != worker);
+                    leave(s, worker, "its actor ended".into());
+                }
+            }
+            ServerMsg::Init(params) => {
+                if s.core.is_none() {
+                    let a = &s.args;
+                    let core = ServerCore::new(a.mode, a.rule, a.lr, a.workers, params);
+                    for w in s.waiting.drain(..) {
+                        let _ = w.send(core.state().0);
+                    }
+                    s.core = Some(core);
+                }
+            }
+            ServerMsg::Params(reply) => match &s.core {
+                Some(core) => {
+                    let _ = reply.send(core.state().0);
+                }
+                None => s.waiting.push(reply),
+            },
+            ServerMsg::State(reply) => {
+                if let Some(core) = &s.core {
+                    let (params, optimizer) = core.state();
+                    let _ = reply.send((params, optimizer, core.rule()));
+                }
+            }
+            ServerMsg::Restore {
+                params,
+                optimizer,
+                reply,
+            } => {
+                if let Some(core) = s.core.as_mut() {
+                    core.restore(params, optimizer);
+                    let _ = reply.send(());
+                }
+            }
+            ServerMsg::Begin {
+                worker,
+                step,
+                micro_batches,
+                global,
+                done,
+            } => {
+                s.done.insert(worker, done);
+                if let Some(core) = s.core.as_mut() {
+                    core.begin(worker, step, micro_batches, global);
+                }
+            }
+            ServerMsg::Pull {
+                worker,
+                step,
+                reply,
+            } => match s.core.as_mut() {
+                Some(core) if core.is_over(step) => {
+                    let _ = reply.send(PullAnswer::RoundOver);
+                }
+                Some(core) => {
+                    s.pulls.insert(worker, reply);
+                    core.pull(worker);
+                }
+                // Unanswered: the device thread's wait names what is missing (PSA-1).
+                None => {}
+            },
+            ServerMsg::Push {
+                worker,
+                step,
+                item,
+                grads,
+                loss_sum,
+            } => {
+                if let Some(core) = s.core.as_mut() {
+                    core.push(worker, step, item, grads, loss_sum);
+                }
+            }
+            ServerMsg::Leave { worker, reason } => leave(s, worker, reason),
+        }
+        answer(s);
+        Ok(())
+    }
+}
+
+/// `worker` is lost (PSA-2): out of the core, its step fails with `reason`.
+fn leave(s: &mut ServerActorState, worker: WorkerId, reason: String) {
+    if let Some(core) = s.core.as_mut() {
+        core.leave(worker);
+    }
+    s.pulls.remove(&worker);
+    if let Some(d) = s.done.remove(&worker) {
+        let _ = d.send(Err(reason));
+    }
+}
+
+/// Send what the server owes.
+fn answer(s: &mut ServerActorState) {
+    let Some(core) = s.core.as_mut() else { return };
+    for a in core.progress() {
+        match a {
+            Answer::Work {
+                worker,
+                item,
+                micro_batches,
+                params,
+                clock,
+            } => {
+                if let Some(reply) = s.pulls.remove(&worker) {
+                    let _ = reply.send(PullAnswer::Work {
+                        item,
+                        clock,
+                        micro_batches,
+                        params,
+                    });
+                }
+            }
+            Answer::RoundOver { worker } => {
+                if let Some(reply) = s.pulls.remove(&worker) {
+                    let _ = reply.send(PullAnswer::RoundOver);
+                }
+            }
+            Answer::RoundDone { reports, .. } => {
+                for (worker, report) in reports {
+                    if let Some(d) = s.done.remove(&worker) {
+                        let _ = d.send(Ok(report));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Stops the server when the last worker holding it is gone.
+#[derive(Debug)]
+struct ServerGuard(ActorRef<ServerMsg>);
+
+impl Drop for ServerGuard {
+    fn drop(&mut self) {
+        self.0.stop(None);
+    }
+}
+
+/// Spawns a parameter-server job's server and workers (`JobBuilder::parameter_server`).
+pub(crate) type SpawnServer<M, I> =
+    fn(Arc<StageSpec<M, I>>, (Mode, FlatRule, f64)) -> Box<dyn Spawner<M>>;
+
+/// A [`PsReplicas`] spawner for `spec` with the server's mode, rule and learning rate.
+pub(crate) fn spawner<M: Module + 'static, I: Send + Sync + 'static>(
+    spec: Arc<StageSpec<M, I>>,
+    (mode, rule, lr): (Mode, FlatRule, f64),
+) -> Box<dyn Spawner<M>> {
+    Box::new(PsReplicas {
+        spec,
+        mode,
+        rule,
+        lr,
+    })
+}
+
+/// The spawner of a parameter-server job in this process: one server, one worker per
+/// data-parallel rank.
+pub(crate) struct PsReplicas<M, I> {
+    pub(crate) spec: Arc<StageSpec<M, I>>,
+    pub(crate) mode: Mode,
+    pub(crate) rule: FlatRule,
+    pub(crate) lr: f64,
+}
+
+impl<M, I> Spawner<M> for PsReplicas<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    fn capabilities(&self) -> Capabilities {
+        // PSA-2, PSA-3: the state is the server's, so any worker may be dropped, and its
+        // snapshot is read through worker 0. Workers are not added while the job runs.
+        Capabilities {
+            replicated_state: true,
+            droppable_replicas: true,
+            twins: false,
+            can_grow: false,
+            rejoin: Rejoin::Regroup,
+        }
+    }
+
+    fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {
+        let PsReplicas {
+            spec,
+            mode,
+            rule,
+            lr,
+        } = *self;
+        Box::pin(async move {
+            let workers = cx.layout.world_size();
+            let (server, _) = Actor::spawn(
+                None,
+                ServerActor,
+                ServerArgs {
+                    mode,
+                    rule,
+                    lr,
+                    workers,
+                },
+            )
+            .await?;
+            let guard = Arc::new(ServerGuard(server.clone()));
+            let mut stages = Vec::with_capacity(workers as usize);
+            let mut watched = Vec::with_capacity(workers as usize);
+            for (w, (device, device_actor)) in cx.devices.iter().take(workers as usize).enumerate()
+            {
+                let id = StageId {
+                    replica: w as u32,
+                    stage: 0,
+                    tp: 0,
+                };
+                let (r, _) = Actor::spawn_linked(
+                    None,
+                    WorkerActor::<M, I>(std::marker::PhantomData),
+                    WorkerState {
+                        id,
+                        rank: Rank(w as u32),
+                        worker: w as u32,
+                        device: device.clone(),
+                        device_actor: device_actor.clone(),
+                        spec: spec.clone(),
+                        server: server.clone(),
+                        _guard: guard.clone(),
+                        model: Arc::new(Mutex::new(None)),
+                        rule,
+                        lr,
+                        wait: cx.comm.timeout,
+                        round_wait: cx.step_timeout,
+                        link: cx.comm.link.clone(),
+                    },
+                    cx.supervisor.clone(),
+                )
+                .await?;
+                watched.push((w as u32, r.get_cell()));
+                stages.push((r, id));
+            }
+            server
+                .cast(ServerMsg::Watch(watched))
+                .map_err(|e| format!("the parameter server did not start: {e}"))?;
+            Ok(Spawned {
+                stages,
+                shutdown: Arc::new(|| {}),
+                others: Vec::new(),
+                model_ranks: vec![0],
+                assemble: |mut models: Vec<M>| models.pop(),
+                grow: None,
+                rewire: None,
+                devices: None,
+            })
+        })
+    }
+}
+
+/// One worker of a parameter-server job.
+pub(crate) struct WorkerActor<M, I>(std::marker::PhantomData<fn() -> (M, I)>);
+
+impl<M, I> std::fmt::Debug for WorkerActor<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WorkerActor")
+    }
+}
+
+/// A worker's model (the structure it computes gradients in) and its trainable layout.
+struct WorkerModel<M> {
+    model: M,
+    layout: ParamLayout,
+}
+
+/// State of a [`WorkerActor`] (also its arguments).
+pub(crate) struct WorkerState<M, I> {
+    id: StageId,
+    rank: Rank,
+    worker: WorkerId,
+    device: MeshDevice,
+    device_actor: ActorRef<DeviceMsg>,
+    spec: Arc<StageSpec<M, I>>,
+    server: ActorRef<ServerMsg>,
+    _guard: Arc<ServerGuard>,
+    /// On the device thread while a loop runs; loops of one worker run one after another on
+    /// its device thread.
+    model: Arc<Mutex<Option<WorkerModel<M>>>>,
+    rule: FlatRule,
+    lr: f64,
+    /// How long a device thread waits for the server (PSA-1).
+    wait: Duration,
+    /// How long the worker waits for its round.
+    round_wait: Duration,
+    /// The emulated network (LINK-1): a pull waits for the server's link to carry the
+    /// parameters, a push for the worker's to carry the gradient.
+    link: Option<crate::comm::emulate::LinkEmulation>,
+}
+
+impl<M, I> std::fmt::Debug for WorkerState<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "WorkerState({}, worker {})", self.id, self.worker)
+    }
+}
+
+impl<M, I> Actor for WorkerActor<M, I>
+where
+    M: Module + 'static,
+    I: Send + Sync + 'static,
+{
+    type Msg = StageMsg<M>;
+    type State = WorkerState<M, I>;
+    type Arguments = WorkerState<M, I>;
+
+    async fn pre_start(
+        &self,
+        _myself: ActorRef<StageMsg<M>>,
+        state: WorkerState<M, I>,
+    ) -> std::result::Result<WorkerState<M, I>, ActorProcessingErr> {
+        Ok(state)
+    }
+
+    async fn handle(
+        &self,
+        _myself: ActorRef<StageMsg<M>>,
+        msg: StageMsg<M>,
+        s: &mut WorkerState<M, I>,
+    ) -> std::result::Result<(), ActorProcessingErr> {
+        match msg {
+            StageMsg::Init(reply) => {
+                let _ = reply.send(init(s).await);
+            }
+            StageMsg::Step {
+                step,
+                micro_batches,
+                global_samples,
+                reply,
+            } => {
+                let _ = reply.send(round(s, step, micro_batches, global_samples).await);
+            }
+            StageMsg::Fingerprint(reply) => {
+                let r = server_params(s).await.map(|p| {
+                    let mut f = Fingerprint::new();
+                    f.update(&p);
+                    f.finish()
+                });
+                let _ = reply.send(r);
+            }
+            StageMsg::TakeModel(reply) => {
+                let _ = reply.send(take_model(s).await.ok());
+            }
+            StageMsg::Snapshot(reply) => {
+                let _ = reply.send(snapshot(s).await.map(|x| vec![x]));
+            }
+            StageMsg::Restore { shard, reply } => {
+                let wanted = ShardId::stage(0);
+                let r = match shard.into_iter().find(|x| x.shard == wanted) {
+                    Some(x) => restore(s, x).await,
+                    None => Err(Error::InvalidConfig(format!(
+                        "no {wanted} to restore {} from",
+                        s.id
+                    ))),
+                };
+                let _ = reply.send(r);
+            }
+            StageMsg::Regroup {
+                id, rank, reply, ..
+            } => {
+                // The worker keeps its server id; only its place in the mesh changes.
+                s.id = id;
+                s.rank = rank;
+                let _ = reply.send(Ok(()));
+            }
+            StageMsg::Rewire { reply, .. } => {
+                let _ = reply.send(Err(Error::InvalidConfig(
+                    "a parameter-server worker has no pipeline links".into(),
+                )));
+            }
+            StageMsg::Reconnect { reply, .. } => {
+                let _ = reply.send(Err(Error::InvalidConfig(
+                    "a parameter-server worker runs in this process".into(),
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn failed<M, I>(s: &WorkerState<M, I>, during: &str, reason: String) -> Error {
+    Error::StageFailed {
+        device: s.device.id(),
+        stage: s.id,
+        during: during.into(),
+        reason,
+    }
+}
+
+fn lost_server(reason: impl Into<String>) -> Error {
+    ParameterServerError::ShardLost {
+        shard: SHARD,
+        reason: reason.into(),
+    }
+    .into()
+}
+
+/// Ask the server (from the worker's actor), bounded by the step time-out.
+async fn ask_server<M, I, T: Send + 'static>(
+    s: &WorkerState<M, I>,
+    msg: impl FnOnce(RpcReplyPort<T>) -> ServerMsg,
+    what: &str,
+) -> Result<T> {
+    match s.server.call(msg, Some(s.round_wait)).await {
+        Ok(ractor::rpc::CallResult::Success(x)) => Ok(x),
+        Ok(ractor::rpc::CallResult::Timeout) => Err(ParameterServerError::Timeout {
+            worker: s.worker,
+            shard: SHARD,
+            waited: s.round_wait,
+            missing: what.into(),
+        }
+        .into()),
+        Ok(ractor::rpc::CallResult::SenderError) | Err(_) => {
+            Err(lost_server(format!("it did not answer {what}")))
+        }
+    }
+}
+
+async fn server_params<M, I>(s: &WorkerState<M, I>) -> Result<Arc<Vec<f32>>> {
+    ask_server(s, ServerMsg::Params, "the parameters").await
+}
+
+/// Run `f` on the worker's model on its device thread.
+async fn with_model<M, I, R>(
+    s: &WorkerState<M, I>,
+    during: &str,
+    f: impl FnOnce(&mut WorkerModel<M>) -> Result<R> + Send + 'static,
+) -> Result<R>
+where
+    M: Module + 'static,
+    R: Send + 'static,
+{
+    let model = s.model.clone();
+    let out = run_on(&s.device_actor, during, move || {
+        let mut guard = model.lock().unwrap_or_else(|e| e.into_inner());
+        match guard.as_mut() {
+            Some(m) => f(m),
+            None => Err(Error::Runtime("the worker has no model".into())),
+        }
+    })
+    .await?;
+    out.map_err(|panic| failed(s, during, panic))?
+}
+
+/// Build the model; worker 0 hands its parameters to the server (DP-1's rank 0); every worker
+/// reports the server's parameters as its own.
+async fn init<M: Module + 'static, I: Send + Sync + 'static>(
+    s: &mut WorkerState<M, I>,
+) -> Result<InitReport> {
+    let spec = s.spec.clone();
+    let rank = s.rank;
+    let device = s.device.burn().clone().autodiff();
+    let slot = s.model.clone();
+    let (first, server) = (s.worker == 0, s.server.clone());
+    let out = run_on(&s.device_actor, "init", move || -> Result<u64> {
+        let ctx = crate::parallel::ModelContext {
+            rank,
+            device: device.clone(),
+        };
+        let model = (spec.model_fn)(&ctx).fork(&device).train();
+        let layout = ParamLayout::trainable(&model);
+        let before = parameter_fingerprint(&model);
+        if first {
+            server
+                .cast(ServerMsg::Init(parameters_to_flat(&model, &layout)))
+                .map_err(|e| lost_server(e.to_string()))?;
+        }
+        *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(WorkerModel { model, layout });
+        Ok(before)
+    })
+    .await?;
+    let before = out.map_err(|p| failed(s, "building the model", p))??;
+    let params = server_params(s).await?;
+    let mut f = Fingerprint::new();
+    f.update(&params);
+    Ok(InitReport {
+        before,
+        after: f.finish(),
+    })
+}
+
+/// One round (PSA-1, PSA-2): begin, start the loop on the device thread, wait for the
+/// server's report of the round.
+async fn round<M: Module + 'static, I: Send + Sync + 'static>(
+    s: &mut WorkerState<M, I>,
+    step: u64,
+    micro_batches: Vec<Vec<usize>>,
+    global: usize,
+) -> Result<StepReport> {
+    let (done, rx) = oneshot::channel();
+    s.server
+        .cast(ServerMsg::Begin {
+            worker: s.worker,
+            step,
+            micro_batches,
+            global,
+            done,
+        })
+        .map_err(|e| lost_server(e.to_string()))?;
+    let lp = Loop {
+        worker: s.worker,
+        step,
+        global,
+        server: s.server.clone(),
+        spec: s.spec.clone(),
+        model: s.model.clone(),
+        device: s.device.clone(),
+        wait: s.wait,
+        link: s.link.clone(),
+    };
+    let task: super::device::Task = Box::new(move || {
+        let server = lp.server.clone();
+        let worker = lp.worker;
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| lp.run()));
+        let reason = match r {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(p) => format!("panic: {}", super::panic_text(p.as_ref())),
+        };
+        let _ = server.cast(ServerMsg::Leave { worker, reason });
+    });
+    s.device_actor
+        .send_message(DeviceMsg::Run {
+            label: format!("parameter-server step {step}"),
+            task,
+        })
+        .map_err(|e| failed(s, "starting the round", e.to_string()))?;
+    let round = match tokio::time::timeout(s.round_wait, rx).await {
+        Ok(Ok(Ok(round))) => round,
+        Ok(Ok(Err(reason))) => return Err(failed(s, "a parameter-server round", reason)),
+        Ok(Err(_)) => return Err(lost_server("it dropped the round")),
+        Err(_) => {
+            return Err(ParameterServerError::Timeout {
+                worker: s.worker,
+                shard: SHARD,
+                waited: s.round_wait,
+                missing: format!("the end of step {step}"),
+            }
+            .into());
+        }
+    };
+    let (loss, samples) = round.loss;
+    Ok(StepReport {
+        rank: s.rank,
+        sample_ids: round.sample_ids,
+        local_loss: (samples > 0).then(|| (loss / samples as f64) as f32),
+        learning_rate: Some(s.lr),
+        trace: Vec::new(),
+        pipeline: None,
+        held: None,
+        loss_scale: None,
+        // What the worker's link carried: its pushed gradients (the pulls are the server's).
+        bytes_sent: round.step.bytes_pushed,
+        parameter_server: Some(round.step),
+    })
+}
+
+/// A worker's loop on its device thread for one step.
+struct Loop<M, I> {
+    worker: WorkerId,
+    step: u64,
+    global: usize,
+    server: ActorRef<ServerMsg>,
+    spec: Arc<StageSpec<M, I>>,
+    model: Arc<Mutex<Option<WorkerModel<M>>>>,
+    device: MeshDevice,
+    wait: Duration,
+    link: Option<crate::comm::emulate::LinkEmulation>,
+}
+
+impl<M: Module + 'static, I: Send + Sync + 'static> Loop<M, I> {
+    fn run(&self) -> Result<()> {
+        let mut guard = self.model.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(wm) = guard.as_mut() else {
+            return Err(Error::Runtime("the worker has no model".into()));
+        };
+        if let Some(h) = &self.spec.faults {
+            h.begin_step(self.device.id(), self.step);
+        }
+        loop {
+            let (tx, rx) = mpsc::channel();
+            self.server
+                .cast(ServerMsg::Pull {
+                    worker: self.worker,
+                    step: self.step,
+                    reply: tx,
+                })
+                .map_err(|e| lost_server(e.to_string()))?;
+            let answer = rx.recv_timeout(self.wait).map_err(|e| match e {
+                mpsc::RecvTimeoutError::Timeout => ParameterServerError::Timeout {
+                    worker: self.worker,
+                    shard: SHARD,
+                    waited: self.wait,
+                    missing: format!("parameters and a work item of step {}", self.step),
+                }
+                .into(),
+                mpsc::RecvTimeoutError::Disconnected => lost_server("it dropped a pull unanswered"),
+            })?;
+            let PullAnswer::Work {
+                item,
+                clock,
+                micro_batches,
+                params,
+            } = answer
+            else {
+                return Ok(());
+            };
+            report_progress(|| format!("step {}: item {item} at clock {clock}", self.step));
+            // LINK-1: the parameters come over the server's (ordinary) link.
+            if let Some(link) = &self.link {
+                std::thread::sleep(link.delay(Rank(u32::MAX), 4 * params.len()));
+            }
+            let (grads, loss_sum) = self.gradient(wm, &params, &micro_batches)?;
+            // LINK-1: the gradient leaves over this worker's link.
+            if let Some(link) = &self.link {
+                std::thread::sleep(link.delay(Rank(self.worker), 4 * grads.len()));
+            }
+            self.server
+                .cast(ServerMsg::Push {
+                    worker: self.worker,
+                    step: self.step,
+                    item,
+                    grads,
+                    loss_sum,
+                })
+                .map_err(|e| lost_server(e.to_string()))?;
+        }
+    }
+
+    /// The item's gradient at `params`, each micro-batch weighted by its share of the step's
+    /// samples (DP-2), and its loss summed over its samples.
+    fn gradient(
+        &self,
+        wm: &mut WorkerModel<M>,
+        params: &[f32],
+        micro_batches: &[Vec<usize>],
+    ) -> Result<(Vec<f32>, f64)> {
+        let spec = &self.spec;
+        let device_id = self.device.id();
+        let ad = self.device.burn().clone().autodiff();
+        let model = set_trainable(wm.model.clone(), &wm.layout, params);
+        let mut accumulated = GradientsAccumulator::<M>::new();
+        let mut loss_sum = 0.0f64;
+        for (m, ids) in micro_batches.iter().enumerate() {
+            let items = ids
+                .iter()
+                .map(|&i| {
+                    spec.dataset
+                        .get(i)
+                        .ok_or_else(|| Error::Data(format!("sample {i} could not be read")))
+                })
+                .collect::<Result<Vec<I>>>()?;
+            let hooks = spec.faults.as_deref();
+            let loss = with_hooks(
+                hooks,
+                device_id,
+                self.step,
+                m as u32,
+                Phase::Forward,
+                || (spec.loss_fn)(&model, &items, &ad),
+            );
+            let value: f32 = loss.clone().into_scalar();
+            loss_sum += f64::from(value) * ids.len() as f64;
+            let weight = ids.len() as f32 / self.global.max(1) as f32;
+            let grads = with_hooks(
+                hooks,
+                device_id,
+                self.step,
+                m as u32,
+                Phase::Backward,
+                || GradientsParams::from_grads((loss * weight).backward(), &model),
+            );
+            accumulated.accumulate(&model, grads);
+        }
+        let grads = accumulated.grads();
+        let flat = GradientBuffers::take(&model, &wm.layout, grads).into_flat();
+        wm.model = model;
+        Ok((flat, loss_sum))
+    }
+}
+
+/// The trained model: the server's parameters in this worker's model (PSA-3).
+async fn take_model<M: Module + 'static, I>(s: &WorkerState<M, I>) -> Result<M> {
+    let params = server_params(s).await?;
+    with_model(s, "taking the model", move |wm| {
+        Ok(set_trainable(wm.model.clone(), &wm.layout, &params))
+    })
+    .await
+}
+
+/// The server's parameters and optimizer state as this job's one shard (PSA-3).
+async fn snapshot<M: Module + 'static, I>(s: &WorkerState<M, I>) -> Result<ShardSnapshot> {
+    let (params, optimizer, rule) = ask_server(s, ServerMsg::State, "its state").await?;
+    with_model(s, "checkpoint snapshot", move |wm| {
+        let model = set_trainable(wm.model.clone(), &wm.layout, &params);
+        let total = params.len();
+        let shard = OptimizerShard {
+            rule,
+            range: 0..total,
+            total,
+            state: optimizer,
+        };
+        Ok(ShardSnapshot {
+            shard: ShardId::stage(0),
+            params: snapshot_module(&model),
+            optimizer: Some(shard_state(&shard)?),
+            training: TrainingState::default(),
+        })
+    })
+    .await
+}
+
+/// Set the server's parameters and optimizer state from a checkpoint's shard (PSA-3).
+async fn restore<M: Module + 'static, I>(
+    s: &WorkerState<M, I>,
+    shard: ShardSnapshot,
+) -> Result<()> {
+    let rule = s.rule;
+    let (params, optimizer) = with_model(s, "checkpoint restore", move |wm| {
+        let model = restore_module(wm.model.clone(), &shard.params)?;
+        let flat = parameters_to_flat(&model, &wm.layout);
+        let total = flat.len();
+        let optimizer = match &shard.optimizer {
+            Some(o) => {
+                let own = OptimizerShard::fresh(rule, total, 1, 0);
+                restore_shard(o, &own, total, 0, 1)?.0.state
+            }
+            None => FlatState::default(),
+        };
+        wm.model = model;
+        Ok((flat, optimizer))
+    })
+    .await?;
+    ask_server(
+        s,
+        |reply| ServerMsg::Restore {
+            params,
+            optimizer,
+            reply,
+        },
+        "a restore",
+    )
+    .await
+}
