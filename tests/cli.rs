@@ -371,3 +371,75 @@ fn bench_tensor_reports_megatron_s_all_reduce_bytes_as_json() {
     assert!(picture.starts_with("<svg") && picture.contains("all-reduce"));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bench_comm_efficiency_prints_one_json_line_per_method_and_draws_the_curves() {
+    let dir = scratch("bench-comm");
+    let svg = dir.join("comm.svg");
+    let (code, stdout, stderr) = run(&[
+        "bench",
+        "comm-efficiency",
+        "--steps",
+        "8",
+        "--hidden",
+        "16",
+        "--batch-size",
+        "16",
+        "--slow-rank-batch-size",
+        "64",
+        "--methods",
+        "bf16,local-sgd,ssp-2,backup",
+        "--json",
+        "--svg",
+        path(&svg),
+    ]);
+    assert_eq!(code, Some(0), "stderr:\n{stderr}");
+    let lines: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect();
+    let methods: Vec<(&str, &str)> = lines
+        .iter()
+        .map(|l| {
+            (
+                l["scenario"].as_str().expect("a scenario"),
+                l["method"].as_str().expect("a method"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        methods,
+        [
+            ("slow-links", "sync"),
+            ("slow-links", "bf16"),
+            ("slow-links", "local-sgd"),
+            ("slow-rank", "sync"),
+            ("slow-rank", "ssp-2"),
+            ("slow-rank", "backup"),
+        ]
+    );
+    for l in &lines {
+        for key in [
+            "method",
+            "time_to_target_s",
+            "steps_to_target",
+            "bytes_per_rank",
+            "final_loss",
+        ] {
+            assert!(l.get(key).is_some(), "{key} missing from {l}");
+        }
+        assert!(l["final_loss"].as_f64().expect("a loss").is_finite(), "{l}");
+    }
+    // bf16 halves what each rank sends (2-byte values, same plans).
+    let bytes = |m: &str| {
+        lines
+            .iter()
+            .find(|l| l["method"] == m)
+            .and_then(|l| l["bytes_per_rank"].as_u64())
+            .expect("bytes")
+    };
+    assert!(bytes("bf16") < bytes("sync"), "{stdout}");
+    let picture = std::fs::read_to_string(&svg).expect("the picture was written");
+    assert!(picture.starts_with("<svg") && picture.contains("polyline"));
+    let _ = std::fs::remove_dir_all(&dir);
+}

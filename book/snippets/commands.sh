@@ -14,6 +14,10 @@ cargo run --release -- train --model gpt --tp 2 --steps 30 --sample 60
 # a fault-injection run: four replicas, a kill and a panic from the plan, shrinking to the survivors
 cargo run --release -- train --dp 4 --batch-size 48 --steps 20 --faults book/snippets/faults.json --on-replica-loss shrink
 # ANCHOR_END: faults
+# ANCHOR: slow-links
+# the methods for slow networks, in miniature: 4 ranks, 100 MB/s links with 2 ms latency, then one rank 3× slower
+cargo run --release -- bench comm-efficiency --steps 16 --hidden 64 --slow-rank-batch-size 256 --methods bf16,diloco,ssp-2,backup
+# ANCHOR_END: slow-links
 # collective bandwidth (algbw, busbw) against memcpy, one size, as JSON
 cargo run --release -- bench allreduce --world 2 --bytes 16MiB --algo direct --json
 # data-parallel weak scaling against a plain Burn loop

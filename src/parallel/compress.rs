@@ -660,12 +660,18 @@ fn seeded_uniform(seed: u64, n: usize) -> Vec<f32> {
 fn mat_mul_q(mat: &Matrix, flat: &[f32], q: &[f32]) -> Vec<f32> {
     let (n, m, r) = (mat.n(), mat.m(), mat.r);
     let mut p = vec![0.0f32; n * r];
+    let mut acc = vec![0.0f64; r];
+    // Row by row in memory order; each sum still runs over j in ascending order.
     for i in 0..n {
-        for c in 0..r {
-            let s: f64 = (0..m)
-                .map(|j| f64::from(mat.at(flat, i, j)) * f64::from(q[j * r + c]))
-                .sum();
-            p[i * r + c] = s as f32;
+        acc.fill(0.0);
+        for j in 0..m {
+            let v = f64::from(mat.at(flat, i, j));
+            for (a, qc) in acc.iter_mut().zip(&q[j * r..j * r + r]) {
+                *a += v * f64::from(*qc);
+            }
+        }
+        for (pc, a) in p[i * r..i * r + r].iter_mut().zip(&acc) {
+            *pc = *a as f32;
         }
     }
     p
@@ -674,16 +680,19 @@ fn mat_mul_q(mat: &Matrix, flat: &[f32], q: &[f32]) -> Vec<f32> {
 /// Q = Mᵀ P (`m × r`, row-major) for the `n × m` view of `mat`.
 fn mat_t_mul_p(mat: &Matrix, flat: &[f32], p: &[f32]) -> Vec<f32> {
     let (n, m, r) = (mat.n(), mat.m(), mat.r);
-    let mut q = vec![0.0f32; m * r];
-    for j in 0..m {
-        for c in 0..r {
-            let s: f64 = (0..n)
-                .map(|i| f64::from(mat.at(flat, i, j)) * f64::from(p[i * r + c]))
-                .sum();
-            q[j * r + c] = s as f32;
+    let mut acc = vec![0.0f64; m * r];
+    // Row by row in memory order (not column by column through the matrix); each sum still
+    // runs over i in ascending order, so the result is the same bits.
+    for i in 0..n {
+        let pi = &p[i * r..i * r + r];
+        for j in 0..m {
+            let v = f64::from(mat.at(flat, i, j));
+            for (a, pc) in acc[j * r..j * r + r].iter_mut().zip(pi) {
+                *a += v * f64::from(*pc);
+            }
         }
     }
-    q
+    acc.into_iter().map(|a| a as f32).collect()
 }
 
 /// (P Qᵀ)[i][j].

@@ -20,7 +20,8 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use burn::optim::AdamConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::Device;
 use meshwork::comm::emulate::LinkEmulation;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
@@ -30,6 +31,7 @@ use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
 use meshwork::job::{EventsError, Job, JobBuilder};
 use meshwork::parallel::compress::Compression;
 use meshwork::parallel::local::LocalUpdates;
+use meshwork::parallel::parameter_server::{ParameterServer, Staleness};
 use serde::Serialize;
 
 /// Steps whose losses are averaged into the loss that is compared with the target.
@@ -38,6 +40,10 @@ pub(crate) const SMOOTH: usize = 5;
 const TARGET_AT: f64 = 0.6;
 /// Ranks.
 const WORLD: u32 = 4;
+/// The learning rate of SGD with momentum in the slow-rank scenario.
+const SLOW_RANK_LR: f64 = 0.02;
+/// Micro-batches per replica per step in the slow-rank scenario (every method alike).
+const MICRO_BATCHES: u32 = 4;
 /// Steps between the synchronisations of local SGD and DiLoCo (`--steps` must be a multiple).
 const LOCAL_EVERY: u32 = 8;
 
@@ -49,8 +55,11 @@ pub(crate) struct CommBench {
     pub(crate) slow_factor: f64,
     /// Steps of every run.
     pub(crate) steps: u64,
-    /// Global batch (all ranks).
+    /// Global batch (all ranks) in the slow-links scenario: small, so that the network
+    /// dominates the step.
     pub(crate) batch_size: usize,
+    /// Global batch in the slow-rank scenario: large, so that compute dominates the step.
+    pub(crate) slow_rank_batch_size: usize,
     /// Width of the demo MLP's two hidden layers.
     pub(crate) hidden: usize,
     /// The target loss (default: see the module docs).
@@ -72,6 +81,8 @@ pub(crate) struct MethodRun {
     pub(crate) final_loss: f32,
     /// Its time to the target over `sync`'s in the same scenario.
     pub(crate) time_vs_sync: Option<f64>,
+    /// The scenario's target loss.
+    pub(crate) target_loss: f32,
     #[serde(skip)]
     pub(crate) curve: Vec<(f64, f32)>,
 }
@@ -103,7 +114,7 @@ impl Scenario {
                 "diloco",
                 "easgd",
             ],
-            Scenario::SlowRank => &["sync"],
+            Scenario::SlowRank => &["sync", "ssp-0", "ssp-2", "async", "backup"],
         }
     }
 }
@@ -144,9 +155,9 @@ fn configure(method: &str, builder: JobBuilder<Mlp, Sample>) -> Option<JobBuilde
     Some(match method {
         "sync" => builder,
         "bf16" => builder.compression(Compression::Bf16),
-        "topk" => builder.compression(Compression::TopK { fraction: 0.01 }),
+        "topk" => builder.compression(Compression::TopK { fraction: 0.1 }),
         "powersgd" => builder.compression(Compression::PowerSgd {
-            rank: 4,
+            rank: 2,
             start_after: 10,
         }),
         "local-sgd" => builder.local_updates(LocalUpdates::local_sgd(LOCAL_EVERY)),
@@ -157,6 +168,10 @@ fn configure(method: &str, builder: JobBuilder<Mlp, Sample>) -> Option<JobBuilde
             nesterov: true,
         }),
         "easgd" => builder.local_updates(LocalUpdates::easgd(4, 0.2)),
+        "ssp-0" => builder.parameter_server(ParameterServer::new(Staleness::Bounded(0))),
+        "ssp-2" => builder.parameter_server(ParameterServer::new(Staleness::Bounded(2))),
+        "async" => builder.parameter_server(ParameterServer::new(Staleness::Unbounded)),
+        "backup" => builder.backup_workers(1),
         _ => return None,
     })
 }
@@ -173,15 +188,23 @@ fn run_method(
     match scenario {
         Scenario::SlowLinks => builder = builder.link_emulation(b.link.clone()),
         Scenario::SlowRank => {
-            builder = builder.fault_plan(FaultPlan::new(1).with(Fault {
-                device: WORLD - 1,
-                step: 0,
-                micro_batch: None,
-                phase: Phase::Forward,
-                kind: FaultKind::Slow {
-                    factor: b.slow_factor,
-                },
-            }))
+            // Items of a parameter-server round are micro-batches: a fast worker takes more.
+            // SGD with momentum: an asynchronous server applies every item's gradient, and
+            // Adam would normalise each of those small steps into a full one.
+            builder = builder
+                .batch_size(b.slow_rank_batch_size)
+                .optimizer(SgdConfig::new().with_momentum(Some(MomentumConfig::new())))
+                .learning_rate(SLOW_RANK_LR)
+                .gradient_accumulation(MICRO_BATCHES)
+                .fault_plan(FaultPlan::new(1).with(Fault {
+                    device: WORLD - 1,
+                    step: 0,
+                    micro_batch: None,
+                    phase: Phase::Forward,
+                    kind: FaultKind::Slow {
+                        factor: b.slow_factor,
+                    },
+                }))
         }
     }
     let job = configure(method, builder)
@@ -231,13 +254,13 @@ fn reach(curve: &[(f64, f32)], target: f32) -> Option<(u64, f64)> {
         .map(|i| (i as u64 + 1, curve[i].0))
 }
 
-/// Runs every scenario's methods; returns the runs and the target used.
-pub(crate) fn run(b: &CommBench) -> Result<(Vec<MethodRun>, f32)> {
+/// Runs every scenario's methods; returns the runs.
+pub(crate) fn run(b: &CommBench) -> Result<Vec<MethodRun>> {
     let init = initial_model(b.hidden);
     let wanted = |m: &str| b.only.is_empty() || m == "sync" || b.only.iter().any(|o| o == m);
-    let mut target = b.target;
     let mut runs = Vec::new();
     for scenario in [Scenario::SlowLinks, Scenario::SlowRank] {
+        let mut target = b.target;
         let mut sync_time = None;
         for &method in scenario.methods().iter().filter(|m| wanted(m)) {
             eprintln!("bench comm-efficiency: {} / {method} …", scenario.name());
@@ -260,26 +283,29 @@ pub(crate) fn run(b: &CommBench) -> Result<(Vec<MethodRun>, f32)> {
                 bytes_per_rank: bytes,
                 final_loss: smooth.last().copied().unwrap_or(f32::NAN),
                 time_vs_sync: reached.map(|r| r.1).zip(sync_time).map(|(m, s)| m / s),
+                target_loss: t,
                 curve,
             });
         }
     }
     if let Some(path) = &b.svg {
-        let svg = crate::comm_svg::render(&runs, target.unwrap_or(0.0));
+        let svg = crate::comm_svg::render(&runs);
         std::fs::write(path, svg).map_err(|e| Error::Io {
             path: path.display().to_string(),
             reason: e.to_string(),
         })?;
     }
-    Ok((runs, target.unwrap_or(f32::NAN)))
+    Ok(runs)
 }
 
 /// The table of `runs`.
-pub(crate) fn print_table(b: &CommBench, runs: &[MethodRun], target: f32) {
+pub(crate) fn print_table(b: &CommBench, runs: &[MethodRun]) {
     println!(
-        "comm-efficiency: {WORLD} ranks, demo MLP 32-{h}-{h}-8 (Adam), batch {bs}, {st} steps; \
-         slow links: {link}; slow rank: rank {slow} {f}× slower; target loss {target:.5} \
-         (mean of {SMOOTH} steps)",
+        "comm-efficiency: {WORLD} ranks, demo MLP 32-{h}-{h}-8, {st} steps; slow links \
+         (Adam, batch {bs}): {link}; slow rank (SGD with momentum, batch {rbs} in \
+         {MICRO_BATCHES} micro-batches per rank): rank {slow} {f}× slower; loss = mean of \
+         {SMOOTH} steps",
+        rbs = b.slow_rank_batch_size,
         h = b.hidden,
         bs = b.batch_size,
         st = b.steps,
@@ -288,15 +314,23 @@ pub(crate) fn print_table(b: &CommBench, runs: &[MethodRun], target: f32) {
         f = b.slow_factor,
     );
     println!(
-        "{:<11} {:<10} {:>15} {:>9} {:>15} {:>11} {:>8}",
-        "scenario", "method", "time to target", "steps", "bytes per rank", "final loss", "vs sync"
+        "{:<11} {:<10} {:>9} {:>15} {:>9} {:>15} {:>11} {:>8}",
+        "scenario",
+        "method",
+        "target",
+        "time to target",
+        "steps",
+        "bytes per rank",
+        "final loss",
+        "vs sync"
     );
     let opt = |v: Option<f64>, p: usize| v.map_or("-".to_string(), |v| format!("{v:.p$}"));
     for r in runs {
         println!(
-            "{:<11} {:<10} {:>14}s {:>9} {:>15} {:>11.5} {:>8}",
+            "{:<11} {:<10} {:>9.5} {:>14}s {:>9} {:>15} {:>11.5} {:>8}",
             r.scenario,
             r.method,
+            r.target_loss,
             opt(r.time_to_target_s, 2),
             r.steps_to_target.map_or("-".to_string(), |s| s.to_string()),
             r.bytes_per_rank,

@@ -34,8 +34,9 @@ fn smooth(curve: &[(f64, f32)]) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// The SVG document for `runs` (grouped by scenario, in their order) and the target.
-pub(crate) fn render(runs: &[MethodRun], target: f32) -> String {
+/// The SVG document for `runs` (grouped by scenario, in their order; each scenario's target
+/// dashed).
+pub(crate) fn render(runs: &[MethodRun]) -> String {
     let mut scenarios: Vec<&str> = Vec::new();
     for r in runs {
         if !scenarios.contains(&r.scenario) {
@@ -63,7 +64,12 @@ pub(crate) fn render(runs: &[MethodRun], target: f32) -> String {
         (lo.min(l), hi.max(l))
     });
     let (lo, hi) = if lo < hi {
-        ((lo.min(f64::from(target)) * 0.9).max(1e-12), hi * 1.1)
+        let target = runs
+            .iter()
+            .map(|r| f64::from(r.target_loss))
+            .filter(|t| positive(*t))
+            .fold(lo, f64::min);
+        ((target * 0.9).max(1e-12), hi * 1.1)
     } else {
         (1e-3, 1.0)
     };
@@ -115,8 +121,12 @@ pub(crate) fn render(runs: &[MethodRun], target: f32) -> String {
                 y_of(l) + 4.0
             );
         }
-        if positive(f64::from(target)) {
-            let y = y_of(f64::from(target));
+        let target = runs
+            .iter()
+            .find(|r| r.scenario == *scenario)
+            .map_or(f64::NAN, |r| f64::from(r.target_loss));
+        if positive(target) {
+            let y = y_of(target);
             let _ = writeln!(
                 svg,
                 r##"<line x1="{x0}" x2="{:.1}" y1="{y:.1}" y2="{y:.1}" stroke="#333" stroke-dasharray="5,4"/><text x="{:.1}" y="{:.1}" text-anchor="end">target</text>"##,
