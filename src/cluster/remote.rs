@@ -1019,7 +1019,7 @@ where
                 };
                 let r = state
                     .ask(op, wait, |a| match a {
-                        StageAnswer::Step(report) => Some(report),
+                        StageAnswer::Step(report) => Some(*report),
                         _ => None,
                     })
                     .await;
@@ -1552,7 +1552,7 @@ impl<M: Send + 'static> NodeInner<M> {
                 .await
                 .map(|report| {
                     let _ = self.with_slot(slot, |s| s.steps += 1);
-                    StageAnswer::Step(report)
+                    StageAnswer::Step(Box::new(report))
                 }),
             StageOp::Fingerprint => self
                 .asker(slot, timeout)?

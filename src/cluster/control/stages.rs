@@ -180,7 +180,7 @@ pub enum StageAnswer {
         after: u64,
     },
     /// The answer to Step.
-    Step(StepReport),
+    Step(Box<StepReport>),
     /// The answer to Fingerprint.
     Fingerprint(u64),
     /// The answer to Snapshot: each shard in the checkpoint format.
