@@ -39,11 +39,11 @@ pub enum JobEvent {
         rank: Rank,
         /// Its stage (replica, pipeline stage, tensor-parallel rank).
         stage: crate::mesh::StageId,
-        /// Its median compute time over the detector's window divided by the ranks' median.
+        /// Its median compute time over the detector's window divided by the other ranks' median.
         slowdown: f64,
         /// Its median compute time (forward and backward) per step, in seconds.
         median_s: f64,
-        /// The ranks' median, in seconds.
+        /// The other ranks' median, in seconds.
         typical_s: f64,
     },
     /// A rank named by [`JobEvent::Straggler`] is no longer slow.

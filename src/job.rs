@@ -612,8 +612,8 @@ where
     /// in one all-reduce of their parameters: [`LocalUpdates::LocalSgd`] averages them,
     /// [`LocalUpdates::DiLoCo`] takes an outer Nesterov-SGD step on their mean change,
     /// [`LocalUpdates::Easgd`] pulls them toward a centre variable
-    /// ([`crate::parallel::local`]). With `every` 1 and SGD, local SGD equals plain data
-    /// parallelism. Checkpoints hold every replica's own parameters, optimizer and the outer
+    /// ([`crate::parallel::local`]). With `every` 1 and SGD (and a global batch that splits
+    /// evenly over the replicas), local SGD equals plain data parallelism. Checkpoints hold every replica's own parameters, optimizer and the outer
     /// state (LOCAL-4), so a lost replica rolls back (never dropped) and a resumed run equals
     /// the uninterrupted one; resuming or resizing onto another number of replicas is
     /// refused (the job cannot grow; a shrink fails at its next step). The job
@@ -952,6 +952,7 @@ where
                     precision: self.mixed.precision,
                     dp: self.dp,
                     steps: self.steps,
+                    clip: self.clip_norm.is_some(),
                 },
             )?;
         }

@@ -3,13 +3,13 @@
 //! publishes `JobEvent::Straggler` / `JobEvent::StragglerRecovered`).
 //!
 //! A rank's *slowdown* is the median of its compute times (forward and backward, from its
-//! trace) over the last `window` steps, divided by the median over ranks of those medians.
+//! trace) over the last `window` steps, divided by the median of the other ranks' medians.
 //! Medians make one slow step (a page fault, a noisy neighbour) harmless; the window makes a
 //! slow-down that persists show.
 //!
 //! Invariants:
 //! - STRAG-1 (persistent only): a rank is named only once `window` steps of it are known,
-//!   its slowdown is at least `threshold` and its median exceeds the ranks' by at least
+//!   its slowdown is at least `threshold` and its median exceeds the others' by at least
 //!   `min_excess_s` (milliseconds of scheduling noise on tiny steps are no straggler); it is
 //!   named once, and again only after it was reported recovered (slowdown back below
 //!   halfway between 1 and `threshold`: hysteresis, so a rank near the line does not flap).
@@ -30,12 +30,12 @@ pub struct StragglerDetection {
     pub window: usize,
     /// The slowdown (≥ 1) at which a rank is named.
     pub threshold: f64,
-    /// How many seconds its median must exceed the ranks' median by, too.
+    /// How many seconds its median must exceed the other ranks' median by, too.
     pub min_excess_s: f64,
 }
 
 impl Default for StragglerDetection {
-    /// A rank whose median compute time over 5 steps is 1.5 × the ranks' median and at
+    /// A rank whose median compute time over 5 steps is 1.5 × the other ranks' median and at
     /// least 5 ms more.
     fn default() -> Self {
         Self {
@@ -53,11 +53,11 @@ pub enum StragglerChange {
     Slow {
         /// Its index (the rank).
         rank: u32,
-        /// Its median compute time over the window divided by the ranks' median.
+        /// Its median compute time over the window divided by the other ranks' median.
         slowdown: f64,
         /// Its median compute time over the window, in seconds.
         median_s: f64,
-        /// The ranks' median, in seconds.
+        /// The other ranks' median, in seconds.
         typical_s: f64,
     },
     /// A rank named before is no longer slow.
@@ -132,11 +132,16 @@ impl StragglerDetector {
         if full.len() < 2 {
             return BTreeMap::new();
         }
-        let Some(typical) = median(&mut full.iter().map(|(_, m)| *m).collect::<Vec<_>>()) else {
-            return BTreeMap::new();
-        };
-        full.into_iter()
-            .map(|(r, m)| {
+        // Each rank against the median of the others: with two ranks, a rank twice as slow
+        // as its peer has slowdown 2 (against a median that held itself, it would be 1.33).
+        full.iter()
+            .map(|&(r, m)| {
+                let mut others: Vec<f64> = full
+                    .iter()
+                    .filter(|(o, _)| *o != r)
+                    .map(|(_, m)| *m)
+                    .collect();
+                let typical = median(&mut others).unwrap_or(m);
                 let slowdown = if typical > 0.0 { m / typical } else { 1.0 };
                 (r, (slowdown, m, typical))
             })

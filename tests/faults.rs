@@ -381,7 +381,7 @@ async fn a_slow_device_slows_its_replica_and_training_still_equals_the_reference
         compute(0)
     );
     // STRAG-1: the slow rank is named once its window is full, with its measured slowdown
-    // (against the median of two ranks, a 20× slower one is at least 1.5× it); the fast one
+    // (against the other rank, a 20× slower one is far above 1.5×); the fast one
     // is not.
     let named: Vec<(Rank, f64, u64)> = events
         .iter()

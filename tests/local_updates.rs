@@ -489,4 +489,8 @@ fn local_updates_refuse_what_they_cannot_do() {
         builder(Some(LocalUpdates::local_sgd(4)), sgd(), 0.05, 8).precision(Precision::F16),
         "f16",
     );
+    refused(
+        builder(Some(LocalUpdates::local_sgd(4)), sgd(), 0.05, 8).clip_grad_norm(1.0),
+        "clip_grad_norm",
+    );
 }

@@ -752,7 +752,9 @@ fn execute_messages(
                 let bytes = range.len() * wire.elem_bytes;
                 wire.sent_bytes += bytes as u64;
                 if let Some(link) = wire.link {
-                    std::thread::sleep(link.delay(rank_of(me), bytes));
+                    // Never past the op's deadline: the receivers' time-out names the wait.
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    std::thread::sleep(link.delay(rank_of(me), bytes).min(left));
                 }
                 let message = Message {
                     seq,
@@ -1385,7 +1387,9 @@ impl LocalCommunicator {
         let bytes = std::mem::size_of_val(buf);
         self.bytes_sent += bytes as u64;
         if let Some(link) = &self.group.config.link {
-            std::thread::sleep(link.delay(self.rank, bytes));
+            // Never past the op's deadline: the wait below then reports the time-out.
+            let left = deadline.saturating_duration_since(Instant::now());
+            std::thread::sleep(link.delay(self.rank, bytes).min(left));
         }
         let group = &*self.group;
         let slot = me * group.world + peer;

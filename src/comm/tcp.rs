@@ -629,7 +629,9 @@ fn run_sender(
                     };
                     // LINK-1: the payload leaves once the emulated link has carried it.
                     if let Some((me, link)) = link {
-                        std::thread::sleep(link.delay(*me, bytes.len()));
+                        // Never past the op's deadline: the write then fails with it.
+                        let left = deadline.saturating_duration_since(Instant::now());
+                        std::thread::sleep(link.delay(*me, bytes.len()).min(left));
                     }
                     bytes
                         .chunks(frame.max(1))

@@ -20,6 +20,8 @@ pub(super) struct Combination {
     pub(super) precision: Precision,
     pub(super) dp: u32,
     pub(super) steps: u64,
+    /// The job clips the gradient's global norm.
+    pub(super) clip: bool,
 }
 
 /// Refuse what local updates cannot do (with the reason and what to do instead).
@@ -54,6 +56,14 @@ pub(super) fn check(updates: &LocalUpdates, c: Combination) -> Result<()> {
         return refuse(
             "a job across processes (cluster)",
             "not supported yet; run it in one process",
+        );
+    }
+    if c.clip {
+        return refuse(
+            "clip_grad_norm",
+            "a rank stepping alone would clip its own gradient, not the group's mean, and \
+             decide alone to skip a non-finite one, falling out of the group's \
+             synchronisation schedule; clip inside the loss or use plain data parallelism",
         );
     }
     if c.precision.scales_loss() {
