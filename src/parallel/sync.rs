@@ -780,7 +780,19 @@ pub(crate) fn restore_flat<M: Module>(
     let Some(flat) = params.flat_parameters(layout.len())? else {
         return Ok((restore_module(model, params)?, None));
     };
-    let model = set_trainable(model, layout, &flat);
+    let model = with_flat_and_named(model, layout, &flat, params)?;
+    Ok((model, Some(flat)))
+}
+
+/// `model` with its trainable parameters set from `flat` (in `layout`'s order; they keep
+/// `model`'s ids) and its other float parameters (buffers) taken by name from `named`.
+pub(crate) fn with_flat_and_named<M: Module>(
+    model: M,
+    layout: &ParamLayout,
+    flat: &[f32],
+    named: &ShardParams,
+) -> Result<M, CheckpointError> {
+    let model = set_trainable(model, layout, flat);
     let trainable: std::collections::HashSet<u64> =
         layout.slots().iter().map(|s| s.id.val()).collect();
     let merged = snapshot_module(&model)
@@ -790,7 +802,7 @@ pub(crate) fn restore_flat<M: Module>(
             if trainable.contains(&p.id) {
                 Ok(p.clone())
             } else {
-                params
+                named
                     .get(&p.name)
                     .cloned()
                     .ok_or_else(|| CheckpointError::MissingParameter {
@@ -799,8 +811,18 @@ pub(crate) fn restore_flat<M: Module>(
             }
         })
         .collect::<Result<Vec<_>, _>>()?;
-    let model = restore_module(model, &ShardParams::from_params(merged))?;
-    Ok((model, Some(flat)))
+    restore_module(model, &ShardParams::from_params(merged))
+}
+
+/// A rank's own state as its one part of the group's optimizer state (rank `rank` of
+/// `world`): how strategies whose ranks each keep state of their own (a compressor's
+/// residual, a local-updates rank's parameters) checkpoint it.
+pub(crate) fn rank_part(bytes: Vec<u8>, (rank, world): (usize, usize)) -> OptimizerState {
+    OptimizerState::from_parts(vec![OptimizerPart {
+        range: rank as u64..rank as u64 + 1,
+        total: world as u64,
+        bytes,
+    }])
 }
 
 /// A ZeRO optimizer shard as its checkpoint part (CKPT-8).

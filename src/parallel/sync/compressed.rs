@@ -31,9 +31,9 @@ use serde::{Deserialize, Serialize};
 
 use super::{
     AllReduceSync, Collective, GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext,
-    SyncError, all_reduce_as, clip_by_global_norm, overflow_in_group,
+    SyncError, all_reduce_as, clip_by_global_norm, overflow_in_group, rank_part,
 };
-use crate::checkpoint::{CheckpointError, OptimizerPart, OptimizerState};
+use crate::checkpoint::{CheckpointError, OptimizerState};
 use crate::parallel::compress::{Compression, Compressor, CompressorState, Exchange};
 use crate::parallel::gradients::{GradientBuffers, ParamLayout};
 use crate::precision::Precision;
@@ -209,12 +209,7 @@ impl<M: Module> GradientSync<M> for CompressedSync {
         };
         let bytes = bincode::serde::encode_to_vec(&saved, bincode::config::standard())
             .map_err(|e| optimizer_error(format!("encoding the compression state: {e}")))?;
-        let (rank, world) = self.place;
-        Ok(OptimizerState::from_parts(vec![OptimizerPart {
-            range: rank as u64..rank as u64 + 1,
-            total: world as u64,
-            bytes,
-        }]))
+        Ok(rank_part(bytes, self.place))
     }
 
     fn restore_optimizer(

@@ -26,11 +26,9 @@ use burn::optim::{GradientsParams, ModuleOptimizer};
 
 use super::{
     Collective, GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext, SyncError,
-    clip_by_global_norm,
+    clip_by_global_norm, rank_part, with_flat_and_named,
 };
-use crate::checkpoint::{
-    CheckpointError, OptimizerPart, OptimizerState, ShardParams, restore_module, snapshot_module,
-};
+use crate::checkpoint::{CheckpointError, OptimizerState, ShardParams, snapshot_module};
 use crate::comm::ReduceOp;
 use crate::parallel::buckets::Bucket;
 use crate::parallel::gradients::{
@@ -109,26 +107,7 @@ impl LocalSync {
         named: &ShardParams,
         state: RankState,
     ) -> Result<M, CheckpointError> {
-        let model = set_trainable(model, &self.layout, &state.params);
-        let trainable: std::collections::HashSet<u64> =
-            self.layout.slots().iter().map(|s| s.id.val()).collect();
-        let merged = snapshot_module(&model)
-            .params()
-            .iter()
-            .map(|p| {
-                if trainable.contains(&p.id) {
-                    Ok(p.clone())
-                } else {
-                    named
-                        .get(&p.name)
-                        .cloned()
-                        .ok_or_else(|| CheckpointError::MissingParameter {
-                            name: p.name.clone(),
-                        })
-                }
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let model = restore_module(model, &ShardParams::from_params(merged))?;
+        let model = with_flat_and_named(model, &self.layout, &state.params, named)?;
         self.optimizer = OptimizerState::from_bytes(state.inner).restore(self.optimizer.clone())?;
         self.applied = state.applied;
         self.outer = state.outer;
@@ -191,12 +170,7 @@ impl LocalSync {
                     reason: format!("encoding the {} rank state: {e}", self.updates.name()),
                 }
             })?;
-        let (rank, world) = self.rank_of;
-        Ok(OptimizerState::from_parts(vec![OptimizerPart {
-            range: rank as u64..rank as u64 + 1,
-            total: world as u64,
-            bytes,
-        }]))
+        Ok(rank_part(bytes, self.rank_of))
     }
 
     /// This rank's part of `state` (LOCAL-4), decoded.
