@@ -4,9 +4,8 @@
 //! |---|---|---|
 //! | [`supervisor::Supervisor`] | the job: layout, step clock, policies | spawns everything linked to itself, drives steps, ends the job on failure, publishes events |
 //! | [`device::DeviceActor`] | one logical device and its compute thread | runs compute tasks on its thread; answers heartbeats while compute runs |
-//! | [`stage::StageActor`] | one data-parallel replica's model, its optimizer state, its communicator | runs a step's work on its device's thread |
-//! | [`pipeline_stage::PipelineStageActor`] | one pipeline stage of one replica: its model chunks, optimizers, links to the neighbouring stages, data-parallel communicator | runs its schedule's instruction list on its device's thread |
-//! | [`parameter_server::ServerActor`], [`parameter_server::WorkerActor`] | a parameter-server job's parameters and optimizer (one shard); one worker per rank | the server applies pushed gradients under its staleness bound; a worker's loop pulls, computes and pushes on its device's thread |
+//! | [`stage::Stage`] (one actor for every stage that computes; its role is its state) | as `stage::StageActor`: one data-parallel replica's model, its optimizer state, its communicator; as `pipeline_stage::PipelineStageActor`: one pipeline stage of one replica (model chunks, optimizers, links to the neighbouring stages, data-parallel communicator); as `parameter_server::WorkerActor`: one parameter-server worker | runs a step's work on its device's thread (a pipeline stage: its schedule's instruction list) |
+//! | [`parameter_server::ServerActor`] | a parameter-server job's parameters and optimizer (one shard) | applies pushed gradients under its staleness bound; a worker's loop pulls, computes and pushes on its device's thread |
 //! | [`group::GroupActor`] | one collective group (members, generation) | owns the group's lifecycle: status for hang diagnosis, shutdown |
 //!
 //! Invariants:

@@ -85,6 +85,8 @@ mod local;
 pub mod net;
 pub mod plan;
 #[cfg(feature = "cluster")]
+pub(crate) mod process_groups;
+#[cfg(feature = "cluster")]
 pub mod tcp;
 #[cfg(test)]
 mod tests;

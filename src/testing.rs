@@ -1,11 +1,16 @@
 //! Fixtures for tests of meshwork and of programs that embed it: a plain single-device Burn
-//! training loop to compare against, and per-tensor comparison of parameters.
+//! training loop to compare against, per-tensor comparison of parameters, and the shared
+//! plumbing (`fixtures`): the seeded [`TeacherFixture`] (data, initial model, job builder),
+//! [`bounded`] waits and [`TempDir`].
 //!
 //! The reference loop uses no meshwork runtime: Burn's autodiff, `GradientsParams` and the
 //! optimizer, on one device, one batch per step. Only the gradient clipping is computed here
 //! with Burn tensor ops (Burn's own clipping is per parameter, meshwork's is by global norm).
 
+mod fixtures;
 pub mod processes;
+
+pub use fixtures::{TeacherFixture, TempDir, bounded};
 
 use burn::module::Module;
 use burn::optim::GradientsParams;

@@ -5,6 +5,8 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use meshwork::testing::TempDir;
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -171,8 +173,8 @@ fn dependency_snippet_parses_and_pins_our_burn_version() {
 #[test]
 fn every_command_of_the_book_runs() {
     let script = std::fs::read_to_string(root().join("book/snippets/commands.sh")).unwrap();
-    let dir = std::env::temp_dir().join(format!("meshwork-book-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempDir::new("book");
+    std::fs::create_dir_all(dir.path()).unwrap();
     let mut ran = 0;
     for line in script
         .lines()
@@ -196,7 +198,7 @@ fn every_command_of_the_book_runs() {
         let args = args.join(" ");
         let out = Command::new(env!("CARGO_BIN_EXE_meshwork"))
             .args(args.split_whitespace())
-            .current_dir(&dir)
+            .current_dir(dir.path())
             .output()
             .expect("the meshwork binary runs");
         assert!(
@@ -246,7 +248,7 @@ fn every_command_of_the_book_runs() {
         ran += 1;
     }
     assert!(ran >= 4);
-    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(dir.path());
 }
 
 /// The multi-machine chapter's shell: both files parse (`bash -n`); with the `cluster`

@@ -7,35 +7,34 @@ use std::time::Duration;
 
 use burn::optim::SgdConfig;
 use burn::tensor::{Device, DeviceKind};
-use meshwork::demo::{Mlp, TeacherTask, mse_loss};
+use meshwork::demo::{Mlp, mse_loss};
 use meshwork::optim::LearningRate;
 use meshwork::prelude::*;
 use meshwork::testing::{
-    Reference, batches_from_events, compare_parameters, reference_train, run_recording, steps_of,
+    Reference, TeacherFixture, batches_from_events, bounded, compare_parameters, draw_lock,
+    reference_train, run_recording, steps_of,
 };
 
 /// Same bound as on CPU: max|a − b| ≤ 1e-5 · max|reference| per tensor.
 const TOLERANCE: f32 = 1e-5;
+/// Every test's wait.
+const BOUND: Duration = Duration::from_secs(600);
 
-/// The device's random generator is shared by this file's tests, which run on parallel
-/// threads: a model is seeded and drawn under this lock, in one piece.
-static DRAW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+// The device's random generator is shared by this file's tests, which run on parallel
+// threads: a model is seeded and drawn under `draw_lock`, in one piece. The models are drawn on
+// the wgpu device (not the fixtures' Flex `initial_model`), from the fixtures' seeds and widths.
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dp_2_on_wgpu_matches_single_wgpu_device() {
-    tokio::time::timeout(Duration::from_secs(600), async {
+    bounded(BOUND, async {
         let device = Device::wgpu(DeviceKind::DefaultDevice);
-        let task = TeacherTask {
-            d_in: 8,
-            d_out: 3,
-            noise: 0.1,
-            seed: 11,
-        };
-        let data = task.dataset(256);
+        // 256 samples of the 8 → 3 teacher (seed 11, noise 0.1); the 8-32-3 MLP of seed 5.
+        let fixture = TeacherFixture::new(11, 5).with_widths(&[8, 32, 3]);
+        let data = fixture.data();
         let init = {
-            let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
-            device.seed(5);
-            meshwork::parallel::stages::materialize(Mlp::new(&[8, 32, 3], &device))
+            let _draw = draw_lock();
+            device.seed(fixture.model_seed);
+            meshwork::parallel::stages::materialize(Mlp::new(&fixture.widths, &device))
         };
         let job = Job::builder()
             .initial_model(init.clone())
@@ -81,8 +80,7 @@ async fn dp_2_on_wgpu_matches_single_wgpu_device() {
         let worst = compare_parameters(&trained.model, &reference, TOLERANCE).expect("equivalent");
         eprintln!("wgpu dp=2: worst relative difference {worst:e}");
     })
-    .await
-    .expect("bounded");
+    .await;
 }
 
 /// Mixed precision on wgpu (PREC-1): for each 16-bit type, where the device computes in it, a
@@ -93,20 +91,18 @@ async fn dp_2_on_wgpu_matches_single_wgpu_device() {
 async fn mixed_precision_on_wgpu_tracks_f32_or_is_refused() {
     use burn::tensor::FloatDType;
     use meshwork::parallel::autocast::{compute_dtype, float_dtype};
-    tokio::time::timeout(Duration::from_secs(600), async {
+    bounded(BOUND, async {
         let device = Device::wgpu(DeviceKind::DefaultDevice);
-        let data = TeacherTask {
-            d_in: 8,
-            d_out: 3,
-            noise: 0.05,
-            seed: 21,
-        }
-        .dataset(256);
+        // 256 samples of the 8 → 3 teacher (seed 21, noise 0.05); the 8-32-3 MLP of seed 9.
+        let fixture = TeacherFixture::new(21, 9)
+            .with_widths(&[8, 32, 3])
+            .with_noise(0.05);
+        let data = fixture.data();
         let job = |precision: Precision| {
             let init = {
-                let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
-                device.seed(9);
-                meshwork::parallel::stages::materialize(Mlp::new(&[8, 32, 3], &device))
+                let _draw = draw_lock();
+                device.seed(fixture.model_seed);
+                meshwork::parallel::stages::materialize(Mlp::new(&fixture.widths, &device))
             };
             Job::builder()
                 .initial_model(init)
@@ -146,30 +142,26 @@ async fn mixed_precision_on_wgpu_tracks_f32_or_is_refused() {
             }
         }
     })
-    .await
-    .expect("bounded");
+    .await;
 }
 
 /// ZeRO-3 on wgpu (FSDP-1, MEM-1): a block job whose replicas keep only their shard of every
 /// block equals the same blocks trained by plain data parallelism on wgpu (itself equal to one
-/// device: `tests/fsdp.rs`), within the bound above; each rank held a shard, never the model.
+/// device: `tests/suite/fsdp.rs`), within the bound above; each rank held a shard, never the model.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn zero_3_blocks_on_wgpu_match_plain_data_parallel() {
     use meshwork::demo::mlp_blocks;
-    tokio::time::timeout(Duration::from_secs(600), async {
+    bounded(BOUND, async {
         let device = Device::wgpu(DeviceKind::DefaultDevice);
-        let data = TeacherTask {
-            d_in: 32,
-            d_out: 4,
-            noise: 0.1,
-            seed: 17,
-        }
-        .dataset(256);
+        // 256 samples of the 32 → 4 teacher (seed 17, noise 0.1); the 32-48-48-4 MLP of seed 3
+        // as blocks.
+        let fixture = TeacherFixture::new(17, 3).with_widths(&[32, 48, 48, 4]);
+        let data = fixture.data();
         let blocks = {
-            let _draw = DRAW.lock().unwrap_or_else(|e| e.into_inner());
-            device.seed(3);
+            let _draw = draw_lock();
+            device.seed(fixture.model_seed);
             mlp_blocks(
-                &[32, 48, 48, 4],
+                &fixture.widths,
                 BlockOptions::default().recompute(true),
                 &device,
             )
@@ -215,6 +207,5 @@ async fn zero_3_blocks_on_wgpu_match_plain_data_parallel() {
         compare_parameters(&trained[1], &trained[0], TOLERANCE)
             .expect("ZeRO-3 equals plain data parallel on wgpu");
     })
-    .await
-    .expect("bounded");
+    .await;
 }

@@ -41,9 +41,10 @@ use tokio::sync::oneshot;
 
 use super::device::{DeviceMsg, report_progress, run_on};
 use super::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
-use super::stage::{InitReport, StageMsg, StageSpec, StepReport};
+use super::stage::{InitReport, Stage, StageRole, StageSpec, StepReport, failed, shard_of};
 use super::supervisor::{SpawnContext, Spawned};
 use crate::checkpoint::{ShardId, ShardSnapshot, TrainingState, restore_module, snapshot_module};
+use crate::comm::Communicator;
 use crate::device::MeshDevice;
 use crate::error::{Error, Result};
 use crate::faults::{Phase, with_hooks};
@@ -57,316 +58,13 @@ use crate::parallel::parameter_server::{
 };
 use crate::parallel::sync::{restore_shard, shard_state};
 use crate::parallel::zero::{FlatRule, FlatState, OptimizerShard};
+mod server;
+
+use server::ServerGuard;
+pub(crate) use server::{PullAnswer, ServerActor, ServerArgs, ServerMsg};
 
 /// The one shard built today.
 const SHARD: u32 = 0;
-
-/// What a device thread's pull is answered with.
-#[derive(Debug)]
-pub(crate) enum PullAnswer {
-    /// Compute `item` (these micro-batches) at `clock` on `params`.
-    Work {
-        item: ItemId,
-        clock: u64,
-        micro_batches: Vec<Vec<usize>>,
-        params: Arc<Vec<f32>>,
-    },
-    /// The round is over.
-    RoundOver,
-}
-
-/// The server's parameters, optimizer state and rule.
-type ServerState = (Arc<Vec<f32>>, FlatState, FlatRule);
-
-/// Messages a [`ServerActor`] handles.
-pub(crate) enum ServerMsg {
-    /// Worker 0's initial parameters (DP-1's rank 0); later ones are ignored.
-    Init(Vec<f32>),
-    /// The parameters, once initialized.
-    Params(RpcReplyPort<Arc<Vec<f32>>>),
-    /// `worker` starts `step` with its share; `done` gets its part of the round.
-    Begin {
-        worker: WorkerId,
-        step: u64,
-        micro_batches: Vec<Vec<usize>>,
-        global: usize,
-        done: oneshot::Sender<std::result::Result<WorkerRound, String>>,
-    },
-    /// A device thread asks for work in `step`.
-    Pull {
-        worker: WorkerId,
-        step: u64,
-        reply: mpsc::Sender<PullAnswer>,
-    },
-    /// A device thread's gradient of `item` and its loss summed over the item's samples.
-    Push {
-        worker: WorkerId,
-        step: u64,
-        item: ItemId,
-        grads: Vec<f32>,
-        loss_sum: f64,
-    },
-    /// `worker`'s device thread failed (PSA-2).
-    Leave { worker: WorkerId, reason: String },
-    /// The workers' actors: a worker whose actor ended (a killed device) leaves (PSA-2).
-    Watch(Vec<(WorkerId, ractor::ActorCell)>),
-    /// Look for ended workers (every [`WATCH_EVERY`]).
-    Tick,
-    /// The parameters, the optimizer state and the rule (a checkpoint, PSA-3).
-    State(RpcReplyPort<ServerState>),
-    /// Take a checkpoint's parameters and optimizer state.
-    Restore {
-        params: Vec<f32>,
-        optimizer: FlatState,
-        reply: RpcReplyPort<()>,
-    },
-}
-
-impl std::fmt::Debug for ServerMsg {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ServerMsg::Init(_) => write!(f, "Init"),
-            ServerMsg::Params(_) => write!(f, "Params"),
-            ServerMsg::Begin { worker, step, .. } => write!(f, "Begin({worker}, {step})"),
-            ServerMsg::Pull { worker, step, .. } => write!(f, "Pull({worker}, {step})"),
-            ServerMsg::Push { worker, item, .. } => write!(f, "Push({worker}, {item})"),
-            ServerMsg::Leave { worker, .. } => write!(f, "Leave({worker})"),
-            ServerMsg::Watch(_) => write!(f, "Watch"),
-            ServerMsg::Tick => write!(f, "Tick"),
-            ServerMsg::State(_) => write!(f, "State"),
-            ServerMsg::Restore { .. } => write!(f, "Restore"),
-        }
-    }
-}
-
-#[cfg(feature = "cluster")]
-impl ractor::Message for ServerMsg {}
-
-/// The parameter server (one shard).
-#[derive(Debug, Default)]
-pub(crate) struct ServerActor;
-
-/// What the server starts from.
-#[derive(Debug)]
-pub(crate) struct ServerArgs {
-    mode: Mode,
-    rule: FlatRule,
-    lr: f64,
-    workers: u32,
-}
-
-/// State of a [`ServerActor`].
-#[derive(Debug)]
-pub(crate) struct ServerActorState {
-    args: ServerArgs,
-    core: Option<ServerCore>,
-    waiting: Vec<RpcReplyPort<Arc<Vec<f32>>>>,
-    pulls: BTreeMap<WorkerId, mpsc::Sender<PullAnswer>>,
-    done: BTreeMap<WorkerId, oneshot::Sender<std::result::Result<WorkerRound, String>>>,
-    /// The workers' actors, until they leave.
-    watched: Vec<(WorkerId, ractor::ActorCell)>,
-    /// The timer of `Tick`s.
-    ticks: Option<tokio::task::JoinHandle<()>>,
-}
-
-/// How often the server looks for ended workers.
-const WATCH_EVERY: Duration = Duration::from_millis(50);
-
-impl Actor for ServerActor {
-    type Msg = ServerMsg;
-    type State = ServerActorState;
-    type Arguments = ServerArgs;
-
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<ServerMsg>,
-        args: ServerArgs,
-    ) -> std::result::Result<ServerActorState, ActorProcessingErr> {
-        Ok(ServerActorState {
-            args,
-            core: None,
-            waiting: Vec::new(),
-            pulls: BTreeMap::new(),
-            done: BTreeMap::new(),
-            watched: Vec::new(),
-            ticks: None,
-        })
-    }
-
-    async fn post_stop(
-        &self,
-        _myself: ActorRef<ServerMsg>,
-        s: &mut ServerActorState,
-    ) -> std::result::Result<(), ActorProcessingErr> {
-        if let Some(t) = s.ticks.take() {
-            t.abort();
-        }
-        Ok(())
-    }
-
-    async fn handle(
-        &self,
-        myself: ActorRef<ServerMsg>,
-        msg: ServerMsg,
-        s: &mut ServerActorState,
-    ) -> std::result::Result<(), ActorProcessingErr> {
-        match msg {
-            ServerMsg::Watch(workers) => {
-                s.watched = workers;
-                s.ticks = Some(myself.send_interval(WATCH_EVERY, || ServerMsg::Tick));
-            }
-            ServerMsg::Tick => {
-                // A killed actor never says so: its status does.
-                let ended: Vec<WorkerId> = s
-                    .watched
-                    .iter()
-                    .filter(|(_, cell)| {
-                        matches!(
-                            cell.get_status(),
-                            ractor::ActorStatus::Stopping | ractor::ActorStatus::Stopped
-                        )
-                    })
-                    .map(|(w, _)| *w)
-                    .collect();
-                for worker in ended {
-                    s.watched.retain(|(w, _)| *w != worker);
-                    leave(s, worker, "its actor ended".into());
-                }
-            }
-            ServerMsg::Init(params) => {
-                if s.core.is_none() {
-                    let a = &s.args;
-                    let core = ServerCore::new(a.mode, a.rule, a.lr, a.workers, params);
-                    for w in s.waiting.drain(..) {
-                        let _ = w.send(core.state().0);
-                    }
-                    s.core = Some(core);
-                }
-            }
-            ServerMsg::Params(reply) => match &s.core {
-                Some(core) => {
-                    let _ = reply.send(core.state().0);
-                }
-                None => s.waiting.push(reply),
-            },
-            ServerMsg::State(reply) => {
-                if let Some(core) = &s.core {
-                    let (params, optimizer) = core.state();
-                    let _ = reply.send((params, optimizer, core.rule()));
-                }
-            }
-            ServerMsg::Restore {
-                params,
-                optimizer,
-                reply,
-            } => {
-                if let Some(core) = s.core.as_mut() {
-                    core.restore(params, optimizer);
-                    let _ = reply.send(());
-                }
-            }
-            ServerMsg::Begin {
-                worker,
-                step,
-                micro_batches,
-                global,
-                done,
-            } => {
-                s.done.insert(worker, done);
-                if let Some(core) = s.core.as_mut() {
-                    core.begin(worker, step, micro_batches, global);
-                }
-            }
-            ServerMsg::Pull {
-                worker,
-                step,
-                reply,
-            } => match s.core.as_mut() {
-                Some(core) if core.is_over(step) => {
-                    let _ = reply.send(PullAnswer::RoundOver);
-                }
-                Some(core) => {
-                    s.pulls.insert(worker, reply);
-                    core.pull(worker);
-                }
-                // Unanswered: the device thread's wait names what is missing (PSA-1).
-                None => {}
-            },
-            ServerMsg::Push {
-                worker,
-                step,
-                item,
-                grads,
-                loss_sum,
-            } => {
-                if let Some(core) = s.core.as_mut() {
-                    core.push(worker, step, item, grads, loss_sum);
-                }
-            }
-            ServerMsg::Leave { worker, reason } => leave(s, worker, reason),
-        }
-        answer(s);
-        Ok(())
-    }
-}
-
-/// `worker` is lost (PSA-2): out of the core, its step fails with `reason`.
-fn leave(s: &mut ServerActorState, worker: WorkerId, reason: String) {
-    if let Some(core) = s.core.as_mut() {
-        core.leave(worker);
-    }
-    s.pulls.remove(&worker);
-    if let Some(d) = s.done.remove(&worker) {
-        let _ = d.send(Err(reason));
-    }
-}
-
-/// Send what the server owes.
-fn answer(s: &mut ServerActorState) {
-    let Some(core) = s.core.as_mut() else { return };
-    for a in core.progress() {
-        match a {
-            Answer::Work {
-                worker,
-                item,
-                micro_batches,
-                params,
-                clock,
-            } => {
-                if let Some(reply) = s.pulls.remove(&worker) {
-                    let _ = reply.send(PullAnswer::Work {
-                        item,
-                        clock,
-                        micro_batches,
-                        params,
-                    });
-                }
-            }
-            Answer::RoundOver { worker } => {
-                if let Some(reply) = s.pulls.remove(&worker) {
-                    let _ = reply.send(PullAnswer::RoundOver);
-                }
-            }
-            Answer::RoundDone { reports, .. } => {
-                for (worker, report) in reports {
-                    if let Some(d) = s.done.remove(&worker) {
-                        let _ = d.send(Ok(report));
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Stops the server when the last worker holding it is gone.
-#[derive(Debug)]
-struct ServerGuard(ActorRef<ServerMsg>);
-
-impl Drop for ServerGuard {
-    fn drop(&mut self) {
-        self.0.stop(None);
-    }
-}
 
 /// Spawns a parameter-server job's server and workers (`JobBuilder::parameter_server`).
 pub(crate) type SpawnServer<M, I> =
@@ -443,7 +141,7 @@ where
                 };
                 let (r, _) = Actor::spawn_linked(
                     None,
-                    WorkerActor::<M, I>(std::marker::PhantomData),
+                    WorkerActor::<M, I>::default(),
                     WorkerState {
                         id,
                         rank: Rank(w as u32),
@@ -484,13 +182,7 @@ where
 }
 
 /// One worker of a parameter-server job.
-pub(crate) struct WorkerActor<M, I>(std::marker::PhantomData<fn() -> (M, I)>);
-
-impl<M, I> std::fmt::Debug for WorkerActor<M, I> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "WorkerActor")
-    }
-}
+pub(crate) type WorkerActor<M, I> = Stage<WorkerState<M, I>>;
 
 /// A worker's model (the structure it computes gradients in) and its trainable layout.
 struct WorkerModel<M> {
@@ -528,95 +220,62 @@ impl<M, I> std::fmt::Debug for WorkerState<M, I> {
     }
 }
 
-impl<M, I> Actor for WorkerActor<M, I>
+impl<M, I> StageRole for WorkerState<M, I>
 where
     M: Module + 'static,
     I: Send + Sync + 'static,
 {
-    type Msg = StageMsg<M>;
-    type State = WorkerState<M, I>;
-    type Arguments = WorkerState<M, I>;
+    type Model = M;
+    type Args = WorkerState<M, I>;
+    const KIND: &'static str = "parameter-server worker";
 
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<StageMsg<M>>,
-        state: WorkerState<M, I>,
-    ) -> std::result::Result<WorkerState<M, I>, ActorProcessingErr> {
+    fn start(state: WorkerState<M, I>) -> std::result::Result<Self, String> {
         Ok(state)
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<StageMsg<M>>,
-        msg: StageMsg<M>,
-        s: &mut WorkerState<M, I>,
-    ) -> std::result::Result<(), ActorProcessingErr> {
-        match msg {
-            StageMsg::Init(reply) => {
-                let _ = reply.send(init(s).await);
-            }
-            StageMsg::Step {
-                step,
-                micro_batches,
-                global_samples,
-                reply,
-            } => {
-                let _ = reply.send(round(s, step, micro_batches, global_samples).await);
-            }
-            StageMsg::Fingerprint(reply) => {
-                let r = server_params(s).await.map(|p| {
-                    let mut f = Fingerprint::new();
-                    f.update(&p);
-                    f.finish()
-                });
-                let _ = reply.send(r);
-            }
-            StageMsg::TakeModel(reply) => {
-                let _ = reply.send(take_model(s).await.ok());
-            }
-            StageMsg::Snapshot(reply) => {
-                let _ = reply.send(snapshot(s).await.map(|x| vec![x]));
-            }
-            StageMsg::Restore { shard, reply } => {
-                let wanted = ShardId::stage(0);
-                let r = match shard.into_iter().find(|x| x.shard == wanted) {
-                    Some(x) => restore(s, x).await,
-                    None => Err(Error::InvalidConfig(format!(
-                        "no {wanted} to restore {} from",
-                        s.id
-                    ))),
-                };
-                let _ = reply.send(r);
-            }
-            StageMsg::Regroup {
-                id, rank, reply, ..
-            } => {
-                // The worker keeps its server id; only its place in the mesh changes.
-                s.id = id;
-                s.rank = rank;
-                let _ = reply.send(Ok(()));
-            }
-            StageMsg::Rewire { reply, .. } => {
-                let _ = reply.send(Err(Error::InvalidConfig(
-                    "a parameter-server worker has no pipeline links".into(),
-                )));
-            }
-            StageMsg::Reconnect { reply, .. } => {
-                let _ = reply.send(Err(Error::InvalidConfig(
-                    "a parameter-server worker runs in this process".into(),
-                )));
-            }
-        }
-        Ok(())
+    fn id(&self) -> StageId {
+        self.id
     }
-}
 
-fn failed<M, I>(s: &WorkerState<M, I>, during: &str, reason: String) -> Error {
-    Error::StageFailed {
-        device: s.device.id(),
-        stage: s.id,
-        during: during.into(),
-        reason,
+    async fn init(&mut self) -> Result<InitReport> {
+        init(self).await
+    }
+
+    async fn step(
+        &mut self,
+        step: u64,
+        micro_batches: Vec<Vec<usize>>,
+        global_samples: usize,
+    ) -> Result<StepReport> {
+        round(self, step, micro_batches, global_samples).await
+    }
+
+    async fn fingerprint(&mut self) -> Result<u64> {
+        server_params(self).await.map(|p| {
+            let mut f = Fingerprint::new();
+            f.update(&p);
+            f.finish()
+        })
+    }
+
+    async fn take_model(&mut self) -> Option<M> {
+        take_model(self).await.ok()
+    }
+
+    async fn snapshot(&mut self) -> Result<Vec<ShardSnapshot>> {
+        snapshot(self).await.map(|x| vec![x])
+    }
+
+    async fn restore(&mut self, shards: Vec<ShardSnapshot>) -> Result<()> {
+        let shard = shard_of(shards, ShardId::stage(0), self.id)?;
+        restore(self, shard).await
+    }
+
+    fn regroup(&mut self, id: StageId, rank: Rank, _comm: Communicator) -> Result<()> {
+        // The worker keeps its server id; only its place in the mesh changes.
+        self.id = id;
+        self.rank = rank;
+        Ok(())
     }
 }
 
@@ -672,7 +331,7 @@ where
         }
     })
     .await?;
-    out.map_err(|panic| failed(s, during, panic))?
+    out.map_err(|panic| failed(s.id, &s.device, during, panic))?
 }
 
 /// Build the model; worker 0 hands its parameters to the server (DP-1's rank 0); every worker
@@ -702,7 +361,7 @@ async fn init<M: Module + 'static, I: Send + Sync + 'static>(
         Ok(before)
     })
     .await?;
-    let before = out.map_err(|p| failed(s, "building the model", p))??;
+    let before = out.map_err(|p| failed(s.id, &s.device, "building the model", p))??;
     let params = server_params(s).await?;
     let mut f = Fingerprint::new();
     f.update(&params);
@@ -757,10 +416,12 @@ async fn round<M: Module + 'static, I: Send + Sync + 'static>(
             label: format!("parameter-server step {step}"),
             task,
         })
-        .map_err(|e| failed(s, "starting the round", e.to_string()))?;
+        .map_err(|e| failed(s.id, &s.device, "starting the round", e.to_string()))?;
     let round = match tokio::time::timeout(s.round_wait, rx).await {
         Ok(Ok(Ok(round))) => round,
-        Ok(Ok(Err(reason))) => return Err(failed(s, "a parameter-server round", reason)),
+        Ok(Ok(Err(reason))) => {
+            return Err(failed(s.id, &s.device, "a parameter-server round", reason));
+        }
         Ok(Err(_)) => return Err(lost_server("it dropped the round")),
         Err(_) => {
             return Err(ParameterServerError::Timeout {

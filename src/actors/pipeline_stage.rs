@@ -1,11 +1,12 @@
-//! `PipelineStageActor`: one pipeline stage of one data-parallel replica.
+//! The pipeline stage role (`PipelineStageActor` = [`Stage`] of [`PipelineStageState`]): one
+//! pipeline stage of one data-parallel replica.
 //!
 //! It holds the stage's model chunks (one, or v with an interleaved schedule), its ends of the
 //! pipeline links and the communicator of its data-parallel group (the same stage in every
 //! replica). For a step, all of it moves onto the device's compute thread, which runs the
 //! stage's instruction list literally ([`run_stage_step`], EXEC-1..3), and comes back with the
-//! record (RT-1). It answers the same [`StageMsg`]s as a data-parallel [`super::stage::StageActor`],
-//! so the Supervisor drives both the same way.
+//! record (RT-1). The stage actor is the one every stage kind shares, so the Supervisor drives
+//! a pipeline stage and a data-parallel replica the same way.
 //!
 //! - PP-1: a failure anywhere in the pipeline (an error, a panic, a neighbour that never sends)
 //!   ends the step on every stage within the step time-out: the Supervisor's shutdown sets the
@@ -24,7 +25,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
 use super::spawner::{Capabilities, SpawnFuture, Spawner};
-use super::stage::{InitReport, StageMsg, StepReport};
+use super::stage::{InitReport, Stage, StageMsg, StageRole, StepReport, failed, lost};
 use super::supervisor::{RewireArgs, RewireStages, Rewired, SpawnContext, Spawned};
 use crate::checkpoint::{CheckpointError, ShardId, ShardSnapshot, TrainingState};
 use crate::comm::{Communicator, LocalGroup};
@@ -44,6 +45,11 @@ use crate::parallel::stages::{BlockPart, PipelineModel, PipelineStages};
 use crate::parallel::tensor::TensorParallel;
 use crate::precision::LossScaler;
 use crate::trace::{TraceKind, TraceRecord};
+mod spawn;
+pub(crate) use spawn::LocalPipeline;
+use spawn::RankWiring;
+#[cfg(feature = "cluster")]
+pub(crate) use spawn::spawn_unlinked;
 
 /// Everything the stages of a pipeline job share.
 pub(crate) struct PipelineSpec<I> {
@@ -68,312 +74,8 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) mixed: super::stage::MixedPrecision,
 }
 
-/// One rank's wiring: links to its pipeline's other stages, the communicator of its
-/// data-parallel group (none at dp = 1) and of its tensor-parallel group (none at tp = 1).
-type RankWiring = (StageLinks, Option<Communicator>, Option<Communicator>);
-
-/// A mesh's wiring under one generation: per rank its links and communicators, the
-/// collective groups' actors, and how to wake everything blocked in it.
-struct Wiring {
-    per_rank: Vec<Option<RankWiring>>,
-    others: Vec<ractor::ActorCell>,
-    shutdown: Arc<dyn Fn() + Send + Sync>,
-}
-
-/// One collective group of `ranks` (in group order) under `generation`, watched by a
-/// [`GroupActor`]: its communicators in the same order.
-async fn group_of(
-    ranks: Vec<Rank>,
-    comm: &crate::comm::CommConfig,
-    generation: Generation,
-    supervisor: &ractor::ActorCell,
-    groups: &mut Vec<Arc<LocalGroup>>,
-    others: &mut Vec<ractor::ActorCell>,
-) -> Result<Vec<Communicator>, ActorProcessingErr> {
-    let group = LocalGroup::new(ranks.len(), generation, comm.clone());
-    groups.push(group.clone());
-    let comms = group.communicators();
-    let (g, _) = Actor::spawn_linked(
-        None,
-        GroupActor,
-        GroupArgs {
-            members: ranks,
-            group,
-        },
-        supervisor.clone(),
-    )
-    .await?;
-    others.push(g.get_cell());
-    Ok(comms)
-}
-
-/// Wire a dp × pp × tp mesh: every (replica, tensor-parallel rank)'s pipeline connected by
-/// its own links, every (stage, tensor-parallel rank)'s replicas in one data-parallel group,
-/// every (replica, stage)'s tensor-parallel ranks in one tensor-parallel group, all of
-/// `generation`.
-async fn wire<I>(
-    spec: &PipelineSpec<I>,
-    layout: Layout,
-    comm: &crate::comm::CommConfig,
-    generation: Generation,
-    supervisor: &ractor::ActorCell,
-) -> Result<Wiring, ActorProcessingErr> {
-    let (dp, tp) = (layout.dp(), layout.tp());
-    let abort = Arc::new(AtomicBool::new(false));
-    let mut per_rank: Vec<Option<RankWiring>> = Vec::new();
-    // Links: one pipeline per (replica, tensor-parallel rank).
-    let mut links_of: std::collections::HashMap<(u32, u32), Vec<Option<StageLinks>>> =
-        std::collections::HashMap::new();
-    for replica in 0..dp {
-        for t in 0..tp {
-            // A link is point-to-point communication: bounded like a collective.
-            let l = links(&spec.plan, comm.timeout, abort.clone())
-                .into_iter()
-                .map(Some)
-                .collect();
-            links_of.insert((replica, t), l);
-        }
-    }
-    let mut groups = Vec::new();
-    let mut others = Vec::new();
-    // One data-parallel group per (stage, tp rank), one tensor-parallel group per
-    // (replica, stage): the layout's own groups, each in group order.
-    let dp_groups = if dp > 1 {
-        layout.data_parallel_groups()
-    } else {
-        Vec::new()
-    };
-    let tp_groups: Vec<Vec<Rank>> = if tp > 1 {
-        layout
-            .ranks()
-            .filter(|&r| layout.coord_of(r).is_some_and(|c| c.tp == 0))
-            .filter_map(|r| layout.tensor_parallel_group(r))
-            .collect()
-    } else {
-        Vec::new()
-    };
-    let mut comms: [std::collections::HashMap<Rank, Communicator>; 2] = Default::default();
-    for (kind, members) in dp_groups
-        .into_iter()
-        .map(|g| (0, g))
-        .chain(tp_groups.into_iter().map(|g| (1, g)))
-    {
-        let made = group_of(
-            members.clone(),
-            comm,
-            generation,
-            supervisor,
-            &mut groups,
-            &mut others,
-        )
-        .await?;
-        comms[kind].extend(members.into_iter().zip(made));
-    }
-    let [mut dp_comm, mut tp_comm] = comms;
-    for rank in layout.ranks() {
-        let w = layout.coord_of(rank).and_then(|c| {
-            let links = links_of
-                .get_mut(&(c.dp, c.tp))?
-                .get_mut(c.pp as usize)?
-                .take()?;
-            Some((links, dp_comm.remove(&rank), tp_comm.remove(&rank)))
-        });
-        per_rank.push(w);
-    }
-    Ok(Wiring {
-        per_rank,
-        others,
-        shutdown: Arc::new(move || {
-            abort.store(true, std::sync::atomic::Ordering::Relaxed);
-            for g in &groups {
-                g.shutdown();
-            }
-        }),
-    })
-}
-
-/// Start the stage actor of `rank` with its wiring.
-async fn spawn_stage<I: Send + Sync + 'static>(
-    spec: &Arc<PipelineSpec<I>>,
-    layout: Layout,
-    rank: Rank,
-    (device, device_ref): (&MeshDevice, &ActorRef<DeviceMsg>),
-    wiring: Option<RankWiring>,
-    supervisor: &ractor::ActorCell,
-) -> Result<(ActorRef<StageMsg<PipelineModel>>, StageId), ActorProcessingErr> {
-    let coord = layout
-        .coord_of(rank)
-        .ok_or_else(|| format!("rank {rank} is outside the mesh {layout:?}"))?;
-    let id = StageId {
-        replica: coord.dp,
-        stage: coord.pp,
-        tp: coord.tp,
-    };
-    let (links, comm, tp) = wiring.map_or((None, None, None), |(l, c, t)| (Some(l), c, t));
-    let args = PipelineStageArgs {
-        id,
-        rank,
-        tp_rank: coord.tp,
-        device: device.clone(),
-        device_actor: device_ref.clone(),
-        spec: spec.clone(),
-        links,
-        comm,
-        tp,
-    };
-    let (a, _) = Actor::spawn_linked(
-        None,
-        PipelineStageActor::<I>::default(),
-        args,
-        supervisor.clone(),
-    )
-    .await?;
-    Ok((a, id))
-}
-
-/// Starts the stage actor `id` (rank `rank`) of a job whose ranks live in several processes,
-/// with its links and data-parallel communicator already made (not linked to a Supervisor:
-/// the head drives it through a proxy).
-#[cfg(feature = "cluster")]
-pub(crate) async fn spawn_unlinked<I: Send + Sync + 'static>(
-    spec: Arc<PipelineSpec<I>>,
-    (id, rank): (StageId, Rank),
-    (device, device_actor): (MeshDevice, ActorRef<DeviceMsg>),
-    links: StageLinks,
-    comm: Option<Communicator>,
-) -> Result<ActorRef<StageMsg<PipelineModel>>, ractor::SpawnErr> {
-    let args = PipelineStageArgs {
-        id,
-        rank,
-        tp_rank: 0,
-        device,
-        device_actor,
-        spec,
-        links: Some(links),
-        comm,
-        tp: None,
-    };
-    let (a, _) = Actor::spawn(None, PipelineStageActor::<I>::default(), args).await?;
-    Ok(a)
-}
-
-/// The spawner of an in-process dp × pp pipeline: one stage actor per rank, every replica's
-/// stages connected by their own links, every stage index's replicas in one collective
-/// group; a lost stage is replaced by a fresh one and the mesh rewired (REC-6).
-pub(crate) struct LocalPipeline<I> {
-    pub(crate) spec: Arc<PipelineSpec<I>>,
-}
-
-impl<I> Spawner<PipelineModel> for LocalPipeline<I>
-where
-    I: Send + Sync + 'static,
-{
-    fn capabilities(&self) -> Capabilities {
-        // A tensor-parallel rank's twins are the same (stage, tensor-parallel rank) of the
-        // other replicas: the Supervisor pairs them by place.
-        Capabilities::pipeline(!self.spec.zero.shards_optimizer())
-    }
-
-    fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {
-        let spec = self.spec;
-        Box::pin(async move {
-            let pp = cx.layout.pp();
-            let mut wiring =
-                wire(&spec, cx.layout, &cx.comm, Generation(0), &cx.supervisor).await?;
-            let mut stages = Vec::new();
-            for (rank, (device, device_ref)) in cx.layout.ranks().zip(&cx.devices) {
-                let w = wiring.per_rank[rank.index()].take();
-                stages.push(
-                    spawn_stage(
-                        &spec,
-                        cx.layout,
-                        rank,
-                        (device, device_ref),
-                        w,
-                        &cx.supervisor,
-                    )
-                    .await?,
-                );
-            }
-            // Replica 0's stages, every tensor-parallel rank of each (TP-3).
-            let tp = cx.layout.tp();
-            let model_ranks = (0..pp)
-                .flat_map(|stage| (0..tp).map(move |t| (stage, t)))
-                .filter_map(|(stage, t)| {
-                    cx.layout.rank_of(Coord {
-                        dp: 0,
-                        pp: stage,
-                        tp: t,
-                    })
-                })
-                .map(Rank::index)
-                .collect();
-            let rewire_spec = spec.clone();
-            let rewire: RewireStages<PipelineModel> = Arc::new(move |a: RewireArgs| {
-                let spec = rewire_spec.clone();
-                Box::pin(async move {
-                    let mut wiring =
-                        wire(&spec, a.layout, &a.comm, a.generation, &a.supervisor).await?;
-                    let mut fresh = Vec::new();
-                    for &r in &a.fresh {
-                        let rank = Rank(r as u32);
-                        let Some((device, device_ref)) = a.devices.get(r).and_then(Option::as_ref)
-                        else {
-                            return Err(format!("no device for the fresh rank {r}").into());
-                        };
-                        let w = wiring.per_rank[r].take();
-                        let (stage, _) = spawn_stage(
-                            &spec,
-                            a.layout,
-                            rank,
-                            (device, device_ref),
-                            w,
-                            &a.supervisor,
-                        )
-                        .await?;
-                        fresh.push((r, stage));
-                    }
-                    Ok(Rewired {
-                        fresh,
-                        survivors: wiring
-                            .per_rank
-                            .into_iter()
-                            .map(|w| w.map(|(l, c, t)| (Box::new(l), c, t)))
-                            .collect(),
-                        others: wiring.others,
-                        shutdown: wiring.shutdown,
-                        devices: Vec::new(),
-                    })
-                }) as _
-            });
-            Ok(Spawned {
-                stages,
-                shutdown: wiring.shutdown,
-                others: wiring.others,
-                model_ranks,
-                assemble: PipelineModel::merge,
-                grow: None,
-                rewire: Some(rewire),
-                devices: None,
-            })
-        })
-    }
-}
-
 /// The actor of one pipeline stage.
-pub(crate) struct PipelineStageActor<I>(std::marker::PhantomData<fn() -> I>);
-
-impl<I> Default for PipelineStageActor<I> {
-    fn default() -> Self {
-        Self(std::marker::PhantomData)
-    }
-}
-
-impl<I> std::fmt::Debug for PipelineStageActor<I> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "PipelineStageActor")
-    }
-}
+pub(crate) type PipelineStageActor<I> = Stage<PipelineStageState<I>>;
 
 /// What a pipeline stage starts from.
 pub(crate) struct PipelineStageArgs<I> {
@@ -427,19 +129,15 @@ impl<I> std::fmt::Debug for PipelineStageState<I> {
     }
 }
 
-impl<I> Actor for PipelineStageActor<I>
+impl<I> StageRole for PipelineStageState<I>
 where
     I: Send + Sync + 'static,
 {
-    type Msg = StageMsg<PipelineModel>;
-    type State = PipelineStageState<I>;
-    type Arguments = PipelineStageArgs<I>;
+    type Model = PipelineModel;
+    type Args = PipelineStageArgs<I>;
+    const KIND: &'static str = "pipeline stage";
 
-    async fn pre_start(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        a: PipelineStageArgs<I>,
-    ) -> Result<PipelineStageState<I>, ActorProcessingErr> {
+    fn start(a: PipelineStageArgs<I>) -> std::result::Result<Self, String> {
         let links = a
             .links
             .ok_or_else(|| format!("{}: no pipeline links", a.id))?;
@@ -455,182 +153,170 @@ where
         })
     }
 
-    async fn handle(
-        &self,
-        _myself: ActorRef<Self::Msg>,
-        msg: Self::Msg,
-        state: &mut PipelineStageState<I>,
-    ) -> Result<(), ActorProcessingErr> {
-        match msg {
-            StageMsg::Init(reply) => {
-                let _ = reply.send(init(state).await);
+    fn id(&self) -> StageId {
+        self.id
+    }
+
+    async fn init(&mut self) -> Result<InitReport> {
+        init(self).await
+    }
+
+    async fn step(
+        &mut self,
+        step: u64,
+        micro_batches: Vec<Vec<usize>>,
+        _global_samples: usize,
+    ) -> Result<StepReport> {
+        step_on_device(self, step, micro_batches).await
+    }
+
+    async fn fingerprint(&mut self) -> Result<u64> {
+        // A ZeRO-3 stage gathers its blocks' full parameters first (every replica of
+        // the stage is asked at once): the fingerprint, and the model handed over
+        // after it, are the whole blocks.
+        let out = run_on_slot(&self.device_actor, "fingerprint", &mut self.slot, |s| {
+            for chunk in s.chunks.iter_mut() {
+                chunk.gather_now(s.comm.as_mut())?;
             }
-            StageMsg::Step {
-                step,
-                micro_batches,
-                reply,
-                ..
-            } => {
-                let _ = reply.send(step_on_device(state, step, micro_batches).await);
-            }
-            StageMsg::Fingerprint(reply) => {
-                // A ZeRO-3 stage gathers its blocks' full parameters first (every replica of
-                // the stage is asked at once): the fingerprint, and the model handed over
-                // after it, are the whole blocks.
-                let out = run_on_slot(&state.device_actor, "fingerprint", &mut state.slot, |s| {
-                    for chunk in s.chunks.iter_mut() {
-                        chunk.gather_now(s.comm.as_mut())?;
-                    }
-                    Ok::<_, crate::parallel::pipeline_exec::ExecError>(fingerprint(&s.chunks))
-                })
-                .await;
-                let r = match out {
-                    None => Err(lost(state)),
-                    Some(Ok(Ok(Ok(f)))) => Ok(f),
-                    Some(Ok(Ok(Err(e)))) => Err(Error::from(e)),
-                    Some(Ok(Err(panic))) => Err(failed(state, "fingerprint", panic)),
-                    Some(Err(e)) => Err(e),
-                };
-                let _ = reply.send(r);
-            }
-            StageMsg::Snapshot(reply) => {
-                let plan = state.spec.plan.clone();
-                let tp_rank = state.tp_rank;
-                let stage = StageIndex(state.id.stage);
-                let out = run_on_slot(&state.device_actor, "snapshot", &mut state.slot, move |s| {
-                    let scale = s.scaler.as_ref().map(LossScaler::state);
-                    // One shard per block the stage holds (CKPT-6).
-                    s.chunks
-                        .iter()
-                        .enumerate()
-                        .map(|(c, w)| {
-                            let (params, optimizer) = w.snapshot()?;
-                            Ok(ShardSnapshot {
-                                // A tensor-parallel rank's slices are a shard of their own.
-                                shard: ShardId {
-                                    pp: plan.block(stage, Chunk(c as u32)),
-                                    tp: tp_rank,
-                                },
-                                params,
-                                optimizer: Some(optimizer),
-                                // CKPT-9, LR-2: the scheduler travels with the block.
-                                // MIX-3: and the stage's loss scaler.
-                                training: TrainingState::default()
-                                    .with_lr_scheduler(w.lr_state()?)
-                                    .with_loss_scale(scale),
-                            })
-                        })
-                        .collect::<std::result::Result<Vec<_>, CheckpointError>>()
-                })
-                .await;
-                let r = match out {
-                    None => Err(lost(state)),
-                    Some(Ok(Ok(r))) => r.map_err(Error::from),
-                    Some(Ok(Err(panic))) => Err(failed(state, "snapshot", panic)),
-                    Some(Err(e)) => Err(e),
-                };
-                let _ = reply.send(r);
-            }
-            StageMsg::Restore { shard, reply } => {
-                let plan = state.spec.plan.clone();
-                let tp_rank = state.tp_rank;
-                let stage = StageIndex(state.id.stage);
-                let id = state.id;
-                let out = run_on_slot(&state.device_actor, "restore", &mut state.slot, move |s| {
-                    // Its place in the block's data-parallel group, for sharded state.
-                    let rank_of = s
-                        .comm
-                        .as_ref()
-                        .map_or((0, 1), |c| (c.rank().index(), c.world()));
-                    for (c, w) in s.chunks.iter_mut().enumerate() {
-                        let wanted = ShardId {
+            Ok::<_, crate::parallel::pipeline_exec::ExecError>(fingerprint(&s.chunks))
+        })
+        .await;
+        match out {
+            None => Err(lost(self.id, &self.device)),
+            Some(Ok(Ok(Ok(f)))) => Ok(f),
+            Some(Ok(Ok(Err(e)))) => Err(Error::from(e)),
+            Some(Ok(Err(panic))) => Err(failed(self.id, &self.device, "fingerprint", panic)),
+            Some(Err(e)) => Err(e),
+        }
+    }
+
+    async fn take_model(&mut self) -> Option<PipelineModel> {
+        let plan = self.spec.plan.clone();
+        let stage = StageIndex(self.id.stage);
+        let tp_rank = self.tp_rank;
+        let blocks = &self.spec.stages.blocks;
+        self.slot.take().map(|slot| {
+            PipelineModel::from_parts(
+                slot.chunks
+                    .into_iter()
+                    .enumerate()
+                    .map(|(c, w)| {
+                        let block = plan.block(stage, Chunk(c as u32));
+                        BlockPart {
+                            block,
+                            tp_rank,
+                            module: w.into_module(),
+                            unshard: blocks
+                                .get(block as usize)
+                                .and_then(|b| b.tensor_parallel.as_ref())
+                                .map(|(_, u)| u.clone()),
+                        }
+                    })
+                    .collect(),
+            )
+        })
+    }
+
+    async fn snapshot(&mut self) -> Result<Vec<ShardSnapshot>> {
+        let plan = self.spec.plan.clone();
+        let tp_rank = self.tp_rank;
+        let stage = StageIndex(self.id.stage);
+        let out = run_on_slot(&self.device_actor, "snapshot", &mut self.slot, move |s| {
+            let scale = s.scaler.as_ref().map(LossScaler::state);
+            // One shard per block the stage holds (CKPT-6).
+            s.chunks
+                .iter()
+                .enumerate()
+                .map(|(c, w)| {
+                    let (params, optimizer) = w.snapshot()?;
+                    Ok(ShardSnapshot {
+                        // A tensor-parallel rank's slices are a shard of their own.
+                        shard: ShardId {
                             pp: plan.block(stage, Chunk(c as u32)),
                             tp: tp_rank,
-                        };
-                        let Some(shard) = shard.iter().find(|x| x.shard == wanted) else {
-                            return Err(Error::InvalidConfig(format!(
-                                "no {wanted} to restore {id} from"
-                            )));
-                        };
-                        w.restore_lr(shard.training.lr_scheduler.as_ref())?;
-                        w.restore(&shard.params, shard.optimizer.as_ref(), rank_of)?;
-                    }
-                    // MIX-3: every shard of a checkpoint carries the same training state.
-                    let scale = shard.first().and_then(|x| x.training.loss_scale);
-                    super::stage::restore_scaler(s.scaler.as_mut(), scale)
+                        },
+                        params,
+                        optimizer: Some(optimizer),
+                        // CKPT-9, LR-2: the scheduler travels with the block.
+                        // MIX-3: and the stage's loss scaler.
+                        training: TrainingState::default()
+                            .with_lr_scheduler(w.lr_state()?)
+                            .with_loss_scale(scale),
+                    })
                 })
-                .await;
-                let r = match out {
-                    None => Err(lost(state)),
-                    Some(Ok(Ok(r))) => r,
-                    Some(Ok(Err(panic))) => Err(failed(state, "restore", panic)),
-                    Some(Err(e)) => Err(e),
-                };
-                let _ = reply.send(r);
-            }
-            StageMsg::Reconnect { reply, .. } => {
-                let _ = reply.send(Err(Error::InvalidConfig(
-                    "a pipeline stage of another process takes a new wiring through its node's \
-                     Wire (REMOTE-7), not Reconnect"
-                        .into(),
-                )));
-            }
-            StageMsg::Regroup { reply, .. } => {
-                let _ = reply.send(Err(Error::InvalidConfig(
-                    "pipeline stages cannot join a rebuilt group yet".into(),
-                )));
-            }
-            StageMsg::TakeModel(reply) => {
-                let plan = state.spec.plan.clone();
-                let stage = StageIndex(state.id.stage);
-                let tp_rank = state.tp_rank;
-                let blocks = &state.spec.stages.blocks;
-                let model = state.slot.take().map(|slot| {
-                    PipelineModel::from_parts(
-                        slot.chunks
-                            .into_iter()
-                            .enumerate()
-                            .map(|(c, w)| {
-                                let block = plan.block(stage, Chunk(c as u32));
-                                BlockPart {
-                                    block,
-                                    tp_rank,
-                                    module: w.into_module(),
-                                    unshard: blocks
-                                        .get(block as usize)
-                                        .and_then(|b| b.tensor_parallel.as_ref())
-                                        .map(|(_, u)| u.clone()),
-                                }
-                            })
-                            .collect(),
-                    )
-                });
-                let _ = reply.send(model);
-            }
-            StageMsg::Rewire {
-                links,
-                comm,
-                tp,
-                reply,
-            } => {
-                let r = match state.slot.as_mut() {
-                    Some(slot) => {
-                        slot.links = *links;
-                        slot.comm = comm;
-                        // The tensor-parallel group of the new generation, for every block.
-                        slot.tp =
-                            Arc::new(tp.map_or_else(TensorParallel::single, TensorParallel::new));
-                        for chunk in &mut slot.chunks {
-                            chunk.set_tensor_parallel(&slot.tp);
-                        }
-                        Ok(())
-                    }
-                    None => Err(lost(state)),
-                };
-                let _ = reply.send(r);
-            }
+                .collect::<std::result::Result<Vec<_>, CheckpointError>>()
+        })
+        .await;
+        match out {
+            None => Err(lost(self.id, &self.device)),
+            Some(Ok(Ok(r))) => r.map_err(Error::from),
+            Some(Ok(Err(panic))) => Err(failed(self.id, &self.device, "snapshot", panic)),
+            Some(Err(e)) => Err(e),
         }
-        Ok(())
+    }
+
+    async fn restore(&mut self, shard: Vec<ShardSnapshot>) -> Result<()> {
+        let plan = self.spec.plan.clone();
+        let tp_rank = self.tp_rank;
+        let stage = StageIndex(self.id.stage);
+        let id = self.id;
+        let out = run_on_slot(&self.device_actor, "restore", &mut self.slot, move |s| {
+            // Its place in the block's data-parallel group, for sharded self.
+            let rank_of = s
+                .comm
+                .as_ref()
+                .map_or((0, 1), |c| (c.rank().index(), c.world()));
+            for (c, w) in s.chunks.iter_mut().enumerate() {
+                let wanted = ShardId {
+                    pp: plan.block(stage, Chunk(c as u32)),
+                    tp: tp_rank,
+                };
+                let Some(shard) = shard.iter().find(|x| x.shard == wanted) else {
+                    return Err(Error::InvalidConfig(format!(
+                        "no {wanted} to restore {id} from"
+                    )));
+                };
+                w.restore_lr(shard.training.lr_scheduler.as_ref())?;
+                w.restore(&shard.params, shard.optimizer.as_ref(), rank_of)?;
+            }
+            // MIX-3: every shard of a checkpoint carries the same training self.
+            let scale = shard.first().and_then(|x| x.training.loss_scale);
+            crate::actors::stage::restore_scaler(s.scaler.as_mut(), scale)
+        })
+        .await;
+        match out {
+            None => Err(lost(self.id, &self.device)),
+            Some(Ok(Ok(r))) => r,
+            Some(Ok(Err(panic))) => Err(failed(self.id, &self.device, "restore", panic)),
+            Some(Err(e)) => Err(e),
+        }
+    }
+
+    fn regroup(&mut self, _id: StageId, _rank: Rank, _comm: Communicator) -> Result<()> {
+        Err(Error::InvalidConfig(
+            "pipeline stages cannot join a rebuilt group yet".into(),
+        ))
+    }
+
+    fn rewire(
+        &mut self,
+        links: StageLinks,
+        comm: Option<Communicator>,
+        tp: Option<Communicator>,
+    ) -> Result<()> {
+        match self.slot.as_mut() {
+            Some(slot) => {
+                slot.links = links;
+                slot.comm = comm;
+                // The tensor-parallel group of the new generation, for every block.
+                slot.tp = Arc::new(tp.map_or_else(TensorParallel::single, TensorParallel::new));
+                for chunk in &mut slot.chunks {
+                    chunk.set_tensor_parallel(&slot.tp);
+                }
+                Ok(())
+            }
+            None => Err(lost(self.id, &self.device)),
+        }
     }
 }
 
@@ -639,24 +325,6 @@ fn fingerprint<I>(chunks: &[Box<dyn StageWork<I>>]) -> u64 {
     chunks.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, c| {
         (h ^ c.fingerprint()).wrapping_mul(0x0000_0100_0000_01b3)
     })
-}
-
-fn lost<I>(state: &PipelineStageState<I>) -> Error {
-    Error::StageFailed {
-        device: state.device.id(),
-        stage: state.id,
-        during: "a previous failure".into(),
-        reason: "the stage lost its state in an earlier failure".into(),
-    }
-}
-
-fn failed<I>(state: &PipelineStageState<I>, during: &str, reason: String) -> Error {
-    Error::StageFailed {
-        device: state.device.id(),
-        stage: state.id,
-        during: during.into(),
-        reason,
-    }
 }
 
 async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Result<InitReport> {
@@ -711,7 +379,7 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
                 after: f,
             })
         }
-        Err(panic) => Err(failed(state, "building the stage", panic)),
+        Err(panic) => Err(failed(state.id, &state.device, "building the stage", panic)),
     }
 }
 
@@ -738,7 +406,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
     micro_batches: Vec<Vec<usize>>,
 ) -> Result<StepReport> {
     let Some(mut slot) = state.slot.take() else {
-        return Err(lost(state));
+        return Err(lost(state.id, &state.device));
     };
     let spec = state.spec.clone();
     let stage = StageIndex(state.id.stage);
@@ -822,7 +490,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
         }
         Err(panic) => {
             let during = phase.lock().unwrap_or_else(|e| e.into_inner()).clone();
-            Err(failed(state, &during, panic))
+            Err(failed(state.id, &state.device, &during, panic))
         }
     }
 }

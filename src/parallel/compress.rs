@@ -9,7 +9,7 @@
 //! already weighted by its share of the step's samples, so the reduced gradient is the **sum**
 //! over the group of what each rank contributes (as the plain all-reduce's is).
 //!
-//! Invariants (tested in `compress/tests.rs` and `tests/compression.rs`):
+//! Invariants (tested in `compress/tests.rs` and `tests/suite/compression.rs`):
 //! - CMP-1 (error feedback): each rank keeps a residual `e`; a step compresses `m = g + e`,
 //!   contributes `c = decompress(compress(m))` to the group's sum and keeps `e' = m − c`. So
 //!   over any number of steps, what a rank contributed plus its last residual equals the sum

@@ -12,7 +12,7 @@
 //!   rank keeps optimizer state for its range only.
 //! - **ZERO-2 same rule.** [`FlatRule::step`] applies the same arithmetic, in the same order
 //!   and precision, as Burn's `Sgd`, `Adam` and `AdamW`, so a sharded step equals Burn's
-//!   whole-model step element for element (tested against Burn in `tests/zero.rs`).
+//!   whole-model step element for element (tested against Burn in `tests/suite/zero.rs`).
 //! - **ZERO-3 re-sharding.** [`reshard`] rebuilds any rank's shard of any group size from a
 //!   complete set of parts; the state of every element is moved, never recomputed.
 

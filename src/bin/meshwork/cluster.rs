@@ -17,15 +17,17 @@ use meshwork::cluster::control::{
     self, ControlError, FingerprintFn, Head, HeadConfig, Incompatibility, JobSpec,
     ModelFingerprint, ModelSpec, NodeConfig, NodeReport, PipelineShape, ProcessIndex, protocol,
 };
-use meshwork::cluster::control::{HostArgs, HostFactory, LateEvent, LateEvents};
+use meshwork::cluster::control::{HostArgs, HostFactory, KeepAlive, LateEvent, LateEvents};
 use meshwork::cluster::remote::{ClusterMesh, MeshJoiner};
 use meshwork::cluster::rendezvous::{self, Rendezvous, Role};
 use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_pipeline, mse_loss};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
-use meshwork::job::{Job, JobBuilder, PipelineModel};
+use meshwork::job::{Job, JobBuilder, JobControl};
 use meshwork::parallel::pipeline::{Schedule, even_split};
 use meshwork::recovery::{OnReplicaLoss, RecoveryPolicy};
+
+use crate::demo_job::{Configure, DemoJob, RunOptions};
 
 /// The flags `meshwork train` gets with the `cluster` feature.
 #[derive(Debug, Clone, clap::Args)]
@@ -170,12 +172,6 @@ pub(crate) struct HeadJob {
 /// Samples in the demo job's dataset (as in a single-process `meshwork train`).
 const DEMO_SAMPLES: usize = 16_384;
 
-/// The demo job of a spec: data-parallel replicas of the MLP, or the MLP cut into a pipeline.
-enum DemoJob {
-    Replicas(JobBuilder<Mlp, Sample>),
-    Pipeline(JobBuilder<PipelineModel, Sample>),
-}
-
 /// The demo job of `meshwork train` as `spec` describes it, built the same way in every
 /// process (the head's and every node's stages train with the same settings) and the same
 /// way as a single-process run: the teacher task, the MLP (or its pipeline blocks) initialized
@@ -200,7 +196,7 @@ fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(DemoJob, TeacherTask)> {
     device.burn().seed(spec.seed);
     let job = match &spec.pipeline {
         None => DemoJob::Replicas(
-            settings(Job::builder(), spec, &task)
+            Job::builder()
                 .initial_model(Mlp::new(&widths, device.burn()))
                 .loss(mse_loss),
         ),
@@ -225,28 +221,47 @@ fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(DemoJob, TeacherTask)> {
                         schedule.virtual_stages()
                     ))
                 })?;
-            DemoJob::Pipeline(settings(Job::builder(), spec, &task).pipeline(stages, schedule))
+            DemoJob::Pipeline(Job::builder().pipeline(stages, schedule), schedule)
         }
     };
-    Ok((job, task))
+    Ok((job.configure(SpecSettings { spec, task: &task }), task))
 }
 
 /// The settings of the demo job every process shares.
-fn settings<M: Send + 'static>(
-    builder: JobBuilder<M, Sample>,
-    spec: &JobSpec,
-    task: &TeacherTask,
-) -> JobBuilder<M, Sample> {
-    builder
-        .data(task.dataset(DEMO_SAMPLES))
-        .optimizer(AdamConfig::new())
-        .learning_rate(spec.learning_rate)
-        .zero(meshwork::parallel::zero::ZeroStage::from_number(spec.zero).unwrap_or_default())
-        .batch_size(spec.batch_size as usize)
-        .steps(spec.steps)
-        .seed(spec.seed)
-        .collective_timeout(Duration::from_millis(spec.collective_timeout_ms.max(1)))
-        .step_timeout(Duration::from_secs(120))
+struct SpecSettings<'a> {
+    spec: &'a JobSpec,
+    task: &'a TeacherTask,
+}
+
+impl Configure for SpecSettings<'_> {
+    fn apply<M: Send + 'static>(self, builder: JobBuilder<M, Sample>) -> JobBuilder<M, Sample> {
+        let spec = self.spec;
+        builder
+            .data(self.task.dataset(DEMO_SAMPLES))
+            .optimizer(AdamConfig::new())
+            .learning_rate(spec.learning_rate)
+            .zero(meshwork::parallel::zero::ZeroStage::from_number(spec.zero).unwrap_or_default())
+            .batch_size(spec.batch_size as usize)
+            .steps(spec.steps)
+            .seed(spec.seed)
+            .collective_timeout(Duration::from_millis(spec.collective_timeout_ms.max(1)))
+            .step_timeout(Duration::from_secs(120))
+    }
+}
+
+/// What the head adds to the demo job: its checkpoints, recovery, elastic range and mesh.
+struct HeadSettings<'a> {
+    job: &'a HeadJob,
+    mesh: ClusterMesh,
+}
+
+impl Configure for HeadSettings<'_> {
+    fn apply<M: Send + 'static>(self, builder: JobBuilder<M, Sample>) -> JobBuilder<M, Sample> {
+        crate::train::checkpoint_settings(&self.job.checkpoints, builder)
+            .recovery(self.job.policy)
+            .elastic(self.job.elastic.0, self.job.elastic.1)
+            .cluster(self.mesh)
+    }
 }
 
 /// How a node (and the head, for its own devices) builds its stages: the demo job of the
@@ -256,7 +271,7 @@ fn demo_stages() -> HostFactory {
         let (job, _) = demo_job(&args.spec).map_err(|e| e.to_string())?;
         match job {
             DemoJob::Replicas(b) => b.stage_host(args),
-            DemoJob::Pipeline(b) => b.stage_host(args),
+            DemoJob::Blocks(b) | DemoJob::Pipeline(b, _) => b.stage_host(args),
         }
         .map_err(|e| e.to_string())
     })
@@ -505,84 +520,69 @@ async fn train_on_world(
     };
     let mesh = ClusterMesh::new(&assembled.world, &head.node_handles(), head_stages)?;
     let (demo, task) = demo_job(spec)?;
-    let late = (mesh.joiner(), late);
-    match demo {
-        DemoJob::Replicas(b) => {
-            let model = train_mesh(b, mesh, head, (spec, job, &task), late).await?;
-            if let Some(path) = &job.save_model {
-                crate::train::save_model(model, path)?;
-            }
-        }
-        DemoJob::Pipeline(b) => {
-            let model = train_mesh(b, mesh, head, (spec, job, &task), late).await?;
-            if let Some(path) = &job.save_model {
-                crate::train::save_pipeline(model, path)?;
-            }
-        }
-    }
+    let joiner = mesh.joiner();
+    let pipelined = spec.pipeline.is_some();
+    let keep_alive = head.keep_alive();
+    let watchers = Box::new(move |control: JobControl| {
+        vec![
+            tokio::spawn(grow_onto_joining_nodes(joiner, late, control, pipelined)),
+            tokio::spawn(report_lost_nodes(keep_alive)),
+        ]
+    });
+    demo.configure(HeadSettings { job, mesh })
+        .run(RunOptions {
+            steps: spec.steps,
+            task: &task,
+            save: job.save_model.clone(),
+            watchers,
+        })
+        .await?;
     Ok(())
 }
 
-/// Trains `builder`'s job on `mesh` to the end, reporting lost nodes as the heartbeats miss
-/// them and growing the job onto nodes that join it; the trained model.
-async fn train_mesh<M: Send + 'static>(
-    builder: JobBuilder<M, Sample>,
-    mesh: ClusterMesh,
-    head: &Head,
-    (spec, job, task): (&JobSpec, &HeadJob, &TeacherTask),
-    (joiner, mut late): (MeshJoiner, LateEvents),
-) -> meshwork::error::Result<M> {
-    let handle = crate::train::checkpoint_settings(&job.checkpoints, builder)
-        .recovery(job.policy)
-        .elastic(job.elastic.0, job.elastic.1)
-        .cluster(mesh)
-        .build()?
-        .spawn()
-        .await?;
-    let control = handle.control();
-    let pipelined = spec.pipeline.is_some();
-    let grow = tokio::spawn(async move {
-        while let Some(event) = late.next().await {
-            match event {
-                LateEvent::Joined(node) => {
-                    let name = node.handle.name().to_string();
-                    let ranks: Vec<u32> = node.ranks.iter().map(|e| e.rank.0).collect();
-                    match joiner.add(node.handle, &node.ranks) {
-                        Ok(_) if pipelined => println!(
-                            "node {name} joined the running job: rank(s) {ranks:?}, waiting as \
-                             a spare for a lost stage"
-                        ),
-                        Ok(k) => {
-                            println!("node {name} joined the running job: rank(s) {ranks:?}");
-                            control.add_replicas(k);
-                        }
-                        Err(e) => println!("node {name} cannot join the running job: {e}"),
+/// Grows the job onto nodes that join it while it runs (a pipeline job keeps them as spares
+/// for a lost stage) and reports the ones refused or lost.
+async fn grow_onto_joining_nodes(
+    joiner: MeshJoiner,
+    mut late: LateEvents,
+    control: JobControl,
+    pipelined: bool,
+) {
+    while let Some(event) = late.next().await {
+        match event {
+            LateEvent::Joined(node) => {
+                let name = node.handle.name().to_string();
+                let ranks: Vec<u32> = node.ranks.iter().map(|e| e.rank.0).collect();
+                match joiner.add(node.handle, &node.ranks) {
+                    Ok(_) if pipelined => println!(
+                        "node {name} joined the running job: rank(s) {ranks:?}, waiting as a \
+                         spare for a lost stage"
+                    ),
+                    Ok(k) => {
+                        println!("node {name} joined the running job: rank(s) {ranks:?}");
+                        control.add_replicas(k);
                     }
-                }
-                LateEvent::Refused { node, reason } => {
-                    println!("refused {node} from the running job: {reason}");
-                }
-                LateEvent::Lost { node, error } => {
-                    joiner.remove(&node);
-                    println!("node {node} lost: {error}");
+                    Err(e) => println!("node {name} cannot join the running job: {e}"),
                 }
             }
-            let _ = std::io::stdout().flush();
+            LateEvent::Refused { node, reason } => {
+                println!("refused {node} from the running job: {reason}");
+            }
+            LateEvent::Lost { node, error } => {
+                joiner.remove(&node);
+                println!("node {node} lost: {error}");
+            }
         }
-    });
-    let mut keep_alive = head.keep_alive();
-    let watch = tokio::spawn(async move {
-        while let Some((name, why)) = keep_alive.next_lost().await {
-            println!("node {name} lost: {why}");
-            let _ = std::io::stdout().flush();
-        }
-    });
-    let (trained, _) = crate::train::drive(handle, spec.steps).await;
-    watch.abort();
-    grow.abort();
-    let trained = trained?;
-    crate::train::report(&trained.summary, task);
-    Ok(trained.model)
+        let _ = std::io::stdout().flush();
+    }
+}
+
+/// Reports nodes lost as their heartbeats miss.
+async fn report_lost_nodes(mut keep_alive: KeepAlive) {
+    while let Some((name, why)) = keep_alive.next_lost().await {
+        println!("node {name} lost: {why}");
+        let _ = std::io::stdout().flush();
+    }
 }
 
 /// `meshwork node`.

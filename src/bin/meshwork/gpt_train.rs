@@ -13,7 +13,8 @@ use meshwork::error::Error;
 use meshwork::job::Job;
 use meshwork::parallel::pipeline::Schedule;
 
-use crate::train::{TrainArgs, drive};
+use crate::demo_job::drive;
+use crate::train::TrainArgs;
 
 /// Validation windows evaluated before and after training.
 const VALIDATION_WINDOWS: usize = 256;

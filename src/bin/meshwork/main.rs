@@ -17,6 +17,8 @@ mod bench;
 mod cluster;
 mod comm_bench;
 mod comm_svg;
+mod demo_job;
+mod dp_bench;
 mod gpt_train;
 mod memory_bench;
 mod memory_svg;

@@ -412,7 +412,7 @@ pub(crate) fn worker(b: MemoryBench) -> Result<()> {
         handle.join().await?;
         Ok::<_, Error>(WorkerReport {
             samples_per_s: samples as f64 / wall.max(1e-12),
-            peak_rss_bytes: crate::bench::peak_rss_bytes(),
+            peak_rss_bytes: crate::dp_bench::peak_rss_bytes(),
             memory,
         })
     })?;

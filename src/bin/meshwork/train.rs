@@ -3,21 +3,21 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use burn::module::Module;
 use burn::optim::AdamConfig;
-use indicatif::{ProgressBar, ProgressStyle};
-use meshwork::demo::{Mlp, TeacherTask, mlp_blocks, mlp_blocks_of, mse_loss, split_mlp};
+use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_blocks, mlp_blocks_of, mse_loss, split_mlp};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
-use meshwork::events::{JobEvent, PipelineStep};
+use meshwork::events::PipelineStep;
 use meshwork::faults::FaultPlan;
-use meshwork::job::{EventsError, Job, JobHandle, RunSummary, Trained};
+use meshwork::job::{Job, JobBuilder};
 use meshwork::parallel::pipeline::{Schedule, even_split, render_svg};
 use meshwork::parallel::pipeline_exec::chrome_trace;
 use meshwork::parallel::stages::BlockOptions;
 use meshwork::parallel::zero::ZeroStage;
 use meshwork::precision::Precision;
 use meshwork::recovery::RecoveryPolicy;
+
+use crate::demo_job::{Configure, DemoJob, RunOptions};
 
 /// Flags of `meshwork train`.
 #[derive(Debug, clap::Args)]
@@ -372,9 +372,7 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         noise: 0.1,
         seed: args.seed,
     };
-    let data = task.dataset(16_384);
     let (plan, policy) = fault_settings(&args)?;
-    let collective_timeout = Duration::from_secs_f64(args.collective_timeout);
     let world = (dp * if pipelined { args.pp } else { 1 }) as usize;
     let devices = MeshDevice::of_kind(args.device, world)?;
     let model_device = devices[0].burn().clone();
@@ -391,6 +389,36 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         args.steps,
         task.attainable_loss()
     );
+    let job = demo_job(&args, pipelined, &model_device)?.configure(Shared {
+        args: &args,
+        data: task.dataset(16_384),
+        dp,
+        devices,
+        plan,
+        policy,
+    });
+    let schedule = job.schedule();
+    let last = job
+        .run(RunOptions::plain(
+            args.steps,
+            &task,
+            args.save_model.clone(),
+        ))
+        .await?;
+    if let (Some(schedule), Some(p)) = (schedule, last) {
+        pipeline_report(&args, &schedule, &p)?;
+    }
+    Ok(())
+}
+
+/// The demo job the flags describe: the MLP cut into a pipeline (`--pp`, `--timeline`), as
+/// blocks of one layer (`--zero 3`, `--recompute`), or whole.
+fn demo_job(
+    args: &TrainArgs,
+    pipelined: bool,
+    model_device: &burn::tensor::Device,
+) -> meshwork::error::Result<DemoJob> {
+    let options = BlockOptions::default().recompute(args.recompute);
     if pipelined {
         let schedule = Schedule::from_name(&args.schedule, args.micro_batches, args.virtual_stages)
             .ok_or_else(|| {
@@ -402,9 +430,8 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         let blocks = (args.pp * schedule.virtual_stages()) as usize;
         let pipeline_widths = pipeline_widths(args.hidden);
         let layers = pipeline_widths.len() - 1;
-        let options = BlockOptions::default().recompute(args.recompute);
         let stages = even_split(layers, blocks)
-            .and_then(|split| split_mlp(&pipeline_widths, &split, &model_device))
+            .and_then(|split| split_mlp(&pipeline_widths, &split, model_device))
             .map(|parts| mlp_blocks_of(parts, options))
             .ok_or_else(|| {
                 Error::InvalidConfig(format!(
@@ -414,154 +441,93 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
                     schedule.virtual_stages()
                 ))
             })?;
-        let builder = checkpoint_settings(&args.checkpoint_flags(), Job::builder())
-            .pipeline(stages, schedule)
-            .data(data);
-        let job = settings(
-            &args,
-            builder,
-            dp,
-            devices,
-            plan,
-            policy,
-            collective_timeout,
-        )
-        .build()?;
-        let (trained, last) = drive(job.spawn().await?, args.steps).await;
-        let trained = trained?;
-        report(&trained.summary, &task);
-        if let Some(p) = last {
-            println!(
-                "last step: measured bubble {:.3} (theory {:.3}), peak stash per stage {:?}, peak activation bytes per stage {:?}",
-                p.bubble,
-                schedule.theoretical_bubble(args.pp),
-                p.peak_stash,
-                p.peak_activation_bytes
-            );
-            for (s, x) in p.shares.iter().enumerate() {
-                println!(
-                    "  stage {s}: compute {:.0}%, communication {:.0}%, waiting {:.0}%",
-                    x.compute * 100.0,
-                    x.communication * 100.0,
-                    x.waiting * 100.0
-                );
-            }
-            if let Some(path) = &args.timeline {
-                let text = if path.extension().is_some_and(|e| e == "json") {
-                    chrome_trace(&p.timeline)
-                } else {
-                    render_svg(&p.timeline)
-                };
-                std::fs::write(path, text).map_err(|e| Error::Io {
-                    path: path.display().to_string(),
-                    reason: e.to_string(),
-                })?;
-                println!("timeline written to {}", path.display());
-            }
-        }
-        if let Some(path) = &args.save_model {
-            save_pipeline(trained.model, path)?;
-        }
-        return Ok(());
+        return Ok(DemoJob::Pipeline(
+            Job::builder().pipeline(stages, schedule),
+            schedule,
+        ));
     }
     if args.zero == 3 || args.recompute {
         // ZeRO-3 and recomputation work per block: the MLP as blocks of one layer each.
-        let options = BlockOptions::default().recompute(args.recompute);
-        let stages = mlp_blocks(&widths(args.hidden), options, &model_device)
+        let stages = mlp_blocks(&widths(args.hidden), options, model_device)
             .ok_or_else(|| Error::Runtime("the demo MLP did not cut into blocks".into()))?;
-        let builder = checkpoint_settings(&args.checkpoint_flags(), Job::builder())
-            .blocks(stages)
-            .data(data);
-        let job = settings(
-            &args,
-            builder,
-            dp,
-            devices,
-            plan,
-            policy,
-            collective_timeout,
-        )
-        .build()?;
-        let (trained, _) = drive(job.spawn().await?, args.steps).await;
-        let trained = trained?;
-        report(&trained.summary, &task);
-        if let Some(path) = &args.save_model {
-            save_pipeline(trained.model, path)?;
-        }
-        return Ok(());
+        return Ok(DemoJob::Blocks(Job::builder().blocks(stages)));
     }
-    let init = Mlp::new(&widths(args.hidden), &model_device);
-    let builder = checkpoint_settings(&args.checkpoint_flags(), Job::builder())
-        .initial_model(init)
-        .loss(mse_loss)
-        .data(data);
-    let job = settings(
-        &args,
-        builder,
-        dp,
-        devices,
-        plan,
-        policy,
-        collective_timeout,
-    )
-    .build()?;
-    let (trained, _) = drive(job.spawn().await?, args.steps).await;
-    let trained = trained?;
-    report(&trained.summary, &task);
-    if let Some(path) = args.save_model {
-        save_model(trained.model, &path)?;
-    }
-    Ok(())
+    let init = Mlp::new(&widths(args.hidden), model_device);
+    Ok(DemoJob::Replicas(
+        Job::builder().initial_model(init).loss(mse_loss),
+    ))
 }
 
-/// Writes the trained demo MLP to `path` (Burn's named MessagePack format).
-pub(crate) fn save_model(model: Mlp, path: &std::path::Path) -> meshwork::error::Result<()> {
-    model.save_file(path).map_err(|e| Error::Io {
-        path: path.display().to_string(),
-        reason: format!("{e:?}"),
-    })?;
-    println!("model written to {}", path.display());
-    Ok(())
-}
-
-/// Writes the trained blocks of the demo pipeline to `path` as the one MLP they make.
-pub(crate) fn save_pipeline(
-    model: meshwork::job::PipelineModel,
-    path: &std::path::Path,
-) -> meshwork::error::Result<()> {
-    let mlp = Mlp::from_pipeline(model).ok_or_else(|| {
-        Error::Runtime("the trained pipeline is missing a block of the demo MLP".into())
-    })?;
-    save_model(mlp, path)
-}
-
-/// The settings both kinds of demo job share: optimizer, mesh, batch, steps, failures.
-fn settings<M: Send + 'static, I: Send + Sync + 'static>(
+/// A pipeline job's last step: its measured bubble against the schedule's, each stage's
+/// time, and the timeline file `--timeline` asks for.
+fn pipeline_report(
     args: &TrainArgs,
-    builder: meshwork::job::JobBuilder<M, I>,
+    schedule: &Schedule,
+    p: &PipelineStep,
+) -> meshwork::error::Result<()> {
+    println!(
+        "last step: measured bubble {:.3} (theory {:.3}), peak stash per stage {:?}, peak activation bytes per stage {:?}",
+        p.bubble,
+        schedule.theoretical_bubble(args.pp),
+        p.peak_stash,
+        p.peak_activation_bytes
+    );
+    for (s, x) in p.shares.iter().enumerate() {
+        println!(
+            "  stage {s}: compute {:.0}%, communication {:.0}%, waiting {:.0}%",
+            x.compute * 100.0,
+            x.communication * 100.0,
+            x.waiting * 100.0
+        );
+    }
+    if let Some(path) = &args.timeline {
+        let text = if path.extension().is_some_and(|e| e == "json") {
+            chrome_trace(&p.timeline)
+        } else {
+            render_svg(&p.timeline)
+        };
+        std::fs::write(path, text).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        println!("timeline written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// The flags every kind of demo job shares: data, optimizer, mesh, batch, steps, precision,
+/// failures and checkpoints.
+struct Shared<'a> {
+    args: &'a TrainArgs,
+    data: meshwork::data::InMemoryDataset<Sample>,
     dp: u32,
     devices: Vec<MeshDevice>,
     plan: Option<FaultPlan>,
     policy: RecoveryPolicy,
-    collective_timeout: Duration,
-) -> meshwork::job::JobBuilder<M, I> {
-    let builder = builder
-        .optimizer(AdamConfig::new())
-        .learning_rate(args.lr)
-        .zero(ZeroStage::from_number(args.zero).unwrap_or_default())
-        .precision(args.precision)
-        .low_precision_gradients(args.low_precision_gradients)
-        .data_parallel(dp)
-        .devices(devices)
-        .batch_size(args.batch_size_or(256))
-        .steps(args.steps)
-        .seed(args.seed)
-        .recovery(policy)
-        .collective_timeout(collective_timeout)
-        .step_timeout(Duration::from_secs(120));
-    match plan {
-        Some(plan) => builder.fault_plan(plan),
-        None => builder,
+}
+
+impl Configure for Shared<'_> {
+    fn apply<M: Send + 'static>(self, builder: JobBuilder<M, Sample>) -> JobBuilder<M, Sample> {
+        let args = self.args;
+        let builder = checkpoint_settings(&args.checkpoint_flags(), builder)
+            .data(self.data)
+            .optimizer(AdamConfig::new())
+            .learning_rate(args.lr)
+            .zero(ZeroStage::from_number(args.zero).unwrap_or_default())
+            .precision(args.precision)
+            .low_precision_gradients(args.low_precision_gradients)
+            .data_parallel(self.dp)
+            .devices(self.devices)
+            .batch_size(args.batch_size_or(256))
+            .steps(args.steps)
+            .seed(args.seed)
+            .recovery(self.policy)
+            .collective_timeout(Duration::from_secs_f64(args.collective_timeout))
+            .step_timeout(Duration::from_secs(120));
+        match self.plan {
+            Some(plan) => builder.fault_plan(plan),
+            None => builder,
+        }
     }
 }
 
@@ -600,225 +566,4 @@ impl TrainArgs {
             require: self.require_checkpoint,
         }
     }
-}
-
-/// Resolves on Ctrl-C or (on Unix) SIGTERM.
-async fn interrupted() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
-}
-
-/// Show a progress bar until the job ends; return its outcome and the last step's pipeline
-/// figures (pipeline jobs).
-pub(crate) async fn drive<M: Send + 'static>(
-    handle: JobHandle<M>,
-    steps: u64,
-) -> (meshwork::error::Result<Trained<M>>, Option<PipelineStep>) {
-    let mut events = handle.events();
-    let bar = ProgressBar::new(steps);
-    bar.set_style(
-        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}]")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let progress = bar.clone();
-    let watcher = tokio::spawn(async move {
-        let mut last = None;
-        loop {
-            match events.recv().await {
-                Ok(JobEvent::StepDone(s)) => {
-                    progress.set_position(s.step + 1);
-                    progress.set_message(format!(
-                        "loss {:.4}  {:.0} samples/s",
-                        s.loss, s.samples_per_s
-                    ));
-                    last = s.pipeline.or(last);
-                }
-                Ok(JobEvent::Failed(e)) => say(&progress, format!("job failed: {e}")),
-                Ok(JobEvent::GradientOverflow {
-                    step,
-                    scale,
-                    next_scale,
-                }) => say(
-                    &progress,
-                    format!(
-                        "step {step} skipped: its gradient overflowed at loss scale {scale}; \
-                         the scale is now {next_scale}"
-                    ),
-                ),
-                Ok(JobEvent::CheckpointWritten { step, path }) => say(
-                    &progress,
-                    format!("checkpoint after step {step} written to {}", path.display()),
-                ),
-                Ok(JobEvent::CheckpointFailed { step, error }) => say(
-                    &progress,
-                    format!("checkpoint after step {step} failed: {error}"),
-                ),
-                Ok(JobEvent::Restored {
-                    step,
-                    path,
-                    refused,
-                }) => {
-                    for r in refused {
-                        say(&progress, format!("refused checkpoint {r}"));
-                    }
-                    say(
-                        &progress,
-                        format!("resumed after step {step} from {}", path.display()),
-                    )
-                }
-                Ok(JobEvent::NothingToResume { location }) => say(
-                    &progress,
-                    format!(
-                        "no checkpoint to resume from in {location}: starting from scratch \
-                         (--require-checkpoint makes this an error)"
-                    ),
-                ),
-                Ok(JobEvent::FaultInjected(f)) => say(
-                    &progress,
-                    format!(
-                        "fault {} fired on device {} at step {}: {:?}",
-                        f.index, f.fault.device, f.fault.step, f.fault.kind
-                    ),
-                ),
-                Ok(JobEvent::DeviceLost {
-                    step,
-                    device,
-                    error,
-                    ..
-                }) => say(
-                    &progress,
-                    format!("step {step}: lost device {device}: {error}"),
-                ),
-                Ok(JobEvent::Recovered {
-                    step,
-                    generation,
-                    layout,
-                    ..
-                }) => say(
-                    &progress,
-                    format!(
-                        "step {step}: recovered (generation {}, {} replicas), redoing the step",
-                        generation.0,
-                        layout.dp()
-                    ),
-                ),
-                Ok(JobEvent::StageReplaced {
-                    step,
-                    stage,
-                    twin,
-                    device,
-                }) => say(
-                    &progress,
-                    format!(
-                        "step {step}: {stage} replaced on device {device}, from its twin {twin}"
-                    ),
-                ),
-                Ok(JobEvent::CaughtUp { step, ranks, from }) => {
-                    let ranks: Vec<String> = ranks.iter().map(ToString::to_string).collect();
-                    say(
-                        &progress,
-                        format!(
-                            "step {step}: {} had not finished it; took the state of {from}, \
-                             which had",
-                            ranks.join(", ")
-                        ),
-                    )
-                }
-                Ok(JobEvent::RolledBack {
-                    failed_step,
-                    step,
-                    generation,
-                    ..
-                }) => say(
-                    &progress,
-                    format!(
-                        "step {failed_step}: rolled back to the checkpoint after step {step} \
-                         (generation {})",
-                        generation.0
-                    ),
-                ),
-                Ok(JobEvent::WaitingForDevices {
-                    step,
-                    replicas,
-                    min,
-                    within,
-                }) => say(
-                    &progress,
-                    format!(
-                        "step {step}: {replicas} replica(s), below the minimum of {min}: \
-                         waiting up to {within:?} for devices"
-                    ),
-                ),
-                Ok(JobEvent::Resized { step, from, to, .. }) => say(
-                    &progress,
-                    format!("step {step}: resized from {from} to {to} replicas"),
-                ),
-                Ok(JobEvent::ResizeRefused { requested, reason }) => say(
-                    &progress,
-                    format!("resize to {requested} replicas refused: {reason}"),
-                ),
-                Ok(_) | Err(EventsError::Missed(_)) => {}
-                Err(EventsError::Closed) => break,
-            }
-        }
-        last
-    });
-    // Ctrl-C or SIGTERM: checkpoint (when the job has a checkpoint directory) and stop.
-    let stopper = handle.stopper();
-    let signals = tokio::spawn(async move {
-        interrupted().await;
-        stopper.checkpoint_now();
-        stopper.stop();
-    });
-    let trained = handle.join().await;
-    signals.abort();
-    let last = watcher.await.unwrap_or(None);
-    bar.finish();
-    (trained, last)
-}
-
-/// Prints `line` above the bar, or plainly when the bar is hidden (output not a terminal: a
-/// log, a test).
-fn say(bar: &ProgressBar, line: String) {
-    if bar.is_hidden() {
-        println!("{line}");
-    } else {
-        bar.println(line);
-    }
-}
-
-/// The loss from first to last step and where the time went.
-pub(crate) fn report(s: &RunSummary, task: &TeacherTask) {
-    let (compute, comm, wait) = s.breakdown.shares();
-    println!(
-        "loss {:.4} → {:.4} (attainable {:.4})",
-        s.first_loss.unwrap_or(f32::NAN),
-        s.last_loss.unwrap_or(f32::NAN),
-        task.attainable_loss()
-    );
-    println!(
-        "{} steps, {:.0} samples/s; time per step: compute {:.0}%, communication {:.0}%, waiting {:.0}%",
-        s.steps,
-        s.samples_per_s(),
-        compute * 100.0,
-        comm * 100.0,
-        wait * 100.0
-    );
 }

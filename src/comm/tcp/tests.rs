@@ -1,6 +1,6 @@
 //! The TCP transport with every rank a thread of this process, each with its own listener and
 //! its own TCP links over loopback; results are compared with the in-process transport running
-//! the same code. (Real separate processes: `tests/cluster_tcp.rs`.)
+//! the same code. (Real separate processes: `tests/cluster/cluster_tcp.rs`.)
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};

@@ -2,7 +2,7 @@
 //! ([`Compression`]): `AllReduceSync`'s update (Burn's optimizer on the whole model) with its
 //! reduction replaced by a [`Compressor`]'s, run over the group's communicator.
 //!
-//! Invariants (tested in `tests/compression.rs`):
+//! Invariants (tested in `tests/suite/compression.rs`):
 //! - CSYNC-1: every collective of the reduction is recorded as a trace span of this rank's
 //!   step (`AllReduce { bytes }`: the buffer handed in, 2 bytes per element for bf16/f16;
 //!   `AllGather { bytes }`: the gathered buffer), so a step's spans add up to

@@ -5,7 +5,7 @@
 //! every `every` of them (LOCAL-1), all-reduces the strategy's flat contribution in buckets
 //! and applies its rule to the parameters and the replicated outer state (LOCAL-2).
 //!
-//! Invariants (tested in `tests/local_updates.rs`):
+//! Invariants (tested in `tests/suite/local_updates.rs`):
 //! - LOCAL-4 rank state in checkpoints: between synchronisations the ranks' parameters and
 //!   inner optimizer states differ, so each rank's snapshot holds, as its optimizer part
 //!   (`rank..rank + 1` of `world`), its applied-step count, its inner optimizer state, its own

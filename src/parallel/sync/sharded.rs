@@ -7,7 +7,7 @@
 //! [`finish_gather`](GradientSync::finish_gather)) and the next
 //! [`release`](GradientSync::release).
 //!
-//! Invariants (tested in `tests/fsdp.rs`):
+//! Invariants (tested in `tests/suite/fsdp.rs`):
 //! - FSDP-1: between uses a rank holds `owned_range` of the block's parameters only; the
 //!   module's trainable parameters are empty tensors then.
 //! - FSDP-2: every rank of the group gathers, reduces and steps a block at the same point
@@ -15,7 +15,7 @@
 //!   communicator's typed time-out.
 //! - FSDP-3: the update is [`FlatRule`]'s on the shard (ZERO-2's arithmetic), so a ZeRO-3
 //!   step equals one device's step element for element.
-//! - CKPT-10 (with `tests/fsdp.rs`): a snapshot holds this rank's parameter part and
+//! - CKPT-10 (with `tests/suite/fsdp.rs`): a snapshot holds this rank's parameter part and
 //!   optimizer part only; a restore puts every rank's parameter parts together and keeps this
 //!   rank's range of them for the restoring group, the optimizer parts re-sharded alike.
 

@@ -1,0 +1,353 @@
+//! The one description of the demo job `meshwork train` runs, and the one path that runs it.
+//!
+//! The demo MLP trains whole (data parallel), as blocks of one layer (ZeRO-3 or
+//! recomputation without a pipeline), or cut into a pipeline: three model types, so a
+//! [`DemoJob`] holds the builder of one of them. Settings every kind shares are applied to it
+//! through [`Configure`]; [`DemoJob::run`] then builds, spawns, drives, reports and saves
+//! whichever it holds with the same generic [`finish`], in one process or on a cluster's
+//! head (which adds its mesh and its watchers through the same two seams).
+
+use std::path::{Path, PathBuf};
+
+use burn::module::Module;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use meshwork::demo::{Mlp, Sample, TeacherTask};
+use meshwork::error::{Error, Result};
+use meshwork::events::{JobEvent, PipelineStep};
+use meshwork::job::{
+    EventsError, JobBuilder, JobControl, JobHandle, PipelineModel, RunSummary, Trained,
+};
+use meshwork::parallel::pipeline::Schedule;
+
+/// What the demo trains, ready to be configured and run.
+pub(crate) enum DemoJob {
+    /// Data-parallel replicas of the whole MLP.
+    Replicas(JobBuilder<Mlp, Sample>),
+    /// The MLP as blocks of one layer, every block on every rank (ZeRO-3, recomputation).
+    Blocks(JobBuilder<PipelineModel, Sample>),
+    /// The MLP cut into a pipeline run by `schedule`.
+    Pipeline(JobBuilder<PipelineModel, Sample>, Schedule),
+}
+
+/// Settings applied to a job builder whatever its model type: the flags every kind of demo
+/// job shares, or what a cluster's head adds.
+pub(crate) trait Configure {
+    /// `builder` with the settings.
+    fn apply<M: Send + 'static>(self, builder: JobBuilder<M, Sample>) -> JobBuilder<M, Sample>;
+}
+
+/// How a run reports beyond the progress bar and the summary.
+pub(crate) struct RunOptions<'a> {
+    /// Steps the job trains (the progress bar's length).
+    pub(crate) steps: u64,
+    /// The task, for the attainable loss in the report.
+    pub(crate) task: &'a TeacherTask,
+    /// Where the trained model goes.
+    pub(crate) save: Option<PathBuf>,
+    /// Tasks that watch or steer the job while it runs (a cluster's head: nodes that join
+    /// or are lost), started once it is spawned and stopped when it ends.
+    pub(crate) watchers: Box<dyn FnOnce(JobControl) -> Vec<tokio::task::JoinHandle<()>> + 'a>,
+}
+
+impl RunOptions<'_> {
+    /// No watchers.
+    pub(crate) fn plain(steps: u64, task: &TeacherTask, save: Option<PathBuf>) -> RunOptions<'_> {
+        RunOptions {
+            steps,
+            task,
+            save,
+            watchers: Box::new(|_| Vec::new()),
+        }
+    }
+}
+
+impl DemoJob {
+    /// The same job with `settings` applied.
+    pub(crate) fn configure(self, settings: impl Configure) -> Self {
+        match self {
+            DemoJob::Replicas(b) => DemoJob::Replicas(settings.apply(b)),
+            DemoJob::Blocks(b) => DemoJob::Blocks(settings.apply(b)),
+            DemoJob::Pipeline(b, s) => DemoJob::Pipeline(settings.apply(b), s),
+        }
+    }
+
+    /// The pipeline schedule, for a pipeline job.
+    pub(crate) fn schedule(&self) -> Option<Schedule> {
+        match self {
+            DemoJob::Pipeline(_, s) => Some(*s),
+            _ => None,
+        }
+    }
+
+    /// Builds, spawns, drives, reports and saves the job; the last step's pipeline figures
+    /// (pipeline jobs).
+    pub(crate) async fn run(self, options: RunOptions<'_>) -> Result<Option<PipelineStep>> {
+        match self {
+            DemoJob::Replicas(b) => finish(b, options, save_model).await,
+            DemoJob::Blocks(b) | DemoJob::Pipeline(b, _) => finish(b, options, save_pipeline).await,
+        }
+    }
+}
+
+/// The one run path: build → spawn → drive (progress, signals, watchers) → report → save.
+async fn finish<M: Send + 'static>(
+    builder: JobBuilder<M, Sample>,
+    options: RunOptions<'_>,
+    write: fn(M, &Path) -> Result<()>,
+) -> Result<Option<PipelineStep>> {
+    let handle = builder.build()?.spawn().await?;
+    let watchers = (options.watchers)(handle.control());
+    let (trained, last) = drive(handle, options.steps).await;
+    for w in watchers {
+        w.abort();
+    }
+    let trained = trained?;
+    report(&trained.summary, options.task);
+    if let Some(path) = &options.save {
+        write(trained.model, path)?;
+    }
+    Ok(last)
+}
+
+/// Resolves on Ctrl-C or (on Unix) SIGTERM.
+async fn interrupted() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Show a progress bar until the job ends; return its outcome and the last step's pipeline
+/// figures (pipeline jobs).
+pub(crate) async fn drive<M: Send + 'static>(
+    handle: JobHandle<M>,
+    steps: u64,
+) -> (meshwork::error::Result<Trained<M>>, Option<PipelineStep>) {
+    let mut events = handle.events();
+    let bar = ProgressBar::new(steps);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} step {pos}/{len} {msg} [{elapsed_precise}]")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let progress = bar.clone();
+    let watcher = tokio::spawn(async move {
+        let mut last = None;
+        loop {
+            match events.recv().await {
+                Ok(JobEvent::StepDone(s)) => {
+                    progress.set_position(s.step + 1);
+                    progress.set_message(format!(
+                        "loss {:.4}  {:.0} samples/s",
+                        s.loss, s.samples_per_s
+                    ));
+                    last = s.pipeline.or(last);
+                }
+                Ok(JobEvent::Failed(e)) => say(&progress, format!("job failed: {e}")),
+                Ok(JobEvent::GradientOverflow {
+                    step,
+                    scale,
+                    next_scale,
+                }) => say(
+                    &progress,
+                    format!(
+                        "step {step} skipped: its gradient overflowed at loss scale {scale}; \
+                         the scale is now {next_scale}"
+                    ),
+                ),
+                Ok(JobEvent::CheckpointWritten { step, path }) => say(
+                    &progress,
+                    format!("checkpoint after step {step} written to {}", path.display()),
+                ),
+                Ok(JobEvent::CheckpointFailed { step, error }) => say(
+                    &progress,
+                    format!("checkpoint after step {step} failed: {error}"),
+                ),
+                Ok(JobEvent::Restored {
+                    step,
+                    path,
+                    refused,
+                }) => {
+                    for r in refused {
+                        say(&progress, format!("refused checkpoint {r}"));
+                    }
+                    say(
+                        &progress,
+                        format!("resumed after step {step} from {}", path.display()),
+                    )
+                }
+                Ok(JobEvent::NothingToResume { location }) => say(
+                    &progress,
+                    format!(
+                        "no checkpoint to resume from in {location}: starting from scratch \
+                         (--require-checkpoint makes this an error)"
+                    ),
+                ),
+                Ok(JobEvent::FaultInjected(f)) => say(
+                    &progress,
+                    format!(
+                        "fault {} fired on device {} at step {}: {:?}",
+                        f.index, f.fault.device, f.fault.step, f.fault.kind
+                    ),
+                ),
+                Ok(JobEvent::DeviceLost {
+                    step,
+                    device,
+                    error,
+                    ..
+                }) => say(
+                    &progress,
+                    format!("step {step}: lost device {device}: {error}"),
+                ),
+                Ok(JobEvent::Recovered {
+                    step,
+                    generation,
+                    layout,
+                    ..
+                }) => say(
+                    &progress,
+                    format!(
+                        "step {step}: recovered (generation {}, {} replicas), redoing the step",
+                        generation.0,
+                        layout.dp()
+                    ),
+                ),
+                Ok(JobEvent::StageReplaced {
+                    step,
+                    stage,
+                    twin,
+                    device,
+                }) => say(
+                    &progress,
+                    format!(
+                        "step {step}: {stage} replaced on device {device}, from its twin {twin}"
+                    ),
+                ),
+                Ok(JobEvent::CaughtUp { step, ranks, from }) => {
+                    let ranks: Vec<String> = ranks.iter().map(ToString::to_string).collect();
+                    say(
+                        &progress,
+                        format!(
+                            "step {step}: {} had not finished it; took the state of {from}, \
+                             which had",
+                            ranks.join(", ")
+                        ),
+                    )
+                }
+                Ok(JobEvent::RolledBack {
+                    failed_step,
+                    step,
+                    generation,
+                    ..
+                }) => say(
+                    &progress,
+                    format!(
+                        "step {failed_step}: rolled back to the checkpoint after step {step} \
+                         (generation {})",
+                        generation.0
+                    ),
+                ),
+                Ok(JobEvent::WaitingForDevices {
+                    step,
+                    replicas,
+                    min,
+                    within,
+                }) => say(
+                    &progress,
+                    format!(
+                        "step {step}: {replicas} replica(s), below the minimum of {min}: \
+                         waiting up to {within:?} for devices"
+                    ),
+                ),
+                Ok(JobEvent::Resized { step, from, to, .. }) => say(
+                    &progress,
+                    format!("step {step}: resized from {from} to {to} replicas"),
+                ),
+                Ok(JobEvent::ResizeRefused { requested, reason }) => say(
+                    &progress,
+                    format!("resize to {requested} replicas refused: {reason}"),
+                ),
+                Ok(_) | Err(EventsError::Missed(_)) => {}
+                Err(EventsError::Closed) => break,
+            }
+        }
+        last
+    });
+    // Ctrl-C or SIGTERM: checkpoint (when the job has a checkpoint directory) and stop.
+    let stopper = handle.stopper();
+    let signals = tokio::spawn(async move {
+        interrupted().await;
+        stopper.checkpoint_now();
+        stopper.stop();
+    });
+    let trained = handle.join().await;
+    signals.abort();
+    let last = watcher.await.unwrap_or(None);
+    bar.finish();
+    (trained, last)
+}
+
+/// Prints `line` above the bar, or plainly when the bar is hidden (output not a terminal: a
+/// log, a test).
+fn say(bar: &ProgressBar, line: String) {
+    if bar.is_hidden() {
+        println!("{line}");
+    } else {
+        bar.println(line);
+    }
+}
+
+/// The loss from first to last step and where the time went.
+pub(crate) fn report(s: &RunSummary, task: &TeacherTask) {
+    let (compute, comm, wait) = s.breakdown.shares();
+    println!(
+        "loss {:.4} → {:.4} (attainable {:.4})",
+        s.first_loss.unwrap_or(f32::NAN),
+        s.last_loss.unwrap_or(f32::NAN),
+        task.attainable_loss()
+    );
+    println!(
+        "{} steps, {:.0} samples/s; time per step: compute {:.0}%, communication {:.0}%, waiting {:.0}%",
+        s.steps,
+        s.samples_per_s(),
+        compute * 100.0,
+        comm * 100.0,
+        wait * 100.0
+    );
+}
+
+/// Writes the trained demo MLP to `path` (Burn's named MessagePack format).
+pub(crate) fn save_model(model: Mlp, path: &std::path::Path) -> meshwork::error::Result<()> {
+    model.save_file(path).map_err(|e| Error::Io {
+        path: path.display().to_string(),
+        reason: format!("{e:?}"),
+    })?;
+    println!("model written to {}", path.display());
+    Ok(())
+}
+
+/// Writes the trained blocks of the demo pipeline to `path` as the one MLP they make.
+pub(crate) fn save_pipeline(
+    model: meshwork::job::PipelineModel,
+    path: &std::path::Path,
+) -> meshwork::error::Result<()> {
+    let mlp = Mlp::from_pipeline(model).ok_or_else(|| {
+        Error::Runtime("the trained pipeline is missing a block of the demo MLP".into())
+    })?;
+    save_model(mlp, path)
+}

@@ -1,0 +1,531 @@
+//! The collective and point-to-point operations of a TCP rank: each op rendezvouses, runs
+//! its share of the pure plan over the links, and reduces or widens what it receives.
+
+use super::*;
+
+impl TcpCommunicator {
+    pub(super) fn plan_for(
+        &mut self,
+        kind: CollectiveKind,
+        algorithm: Algorithm,
+        len: usize,
+        root: Rank,
+    ) -> (Plan, Vec<SendMode>) {
+        match self.plan_cache.take() {
+            Some((r, plan, modes))
+                if r == root
+                    && plan.kind == kind
+                    && plan.algorithm == algorithm
+                    && plan.len == len =>
+            {
+                (plan, modes)
+            }
+            _ => {
+                let plan = plan::plan(kind, algorithm, self.world, len, root).unwrap_or(Plan {
+                    kind,
+                    algorithm,
+                    world: self.world,
+                    len,
+                    steps: vec![Vec::new(); self.world],
+                });
+                let modes = send_modes(&plan, self.rank);
+                (plan, modes)
+            }
+        }
+    }
+
+    /// Stage 2 and 3: runs this rank's steps of the validated collective on the f32 buffer
+    /// at `base` (`len` elements), then waits until every send completed.
+    ///
+    /// # Safety
+    /// `base` points at `len` f32s that this rank owns for the whole call and does not touch
+    /// otherwise until it returns.
+    unsafe fn run(&mut self, call: &CallShape, base: *mut f32, id: OpId) -> Result<(), CommError> {
+        let root = call.peer.unwrap_or(Rank(0));
+        let op = call.reduce.unwrap_or(ReduceOp::Sum);
+        let algorithm = call.algorithm.unwrap_or(Algorithm::Ring);
+        let (plan, modes) = self.plan_for(call.kind, algorithm, call.len, root);
+        self.last_algorithm = Some(algorithm);
+        // TCP-7: a 16-bit op sends its final values as 16-bit.
+        let finals = match call.dtype {
+            Some(d @ (DType::F16 | DType::BF16)) => {
+                Some((d, sends_of_final_values(&plan, self.rank)))
+            }
+            _ => None,
+        };
+        let narrow = finals.as_ref().map(|(d, f)| (*d, &f[..]));
+        // SAFETY: forwarded.
+        let result =
+            unsafe { self.execute(plan.steps_of(self.rank), &modes, narrow, base, op, id) };
+        let result = result.and_then(|()| self.wait_all_sent(id));
+        self.plan_cache = Some((root, plan, modes));
+        result.map_err(|e| self.fail(e))
+    }
+
+    /// # Safety
+    /// As [`TcpCommunicator::run`]; the steps' ranges lie in the buffer (plans are checked
+    /// against their lengths by the plan tests).
+    unsafe fn execute(
+        &mut self,
+        steps: &[Step],
+        modes: &[SendMode],
+        narrow: Option<(DType, &[bool])>,
+        base: *mut f32,
+        op: ReduceOp,
+        id: OpId,
+    ) -> Result<(), CommError> {
+        // Borrowed sends still possibly in flight: (peer, ticket, range).
+        let mut borrowed: Vec<(usize, u64, Range<usize>)> = Vec::new();
+        let mut sends = 0;
+        for step in steps {
+            match step {
+                Step::Send { to, range } => {
+                    let mode = modes.get(sends).copied().unwrap_or(SendMode::Copy);
+                    let final_16 = narrow.and_then(|(d, finals)| {
+                        finals.get(sends).copied().unwrap_or(false).then_some(d)
+                    });
+                    sends += 1;
+                    if let Some(dtype) = final_16 {
+                        // SAFETY: the range lies in the buffer (PLAN-1 and the plan tests).
+                        let values = unsafe {
+                            std::slice::from_raw_parts(base.add(range.start), range.len())
+                        };
+                        let bytes = narrow_bytes(dtype, values);
+                        self.data_bytes_sent += bytes.len() as u64;
+                        self.push(to.index(), Payload::Owned(bytes), id)?;
+                        continue;
+                    }
+                    // SAFETY: the range lies in the buffer (PLAN-1 and the plan tests).
+                    let bytes = unsafe {
+                        std::slice::from_raw_parts(
+                            base.add(range.start).cast::<u8>(),
+                            range.len() * 4,
+                        )
+                    };
+                    let payload = match mode {
+                        SendMode::Borrow => Payload::Borrowed(RawBytes {
+                            ptr: bytes.as_ptr(),
+                            len: bytes.len(),
+                        }),
+                        SendMode::Copy => Payload::Owned(bytes.to_vec()),
+                    };
+                    self.data_bytes_sent += (range.len() * 4) as u64;
+                    let ticket = self.push(to.index(), payload, id)?;
+                    if mode == SendMode::Borrow {
+                        borrowed.push((to.index(), ticket, range.clone()));
+                    }
+                }
+                Step::RecvCopy { from, range } if narrow.is_some() => {
+                    self.wait_overlapping(&mut borrowed, range, id)?;
+                    let dtype = narrow.map_or(DType::F16, |(d, _)| d);
+                    // SAFETY: forwarded; the range is this rank's to write now.
+                    unsafe { self.recv_widened(from.index(), base, range, dtype, id)? };
+                }
+                Step::RecvReduce { from, range } | Step::RecvCopy { from, range } => {
+                    self.wait_overlapping(&mut borrowed, range, id)?;
+                    let reduce = matches!(step, Step::RecvReduce { .. });
+                    // SAFETY: forwarded; the range is this rank's to write now.
+                    unsafe { self.recv_step(from.index(), base, range, reduce.then_some(op), id)? };
+                }
+                Step::Finish { range } => {
+                    self.wait_overlapping(&mut borrowed, range, id)?;
+                    // SAFETY: as above.
+                    let values = unsafe {
+                        std::slice::from_raw_parts_mut(base.add(range.start), range.len())
+                    };
+                    finish(values, op, self.world);
+                }
+                Step::ReducePeers { .. } | Step::CopyFrom { .. } | Step::Barrier => {
+                    unreachable!("TCP-2: a TCP group runs ring and tree plans only")
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// TCP-3: waits for the borrowed sends whose range overlaps `range`.
+    pub(super) fn wait_overlapping(
+        &self,
+        borrowed: &mut Vec<(usize, u64, Range<usize>)>,
+        range: &Range<usize>,
+        id: OpId,
+    ) -> Result<(), CommError> {
+        let mut i = 0;
+        while i < borrowed.len() {
+            let (peer, ticket, sent) = &borrowed[i];
+            if sent.start < range.end && range.start < sent.end {
+                self.wait_sent(*peer, *ticket, id)?;
+                borrowed.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Receives `range` (f32s) from `peer` into the buffer at `base`: reduced with `op`, or
+    /// copied when `op` is `None`.
+    ///
+    /// # Safety
+    /// `range` of the buffer at `base` is this rank's to write now.
+    unsafe fn recv_step(
+        &mut self,
+        peer: usize,
+        base: *mut f32,
+        range: &Range<usize>,
+        op: Option<ReduceOp>,
+        id: OpId,
+    ) -> Result<(), CommError> {
+        // SAFETY: forwarded.
+        let dst = unsafe { base.add(range.start) };
+        let expected = range.len() * 4;
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let result = match op {
+            Some(op) => {
+                let mut sink = ReduceSink {
+                    dst,
+                    base: 0,
+                    scratch: &mut scratch,
+                    op,
+                };
+                self.recv_bytes(peer, expected, 4, &mut sink, id)
+            }
+            None => {
+                let mut sink = CopySink {
+                    dst: dst.cast::<u8>(),
+                    base: 0,
+                };
+                self.recv_bytes(peer, expected, 4, &mut sink, id)
+            }
+        };
+        self.scratch = scratch;
+        result
+    }
+
+    /// Receives `range` of a 16-bit op's final values from `peer` as 16-bit elements and
+    /// widens them into the f32 buffer at `base` (TCP-7).
+    ///
+    /// # Safety
+    /// `range` of the buffer at `base` is this rank's to write now.
+    unsafe fn recv_widened(
+        &mut self,
+        peer: usize,
+        base: *mut f32,
+        range: &Range<usize>,
+        dtype: DType,
+        id: OpId,
+    ) -> Result<(), CommError> {
+        let mut scratch = std::mem::take(&mut self.scratch16);
+        let mut sink = WidenSink {
+            // SAFETY: forwarded.
+            dst: unsafe { base.add(range.start) },
+            base: 0,
+            scratch: &mut scratch,
+            dtype,
+        };
+        let result = self.recv_bytes(peer, range.len() * 2, 2, &mut sink, id);
+        self.scratch16 = scratch;
+        result
+    }
+
+    /// Data payload bytes this rank handed to its links so far (TCP-7, LINK-1).
+    pub(crate) fn data_bytes_sent(&self) -> u64 {
+        self.data_bytes_sent
+    }
+
+    /// Reads frames from `peer` into `sink` until `expected` bytes arrived.
+    pub(super) fn recv_bytes(
+        &mut self,
+        peer: usize,
+        expected: usize,
+        granule: u64,
+        sink: &mut dyn StepSink,
+        id: OpId,
+    ) -> Result<(), CommError> {
+        let mut filled = 0;
+        while filled < expected {
+            sink.set_base(filled);
+            let Some(link) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
+                return Err(self.out_of_step(peer, id, "no link to this rank".into()));
+            };
+            match link
+                .reader
+                .recv_into((expected - filled) as u64, granule, sink, id.deadline)
+            {
+                Ok(0) => {
+                    return Err(self.out_of_step(
+                        peer,
+                        id,
+                        "an empty data frame inside a step".into(),
+                    ));
+                }
+                Ok(n) => filled += n as usize,
+                Err(e) => return Err(self.link_error(peer, id, &e)),
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn take_work(&mut self, len: usize) -> Vec<f32> {
+        let mut work = std::mem::take(&mut self.work);
+        work.clear();
+        work.resize(len, 0.0);
+        work
+    }
+
+    pub(crate) fn all_reduce<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let call = CallShape::all_reduce::<T>(
+            self.resolve::<T>(CollectiveKind::AllReduce, buf.len()),
+            buf.len(),
+            op,
+        );
+        self.in_place(call, buf)
+    }
+
+    pub(crate) fn broadcast<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        root: Rank,
+    ) -> Result<(), CommError> {
+        let call = CallShape::broadcast::<T>(
+            self.resolve::<T>(CollectiveKind::Broadcast, buf.len()),
+            buf.len(),
+            root,
+        );
+        self.in_place(call, buf)
+    }
+
+    /// All-reduce and broadcast: f32 buffers are worked on in place, the others through the
+    /// f32 working buffer.
+    pub(super) fn in_place<T: Element>(
+        &mut self,
+        call: CallShape,
+        buf: &mut [T],
+    ) -> Result<(), CommError> {
+        let id = self.rendezvous(call.clone())?;
+        if let Some(values) = as_f32_mut(buf) {
+            // SAFETY: `values` is borrowed for the whole call and not touched otherwise.
+            return unsafe { self.run(&call, values.as_mut_ptr(), id) };
+        }
+        let mut work = self.take_work(buf.len());
+        widen(&mut work, buf);
+        // SAFETY: `work` is owned here for the whole call.
+        let result = unsafe { self.run(&call, work.as_mut_ptr(), id) };
+        if result.is_ok() {
+            narrow(buf, &work);
+        }
+        self.work = work;
+        result
+    }
+
+    pub(crate) fn reduce_scatter<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), CommError> {
+        let len = input.len();
+        let mine = chunk_range(len, self.world, self.me());
+        let call = CallShape::reduce_scatter::<T>(
+            self.resolve::<T>(CollectiveKind::ReduceScatter, len),
+            len,
+            (output.len(), mine.len()),
+            op,
+        );
+        let id = self.rendezvous(call.clone())?;
+        let mut work = self.take_work(len);
+        widen(&mut work, input);
+        // SAFETY: `work` is owned here for the whole call.
+        let result = unsafe { self.run(&call, work.as_mut_ptr(), id) };
+        if result.is_ok() {
+            narrow(output, &work[mine]);
+        }
+        self.work = work;
+        result
+    }
+
+    pub(crate) fn all_gather<T: Element>(
+        &mut self,
+        input: &[T],
+        output: &mut [T],
+    ) -> Result<(), CommError> {
+        let len = output.len();
+        let mine = chunk_range(len, self.world, self.me());
+        let call = CallShape::all_gather::<T>(
+            self.resolve::<T>(CollectiveKind::AllGather, len),
+            len,
+            (input.len(), mine.len()),
+        );
+        let id = self.rendezvous(call.clone())?;
+        if let Some(values) = as_f32_mut(output) {
+            widen(&mut values[mine], input);
+            // SAFETY: `output` is borrowed for the whole call and not touched otherwise.
+            return unsafe { self.run(&call, values.as_mut_ptr(), id) };
+        }
+        let mut work = self.take_work(len);
+        widen(&mut work[mine], input);
+        // SAFETY: `work` is owned here for the whole call.
+        let result = unsafe { self.run(&call, work.as_mut_ptr(), id) };
+        if result.is_ok() {
+            narrow(output, &work);
+        }
+        self.work = work;
+        result
+    }
+
+    pub(crate) fn barrier(&mut self) -> Result<(), CommError> {
+        let call = CallShape::barrier();
+        self.rendezvous(call).map(|_| ())
+    }
+
+    pub(super) fn check_peer(&self, op: CollectiveKind, peer: Rank) -> Result<usize, CommError> {
+        let p = peer.index();
+        if p >= self.world || p == self.me() {
+            return Err(CommError::InvalidPeer {
+                generation: self.generation,
+                op,
+                rank: self.rank,
+                peer,
+                world: self.world,
+            });
+        }
+        Ok(p)
+    }
+
+    /// The peer's answer to a send or recv header: its call, checked to be the matching op.
+    pub(super) fn p2p_header(
+        &mut self,
+        peer: usize,
+        expect: CollectiveKind,
+        id: OpId,
+    ) -> Result<CallShape, CommError> {
+        match self.read_header(peer, id, id.deadline) {
+            Ok(header)
+                if header.seq == id.seq
+                    && header.call.kind == expect
+                    && header.call.peer == Some(self.rank) =>
+            {
+                Ok(header.call)
+            }
+            Ok(header) => Err(self.out_of_step(
+                peer,
+                id,
+                format!(
+                    "expected {expect} #{}, got {} #{}",
+                    id.seq, header.call.kind, header.seq
+                ),
+            )),
+            Err(HeaderError::Timeout) => Err(CommError::Timeout {
+                generation: self.generation,
+                seq: id.seq,
+                op: id.op,
+                missing: vec![rank_of(peer)],
+                waited: self.timeout,
+            }),
+            Err(HeaderError::Comm(e)) => Err(e),
+        }
+    }
+
+    pub(super) fn p2p_mismatch(
+        &self,
+        id: OpId,
+        peer: usize,
+        mine: CallShape,
+        theirs: CallShape,
+    ) -> CommError {
+        let mut calls = vec![
+            RankCall {
+                rank: self.rank,
+                call: mine,
+            },
+            RankCall {
+                rank: rank_of(peer),
+                call: theirs,
+            },
+        ];
+        calls.sort_by_key(|c| c.rank);
+        CommError::Mismatch {
+            generation: self.generation,
+            seq: id.seq,
+            op: id.op,
+            calls,
+        }
+    }
+
+    pub(crate) fn send<T: Element>(&mut self, buf: &[T], to: Rank) -> Result<(), CommError> {
+        let op = CollectiveKind::Send;
+        let peer = self.check_peer(op, to)?;
+        let id = OpId {
+            seq: self.sent[peer],
+            op,
+            deadline: self.deadline(),
+        };
+        self.sent[peer] += 1;
+        if let Some(refusal) = self.refusal(id) {
+            return Err(refusal);
+        }
+        let mine = CallShape::point_to_point::<T>(op, buf.len(), to);
+        let header = self.encode_header(id.seq, &mine);
+        let result = (|| {
+            self.push(peer, Payload::Owned(header), id)?;
+            let theirs = self.p2p_header(peer, CollectiveKind::Recv, id)?;
+            if theirs.dtype != mine.dtype || theirs.len != mine.len {
+                return Ok(Err(self.p2p_mismatch(id, peer, mine, theirs)));
+            }
+            let bytes = bytes_of(buf);
+            if !bytes.is_empty() {
+                let payload = Payload::Borrowed(RawBytes {
+                    ptr: bytes.as_ptr(),
+                    len: bytes.len(),
+                });
+                self.push(peer, payload, id)?;
+            }
+            self.wait_all_sent(id)?;
+            Ok(Ok(()))
+        })();
+        match result {
+            Ok(outcome) => outcome,
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    pub(crate) fn recv<T: Element>(&mut self, buf: &mut [T], from: Rank) -> Result<(), CommError> {
+        let op = CollectiveKind::Recv;
+        let peer = self.check_peer(op, from)?;
+        let id = OpId {
+            seq: self.received[peer],
+            op,
+            deadline: self.deadline(),
+        };
+        self.received[peer] += 1;
+        if let Some(refusal) = self.refusal(id) {
+            return Err(refusal);
+        }
+        let mine = CallShape::point_to_point::<T>(op, buf.len(), from);
+        let result = (|| {
+            let theirs = self.p2p_header(peer, CollectiveKind::Send, id)?;
+            let header = self.encode_header(id.seq, &mine);
+            self.push(peer, Payload::Owned(header), id)?;
+            if theirs.dtype != mine.dtype || theirs.len != mine.len {
+                self.wait_all_sent(id)?;
+                return Ok(Err(self.p2p_mismatch(id, peer, mine.clone(), theirs)));
+            }
+            let size = std::mem::size_of::<T>();
+            let mut sink = CopySink {
+                dst: buf.as_mut_ptr().cast::<u8>(),
+                base: 0,
+            };
+            self.recv_bytes(peer, std::mem::size_of_val(buf), size as u64, &mut sink, id)?;
+            self.wait_all_sent(id)?;
+            Ok(Ok(()))
+        })();
+        match result {
+            Ok(outcome) => outcome,
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+}

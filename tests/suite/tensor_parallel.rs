@@ -1,0 +1,539 @@
+//! Tensor parallelism: a small GPT trained with tp 2 and 4, dp × tp, pp × tp and
+//! dp × pp × tp equals the same GPT trained by a plain one-device Burn loop on the same
+//! batches; every rank held only its slice of each split weight, and the group moved exactly
+//! Megatron's all-reduce bytes.
+
+use std::time::Duration;
+
+use burn::optim::SgdConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::tensor::Device;
+use meshwork::data::InMemoryDataset;
+use meshwork::demo::gpt::{Gpt, GptConfig, gpt_loss};
+use meshwork::events::JobEvent;
+use meshwork::events::StepDone;
+use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
+use meshwork::job::{Job, JobBuilder, PipelineModel};
+use meshwork::optim::LearningRate;
+use meshwork::parallel::pipeline::Schedule;
+use meshwork::parallel::zero::ZeroStage;
+use meshwork::recovery::RecoveryPolicy;
+use meshwork::testing::{
+    Reference, TeacherFixture, TempDir, batches_from_events, bounded, compare_parameters,
+    draw_lock, parameter_bits, parameter_count, reference_train, run_recording, steps_of,
+};
+
+const CONFIG: GptConfig = GptConfig {
+    vocab: 13,
+    context: 6,
+    d_model: 16,
+    heads: 4,
+    layers: 1,
+};
+const BATCH: usize = 8;
+const STEPS: u64 = 10;
+const LR: f64 = 0.1;
+/// Every tensor within this × max|reference| (the all-reduces sum in another order than one
+/// device does; f32 rounding of that order stays near 1e-7 relative after 10 steps).
+const TOLERANCE: f32 = 1e-5;
+const BOUND: Duration = Duration::from_secs(180);
+
+/// A window of `context + 1` tokens.
+#[derive(Debug, Clone)]
+struct Window(Vec<u32>);
+
+impl AsRef<[u32]> for Window {
+    fn as_ref(&self) -> &[u32] {
+        &self.0
+    }
+}
+
+/// Windows over a token stream with structure to learn: each token is the previous plus a
+/// step that changes every few tokens (mod the vocabulary), from a fixed seed.
+fn data() -> InMemoryDataset<Window> {
+    let mut stream = Vec::new();
+    let (mut t, mut x) = (0u32, 12345u64);
+    for i in 0..400u32 {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let step = if i % 5 == 0 { (x >> 60) as u32 } else { 1 };
+        t = (t + step) % CONFIG.vocab as u32;
+        stream.push(t);
+    }
+    let w = CONFIG.context + 1;
+    InMemoryDataset::new(
+        (0..64)
+            .map(|i| Window(stream[i * 5..i * 5 + w].to_vec()))
+            .collect(),
+    )
+}
+
+fn initial() -> Gpt {
+    let _draw = draw_lock();
+    let device = Device::flex();
+    device.seed(31);
+    Gpt::new(&CONFIG, &device)
+}
+
+fn sgd() -> SgdConfig {
+    SgdConfig::new().with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    dp: u32,
+    pp: u32,
+    tp: u32,
+}
+
+async fn train(layout: Layout, init: &Gpt) -> (Gpt, Vec<StepDone>) {
+    let job = builder(layout, init)
+        .build()
+        .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
+    let (gpt, events) = run(job).await;
+    (gpt, steps_of(&events))
+}
+
+async fn run(job: Job<PipelineModel, Window>) -> (Gpt, Vec<JobEvent>) {
+    let (out, events) = bounded(BOUND, run_recording(job)).await;
+    let model: PipelineModel = out
+        .unwrap_or_else(|e| panic!("{e}; events: {:#?}", events_summary(&events)))
+        .model;
+    let gpt = Gpt::from_blocks(model).expect("the trained blocks make the GPT back");
+    (gpt, events)
+}
+
+/// The events other than step reports, for a failure's message.
+fn events_summary(events: &[JobEvent]) -> Vec<String> {
+    events
+        .iter()
+        .filter(|e| !matches!(e, JobEvent::StepDone(_)))
+        .map(|e| format!("{e:?}").chars().take(300).collect())
+        .collect()
+}
+
+fn builder(layout: Layout, init: &Gpt) -> JobBuilder<PipelineModel, Window> {
+    let stages = init.clone().into_blocks::<Window>();
+    let b = if layout.pp > 1 {
+        // Each stage holds several blocks by interleaving (block b on stage b mod pp).
+        let v = CONFIG.blocks() as u32 / layout.pp;
+        Job::builder().pipeline(
+            stages,
+            Schedule::Interleaved {
+                virtual_stages: v,
+                micro_batches: 2,
+            },
+        )
+    } else {
+        Job::builder().blocks(stages)
+    };
+    settings(b, layout)
+}
+
+/// The settings every job of this file shares, on a builder that has its blocks.
+fn settings(
+    b: JobBuilder<PipelineModel, Window>,
+    layout: Layout,
+) -> JobBuilder<PipelineModel, Window> {
+    b.tensor_parallel(layout.tp)
+        .data_parallel(layout.dp)
+        .data(data())
+        .optimizer(sgd())
+        .learning_rate(LR)
+        .batch_size(BATCH)
+        .steps(STEPS)
+        .seed(5)
+        .collective_timeout(Duration::from_secs(20))
+        .step_timeout(Duration::from_secs(60))
+}
+
+fn reference(init: &Gpt, steps: &[StepDone]) -> Gpt {
+    reference_train(
+        init.clone(),
+        gpt_loss::<Window>,
+        &data(),
+        &batches_from_events(steps),
+        &Reference {
+            optimizer: sgd().into(),
+            learning_rate: LearningRate::Constant(LR),
+            clip_norm: None,
+        },
+        &Device::flex(),
+    )
+}
+
+/// Parameter elements rank `rank` of `tp` holds of each block.
+fn held_elements(init: &Gpt, tp: u32, rank: usize) -> Vec<usize> {
+    init.held_parameters(rank, tp as usize)
+        .expect("the test's GPT splits over its degrees")
+}
+
+/// The work was distributed over every rank of the layout: one report per rank, each
+/// tensor-parallel rank holding only its slice, the group's all-reduces exactly Megatron's.
+fn assert_distributed(layout: Layout, init: &Gpt, steps: &[StepDone]) {
+    let ranks = (layout.dp * layout.pp * layout.tp) as usize;
+    let whole = parameter_count(init);
+    let per_replica = BATCH / layout.dp as usize;
+    let micro = if layout.pp > 1 { 2 } else { 1 };
+    let (b, s, d) = (per_replica / micro, CONFIG.context, CONFIG.d_model);
+    assert_eq!(steps.len() as u64, STEPS);
+    for step in steps {
+        assert_eq!(step.replicas.len(), ranks, "one report per rank");
+        let mut held = vec![vec![0usize; layout.tp as usize]; layout.pp as usize];
+        for r in &step.replicas {
+            let p = r.pipeline.as_ref().expect("a block job's record");
+            let tp = r.stage.tp as usize;
+            let stage_blocks: Vec<usize> = (0..CONFIG.blocks())
+                .filter(|blk| blk % layout.pp as usize == r.stage.stage as usize)
+                .collect();
+            let expected: usize = stage_blocks
+                .iter()
+                .map(|&blk| held_elements(init, layout.tp, tp)[blk])
+                .sum();
+            assert_eq!(
+                p.memory.peak_full_params,
+                4 * expected as u64,
+                "{layout:?}: rank {} holds its slice of every block it runs",
+                r.rank.0
+            );
+            held[r.stage.stage as usize][tp] = expected;
+            let traffic = p.tensor_parallel.expect("a tensor-parallel rank's traffic");
+            // Per micro-batch: one all-reduce of b·s·d per split region forward (embedding,
+            // attention, MLP) and one per block input backward (attention, MLP, head); the
+            // vocabulary-parallel loss adds Σexp and the target logit, b·s each.
+            let (mut fwd, mut bwd) = (0u64, 0u64);
+            for &blk in &stage_blocks {
+                let bsd = (b * s * d) as u64;
+                let last = blk == CONFIG.blocks() - 1;
+                fwd += if last { 2 * (b * s) as u64 } else { bsd };
+                bwd += if blk == 0 { 0 } else { bsd };
+            }
+            assert_eq!(
+                traffic.activation_bytes,
+                4 * micro as u64 * (fwd + bwd),
+                "{layout:?}: rank {} all-reduced Megatron's bytes",
+                r.rank.0
+            );
+            assert!(traffic.parameter_bytes > 0, "replicated gradients summed");
+        }
+        if layout.tp > 1 {
+            for stage in &held {
+                let sum: usize = stage.iter().sum();
+                assert!(
+                    stage.iter().all(|&h| h > 0 && h < sum),
+                    "{layout:?}: each rank holds a part"
+                );
+            }
+            let rank0: usize = held.iter().map(|s| s[0]).sum();
+            assert!(rank0 < whole, "{layout:?}: no rank holds the whole model");
+        }
+    }
+}
+
+async fn equals_one_device(layout: Layout) {
+    let init = initial();
+    let (trained, steps) = train(layout, &init).await;
+    assert_distributed(layout, &init, &steps);
+    let want = reference(&init, &steps);
+    let worst = compare_parameters(&trained, &want, TOLERANCE)
+        .unwrap_or_else(|e| panic!("{layout:?}: {e}"));
+    println!("{layout:?}: worst relative difference {worst:e}");
+    // Reproducible: the same seed and layout give bitwise the same model.
+    let (again, _) = train(layout, &init).await;
+    assert_eq!(
+        parameter_bits(&again),
+        parameter_bits(&trained),
+        "{layout:?}: bitwise repeatable"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp2_equals_one_device() {
+    equals_one_device(Layout {
+        dp: 1,
+        pp: 1,
+        tp: 2,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp4_equals_one_device() {
+    equals_one_device(Layout {
+        dp: 1,
+        pp: 1,
+        tp: 4,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp2_tp2_equals_one_device() {
+    equals_one_device(Layout {
+        dp: 2,
+        pp: 1,
+        tp: 2,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pp2_tp2_equals_one_device() {
+    equals_one_device(Layout {
+        dp: 1,
+        pp: 2,
+        tp: 2,
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dp2_pp2_tp2_equals_one_device() {
+    equals_one_device(Layout {
+        dp: 2,
+        pp: 2,
+        tp: 2,
+    })
+    .await;
+}
+
+#[test]
+fn what_tensor_parallelism_does_not_do_yet_is_refused() {
+    let init = initial();
+    let build = |b: meshwork::job::JobBuilder<PipelineModel, Window>| {
+        b.data(data())
+            .optimizer(sgd())
+            .batch_size(BATCH)
+            .steps(1)
+            .build()
+            .err()
+            .map(|e| e.to_string())
+    };
+    // 4 heads over 3 ranks.
+    let e = build(
+        Job::builder()
+            .blocks(init.clone().into_blocks())
+            .tensor_parallel(3),
+    )
+    .expect("refused");
+    assert!(e.contains("4 attention heads"), "{e}");
+    let e = build(
+        Job::builder()
+            .blocks(init.clone().into_blocks())
+            .tensor_parallel(2)
+            .zero(ZeroStage::One),
+    )
+    .expect("refused");
+    assert!(e.contains("ZeRO"), "{e}");
+    let e = build(
+        Job::builder()
+            .blocks(init.clone().into_blocks())
+            .tensor_parallel(2)
+            .clip_grad_norm(1.0),
+    )
+    .expect("refused");
+    assert!(e.contains("clip_grad_norm"), "{e}");
+    // A model with no tensor-parallel block would be computed tp times: refused.
+    let plain = {
+        // Unseeded, but a draw all the same: not in the middle of another test's.
+        let _draw = draw_lock();
+        meshwork::demo::mlp_blocks(&[4, 8, 2], Default::default(), &Device::flex())
+            .expect("two layers")
+    };
+    // 16 samples of the 4 → 2 teacher (seed 1, noise 0.1): only the data is used.
+    let samples = TeacherFixture::new(1, 0)
+        .with_widths(&[4, 8, 2])
+        .with_samples(16)
+        .data();
+    let e = Job::builder()
+        .blocks(plain)
+        .tensor_parallel(2)
+        .data(samples)
+        .batch_size(8)
+        .steps(1)
+        .build()
+        .err()
+        .map(|e| e.to_string())
+        .expect("refused");
+    assert!(e.contains("tensor-parallel blocks"), "{e}");
+}
+
+/// TP-5: checkpoints hold each tensor-parallel rank's slices: a dp 2 × tp 2 job stopped after
+/// 6 steps and resumed ends bitwise where the uninterrupted run ends; a checkpoint is refused
+/// by a job of another tensor-parallel degree, saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp_5_a_checkpoint_resumes_bitwise_and_another_degree_is_refused() {
+    let layout = Layout {
+        dp: 2,
+        pp: 1,
+        tp: 2,
+    };
+    let init = initial();
+    let (whole, _) = train(layout, &init).await;
+    let dir = TempDir::new("tp-resume");
+    let first = builder(layout, &init)
+        .steps(6)
+        .checkpoint_dir(dir.path())
+        .build()
+        .expect("a valid job");
+    let _ = run(first).await;
+    let second = builder(layout, &init)
+        .checkpoint_dir(dir.path())
+        .resume_from_checkpoint(true)
+        .build()
+        .expect("a valid job");
+    let (resumed, events) = run(second).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| matches!(e, JobEvent::Restored { step: 6, .. })),
+        "resumed after step 6"
+    );
+    assert_eq!(
+        parameter_bits(&resumed),
+        parameter_bits(&whole),
+        "as if never stopped"
+    );
+    let other = builder(
+        Layout {
+            dp: 1,
+            pp: 1,
+            tp: 4,
+        },
+        &init,
+    )
+    .checkpoint_dir(dir.path())
+    .resume_from_checkpoint(true)
+    .build()
+    .expect("a valid job");
+    let (out, _) = tokio::time::timeout(Duration::from_secs(60), run_recording(other))
+        .await
+        .expect("the job ends within its bound");
+    let e = match out {
+        Ok(_) => panic!("another degree is refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("tensor-parallel degree 2"), "{e}");
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
+/// A lost tensor-parallel rank: in a dp 2 × tp 2 job with `shrink` it is replaced from its
+/// twin (the same tensor-parallel rank of the other replica) and the step redone; in a tp 2
+/// job with `roll_back` (no twin) the job rolls back to its checkpoint. Both end bitwise
+/// where the uninterrupted run ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_tensor_parallel_rank_is_replaced_from_its_twin_or_rolled_back() {
+    let layout = Layout {
+        dp: 2,
+        pp: 1,
+        tp: 2,
+    };
+    let init = initial();
+    let (whole, _) = train(layout, &init).await;
+    // Rank 1 is replica 0's tensor-parallel rank 1 (tp ranks fastest, MESH-1).
+    let plan = || {
+        FaultPlan::new(4).with(Fault {
+            device: 1,
+            step: 5,
+            micro_batch: Some(0),
+            phase: Phase::Backward,
+            kind: FaultKind::Panic,
+        })
+    };
+    let twin = builder(layout, &init)
+        .fault_plan(plan())
+        .recovery(RecoveryPolicy::shrink())
+        .build()
+        .expect("a valid job");
+    let (replaced, events) = run(twin).await;
+    let from: Vec<String> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::StageReplaced { stage, twin, .. } => Some(format!("{stage} <- {twin}")),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(from.len(), 1, "one stage replaced: {from:?}");
+    assert!(
+        from[0].contains("tensor-parallel rank 1"),
+        "the lost rank's place: {from:?}"
+    );
+    assert_eq!(parameter_bits(&replaced), parameter_bits(&whole), "redone");
+    // Without a second replica the lost rank's slices exist nowhere else: roll back.
+    let single = Layout {
+        dp: 1,
+        pp: 1,
+        tp: 2,
+    };
+    let (whole, _) = train(single, &init).await;
+    let dir = TempDir::new("tp-rollback");
+    let plan = FaultPlan::new(2).with(Fault {
+        device: 1,
+        step: 5,
+        micro_batch: Some(0),
+        phase: Phase::Backward,
+        kind: FaultKind::Panic,
+    });
+    let roll = builder(single, &init)
+        .fault_plan(plan)
+        .recovery(RecoveryPolicy::roll_back())
+        .checkpoint_dir(dir.path())
+        .checkpoint_every(4)
+        .build()
+        .expect("a valid job");
+    let (rolled, events) = run(roll).await;
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            JobEvent::RolledBack {
+                failed_step: 5,
+                step: 4,
+                ..
+            }
+        )),
+        "rolled back to the checkpoint of step 4"
+    );
+    assert_eq!(
+        parameter_bits(&rolled),
+        parameter_bits(&whole),
+        "rolled back"
+    );
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
+/// Accumulation over 2 micro-batches and recomputed attention and MLP blocks (whose forward
+/// all-reduces run again in the backward) at tp 2 equal one device too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tp2_with_accumulation_and_recompute_equals_one_device() {
+    use meshwork::parallel::stages::BlockOptions;
+    let init = initial();
+    let job = settings(
+        Job::builder()
+            .blocks(
+                init.clone()
+                    .into_blocks_with::<Window>(BlockOptions::default().recompute(true)),
+            )
+            .gradient_accumulation(2),
+        Layout {
+            dp: 1,
+            pp: 1,
+            tp: 2,
+        },
+    )
+    .build()
+    .expect("a valid job");
+    let (trained, events) = run(job).await;
+    let steps = steps_of(&events);
+    let want = reference(&init, &steps);
+    let worst = compare_parameters(&trained, &want, TOLERANCE).unwrap_or_else(|e| panic!("{e}"));
+    println!("tp 2, accumulation 2, recompute: worst relative difference {worst:e}");
+    for s in &steps {
+        let traffic = s.replicas[0]
+            .pipeline
+            .as_ref()
+            .and_then(|p| p.tensor_parallel)
+            .expect("a tensor-parallel rank's traffic");
+        assert!(traffic.activation_reduces > 0, "the group all-reduced");
+    }
+}
