@@ -446,7 +446,6 @@ async fn step_on_device<I: Send + Sync + 'static>(
             report_progress(|| format!("step {step}: {what}"));
             *thread_phase.lock().unwrap_or_else(|e| e.into_inner()) = what;
         };
-        let inputs = |items: &[I], d: &burn::tensor::Device| (spec.stages.inputs)(items, d);
         let loss_scale = slot.scaler.as_ref().map(LossScaler::scale);
         let r = run_stage_step(
             &mut slot.chunks,
@@ -455,7 +454,6 @@ async fn step_on_device<I: Send + Sync + 'static>(
                 stage,
                 links: &slot.links,
                 micro_batches: &items,
-                inputs: &inputs,
                 replicas: slot.comm.as_mut(),
                 clip: spec.clip,
                 on_instr: &on_instr,

@@ -2,7 +2,7 @@
 //!
 //! `run_stage_step` (crate-internal, like the rest of the executor) is one stage's step, called on its device thread by
 //! the runtime's `PipelineStageActor`: it walks the
-//! stage's list over the stage's v model chunks (`StageWork`, usually a `TypedStage`),
+//! stage's list over the stage's v model chunks (`BlockStep`, the walk's part of `StageWork`; usually a `TypedStage`),
 //! moving activations and gradients over `StageLinks`: one bounded FIFO per peer and direction
 //! of data, built from the schedule's sends (so interleaved schedules get their wrap-around
 //! links), holding [`link_capacity`](PipelineSchedule::link_capacity) messages (a fast stage
@@ -34,7 +34,7 @@
 //!   computing, MEM-3) and at most n reductions in flight, each issued right after its block's
 //!   last backward and all taken before the clip and the update; with n = 0 each in place when
 //!   its result is needed. Which uses gather is decided from the blocks' options at the step's
-//!   start (`StageWork::gather_plan`), so every replica issues the same collectives in the same
+//!   start (`BlockStep::gather_plan`), so every replica issues the same collectives in the same
 //!   order (OVL-1) and the parameters are bitwise the same for every n.
 //! - MIX-1: in low precision a block's forward (and its recompute) runs on
 //!   `low_precision_copy` of its `f32` master module (the casts inside the autodiff graph, so
@@ -48,29 +48,23 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
-use std::time::{Duration, Instant};
 
 use burn::module::{Module, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
 use super::gradients::parameter_fingerprint;
-use super::memory::{BlockBytes, StepMemory};
-use super::overlap::{CommLane, Ticket, with_lane};
+use super::memory::BlockBytes;
 use super::sync::{self, Collective, GradientSync, SyncContext};
 use super::tensor::{TensorParallel, TpFailure};
 use super::zero::{UnsupportedOptimizer, ZeroStage};
 use crate::checkpoint::{CheckpointError, LrSchedulerState, OptimizerState, ShardParams};
-use crate::comm::{CollectiveKind, CommError, Communicator};
-use crate::faults::{Phase, with_hooks};
-
-use super::pipeline::{Chunk, Instr, PipelineSchedule, StageIndex, TimedInstr};
+use crate::comm::Communicator;
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::autocast::low_precision_copy;
 use crate::precision::Precision;
 
+mod block;
 mod error;
 mod links;
 mod timeline;
@@ -79,18 +73,18 @@ mod walk;
 mod wire;
 mod work;
 
+pub(crate) use block::{BlockInput, BlockStep};
 pub use error::ExecError;
 #[cfg(feature = "cluster")]
 pub(crate) use links::remote_links;
 use links::{Flow, Packet};
 pub(crate) use links::{StageLinks, links};
 pub(crate) use timeline::StageStepRecord;
-use timeline::boundary_bytes;
 pub use timeline::chrome_trace;
 pub(crate) use typed_stage::TypedStage;
 pub(crate) use walk::{StepContext, run_stage_step};
+#[cfg(feature = "cluster")]
 pub(crate) use wire::PacketWire;
-use wire::RemoteEnd;
 pub use wire::WireError;
 pub(crate) use work::StageWork;
 

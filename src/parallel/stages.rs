@@ -176,7 +176,7 @@ impl<I: 'static> PipelineStages<I> {
     ) -> Self {
         self.push(module, false, move |m, d, o, lr| {
             let forward = forward.clone();
-            Box::new(TypedStage::new(m, move |m, x, _| forward(m, x), o, lr, d))
+            TypedStage::new(m, move |m, x, _| forward(m, x), o, lr, d)
         })
     }
 
@@ -202,11 +202,9 @@ impl<I: 'static> PipelineStages<I> {
     ) -> Self {
         self.push(module, false, move |m, d, o, lr| {
             let forward = forward.clone();
-            Box::new(
-                TypedStage::new(m, move |m, x, _| forward(m, x), o, lr, d)
-                    .with_recompute(options.recompute)
-                    .with_reshard_after_forward(options.reshard_after_forward),
-            )
+            TypedStage::new(m, move |m, x, _| forward(m, x), o, lr, d)
+                .with_recompute(options.recompute)
+                .with_reshard_after_forward(options.reshard_after_forward)
         })
     }
 
@@ -219,13 +217,7 @@ impl<I: 'static> PipelineStages<I> {
     ) -> Self {
         self.push(module, true, move |m, d, o, lr| {
             let loss = loss.clone();
-            Box::new(TypedStage::last(
-                m,
-                move |m, x, items, d, _| loss(m, x, items, d),
-                o,
-                lr,
-                d,
-            ))
+            TypedStage::last(m, move |m, x, items, d, _| loss(m, x, items, d), o, lr, d)
         })
     }
 
@@ -302,13 +294,15 @@ impl<I: 'static> PipelineStages<I> {
             super::tensor::unshard(parts).map(|m| Box::new(m) as AnyModule)
         });
         let module = Mutex::new(module);
+        let inputs = self.inputs.clone();
         self.blocks.push(Block {
             build: Arc::new(move |device, optimizer, lr, tp| {
                 let m = module.lock().unwrap_or_else(|e| e.into_inner()).clone();
                 let axes = split_axes(&m);
                 let part = shard(m, tp.rank(), tp.degree())?;
-                let stage =
-                    make(part, device, optimizer, lr).with_tensor_parallel(tp.clone(), axes);
+                let stage = make(part, device, optimizer, lr)
+                    .with_tensor_parallel(tp.clone(), axes)
+                    .with_inputs(inputs.clone());
                 Ok(Box::new(stage) as Box<dyn StageWork<I>>)
             }),
             is_last,
@@ -321,17 +315,19 @@ impl<I: 'static> PipelineStages<I> {
         mut self,
         module: M,
         is_last: bool,
-        make: impl Fn(M, &Device, &OptimizerConfig, LearningRate) -> Box<dyn StageWork<I>>
+        make: impl Fn(M, &Device, &OptimizerConfig, LearningRate) -> TypedStage<M, I>
         + Send
         + Sync
         + 'static,
     ) -> Self {
         // Each replica builds its stage from a copy of the same record, drawn now (REPRO-1).
         let module = Mutex::new(materialize(module));
+        let inputs = self.inputs.clone();
         self.blocks.push(Block {
             build: Arc::new(move |device, optimizer, lr, _| {
                 let m = module.lock().unwrap_or_else(|e| e.into_inner()).clone();
-                Ok(make(m, device, optimizer, lr))
+                let stage = make(m, device, optimizer, lr).with_inputs(inputs.clone());
+                Ok(Box::new(stage) as Box<dyn StageWork<I>>)
             }),
             is_last,
             tensor_parallel: None,

@@ -669,3 +669,86 @@ fn checker_refuses_a_module_outside_every_layer_and_maps_root_reexports() {
         "{report:#?}"
     );
 }
+
+/// The pipeline's walk and what it stands on — the instruction walk, the block seam it calls
+/// (`BlockStep`), the links, the step's record, its errors, the wire format, the overlap
+/// lane, the schedule, the memory points and the collectives as values — name no Burn type:
+/// the walk is unit-tested with a fake block (`pipeline_exec/walk/tests.rs`). The block's
+/// Burn work is `typed_stage.rs`, the actor's seam `work.rs`.
+const BURN_FREE: &[&str] = &[
+    "parallel/pipeline_exec/walk.rs",
+    "parallel/pipeline_exec/block.rs",
+    "parallel/pipeline_exec/links.rs",
+    "parallel/pipeline_exec/timeline.rs",
+    "parallel/pipeline_exec/error.rs",
+    "parallel/pipeline_exec/wire.rs",
+    "parallel/overlap.rs",
+    "parallel/memory.rs",
+    "parallel/pipeline.rs",
+    "parallel/pipeline/schedule.rs",
+    "parallel/pipeline/simulate.rs",
+    "parallel/sync/collective.rs",
+];
+
+/// Burn's crate and the names of Burn types here and in meshwork: a file that names none of
+/// them and imports no glob (which could bring them from a parent) reaches no Burn type.
+const BURN_NAMES: &[&str] = &[
+    "burn",
+    "Tensor",
+    "TensorData",
+    "Device",
+    "Module",
+    "Autodiff",
+    "AnyTensor",
+    "Boundary",
+    "InputsFn",
+    "TypedStage",
+    "StageWork",
+];
+
+/// Where a file's code (comments, strings and test modules aside) names Burn or imports a
+/// glob: (line, what).
+fn burn_in(src: &str) -> Vec<(usize, String)> {
+    let mut code = strip(src);
+    blank_test_modules(&mut code);
+    let mut found = Vec::new();
+    for (n, line) in code.lines().enumerate() {
+        if line.contains("::*") {
+            found.push((n + 1, "a glob import".to_string()));
+        }
+        for word in line.split(|c: char| !is_ident(c)) {
+            if BURN_NAMES.contains(&word) {
+                found.push((n + 1, word.to_string()));
+            }
+        }
+    }
+    found
+}
+
+#[test]
+fn the_pipeline_walk_and_its_seams_name_no_burn_type() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut bad = Vec::new();
+    for file in BURN_FREE {
+        let src = std::fs::read_to_string(root.join(file))
+            .unwrap_or_else(|e| panic!("{file} is listed as free of Burn but not readable: {e}"));
+        bad.extend(
+            burn_in(&src)
+                .into_iter()
+                .map(|(line, what)| format!("{file}:{line}: {what}")),
+        );
+    }
+    assert!(bad.is_empty(), "Burn reached the walk:\n{}", bad.join("\n"));
+}
+
+#[test]
+fn the_burn_check_finds_a_burn_type_and_a_glob_but_not_comments_or_tests() {
+    let found = burn_in(
+        "// Tensor in a comment\nuse super::*;\nfn f(d: &Device) -> DeviceId { todo!() }\n\
+         const S: &str = \"burn\";\n#[cfg(test)]\nmod tests { use burn::tensor::Tensor; }\n",
+    );
+    assert_eq!(
+        found,
+        vec![(2, "a glob import".to_string()), (3, "Device".to_string())]
+    );
+}

@@ -4,8 +4,10 @@
 //! recomputation without a pipeline), or cut into a pipeline: three model types, so a
 //! [`DemoJob`] holds the builder of one of them. Settings every kind shares are applied to it
 //! through [`Configure`]; [`DemoJob::run`] then builds, spawns, drives, reports and saves
-//! whichever it holds with the same generic [`finish`], in one process or on a cluster's
-//! head (which adds its mesh and its watchers through the same two seams).
+//! whichever it holds through [`run_job`], in one process or on a cluster's head (which adds
+//! its mesh and its watchers through the same two seams). [`run_job`] is the one run path of
+//! every model `meshwork train` trains: the demo GPT (`gpt_train.rs`) goes through it too,
+//! with its own report.
 
 use std::path::{Path, PathBuf};
 
@@ -46,8 +48,17 @@ pub(crate) struct RunOptions<'a> {
     /// Where the trained model goes.
     pub(crate) save: Option<PathBuf>,
     /// Tasks that watch or steer the job while it runs (a cluster's head: nodes that join
-    /// or are lost), started once it is spawned and stopped when it ends.
-    pub(crate) watchers: Box<dyn FnOnce(JobControl) -> Vec<tokio::task::JoinHandle<()>> + 'a>,
+    /// or are lost).
+    pub(crate) watchers: Watchers<'a>,
+}
+
+/// Tasks that watch or steer a job while it runs, started once it is spawned and stopped
+/// when it ends.
+pub(crate) type Watchers<'a> = Box<dyn FnOnce(JobControl) -> Vec<tokio::task::JoinHandle<()>> + 'a>;
+
+/// No watchers.
+pub(crate) fn no_watchers<'a>() -> Watchers<'a> {
+    Box::new(|_| Vec::new())
 }
 
 impl RunOptions<'_> {
@@ -57,7 +68,7 @@ impl RunOptions<'_> {
             steps,
             task,
             save,
-            watchers: Box::new(|_| Vec::new()),
+            watchers: no_watchers(),
         }
     }
 }
@@ -90,23 +101,44 @@ impl DemoJob {
     }
 }
 
-/// The one run path: build → spawn → drive (progress, signals, watchers) → report → save.
+/// The demo MLP's report and save after [`run_job`].
 async fn finish<M: Send + 'static>(
     builder: JobBuilder<M, Sample>,
     options: RunOptions<'_>,
     write: fn(M, &Path) -> Result<()>,
 ) -> Result<Option<PipelineStep>> {
+    let RunOptions {
+        steps,
+        task,
+        save,
+        watchers,
+    } = options;
+    run_job(builder, steps, watchers, |trained| {
+        report(&trained.summary, task);
+        match &save {
+            Some(path) => write(trained.model, path),
+            None => Ok(()),
+        }
+    })
+    .await
+}
+
+/// The one run path of every model and strategy: build → spawn → drive (progress, signals,
+/// watchers) → `conclude` (the model's report and save) with the trained job; the last
+/// step's pipeline figures (pipeline jobs).
+pub(crate) async fn run_job<M: Send + 'static, I: Send + Sync + 'static>(
+    builder: JobBuilder<M, I>,
+    steps: u64,
+    watchers: Watchers<'_>,
+    conclude: impl FnOnce(Trained<M>) -> Result<()>,
+) -> Result<Option<PipelineStep>> {
     let handle = builder.build()?.spawn().await?;
-    let watchers = (options.watchers)(handle.control());
-    let (trained, last) = drive(handle, options.steps).await;
+    let watchers = watchers(handle.control());
+    let (trained, last) = drive(handle, steps).await;
     for w in watchers {
         w.abort();
     }
-    let trained = trained?;
-    report(&trained.summary, options.task);
-    if let Some(path) = &options.save {
-        write(trained.model, path)?;
-    }
+    conclude(trained?)?;
     Ok(last)
 }
 
@@ -135,7 +167,7 @@ async fn interrupted() {
 
 /// Show a progress bar until the job ends; return its outcome and the last step's pipeline
 /// figures (pipeline jobs).
-pub(crate) async fn drive<M: Send + 'static>(
+async fn drive<M: Send + 'static>(
     handle: JobHandle<M>,
     steps: u64,
 ) -> (meshwork::error::Result<Trained<M>>, Option<PipelineStep>) {
@@ -314,13 +346,18 @@ fn say(bar: &ProgressBar, line: String) {
 
 /// The loss from first to last step and where the time went.
 pub(crate) fn report(s: &RunSummary, task: &TeacherTask) {
-    let (compute, comm, wait) = s.breakdown.shares();
     println!(
         "loss {:.4} → {:.4} (attainable {:.4})",
         s.first_loss.unwrap_or(f32::NAN),
         s.last_loss.unwrap_or(f32::NAN),
         task.attainable_loss()
     );
+    report_time(s);
+}
+
+/// Steps, throughput and where the time of a step went.
+pub(crate) fn report_time(s: &RunSummary) {
+    let (compute, comm, wait) = s.breakdown.shares();
     println!(
         "{} steps, {:.0} samples/s; time per step: compute {:.0}%, communication {:.0}%, waiting {:.0}%",
         s.steps,

@@ -10,10 +10,10 @@ use meshwork::demo::gpt::{Gpt, GptConfig, mean_loss};
 use meshwork::demo::kjv_corpus;
 use meshwork::device::MeshDevice;
 use meshwork::error::Error;
-use meshwork::job::Job;
+use meshwork::job::{Job, PipelineModel, Trained};
 use meshwork::parallel::pipeline::Schedule;
 
-use crate::demo_job::drive;
+use crate::demo_job::{no_watchers, report_time, run_job};
 use crate::train::TrainArgs;
 
 /// Validation windows evaluated before and after training.
@@ -91,7 +91,7 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
     } else {
         Job::builder().blocks(stages)
     };
-    let job = builder
+    let builder = builder
         .tensor_parallel(tp)
         .data_parallel(dp)
         .devices(devices)
@@ -101,50 +101,43 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         .batch_size(batch)
         .steps(args.steps)
         .seed(args.seed)
-        .collective_timeout(Duration::from_secs_f64(args.collective_timeout))
-        .build()?;
-    let (trained, _) = drive(job.spawn().await?, args.steps).await;
-    let trained = trained?;
-    let s = &trained.summary;
-    let model = Gpt::from_blocks(trained.model)
-        .ok_or_else(|| Error::Runtime("the trained blocks do not make the GPT back".into()))?;
-    let after = mean_loss(&model, &validation, VALIDATION_WINDOWS, 32, &eval_device);
-    println!(
-        "training loss {:.4} → {:.4}; validation loss {before:.4} → {after:.4} nats/char \
-         (unigram baseline {baseline:.4}: {})",
-        s.first_loss.unwrap_or(f32::NAN),
-        s.last_loss.unwrap_or(f32::NAN),
-        if after < baseline {
-            format!("{:.1} % below it", 100.0 * (baseline - after) / baseline)
-        } else {
-            "not below it yet: train longer".to_string()
-        }
-    );
-    let (compute, comm, wait) = s.breakdown.shares();
-    println!(
-        "{} steps, {:.0} samples/s; time per step: compute {:.0}%, communication {:.0}%, waiting {:.0}%",
-        s.steps,
-        s.samples_per_s(),
-        compute * 100.0,
-        comm * 100.0,
-        wait * 100.0
-    );
-    if let Some(n) = gpt.sample {
-        let prompt = "And God said";
-        let ids = corpus
-            .vocab()
-            .encode(prompt)
-            .map_err(|e| Error::Data(e.to_string()))?;
-        let out = model.sample(&ids, n, 0.8, args.seed, &eval_device);
-        let text = corpus
-            .vocab()
-            .decode(&out)
-            .map_err(|e| Error::Data(e.to_string()))?;
+        .collective_timeout(Duration::from_secs_f64(args.collective_timeout));
+    let conclude = |trained: Trained<PipelineModel>| -> meshwork::error::Result<()> {
+        let s = &trained.summary;
+        let model = Gpt::from_blocks(trained.model)
+            .ok_or_else(|| Error::Runtime("the trained blocks do not make the GPT back".into()))?;
+        let after = mean_loss(&model, &validation, VALIDATION_WINDOWS, 32, &eval_device);
         println!(
-            "sample (temperature 0.8, seed {}):\n{prompt}{text}",
-            args.seed
+            "training loss {:.4} → {:.4}; validation loss {before:.4} → {after:.4} nats/char \
+             (unigram baseline {baseline:.4}: {})",
+            s.first_loss.unwrap_or(f32::NAN),
+            s.last_loss.unwrap_or(f32::NAN),
+            if after < baseline {
+                format!("{:.1} % below it", 100.0 * (baseline - after) / baseline)
+            } else {
+                "not below it yet: train longer".to_string()
+            }
         );
-    }
+        report_time(s);
+        if let Some(n) = gpt.sample {
+            let prompt = "And God said";
+            let ids = corpus
+                .vocab()
+                .encode(prompt)
+                .map_err(|e| Error::Data(e.to_string()))?;
+            let out = model.sample(&ids, n, 0.8, args.seed, &eval_device);
+            let text = corpus
+                .vocab()
+                .decode(&out)
+                .map_err(|e| Error::Data(e.to_string()))?;
+            println!(
+                "sample (temperature 0.8, seed {}):\n{prompt}{text}",
+                args.seed
+            );
+        }
+        Ok(())
+    };
+    run_job(builder, args.steps, no_watchers(), conclude).await?;
     Ok(())
 }
 

@@ -1,6 +1,8 @@
 //! [`ExecError`]: why a pipeline step failed, naming the stage, micro-batch and link.
 
-use super::*;
+use std::time::Duration;
+
+use crate::comm::{CollectiveKind, CommError};
 
 /// Why a stage could not execute an instruction.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -1,7 +1,15 @@
 //! A stage's pipeline links: the channels (or, across processes, TCP links) to the stages
 //! before and after it, what travels on them, and how a wait on a link is bounded and aborted.
 
-use super::*;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::time::{Duration, Instant};
+
+use super::wire::{PacketWire, RemoteEnd};
+use super::{ExecError, WireTensor};
+use crate::parallel::pipeline::{Instr, PipelineSchedule, StageIndex};
 
 /// Which way data moves on a link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

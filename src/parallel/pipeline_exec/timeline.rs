@@ -1,7 +1,11 @@
 //! What a stage step records for its report and for `meshwork trace`: the timed instructions,
 //! the bytes crossing each boundary, and the Chrome trace of a step's timeline.
 
-use super::*;
+use std::time::Instant;
+
+use crate::parallel::memory::StepMemory;
+use crate::parallel::pipeline::{Instr, TimedInstr};
+use crate::parallel::sync;
 
 /// What a stage did in one step.
 #[derive(Debug, Clone, Default)]
@@ -50,18 +54,4 @@ pub fn chrome_trace(timeline: &[Vec<TimedInstr>]) -> String {
         })
         .collect();
     serde_json::json!({ "traceEvents": events }).to_string()
-}
-
-pub(super) fn boundary_bytes(b: &Boundary) -> u64 {
-    b.iter()
-        .map(|t| {
-            let n: usize = match t {
-                AnyTensor::D1(t) => t.dims().iter().product(),
-                AnyTensor::D2(t) => t.dims().iter().product(),
-                AnyTensor::D3(t) => t.dims().iter().product(),
-                AnyTensor::D4(t) => t.dims().iter().product(),
-            };
-            4 * n as u64
-        })
-        .sum()
 }

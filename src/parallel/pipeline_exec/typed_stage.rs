@@ -48,6 +48,8 @@ pub(crate) struct TypedStage<M: Module, I> {
     pub(super) tp: Arc<TensorParallel>,
     /// A tensor-parallel block's split parameters and their axes (TP-1..2).
     pub(super) split: Option<HashMap<ParamId, usize>>,
+    /// Builds the model's input from a micro-batch's items, when this is the first block.
+    pub(super) inputs: Option<InputsFn<I>>,
 }
 
 pub(super) enum Stashed {
@@ -130,7 +132,15 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             loss_scale: 1.0,
             tp: Arc::new(TensorParallel::single()),
             split: None,
+            inputs: None,
         }
+    }
+
+    /// Build the input of a forward from a micro-batch's items with `inputs` when the block
+    /// is the model's first (the walk asks for it with [`BlockInput::Data`]).
+    pub(crate) fn with_inputs(mut self, inputs: InputsFn<I>) -> Self {
+        self.inputs = Some(inputs);
+        self
     }
 
     /// Make this a tensor-parallel block of `tp`'s group, whose module is the rank's part
@@ -240,14 +250,33 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     }
 }
 
-impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
+impl<M: Module + 'static, I: 'static> BlockStep<I> for TypedStage<M, I> {
     fn forward(
         &mut self,
         mb: u32,
-        input: Boundary,
+        input: BlockInput,
         items: &[I],
-        input_grads: bool,
-    ) -> Result<Option<Boundary>, ExecError> {
+    ) -> Result<Option<Vec<WireTensor>>, ExecError> {
+        // The first block builds its input from the data (no gradient of it is computed); a
+        // later one takes what it received (on the autodiff device, as leaves of the graph).
+        let (input, input_grads) = match input {
+            BlockInput::Data => {
+                let inputs = self.inputs.as_ref().ok_or_else(|| {
+                    ExecError::Unsupported(
+                        "the first block has no way to build its input from the data".into(),
+                    )
+                })?;
+                (inputs(items, &self.device), false)
+            }
+            BlockInput::Received(wire) => {
+                let device = &self.device;
+                let input = wire
+                    .into_iter()
+                    .map(|w| AnyTensor::from_wire(w, device))
+                    .collect::<Result<Boundary, _>>()?;
+                (input, true)
+            }
+        };
         self.input_grads = input_grads;
         let leaves: Boundary = if input_grads {
             input.into_iter().map(AnyTensor::require_grad).collect()
@@ -289,7 +318,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
                     self.kept.insert(mb, used);
                 }
             }
-            Ok(Some(out))
+            Ok(Some(out.iter().map(AnyTensor::to_wire).collect()))
         }
     }
 
@@ -426,19 +455,6 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         self.model = self.sync.finish_gather(self.model.clone(), full);
     }
 
-    fn gather_now(&mut self, replicas: Option<&mut Communicator>) -> Result<(), ExecError> {
-        match self.sync.gather(self.model.clone(), replicas) {
-            Ok(model) => {
-                self.model = model;
-                Ok(())
-            }
-            Err((model, e)) => {
-                self.model = model;
-                Err(sync_failed(e))
-            }
-        }
-    }
-
     fn start_reduce(&mut self, rank_of: (usize, usize)) -> Result<Collective, ExecError> {
         let mut grads = self.accumulated.grads();
         if self.splits() {
@@ -509,14 +525,6 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         Ok(rate)
     }
 
-    fn shard_parameters(&mut self, replicas: Option<&Communicator>) {
-        if !self.shards_params {
-            return;
-        }
-        let (rank, world) = replicas.map_or((0, 1), |c| (c.rank().index(), c.world()));
-        self.model = self.sync.shard(self.model.clone(), rank, world);
-    }
-
     fn memory(&self) -> BlockBytes {
         let whole = 4 * self.param_len as u64;
         let held = self.sync.held();
@@ -549,10 +557,6 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         (self.stash.len() as u32, bytes)
     }
 
-    fn fingerprint(&self) -> u64 {
-        parameter_fingerprint(&self.model)
-    }
-
     fn begin_step(&mut self) {
         // A sharded block starts every step from its shard (an unfinished attempt or a
         // fingerprint may have left it whole), so every replica's `gather_plan` is the same.
@@ -567,6 +571,43 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         self.losses.clear();
         // A failure an unfinished attempt left behind is not this step's (TP-4).
         let _ = self.tp.take_failure();
+    }
+
+    fn set_loss_scale(&mut self, scale: f32) {
+        self.loss_scale = scale;
+    }
+
+    fn overflowed(&self) -> bool {
+        self.reduced
+            .as_ref()
+            .is_some_and(sync::Reduced::has_non_finite)
+    }
+}
+
+impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
+    fn gather_now(&mut self, replicas: Option<&mut Communicator>) -> Result<(), ExecError> {
+        match self.sync.gather(self.model.clone(), replicas) {
+            Ok(model) => {
+                self.model = model;
+                Ok(())
+            }
+            Err((model, e)) => {
+                self.model = model;
+                Err(sync_failed(e))
+            }
+        }
+    }
+
+    fn shard_parameters(&mut self, replicas: Option<&Communicator>) {
+        if !self.shards_params {
+            return;
+        }
+        let (rank, world) = replicas.map_or((0, 1), |c| (c.rank().index(), c.world()));
+        self.model = self.sync.shard(self.model.clone(), rank, world);
+    }
+
+    fn fingerprint(&self) -> u64 {
+        parameter_fingerprint(&self.model)
     }
 
     fn snapshot(&self) -> Result<(ShardParams, OptimizerState), CheckpointError> {
@@ -618,24 +659,10 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         self.precision = precision;
     }
 
-    fn set_loss_scale(&mut self, scale: f32) {
-        self.loss_scale = scale;
-    }
-
-    fn overflowed(&self) -> bool {
-        self.reduced
-            .as_ref()
-            .is_some_and(sync::Reduced::has_non_finite)
-    }
-
     fn set_tensor_parallel(&mut self, tp: &Arc<TensorParallel>) {
         if self.split.is_some() {
             self.tp = tp.clone();
         }
-    }
-
-    fn device(&self) -> &Device {
-        &self.device
     }
 
     fn into_module(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
@@ -649,4 +676,19 @@ pub(super) fn sync_failed(e: sync::SyncError) -> ExecError {
         sync::SyncError::Comm(c) => ExecError::Comm(c),
         other => ExecError::Unsupported(other.to_string()),
     }
+}
+
+/// The bytes of a boundary's tensors, as `f32` values.
+fn boundary_bytes(b: &Boundary) -> u64 {
+    b.iter()
+        .map(|t| {
+            let n: usize = match t {
+                AnyTensor::D1(t) => t.dims().iter().product(),
+                AnyTensor::D2(t) => t.dims().iter().product(),
+                AnyTensor::D3(t) => t.dims().iter().product(),
+                AnyTensor::D4(t) => t.dims().iter().product(),
+            };
+            4 * n as u64
+        })
+        .sum()
 }

@@ -1,11 +1,25 @@
 //! The instruction walk: one pipeline step of one stage, the schedule's instructions in order
-//! (forward, backward, send, receive, reduce, step) over a [`StageWork`] and the stage's links.
-//! What a block computes sits behind the trait; the walk itself touches Burn only where it
-//! moves boundary tensors ([`AnyTensor`]) between the links and the blocks and builds the
-//! first block's input (the step is not yet testable with a fake block: that needs the
-//! boundary behind the trait too).
+//! (forward, backward, send, receive, reduce, step) over the stage's blocks ([`BlockStep`])
+//! and its links, the blocks' collectives on the stage's [`CommLane`] (at most
+//! `blocks_in_flight` ahead), and the memory points of the step. What a block computes sits
+//! behind the trait, and what crosses a link is a [`WireTensor`]: no Burn type appears here,
+//! so the walk is tested with a fake block (`walk/tests.rs`).
 
-use super::*;
+use std::collections::{HashMap, VecDeque};
+use std::time::Instant;
+
+use super::{
+    BlockInput, BlockStep, ExecError, Flow, Packet, StageLinks, StageStepRecord, WireTensor,
+};
+use crate::comm::{Communicator, ReduceOp};
+use crate::faults::{FaultHooks, Phase, with_hooks};
+use crate::mesh::DeviceId;
+use crate::parallel::memory::BlockBytes;
+use crate::parallel::overlap::{CommLane, Ticket, with_lane};
+use crate::parallel::pipeline::{Chunk, Instr, PipelineSchedule, StageIndex};
+
+#[cfg(test)]
+mod tests;
 
 /// What one stage needs to run one step of a schedule.
 pub(crate) struct StepContext<'a, I> {
@@ -17,8 +31,6 @@ pub(crate) struct StepContext<'a, I> {
     pub links: &'a StageLinks,
     /// The items of each micro-batch (the same on every stage of a pipeline).
     pub micro_batches: &'a [Vec<I>],
-    /// Builds the first block's boundary from a micro-batch's items (autodiff device).
-    pub inputs: &'a dyn Fn(&[I], &Device) -> Boundary,
     /// The communicator of this stage's data-parallel group (the same stage in every
     /// pipeline replica), if there is more than one replica.
     pub replicas: Option<&'a mut Communicator>,
@@ -33,7 +45,7 @@ pub(crate) struct StepContext<'a, I> {
     pub blocks_in_flight: usize,
     /// The fault plan's hooks, called around every forward and backward, with the device
     /// and the step they are called for.
-    pub faults: Option<(&'a crate::faults::FaultHooks, crate::mesh::DeviceId, u64)>,
+    pub faults: Option<(&'a FaultHooks, DeviceId, u64)>,
     /// f16's loss scale: the last block multiplies its loss by it, the reduced gradients are
     /// divided by it, and an overflow anywhere skips the step everywhere (MIX-2).
     pub loss_scale: Option<f32>,
@@ -49,8 +61,8 @@ impl<I> std::fmt::Debug for StepContext<'_, I> {
 /// executing its list literally (EXEC-1), then the optimizer step of every chunk over the mean
 /// of the micro-batches (EXEC-2), averaged over the data-parallel replicas when there are
 /// several (EXEC-3).
-pub(crate) fn run_stage_step<I>(
-    chunks: &mut [Box<dyn StageWork<I>>],
+pub(crate) fn run_stage_step<I, W: BlockStep<I> + ?Sized>(
+    chunks: &mut [Box<W>],
     cx: StepContext<'_, I>,
 ) -> Result<StageStepRecord, ExecError> {
     let me = cx.stage;
@@ -95,7 +107,7 @@ pub(crate) fn run_stage_step<I>(
     if cx.loss_scale.is_some() {
         let mut found = [f32::from(u8::from(chunks.iter().any(|c| c.overflowed())))];
         if let Some(comm) = replicas.as_deref_mut().filter(|c| c.world() > 1) {
-            comm.all_reduce(&mut found, crate::comm::ReduceOp::Max)?;
+            comm.all_reduce(&mut found, ReduceOp::Max)?;
         }
         let overflow = found[0] > 0.0;
         record.overflow = Some(overflow);
@@ -114,7 +126,7 @@ pub(crate) fn run_stage_step<I>(
         // The same arithmetic as ZeRO's clipping: each rank's sum, all-reduced in f32.
         let mut sum = [total as f32];
         if partial && let Some(comm) = replicas.as_deref_mut().filter(|c| c.world() > 1) {
-            comm.all_reduce(&mut sum, crate::comm::ReduceOp::Sum)?;
+            comm.all_reduce(&mut sum, ReduceOp::Sum)?;
         }
         let norm = if partial {
             f64::from(sum[0]).sqrt() as f32
@@ -146,8 +158,8 @@ pub(super) type Prefetched = (usize, u32, Option<Ticket>, u64);
 
 /// One step's walk over a stage's list: the instructions, the gathers issued ahead of their
 /// use (at most `blocks_in_flight` gathered but unused, EXEC-5) and the reductions in flight.
-pub(super) struct Walk<'w, 'c, I> {
-    pub(super) chunks: &'w mut [Box<dyn StageWork<I>>],
+pub(super) struct Walk<'w, 'c, I, W: ?Sized> {
+    pub(super) chunks: &'w mut [Box<W>],
     pub(super) cx: &'w StepContext<'c, I>,
     pub(super) rank_of: (usize, usize),
     pub(super) scale: f32,
@@ -157,14 +169,14 @@ pub(super) struct Walk<'w, 'c, I> {
     /// The next of `gathers` to issue.
     pub(super) next_gather: usize,
     /// Issued, not yet taken by their block, in order.
-    pub(super) prefetched: std::collections::VecDeque<Prefetched>,
+    pub(super) prefetched: VecDeque<Prefetched>,
     /// Reductions issued, not yet taken: (chunk, ticket), in order.
-    pub(super) reducing: std::collections::VecDeque<(u32, Ticket)>,
+    pub(super) reducing: VecDeque<(u32, Ticket)>,
 }
 
-impl<'w, 'c, I> Walk<'w, 'c, I> {
+impl<'w, 'c, I, W: BlockStep<I> + ?Sized> Walk<'w, 'c, I, W> {
     fn new(
-        chunks: &'w mut [Box<dyn StageWork<I>>],
+        chunks: &'w mut [Box<W>],
         cx: &'w StepContext<'c, I>,
         rank_of: (usize, usize),
         scale: f32,
@@ -204,8 +216,8 @@ impl<'w, 'c, I> Walk<'w, 'c, I> {
             began,
             gathers,
             next_gather: 0,
-            prefetched: std::collections::VecDeque::new(),
-            reducing: std::collections::VecDeque::new(),
+            prefetched: VecDeque::new(),
+            reducing: VecDeque::new(),
         }
     }
 
@@ -252,7 +264,7 @@ impl<'w, 'c, I> Walk<'w, 'c, I> {
         Ok(())
     }
 
-    fn chunk(&mut self, chunk: u32) -> Result<&mut Box<dyn StageWork<I>>, ExecError> {
+    fn chunk(&mut self, chunk: u32) -> Result<&mut Box<W>, ExecError> {
         let stage = self.cx.stage.0;
         self.chunks
             .get_mut(chunk as usize)
@@ -370,24 +382,18 @@ impl<'w, 'c, I> Walk<'w, 'c, I> {
                         .micro_batches
                         .get(mb.0 as usize)
                         .ok_or_else(|| missing(instr))?;
-                    let device = work.device().clone();
                     let input = if first_block {
-                        (cx.inputs)(items, &device)
+                        BlockInput::Data
                     } else {
-                        inbox
-                            .remove(&key)
-                            .ok_or_else(|| missing(instr))?
-                            .into_iter()
-                            .map(|w| AnyTensor::from_wire(w, &device))
-                            .collect::<Result<_, _>>()?
+                        BlockInput::Received(inbox.remove(&key).ok_or_else(|| missing(instr))?)
                     };
                     let block = plan.block(me, instr.chunk());
                     let out = hooked(cx, mb.0, Phase::Forward, || {
-                        work.forward(mb.0, input, items, !first_block)
+                        work.forward(mb.0, input, items)
                     })
                     .map_err(|e| e.in_block(me.0, block))?;
                     if let Some(out) = out {
-                        outbox.insert(key, out.iter().map(AnyTensor::to_wire).collect());
+                        outbox.insert(key, out);
                     }
                 }
                 Instr::SendActivation { mb, to, .. } => {
