@@ -35,19 +35,19 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::module::Module;
-use burn::optim::{GradientsAccumulator, GradientsParams};
 use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 use tokio::sync::oneshot;
 
 use super::device::{DeviceMsg, report_progress, run_on};
 use super::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
-use super::stage::{InitReport, Stage, StageRole, StageSpec, StepReport, failed, shard_of};
+use super::stage::{
+    GradientLoop, InitReport, Stage, StageRole, StageSpec, StepReport, failed, shard_of,
+};
 use super::supervisor::{SpawnContext, Spawned};
 use crate::checkpoint::{ShardId, ShardSnapshot, TrainingState, restore_module, snapshot_module};
 use crate::comm::Communicator;
 use crate::device::MeshDevice;
 use crate::error::{Error, Result};
-use crate::faults::{Phase, with_hooks};
 use crate::mesh::{Rank, StageId};
 use crate::parallel::gradients::{
     Fingerprint, GradientBuffers, ParamLayout, parameter_fingerprint, parameters_to_flat,
@@ -533,40 +533,22 @@ impl<M: Module + 'static, I: Send + Sync + 'static> Loop<M, I> {
         let device_id = self.device.id();
         let ad = self.device.burn().clone().autodiff();
         let model = set_trainable(wm.model.clone(), &wm.layout, params);
-        let mut accumulated = GradientsAccumulator::<M>::new();
-        let mut loss_sum = 0.0f64;
-        for (m, ids) in micro_batches.iter().enumerate() {
-            let items = ids
-                .iter()
-                .map(|&i| {
-                    spec.dataset
-                        .get(i)
-                        .ok_or_else(|| Error::Data(format!("sample {i} could not be read")))
-                })
-                .collect::<Result<Vec<I>>>()?;
-            let hooks = spec.faults.as_deref();
-            let loss = with_hooks(
-                hooks,
-                device_id,
-                self.step,
-                m as u32,
-                Phase::Forward,
-                || (spec.loss_fn)(&model, &items, &ad),
-            );
-            let value: f32 = loss.clone().into_scalar();
-            loss_sum += f64::from(value) * ids.len() as f64;
-            let weight = ids.len() as f32 / self.global.max(1) as f32;
-            let grads = with_hooks(
-                hooks,
-                device_id,
-                self.step,
-                m as u32,
-                Phase::Backward,
-                || GradientsParams::from_grads((loss * weight).backward(), &model),
-            );
-            accumulated.accumulate(&model, grads);
-        }
-        let grads = accumulated.grads();
+        // The worker trains in f32 (the refusal table keeps precision off the parameter
+        // server).
+        let gradients = GradientLoop {
+            spec,
+            device: &ad,
+            at: (device_id, self.step),
+            global: self.global,
+            precision: crate::precision::Precision::F32,
+            loss_scale: None,
+        };
+        let (grads, losses) = gradients.run(&model, micro_batches, &mut |_| {})?;
+        let loss_sum: f64 = losses
+            .iter()
+            .zip(micro_batches)
+            .map(|(l, ids)| f64::from(*l) * ids.len() as f64)
+            .sum();
         let flat = GradientBuffers::take(&model, &wm.layout, grads).into_flat();
         wm.model = model;
         Ok((flat, loss_sum))

@@ -25,7 +25,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
 use super::spawner::{Capabilities, SpawnFuture, Spawner};
-use super::stage::{InitReport, Stage, StageMsg, StageRole, StepReport, failed, lost};
+use super::stage::{InitReport, Stage, StageMsg, StageRole, StepReport, failed, lost, read_items};
 use super::supervisor::{RewireArgs, RewireStages, Rewired, SpawnContext, Spawned};
 use crate::checkpoint::{CheckpointError, ShardId, ShardSnapshot, TrainingState};
 use crate::comm::{Communicator, LocalGroup};
@@ -427,15 +427,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
         }
         let items: Result<Vec<Vec<I>>> = ids
             .iter()
-            .map(|mb| {
-                mb.iter()
-                    .map(|&i| {
-                        spec.dataset
-                            .get(i)
-                            .ok_or_else(|| Error::Data(format!("sample {i} could not be read")))
-                    })
-                    .collect()
-            })
+            .map(|mb| read_items(&*spec.dataset, mb))
             .collect();
         let items = match items {
             Ok(items) => items,

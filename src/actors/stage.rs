@@ -22,11 +22,13 @@ use crate::device::MeshDevice;
 use crate::error::Error;
 use crate::mesh::StageId;
 
+mod micro_batches;
 mod msg;
 pub(crate) mod replica;
 mod role;
 
 pub(crate) use crate::report::{InitReport, StepReport};
+pub(crate) use micro_batches::{GradientLoop, Progress, read_items};
 pub(crate) use msg::StageMsg;
 pub(crate) use replica::{
     LocalReplicas, LossFn, MixedPrecision, ModelFn, StageSpec, restore_scaler,

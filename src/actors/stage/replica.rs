@@ -13,11 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{Device, FloatDType, Tensor};
+use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorRef};
 
-use super::{Stage, StageRole, failed, lost, shard_of};
+use super::{GradientLoop, Progress, Stage, StageRole, failed, lost, shard_of};
 use crate::actors::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use crate::actors::group::{GroupActor, GroupArgs};
 use crate::actors::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
@@ -31,7 +30,6 @@ use crate::faults::{DeviceMessages, FaultHooks, Phase, with_hooks};
 use crate::mesh::{DeviceId, StageId};
 use crate::mesh::{Generation, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
-use crate::parallel::autocast::low_precision_copy;
 use crate::parallel::compress::Compression;
 use crate::parallel::gradients::{ParamFilter, ParamLayout, map_parameters, parameter_fingerprint};
 use crate::parallel::local::LocalUpdates;

@@ -138,58 +138,42 @@ pub(super) fn train_step<M: Module, I: Send + Sync + 'static>(
             duration_us: start.elapsed().as_micros() as u64,
         });
     };
-    let mut loss_sum = 0.0f32;
-    let mut accumulated = GradientsAccumulator::<M>::new();
-    let mut last = None;
-    for (m, ids) in micro_batches.iter().enumerate() {
-        set_phase("forward");
-        report_progress(|| format!("step {step}: forward of micro-batch {m}"));
-        let t = Instant::now();
-        let items = ids
-            .iter()
-            .map(|&i| {
-                spec.dataset
-                    .get(i)
-                    .ok_or_else(|| Error::Data(format!("sample {i} could not be read")))
-            })
-            .collect::<Result<Vec<I>>>()?;
-        let loss = with_hooks(hooks, device_id, step, m as u32, Phase::Forward, || {
-            // Mixed precision: forward on a low-precision copy whose casts hand the f32
-            // master its gradients (PREC-1); the identity at f32.
-            let model = low_precision_copy(&slot.model, spec.mixed.precision);
-            (spec.loss_fn)(&model, &items, &ad).cast(FloatDType::F32)
-        });
-        let value: f32 = loss.clone().into_scalar();
-        loss_sum += value * ids.len() as f32;
-        span(
-            TraceKind::Forward {
-                micro_batch: m as u32,
-                samples: ids.len() as u32,
-            },
-            t,
-        );
-        set_phase("backward");
-        report_progress(|| format!("step {step}: backward of micro-batch {m}"));
-        let t = Instant::now();
-        // DP-2: this micro-batch's share of the step's samples.
-        let weight = ids.len() as f32 / global.max(1) as f32 * loss_scale.unwrap_or(1.0);
-        let grads = with_hooks(hooks, device_id, step, m as u32, Phase::Backward, || {
-            let loss = if weight == 1.0 { loss } else { loss * weight };
-            GradientsParams::from_grads(loss.backward(), &slot.model)
-        });
-        if k == 1 {
-            last = Some(grads);
-        } else {
-            accumulated.accumulate(&slot.model, grads);
+    let gradients = GradientLoop {
+        spec,
+        device: &ad,
+        at: (device_id, step),
+        global,
+        precision: spec.mixed.precision,
+        loss_scale,
+    };
+    let (grads, micro_losses) = gradients.run(&slot.model, micro_batches, &mut |p| match p {
+        Progress::Forward(m) => {
+            set_phase("forward");
+            report_progress(|| format!("step {step}: forward of micro-batch {m}"));
         }
-        span(
-            TraceKind::Backward {
-                micro_batch: m as u32,
+        Progress::ForwardDone {
+            micro_batch,
+            samples,
+            start,
+        } => span(
+            TraceKind::Forward {
+                micro_batch,
+                samples,
             },
-            t,
-        );
+            start,
+        ),
+        Progress::Backward(m) => {
+            set_phase("backward");
+            report_progress(|| format!("step {step}: backward of micro-batch {m}"));
+        }
+        Progress::BackwardDone { micro_batch, start } => {
+            span(TraceKind::Backward { micro_batch }, start)
+        }
+    })?;
+    let mut loss_sum = 0.0f32;
+    for (loss, ids) in micro_losses.iter().zip(micro_batches) {
+        loss_sum += loss * ids.len() as f32;
     }
-    let grads = last.unwrap_or_else(|| accumulated.grads());
     let local_loss = loss_sum / micro_batches.iter().map(Vec::len).sum::<usize>().max(1) as f32;
 
     // DP-3: every replica learns every replica's loss and decides the same thing.
