@@ -1,74 +1,148 @@
 //! A job across processes, embedded in a program of your own (feature `cluster`). Run
 //! plainly, this program is the head: it starts two copies of itself as nodes
-//! (`cluster node HEAD_ADDR`), waits for them, trains the demo MLP with one replica per node,
-//! and stops them. With `pipeline`, the MLP is cut into two pipeline stages instead, one per
-//! node (a 1 × 2 dp × pp mesh). On real machines the nodes are started by hand, torchrun or
-//! Slurm.
+//! (`cluster node HEAD_ADDR`), waits for them, trains its own model (`Regressor`, described to
+//! the nodes as `ModelSpec::Named`) with one replica per node, and stops them. With
+//! `pipeline`, the model's two layers become two pipeline stages instead, one per node (a
+//! 1 × 2 dp × pp mesh). On real machines the nodes are started by hand, torchrun or Slurm.
 //!
 //! ```text
 //! cargo run --features cluster --example cluster
 //! cargo run --features cluster --example cluster -- pipeline
 //! ```
 
+// ANCHOR: imports
 use std::net::SocketAddr;
 use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::Duration;
 
+use burn::module::Module;
+use burn::nn::{Linear, LinearConfig};
 use burn::optim::AdamConfig;
+use burn::tensor::activation::relu;
+use burn::tensor::{Device, Tensor};
 use meshwork::cluster::control::{
-    self, ClusterSecret, FingerprintFn, Head, HeadConfig, HostArgs, HostFactory, JobSpec,
-    ModelSpec, NodeConfig, PipelineShape,
+    self, ClusterSecret, FingerprintFn, Head, HeadConfig, HostArgs, HostFactory, Incompatibility,
+    JobSpec, ModelSpec, NodeConfig, PipelineShape,
 };
 use meshwork::cluster::remote::ClusterMesh;
-use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_pipeline, mse_loss};
+use meshwork::demo::{Sample, TeacherTask, batch_tensors, mlp_pipeline};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::job::{Job, JobBuilder, PipelineModel, Schedule};
+// ANCHOR_END: imports
 
 const JOB: &str = "example";
 const NODES: usize = 2;
 
-// ANCHOR: job
-/// The job, built the same way in every process: the head drives it, each node trains its
-/// replica with it. Everything that shapes training comes from the spec the head sends.
-fn job(spec: &JobSpec) -> JobBuilder<Mlp, Sample> {
-    let (widths, device, task) = model_parts(spec);
-    settings(Job::builder(), spec, &task)
-        .initial_model(Mlp::new(&widths, &device))
-        .loss(mse_loss)
+// ANCHOR: model
+/// The program's own model: plain Burn, nothing of meshwork in it.
+#[derive(Module, Debug)]
+struct Regressor {
+    hidden: Linear,
+    out: Linear,
 }
 
-/// The same job as a pipeline: the MLP cut into one block per stage the spec asks for.
-fn pipeline_job(spec: &JobSpec, shape: &PipelineShape) -> JobBuilder<PipelineModel, Sample> {
-    let (widths, device, task) = model_parts(spec);
-    let layers = widths.len() - 1;
-    let stages = shape.stages as usize;
-    // Consecutive layers per block, the first blocks taking one more when it does not divide.
-    let split: Vec<usize> = (0..stages)
-        .map(|b| layers / stages + usize::from(b < layers % stages))
+impl Regressor {
+    fn new([d_in, hidden, d_out]: [usize; 3], device: &Device) -> Self {
+        Self {
+            hidden: LinearConfig::new(d_in, hidden).init(device),
+            out: LinearConfig::new(hidden, d_out).init(device),
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        self.out.forward(relu(self.hidden.forward(x)))
+    }
+}
+
+/// The loss: the mean over the items, as every meshwork loss.
+fn loss(model: &Regressor, items: &[Sample], device: &Device) -> Tensor<1> {
+    let (x, y) = batch_tensors(items, device);
+    let diff = model.forward(x) - y;
+    (diff.clone() * diff).mean()
+}
+
+/// How the head names the model to its nodes: a kind of the program's choosing and the
+/// configuration's bytes in the program's own encoding (here three little-endian widths).
+const KIND: &str = "example-regressor";
+
+fn model_spec(widths: [u32; 3]) -> ModelSpec {
+    ModelSpec::Named {
+        kind: KIND.into(),
+        config: widths.iter().flat_map(|w| w.to_le_bytes()).collect(),
+    }
+}
+
+/// The widths a spec names; bytes from the network are checked, never trusted.
+fn widths(spec: &JobSpec) -> Result<[usize; 3], Incompatibility> {
+    let ModelSpec::Named { kind, config } = &spec.model else {
+        return Err(Incompatibility::Other(
+            "this program trains its own model".into(),
+        ));
+    };
+    if kind != KIND {
+        return Err(Incompatibility::UnknownModel { kind: kind.clone() });
+    }
+    let words: Vec<u32> = config
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
-    let blocks = mlp_pipeline(&widths, &split, &device).expect("a block per stage");
+    match words[..] {
+        [a, b, c] if config.len() == 12 && [a, b, c].iter().all(|w| (1..=4096).contains(w)) => {
+            Ok([a as usize, b as usize, c as usize])
+        }
+        _ => Err(Incompatibility::Other(format!(
+            "{KIND}: expected three widths of 1..=4096, got {} byte(s)",
+            config.len()
+        ))),
+    }
+}
+// ANCHOR_END: model
+
+// ANCHOR: job
+/// The job, built the same way in every process: the head drives it, each node trains its
+/// replica with it. Everything that shapes training comes from the spec the head sends; the
+/// data is built (or read) by every process itself.
+fn job(spec: &JobSpec) -> Result<JobBuilder<Regressor, Sample>, Incompatibility> {
+    let (widths, device, task) = model_parts(spec)?;
+    Ok(settings(Job::builder(), spec, &task)
+        .initial_model(Regressor::new(widths, &device))
+        .loss(loss))
+}
+
+/// The same job as a pipeline: each of the model's two layers a stage on its own node.
+fn pipeline_job(
+    spec: &JobSpec,
+    shape: &PipelineShape,
+) -> Result<JobBuilder<PipelineModel, Sample>, Incompatibility> {
+    let (widths, device, task) = model_parts(spec)?;
+    if shape.stages != 2 {
+        return Err(Incompatibility::Other(
+            "the model has two layers: two stages".into(),
+        ));
+    }
+    let blocks = mlp_pipeline(&widths, &[1, 1], &device)
+        .ok_or_else(|| Incompatibility::Other("a block per stage".into()))?;
     let schedule = Schedule::OneFOneB {
         micro_batches: shape.micro_batches,
     };
-    settings(Job::builder(), spec, &task).pipeline(blocks, schedule)
+    Ok(settings(Job::builder(), spec, &task).pipeline(blocks, schedule))
 }
 
-/// The demo MLP's widths, the seeded device every process initializes it on, and the task.
-fn model_parts(spec: &JobSpec) -> (Vec<usize>, burn::tensor::Device, TeacherTask) {
-    let ModelSpec::DemoMlp { widths } = &spec.model else {
-        panic!("this program trains the demo MLP");
-    };
-    let widths: Vec<usize> = widths.iter().map(|&w| w as usize).collect();
-    let device = MeshDevice::of_kind(BackendKind::Flex, 1).expect("a CPU device");
-    device[0].burn().seed(spec.seed);
+/// The model's widths, the seeded device every process initializes it on, and the task.
+fn model_parts(spec: &JobSpec) -> Result<([usize; 3], Device, TeacherTask), Incompatibility> {
+    let widths = widths(spec)?;
+    let device = MeshDevice::of_kind(BackendKind::Flex, 1)
+        .map_err(|e| Incompatibility::Other(e.to_string()))?
+        .remove(0);
+    device.burn().seed(spec.seed);
     let task = TeacherTask {
         d_in: widths[0],
-        d_out: widths[widths.len() - 1],
+        d_out: widths[2],
         noise: 0.1,
         seed: spec.seed,
     };
-    (widths, device[0].burn().clone(), task)
+    Ok((widths, device.burn().clone(), task))
 }
 
 /// What every process's job shares.
@@ -90,24 +164,26 @@ fn settings<M: Send + 'static>(
 /// How a node builds its stages once the head prepared it: replicas, or pipeline stages.
 fn stages() -> HostFactory {
     Arc::new(|args: HostArgs| {
-        match &args.spec.pipeline {
-            None => job(&args.spec).stage_host(args),
+        let host = match &args.spec.pipeline {
+            None => job(&args.spec).map(|j| j.stage_host(args)),
             Some(shape) => {
                 let shape = shape.clone();
-                pipeline_job(&args.spec, &shape).stage_host(args)
+                pipeline_job(&args.spec, &shape).map(|j| j.stage_host(args))
             }
-        }
-        .map_err(|e| e.to_string())
+        };
+        host.map_err(|e| e.to_string())?.map_err(|e| e.to_string())
     })
 }
 
-/// How every process fingerprints the job's model (nodes that build another model are
-/// refused).
+/// How every process fingerprints the job's model: its structure (each parameter's shape),
+/// so that a node which builds another model is refused.
 fn fingerprint() -> FingerprintFn {
     Arc::new(|spec: &JobSpec| {
-        let device = MeshDevice::of_kind(BackendKind::Flex, 1)
-            .map_err(|e| control::Incompatibility::Other(e.to_string()))?;
-        meshwork::demo::cluster_fingerprint(spec, device[0].burn())
+        let (widths, device, _) = model_parts(spec)?;
+        Ok(control::structure_fingerprint(
+            KIND,
+            &Regressor::new(widths, &device),
+        ))
     })
 }
 // ANCHOR_END: job
@@ -129,9 +205,7 @@ async fn node(head: String, secret: ClusterSecret) -> Result<(), Box<dyn std::er
 /// The head: wait for the nodes, train across them, stop them.
 async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std::error::Error>> {
     let spec = JobSpec {
-        model: ModelSpec::DemoMlp {
-            widths: vec![32, 64, 64, 4],
-        },
+        model: model_spec([32, 64, 4]),
         seed: 1,
         batch_size: 64,
         steps: 30,
@@ -162,11 +236,11 @@ async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std:
     let mesh = ClusterMesh::new(&world.world, &head.node_handles(), None)?;
     let summary = match &spec.pipeline {
         None => {
-            let handle = job(&spec).cluster(mesh).build()?.spawn();
+            let handle = job(&spec)?.cluster(mesh).build()?.spawn();
             handle.await?.join().await.map(|t| t.summary)
         }
         Some(shape) => {
-            let handle = pipeline_job(&spec, shape).cluster(mesh).build()?.spawn();
+            let handle = pipeline_job(&spec, shape)?.cluster(mesh).build()?.spawn();
             handle.await?.join().await.map(|t| t.summary)
         }
     };

@@ -3,10 +3,12 @@
 //!
 //! Run with `cargo run --example collectives`.
 
+// ANCHOR: imports
 use std::thread;
 
 use meshwork::comm::{Algorithm, CommConfig, LocalGroup, ReduceOp, chunk_range};
 use meshwork::mesh::Generation;
+// ANCHOR_END: imports
 
 // ANCHOR: main
 fn main() -> Result<(), meshwork::comm::CommError> {

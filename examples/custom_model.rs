@@ -3,12 +3,14 @@
 //!
 //! Run with `cargo run --example custom_model`.
 
+// ANCHOR: imports
 use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::SgdConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::tensor::{Device, Tensor, TensorData};
 use meshwork::prelude::*;
+// ANCHOR_END: imports
 
 // ANCHOR: model
 /// Plain Burn: a linear regression `y = w·x + b`.

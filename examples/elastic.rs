@@ -4,11 +4,13 @@
 //!
 //! Run with `cargo run --release --example elastic`.
 
+// ANCHOR: imports
 use burn::optim::AdamConfig;
 use burn::tensor::Device;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::job::{EventsError, JobBuilder};
 use meshwork::prelude::*;
+// ANCHOR_END: imports
 
 fn builder(task: TeacherTask, steps: u64) -> JobBuilder<Mlp, Sample> {
     let device = Device::flex();

@@ -8,6 +8,7 @@
 //! Run with `cargo run --release --example fault_injection [plan.json]` (default: the plan in
 //! `book/snippets/faults.json`).
 
+// ANCHOR: imports
 use std::time::Duration;
 
 use burn::optim::AdamConfig;
@@ -16,6 +17,7 @@ use meshwork::demo::{Mlp, TeacherTask, mse_loss};
 use meshwork::faults::FaultPlan;
 use meshwork::prelude::*;
 use meshwork::recovery::RecoveryPolicy;
+// ANCHOR_END: imports
 
 // ANCHOR: main
 #[tokio::main]

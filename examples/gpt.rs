@@ -6,12 +6,14 @@
 //!
 //! Run with `cargo run --release --example gpt`.
 
+// ANCHOR: imports
 use burn::optim::AdamConfig;
 use burn::tensor::Device;
 use meshwork::data::TextWindow;
 use meshwork::demo::gpt::{Gpt, GptConfig, mean_loss};
 use meshwork::demo::kjv_corpus;
 use meshwork::prelude::*;
+// ANCHOR_END: imports
 
 /// Validation windows evaluated after training.
 const VALIDATION_WINDOWS: usize = 128;

@@ -6,16 +6,18 @@
 //!
 //! Run with `cargo run --release --example memory`.
 
+// ANCHOR: imports
 use burn::nn::{Linear, LinearConfig, Relu};
 use burn::optim::AdamConfig;
 use burn::tensor::{Device, FloatDType, Tensor};
 use meshwork::demo::{Sample, TeacherTask, batch_tensors};
-use meshwork::job::EventsError;
 use meshwork::parallel::memory::StepMemory;
-use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
-use meshwork::prelude::*;
+use meshwork::prelude::*; // Job, PipelineStages, BlockOptions, AnyTensor, Boundary, …
+// ANCHOR_END: imports
 
-/// The input of a block: its one rank-2 tensor.
+// ANCHOR: blocks
+/// What crosses from one block to the next is a `Boundary`: a list of `AnyTensor`s (rank 1
+/// to 4). Every block of this model passes one rank-2 tensor.
 fn two(x: &Boundary) -> Tensor<2> {
     match &x[0] {
         AnyTensor::D2(t) => t.clone(),
@@ -23,7 +25,6 @@ fn two(x: &Boundary) -> Tensor<2> {
     }
 }
 
-// ANCHOR: blocks
 /// The model as blocks: a list of ordinary Burn modules, each with its forward; the last ends
 /// in the loss. The same list trains as a pipeline with `.pipeline(..)`.
 fn blocks(width: usize, depth: usize, options: BlockOptions) -> PipelineStages<Sample> {

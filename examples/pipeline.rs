@@ -5,6 +5,7 @@
 //!
 //! Run with `cargo run --release --example pipeline` (add a file name to write the SVG).
 
+// ANCHOR: imports
 use std::time::Duration;
 
 use burn::module::Module;
@@ -13,12 +14,11 @@ use burn::optim::AdamConfig;
 use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use meshwork::demo::{Sample, TeacherTask, batch_tensors};
-use meshwork::events::JobEvent;
-use meshwork::job::{EventsError, Job, PipelineStages, Schedule};
 use meshwork::parallel::pipeline::render_svg;
-use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
+use meshwork::prelude::*; // Job, PipelineStages, Schedule, AnyTensor, Boundary, JobEvent, …
+// ANCHOR_END: imports
 
-// ANCHOR: stages
+// ANCHOR: model
 /// The first half of the model: plain Burn.
 #[derive(Module, Debug)]
 struct Encoder {
@@ -38,7 +38,7 @@ fn rank2(b: &Boundary) -> Tensor<2> {
         other => panic!("expected a rank-2 activation, got {other:?}"),
     }
 }
-// ANCHOR_END: stages
+// ANCHOR_END: model
 
 // ANCHOR: main
 #[tokio::main]
@@ -59,6 +59,7 @@ async fn main() -> meshwork::Result<()> {
         out: LinearConfig::new(32, 2).init(&device),
     };
 
+    // ANCHOR: stages
     // The inputs go to the first stage, the targets (read from the same items) to the last.
     let stages = PipelineStages::new(|items: &[Sample], d: &Device| {
         vec![AnyTensor::D2(batch_tensors(items, d).0)]
@@ -74,6 +75,7 @@ async fn main() -> meshwork::Result<()> {
             (diff.clone() * diff).mean()
         },
     );
+    // ANCHOR_END: stages
 
     // 2 replicas × 2 stages = 4 devices. Each replica takes half of the global batch of 64
     // and cuts it into 4 micro-batches; 1F1B keeps at most 2 in flight per stage.

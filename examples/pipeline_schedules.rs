@@ -5,7 +5,9 @@
 //! Run with `cargo run --example pipeline_schedules -- book/src/images` (the folder receives
 //! `gpipe.svg`, `1f1b.svg` and `interleaved.svg`; without an argument nothing is written).
 
+// ANCHOR: imports
 use meshwork::parallel::pipeline::{Costs, Schedule, render_svg, simulate};
+// ANCHOR_END: imports
 
 // ANCHOR: main
 fn main() -> meshwork::Result<()> {

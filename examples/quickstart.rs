@@ -2,10 +2,12 @@
 //!
 //! Run with `cargo run --release --example quickstart`.
 
+// ANCHOR: imports
 use burn::optim::AdamConfig;
 use burn::tensor::Device;
 use meshwork::demo::{Mlp, TeacherTask, mse_loss};
 use meshwork::prelude::*;
+// ANCHOR_END: imports
 
 // ANCHOR: main
 #[tokio::main]
@@ -38,14 +40,17 @@ async fn main() -> meshwork::Result<()> {
     let handle = job.spawn().await?;
     let mut events = handle.events();
     let watcher = tokio::spawn(async move {
-        while let Ok(event) = events.recv().await {
-            if let JobEvent::StepDone(s) = event
-                && s.step % 50 == 0
-            {
-                println!(
+        loop {
+            match events.recv().await {
+                Ok(JobEvent::StepDone(s)) if s.step % 50 == 0 => println!(
                     "step {:>3}  loss {:.4}  {:.0} samples/s",
                     s.step, s.loss, s.samples_per_s
-                );
+                ),
+                Ok(_) => {}
+                // A watcher slower than the job misses the oldest events; it keeps reading.
+                Err(EventsError::Missed(n)) => eprintln!("missed {n} event(s)"),
+                // The job ended (after its Finished or Failed event).
+                Err(EventsError::Closed) => break,
             }
         }
     });

@@ -4,12 +4,14 @@
 //!
 //! Run with `cargo run --release --example zero`.
 
+// ANCHOR: imports
 use burn::optim::AdamConfig;
 use burn::tensor::Device;
 use meshwork::demo::{Mlp, TeacherTask, mse_loss};
 use meshwork::job::EventsError;
 use meshwork::prelude::*;
 use meshwork::testing::compare_parameters;
+// ANCHOR_END: imports
 
 // ANCHOR: job
 async fn train(zero: ZeroStage, init: Mlp, task: TeacherTask) -> meshwork::Result<Mlp> {

@@ -39,14 +39,15 @@ pub mod prelude {
     pub use crate::error::{Error, Result};
     pub use crate::events::{JobEvent, StepDone};
     pub use crate::job::{
-        EventStream, FaultTolerance, Job, JobBuilder, JobHandle, ModelContext, NonFinitePolicy,
-        Trained,
+        EventStream, EventsError, FaultTolerance, Job, JobBuilder, JobHandle, ModelContext,
+        NonFinitePolicy, Trained,
     };
     pub use crate::mesh::{Layout, Rank};
     pub use crate::parallel::compress::Compression;
     pub use crate::parallel::local::LocalUpdates;
     pub use crate::parallel::parameter_server::{ParameterServer, Staleness};
     pub use crate::parallel::pipeline::Schedule;
+    pub use crate::parallel::pipeline_exec::{AnyTensor, Boundary};
     pub use crate::parallel::stages::{BlockOptions, PipelineStages};
     pub use crate::parallel::zero::ZeroStage;
     pub use crate::precision::{LossScalerConfig, Precision};

@@ -251,11 +251,11 @@ fn every_command_of_the_book_runs() {
     let _ = std::fs::remove_dir_all(dir.path());
 }
 
-/// The multi-machine chapter's shell: both files parse (`bash -n`); with the `cluster`
-/// feature, every flag given to `meshwork train` or `meshwork node` is one the command has.
+/// The book's shell files parse (`bash -n`) and each runs meshwork.
 #[test]
-fn multi_machine_scripts_parse_and_use_real_flags() {
+fn book_shell_snippets_parse() {
     for f in [
+        "book/snippets/commands.sh",
         "book/snippets/multi-machine.sh",
         "book/snippets/meshwork.sbatch",
     ] {
@@ -270,30 +270,289 @@ fn multi_machine_scripts_parse_and_use_real_flags() {
             String::from_utf8_lossy(&out.stderr)
         );
         let text = std::fs::read_to_string(root().join(f)).unwrap();
-        let mut commands = 0;
+        assert!(text.contains("meshwork "), "{f} runs meshwork");
+    }
+}
+
+/// `meshwork <command> --help` (for `bench`, `bench <which> --help`).
+#[cfg(feature = "cluster")]
+fn help(command: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_meshwork"))
+        .args(command)
+        .arg("--help")
+        .output()
+        .expect("meshwork runs");
+    assert!(out.status.success(), "meshwork {command:?} --help");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Whether `help` lists `flag` (`--steps <STEPS>`, `--dry-run  Assemble…`).
+#[cfg(feature = "cluster")]
+fn lists(help: &str, flag: &str) -> bool {
+    help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n"))
+}
+
+/// The `--flags` of a command's words, values and `=value` left out.
+#[cfg(feature = "cluster")]
+fn flags<'a>(words: impl Iterator<Item = &'a str>) -> Vec<String> {
+    words
+        .filter(|w| w.starts_with("--") && w.len() > 2)
+        .map(|w| {
+            w.split('=')
+                .next()
+                .unwrap_or(w)
+                .trim_end_matches(|c: char| !c.is_ascii_alphanumeric())
+                .to_string()
+        })
+        .collect()
+}
+
+/// Every flag the book gives to meshwork is one the CLI has: in the shell files, each command
+/// (`meshwork train …`, `cargo run --release -- bench dp …`) against its own `--help`; in the
+/// chapters' text, every `--flag` in inline code against the help of every command (Cargo's
+/// own flags before ` -- ` and other programs' commands left out).
+#[cfg(feature = "cluster")]
+#[test]
+fn book_flags_are_the_clis() {
+    let benches: Vec<String> = help(&["bench"])
+        .lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|w| *w != "help")
+        .map(str::to_string)
+        .collect();
+    assert!(benches.len() >= 4, "bench commands: {benches:?}");
+    let mut helps = std::collections::BTreeMap::new();
+    helps.insert("train".to_string(), help(&["train"]));
+    helps.insert("node".to_string(), help(&["node"]));
+    for b in &benches {
+        helps.insert(format!("bench {b}"), help(&["bench", b]));
+    }
+    let mut checked = 0;
+    // The shell files: each meshwork command against its own flags.
+    for f in [
+        "book/snippets/commands.sh",
+        "book/snippets/multi-machine.sh",
+        "book/snippets/meshwork.sbatch",
+    ] {
+        let text = std::fs::read_to_string(root().join(f)).unwrap();
         for line in text.lines().filter(|l| !l.trim_start().starts_with('#')) {
             let words: Vec<&str> = line.split_whitespace().collect();
-            let Some(at) = words.iter().position(|w| *w == "meshwork") else {
+            let Some(at) = words
+                .iter()
+                .position(|w| *w == "meshwork" || *w == "--")
+                .filter(|&at| words.get(at + 1).is_some())
+            else {
                 continue;
             };
-            let sub = words[at + 1];
-            assert!(["train", "node"].contains(&sub), "{line}");
-            commands += 1;
-            #[cfg(feature = "cluster")]
-            {
-                let help = Command::new(env!("CARGO_BIN_EXE_meshwork"))
-                    .args([sub, "--help"])
-                    .output()
-                    .expect("meshwork runs");
-                let help = String::from_utf8_lossy(&help.stdout);
-                for flag in words[at + 2..].iter().filter(|w| w.starts_with("--")) {
-                    assert!(
-                        help.contains(&format!("{flag} ")) || help.contains(&format!("{flag}\n")),
-                        "`meshwork {sub}` has no {flag} (in {f})"
-                    );
-                }
+            let mut command = words[at + 1].to_string();
+            let mut rest = at + 2;
+            if command == "bench" {
+                command = format!("bench {}", words[at + 2]);
+                rest += 1;
+            }
+            let help = helps
+                .get(&command)
+                .unwrap_or_else(|| panic!("`meshwork {command}` is no command (in {f}: {line})"));
+            for flag in flags(words[rest..].iter().copied()) {
+                assert!(
+                    lists(help, &flag),
+                    "`meshwork {command}` has no {flag} (in {f})"
+                );
+                checked += 1;
             }
         }
-        assert!(commands >= 1, "{f} runs meshwork");
     }
+    // The chapters: every flag in inline code is one of some meshwork command.
+    let mut files = Vec::new();
+    markdown_files(&root().join("book/src"), &mut files);
+    let others = [
+        "srun", "sbatch", "mpirun", "openssl", "torchrun", "mdbook", "ssh", "git",
+    ];
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        for span in text.split('`').skip(1).step_by(2) {
+            let words: Vec<&str> = span.split_whitespace().collect();
+            let from = match words.first() {
+                Some(&"cargo") => match words.iter().position(|w| *w == "--") {
+                    Some(at) => at + 1,
+                    None => continue,
+                },
+                Some(w) if others.contains(w) => continue,
+                _ => 0,
+            };
+            for flag in flags(words[from..].iter().copied()) {
+                assert!(
+                    helps.values().any(|h| lists(h, &flag)),
+                    "{} names {flag} (in `{span}`), which no meshwork command has",
+                    file.display()
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 50, "checked {checked} flags");
+}
+
+/// The lines between `ANCHOR: name` and `ANCHOR_END: name` of a book snippet, comments left
+/// out.
+#[cfg(feature = "cluster")]
+fn anchor_lines(file: &str, name: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(root().join(file)).expect("snippet readable");
+    text.lines()
+        .skip_while(|l| l.trim() != format!("# ANCHOR: {name}"))
+        .skip(1)
+        .take_while(|l| l.trim() != format!("# ANCHOR_END: {name}"))
+        .filter(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A shell running one command of the book; killed when dropped (also when the test fails).
+#[cfg(feature = "cluster")]
+struct Shell {
+    name: &'static str,
+    child: std::process::Child,
+    log: PathBuf,
+}
+
+#[cfg(feature = "cluster")]
+impl Shell {
+    /// Runs `script` in bash in `dir`, with `HOME` there and the `meshwork` under test first
+    /// on `PATH`; output to `dir/<name>.log`.
+    fn start(name: &'static str, dir: &Path, script: &str) -> Shell {
+        let bin = Path::new(env!("CARGO_BIN_EXE_meshwork"));
+        let path = format!(
+            "{}:{}",
+            bin.parent().expect("the binary's folder").display(),
+            std::env::var("PATH").unwrap_or_default()
+        );
+        let log = dir.join(format!("{name}.log"));
+        let out = std::fs::File::create(&log).expect("log file");
+        let child = Command::new("bash")
+            .args(["-c", script])
+            .current_dir(dir)
+            .env("HOME", dir)
+            .env("PATH", path)
+            .env("RUST_LOG", "warn,ractor_cluster=error")
+            .env("BURN_DEVICE", "flex")
+            .env_remove("MESHWORK_SECRET")
+            .env_remove("MESHWORK_SECRET_FILE")
+            .env_remove("RANK")
+            .env_remove("WORLD_SIZE")
+            .env_remove("SLURM_PROCID")
+            .stdin(std::process::Stdio::null())
+            .stdout(out.try_clone().expect("log file"))
+            .stderr(out)
+            .spawn()
+            .expect("bash runs");
+        Shell { name, child, log }
+    }
+
+    fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits (bounded) for the command to end; its output.
+    fn finish(&mut self, timeout: std::time::Duration) -> String {
+        let deadline = std::time::Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.child.try_wait().expect("wait") {
+                let out = self.output();
+                assert!(status.success(), "{} failed ({status}):\n{out}", self.name);
+                return out;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} still running after {timeout:?}:\n{}",
+                self.name,
+                self.output()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+}
+
+#[cfg(feature = "cluster")]
+impl Drop for Shell {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The chapter "Running on several machines" as a reader runs it, on one machine: the secret's
+/// commands, then the head's command and the nodes' command (twice, as on two hosts), as
+/// written but for the head's host name (`head-host` is this machine) and its port (a free
+/// one), to the end of training.
+#[cfg(feature = "cluster")]
+#[test]
+fn multi_machine_recipe_trains_as_written() {
+    use std::time::Duration;
+    let file = "book/snippets/multi-machine.sh";
+    // The secret's commands: made once (on a shared file system), exported in every shell.
+    let (exports, once): (Vec<String>, Vec<String>) = anchor_lines(file, "secret")
+        .into_iter()
+        .partition(|l| l.starts_with("export "));
+    assert!(
+        !exports.is_empty() && !once.is_empty(),
+        "make and export a secret"
+    );
+    let secret = exports.join("\n");
+    let head = anchor_lines(file, "head");
+    let node = anchor_lines(file, "nodes");
+    assert_eq!(
+        (head.len(), node.len()),
+        (1, 1),
+        "one head and one node command"
+    );
+    assert!(
+        !head[0].contains("--dry-run"),
+        "the recipe trains: {}",
+        head[0]
+    );
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+        .to_string();
+    let here = |line: &str| {
+        line.replace("head-host", "127.0.0.1")
+            .replace("29500", &port)
+    };
+    let dir = TempDir::new("recipe");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let script = |line: &str| format!("set -euo pipefail\n{secret}\nexec {}", here(line));
+    Shell::start("secret", dir.path(), &once.join("\n")).finish(Duration::from_secs(10));
+    let mut head_shell = Shell::start("head", dir.path(), &script(&head[0]));
+    let mut nodes: Vec<Shell> = ["node a", "node b"]
+        .into_iter()
+        .map(|name| Shell::start(name, dir.path(), &script(&node[0])))
+        .collect();
+    let out = head_shell.finish(Duration::from_secs(240));
+    assert!(
+        out.contains("world assembled: 4 rank(s) over 3 process(es)"),
+        "{out}"
+    );
+    let steps: u64 = head[0]
+        .split_whitespace()
+        .skip_while(|w| *w != "--steps")
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .expect("the recipe gives --steps");
+    for n in &mut nodes {
+        let out = n.finish(Duration::from_secs(60));
+        assert!(
+            out.contains(&format!("trained {steps} step(s)")),
+            "{}: {out}",
+            n.name
+        );
+    }
+    assert!(
+        dir.join("demo.mpk").exists(),
+        "the head wrote the trained model:\n{out}"
+    );
+    let _ = std::fs::remove_dir_all(dir.path());
 }

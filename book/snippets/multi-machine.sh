@@ -8,19 +8,29 @@ mkdir -p ~/.meshwork && (umask 077; head -c 32 /dev/urandom | base64 > ~/.meshwo
 export MESHWORK_SECRET_FILE=~/.meshwork/secret
 # ANCHOR_END: secret
 # ANCHOR: head
-# on the head host: listen on every interface, wait up to 2 minutes for two nodes
-meshwork train --listen 0.0.0.0:29500 --nodes 2 --job demo --join-timeout 120 --dry-run
+# on the head host: listen on every interface, wait up to 2 minutes for two nodes, train the
+# demo MLP on their ranks for 200 steps and write the trained model here
+meshwork train --listen 0.0.0.0:29500 --nodes 2 --job demo --join-timeout 120 --steps 200 --save-model demo.mpk
 # ANCHOR_END: head
 # ANCHOR: nodes
 # on each node host: join the head, holding two devices
 meshwork node --join head-host:29500 --job demo --devices 2
 # ANCHOR_END: nodes
+# ANCHOR: head-device
+# the head may hold devices too: then say which of its addresses the nodes reach it at
+meshwork train --listen 0.0.0.0:29500 --nodes 2 --job demo --local-devices 1 --data-host 10.0.0.1
+# ANCHOR_END: head-device
+# ANCHOR: dry-run
+# assemble the world, prepare every node, then stop them all without training: a check that
+# every host can reach the head and the others' data-plane ports
+meshwork train --listen 0.0.0.0:29500 --nodes 2 --job demo --dry-run
+# ANCHOR_END: dry-run
 # ANCHOR: torchrun
 # torchrun-style variables instead of flags: process 0 is the head (holding one device),
 # every other process a node with one device
-RANK=0 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job demo --dry-run
+RANK=0 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job demo
 RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork node --job demo
-RANK=2 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job demo --dry-run
+RANK=2 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job demo
 # ANCHOR_END: torchrun
 # ANCHOR: pipeline
 # a 2 × 2 dp × pp job: the head waits for four nodes, each will hold one pipeline stage

@@ -341,7 +341,11 @@ where
     /// whose all-reduced gradient overflows is skipped on every replica (PREC-2,
     /// `JobEvent::GradientOverflow`). The model must cast its input to its parameters' dtype
     /// and the loss function its output to `f32` (no-ops in `f32`; see
-    /// [`crate::parallel::autocast`]). Data-parallel jobs only (not pipelines yet).
+    /// [`crate::parallel::autocast`]). Replicas, `.blocks(..)` and, in bf16, `.pipeline(..)`
+    /// jobs take it; refused when the job is built: f16 with a pipeline (its loss scaler
+    /// would have to agree over the stages), either 16-bit type with tensor parallelism.
+    /// Across processes the library is not refused, but `meshwork train`'s job spec does not
+    /// carry a precision yet, so its CLI refuses the flag there.
     pub fn precision(mut self, precision: Precision) -> Self {
         self.mixed.precision = precision;
         self
@@ -407,13 +411,18 @@ where
         self
     }
 
-    /// Time-out of every collective operation.
+    /// Time-out of every collective operation (default 60 s): a rank that does not arrive
+    /// within it is named in the error. Must be below [`Self::step_timeout`] (refused when the
+    /// job is built otherwise), so that a missing rank is named by its collective before the
+    /// step as a whole gives up.
     pub fn collective_timeout(mut self, timeout: Duration) -> Self {
         self.comm.timeout = timeout;
         self
     }
 
-    /// Time-out of one step on every stage.
+    /// Time-out of one step on every stage (default 600 s; `meshwork train --step-timeout`,
+    /// default 120 s): a step not done within it ends the job or starts recovery, naming what
+    /// each silent stage was busy with. Above [`Self::collective_timeout`].
     pub fn step_timeout(mut self, timeout: Duration) -> Self {
         self.step_timeout = timeout;
         self

@@ -319,3 +319,68 @@ fn ctl_10_over_tls_nodes_that_trust_the_head_train_and_the_others_are_refused() 
         assert!(nout.contains("trained 3 step(s)"), "{nout}");
     }
 }
+
+/// A flag the job spec cannot carry to the nodes is an error naming it, before the head waits
+/// for a single node (the join time-out is long; the head answers at once).
+#[test]
+fn a_flag_nodes_cannot_apply_is_refused_before_anyone_joins() {
+    for (extra, flag) in [
+        (&["--faults", "plan.json"][..], "--faults"),
+        (&["--device", "wgpu"][..], "--device"),
+        (&["--recompute"][..], "--recompute"),
+        (&["--timeline", "t.svg"][..], "--timeline"),
+        (&["--zero", "3"][..], "--zero 3"),
+        (&["--dp", "2"][..], "--dp"),
+        (&["--precision", "bf16"][..], "--precision"),
+    ] {
+        let mut args = vec![
+            "train",
+            "--listen",
+            "127.0.0.1:0",
+            "--nodes",
+            "1",
+            "--join-timeout",
+            "300",
+        ];
+        args.extend_from_slice(extra);
+        let mut head = Proc::spawn("head", &args, Some(SECRET));
+        let (status, _) = head.wait_exit(Duration::from_secs(60));
+        let out = head.output();
+        assert!(!status.success(), "{extra:?}: {out}");
+        assert!(
+            out.contains(&format!("{flag} is not supported across processes yet")),
+            "{extra:?}: {out}"
+        );
+        assert!(
+            !out.contains("listening on"),
+            "refused before listening: {out}"
+        );
+    }
+}
+
+/// `--collective-timeout` must be below `--step-timeout`: refused up front, naming both.
+#[test]
+fn a_collective_timeout_not_below_the_step_timeout_is_refused() {
+    let mut head = Proc::spawn(
+        "head",
+        &[
+            "train",
+            "--listen",
+            "127.0.0.1:0",
+            "--nodes",
+            "1",
+            "--collective-timeout",
+            "30",
+            "--step-timeout",
+            "30",
+        ],
+        Some(SECRET),
+    );
+    let (status, _) = head.wait_exit(Duration::from_secs(30));
+    let out = head.output();
+    assert!(!status.success(), "{out}");
+    assert!(
+        out.contains("--collective-timeout 30 is not below --step-timeout 30"),
+        "{out}"
+    );
+}

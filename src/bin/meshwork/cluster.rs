@@ -167,6 +167,8 @@ pub(crate) struct HeadJob {
     pub(crate) checkpoints: crate::train::CheckpointFlags,
     /// The replicas a data-parallel job may have (`--min-replicas`, `--max-replicas`).
     pub(crate) elastic: (u32, u32),
+    /// `--step-timeout`: how long the head's Supervisor waits for a step's ranks.
+    pub(crate) step_timeout: Duration,
 }
 
 /// Samples in the demo job's dataset (as in a single-process `meshwork train`).
@@ -260,6 +262,7 @@ impl Configure for HeadSettings<'_> {
         crate::train::checkpoint_settings(&self.job.checkpoints, builder)
             .recovery(self.job.policy)
             .elastic(self.job.elastic.0, self.job.elastic.1)
+            .step_timeout(self.job.step_timeout)
             .cluster(self.mesh)
     }
 }

@@ -76,7 +76,8 @@ pub(crate) struct TrainArgs {
     recompute: bool,
     /// Precision of forward and backward: f32, bf16 or f16 (the optimizer steps f32 master
     /// weights; f16 scales the loss dynamically and skips steps whose gradient overflows).
-    /// Data parallel in one process only.
+    /// Replicas and --zero 3 or --recompute blocks take both; a --pp pipeline takes bf16.
+    /// In one process only.
     #[arg(long, default_value = "f32")]
     precision: Precision,
     /// With --precision bf16 or f16: all-reduce the gradients in that type (half the bytes).
@@ -130,9 +131,14 @@ pub(crate) struct TrainArgs {
     /// instead of starting from scratch.
     #[arg(long, requires = "resume")]
     require_checkpoint: bool,
-    /// The collective time-out in seconds (a rank that does not arrive within it is named).
+    /// The collective time-out in seconds (a rank that does not arrive within it is named);
+    /// below --step-timeout.
     #[arg(long, default_value_t = 60.0)]
     pub(crate) collective_timeout: f64,
+    /// The step time-out in seconds: a step whose ranks have not all reported within it ends
+    /// the job (or starts recovery), naming the ranks that are missing.
+    #[arg(long, default_value_t = 120.0)]
+    pub(crate) step_timeout: f64,
     /// Several processes: the head's flags (see `meshwork node` for the nodes').
     #[cfg(feature = "cluster")]
     #[command(flatten)]
@@ -171,12 +177,6 @@ pub(crate) fn fault_settings(
             )));
         }
     };
-    if !(args.collective_timeout > 0.0 && args.collective_timeout.is_finite()) {
-        return Err(Error::InvalidConfig(format!(
-            "--collective-timeout {}: a positive number of seconds",
-            args.collective_timeout
-        )));
-    }
     Ok((plan, policy))
 }
 
@@ -200,6 +200,23 @@ fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
         if value == Some(0) {
             return Err(Error::InvalidConfig(format!("{flag} 0: use at least 1")));
         }
+    }
+    for (flag, seconds) in [
+        ("--collective-timeout", args.collective_timeout),
+        ("--step-timeout", args.step_timeout),
+    ] {
+        if !(seconds > 0.0 && seconds.is_finite()) {
+            return Err(Error::InvalidConfig(format!(
+                "{flag} {seconds}: a positive number of seconds"
+            )));
+        }
+    }
+    if args.collective_timeout >= args.step_timeout {
+        return Err(Error::InvalidConfig(format!(
+            "--collective-timeout {} is not below --step-timeout {}: a rank that never arrives \
+             must be named by its collective before the step as a whole gives up",
+            args.collective_timeout, args.step_timeout
+        )));
     }
     if !(args.lr >= 0.0 && args.lr.is_finite()) {
         return Err(Error::InvalidConfig(format!(
@@ -267,23 +284,19 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                 pipeline,
             )
         };
-        let (_, policy) = fault_settings(&args)?;
-        // The control protocol's job spec carries no precision yet: a node would train in f32.
         let across = args.cluster.listen.is_some()
             || meshwork::cluster::rendezvous::from_env(|k| std::env::var(k).ok())
                 .is_ok_and(|r| r.is_some_and(|r| r.processes > 1));
-        if across && args.precision.is_low() {
-            return Err(Error::InvalidConfig(format!(
-                "--precision {} is not supported across processes yet (the job spec nodes \
-                 receive carries no precision): train in one process, or use f32",
-                args.precision
-            )));
+        if across {
+            refuse_across_processes(&args)?;
         }
+        let (_, policy) = fault_settings(&args)?;
         let head = crate::cluster::HeadJob {
             save_model: args.save_model.clone(),
             policy,
             checkpoints: args.checkpoint_flags(),
             elastic: (1, u32::MAX),
+            step_timeout: Duration::from_secs_f64(args.step_timeout),
         };
         if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, spec, head) {
             return outcome;
@@ -294,6 +307,61 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
         reason: e.to_string(),
     })?;
     runtime.block_on(train(args))
+}
+
+/// The flags a job across processes cannot apply yet, refused before the head waits for its
+/// nodes: the job spec the nodes receive carries none of them, so each would be ignored.
+#[cfg(feature = "cluster")]
+fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
+    let unsupported = [
+        (
+            "--precision",
+            args.precision.is_low(),
+            "the job spec nodes receive carries no precision; use f32",
+        ),
+        (
+            "--low-precision-gradients",
+            args.low_precision_gradients,
+            "the job spec nodes receive carries no precision",
+        ),
+        (
+            "--faults",
+            args.faults.is_some(),
+            "fault plans act on in-process devices; kill a node process to rehearse a failure",
+        ),
+        (
+            "--device",
+            args.device != BackendKind::Flex,
+            "every rank in a node process computes on the Flex CPU backend today",
+        ),
+        (
+            "--recompute",
+            args.recompute,
+            "the job spec nodes receive does not carry it",
+        ),
+        (
+            "--timeline",
+            args.timeline.is_some(),
+            "the pipeline's timeline is drawn in one process only",
+        ),
+        (
+            "--zero 3",
+            args.zero == 3,
+            "ZeRO-3 trains as blocks, which the nodes do not build yet; use --zero 1 or 2",
+        ),
+        (
+            "--dp",
+            args.dp.is_some(),
+            "the replicas are the world's ranks divided by --pp: start more nodes or devices",
+        ),
+    ];
+    match unsupported.iter().find(|(_, given, _)| *given) {
+        Some((flag, _, why)) => Err(Error::InvalidConfig(format!(
+            "{flag} is not supported across processes yet ({why}): train in one process, or \
+             leave it out"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// `meshwork train --model gpt`: in this process only (tensor parallelism is not yet
@@ -523,7 +591,7 @@ impl Configure for Shared<'_> {
             .seed(args.seed)
             .recovery(self.policy)
             .collective_timeout(Duration::from_secs_f64(args.collective_timeout))
-            .step_timeout(Duration::from_secs(120));
+            .step_timeout(Duration::from_secs_f64(args.step_timeout));
         match self.plan {
             Some(plan) => builder.fault_plan(plan),
             None => builder,
