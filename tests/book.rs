@@ -270,7 +270,10 @@ fn book_shell_snippets_parse() {
             String::from_utf8_lossy(&out.stderr)
         );
         let text = std::fs::read_to_string(root().join(f)).unwrap();
-        assert!(text.contains("meshwork "), "{f} runs meshwork");
+        assert!(
+            text.contains("meshwork ") || text.contains("cargo run --release -- "),
+            "{f} runs meshwork"
+        );
     }
 }
 
@@ -554,5 +557,68 @@ fn multi_machine_recipe_trains_as_written() {
         dir.join("demo.mpk").exists(),
         "the head wrote the trained model:\n{out}"
     );
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
+/// The chapter's certificates, made with its `openssl` commands (for `localhost` instead of
+/// `head-host`), carry a TLS job: the head presents them, both nodes trust the authority and
+/// train (a few steps instead of the default, to keep the test short).
+#[cfg(feature = "cluster")]
+#[test]
+fn the_books_certificates_carry_a_tls_job() {
+    use std::time::Duration;
+    let file = "book/snippets/multi-machine.sh";
+    let certs = anchor_lines(file, "tls-certs");
+    let tls = anchor_lines(file, "tls");
+    assert!(
+        certs.iter().any(|l| l.starts_with("openssl x509")),
+        "{certs:?}"
+    );
+    assert_eq!(tls.len(), 2, "one head and one node command: {tls:?}");
+    let secret = anchor_lines(file, "secret");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+        .to_string();
+    let here = |line: &str| {
+        line.replace("head-host", "localhost")
+            .replace("29500", &port)
+    };
+    let dir = TempDir::new("tls-recipe");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let made: Vec<String> = secret.iter().chain(&certs).map(|l| here(l)).collect();
+    Shell::start(
+        "certificates",
+        dir.path(),
+        &format!("set -euo pipefail\n{}", made.join("\n")),
+    )
+    .finish(Duration::from_secs(30));
+    let exports: Vec<&String> = secret.iter().filter(|l| l.starts_with("export ")).collect();
+    let script = |line: String| {
+        format!(
+            "set -euo pipefail\n{}\nexec {line}",
+            exports
+                .iter()
+                .map(|l| l.as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        )
+    };
+    let mut head = Shell::start(
+        "head",
+        dir.path(),
+        &script(format!("{} --steps 5", here(&tls[0]))),
+    );
+    let mut nodes: Vec<Shell> = ["node a", "node b"]
+        .into_iter()
+        .map(|name| Shell::start(name, dir.path(), &script(here(&tls[1]))))
+        .collect();
+    let out = head.finish(Duration::from_secs(120));
+    assert!(out.contains("control plane: TLS"), "{out}");
+    for n in &mut nodes {
+        let out = n.finish(Duration::from_secs(60));
+        assert!(out.contains("trained 5 step(s)"), "{}: {out}", n.name);
+    }
     let _ = std::fs::remove_dir_all(dir.path());
 }

@@ -38,6 +38,17 @@ meshwork train --listen 0.0.0.0:29400 --nodes 4 --pp 2 --schedule 1f1b --micro-b
 # on each of the four node hosts
 meshwork node --join head-host:29400
 # ANCHOR_END: pipeline
+# ANCHOR: tls-certs
+# once, on a trusted machine: a certificate authority for the cluster (ca.key never leaves it) ...
+(umask 077; openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out ca.key)
+openssl req -x509 -new -key ca.key -subj "/CN=meshwork CA" -days 365 -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" -out ca.pem
+# ... and the head's key and certificate, for the name nodes join it by (here head-host)
+(umask 077; openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out head.key)
+openssl req -new -key head.key -subj "/CN=head-host" -out head.csr
+printf '%s\n' "basicConstraints=critical,CA:FALSE" "keyUsage=critical,digitalSignature" "extendedKeyUsage=serverAuth" "subjectAltName=DNS:head-host" > head.ext
+openssl x509 -req -in head.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 365 -extfile head.ext -out head.pem
+# head.pem and head.key go to the head host, ca.pem to every node host
+# ANCHOR_END: tls-certs
 # ANCHOR: tls
 # TLS on the control plane: the head presents a certificate for the name nodes join it by ...
 meshwork train --listen 0.0.0.0:29500 --nodes 2 --job demo --tls-cert head.pem --tls-key head.key
