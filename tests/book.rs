@@ -313,7 +313,7 @@ fn flags<'a>(words: impl Iterator<Item = &'a str>) -> Vec<String> {
 /// Every flag the book gives to meshwork is one the CLI has: in the shell files, each command
 /// (`meshwork train …`, `cargo run --release -- bench dp …`) against its own `--help`; in the
 /// chapters' text, every `--flag` in inline code against the help of every command (Cargo's
-/// own flags before ` -- ` and other programs' commands left out).
+/// own flags before ` -- `, every other cargo command and other programs' commands left out).
 #[cfg(feature = "cluster")]
 #[test]
 fn book_flags_are_the_clis() {
@@ -379,10 +379,15 @@ fn book_flags_are_the_clis() {
         for span in text.split('`').skip(1).step_by(2) {
             let words: Vec<&str> = span.split_whitespace().collect();
             let from = match words.first() {
-                Some(&"cargo") => match words.iter().position(|w| *w == "--") {
-                    Some(at) => at + 1,
-                    None => continue,
-                },
+                // `cargo run … -- <meshwork's flags>`; any other cargo command's flags, also
+                // after ` -- ` (`cargo test … -- --nocapture`), are Cargo's or libtest's.
+                Some(&"cargo") if words.get(1) == Some(&"run") => {
+                    match words.iter().position(|w| *w == "--") {
+                        Some(at) => at + 1,
+                        None => continue,
+                    }
+                }
+                Some(&"cargo") => continue,
                 Some(w) if others.contains(w) => continue,
                 _ => 0,
             };
