@@ -1,7 +1,9 @@
 # the main job: a demo MLP, one replica per core, progress bar and report
 cargo run --release -- train --steps 100
+# ANCHOR: save-model
 # two replicas, global batch 128, then save the trained model
 cargo run --release -- train --dp 2 --batch-size 128 --steps 50 --save-model demo-model.mpk
+# ANCHOR_END: save-model
 # the same model cut into two pipeline stages (1F1B), with a picture of the last step
 cargo run --release -- train --pp 2 --micro-batches 4 --steps 20 --timeline pipeline.svg
 # two replicas of a two-stage interleaved pipeline (2 × 2 devices, 2 chunks per stage)
