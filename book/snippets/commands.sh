@@ -20,6 +20,7 @@ cargo run --release -- train --dp 4 --batch-size 48 --steps 20 --faults book/sni
 # the methods for slow networks, in miniature: 4 ranks, 100 MB/s links with 2 ms latency, then one rank 3× slower
 cargo run --release -- bench comm-efficiency --steps 16 --hidden 64 --slow-rank-batch-size 256 --methods bf16,diloco,ssp-2,backup
 # ANCHOR_END: slow-links
+# ANCHOR: bench
 # collective bandwidth (algbw, busbw) against memcpy, one size, as JSON
 cargo run --release -- bench allreduce --world 2 --bytes 16MiB --algo direct --json
 # data-parallel weak scaling against a plain Burn loop
@@ -28,3 +29,4 @@ cargo run --release -- bench dp --world 2 --steps 5
 cargo run --release -- bench pipeline --pp 2 --micro-batches 4 --schedule 1f1b --hidden 64 --steps 2 --json
 # the same with interleaved 1F1B (2 chunks per stage), layers cut by count
 cargo run --release -- bench pipeline --pp 2 --micro-batches 4 --schedule interleaved --virtual-stages 2 --split even --hidden 64 --steps 2
+# ANCHOR_END: bench
