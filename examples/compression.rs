@@ -4,6 +4,7 @@
 //!
 //! Run with `cargo run --release --example compression`.
 
+// ANCHOR: imports
 use burn::optim::SgdConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::tensor::Device;
@@ -11,6 +12,7 @@ use meshwork::demo::{Mlp, TeacherTask, mse_loss};
 use meshwork::job::EventsError;
 use meshwork::prelude::*;
 use meshwork::trace::TraceKind;
+// ANCHOR_END: imports
 
 // ANCHOR: job
 /// Train with `compression`; returns the mean loss of the last 5 steps and replica 0's bytes
@@ -71,15 +73,22 @@ async fn main() -> meshwork::Result<()> {
     let device = Device::flex();
     device.seed(2);
     let init = Mlp::new(&[16, 64, 64, 2], &device);
-    for c in [
+    // ANCHOR: values
+    let schemes = [
+        // Plain f32 all-reduce (the default).
         Compression::None,
+        // Every value rounded to bf16; 2 bytes each on the wire.
         Compression::Bf16,
+        // The largest 5 % of the entries, as (index, value) pairs.
         Compression::TopK { fraction: 0.05 },
+        // Rank-2 factors of every matrix, after 10 uncompressed steps.
         Compression::PowerSgd {
             rank: 2,
             start_after: 10,
         },
-    ] {
+    ];
+    // ANCHOR_END: values
+    for c in schemes {
         let (loss, bytes) = train(c, init.clone(), task).await?;
         println!(
             "{:>14}: final loss {loss:.5}, {bytes:>6} bytes per replica per step",

@@ -12,6 +12,8 @@ use meshwork::job::{EventsError, JobBuilder};
 use meshwork::prelude::*;
 // ANCHOR_END: imports
 
+// ANCHOR: builder
+/// The job both runs share: the demo MLP, Adam, a global batch of 48.
 fn builder(task: TeacherTask, steps: u64) -> JobBuilder<Mlp, Sample> {
     let device = Device::flex();
     device.seed(1);
@@ -24,6 +26,7 @@ fn builder(task: TeacherTask, steps: u64) -> JobBuilder<Mlp, Sample> {
         .batch_size(48)
         .steps(steps)
 }
+// ANCHOR_END: builder
 
 // ANCHOR: main
 #[tokio::main]
@@ -39,7 +42,7 @@ async fn main() -> meshwork::Result<()> {
     // 2 replicas, between 1 and 4 allowed; a checkpoint every 5 steps, the newest 2 kept.
     let handle = builder(task, 12)
         .data_parallel(2)
-        .elastic(1, 4)
+        .fault_tolerance(FaultTolerance::new().elastic(1, 4))
         .checkpoint_dir(&dir)
         .checkpoint_every(5)
         .keep_checkpoints(2)

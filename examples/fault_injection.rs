@@ -48,12 +48,14 @@ async fn main() -> meshwork::Result<()> {
         .data_parallel(4)
         .batch_size(48)
         .steps(20)
-        .fault_plan(plan)
-        // Continue with the survivors, down to 2 replicas, at most 5 recoveries a minute.
-        .recovery(
-            RecoveryPolicy::shrink()
-                .min_replicas(2)
-                .max_restarts(5, Duration::from_secs(60)),
+        // Inject the plan's faults; continue with the survivors, down to 2 replicas, at most
+        // 5 recoveries a minute.
+        .fault_tolerance(
+            FaultTolerance::new().fault_plan(plan).recovery(
+                RecoveryPolicy::shrink()
+                    .min_replicas(2)
+                    .max_restarts(5, Duration::from_secs(60)),
+            ),
         )
         .collective_timeout(Duration::from_secs(2))
         .build()?

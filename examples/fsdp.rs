@@ -5,11 +5,13 @@
 //!
 //! Run with `cargo run --release --example fsdp`.
 
+// ANCHOR: imports
 use burn::optim::AdamConfig;
 use burn::tensor::Device;
 use meshwork::demo::{TeacherTask, mlp_pipeline};
 use meshwork::job::EventsError;
 use meshwork::prelude::*;
+// ANCHOR_END: imports
 
 #[tokio::main]
 async fn main() -> meshwork::Result<()> {
@@ -21,6 +23,7 @@ async fn main() -> meshwork::Result<()> {
     };
     let device = Device::flex();
     device.seed(2);
+    // ANCHOR: job
     // Five linear layers cut into four blocks.
     let blocks = mlp_pipeline(&[16, 64, 64, 64, 64, 2], &[2, 1, 1, 1], &device)
         .ok_or_else(|| meshwork::Error::InvalidConfig("the split does not fit".into()))?;
@@ -36,6 +39,8 @@ async fn main() -> meshwork::Result<()> {
         .build()?
         .spawn()
         .await?;
+    // ANCHOR_END: job
+    // ANCHOR: events
     let mut events = handle.events();
     loop {
         match events.recv().await {
@@ -62,5 +67,6 @@ async fn main() -> meshwork::Result<()> {
     }
     let model = handle.join().await?.model;
     println!("trained {} blocks", model.len());
+    // ANCHOR_END: events
     Ok(())
 }

@@ -7,6 +7,7 @@
 //!
 //! Run with `cargo run --release --example parameter_server`.
 
+// ANCHOR: imports
 use std::time::Instant;
 
 use burn::optim::SgdConfig;
@@ -15,6 +16,7 @@ use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
 use meshwork::prelude::*;
 use meshwork::testing::{run_recording, steps_of};
+// ANCHOR_END: imports
 
 const WORKERS: u32 = 4;
 
@@ -41,11 +43,22 @@ fn job(init: &Mlp, task: TeacherTask, method: &str) -> meshwork::Result<Job<Mlp,
         .steps(30)
         .fault_plan(slow);
     match method {
+        // All-reduce, every worker every step.
         "sync" => b.build(),
-        "backup" => b.backup_workers(1).build(),
-        staleness => b
-            .parameter_server(ParameterServer::new(staleness.parse()?))
+        // Through the server: in lock-step (as "sync", up to rounding), at most 2 clocks
+        // ahead of the slowest worker, never waiting (asynchronous SGD).
+        "ssp:0" => b
+            .parameter_server(ParameterServer::new(Staleness::Bounded(0)))
             .build(),
+        "ssp:2" => b
+            .parameter_server(ParameterServer::new(Staleness::Bounded(2)))
+            .build(),
+        "async" => b
+            .parameter_server(ParameterServer::new(Staleness::Unbounded))
+            .build(),
+        // Each step applies the first 3 of the 4 gradients and drops the last.
+        "backup" => b.backup_workers(1).build(),
+        other => Err(meshwork::Error::InvalidConfig(format!("no method {other}"))),
     }
 }
 // ANCHOR_END: job

@@ -2,8 +2,10 @@
 //! fault-injection rehearsals and for our tests.
 //!
 //! Faults target a device (its [`DeviceId`] stays the same when the mesh shrinks) at a step,
-//! and enter through hooks the runtime always calls — on the device thread before each forward
-//! and backward ([`FaultHooks::before`]), in the Supervisor at the start of each step
+//! and enter through hooks the runtime always calls — on the device thread before each forward,
+//! each backward and the optimizer update ([`FaultHooks::before`], at a [`Phase`]), in the
+//! communicators' message layer ([`DeviceMessages`]), in the checkpoint writer
+//! ([`FaultHooks::fails_checkpoint`]), in the Supervisor at the start of each step
 //! ([`FaultHooks::kills_at`]) — not through test-only code paths. With no plan, a hook is one
 //! `Option` check.
 //!
@@ -68,8 +70,8 @@ pub enum FaultKind {
         /// How long.
         seconds: f64,
     },
-    /// Every forward and backward of the device takes `factor` times as long from this step on
-    /// (a slow device).
+    /// Every forward, backward and optimizer update of the device takes `factor` times as long
+    /// from this step on (a slow device).
     Slow {
         /// ≥ 1.
         factor: f64,
@@ -129,7 +131,8 @@ pub struct Fault {
     /// The micro-batch (any if `None`).
     #[serde(default)]
     pub micro_batch: Option<u32>,
-    /// Before the forward or the backward.
+    /// Where on the device thread a `panic` or `stall` fires: before the forward, the backward
+    /// or the update (default: the forward). Other kinds ignore it.
     #[serde(default = "forward")]
     pub phase: Phase,
     /// What happens.
@@ -304,7 +307,8 @@ impl FaultHooks {
         true
     }
 
-    /// Called on `device`'s thread before the forward or backward of `micro_batch` at `step`.
+    /// Called on `device`'s thread before the forward or backward of `micro_batch` at `step`,
+    /// or before its update (`Phase::Update`, micro-batch 0).
     pub fn before(&self, device: DeviceId, step: u64, micro_batch: u32, phase: Phase) -> Action {
         for (i, f) in self.plan.faults.iter().enumerate() {
             let hits = f.device == device.0
@@ -453,8 +457,8 @@ impl MessageHook for DeviceMessages {
     }
 }
 
-/// Run `f` (a forward or backward) under the plan's hooks for this position: panic or stall
-/// before it, stretch it afterwards on a slow device.
+/// Run `f` (a forward, a backward or the update) under the plan's hooks for this position:
+/// panic or stall before it, stretch it afterwards on a slow device.
 pub fn with_hooks<R>(
     hooks: Option<&FaultHooks>,
     device: DeviceId,

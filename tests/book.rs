@@ -243,7 +243,7 @@ fn every_command_of_the_book_runs() {
             assert!(svg.starts_with("<svg"));
         }
         if args.contains("--save-model") {
-            assert!(dir.join("demo-model.mpk").exists(), "the model was written");
+            assert!(dir.join("demo-model.bpk").exists(), "the model was written");
         }
         ran += 1;
     }

@@ -2,7 +2,7 @@
 cargo run --release -- train --steps 100
 # ANCHOR: save-model
 # two replicas, global batch 128, then save the trained model
-cargo run --release -- train --dp 2 --batch-size 128 --steps 50 --save-model demo-model.mpk
+cargo run --release -- train --dp 2 --batch-size 128 --steps 50 --save-model demo-model.bpk
 # ANCHOR_END: save-model
 # the same model cut into two pipeline stages (1F1B), with a picture of the last step
 cargo run --release -- train --pp 2 --micro-batches 4 --steps 20 --timeline pipeline.svg

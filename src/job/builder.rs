@@ -243,7 +243,7 @@ where
 ///
 /// Settings with working defaults: micro-batches, mixed precision, gradient buckets and
 /// clipping, sharded optimizer state, the non-finite-loss policy, the all-reduce algorithm,
-/// time-outs and the event buffer.
+/// payload checks, time-outs and the event buffer.
 impl<M, I> JobBuilder<M, I>
 where
     M: Send + 'static,
@@ -378,9 +378,29 @@ where
         self
     }
 
-    /// Size of a gradient bucket for the all-reduce.
+    /// The most bytes one gradient all-reduce carries (default [`DEFAULT_BUCKET_BYTES`],
+    /// 25 MiB, as PyTorch DDP's `bucket_cap_mb`; at least 4, one `f32`). A `.model(..)` job
+    /// with plain data parallelism or ZeRO stage 1 all-reduces its gradients bucket by bucket
+    /// ([`crate::parallel::buckets`]): tensors under a quarter of a bucket (and under 64 Ki
+    /// elements) packed together, larger ones reduced in place in chunks of at most this
+    /// size; [`local_updates`](Self::local_updates) all-reduces its parameters the same way.
+    /// The other reductions ignore it: `.blocks(..)` and `.pipeline(..)` jobs reduce in fixed
+    /// 25 MiB buckets, ZeRO stage 2 reduce-scatters the whole gradient at once, compression
+    /// runs its own collectives and the parameter server none.
     pub fn bucket_bytes(mut self, bytes: usize) -> Self {
         self.bucket_bytes = bytes;
+        self
+    }
+
+    /// Check every collective message's payload against a crc32 its sender computed (COMM-8):
+    /// a message spoiled in transit fails its op with `CommError::CorruptMessage` naming the
+    /// sender, and under a recovering policy the step is retried (REC-4). The group then runs
+    /// message plans (ring, tree) only, never the shared-memory direct plan, which has no
+    /// messages to check. It acts on in-process groups; across processes every TCP frame
+    /// carries its payload's crc32 whatever this says. Off by default; a fault plan that
+    /// corrupts messages turns it on.
+    pub fn verify_payloads(mut self, on: bool) -> Self {
+        self.comm.verify_payloads = on;
         self
     }
 
@@ -401,8 +421,11 @@ where
     }
 
     /// How a persistently slow rank is found and named in the events
-    /// (`JobEvent::Straggler`, STRAG-1..3; default: a median compute time over 5 steps at
-    /// least 1.5 × the ranks' median), or `None` to look for none.
+    /// (`JobEvent::Straggler`, STRAG-1..3), or `None` to look for none. The default names a
+    /// rank whose median compute time (forward and backward) over its last 5 steps is at least
+    /// 1.5 × the median of the other ranks' medians and at least 5 ms above it
+    /// ([`crate::stragglers::StragglerDetection`]'s default); it is named again only after a
+    /// `StragglerRecovered`.
     pub fn straggler_detection(
         mut self,
         detection: Option<crate::stragglers::StragglerDetection>,

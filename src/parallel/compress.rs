@@ -32,7 +32,9 @@ use crate::config::InvalidConfig;
 use crate::precision::Precision;
 
 /// How a data-parallel job sends its gradients ([`None`](Compression::None): plain `f32`
-/// all-reduce). Parsed from the CLI's `none`, `bf16`, `f16`, `topk:0.01`, `powersgd:2` or
+/// all-reduce), given to `JobBuilder::compression`. Its text form, read by `FromStr` and
+/// written by `Display` (for a program's own flags or configuration files; no `meshwork`
+/// command takes it), is `none`, `bf16`, `f16`, `topk:0.01`, `powersgd:2` or
 /// `powersgd:2:100` (rank 2 after 100 uncompressed steps).
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
 pub enum Compression {

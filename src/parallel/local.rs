@@ -34,15 +34,17 @@
 //! Defaults: DiLoCo's outer optimizer is the paper's Nesterov SGD with learning rate 0.7 and
 //! momentum 0.9. EASGD's moving rate is `α = 0.1` per rank (the paper's `β = p·α`; `p·α ≤ 1`
 //! is required, so the centre never overshoots the workers' mean: at `p = 4`, `β = 0.4`).
-//! `every` defaults to 8 in the CLI form when left out.
+//! `every` defaults to 8 in the text form when left out.
 
 use serde::{Deserialize, Serialize};
 
 use crate::config::InvalidConfig;
 
 /// How often and how a data-parallel group of ranks stepping on their own meet
-/// (`JobBuilder::local_updates`). Parsed from the CLI as `local-sgd:H`,
-/// `diloco:H[:outer_lr[:outer_momentum[:nesterov|plain]]]` or `easgd:H[:alpha]`.
+/// (`JobBuilder::local_updates`). Its text form, read by `FromStr` and written by `Display`
+/// (for a program's own flags or configuration files; no `meshwork` command takes it), is
+/// `local-sgd:H`, `diloco:H[:outer_lr[:outer_momentum[:nesterov|plain]]]` or
+/// `easgd:H[:alpha]`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub enum LocalUpdates {
     /// Local SGD: every `every` steps the ranks' parameters are averaged.
@@ -105,7 +107,7 @@ impl LocalUpdates {
     pub const DILOCO_OUTER_MOMENTUM: f32 = 0.9;
     /// EASGD's default moving rate per rank.
     pub const EASGD_ALPHA: f32 = 0.1;
-    /// The steps between synchronisations when the CLI form leaves them out.
+    /// The steps between synchronisations when the text form leaves them out.
     pub const DEFAULT_EVERY: u32 = 8;
 
     /// Local SGD averaging every `every` steps.
@@ -138,8 +140,8 @@ impl LocalUpdates {
         }
     }
 
-    /// The method's name, as the CLI and the benchmark spell it: `local-sgd`, `diloco`,
-    /// `easgd`.
+    /// The method's name, as the text form and `meshwork bench comm-efficiency --methods`
+    /// spell it: `local-sgd`, `diloco`, `easgd`.
     pub fn name(&self) -> &'static str {
         match self {
             LocalUpdates::LocalSgd { .. } => "local-sgd",

@@ -894,6 +894,39 @@ async fn rec_4_a_dropped_message_is_detected_and_the_step_is_retried_by_everyone
     assert_matches_reference(init, &trained.model, &events);
 }
 
+/// `JobBuilder::verify_payloads(true)` checks every message (COMM-8): the two replicas then
+/// all-reduce through a message plan, whose bytes the transport counts (the direct plan a
+/// plain two-replica job uses sends none), and train the same model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verified_payloads_travel_as_messages_and_train_the_same_model() {
+    let init = fixture().initial_model();
+    let sent = |events: &[JobEvent]| -> Vec<bool> {
+        steps_of(events)
+            .iter()
+            .flat_map(|s| s.replicas.iter().map(|r| r.bytes_sent > 0))
+            .collect()
+    };
+    let (outcome, events, _) = run(base(2, &init).build().expect("a valid job")).await;
+    outcome.expect("trains");
+    assert!(
+        sent(&events).iter().all(|s| !s),
+        "the direct plan sends no bytes"
+    );
+    let verified = base(2, &init)
+        .verify_payloads(true)
+        .build()
+        .expect("a valid job");
+    let (outcome, events, _) = run(verified).await;
+    let trained = outcome.expect("trains");
+    let verified_sent = sent(&events);
+    assert_eq!(verified_sent.len(), 2 * STEPS as usize);
+    assert!(
+        verified_sent.iter().all(|s| *s),
+        "every replica sent messages"
+    );
+    assert_matches_reference(init, &trained.model, &events);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rec_4_a_corrupt_message_fails_its_checksum_and_the_step_is_retried() {
     let init = fixture().initial_model();

@@ -1,6 +1,6 @@
 //! The HTTP service example (`examples/service.rs`) embeds a job and serves its controls:
-//! started as a child process, asked for its status, scaled, and stopped. The child is killed
-//! when the test ends, whatever happens.
+//! started as a child process, asked for its status, scaled, paused, resumed and stopped. The
+//! child is killed when the test ends, whatever happens.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
@@ -57,7 +57,9 @@ fn request(addr: &str, method: &str, path: &str, body: &str) -> (u16, String) {
 fn the_service_example_reports_scales_and_stops_its_job() {
     let exe = example("service");
     assert!(exe.exists(), "{} was built by cargo test", exe.display());
+    // Enough steps that the job outlives the test; it ends by /stop.
     let child = Command::new(&exe)
+        .arg("1000000")
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -92,6 +94,36 @@ fn the_service_example_reports_scales_and_stops_its_job() {
             break;
         }
         assert!(Instant::now() < deadline, "the job did not scale to 3: {s}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // Paused, the job runs no step; resumed, it trains on.
+    let (code, _) = request(&addr, "POST", "/pause", "");
+    assert_eq!(code, 202);
+    let status = |addr: &str| -> serde_json::Value {
+        serde_json::from_str(&request(addr, "GET", "/status", "").1).expect("JSON status")
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while status(&addr)["paused"] != true {
+        assert!(Instant::now() < deadline, "the job did not pause");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The step that ran when the pause came may still finish, and no other: however slow the
+    // machine, a second later at most one more step is done (a job that ignored the pause
+    // would have run many of its millisecond steps by then).
+    let steps = |addr: &str| status(addr)["steps_done"].as_u64().expect("steps_done");
+    let at_pause = steps(&addr);
+    std::thread::sleep(Duration::from_secs(1));
+    let held = steps(&addr);
+    assert!(
+        held <= at_pause + 1,
+        "a paused job ran steps {at_pause}..{held}"
+    );
+    let (code, _) = request(&addr, "POST", "/resume", "");
+    assert_eq!(code, 202);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while steps(&addr) <= held {
+        assert!(Instant::now() < deadline, "the job did not resume");
         std::thread::sleep(Duration::from_millis(50));
     }
 

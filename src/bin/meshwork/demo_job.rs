@@ -368,7 +368,7 @@ pub(crate) fn report_time(s: &RunSummary) {
     );
 }
 
-/// Writes the trained demo MLP to `path` (Burn's named MessagePack format).
+/// Writes the trained demo MLP to `path` (Burn's burnpack format, `Module::save_file`).
 pub(crate) fn save_model(model: Mlp, path: &std::path::Path) -> meshwork::error::Result<()> {
     model.save_file(path).map_err(|e| Error::Io {
         path: path.display().to_string(),

@@ -287,7 +287,7 @@ proptest! {
         }
     }
 
-    /// The CLI's names parse back to the scheme they print.
+    /// The text forms parse back to the scheme they print.
     #[test]
     fn names_round_trip(scheme in scheme_strategy()) {
         prop_assert_eq!(scheme.to_string().parse::<Compression>().unwrap(), scheme);

@@ -158,7 +158,7 @@ proptest! {
         prop_assert!(!rule.syncs_after(0));
     }
 
-    /// The CLI form round-trips through `Display`.
+    /// The text form round-trips through `Display`.
     #[test]
     fn cli_form_round_trips(every in 1u32..100, lr in 0.01f32..2.0, mu in 0.0f32..0.99, nesterov in any::<bool>(), alpha in 0.01f32..1.0) {
         for m in [
