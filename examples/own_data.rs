@@ -111,9 +111,9 @@ fn loss(model: &Classifier, items: &[Point], device: &Device) -> Tensor<1> {
 }
 // ANCHOR_END: loss
 
+// ANCHOR: job
 #[tokio::main]
 async fn main() -> meshwork::Result<()> {
-    // ANCHOR: job
     // Any `burn::data::dataset::Dataset` will do; Burn's in-memory one here.
     let train = InMemDataset::new(points(1000, 0));
     let data = FromBurn::new(train); // meshwork's view of it: sample id i is Burn's item i
@@ -161,6 +161,6 @@ async fn main() -> meshwork::Result<()> {
         accuracy * 100.0
     );
     assert!(accuracy > 0.95, "the three classes are told apart");
-    // ANCHOR_END: evaluate
     Ok(())
 }
+// ANCHOR_END: evaluate

@@ -418,6 +418,16 @@ fn anchor_lines(file: &str, name: &str) -> Vec<String> {
         .collect()
 }
 
+/// A port nothing listens on now, for a recipe's `29500`.
+#[cfg(feature = "cluster")]
+fn free_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+        .to_string()
+}
+
 /// A shell running one command of the book; killed when dropped (also when the test fails).
 #[cfg(feature = "cluster")]
 struct Shell {
@@ -521,11 +531,7 @@ fn multi_machine_recipe_trains_as_written() {
         "the recipe trains: {}",
         head[0]
     );
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-        .to_string();
+    let port = free_port();
     let here = |line: &str| {
         line.replace("head-host", "127.0.0.1")
             .replace("29500", &port)
@@ -581,11 +587,7 @@ fn the_books_certificates_carry_a_tls_job() {
     );
     assert_eq!(tls.len(), 2, "one head and one node command: {tls:?}");
     let secret = anchor_lines(file, "secret");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-        .to_string();
+    let port = free_port();
     let here = |line: &str| {
         line.replace("head-host", "localhost")
             .replace("29500", &port)
