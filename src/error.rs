@@ -16,6 +16,11 @@ pub enum Error {
     /// The job's configuration cannot run; the message says what to change.
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// The job combines strategies or settings that the one table of refusals
+    /// ([`crate::composition::REFUSALS`]) refuses: the row names the features, why, and what
+    /// to do instead.
+    #[error("invalid configuration: {0}")]
+    Refused(#[from] crate::composition::Refused),
     /// A collective operation failed (time-out, mismatch, shut-down group).
     #[error(transparent)]
     Comm(#[from] CommError),
@@ -46,6 +51,26 @@ pub enum Error {
         /// What the stage was doing (forward, backward, optimizer step, ...).
         during: String,
         /// The panic message or error text.
+        reason: String,
+    },
+    /// The model mixed float types in one operation on a device thread (Burn's dtype
+    /// assertion), which under mixed precision means a cast is missing (PREC-4): the job ends
+    /// with this error, which names the casts to add, in place of the backend's assertion.
+    #[error(
+        "{stage} on device {device} failed during {during}: the model mixed float types in one \
+         operation ({reason}). Under mixed precision the parameters are 16-bit: cast the \
+         model's input to its parameters' dtype in its first operation \
+         (`x.cast(self.first.weight.val().dtype())`) and its output to f32 before the loss \
+         (`y.cast(FloatDType::F32)`); see meshwork::parallel::autocast"
+    )]
+    DtypeMismatch {
+        /// The device whose thread ran the failing work.
+        device: DeviceId,
+        /// The stage that was running.
+        stage: StageId,
+        /// What the stage was doing (forward, backward, ...).
+        during: String,
+        /// The backend's assertion.
         reason: String,
     },
     /// A stage's actor is gone (its device was killed or stopped) and did not answer.

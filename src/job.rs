@@ -36,7 +36,7 @@ pub use crate::events::{JobEvent, PipelineStageStep, PipelineStep, ReplicaStep, 
 use crate::faults::{FaultHooks, FaultPlan};
 use crate::mesh::Layout;
 pub use crate::optim::{LearningRate, OptimizerConfig};
-use crate::parallel::compress::{self, Compression};
+use crate::parallel::compress::Compression;
 use crate::parallel::local::LocalUpdates;
 use crate::parallel::parameter_server::{self, ParameterServer};
 pub use crate::parallel::pipeline::Schedule;
@@ -53,9 +53,11 @@ mod events;
 mod fault_tolerance;
 mod handle;
 mod local_updates;
+mod plan;
 pub use events::{EventStream, EventsError};
 pub use fault_tolerance::FaultTolerance;
 pub use handle::{JobControl, JobHandle, JobStopper};
+pub use plan::JobPlan;
 
 /// Default size of a gradient bucket (PyTorch DDP's default).
 pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;

@@ -9,6 +9,7 @@ pub mod checkpoint;
 #[cfg(feature = "cluster")]
 pub mod cluster;
 pub mod comm;
+pub mod composition;
 pub mod config;
 pub mod data;
 pub mod demo;
@@ -32,6 +33,7 @@ pub use error::{Error, Result};
 /// The types most programs need: `use meshwork::prelude::*;`.
 pub mod prelude {
     pub use crate::comm::{Algorithm, ReduceOp};
+    pub use crate::composition::Feature;
     #[cfg(feature = "burn-dataset")]
     pub use crate::data::FromBurn;
     pub use crate::data::{Dataset, InMemoryDataset};

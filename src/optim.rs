@@ -95,6 +95,47 @@ impl LearningRate {
         *self = after;
     }
 
+    /// Megatron-LM's and torchtitan's usual schedule: a linear warm-up from `peak / 100` to
+    /// `peak` over `warmup` steps, then a cosine down to `peak / 100` at step `total`
+    /// (Burn's linear and cosine schedulers in sequence). Refused: a `peak` that is not
+    /// positive and finite, `warmup` of 0 or not below `total`.
+    pub fn warmup_cosine(
+        peak: f64,
+        warmup: usize,
+        total: usize,
+    ) -> Result<LearningRate, crate::config::InvalidConfig> {
+        use burn::lr_scheduler::LrSchedulerConfig;
+        use burn::lr_scheduler::cosine::CosineAnnealingLrSchedulerConfig;
+        use burn::lr_scheduler::linear::LinearLrSchedulerConfig;
+        use burn::lr_scheduler::sequential::SequentialLrSchedulerConfig;
+        let bad = |why: String| {
+            crate::config::InvalidConfig(format!(
+                "warm-up and cosine (peak {peak}, warm-up {warmup}, {total} steps): {why}"
+            ))
+        };
+        if !(peak > 0.0 && peak.is_finite()) {
+            return Err(bad("the peak rate must be positive and finite".into()));
+        }
+        if warmup == 0 || warmup >= total {
+            return Err(bad(
+                "the warm-up must be at least 1 step and below the steps".into(),
+            ));
+        }
+        let floor = peak / 100.0;
+        SequentialLrSchedulerConfig::new(
+            vec![
+                LrSchedulerConfig::Linear(LinearLrSchedulerConfig::new(floor, peak, warmup)),
+                LrSchedulerConfig::Cosine(
+                    CosineAnnealingLrSchedulerConfig::new(peak, total - warmup).with_min_lr(floor),
+                ),
+            ],
+            vec![warmup],
+        )
+        .init()
+        .map(LearningRate::Scheduler)
+        .map_err(bad)
+    }
+
     /// The scheduler's state (LR-2); `None` for a constant rate.
     pub fn state(&self) -> Result<Option<LrSchedulerState>, CheckpointError> {
         match self {

@@ -56,6 +56,24 @@ fn include(body: &str, chapter: &Path) -> Option<(PathBuf, Option<String>)> {
     Some((chapter.parent()?.join(path), anchor))
 }
 
+/// COMP-3: the composition matrix in the book is the one table's, as `matrix_markdown` writes
+/// it. `MESHWORK_BLESS=1 cargo test --test book composition` rewrites the snippet.
+#[test]
+fn the_books_composition_matrix_is_the_table() {
+    let path = root().join("book/snippets/composition.md");
+    let want = meshwork::composition::matrix_markdown();
+    if std::env::var_os("MESHWORK_BLESS").is_some() {
+        std::fs::write(&path, &want).expect("snippet writable");
+    }
+    let have = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        have == want,
+        "book/snippets/composition.md is not the table's matrix: rerun with MESHWORK_BLESS=1"
+    );
+    let chapter = std::fs::read_to_string(root().join("book/src/choosing.md")).unwrap();
+    assert!(chapter.contains("{{#include ../snippets/composition.md}}"));
+}
+
 #[test]
 fn every_book_block_is_included_from_a_checked_file() {
     let all = blocks();

@@ -139,6 +139,15 @@ pub(crate) fn lost(id: StageId, device: &MeshDevice) -> Error {
 
 /// The error of a stage whose device thread panicked `during` a phase (RT-4).
 pub(crate) fn failed(id: StageId, device: &MeshDevice, during: &str, reason: String) -> Error {
+    // PREC-4: Burn's dtype assertion is a missing cast in the model, not a lost device.
+    if reason.contains("dtype mismatch") {
+        return Error::DtypeMismatch {
+            device: device.id(),
+            stage: id,
+            during: during.into(),
+            reason,
+        };
+    }
     Error::StageFailed {
         device: device.id(),
         stage: id,

@@ -47,76 +47,17 @@ where
             return invalid(format!("zero({:?}): {e}", self.zero));
         }
         let remote = self.is_remote();
-        let traits = compress::JobTraits {
-            blocks: self.pipeline.is_some(),
-            zero: self.zero != ZeroStage::Off,
-            tensor_parallel: self.tp != 1,
-            low_precision_gradients: self.mixed.low_gradients && self.mixed.precision.is_low(),
-            loss_scaling: self.mixed.precision.scales_loss(),
-            across_processes: remote,
-        };
-        compress::check(self.compression, traits)?;
-        if let Some(updates) = &self.local_updates
-            && self.compression.is_on()
-        {
-            return invalid(format!(
-                "local_updates({updates}) with compression({}): the replicas exchange \
-                 parameters every few steps, not gradients, so there is no gradient to \
-                 compress; use one or the other",
-                self.compression
-            ));
-        }
+        // Every refused combination of strategies, from the one table (COMP-1).
+        self.plan().check()?;
+        self.compression.validate()?;
         if let Some(updates) = &self.local_updates {
-            local_updates::check(
-                updates,
-                local_updates::Combination {
-                    blocks: self.pipeline.is_some(),
-                    zero: self.zero,
-                    tp: self.tp,
-                    remote,
-                    precision: self.mixed.precision,
-                    dp: self.dp,
-                    steps: self.steps,
-                    clip: self.clip_norm.is_some(),
-                },
-            )?;
-        }
-        if remote {
-            if self.faults.is_some() {
-                return invalid(
-                    "a fault plan acts on in-process devices: it is not supported across \
-                     processes yet (kill a node process to rehearse a failure)"
-                        .into(),
-                );
-            }
-            if self.recovery.roll_back && self.pipeline.is_some() {
-                return invalid(
-                    "rolling a pipeline job back across processes is not supported yet: use \
-                     shrink (a lost stage is replaced from its twin on a spare node) or fail"
-                        .into(),
-                );
-            }
-        }
-        if (self.parameter_server.0.is_some() || self.parameter_server.1.is_some())
-            && (self.compression.is_on() || self.local_updates.is_some())
-        {
-            return invalid(
-                "parameter_server/backup_workers with compression or local_updates: the \
-                 workers push whole f32 gradients to the server every item; use one method"
-                    .into(),
-            );
+            local_updates::check(updates, self.dp, self.steps)?;
         }
         let server = parameter_server::check(
             self.parameter_server.0,
             self.parameter_server.1,
             parameter_server::JobShape {
                 workers: self.dp,
-                pipeline: self.pipeline.is_some(),
-                tensor_parallel: self.tp,
-                zero: self.zero,
-                remote,
-                low_precision: self.mixed.precision != Precision::F32 || self.mixed.low_gradients,
-                clip: self.clip_norm.is_some(),
                 optimizer: &self.optimizer,
                 learning_rate: &self.learning_rate,
             },
@@ -301,7 +242,7 @@ where
     }
 
     /// Whether the job runs across processes (`JobBuilder::cluster`).
-    fn is_remote(&self) -> bool {
+    pub(super) fn is_remote(&self) -> bool {
         #[cfg(feature = "cluster")]
         return self.cluster.is_some();
         #[cfg(not(feature = "cluster"))]
@@ -387,50 +328,12 @@ where
         if let Some(problem) = p.stages.problem() {
             return invalid(problem);
         }
-        if let Some(problem) = self.tensor_parallel_problem(&p.stages, world) {
+        if let Some(problem) = self.tensor_parallel_problem(&p.stages) {
             return invalid(problem);
-        }
-        // MIX-1: blocks compute in bf16 or f16 with f32 gradients; what they do not do yet
-        // is refused here.
-        if self.mixed.low_gradients && self.mixed.precision.is_low() {
-            return invalid(
-                "low_precision_gradients(true) is not supported with .blocks(..) or \
-                 .pipeline(..) yet (their gradients are reduced in f32); remove it"
-                    .into(),
-            );
         }
         let Some(schedule) = p.schedule else {
             return self.blocks_spec(p.stages, global, dataset, world);
         };
-        if self.mixed.precision.scales_loss() {
-            return invalid(format!(
-                "precision({}) is not supported with .pipeline(..) yet (its loss scaler's \
-                 overflow would have to be agreed across the pipeline's stages); use \
-                 Precision::Bf16, or train with .blocks(..)",
-                self.mixed.precision
-            ));
-        }
-        if self.accumulation != 1 {
-            return invalid(
-                "gradient_accumulation with a pipeline: the schedule's micro-batches are the \
-                 accumulation; set micro_batches in the schedule instead"
-                    .into(),
-            );
-        }
-        if self.clip_norm.is_some() {
-            return invalid(
-                "clip_grad_norm is not supported with a pipeline yet (the global norm spans \
-                 the stages); remove it or train without .pipeline(..)"
-                    .into(),
-            );
-        }
-        if self.non_finite == NonFinitePolicy::Skip {
-            return invalid(
-                "on_non_finite_loss(Skip) is not supported with a pipeline yet (stages update \
-                 before the last stage's loss is known to all); use Stop"
-                    .into(),
-            );
-        }
         let v = schedule.virtual_stages() as usize;
         let blocks = p.stages.len();
         if !blocks.is_multiple_of(v) {
@@ -467,13 +370,6 @@ where
         dataset: Arc<dyn Dataset<Item = I>>,
         world: Option<u32>,
     ) -> Result<(Arc<PipelineSpec<I>>, Layout)> {
-        if self.non_finite == NonFinitePolicy::Skip {
-            return Err(Error::InvalidConfig(
-                "on_non_finite_loss(Skip) is not supported with .blocks(..) yet (each block \
-                 updates on its own); use Stop"
-                    .into(),
-            ));
-        }
         if let Some(world) = world {
             self.dp = world;
         }
@@ -491,11 +387,7 @@ where
 
     /// Why this job cannot be split `tensor_parallel(t)` ways (t > 1): what is not done yet
     /// is refused here, with what to change.
-    fn tensor_parallel_problem(
-        &self,
-        stages: &PipelineStages<I>,
-        world: Option<u32>,
-    ) -> Option<String> {
+    fn tensor_parallel_problem(&self, stages: &PipelineStages<I>) -> Option<String> {
         let t = self.tp;
         if t == 0 {
             return Some("tensor_parallel(0): the degree must be at least 1".into());
@@ -503,29 +395,7 @@ where
         if t == 1 {
             return None;
         }
-        if let Some(problem) = stages.tensor_parallel_problem(t as usize) {
-            return Some(problem);
-        }
-        let not_yet = |what: &str| {
-            Some(format!(
-                "tensor_parallel({t}) with {what} is not supported yet; remove one of them"
-            ))
-        };
-        if world.is_some() {
-            return not_yet("a job across processes (cluster)");
-        }
-        if self.zero != ZeroStage::Off {
-            return not_yet(&format!("ZeRO ({:?})", self.zero));
-        }
-        if self.mixed.precision.is_low() {
-            return not_yet(&format!("precision({})", self.mixed.precision));
-        }
-        if self.clip_norm.is_some() {
-            // The global norm would need the split parameters' squares summed over the
-            // group and the replicated ones counted once.
-            return not_yet("clip_grad_norm");
-        }
-        None
+        stages.tensor_parallel_problem(t as usize)
     }
 
     fn stages_spec(

@@ -555,6 +555,10 @@ where
                 "no batch size: call .batch_size(global_batch)".into(),
             ));
         };
+        // A node checks the same table as the head (COMP-1), as a job across processes.
+        let mut plan = self.plan();
+        plan.assume(crate::composition::Feature::AcrossProcesses);
+        plan.check()?;
         let world = args.plan.world_size as u32;
         let slots = match self.pipeline.take() {
             Some(p) => {

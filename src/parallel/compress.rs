@@ -100,57 +100,6 @@ impl Compression {
     }
 }
 
-/// What else a job does, as far as compression cares ([`check`]).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct JobTraits {
-    /// The job runs blocks or a pipeline (their reductions run on the block executor).
-    pub blocks: bool,
-    /// ZeRO shards the optimizer state (its reduction is a reduce-scatter or sharded).
-    pub zero: bool,
-    /// Tensor parallelism splits the blocks.
-    pub tensor_parallel: bool,
-    /// `low_precision_gradients(true)` already narrows the all-reduce.
-    pub low_precision_gradients: bool,
-    /// f16's loss scaling may skip a step after the reduction (an overflow would reach the
-    /// residual).
-    pub loss_scaling: bool,
-    /// The job runs across processes.
-    pub across_processes: bool,
-}
-
-/// Refuse compression where it cannot run (JOB-1): it is a data-parallel strategy of its
-/// own, so it does not combine with another reduction.
-pub fn check(c: Compression, job: JobTraits) -> Result<(), InvalidConfig> {
-    c.validate()?;
-    if !c.is_on() {
-        return Ok(());
-    }
-    let clash = [
-        (job.blocks, ".blocks(..) or .pipeline(..) (use .model(..))"),
-        (job.zero, "zero(..) (ZeRO reduces its own way)"),
-        (job.tensor_parallel, "tensor_parallel(..)"),
-        (
-            job.low_precision_gradients,
-            "low_precision_gradients(true) (use compression(Compression::Bf16) instead)",
-        ),
-        (
-            job.loss_scaling,
-            "precision(F16)'s loss scaling (a skipped step would leave an overflow in the \
-             residual; use precision(Bf16))",
-        ),
-        (
-            job.across_processes,
-            "a job across processes (not supported yet)",
-        ),
-    ];
-    match clash.iter().find(|(on, _)| *on) {
-        Some((_, what)) => Err(InvalidConfig(format!(
-            "compression({c}) does not combine with {what}; remove one of them"
-        ))),
-        None => Ok(()),
-    }
-}
-
 impl std::fmt::Display for Compression {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

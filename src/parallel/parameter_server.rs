@@ -41,7 +41,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::optim::{LearningRate, OptimizerConfig};
-use crate::parallel::zero::{FlatRule, FlatState, ZeroStage};
+use crate::parallel::zero::{FlatRule, FlatState};
 
 mod server;
 
@@ -237,12 +237,6 @@ impl Mode {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct JobShape<'a> {
     pub(crate) workers: u32,
-    pub(crate) pipeline: bool,
-    pub(crate) tensor_parallel: u32,
-    pub(crate) zero: ZeroStage,
-    pub(crate) remote: bool,
-    pub(crate) low_precision: bool,
-    pub(crate) clip: bool,
     pub(crate) optimizer: &'a OptimizerConfig,
     pub(crate) learning_rate: &'a LearningRate,
 }
@@ -282,37 +276,6 @@ pub(crate) fn check(
             backup: b,
             workers: job.workers,
         });
-    }
-    let refusals = [
-        (
-            job.pipeline,
-            "a pipeline or blocks",
-            "give the model with .model(..)",
-        ),
-        (
-            job.tensor_parallel != 1,
-            "tensor parallelism",
-            "the server holds whole parameters",
-        ),
-        (
-            job.zero != ZeroStage::Off,
-            "ZeRO",
-            "the server already holds the only optimizer state",
-        ),
-        (
-            job.remote,
-            "a cluster",
-            "the server runs in this process only",
-        ),
-        (job.low_precision, "mixed precision", "train in f32"),
-        (
-            job.clip,
-            "clip_grad_norm",
-            "gradients are applied one at a time",
-        ),
-    ];
-    if let Some((_, what, why)) = refusals.iter().find(|(bad, _, _)| *bad) {
-        return Err(unsupported(what, why));
     }
     let rule = FlatRule::of(job.optimizer).map_err(|e| unsupported("this optimizer", &e.0))?;
     let LearningRate::Constant(lr) = job.learning_rate else {

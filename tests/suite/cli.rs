@@ -444,3 +444,69 @@ fn bench_comm_efficiency_prints_one_json_line_per_method_and_draws_the_curves() 
     assert!(picture.starts_with("<svg") && picture.contains("polyline"));
     let _ = std::fs::remove_dir_all(dir.path());
 }
+
+/// The strategy flags reach the job: each one run alone trains and shows in the plan the
+/// CLI prints (`plan: …`, what `JobBuilder::plan` read from the builder), and a combination
+/// the library's table refuses fails naming both settings.
+#[test]
+fn the_strategy_flags_reach_the_job_and_the_table_refuses_what_does_not_combine() {
+    let common = [
+        "train",
+        "--dp",
+        "2",
+        "--steps",
+        "4",
+        "--batch-size",
+        "16",
+        "--hidden",
+        "16",
+    ];
+    for (flags, shown) in [
+        (&["--clip", "1.0"][..], ".clip_grad_norm(1)"),
+        (&["--accumulate", "2"][..], ".gradient_accumulation(2)"),
+        (&["--compression", "topk:0.5"][..], ".compression(topk:0.5)"),
+        (
+            &["--local-updates", "local-sgd:2"][..],
+            ".local_updates(local-sgd:2)",
+        ),
+        (
+            &["--parameter-server", "--staleness", "ssp:1"][..],
+            ".parameter_server(ssp:1)",
+        ),
+        (&["--backup-workers", "1"][..], ".backup_workers(1)"),
+    ] {
+        let args: Vec<&str> = common.iter().chain(flags).copied().collect();
+        let (code, stdout, stderr) = run(&args);
+        assert_eq!(code, Some(0), "{flags:?}: stderr:\n{stderr}");
+        let plan = stdout
+            .lines()
+            .find(|l| l.starts_with("plan: "))
+            .unwrap_or_else(|| panic!("{flags:?}: no plan line:\n{stdout}"));
+        assert!(plan.contains(shown), "{flags:?}: {plan}");
+    }
+    // The schedule: trains, and a warm-up as long as the run is refused naming the flag.
+    let args: Vec<&str> = common
+        .iter()
+        .chain(&["--lr-schedule", "warmup-cosine:2"])
+        .copied()
+        .collect();
+    let (code, _, stderr) = run(&args);
+    assert_eq!(code, Some(0), "stderr:\n{stderr}");
+    assert_refused(
+        &["train", "--steps", "4", "--lr-schedule", "warmup-cosine:4"],
+        "--lr-schedule",
+    );
+    assert_refused(&["train", "--lr-schedule", "linear"], "--lr-schedule");
+    assert_refused(&["train", "--clip", "0"], "--clip 0");
+    assert_refused(&["train", "--accumulate", "0"], "--accumulate 0");
+    assert_refused(
+        &[
+            "train",
+            "--compression",
+            "bf16",
+            "--local-updates",
+            "local-sgd:2",
+        ],
+        ".compression(bf16) with .local_updates(local-sgd:2) together",
+    );
+}

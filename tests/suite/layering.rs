@@ -33,6 +33,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "parallel::buckets",
             "parallel::compress",
             "parallel::local",
+            "composition",
         ],
     ),
     ("comm", &["comm"]),

@@ -443,6 +443,10 @@ async fn a_resumed_easgd_job_equals_the_uninterrupted_one_bitwise() {
 fn local_updates_refuse_what_they_cannot_do() {
     let refused = |b: JobBuilder<Mlp, Sample>, want: &str| match b.build() {
         Err(Error::InvalidConfig(m)) => assert!(m.contains(want), "{m}"),
+        Err(Error::Refused(r)) => assert!(
+            r.features().contains(&Feature::LocalUpdates) && r.to_string().contains(want),
+            "{r}"
+        ),
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("built a job that should be refused ({want})"),
     };

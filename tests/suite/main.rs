@@ -9,6 +9,7 @@
 mod checkpoint_kill;
 mod checkpoints;
 mod cli;
+mod composition;
 mod compression;
 mod data_parallel;
 mod faults;

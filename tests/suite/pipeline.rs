@@ -660,6 +660,14 @@ fn job_1_pipeline_configurations_that_cannot_work_are_refused_with_what_to_chang
             Err(meshwork::Error::InvalidConfig(m)) => {
                 assert!(m.contains(needle), "{m:?} should mention {needle:?}")
             }
+            Err(meshwork::Error::Refused(r)) => {
+                assert!(
+                    r.features()
+                        .contains(&meshwork::composition::Feature::Pipeline)
+                        && r.to_string().contains(needle),
+                    "{r} should name the pipeline and mention {needle:?}"
+                )
+            }
             Err(meshwork::Error::Schedule(e)) => {
                 assert!(
                     e.to_string().contains(needle),

@@ -632,7 +632,11 @@ fn f16_and_16_bit_gradients_are_refused_with_blocks_and_bad_scalers_are_refused(
         .batch_size(8)
         .precision(Precision::F16)
         .build();
-    assert!(matches!(r, Err(Error::InvalidConfig(m)) if m.contains("precision(f16)")));
+    assert!(
+        matches!(&r, Err(Error::Refused(e)) if e.features() == [Feature::Pipeline, Feature::F16]),
+        "{:?}",
+        r.err()
+    );
     let parts = {
         let _draw = draw_lock();
         meshwork::demo::mlp_blocks(&[8, 16, 3], BlockOptions::default(), &Device::flex())
@@ -645,9 +649,68 @@ fn f16_and_16_bit_gradients_are_refused_with_blocks_and_bad_scalers_are_refused(
         .precision(Precision::Bf16)
         .low_precision_gradients(true)
         .build();
-    assert!(matches!(r, Err(Error::InvalidConfig(m)) if m.contains("low_precision_gradients")));
+    assert!(
+        matches!(&r, Err(Error::Refused(e)) if e.features() == [Feature::Blocks, Feature::LowPrecisionGradients]),
+        "{:?}",
+        r.err()
+    );
     let r = builder(fixture().initial_model(), mse_loss, Precision::F16, 1)
         .loss_scaler(LossScalerConfig::default().growth_interval(0))
         .build();
     assert!(matches!(r, Err(Error::InvalidConfig(m)) if m.contains("growth interval")));
+}
+
+/// `NormNet` as a model that was never written for mixed precision: no cast of its input,
+/// none of its output.
+fn uncast_loss(model: &NormNet, samples: &[Sample], device: &Device) -> Tensor<1> {
+    let (x, y) = batch_tensors(samples, device);
+    let out = model
+        .output
+        .forward(relu(model.norm.forward(model.input.forward(x))));
+    let diff = out - y;
+    (diff.clone() * diff).mean()
+}
+
+/// PREC-4: a model without casts trains in f32; under bf16 its first step ends the job with
+/// `Error::DtypeMismatch`, which names the casts to add, and not with the backend's bare
+/// assertion as a lost stage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prec_4_a_model_without_casts_fails_under_bf16_naming_the_casts_to_add() {
+    let bound = Duration::from_secs(120);
+    let f32_job = builder(
+        NormNet::new(&Device::flex()),
+        uncast_loss,
+        Precision::F32,
+        2,
+    )
+    .build()
+    .expect("a valid job");
+    let (outcome, _) = tokio::time::timeout(bound, run_recording(f32_job))
+        .await
+        .expect("the f32 job ends");
+    outcome.expect("the model trains in f32");
+    let bf16_job = builder(
+        NormNet::new(&Device::flex()),
+        uncast_loss,
+        Precision::Bf16,
+        2,
+    )
+    .build()
+    .expect("a valid job");
+    let (outcome, events) = tokio::time::timeout(bound, run_recording(bf16_job))
+        .await
+        .expect("the bf16 job ends");
+    match outcome {
+        Err(e @ Error::DtypeMismatch { .. }) => {
+            let m = e.to_string();
+            assert!(m.contains("cast the model's input"), "{m}");
+            assert!(
+                m.contains("dtype mismatch"),
+                "the backend's words are kept: {m}"
+            );
+        }
+        Err(e) => panic!("expected Error::DtypeMismatch, got {e}"),
+        Ok(_) => panic!("a model without casts trained in bf16"),
+    }
+    assert!(steps_of(&events).is_empty(), "no step completed");
 }

@@ -132,6 +132,12 @@ pub(crate) async fn run_job<M: Send + 'static, I: Send + Sync + 'static>(
     watchers: Watchers<'_>,
     conclude: impl FnOnce(Trained<M>) -> Result<()>,
 ) -> Result<Option<PipelineStep>> {
+    let plan = builder.plan();
+    let features = plan.features();
+    if !features.is_empty() {
+        let settings: Vec<&str> = features.iter().filter_map(|f| plan.setting(*f)).collect();
+        println!("plan: {}", settings.join(" "));
+    }
     let handle = builder.build()?.spawn().await?;
     let watchers = watchers(handle.control());
     let (trained, last) = drive(handle, steps).await;

@@ -97,11 +97,11 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         .devices(devices)
         .data(train)
         .optimizer(AdamConfig::new())
-        .learning_rate(args.lr)
         .batch_size(batch)
         .steps(args.steps)
         .seed(args.seed)
         .collective_timeout(Duration::from_secs_f64(args.collective_timeout));
+    let builder = crate::train::training_settings(args, builder)?;
     let conclude = |trained: Trained<PipelineModel>| -> meshwork::error::Result<()> {
         let s = &trained.summary;
         let model = Gpt::from_blocks(trained.model)

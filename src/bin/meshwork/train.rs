@@ -10,6 +10,10 @@ use meshwork::error::Error;
 use meshwork::events::PipelineStep;
 use meshwork::faults::FaultPlan;
 use meshwork::job::{Job, JobBuilder};
+use meshwork::optim::LearningRate;
+use meshwork::parallel::compress::Compression;
+use meshwork::parallel::local::LocalUpdates;
+use meshwork::parallel::parameter_server::{ParameterServer, Staleness};
 use meshwork::parallel::pipeline::{Schedule, even_split, render_svg};
 use meshwork::parallel::pipeline_exec::chrome_trace;
 use meshwork::parallel::stages::BlockOptions;
@@ -83,6 +87,36 @@ pub(crate) struct TrainArgs {
     /// With --precision bf16 or f16: all-reduce the gradients in that type (half the bytes).
     #[arg(long)]
     low_precision_gradients: bool,
+    /// Clip the gradient's global L2 norm to this value (torch's clip_grad_norm_).
+    #[arg(long)]
+    pub(crate) clip: Option<f32>,
+    /// Micro-batches each replica accumulates per optimizer step (the global batch stays
+    /// --batch-size). A --pp pipeline accumulates its --micro-batches instead.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) accumulate: u32,
+    /// The learning rate over the run: constant (--lr throughout), or
+    /// warmup-cosine[:WARMUP_STEPS] (linear from --lr/100 to --lr over the warm-up, 10 % of
+    /// --steps when left out, then a cosine down to --lr/100).
+    #[arg(long, default_value = "constant")]
+    pub(crate) lr_schedule: String,
+    /// How the replicas exchange gradients: none (an f32 all-reduce), bf16, f16,
+    /// topk:FRACTION or powersgd:RANK[:UNCOMPRESSED_STEPS], with error feedback.
+    #[arg(long, default_value = "none")]
+    compression: Compression,
+    /// Replicas that step alone and meet every few steps: local-sgd:H,
+    /// diloco:H[:OUTER_LR[:OUTER_MOMENTUM[:nesterov|plain]]] or easgd:H[:ALPHA].
+    #[arg(long)]
+    local_updates: Option<LocalUpdates>,
+    /// Push the gradients to a parameter server, which applies them (see --staleness).
+    #[arg(long)]
+    parameter_server: bool,
+    /// With --parameter-server: how far a worker may run ahead of the slowest: sync (ssp:0),
+    /// ssp:N or async.
+    #[arg(long, default_value = "sync", requires = "parameter_server")]
+    staleness: Staleness,
+    /// Synchronous steps that apply the first workers' gradients and drop the last N's.
+    #[arg(long)]
+    backup_workers: Option<u32>,
     /// Write the trained model (Burn record) to this file.
     #[arg(long)]
     save_model: Option<PathBuf>,
@@ -195,6 +229,7 @@ fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
         ("--micro-batches", Some(u64::from(args.micro_batches))),
         ("--virtual-stages", Some(u64::from(args.virtual_stages))),
         ("--checkpoint-every", args.checkpoint_every),
+        ("--accumulate", Some(u64::from(args.accumulate))),
     ];
     for (flag, value) in at_least_one {
         if value == Some(0) {
@@ -224,6 +259,14 @@ fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
             args.lr
         )));
     }
+    if let Some(clip) = args.clip
+        && !(clip > 0.0 && clip.is_finite())
+    {
+        return Err(Error::InvalidConfig(format!(
+            "--clip {clip}: a positive, finite norm"
+        )));
+    }
+    learning_rate(args)?;
     if args.checkpoint_dir.is_none() {
         for (flag, given) in [
             ("--resume", args.resume),
@@ -237,6 +280,59 @@ fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The learning rate `--lr` and `--lr-schedule` ask for.
+pub(crate) fn learning_rate(args: &TrainArgs) -> meshwork::error::Result<LearningRate> {
+    let bad = || {
+        Error::InvalidConfig(format!(
+            "--lr-schedule {}: constant, or warmup-cosine[:WARMUP_STEPS]",
+            args.lr_schedule
+        ))
+    };
+    let (name, warmup) = match args.lr_schedule.split_once(':') {
+        Some((name, w)) => (name, Some(w.parse::<usize>().map_err(|_| bad())?)),
+        None => (args.lr_schedule.as_str(), None),
+    };
+    match name {
+        "constant" if warmup.is_none() => Ok(LearningRate::Constant(args.lr)),
+        "warmup-cosine" => {
+            let total = args.steps as usize;
+            let warmup = warmup.unwrap_or((total / 10).max(1));
+            LearningRate::warmup_cosine(args.lr, warmup, total)
+                .map_err(|e| Error::InvalidConfig(format!("--lr-schedule: {}", e.0)))
+        }
+        _ => Err(bad()),
+    }
+}
+
+/// The flags that choose how the job trains beyond the mesh — the learning rate and its
+/// schedule, clipping, accumulation, and the way gradients are exchanged — on `builder`. The
+/// library refuses what does not combine (one table, `meshwork::composition`).
+pub(crate) fn training_settings<M: Send + 'static, I: Send + Sync + 'static>(
+    args: &TrainArgs,
+    mut builder: JobBuilder<M, I>,
+) -> meshwork::error::Result<JobBuilder<M, I>> {
+    builder = match learning_rate(args)? {
+        LearningRate::Constant(lr) => builder.learning_rate(lr),
+        LearningRate::Scheduler(s) => builder.lr_scheduler(s),
+    };
+    builder = builder
+        .gradient_accumulation(args.accumulate)
+        .compression(args.compression);
+    if let Some(clip) = args.clip {
+        builder = builder.clip_grad_norm(clip);
+    }
+    if let Some(updates) = args.local_updates {
+        builder = builder.local_updates(updates);
+    }
+    if args.parameter_server {
+        builder = builder.parameter_server(ParameterServer::new(args.staleness));
+    }
+    if let Some(b) = args.backup_workers {
+        builder = builder.backup_workers(b);
+    }
+    Ok(builder)
 }
 
 pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
@@ -312,6 +408,9 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
 /// The flags a job across processes cannot apply yet, refused before the head waits for its
 /// nodes: the job spec the nodes receive carries none of them, so each would be ignored.
 #[cfg(feature = "cluster")]
+const CARRIES_NO: &str = "the job spec nodes receive does not carry it";
+
+#[cfg(feature = "cluster")]
 fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
     let unsupported = [
         (
@@ -353,6 +452,17 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
             "--dp",
             args.dp.is_some(),
             "the replicas are the world's ranks divided by --pp: start more nodes or devices",
+        ),
+        ("--clip", args.clip.is_some(), CARRIES_NO),
+        ("--accumulate", args.accumulate != 1, CARRIES_NO),
+        ("--lr-schedule", args.lr_schedule != "constant", CARRIES_NO),
+        ("--compression", args.compression.is_on(), CARRIES_NO),
+        ("--local-updates", args.local_updates.is_some(), CARRIES_NO),
+        ("--parameter-server", args.parameter_server, CARRIES_NO),
+        (
+            "--backup-workers",
+            args.backup_workers.is_some(),
+            CARRIES_NO,
         ),
     ];
     match unsupported.iter().find(|(_, given, _)| *given) {
@@ -580,7 +690,6 @@ impl Configure for Shared<'_> {
         let builder = checkpoint_settings(&args.checkpoint_flags(), builder)
             .data(self.data)
             .optimizer(AdamConfig::new())
-            .learning_rate(args.lr)
             .zero(ZeroStage::from_number(args.zero).unwrap_or_default())
             .precision(args.precision)
             .low_precision_gradients(args.low_precision_gradients)
@@ -592,10 +701,12 @@ impl Configure for Shared<'_> {
             .recovery(self.policy)
             .collective_timeout(Duration::from_secs_f64(args.collective_timeout))
             .step_timeout(Duration::from_secs_f64(args.step_timeout));
-        match self.plan {
+        let builder = match self.plan {
             Some(plan) => builder.fault_plan(plan),
             None => builder,
-        }
+        };
+        // check_flags read every one of these flags before the job was made.
+        training_settings(args, builder).expect("the training flags were checked")
     }
 }
 

@@ -1,0 +1,512 @@
+//! What combines with what: the one table of refused combinations of strategies and settings
+//! (COMP-1..3), checked in one place when a job is built.
+//!
+//! A job's settings are read as a set of [`Feature`]s (`JobBuilder::plan` says which a job
+//! has). [`REFUSALS`] lists every combination the runtime cannot run yet, each with why and
+//! what to do instead; [`check`] refuses a set that contains every feature of some row, with
+//! the first such row in table order. Settings whose *values* are wrong on their own (a zero
+//! degree, a batch that does not split, an optimizer the server cannot flatten) are not
+//! combinations: their own modules check them.
+//!
+//! - **COMP-1**: a feature set is refused exactly when it contains all the features of a row,
+//!   and the error names that row's features (proptested).
+//! - **COMP-2**: every row has two or three distinct features, and no row's features contain
+//!   another row's: each refusal is stated once.
+//! - **COMP-3**: the book's composition matrix is [`matrix_markdown`]'s output (a test
+//!   compares them).
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+/// One strategy or setting of a job, as far as combining it with others goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum Feature {
+    /// The model as a list of blocks, trained data-parallel (`.blocks(..)`).
+    Blocks,
+    /// The blocks cut into pipeline stages (`.pipeline(..)`).
+    Pipeline,
+    /// Blocks split over a tensor-parallel group (`.tensor_parallel(t)`, t > 1).
+    TensorParallel,
+    /// Sharded optimizer state, at any stage (`.zero(..)`).
+    Zero,
+    /// bf16 compute on f32 master weights (`.precision(Precision::Bf16)`).
+    Bf16,
+    /// f16 compute with dynamic loss scaling (`.precision(Precision::F16)`).
+    F16,
+    /// Gradients reduced in the 16-bit compute type (`.low_precision_gradients(true)` with
+    /// bf16 or f16).
+    LowPrecisionGradients,
+    /// Clipping by the global gradient norm (`.clip_grad_norm(..)`).
+    ClipGradNorm,
+    /// More than one micro-batch per replica and step (`.gradient_accumulation(n)`, n > 1).
+    GradientAccumulation,
+    /// A non-finite loss skips the step (`.on_non_finite_loss(NonFinitePolicy::Skip)`).
+    SkipNonFinite,
+    /// Compressed gradient all-reduce (`.compression(..)`).
+    Compression,
+    /// Ranks stepping alone and meeting every few steps (`.local_updates(..)`).
+    LocalUpdates,
+    /// Gradients pushed to a parameter server (`.parameter_server(..)`).
+    ParameterServer,
+    /// Synchronous steps that drop the slowest workers (`.backup_workers(b)`).
+    BackupWorkers,
+    /// The job runs across processes (`.cluster(..)`).
+    AcrossProcesses,
+    /// Faults injected by a plan (`.fault_plan(..)`).
+    FaultPlan,
+    /// A recovery policy that rolls back to a checkpoint (`RecoveryPolicy::roll_back()`).
+    RollBack,
+}
+
+impl Feature {
+    /// Every feature, in the table's order.
+    pub const ALL: [Feature; 17] = [
+        Feature::Blocks,
+        Feature::Pipeline,
+        Feature::TensorParallel,
+        Feature::Zero,
+        Feature::Bf16,
+        Feature::F16,
+        Feature::LowPrecisionGradients,
+        Feature::ClipGradNorm,
+        Feature::GradientAccumulation,
+        Feature::SkipNonFinite,
+        Feature::Compression,
+        Feature::LocalUpdates,
+        Feature::ParameterServer,
+        Feature::BackupWorkers,
+        Feature::AcrossProcesses,
+        Feature::FaultPlan,
+        Feature::RollBack,
+    ];
+
+    /// The builder setting that turns the feature on, as a user writes it.
+    pub fn setting(self) -> &'static str {
+        match self {
+            Feature::Blocks => ".blocks(..)",
+            Feature::Pipeline => ".pipeline(..)",
+            Feature::TensorParallel => ".tensor_parallel(t)",
+            Feature::Zero => ".zero(..)",
+            Feature::Bf16 => ".precision(Bf16)",
+            Feature::F16 => ".precision(F16)",
+            Feature::LowPrecisionGradients => ".low_precision_gradients(true)",
+            Feature::ClipGradNorm => ".clip_grad_norm(..)",
+            Feature::GradientAccumulation => ".gradient_accumulation(n)",
+            Feature::SkipNonFinite => ".on_non_finite_loss(Skip)",
+            Feature::Compression => ".compression(..)",
+            Feature::LocalUpdates => ".local_updates(..)",
+            Feature::ParameterServer => ".parameter_server(..)",
+            Feature::BackupWorkers => ".backup_workers(b)",
+            Feature::AcrossProcesses => ".cluster(..)",
+            Feature::FaultPlan => ".fault_plan(..)",
+            Feature::RollBack => "RecoveryPolicy::roll_back()",
+        }
+    }
+
+    /// A short name for the matrix's headers.
+    pub fn short(self) -> &'static str {
+        match self {
+            Feature::Blocks => "blocks",
+            Feature::Pipeline => "pp",
+            Feature::TensorParallel => "tp",
+            Feature::Zero => "ZeRO",
+            Feature::Bf16 => "bf16",
+            Feature::F16 => "f16",
+            Feature::LowPrecisionGradients => "16-bit grads",
+            Feature::ClipGradNorm => "clip",
+            Feature::GradientAccumulation => "accum",
+            Feature::SkipNonFinite => "skip",
+            Feature::Compression => "compress",
+            Feature::LocalUpdates => "local",
+            Feature::ParameterServer => "PS",
+            Feature::BackupWorkers => "backup",
+            Feature::AcrossProcesses => "cluster",
+            Feature::FaultPlan => "faults",
+            Feature::RollBack => "roll back",
+        }
+    }
+}
+
+impl fmt::Display for Feature {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.setting())
+    }
+}
+
+/// One refused combination: the features that may not all be on together, why, and what to do
+/// instead.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    /// The features (two or three) that together are refused.
+    pub features: &'static [Feature],
+    /// Why the runtime cannot run them together (yet).
+    pub reason: &'static str,
+    /// What the user can do instead.
+    pub instead: &'static str,
+}
+
+use Feature::*;
+
+const fn row(features: &'static [Feature], reason: &'static str, instead: &'static str) -> Refusal {
+    Refusal {
+        features,
+        reason,
+        instead,
+    }
+}
+
+/// Every combination a job may not have, in the order [`check`] reads them. A row removed is a
+/// combination that works (and is tested against one device); a new strategy adds its rows here.
+pub const REFUSALS: &[Refusal] = &[
+    // Exclusive ways of reducing gradients.
+    row(
+        &[Compression, LocalUpdates],
+        "the replicas exchange parameters every few steps, not gradients, so there is no \
+         gradient to compress",
+        "use one or the other",
+    ),
+    row(
+        &[Compression, ParameterServer],
+        "the workers push whole f32 gradients to the server",
+        "use one method",
+    ),
+    row(
+        &[Compression, BackupWorkers],
+        "the workers push whole f32 gradients to the server",
+        "use one method",
+    ),
+    row(
+        &[LocalUpdates, ParameterServer],
+        "the server applies every gradient as it arrives; local updates exchange parameters",
+        "use one method",
+    ),
+    row(
+        &[LocalUpdates, BackupWorkers],
+        "backup workers drop gradients of a synchronous step; local updates exchange \
+         parameters",
+        "use one method",
+    ),
+    // Tensor parallelism, first: a tensor-parallel job is a block or pipeline job too, and
+    // its own row says more than the blocks' or the pipeline's.
+    row(
+        &[TensorParallel, AcrossProcesses],
+        "tensor-parallel groups run in one process only",
+        "train in one process",
+    ),
+    row(
+        &[TensorParallel, Zero],
+        "each tp rank's slices are not sharded over its data-parallel group yet",
+        "remove one of them",
+    ),
+    row(
+        &[TensorParallel, Bf16],
+        "tensor-parallel collectives run in f32 only",
+        "train in f32",
+    ),
+    row(
+        &[TensorParallel, F16],
+        "tensor-parallel collectives run in f32 only, and the overflow decision would span \
+         the mesh",
+        "train in f32",
+    ),
+    row(
+        &[TensorParallel, ClipGradNorm],
+        "the global norm would need the split parameters' squares summed over the tp group \
+         and the replicated ones counted once",
+        "remove .clip_grad_norm(..)",
+    ),
+    row(
+        &[TensorParallel, Compression],
+        "tensor-parallel blocks reduce their gradients in f32",
+        "remove one of them",
+    ),
+    row(
+        &[TensorParallel, LocalUpdates],
+        "tensor-parallel blocks need a gradient collective every step",
+        "remove one of them",
+    ),
+    row(
+        &[TensorParallel, ParameterServer],
+        "the server holds whole parameters",
+        "remove one of them",
+    ),
+    row(
+        &[TensorParallel, BackupWorkers],
+        "the server holds whole parameters",
+        "remove one of them",
+    ),
+    // Compression: a data-parallel reduction of its own.
+    row(
+        &[Compression, Blocks],
+        "the block executor reduces each block's gradient in f32",
+        "give the model with .model(..), or train without compression",
+    ),
+    row(
+        &[Compression, Pipeline],
+        "the pipeline stages reduce their gradients in f32",
+        "give the model with .model(..), or train without compression",
+    ),
+    row(
+        &[Compression, Zero],
+        "ZeRO reduces (reduce-scatters) its own way",
+        "remove one of them",
+    ),
+    row(
+        &[Compression, LowPrecisionGradients],
+        "both narrow the gradient all-reduce",
+        "use .compression(Compression::Bf16) alone",
+    ),
+    row(
+        &[Compression, F16],
+        "a step skipped by the loss scaler would leave an overflow in the residual",
+        "use .precision(Bf16)",
+    ),
+    row(
+        &[Compression, AcrossProcesses],
+        "compressed collectives run in one process only",
+        "train in one process, or without compression",
+    ),
+    // Local updates: each rank steps alone on a whole replica.
+    row(
+        &[LocalUpdates, Blocks],
+        "ranks step alone on whole replicas",
+        "give the model with .model(..)",
+    ),
+    row(
+        &[LocalUpdates, Pipeline],
+        "ranks step alone on whole replicas",
+        "give the model with .model(..)",
+    ),
+    row(
+        &[LocalUpdates, Zero],
+        "each rank steps its own optimizer on its own parameters: there is no shared state \
+         to shard",
+        "remove one of them",
+    ),
+    row(
+        &[LocalUpdates, AcrossProcesses],
+        "local updates run in one process only",
+        "train in one process",
+    ),
+    row(
+        &[LocalUpdates, ClipGradNorm],
+        "a rank stepping alone would clip its own gradient, not the group's mean, and skip a \
+         non-finite one alone, falling out of the synchronisation schedule",
+        "clip inside the loss, or use plain data parallelism",
+    ),
+    row(
+        &[LocalUpdates, F16],
+        "the loss scaler's overflow decision must be the same on every rank (PREC-2), and a \
+         rank stepping alone sees only its own gradient",
+        "use .precision(Bf16) or f32",
+    ),
+    // The parameter server holds whole f32 parameters and applies gradients one at a time.
+    row(
+        &[ParameterServer, Blocks],
+        "the server holds the whole model's parameters",
+        "give the model with .model(..)",
+    ),
+    row(
+        &[ParameterServer, Pipeline],
+        "the server holds the whole model's parameters",
+        "give the model with .model(..)",
+    ),
+    row(
+        &[ParameterServer, Zero],
+        "the server already holds the only optimizer state",
+        "remove .zero(..)",
+    ),
+    row(
+        &[ParameterServer, AcrossProcesses],
+        "the server runs in this process only",
+        "train in one process",
+    ),
+    row(
+        &[ParameterServer, Bf16],
+        "the server steps f32 parameters with f32 gradients",
+        "train in f32",
+    ),
+    row(
+        &[ParameterServer, F16],
+        "the server steps f32 parameters with f32 gradients",
+        "train in f32",
+    ),
+    row(
+        &[ParameterServer, ClipGradNorm],
+        "the server applies gradients one at a time",
+        "remove .clip_grad_norm(..)",
+    ),
+    row(
+        &[BackupWorkers, Blocks],
+        "the server holds the whole model's parameters",
+        "give the model with .model(..)",
+    ),
+    row(
+        &[BackupWorkers, Pipeline],
+        "the server holds the whole model's parameters",
+        "give the model with .model(..)",
+    ),
+    row(
+        &[BackupWorkers, Zero],
+        "the server already holds the only optimizer state",
+        "remove .zero(..)",
+    ),
+    row(
+        &[BackupWorkers, AcrossProcesses],
+        "the server runs in this process only",
+        "train in one process",
+    ),
+    row(
+        &[BackupWorkers, Bf16],
+        "the server steps f32 parameters with f32 gradients",
+        "train in f32",
+    ),
+    row(
+        &[BackupWorkers, F16],
+        "the server steps f32 parameters with f32 gradients",
+        "train in f32",
+    ),
+    row(
+        &[BackupWorkers, ClipGradNorm],
+        "the server applies gradients one at a time",
+        "remove .clip_grad_norm(..)",
+    ),
+    // Pipelines and blocks.
+    row(
+        &[Pipeline, F16],
+        "the loss scaler's overflow would have to be agreed across the pipeline's stages",
+        "use .precision(Bf16), or train with .blocks(..)",
+    ),
+    row(
+        &[Pipeline, GradientAccumulation],
+        "the schedule's micro-batches are the accumulation",
+        "set micro_batches in the schedule instead",
+    ),
+    row(
+        &[Pipeline, ClipGradNorm],
+        "the global norm spans the stages",
+        "remove .clip_grad_norm(..), or train without .pipeline(..)",
+    ),
+    row(
+        &[Pipeline, SkipNonFinite],
+        "stages update before the last stage's loss is known to all",
+        "use NonFinitePolicy::Stop",
+    ),
+    row(
+        &[Blocks, SkipNonFinite],
+        "each block updates on its own",
+        "use NonFinitePolicy::Stop",
+    ),
+    row(
+        &[Pipeline, LowPrecisionGradients],
+        "pipeline gradients are reduced in f32",
+        "remove .low_precision_gradients(true)",
+    ),
+    row(
+        &[Blocks, LowPrecisionGradients],
+        "block gradients are reduced in f32",
+        "remove .low_precision_gradients(true)",
+    ),
+    // Across processes.
+    row(
+        &[AcrossProcesses, FaultPlan],
+        "a fault plan acts on in-process devices",
+        "kill a node process to rehearse a failure",
+    ),
+    row(
+        &[AcrossProcesses, Pipeline, RollBack],
+        "rolling a pipeline back across processes is not built yet",
+        "use RecoveryPolicy::shrink() (a lost stage is replaced from its twin on a spare \
+         node) or fail",
+    ),
+];
+
+/// A job whose settings combine features that [`REFUSALS`] refuses: the row, and how the job
+/// set each feature.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{} together: {}; {}", settings.join(" with "), refusal.reason, refusal.instead)]
+pub struct Refused {
+    /// The row of the table.
+    pub refusal: Refusal,
+    /// Each of the row's features as the job set it (`compression(topk:0.05)`), in the row's
+    /// order.
+    pub settings: Vec<String>,
+}
+
+impl Refused {
+    /// The refused features.
+    pub fn features(&self) -> &'static [Feature] {
+        self.refusal.features
+    }
+}
+
+/// The first row of [`REFUSALS`] whose features are all in `features` (COMP-1); `describe`
+/// writes each feature as the job set it.
+pub fn check(
+    features: &BTreeSet<Feature>,
+    describe: impl Fn(Feature) -> String,
+) -> Result<(), Refused> {
+    match REFUSALS
+        .iter()
+        .find(|r| r.features.iter().all(|f| features.contains(f)))
+    {
+        Some(refusal) => Err(Refused {
+            refusal: *refusal,
+            settings: refusal.features.iter().map(|f| describe(*f)).collect(),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The rows that refuse the pair `a`, `b` on its own.
+pub fn pair_refusal(a: Feature, b: Feature) -> Option<&'static Refusal> {
+    REFUSALS
+        .iter()
+        .find(|r| r.features.len() == 2 && r.features.contains(&a) && r.features.contains(&b))
+}
+
+/// The book's composition matrix (COMP-3): a pair table of every feature against every other
+/// (✓ combines, ✗ refused), then each refusal with its reason and what to do instead.
+pub fn matrix_markdown() -> String {
+    let mut out = String::new();
+    out.push_str("| |");
+    for f in Feature::ALL {
+        out.push_str(&format!(" {} |", f.short()));
+    }
+    out.push_str("\n|---|");
+    for _ in Feature::ALL {
+        out.push_str(":-:|");
+    }
+    out.push('\n');
+    for a in Feature::ALL {
+        out.push_str(&format!("| **{}** |", a.short()));
+        for b in Feature::ALL {
+            let cell = if a == b {
+                "·"
+            } else if pair_refusal(a, b).is_some() {
+                "✗"
+            } else {
+                "✓"
+            };
+            out.push_str(&format!(" {cell} |"));
+        }
+        out.push('\n');
+    }
+    out.push_str("\n| refused together | why | instead |\n|---|---|---|\n");
+    for r in REFUSALS {
+        let names: Vec<String> = r.features.iter().map(|f| format!("`{f}`")).collect();
+        out.push_str(&format!(
+            "| {} | {} | {} |\n",
+            names.join(" with "),
+            r.reason,
+            r.instead
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;

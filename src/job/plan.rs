@@ -1,0 +1,129 @@
+//! The job as one plan value ([`JobPlan`]): which strategies and settings a builder turns on,
+//! read once from its settings and checked against the one table of refused combinations
+//! ([`crate::composition::REFUSALS`]) when the job is built (JOB-1, COMP-1).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{JobBuilder, NonFinitePolicy};
+use crate::composition::{self, Feature, Refused};
+use crate::parallel::zero::ZeroStage;
+use crate::precision::Precision;
+
+/// What a job is made of, as far as combining strategies goes: each [`Feature`] its settings
+/// turn on, and how it was set (`compression(topk:0.05)`, `tensor_parallel(2)`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobPlan {
+    settings: BTreeMap<Feature, String>,
+}
+
+impl JobPlan {
+    /// The features the job has.
+    pub fn features(&self) -> BTreeSet<Feature> {
+        self.settings.keys().copied().collect()
+    }
+
+    /// How the job set `feature`, or `None` when it is off.
+    pub fn setting(&self, feature: Feature) -> Option<&str> {
+        self.settings.get(&feature).map(String::as_str)
+    }
+
+    /// Counts `feature` as on (a node process is across processes without a cluster mesh of
+    /// its own).
+    #[cfg(feature = "cluster")]
+    pub(super) fn assume(&mut self, feature: Feature) {
+        self.settings
+            .entry(feature)
+            .or_insert_with(|| feature.to_string());
+    }
+
+    /// Refuses the plan when it combines features the table refuses (COMP-1).
+    pub fn check(&self) -> Result<(), Refused> {
+        composition::check(&self.features(), |f| {
+            self.setting(f)
+                .map_or_else(|| f.to_string(), str::to_string)
+        })
+    }
+}
+
+impl<M, I> JobBuilder<M, I>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    /// The job's plan: which strategies and settings it combines. `build()` refuses a plan
+    /// that [`JobPlan::check`] refuses, with `Error::Refused` naming the features.
+    pub fn plan(&self) -> JobPlan {
+        let mut s = BTreeMap::new();
+        let mut on = |f: Feature, how: String| {
+            s.insert(f, how);
+        };
+        match self.pipeline.as_ref().map(|p| p.schedule.as_ref()) {
+            Some(Some(schedule)) => on(Feature::Pipeline, format!(".pipeline(.., {schedule:?})")),
+            Some(None) => on(Feature::Blocks, ".blocks(..)".into()),
+            None => {}
+        }
+        if self.tp > 1 {
+            on(
+                Feature::TensorParallel,
+                format!(".tensor_parallel({})", self.tp),
+            );
+        }
+        if self.zero != ZeroStage::Off {
+            on(Feature::Zero, format!(".zero({:?})", self.zero));
+        }
+        match self.mixed.precision {
+            Precision::Bf16 => on(Feature::Bf16, ".precision(bf16)".into()),
+            Precision::F16 => on(Feature::F16, ".precision(f16)".into()),
+            Precision::F32 => {}
+        }
+        if self.mixed.low_gradients && self.mixed.precision.is_low() {
+            on(
+                Feature::LowPrecisionGradients,
+                ".low_precision_gradients(true)".into(),
+            );
+        }
+        if let Some(norm) = self.clip_norm {
+            on(Feature::ClipGradNorm, format!(".clip_grad_norm({norm})"));
+        }
+        if self.accumulation > 1 {
+            on(
+                Feature::GradientAccumulation,
+                format!(".gradient_accumulation({})", self.accumulation),
+            );
+        }
+        if self.non_finite == NonFinitePolicy::Skip {
+            on(Feature::SkipNonFinite, ".on_non_finite_loss(Skip)".into());
+        }
+        if self.compression.is_on() {
+            on(
+                Feature::Compression,
+                format!(".compression({})", self.compression),
+            );
+        }
+        if let Some(u) = &self.local_updates {
+            on(Feature::LocalUpdates, format!(".local_updates({u})"));
+        }
+        if let Some(ps) = &self.parameter_server.0 {
+            on(
+                Feature::ParameterServer,
+                format!(".parameter_server({})", ps.staleness),
+            );
+        }
+        if let Some(b) = self.parameter_server.1 {
+            on(Feature::BackupWorkers, format!(".backup_workers({b})"));
+        }
+        if self.is_remote() {
+            on(
+                Feature::AcrossProcesses,
+                Feature::AcrossProcesses.to_string(),
+            );
+        }
+        if self.faults.is_some() {
+            on(Feature::FaultPlan, ".fault_plan(..)".into());
+        }
+        if self.recovery.roll_back {
+            on(Feature::RollBack, Feature::RollBack.to_string());
+        }
+        JobPlan { settings: s }
+    }
+}
