@@ -45,6 +45,14 @@ impl JobPlan {
     }
 }
 
+/// Each setting as the job wrote it, one after another (`.blocks(..) .zero(One)`).
+impl std::fmt::Display for JobPlan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let settings: Vec<&str> = self.settings.values().map(String::as_str).collect();
+        f.write_str(&settings.join(" "))
+    }
+}
+
 impl<M, I> JobBuilder<M, I>
 where
     M: Send + 'static,
@@ -59,7 +67,7 @@ where
         };
         match self.pipeline.as_ref().map(|p| p.schedule.as_ref()) {
             Some(Some(schedule)) => on(Feature::Pipeline, format!(".pipeline(.., {schedule:?})")),
-            Some(None) => on(Feature::Blocks, ".blocks(..)".into()),
+            Some(None) => on(Feature::Blocks, Feature::Blocks.to_string()),
             None => {}
         }
         if self.tp > 1 {
@@ -79,7 +87,7 @@ where
         if self.mixed.low_gradients && self.mixed.precision.is_low() {
             on(
                 Feature::LowPrecisionGradients,
-                ".low_precision_gradients(true)".into(),
+                Feature::LowPrecisionGradients.to_string(),
             );
         }
         if let Some(norm) = self.clip_norm {
@@ -92,7 +100,7 @@ where
             );
         }
         if self.non_finite == NonFinitePolicy::Skip {
-            on(Feature::SkipNonFinite, ".on_non_finite_loss(Skip)".into());
+            on(Feature::SkipNonFinite, Feature::SkipNonFinite.to_string());
         }
         if self.compression.is_on() {
             on(
@@ -119,7 +127,7 @@ where
             );
         }
         if self.faults.is_some() {
-            on(Feature::FaultPlan, ".fault_plan(..)".into());
+            on(Feature::FaultPlan, Feature::FaultPlan.to_string());
         }
         if self.recovery.roll_back {
             on(Feature::RollBack, Feature::RollBack.to_string());

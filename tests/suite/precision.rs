@@ -676,30 +676,18 @@ fn uncast_loss(model: &NormNet, samples: &[Sample], device: &Device) -> Tensor<1
 /// assertion as a lost stage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prec_4_a_model_without_casts_fails_under_bf16_naming_the_casts_to_add() {
-    let bound = Duration::from_secs(120);
-    let f32_job = builder(
-        NormNet::new(&Device::flex()),
-        uncast_loss,
-        Precision::F32,
-        2,
-    )
-    .build()
-    .expect("a valid job");
-    let (outcome, _) = tokio::time::timeout(bound, run_recording(f32_job))
-        .await
-        .expect("the f32 job ends");
+    // The uncast model, trained for the bound at most in `precision`.
+    let run_in = |precision| async move {
+        let job = builder(NormNet::new(&Device::flex()), uncast_loss, precision, 2)
+            .build()
+            .expect("a valid job");
+        tokio::time::timeout(Duration::from_secs(120), run_recording(job))
+            .await
+            .expect("the job ends")
+    };
+    let (outcome, _) = run_in(Precision::F32).await;
     outcome.expect("the model trains in f32");
-    let bf16_job = builder(
-        NormNet::new(&Device::flex()),
-        uncast_loss,
-        Precision::Bf16,
-        2,
-    )
-    .build()
-    .expect("a valid job");
-    let (outcome, events) = tokio::time::timeout(bound, run_recording(bf16_job))
-        .await
-        .expect("the bf16 job ends");
+    let (outcome, events) = run_in(Precision::Bf16).await;
     match outcome {
         Err(e @ Error::DtypeMismatch { .. }) => {
             let m = e.to_string();

@@ -133,10 +133,8 @@ pub(crate) async fn run_job<M: Send + 'static, I: Send + Sync + 'static>(
     conclude: impl FnOnce(Trained<M>) -> Result<()>,
 ) -> Result<Option<PipelineStep>> {
     let plan = builder.plan();
-    let features = plan.features();
-    if !features.is_empty() {
-        let settings: Vec<&str> = features.iter().filter_map(|f| plan.setting(*f)).collect();
-        println!("plan: {}", settings.join(" "));
+    if !plan.features().is_empty() {
+        println!("plan: {plan}");
     }
     let handle = builder.build()?.spawn().await?;
     let watchers = watchers(handle.control());

@@ -101,7 +101,8 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         .steps(args.steps)
         .seed(args.seed)
         .collective_timeout(Duration::from_secs_f64(args.collective_timeout));
-    let builder = crate::train::training_settings(args, builder)?;
+    let builder =
+        crate::train::training_settings(args, crate::train::learning_rate(args)?, builder);
     let conclude = |trained: Trained<PipelineModel>| -> meshwork::error::Result<()> {
         let s = &trained.summary;
         let model = Gpt::from_blocks(trained.model)

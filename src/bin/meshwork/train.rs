@@ -282,7 +282,8 @@ fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
     Ok(())
 }
 
-/// The learning rate `--lr` and `--lr-schedule` ask for.
+/// The learning rate `--lr` and `--lr-schedule` ask for (refused here, naming the flag, when
+/// they do not make a schedule).
 pub(crate) fn learning_rate(args: &TrainArgs) -> meshwork::error::Result<LearningRate> {
     let bad = || {
         Error::InvalidConfig(format!(
@@ -311,9 +312,10 @@ pub(crate) fn learning_rate(args: &TrainArgs) -> meshwork::error::Result<Learnin
 /// library refuses what does not combine (one table, `meshwork::composition`).
 pub(crate) fn training_settings<M: Send + 'static, I: Send + Sync + 'static>(
     args: &TrainArgs,
+    lr: LearningRate,
     mut builder: JobBuilder<M, I>,
-) -> meshwork::error::Result<JobBuilder<M, I>> {
-    builder = match learning_rate(args)? {
+) -> JobBuilder<M, I> {
+    builder = match lr {
         LearningRate::Constant(lr) => builder.learning_rate(lr),
         LearningRate::Scheduler(s) => builder.lr_scheduler(s),
     };
@@ -332,7 +334,7 @@ pub(crate) fn training_settings<M: Send + 'static, I: Send + Sync + 'static>(
     if let Some(b) = args.backup_workers {
         builder = builder.backup_workers(b);
     }
-    Ok(builder)
+    builder
 }
 
 pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
@@ -574,6 +576,7 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         devices,
         plan,
         policy,
+        lr: learning_rate(&args)?,
     });
     let schedule = job.schedule();
     let last = job
@@ -682,6 +685,7 @@ struct Shared<'a> {
     devices: Vec<MeshDevice>,
     plan: Option<FaultPlan>,
     policy: RecoveryPolicy,
+    lr: LearningRate,
 }
 
 impl Configure for Shared<'_> {
@@ -705,8 +709,7 @@ impl Configure for Shared<'_> {
             Some(plan) => builder.fault_plan(plan),
             None => builder,
         };
-        // check_flags read every one of these flags before the job was made.
-        training_settings(args, builder).expect("the training flags were checked")
+        training_settings(args, self.lr, builder)
     }
 }
 
