@@ -197,28 +197,6 @@ pub const REFUSALS: &[Refusal] = &[
         "train in one process",
     ),
     row(
-        &[TensorParallel, Zero],
-        "each tp rank's slices are not sharded over its data-parallel group yet",
-        "remove one of them",
-    ),
-    row(
-        &[TensorParallel, Bf16],
-        "tensor-parallel collectives run in f32 only",
-        "train in f32",
-    ),
-    row(
-        &[TensorParallel, F16],
-        "tensor-parallel collectives run in f32 only, and the overflow decision would span \
-         the mesh",
-        "train in f32",
-    ),
-    row(
-        &[TensorParallel, ClipGradNorm],
-        "the global norm would need the split parameters' squares summed over the tp group \
-         and the replicated ones counted once",
-        "remove .clip_grad_norm(..)",
-    ),
-    row(
         &[TensorParallel, Compression],
         "tensor-parallel blocks reduce their gradients in f32",
         "remove one of them",
@@ -376,21 +354,6 @@ pub const REFUSALS: &[Refusal] = &[
     ),
     // Pipelines and blocks.
     row(
-        &[Pipeline, F16],
-        "the loss scaler's overflow would have to be agreed across the pipeline's stages",
-        "use .precision(Bf16), or train with .blocks(..)",
-    ),
-    row(
-        &[Pipeline, GradientAccumulation],
-        "the schedule's micro-batches are the accumulation",
-        "set micro_batches in the schedule instead",
-    ),
-    row(
-        &[Pipeline, ClipGradNorm],
-        "the global norm spans the stages",
-        "remove .clip_grad_norm(..), or train without .pipeline(..)",
-    ),
-    row(
         &[Pipeline, SkipNonFinite],
         "stages update before the last stage's loss is known to all",
         "use NonFinitePolicy::Stop",
@@ -415,6 +378,23 @@ pub const REFUSALS: &[Refusal] = &[
         &[AcrossProcesses, FaultPlan],
         "a fault plan acts on in-process devices",
         "kill a node process to rehearse a failure",
+    ),
+    row(
+        &[AcrossProcesses, Pipeline, ClipGradNorm],
+        "a pipeline's stages in several processes have no group to sum the global norm over \
+         yet",
+        "clip in one process, or train the blocks with .blocks(..)",
+    ),
+    row(
+        &[AcrossProcesses, Pipeline, F16],
+        "a pipeline's stages in several processes have no group to agree the loss scaler's \
+         overflow over yet",
+        "use .precision(Bf16)",
+    ),
+    row(
+        &[AcrossProcesses, Pipeline, GradientAccumulation],
+        "a node builds its stages' schedule from the job's micro-batches alone",
+        "set micro_batches in the schedule instead",
     ),
     row(
         &[AcrossProcesses, Pipeline, RollBack],

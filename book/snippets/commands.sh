@@ -12,6 +12,10 @@ cargo run --release -- train --pp 2 --dp 2 --schedule interleaved --virtual-stag
 # the small GPT on the King James Bible, each layer split over two devices; 60 characters sampled at the end
 cargo run --release -- train --model gpt --tp 2 --steps 30 --sample 60
 # ANCHOR_END: gpt
+# ANCHOR: recipe
+# the recipe: 2 replicas × 2 pipeline stages × 2 tensor-parallel ranks, ZeRO-1, bf16, clipping, accumulation, warm-up/cosine
+cargo run --release -- train --model gpt --dp 2 --pp 2 --tp 2 --zero 1 --precision bf16 --clip 1.0 --accumulate 2 --lr-schedule warmup-cosine --steps 20 --sample 60
+# ANCHOR_END: recipe
 # ANCHOR: faults
 # a fault-injection run: four replicas, a kill and a panic from the plan, shrinking to the survivors
 cargo run --release -- train --dp 4 --batch-size 48 --steps 20 --faults book/snippets/faults.json --on-replica-loss shrink

@@ -39,7 +39,7 @@ use crate::mesh::{Coord, Generation, Layout, Rank};
 use crate::optim::{LearningRate, OptimizerConfig};
 use crate::parallel::pipeline::{Chunk, Instr, PipelineSchedule, StageIndex, TimedInstr};
 use crate::parallel::pipeline_exec::{
-    StageLinks, StageStepRecord, StageWork, StepContext, links, run_stage_step,
+    ModelGroups, StageLinks, StageStepRecord, StageWork, StepContext, links, run_stage_step,
 };
 use crate::parallel::stages::{BlockPart, PipelineModel, PipelineStages};
 use crate::parallel::tensor::TensorParallel;
@@ -88,8 +88,8 @@ pub(crate) struct PipelineStageArgs<I> {
     spec: Arc<PipelineSpec<I>>,
     links: Option<StageLinks>,
     comm: Option<Communicator>,
-    /// The communicator of its tensor-parallel group (none at tp = 1).
-    tp: Option<Communicator>,
+    /// Its tensor-parallel group and its replica's model group.
+    model: ModelGroups,
 }
 
 impl<I> std::fmt::Debug for PipelineStageArgs<I> {
@@ -107,6 +107,9 @@ struct Slot<I> {
     scaler: Option<LossScaler>,
     /// The rank's tensor-parallel group, shared by its blocks.
     tp: Arc<TensorParallel>,
+    /// Every stage × tensor-parallel rank of the rank's replica (none when it is one rank):
+    /// the global norm and f16's overflow are agreed over it.
+    replica: Option<Communicator>,
 }
 
 /// State of a [`PipelineStageActor`].
@@ -148,7 +151,7 @@ where
             device: a.device,
             device_actor: a.device_actor,
             spec: a.spec,
-            pending: Some((links, a.comm, a.tp)),
+            pending: Some((links, a.comm, a.model)),
             slot: None,
         })
     }
@@ -302,14 +305,19 @@ where
         &mut self,
         links: StageLinks,
         comm: Option<Communicator>,
-        tp: Option<Communicator>,
+        model: ModelGroups,
     ) -> Result<()> {
         match self.slot.as_mut() {
             Some(slot) => {
                 slot.links = links;
                 slot.comm = comm;
+                slot.replica = model.replica;
                 // The tensor-parallel group of the new generation, for every block.
-                slot.tp = Arc::new(tp.map_or_else(TensorParallel::single, TensorParallel::new));
+                slot.tp = Arc::new(
+                    model
+                        .tp
+                        .map_or_else(TensorParallel::single, TensorParallel::new),
+                );
                 for chunk in &mut slot.chunks {
                     chunk.set_tensor_parallel(&slot.tp);
                 }
@@ -328,9 +336,10 @@ fn fingerprint<I>(chunks: &[Box<dyn StageWork<I>>]) -> u64 {
 }
 
 async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Result<InitReport> {
-    let Some((links, comm, tp)) = state.pending.take() else {
+    let Some((links, comm, model)) = state.pending.take() else {
         return Err(Error::Runtime(format!("{} initialized twice", state.id)));
     };
+    let (tp, replica) = (model.tp, model.replica);
     let spec = state.spec.clone();
     let stage = StageIndex(state.id.stage);
     let device = state.device.burn().clone();
@@ -373,6 +382,7 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
                 comm,
                 scaler: state.spec.mixed.new_scaler()?,
                 tp: tp_group,
+                replica,
             });
             Ok(InitReport {
                 before: f,
@@ -447,6 +457,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
                 links: &slot.links,
                 micro_batches: &items,
                 replicas: slot.comm.as_mut(),
+                model: slot.replica.as_mut(),
                 clip: spec.clip,
                 on_instr: &on_instr,
                 blocks_in_flight: spec.blocks_in_flight,

@@ -106,10 +106,10 @@ impl<R: StageRole> Actor for Stage<R> {
             StageMsg::Rewire {
                 links,
                 comm,
-                tp,
+                model,
                 reply,
             } => {
-                let _ = reply.send(role.rewire(*links, comm, tp));
+                let _ = reply.send(role.rewire(*links, comm, *model));
             }
             StageMsg::Reconnect { reply, .. } => {
                 // Only the head's proxy for a stage in another process takes it; a stage of

@@ -38,6 +38,16 @@ fn the_common_combinations_pass() {
     for ok in [
         set(&[]),
         set(&[Feature::Pipeline, Feature::Zero, Feature::Bf16]),
+        // The recipe: a transformer over dp × pp × tp, ZeRO-1, bf16, clipping, accumulation.
+        set(&[
+            Feature::Pipeline,
+            Feature::TensorParallel,
+            Feature::Zero,
+            Feature::Bf16,
+            Feature::ClipGradNorm,
+            Feature::GradientAccumulation,
+        ]),
+        set(&[Feature::Pipeline, Feature::F16, Feature::ClipGradNorm]),
         set(&[
             Feature::Blocks,
             Feature::Zero,

@@ -334,6 +334,14 @@ where
         let Some(schedule) = p.schedule else {
             return self.blocks_spec(p.stages, global, dataset, world);
         };
+        // Accumulation over n passes is the schedule over n times its micro-batches.
+        let Some(schedule) = schedule.accumulated(self.accumulation) else {
+            return invalid(format!(
+                "gradient_accumulation({}) × {} micro-batches does not fit a step",
+                self.accumulation,
+                schedule.micro_batches()
+            ));
+        };
         let v = schedule.virtual_stages() as usize;
         let blocks = p.stages.len();
         if !blocks.is_multiple_of(v) {
@@ -378,10 +386,7 @@ where
             self.accumulation,
         )?;
         check_batch(global, self.dp as usize, self.accumulation as usize)?;
-        let mut spec = self.stages_spec(stages, plan, dataset);
-        Arc::get_mut(&mut spec)
-            .expect("the spec was just made")
-            .clip = self.clip_norm;
+        let spec = self.stages_spec(stages, plan, dataset);
         Ok((spec, Layout::new(self.dp, 1, self.tp)?))
     }
 
@@ -411,7 +416,7 @@ where
             optimizer: self.optimizer.clone(),
             learning_rate: self.learning_rate.clone(),
             zero: self.zero,
-            clip: None,
+            clip: self.clip_norm,
             blocks_in_flight: self.blocks_in_flight,
             epoch: Instant::now(),
             faults: self.faults.clone(),

@@ -341,9 +341,10 @@ where
     /// whose all-reduced gradient overflows is skipped on every replica (PREC-2,
     /// `JobEvent::GradientOverflow`). The model must cast its input to its parameters' dtype
     /// and the loss function its output to `f32` (no-ops in `f32`; see
-    /// [`crate::parallel::autocast`]). Replicas, `.blocks(..)` and, in bf16, `.pipeline(..)`
-    /// jobs take it; refused when the job is built: f16 with a pipeline (its loss scaler
-    /// would have to agree over the stages), either 16-bit type with tensor parallelism.
+    /// [`crate::parallel::autocast`]; a block or pipeline stage receives its input in the
+    /// compute type already). Replicas, `.blocks(..)`, `.pipeline(..)` and tensor-parallel
+    /// jobs take it (f16's overflow agreed over every stage and tp rank); refused when the
+    /// job is built: f16 with a pipeline across processes (`composition::REFUSALS`).
     /// Across processes the library is not refused, but `meshwork train`'s job spec does not
     /// carry a precision yet, so its CLI refuses the flag there.
     pub fn precision(mut self, precision: Precision) -> Self {

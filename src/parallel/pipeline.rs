@@ -352,6 +352,22 @@ impl Schedule {
         }
     }
 
+    /// The same schedule over `n` times its micro-batches: gradient accumulation over `n`
+    /// passes of a pipeline is one pass over `n · M` micro-batches of the same size (what
+    /// Megatron-LM's micro-batch count is), so `gradient_accumulation(n)` on a pipeline job
+    /// runs this. `None` when `n · M` does not fit a `u32`.
+    pub fn accumulated(self, n: u32) -> Option<Self> {
+        let m = self.micro_batches().checked_mul(n)?;
+        Some(match self {
+            Schedule::GPipe { .. } => Schedule::GPipe { micro_batches: m },
+            Schedule::OneFOneB { .. } => Schedule::OneFOneB { micro_batches: m },
+            Schedule::Interleaved { virtual_stages, .. } => Schedule::Interleaved {
+                micro_batches: m,
+                virtual_stages,
+            },
+        })
+    }
+
     /// The schedule called `name` (`gpipe`, `1f1b` or `interleaved`, the CLI's spelling) with
     /// `micro_batches` per step and, for `interleaved`, `virtual_stages` chunks per stage.
     pub fn from_name(name: &str, micro_batches: u32, virtual_stages: u32) -> Option<Self> {

@@ -88,6 +88,18 @@ pub(crate) use wire::PacketWire;
 pub use wire::WireError;
 pub(crate) use work::StageWork;
 
+/// The groups a pipeline rank shares with the rest of its replica's model, beside its
+/// data-parallel group: its tensor-parallel group (none at tp = 1) and the group of every
+/// stage and tensor-parallel rank of its replica (none when a replica is one rank), where a
+/// step agrees on what spans the model: the global gradient norm and f16's overflow.
+#[derive(Default)]
+pub(crate) struct ModelGroups {
+    /// The rank's tensor-parallel group.
+    pub(crate) tp: Option<Communicator>,
+    /// Every stage × tensor-parallel rank of the rank's replica, in rank order.
+    pub(crate) replica: Option<Communicator>,
+}
+
 /// Gradient buckets of the data-parallel reduction between pipeline replicas.
 const BUCKET_ELEMS: usize = 25 * 1024 * 1024 / 4;
 /// Tensors below this many elements are fused into one bucket.
@@ -153,6 +165,12 @@ impl AnyTensor {
             4 => AnyTensor::D4(Tensor::from_data(data(w.dims.clone()), device)),
             rank => return Err(ExecError::UnsupportedRank { rank }),
         })
+    }
+
+    /// The tensor in `dtype` (a received `f32` boundary handed to a block computing in 16
+    /// bits: meshwork's cast, not the model's, item 3 of mixed precision on a model as it is).
+    fn cast(self, dtype: FloatDType) -> Self {
+        each_rank!(self, t => t.cast(dtype))
     }
 
     fn require_grad(self) -> Self {

@@ -169,6 +169,37 @@ impl Reduced {
         }
     }
 
+    /// [`Reduced::sum_of_squares`] over the parameters `counts` keeps only: `layout` is the
+    /// flat trainable order the gradient follows and `owned` the range of it a shard holds
+    /// (a tensor-parallel block counts its replicated parameters on one rank of the group).
+    pub(crate) fn sum_of_squares_of(
+        &self,
+        layout: &ParamLayout,
+        owned: Range<usize>,
+        counts: impl Fn(burn::module::ParamId) -> bool,
+    ) -> Option<(f64, bool)> {
+        let slots = layout.slots();
+        match &self.grads {
+            ReducedGrads::Whole(_) => None,
+            ReducedGrads::Buffers(b) => {
+                let kept = b
+                    .slices()
+                    .into_iter()
+                    .zip(slots)
+                    .filter(|(_, s)| counts(s.id))
+                    .map(|(g, _)| g);
+                Some((sum_of_squares(kept), false))
+            }
+            ReducedGrads::Shard(g) => {
+                let kept = slots.iter().filter(|s| counts(s.id)).filter_map(|s| {
+                    let (lo, hi) = (owned.start.max(s.range.start), owned.end.min(s.range.end));
+                    (lo < hi).then(|| &g[lo - owned.start..hi - owned.start])
+                });
+                Some((sum_of_squares(kept), true))
+            }
+        }
+    }
+
     /// Whether the reduced gradient this rank holds has an inf or a NaN (a loss scaler's
     /// overflow, found by a block job across its blocks, MIX-2).
     pub(crate) fn has_non_finite(&self) -> bool {

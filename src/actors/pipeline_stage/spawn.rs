@@ -5,8 +5,8 @@
 use super::*;
 
 /// One rank's wiring: links to its pipeline's other stages, the communicator of its
-/// data-parallel group (none at dp = 1) and of its tensor-parallel group (none at tp = 1).
-pub(super) type RankWiring = (StageLinks, Option<Communicator>, Option<Communicator>);
+/// data-parallel group (none at dp = 1) and its model's groups (tensor-parallel, replica).
+pub(super) type RankWiring = (StageLinks, Option<Communicator>, ModelGroups);
 
 /// A mesh's wiring under one generation: per rank its links and communicators, the
 /// collective groups' actors, and how to wake everything blocked in it.
@@ -45,7 +45,8 @@ pub(super) async fn group_of(
 
 /// Wire a dp × pp × tp mesh: every (replica, tensor-parallel rank)'s pipeline connected by
 /// its own links, every (stage, tensor-parallel rank)'s replicas in one data-parallel group,
-/// every (replica, stage)'s tensor-parallel ranks in one tensor-parallel group, all of
+/// every (replica, stage)'s tensor-parallel ranks in one tensor-parallel group, and every
+/// replica's pp × tp ranks in one model group (when there are several), all of
 /// `generation`.
 pub(super) async fn wire<I>(
     spec: &PipelineSpec<I>,
@@ -88,11 +89,25 @@ pub(super) async fn wire<I>(
     } else {
         Vec::new()
     };
-    let mut comms: [std::collections::HashMap<Rank, Communicator>; 2] = Default::default();
+    // One model group per replica: what the step agrees on over its stages and tp ranks.
+    let replica_groups: Vec<Vec<Rank>> = if layout.pp() * tp > 1 {
+        (0..dp)
+            .map(|replica| {
+                layout
+                    .ranks()
+                    .filter(|&r| layout.coord_of(r).is_some_and(|c| c.dp == replica))
+                    .collect()
+            })
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let mut comms: [std::collections::HashMap<Rank, Communicator>; 3] = Default::default();
     for (kind, members) in dp_groups
         .into_iter()
         .map(|g| (0, g))
         .chain(tp_groups.into_iter().map(|g| (1, g)))
+        .chain(replica_groups.into_iter().map(|g| (2, g)))
     {
         let made = group_of(
             members.clone(),
@@ -105,14 +120,18 @@ pub(super) async fn wire<I>(
         .await?;
         comms[kind].extend(members.into_iter().zip(made));
     }
-    let [mut dp_comm, mut tp_comm] = comms;
+    let [mut dp_comm, mut tp_comm, mut replica_comm] = comms;
     for rank in layout.ranks() {
         let w = layout.coord_of(rank).and_then(|c| {
             let links = links_of
                 .get_mut(&(c.dp, c.tp))?
                 .get_mut(c.pp as usize)?
                 .take()?;
-            Some((links, dp_comm.remove(&rank), tp_comm.remove(&rank)))
+            let model = ModelGroups {
+                tp: tp_comm.remove(&rank),
+                replica: replica_comm.remove(&rank),
+            };
+            Some((links, dp_comm.remove(&rank), model))
         });
         per_rank.push(w);
     }
@@ -145,7 +164,9 @@ pub(super) async fn spawn_stage<I: Send + Sync + 'static>(
         stage: coord.pp,
         tp: coord.tp,
     };
-    let (links, comm, tp) = wiring.map_or((None, None, None), |(l, c, t)| (Some(l), c, t));
+    let (links, comm, model) = wiring.map_or((None, None, ModelGroups::default()), |(l, c, m)| {
+        (Some(l), c, m)
+    });
     let args = PipelineStageArgs {
         id,
         rank,
@@ -155,7 +176,7 @@ pub(super) async fn spawn_stage<I: Send + Sync + 'static>(
         spec: spec.clone(),
         links,
         comm,
-        tp,
+        model,
     };
     let (a, _) = Actor::spawn_linked(
         None,
@@ -187,7 +208,7 @@ pub(crate) async fn spawn_unlinked<I: Send + Sync + 'static>(
         spec,
         links: Some(links),
         comm,
-        tp: None,
+        model: ModelGroups::default(),
     };
     let (a, _) = Actor::spawn(None, PipelineStageActor::<I>::default(), args).await?;
     Ok(a)
@@ -274,7 +295,7 @@ where
                         survivors: wiring
                             .per_rank
                             .into_iter()
-                            .map(|w| w.map(|(l, c, t)| (Box::new(l), c, t)))
+                            .map(|w| w.map(|(l, c, m)| (Box::new(l), c, m)))
                             .collect(),
                         others: wiring.others,
                         shutdown: wiring.shutdown,

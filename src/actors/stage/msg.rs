@@ -84,8 +84,8 @@ pub(crate) enum StageMsg<M> {
         links: Box<crate::parallel::pipeline_exec::StageLinks>,
         /// Its communicator in its stage index's data-parallel group (none at dp = 1).
         comm: Option<Communicator>,
-        /// Its communicator in its tensor-parallel group (none at tp = 1).
-        tp: Option<Communicator>,
+        /// Its tensor-parallel group and its replica's model group.
+        model: Box<crate::parallel::pipeline_exec::ModelGroups>,
         /// `Ok` once it holds its state and the new wiring.
         reply: RpcReplyPort<Result<()>>,
     },

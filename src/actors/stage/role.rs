@@ -69,9 +69,9 @@ pub(crate) trait StageRole: Sized + Send + 'static {
         &mut self,
         links: StageLinks,
         comm: Option<Communicator>,
-        tp: Option<Communicator>,
+        model: crate::parallel::pipeline_exec::ModelGroups,
     ) -> Result<()> {
-        let _ = (links, comm, tp);
+        let _ = (links, comm, model);
         Err(Error::InvalidConfig(format!(
             "{}: a {} has no pipeline links",
             self.id(),

@@ -366,14 +366,14 @@ where
         }
     }
     for (r, wiring) in rewired.survivors.into_iter().enumerate() {
-        let Some((links, comm, tp)) = wiring else {
+        let Some((links, comm, model)) = wiring else {
             continue;
         };
         let (stage, id) = state.stages[r].clone();
         let rewire = |reply| StageMsg::Rewire {
             links,
             comm,
-            tp,
+            model: Box::new(model),
             reply,
         };
         ask(&stage, rewire, timeout, || {

@@ -73,7 +73,7 @@ pub(crate) struct RewireArgs {
 pub(crate) type SurvivorWiring = (
     Box<crate::parallel::pipeline_exec::StageLinks>,
     Option<crate::comm::Communicator>,
-    Option<crate::comm::Communicator>,
+    crate::parallel::pipeline_exec::ModelGroups,
 );
 
 /// A rewired mesh.

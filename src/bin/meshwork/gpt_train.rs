@@ -93,6 +93,9 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
     };
     let builder = builder
         .tensor_parallel(tp)
+        .zero(meshwork::parallel::zero::ZeroStage::from_number(args.zero).unwrap_or_default())
+        .precision(args.precision)
+        .low_precision_gradients(args.low_precision_gradients)
         .data_parallel(dp)
         .devices(devices)
         .data(train)

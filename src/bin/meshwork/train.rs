@@ -73,20 +73,20 @@ pub(crate) struct TrainArgs {
     /// only its share of the parameters: the demo MLP trains as blocks of one layer, each
     /// gathered for its use).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
-    zero: u8,
+    pub(crate) zero: u8,
     /// Recompute each block's forward during its backward (activation checkpointing): less
     /// memory for more compute. Without --pp the demo MLP trains as blocks of one layer.
     #[arg(long)]
     recompute: bool,
     /// Precision of forward and backward: f32, bf16 or f16 (the optimizer steps f32 master
     /// weights; f16 scales the loss dynamically and skips steps whose gradient overflows).
-    /// Replicas and --zero 3 or --recompute blocks take both; a --pp pipeline takes bf16.
+    /// Replicas, blocks, --pp pipelines and --model gpt (with --tp) take both.
     /// In one process only.
     #[arg(long, default_value = "f32")]
-    precision: Precision,
+    pub(crate) precision: Precision,
     /// With --precision bf16 or f16: all-reduce the gradients in that type (half the bytes).
     #[arg(long)]
-    low_precision_gradients: bool,
+    pub(crate) low_precision_gradients: bool,
     /// Clip the gradient's global L2 norm to this value (torch's clip_grad_norm_).
     #[arg(long)]
     pub(crate) clip: Option<f32>,
@@ -477,12 +477,10 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
 }
 
 /// `meshwork train --model gpt`: in this process only (tensor parallelism is not yet
-/// across processes), without the MLP's checkpoint, fault and precision flags.
+/// across processes), without the MLP's checkpoint and fault flags.
 fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
     let unsupported = [
-        ("--zero", args.zero != 0),
         ("--recompute", args.recompute),
-        ("--precision", args.precision.is_low()),
         ("--checkpoint-dir", args.checkpoint_dir.is_some()),
         ("--faults", args.faults.is_some()),
         ("--save-model", args.save_model.is_some()),

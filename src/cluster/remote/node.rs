@@ -550,7 +550,7 @@ impl<M: Send + 'static> NodeInner<M> {
                 .call(|reply| StageMsg::Rewire {
                     links,
                     comm,
-                    tp: None,
+                    model: Default::default(),
                     reply,
                 })
                 .await;

@@ -48,6 +48,9 @@ pub(crate) struct TypedStage<M: Module, I> {
     pub(super) tp: Arc<TensorParallel>,
     /// A tensor-parallel block's split parameters and their axes (TP-1..2).
     pub(super) split: Option<HashMap<ParamId, usize>>,
+    /// A tensor-parallel block's flat trainable order (of its slices, unsharded), for the
+    /// global norm's count of each element once.
+    pub(super) split_layout: Option<crate::parallel::gradients::ParamLayout>,
     /// Builds the model's input from a micro-batch's items, when this is the first block.
     pub(super) inputs: Option<InputsFn<I>>,
 }
@@ -132,6 +135,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             loss_scale: 1.0,
             tp: Arc::new(TensorParallel::single()),
             split: None,
+            split_layout: None,
             inputs: None,
         }
     }
@@ -152,6 +156,9 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
     ) -> Self {
         self.tp = tp;
         self.split = Some(split);
+        self.split_layout = Some(crate::parallel::gradients::ParamLayout::trainable(
+            &self.model,
+        ));
         self
     }
 
@@ -270,9 +277,12 @@ impl<M: Module + 'static, I: 'static> BlockStep<I> for TypedStage<M, I> {
             }
             BlockInput::Received(wire) => {
                 let device = &self.device;
+                // MIX-1: what a block receives comes in its compute type, so a block written
+                // in f32 needs no cast of its own input.
+                let dtype = crate::parallel::autocast::float_dtype(self.precision);
                 let input = wire
                     .into_iter()
-                    .map(|w| AnyTensor::from_wire(w, device))
+                    .map(|w| AnyTensor::from_wire(w, device).map(|t| t.cast(dtype)))
                     .collect::<Result<Boundary, _>>()?;
                 (input, true)
             }
@@ -490,9 +500,18 @@ impl<M: Module + 'static, I: 'static> BlockStep<I> for TypedStage<M, I> {
     }
 
     fn norm_part(&self) -> Option<(f64, bool)> {
-        self.reduced
-            .as_ref()
-            .and_then(sync::Reduced::sum_of_squares)
+        let reduced = self.reduced.as_ref()?;
+        match (&self.split, &self.split_layout) {
+            // Replicated parameters are the same on every tensor-parallel rank: rank 0
+            // counts them, every rank its own slices.
+            (Some(split), Some(layout)) if self.splits() && self.tp.rank() > 0 => {
+                let (lo, hi) = self.sync.held().owned;
+                reduced.sum_of_squares_of(layout, lo as usize..hi as usize, |id| {
+                    split.contains_key(&id)
+                })
+            }
+            _ => reduced.sum_of_squares(),
+        }
     }
 
     fn clip(&mut self, norm: f32, max_norm: f32) {

@@ -34,8 +34,13 @@ pub(crate) struct StepContext<'a, I> {
     /// The communicator of this stage's data-parallel group (the same stage in every
     /// pipeline replica), if there is more than one replica.
     pub replicas: Option<&'a mut Communicator>,
-    /// Clip the step's gradient to this global L2 norm over all the stage's blocks (a block
-    /// job's stage holds every block).
+    /// The communicator of every stage and tensor-parallel rank of this stage's replica
+    /// (`None` when the replica is this rank alone): the global norm and f16's overflow are
+    /// agreed over it.
+    pub model: Option<&'a mut Communicator>,
+    /// Clip the step's gradient to this global L2 norm over the whole model: this stage's
+    /// blocks, summed over the replica's other stages and tensor-parallel ranks (each
+    /// element counted once, [`BlockStep::norm_part`]).
     pub clip: Option<f32>,
     /// Called before each instruction runs (progress for heartbeats and failure reports).
     pub on_instr: &'a dyn Fn(&Instr),
@@ -83,6 +88,7 @@ pub(crate) fn run_stage_step<I, W: BlockStep<I> + ?Sized>(
     }
     let mut cx = cx;
     let mut replicas = cx.replicas.take();
+    let mut model = cx.model.take().filter(|c| c.world() > 1);
     let rank_of = replicas
         .as_ref()
         .map_or((0, 1), |c| (c.rank().index(), c.world()));
@@ -103,10 +109,14 @@ pub(crate) fn run_stage_step<I, W: BlockStep<I> + ?Sized>(
     let since = |t: Instant| t.saturating_duration_since(began).as_micros() as u64;
     let t = Instant::now();
     // MIX-2: an overflow in any block of any replica skips the step on every replica (the
-    // flags of every block, all-reduced over the stage's group).
+    // flags of every block, all-reduced over the stage's group, then over the replica's
+    // stages and tensor-parallel ranks).
     if cx.loss_scale.is_some() {
         let mut found = [f32::from(u8::from(chunks.iter().any(|c| c.overflowed())))];
         if let Some(comm) = replicas.as_deref_mut().filter(|c| c.world() > 1) {
+            comm.all_reduce(&mut found, ReduceOp::Max)?;
+        }
+        if let Some(comm) = model.as_deref_mut() {
             comm.all_reduce(&mut found, ReduceOp::Max)?;
         }
         let overflow = found[0] > 0.0;
@@ -128,7 +138,12 @@ pub(crate) fn run_stage_step<I, W: BlockStep<I> + ?Sized>(
         if partial && let Some(comm) = replicas.as_deref_mut().filter(|c| c.world() > 1) {
             comm.all_reduce(&mut sum, ReduceOp::Sum)?;
         }
-        let norm = if partial {
+        // The other stages' and tensor-parallel ranks' parts: every replica's model group
+        // sums the same values in the same order, so every rank clips alike.
+        if let Some(comm) = model.as_deref_mut() {
+            comm.all_reduce(&mut sum, ReduceOp::Sum)?;
+        }
+        let norm = if partial || model.is_some() {
             f64::from(sum[0]).sqrt() as f32
         } else {
             total.sqrt() as f32

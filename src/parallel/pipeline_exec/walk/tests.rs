@@ -232,6 +232,7 @@ fn run_two_ranks(in_flight: usize, fail: Option<(usize, u32)>, timeout: Duration
                             links: &stage_links,
                             micro_batches,
                             replicas: Some(&mut comm),
+                            model: None,
                             clip: None,
                             on_instr: &|_| {},
                             blocks_in_flight: in_flight,
