@@ -152,6 +152,13 @@ where
         self
     }
 
+    /// The learning rate as a [`LearningRate`] value: a constant or a scheduler, e.g.
+    /// [`LearningRate::warmup_cosine`] (Megatron-LM's warm-up then cosine).
+    pub fn learning_rate_schedule(mut self, lr: LearningRate) -> Self {
+        self.learning_rate = lr;
+        self
+    }
+
     /// Number of data-parallel replicas.
     pub fn data_parallel(mut self, dp: u32) -> Self {
         self.dp = dp;

@@ -556,11 +556,8 @@ impl Composed {
     fn job(&self, init: &Gpt) -> Job<PipelineModel, Window> {
         let mut b = builder(self.layout, init)
             .zero(self.zero)
-            .gradient_accumulation(self.accumulate);
-        b = match self.learning_rate() {
-            LearningRate::Constant(lr) => b.learning_rate(lr),
-            LearningRate::Scheduler(s) => b.lr_scheduler(s),
-        };
+            .gradient_accumulation(self.accumulate)
+            .learning_rate_schedule(self.learning_rate());
         if let Some(c) = self.clip {
             b = b.clip_grad_norm(c);
         }

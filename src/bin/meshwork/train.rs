@@ -315,11 +315,8 @@ pub(crate) fn training_settings<M: Send + 'static, I: Send + Sync + 'static>(
     lr: LearningRate,
     mut builder: JobBuilder<M, I>,
 ) -> JobBuilder<M, I> {
-    builder = match lr {
-        LearningRate::Constant(lr) => builder.learning_rate(lr),
-        LearningRate::Scheduler(s) => builder.lr_scheduler(s),
-    };
     builder = builder
+        .learning_rate_schedule(lr)
         .gradient_accumulation(args.accumulate)
         .compression(args.compression);
     if let Some(clip) = args.clip {
