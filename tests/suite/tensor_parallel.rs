@@ -149,6 +149,16 @@ fn settings(
 }
 
 fn reference(init: &Gpt, steps: &[StepDone]) -> Gpt {
+    reference_with(init, steps, LearningRate::Constant(LR), None)
+}
+
+/// The plain one-device loop on the steps' batches, with this learning rate and clip.
+fn reference_with(
+    init: &Gpt,
+    steps: &[StepDone],
+    learning_rate: LearningRate,
+    clip_norm: Option<f32>,
+) -> Gpt {
     reference_train(
         init.clone(),
         gpt_loss::<Window>,
@@ -156,8 +166,8 @@ fn reference(init: &Gpt, steps: &[StepDone]) -> Gpt {
         &batches_from_events(steps),
         &Reference {
             optimizer: sgd().into(),
-            learning_rate: LearningRate::Constant(LR),
-            clip_norm: None,
+            learning_rate,
+            clip_norm,
         },
         &Device::flex(),
     )
@@ -565,18 +575,7 @@ impl Composed {
     }
 
     fn reference(&self, init: &Gpt, steps: &[StepDone], clip: Option<f32>) -> Gpt {
-        reference_train(
-            init.clone(),
-            gpt_loss::<Window>,
-            &data(),
-            &batches_from_events(steps),
-            &Reference {
-                optimizer: sgd().into(),
-                learning_rate: self.learning_rate(),
-                clip_norm: clip,
-            },
-            &Device::flex(),
-        )
+        reference_with(init, steps, self.learning_rate(), clip)
     }
 
     /// Trains the composition twice: within `TOLERANCE` of one device, bitwise repeatable,
