@@ -536,6 +536,16 @@ pub enum CommError {
         /// Every participating rank and what it passed, in rank order.
         calls: Vec<RankCall>,
     },
+    /// A peer's data arrived but does not make sense to the layer above the collective (a
+    /// compressor's top-k message naming an element outside the gradient); the group stays
+    /// usable, the step fails.
+    #[error("{op}: a peer's data is malformed: {reason}")]
+    Malformed {
+        /// The collective that carried it.
+        op: CollectiveKind,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The group was shut down (COMM-4).
     #[error("{op} #{seq} ({generation}): the group was shut down")]
     Shutdown {
@@ -665,7 +675,9 @@ impl CommError {
             | CommError::MessageLost { seq, .. }
             | CommError::CorruptMessage { seq, .. }
             | CommError::Link { seq, .. } => Some(*seq),
-            CommError::InvalidPeer { .. } | CommError::Unsupported { .. } => None,
+            CommError::InvalidPeer { .. }
+            | CommError::Unsupported { .. }
+            | CommError::Malformed { .. } => None,
         }
     }
 

@@ -218,16 +218,6 @@ pub const REFUSALS: &[Refusal] = &[
     ),
     // Compression: a data-parallel reduction of its own.
     row(
-        &[Compression, Blocks],
-        "the block executor reduces each block's gradient in f32",
-        "give the model with .model(..), or train without compression",
-    ),
-    row(
-        &[Compression, Pipeline],
-        "the pipeline stages reduce their gradients in f32",
-        "give the model with .model(..), or train without compression",
-    ),
-    row(
         &[Compression, Zero],
         "ZeRO reduces (reduce-scatters) its own way",
         "remove one of them",
@@ -362,16 +352,6 @@ pub const REFUSALS: &[Refusal] = &[
         &[Blocks, SkipNonFinite],
         "each block updates on its own",
         "use NonFinitePolicy::Stop",
-    ),
-    row(
-        &[Pipeline, LowPrecisionGradients],
-        "pipeline gradients are reduced in f32",
-        "remove .low_precision_gradients(true)",
-    ),
-    row(
-        &[Blocks, LowPrecisionGradients],
-        "block gradients are reduced in f32",
-        "remove .low_precision_gradients(true)",
     ),
     // Across processes.
     row(

@@ -60,6 +60,8 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) learning_rate: LearningRate,
     /// How much of each block's training state each data-parallel rank keeps (ZeRO).
     pub(crate) zero: crate::parallel::zero::ZeroStage,
+    /// Each block's reduction compressed (CSYNC-4; with ZeRO off).
+    pub(crate) compression: crate::parallel::compress::Compression,
     /// Clip each step's gradient to this global norm over the stage's blocks (block jobs).
     pub(crate) clip: Option<f32>,
     /// Blocks whose gathered parameters may wait for their use at once, the collectives
@@ -69,8 +71,8 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) epoch: Instant,
     /// The fault plan's hooks, if the job has one.
     pub(crate) faults: Option<Arc<crate::faults::FaultHooks>>,
-    /// What every block's forward and backward compute in (MIX-1; gradients are reduced in
-    /// `f32`), and f16's loss scaler (MIX-2).
+    /// What every block's forward and backward compute in (MIX-1), the type its gradients
+    /// travel in, and f16's loss scaler (MIX-2).
     pub(crate) mixed: super::stage::MixedPrecision,
 }
 
@@ -354,9 +356,9 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
                     let block = &spec.stages.blocks[spec.plan.block(stage, Chunk(c)) as usize];
                     let mut work =
                         (block.build)(&device, &spec.optimizer, spec.learning_rate.clone(), &tp)?;
-                    work.shard_optimizer(spec.zero)
+                    work.set_reduction(spec.zero, spec.compression)
                         .expect("the job refuses an optimizer ZeRO cannot shard when it is built");
-                    work.set_precision(spec.mixed.precision);
+                    work.set_precision(spec.mixed.precision, spec.mixed.sync(false).wire);
                     Ok(work)
                 })
                 .collect();

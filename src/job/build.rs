@@ -416,6 +416,7 @@ where
             optimizer: self.optimizer.clone(),
             learning_rate: self.learning_rate.clone(),
             zero: self.zero,
+            compression: self.compression,
             clip: self.clip_norm,
             blocks_in_flight: self.blocks_in_flight,
             epoch: Instant::now(),

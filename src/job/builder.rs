@@ -291,9 +291,11 @@ where
 
     /// Send gradients compressed (PyTorch's DDP communication hooks): bf16/f16 values,
     /// top-k sparsification or PowerSGD, each with error feedback (the part a rank does not
-    /// send waits in its residual, kept in checkpoints). A data-parallel strategy of its own:
-    /// refused with blocks and pipelines, ZeRO, tensor parallelism, `low_precision_gradients`,
-    /// f16 loss scaling and across processes. See [`crate::parallel::compress`].
+    /// send waits in its residual, kept in checkpoints). In block and pipeline jobs each
+    /// block's reduction goes through its own compressor. Refused with ZeRO, tensor
+    /// parallelism, `low_precision_gradients`, f16 loss scaling, local updates, the parameter
+    /// server and across processes (`composition::REFUSALS`). See
+    /// [`crate::parallel::compress`].
     pub fn compression(mut self, compression: Compression) -> Self {
         self.compression = compression;
         self
@@ -361,7 +363,9 @@ where
 
     /// All-reduce gradients in the 16-bit type of [`Self::precision`] instead of `f32`:
     /// half the bytes on the wire, each sum still accumulated in `f32` and rounded once
-    /// (COMM-5). Off by default; no effect at `f32`.
+    /// (COMM-5). Off by default; no effect at `f32`. In block and pipeline jobs each block's
+    /// reduction (an all-reduce, or ZeRO's reduce-scatter) travels 16-bit; ZeRO-3's
+    /// parameter gathers and tensor parallelism's collectives stay `f32`.
     pub fn low_precision_gradients(mut self, low: bool) -> Self {
         self.mixed.low_gradients = low;
         self

@@ -49,7 +49,7 @@ struct Done {
     id: u64,
     /// `Err(None)`: skipped because an earlier collective failed (OVL-3).
     result: Result<Vec<f32>, Option<CommError>>,
-    span: Option<Span>,
+    spans: Vec<Span>,
 }
 
 /// What the lane remembers of an issued collective.
@@ -149,14 +149,14 @@ fn serve(
 ) {
     let mut failed = false;
     for Request { id, collective } in requests.iter() {
-        let (result, span) = if failed || stop.load(Ordering::Relaxed) {
-            (Err(None), None)
+        let (result, spans) = if failed || stop.load(Ordering::Relaxed) {
+            (Err(None), Vec::new())
         } else {
-            let (r, span) = collective.run(Some(comm));
+            let (r, spans) = collective.run(Some(comm));
             failed = r.is_err();
-            (r.map_err(Some), span)
+            (r.map_err(Some), spans)
         };
-        if done.send(Done { id, result, span }).is_err() {
+        if done.send(Done { id, result, spans }).is_err() {
             return;
         }
     }
@@ -185,13 +185,13 @@ impl<'c> CommLane<'c> {
         self.issued.insert(id, Issued { block, op });
         match &mut self.runner {
             Runner::Inline(comm) => {
-                let (result, span) = if self.failure.is_some() {
-                    (Err(None), None)
+                let (result, spans) = if self.failure.is_some() {
+                    (Err(None), Vec::new())
                 } else {
-                    let (r, span) = collective.run(comm.as_deref_mut());
-                    (r.map_err(Some), span)
+                    let (r, spans) = collective.run(comm.as_deref_mut());
+                    (r.map_err(Some), spans)
                 };
-                let done = Done { id, result, span };
+                let done = Done { id, result, spans };
                 self.note(&done);
                 self.ready.insert(id, done);
             }
@@ -206,7 +206,7 @@ impl<'c> CommLane<'c> {
                         Done {
                             id,
                             result: Err(None),
-                            span: None,
+                            spans: Vec::new(),
                         },
                     );
                 }
@@ -227,7 +227,7 @@ impl<'c> CommLane<'c> {
             None => self.receive(id, issued)?,
         };
         self.issued.remove(&id);
-        self.spans.extend(done.span);
+        self.spans.extend(done.spans);
         // A collective skipped after a failure reports that failure (OVL-3); one skipped
         // for no failure was stopped with the step.
         done.result.map_err(|_| {

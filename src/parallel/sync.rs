@@ -105,13 +105,6 @@ pub enum SyncError {
     /// A compressed reduction found a malformed message.
     #[error(transparent)]
     Compression(#[from] crate::parallel::compress::CompressError),
-    /// The block executor asked a data-parallel-only strategy to split its reduction (the
-    /// job builder refuses such jobs first, JOB-1).
-    #[error("{strategy} is a data-parallel strategy: it does not run in block or pipeline jobs")]
-    NotSplittable {
-        /// The strategy.
-        strategy: &'static str,
-    },
     /// This rank's optimizer shard is not the one its place in the group owns: the group
     /// changed and the state was not restored onto it (a runtime bug, not a user error).
     #[error(

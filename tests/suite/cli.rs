@@ -374,6 +374,31 @@ fn bench_tensor_reports_megatron_s_all_reduce_bytes_as_json() {
 }
 
 #[test]
+fn bench_tensor_over_a_mesh_reports_bytes_per_rank_against_the_zero_formula() {
+    // The recipe's model over dp 2 × pp 2 × tp 2 with ZeRO-1 in f32, against one device.
+    let (code, stdout, stderr) = run(&[
+        "bench", "tensor", "--dp", "2", "--pp", "2", "--tp", "2", "--zero", "1", "--layers",
+        "1", "--hidden", "16", "--heads", "2", "--seq", "8", "--batch", "8", "--micro-batches",
+        "2", "--steps", "2", "--repeats", "1", "--json",
+    ]);
+    assert_eq!(code, Some(0), "stderr:\n{stderr}");
+    let line = stdout.lines().last().expect("one JSON line");
+    let f: serde_json::Value = serde_json::from_str(line).expect("the line is JSON");
+    let num = |key: &str| f[key].as_f64().unwrap_or_else(|| panic!("{key} in {line}"));
+    assert!(num("samples_per_s") > 0.0 && num("one_device_samples_per_s") > 0.0);
+    // The fullest rank holds its stage's tp slices: less than half the model.
+    assert!(num("rank_elements") * 2.0 < num("elements"), "{line}");
+    // f32 parameters and gradients whole on the rank (ZeRO-1), Adam's moments over dp 2:
+    // the formula's bytes for the rank's own elements, exactly.
+    assert_eq!(num("param_bytes"), num("formula_param_bytes"), "{line}");
+    assert_eq!(num("grad_bytes"), num("formula_grad_bytes"), "{line}");
+    let optim = num("optim_bytes") / num("formula_optim_bytes");
+    assert!((0.99..1.01).contains(&optim), "{line}");
+    // The same model trained two ways (f32): the losses agree.
+    assert!(num("loss_max_rel_diff") < 1e-5, "{line}");
+}
+
+#[test]
 fn bench_comm_efficiency_prints_one_json_line_per_method_and_draws_the_curves() {
     let dir = scratch("bench-comm");
     let svg = dir.join("comm.svg");

@@ -620,25 +620,7 @@ async fn f16_resumed_job_continues_its_loss_scale() {
 }
 
 #[test]
-fn sixteen_bit_gradients_are_refused_with_blocks_and_bad_scalers_are_refused() {
-    // Unseeded draws, but draws all the same: not in the middle of another test's.
-    let parts = {
-        let _draw = draw_lock();
-        meshwork::demo::mlp_blocks(&[8, 16, 3], BlockOptions::default(), &Device::flex())
-            .expect("blocks")
-    };
-    let r = Job::builder()
-        .blocks(parts)
-        .data(fixture().data())
-        .batch_size(8)
-        .precision(Precision::Bf16)
-        .low_precision_gradients(true)
-        .build();
-    assert!(
-        matches!(&r, Err(Error::Refused(e)) if e.features() == [Feature::Blocks, Feature::LowPrecisionGradients]),
-        "{:?}",
-        r.err()
-    );
+fn bad_scalers_are_refused() {
     let r = builder(fixture().initial_model(), mse_loss, Precision::F16, 1)
         .loss_scaler(LossScalerConfig::default().growth_interval(0))
         .build();

@@ -15,6 +15,7 @@ use meshwork::events::StepDone;
 use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
 use meshwork::job::{Job, JobBuilder, PipelineModel};
 use meshwork::optim::LearningRate;
+use meshwork::parallel::compress::Compression;
 use meshwork::parallel::pipeline::Schedule;
 use meshwork::parallel::zero::ZeroStage;
 use meshwork::recovery::RecoveryPolicy;
@@ -37,6 +38,8 @@ const LR: f64 = 0.1;
 /// device does; f32 rounding of that order stays near 1e-7 relative after 10 steps).
 const TOLERANCE: f32 = 1e-5;
 const BOUND: Duration = Duration::from_secs(180);
+/// 16-bit compute: the same operations in another grouping round differently.
+const LOW_TOL: f32 = 2e-2;
 
 /// A window of `context + 1` tokens.
 #[derive(Debug, Clone)]
@@ -541,6 +544,7 @@ struct Composed {
     clip: Option<f32>,
     accumulate: u32,
     warmup_cosine: bool,
+    compression: Compression,
 }
 
 impl Composed {
@@ -552,6 +556,7 @@ impl Composed {
             clip: None,
             accumulate: 1,
             warmup_cosine: false,
+            compression: Compression::None,
         }
     }
 
@@ -567,6 +572,7 @@ impl Composed {
         let mut b = builder(self.layout, init)
             .zero(self.zero)
             .gradient_accumulation(self.accumulate)
+            .compression(self.compression)
             .learning_rate_schedule(self.learning_rate());
         if let Some(c) = self.clip {
             b = b.clip_grad_norm(c);
@@ -582,8 +588,8 @@ impl Composed {
     /// and split over every rank (each rank's tensor-parallel group all-reduced; under ZeRO,
     /// each (stage, tp rank)'s optimizer state partitioned over its data-parallel group;
     /// under ZeRO-3, its parameters too). A clip that changed nothing proves nothing: the
-    /// unclipped one-device loop must end elsewhere.
-    async fn equals_one_device(&self) {
+    /// unclipped one-device loop must end elsewhere. Returns the steps.
+    async fn equals_one_device(&self) -> Vec<StepDone> {
         let init = initial();
         let (trained, events) = run(self.job(&init)).await;
         let steps = steps_of(&events);
@@ -607,6 +613,7 @@ impl Composed {
             "{}: bitwise repeatable",
             self.name
         );
+        steps
     }
 
     fn assert_split(&self, init: &Gpt, steps: &[StepDone]) {
@@ -734,9 +741,11 @@ async fn the_recipe_in_f32_equals_one_device() {
 /// The GPT in `precision` over `layout` (f16 from a loss scale of 2^20, so the first steps
 /// overflow and are skipped), and the same on one device (tp 1, one stage, the same
 /// micro-batches through accumulation: f16's overflow depends on what one backward sums).
+/// `split` adds settings to the split job only.
 async fn low_precision_pair(
     layout: Layout,
     precision: meshwork::precision::Precision,
+    split: impl Fn(JobBuilder<PipelineModel, Window>) -> JobBuilder<PipelineModel, Window>,
 ) -> ((Gpt, Vec<StepDone>), (Gpt, Vec<StepDone>)) {
     let init = initial();
     let scaler = meshwork::precision::LossScalerConfig {
@@ -748,10 +757,12 @@ async fn low_precision_pair(
             .precision(precision)
             .loss_scaler(scaler)
             .gradient_accumulation(accumulate)
-            .build()
+    };
+    let built = |b: JobBuilder<PipelineModel, Window>| {
+        b.build()
             .unwrap_or_else(|e| panic!("{layout:?} {precision:?}: {e}"))
     };
-    let (split, events) = run(job(layout, 1)).await;
+    let (split_model, events) = run(built(split(job(layout, 1)))).await;
     let one = Layout {
         dp: 1,
         pp: 1,
@@ -759,8 +770,8 @@ async fn low_precision_pair(
     };
     // The same micro-batches: each replica's share, in the schedule's micro-batches.
     let micro = if layout.pp > 1 { 2 } else { 1 } * layout.dp;
-    let (whole, one_events) = run(job(one, micro)).await;
-    ((split, steps_of(&events)), (whole, steps_of(&one_events)))
+    let (whole, one_events) = run(built(job(one, micro))).await;
+    ((split_model, steps_of(&events)), (whole, steps_of(&one_events)))
 }
 
 /// tp × bf16 and f16, pipelines × f16: the split job equals the one-device job computing in
@@ -771,8 +782,6 @@ async fn low_precision_pair(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tp_and_pipelines_in_bf16_and_f16_equal_one_device() {
     use meshwork::precision::Precision;
-    /// 16-bit compute: the same operations in another grouping round differently.
-    const LOW_TOL: f32 = 2e-2;
     for (layout, precision) in [
         (
             Layout {
@@ -823,7 +832,7 @@ async fn tp_and_pipelines_in_bf16_and_f16_equal_one_device() {
             Precision::F16,
         ),
     ] {
-        let ((split, steps), (whole, one_steps)) = low_precision_pair(layout, precision).await;
+        let ((split, steps), (whole, one_steps)) = low_precision_pair(layout, precision, |b| b).await;
         let worst = compare_parameters(&split, &whole, LOW_TOL)
             .unwrap_or_else(|e| panic!("{layout:?} {precision:?}: {e}"));
         println!("{layout:?} {precision:?}: worst relative difference {worst:e}");
@@ -844,11 +853,168 @@ async fn tp_and_pipelines_in_bf16_and_f16_equal_one_device() {
                 "{layout:?}: the mesh skipped what one device skipped"
             );
         }
-        let ((again, _), _) = low_precision_pair(layout, precision).await;
+        let ((again, _), _) = low_precision_pair(layout, precision, |b| b).await;
         assert_eq!(
             parameter_bits(&again),
             parameter_bits(&split),
             "{layout:?} {precision:?}: bitwise repeatable"
         );
     }
+}
+
+/// `low_precision_gradients` over blocks and pipelines (issue 25): each block's reduction
+/// (an all-reduce, or ZeRO-2's reduce-scatter) travels in bf16, 2 bytes an element of the
+/// rank's blocks in its trace, and the job stays within `LOW_TOL` · max|ref| of one device
+/// computing in bf16, bitwise repeatable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sixteen_bit_gradients_over_blocks_and_pipelines_equal_one_device() {
+    use meshwork::precision::Precision;
+    use meshwork::trace::TraceKind;
+    let init = initial();
+    for (layout, zero) in [
+        (
+            Layout {
+                dp: 2,
+                pp: 1,
+                tp: 1,
+            },
+            ZeroStage::Off,
+        ),
+        (
+            Layout {
+                dp: 2,
+                pp: 2,
+                tp: 1,
+            },
+            ZeroStage::Two,
+        ),
+    ] {
+        let sixteen = |b: JobBuilder<PipelineModel, Window>| b.low_precision_gradients(true).zero(zero);
+        let ((split, steps), (whole, _)) =
+            low_precision_pair(layout, Precision::Bf16, sixteen).await;
+        let worst = compare_parameters(&split, &whole, LOW_TOL)
+            .unwrap_or_else(|e| panic!("{layout:?} {zero:?}: {e}"));
+        println!("{layout:?} {zero:?}, 16-bit gradients: worst relative difference {worst:e}");
+        let last = steps.last().expect("steps ran");
+        assert_eq!(last.replicas.len(), (layout.dp * layout.pp) as usize);
+        for r in &last.replicas {
+            let held: usize = (0..CONFIG.blocks())
+                .filter(|b| b % layout.pp as usize == r.stage.stage as usize)
+                .map(|b| held_elements(&init, 1, 0)[b])
+                .sum();
+            let bytes: u64 = r
+                .trace
+                .iter()
+                .filter_map(|t| match t.kind {
+                    TraceKind::AllReduce { bytes } | TraceKind::ReduceScatter { bytes } => {
+                        Some(bytes)
+                    }
+                    _ => None,
+                })
+                .sum();
+            assert_eq!(
+                bytes,
+                2 * held as u64,
+                "{layout:?} {zero:?}: rank {} reduced its blocks' gradients in 16 bits",
+                r.rank.0
+            );
+        }
+        let ((again, _), _) = low_precision_pair(layout, Precision::Bf16, sixteen).await;
+        assert_eq!(
+            parameter_bits(&again),
+            parameter_bits(&split),
+            "{layout:?} {zero:?}: bitwise repeatable"
+        );
+    }
+}
+
+/// Compression over blocks and pipelines (issue 25, CSYNC-4): each block reduces through its
+/// own compressor. Its exact limits — top-k of every element, PowerSGD at full rank — equal
+/// one device, and top-k's traffic is each block's all-gather of every (index, value) pair
+/// (`Compression::predicted_bytes` of the block); bf16 moves 2 bytes an element, and like
+/// the others is bitwise repeatable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compression_over_blocks_and_pipelines() {
+    use meshwork::trace::TraceKind;
+    let init = initial();
+    let everything = Compression::TopK { fraction: 1.0 };
+    for c in [
+        Composed {
+            compression: everything,
+            ..Composed::new("dp 2 blocks, top-k 1.0", 2, 1, 1)
+        },
+        Composed {
+            compression: everything,
+            ..Composed::new("dp 2 × pp 2, top-k 1.0", 2, 2, 1)
+        },
+        Composed {
+            compression: Compression::PowerSgd {
+                rank: 64,
+                start_after: 0,
+            },
+            ..Composed::new("dp 2 × pp 2, PowerSGD full rank", 2, 2, 1)
+        },
+    ] {
+        let steps = c.equals_one_device().await;
+        if c.compression != everything {
+            continue;
+        }
+        let Layout { dp, pp, .. } = c.layout;
+        for s in &steps {
+            for r in &s.replicas {
+                let want: u64 = (0..CONFIG.blocks())
+                    .filter(|b| b % pp as usize == r.stage.stage as usize)
+                    .map(|b| {
+                        everything.predicted_bytes(&[vec![held_elements(&init, 1, 0)[b]]], dp as usize)
+                    })
+                    .sum();
+                let gathered: u64 = r
+                    .trace
+                    .iter()
+                    .filter_map(|t| match t.kind {
+                        TraceKind::AllGather { bytes } => Some(bytes),
+                        TraceKind::AllReduce { .. } | TraceKind::ReduceScatter { .. } => {
+                            panic!("{}: an uncompressed reduction", c.name)
+                        }
+                        _ => None,
+                    })
+                    .sum();
+                assert_eq!(gathered, want, "{}: step {} rank {}", c.name, s.step, r.rank.0);
+            }
+        }
+    }
+    // bf16: lossy, so no one-device equality; its traffic and its repeatability.
+    let bf16 = |init: &Gpt| {
+        builder(
+            Layout {
+                dp: 2,
+                pp: 2,
+                tp: 1,
+            },
+            init,
+        )
+        .compression(Compression::Bf16)
+        .build()
+        .expect("bf16 compression over a pipeline")
+    };
+    let (trained, events) = run(bf16(&init)).await;
+    for s in steps_of(&events) {
+        for r in &s.replicas {
+            let held: usize = (0..CONFIG.blocks())
+                .filter(|b| b % 2 == r.stage.stage as usize)
+                .map(|b| held_elements(&init, 1, 0)[b])
+                .sum();
+            let bytes: u64 = r
+                .trace
+                .iter()
+                .filter_map(|t| match t.kind {
+                    TraceKind::AllReduce { bytes } => Some(bytes),
+                    _ => None,
+                })
+                .sum();
+            assert_eq!(bytes, 2 * held as u64, "bf16: 2 bytes an element");
+        }
+    }
+    let (again, _) = run(bf16(&init)).await;
+    assert_eq!(parameter_bits(&again), parameter_bits(&trained), "bf16: bitwise repeatable");
 }

@@ -174,7 +174,7 @@ pub(crate) enum BenchCommand {
         /// Sequence length.
         #[arg(long, default_value_t = 64)]
         seq: usize,
-        /// Sequences per step (one micro-batch).
+        /// Sequences per step (one micro-batch; with a mesh, the global batch).
         #[arg(long, default_value_t = 8)]
         batch: usize,
         /// Steps per run; the first two (one of two, none of one) are warm-up, not timed.
@@ -183,6 +183,27 @@ pub(crate) enum BenchCommand {
         /// Alternated runs of each side; the median is reported.
         #[arg(long, default_value_t = 3)]
         repeats: usize,
+        /// Data-parallel replicas. Any of --dp, --pp, --zero or --precision switches to the
+        /// recipe's model: the demo GPT on the KJV text with Adam over dp × pp × tp, against
+        /// one device at the same global batch, with the bytes per rank against the ZeRO
+        /// paper's formula.
+        #[arg(long)]
+        dp: Option<u32>,
+        /// Pipeline stages (the GPT's blocks interleaved over them).
+        #[arg(long)]
+        pp: Option<u32>,
+        /// ZeRO stage, 0 to 3.
+        #[arg(long)]
+        zero: Option<u8>,
+        /// Compute precision: f32, bf16 or f16.
+        #[arg(long)]
+        precision: Option<meshwork::precision::Precision>,
+        /// GPT layers (with a mesh).
+        #[arg(long, default_value_t = 2)]
+        layers: usize,
+        /// Micro-batches per replica's step (with --pp > 1).
+        #[arg(long, default_value_t = 4)]
+        micro_batches: u32,
         /// Draw the layer's column/row split over the ranks as an SVG picture into this file.
         #[arg(long)]
         svg: Option<std::path::PathBuf>,
@@ -399,9 +420,34 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             batch,
             steps,
             repeats,
+            dp,
+            pp,
+            zero,
+            precision,
+            layers,
+            micro_batches,
             svg,
             json,
         } => {
+            if dp.is_some() || pp.is_some() || zero.is_some() || precision.is_some() {
+                let f = crate::layout_bench::run(&crate::layout_bench::LayoutBench {
+                    dp: dp.unwrap_or(1),
+                    pp: pp.unwrap_or(1),
+                    tp,
+                    zero: zero.unwrap_or(0),
+                    precision: precision.unwrap_or(meshwork::precision::Precision::F32),
+                    layers,
+                    hidden,
+                    heads,
+                    seq,
+                    batch,
+                    micro_batches,
+                    steps,
+                    repeats,
+                })?;
+                crate::layout_bench::print(&f, json);
+                return Ok(());
+            }
             let f = crate::tensor_bench::run(&crate::tensor_bench::TensorBench {
                 tp,
                 hidden,

@@ -20,6 +20,7 @@ mod comm_svg;
 mod demo_job;
 mod dp_bench;
 mod gpt_train;
+mod layout_bench;
 mod memory_bench;
 mod memory_svg;
 mod pipeline_bench;

@@ -41,6 +41,9 @@ pub(crate) struct TypedStage<M: Module, I> {
     pub(super) input_grads: bool,
     /// What forward and backward compute in (MIX-1).
     pub(super) precision: Precision,
+    /// The type the block's gradient reduction travels in: `f32`, or the 16-bit compute type
+    /// with `.low_precision_gradients(true)` (COMM-5: reduced in `f32`, rounded once).
+    pub(super) gradient_wire: Precision,
     /// The loss is multiplied by this before backward (MIX-2).
     pub(super) loss_scale: f32,
     /// The rank's tensor-parallel group (a group of one unless the block is
@@ -132,6 +135,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
             recompute: false,
             input_grads: true,
             precision: Precision::F32,
+            gradient_wire: Precision::F32,
             loss_scale: 1.0,
             tp: Arc::new(TensorParallel::single()),
             split: None,
@@ -474,7 +478,8 @@ impl<M: Module + 'static, I: 'static> BlockStep<I> for TypedStage<M, I> {
         let collective = self
             .sync
             .start_reduce(&self.model, grads, rank_of)
-            .map_err(sync_failed)?;
+            .map_err(sync_failed)?
+            .travelling_as(self.gradient_wire);
         // The flat gradient is held (queued or being reduced) until the result comes.
         self.grads_bytes = 4 * self.param_len as u64;
         Ok(collective)
@@ -660,8 +665,16 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         self.lr.restore(state)
     }
 
-    fn shard_optimizer(&mut self, stage: ZeroStage) -> Result<(), UnsupportedOptimizer> {
+    fn set_reduction(
+        &mut self,
+        stage: ZeroStage,
+        compression: crate::parallel::compress::Compression,
+    ) -> Result<(), UnsupportedOptimizer> {
         self.shards_params = stage.shards_parameters();
+        if compression.is_on() {
+            self.sync = sync::compressed(compression, &self.model, &self.optimizer, 0, 1);
+            return Ok(());
+        }
         self.sync = sync::for_stage(
             stage,
             &self.model,
@@ -674,8 +687,9 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         Ok(())
     }
 
-    fn set_precision(&mut self, precision: Precision) {
+    fn set_precision(&mut self, precision: Precision, gradients: Precision) {
         self.precision = precision;
+        self.gradient_wire = gradients;
     }
 
     fn set_tensor_parallel(&mut self, tp: &Arc<TensorParallel>) {

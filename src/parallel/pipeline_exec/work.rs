@@ -32,12 +32,18 @@ pub(crate) trait StageWork<I>: BlockStep<I> {
     /// Continue the learning-rate schedule from a snapshot's state (LR-2); nothing changes
     /// on an error.
     fn restore_lr(&mut self, state: Option<&LrSchedulerState>) -> Result<(), CheckpointError>;
-    /// Shard the block's optimizer state over its data-parallel group (ZeRO), before the
-    /// first step.
-    fn shard_optimizer(&mut self, stage: ZeroStage) -> Result<(), UnsupportedOptimizer>;
+    /// How the block's data-parallel group reduces and steps, before the first step: its
+    /// optimizer state sharded (ZeRO `stage`), or its gradients `compression`-compressed
+    /// (the job refuses both at once).
+    fn set_reduction(
+        &mut self,
+        stage: ZeroStage,
+        compression: crate::parallel::compress::Compression,
+    ) -> Result<(), UnsupportedOptimizer>;
     /// Run forward and backward in `precision` on a low-precision copy of the `f32` master
-    /// parameters (MIX-1); `f32` until called.
-    fn set_precision(&mut self, precision: Precision);
+    /// parameters (MIX-1), and reduce its gradients travelling as `gradients`' type (`f32`,
+    /// or the 16-bit type: `.low_precision_gradients(true)`); `f32` until called.
+    fn set_precision(&mut self, precision: Precision, gradients: Precision);
     /// Compute with this tensor-parallel group from now on (a rewired mesh's new
     /// generation); a no-op for a block that is not tensor-parallel.
     fn set_tensor_parallel(&mut self, tp: &Arc<TensorParallel>);

@@ -94,6 +94,7 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         Ok(Collective::AllReduce {
             buf: GradientBuffers::take(model, &self.layout, grads).into_flat(),
             buckets: bucket_ranges(&self.buckets, &self.layout),
+            wire: crate::precision::Precision::F32,
         })
     }
 

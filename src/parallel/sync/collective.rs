@@ -9,9 +9,12 @@
 //!   bucket, in bucket order), so where it runs never changes a bit of the result.
 
 use std::ops::Range;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::comm::{CollectiveKind, CommError, Communicator, ReduceOp};
+use crate::comm::{CollectiveKind, CommError, Communicator};
+use crate::parallel::compress::{Compressor, Exchange};
+use crate::precision::Precision;
 use crate::trace::TraceKind;
 
 /// A collective on plain buffers, with what it needs to know about its output.
@@ -30,6 +33,8 @@ pub(crate) enum Collective {
         flat: Vec<f32>,
         /// This rank's chunk's length.
         out: usize,
+        /// The type the gradients travel in (`f32`, or a 16-bit type: COMM-5).
+        wire: Precision,
     },
     /// All-reduce (sum) `buf` in place, one call per range of `buckets`, in order.
     AllReduce {
@@ -37,6 +42,18 @@ pub(crate) enum Collective {
         buf: Vec<f32>,
         /// The buckets, consecutive ranges of `buf`.
         buckets: Vec<Range<usize>>,
+        /// The type the gradients travel in (`f32`, or a 16-bit type: COMM-5).
+        wire: Precision,
+    },
+    /// Reduce (sum) `buf` in place through a compressor: its own collectives (a 16-bit
+    /// all-reduce, top-k's all-gather, PowerSGD's two all-reduces), the part not sent kept
+    /// in its residual (error feedback). Shared with the synchronisation that owns it, which
+    /// reads its state for checkpoints; one collective at a time uses it.
+    Compressed {
+        /// The whole buffer.
+        buf: Vec<f32>,
+        /// The rank's compressor for this buffer.
+        compressor: Arc<Mutex<Compressor>>,
     },
 }
 
@@ -49,8 +66,24 @@ impl Collective {
         match self {
             Collective::AllGather { .. } => CollectiveKind::AllGather,
             Collective::ReduceScatter { .. } => CollectiveKind::ReduceScatter,
-            Collective::AllReduce { .. } => CollectiveKind::AllReduce,
+            Collective::AllReduce { .. } | Collective::Compressed { .. } => {
+                CollectiveKind::AllReduce
+            }
         }
+    }
+
+    /// The same collective with its gradients travelling as `wire`'s type
+    /// (`.low_precision_gradients(true)` in a block job); a gather stays `f32`.
+    pub(crate) fn travelling_as(mut self, to: Precision) -> Self {
+        match &mut self {
+            Collective::AllGather { .. } => {}
+            Collective::ReduceScatter { wire, .. } | Collective::AllReduce { wire, .. } => {
+                *wire = to;
+            }
+            // The compressor chose its own wire.
+            Collective::Compressed { .. } => {}
+        }
+        self
     }
 
     /// The bytes of the buffer the collective leaves behind (what its result holds).
@@ -58,19 +91,31 @@ impl Collective {
         4 * match self {
             Collective::AllGather { len, .. } => *len,
             Collective::ReduceScatter { out, .. } => *out,
-            Collective::AllReduce { buf, .. } => buf.len(),
+            Collective::AllReduce { buf, .. } | Collective::Compressed { buf, .. } => buf.len(),
         } as u64
     }
 
     /// Run on `comm` (COLL-1); alone (`None`, or a group of one) there is nothing to exchange
-    /// and the input is the result. Returns the output buffer and the span, if anything was
-    /// exchanged.
+    /// and the input is the result (a compressor still compresses: its residual is the same
+    /// alone). Returns the output buffer and a span per exchange.
     pub(crate) fn run(
         self,
         comm: Option<&mut Communicator>,
-    ) -> (Result<Vec<f32>, CommError>, Option<Span>) {
+    ) -> (Result<Vec<f32>, CommError>, Vec<Span>) {
+        if let Collective::Compressed {
+            mut buf,
+            compressor,
+        } = self
+        {
+            let mut on = OnComm::new(comm);
+            let r = compressor
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .reduce(&mut buf, &mut on);
+            return (r.map(|()| buf).map_err(|e| e.0), on.spans);
+        }
         let Some(comm) = comm.filter(|c| c.world() > 1) else {
-            return (Ok(self.alone()), None);
+            return (Ok(self.alone()), Vec::new());
         };
         let t = Instant::now();
         let (kind, result) = match self {
@@ -84,22 +129,27 @@ impl Collective {
                     r.map(|()| full),
                 )
             }
-            Collective::ReduceScatter { flat, out } => {
+            Collective::ReduceScatter { flat, out, wire } => {
                 let mut shard = vec![0.0f32; out];
-                let r = comm.reduce_scatter(&flat, &mut shard, ReduceOp::Sum);
-                let bytes = 4 * flat.len() as u64;
+                let r = super::reduce_scatter_as(comm, &flat, &mut shard, wire);
+                let bytes = wire_bytes(wire) * flat.len() as u64;
                 drop(flat);
                 (TraceKind::ReduceScatter { bytes }, r.map(|()| shard))
             }
-            Collective::AllReduce { mut buf, buckets } => {
+            Collective::AllReduce {
+                mut buf,
+                buckets,
+                wire,
+            } => {
                 let r = buckets
                     .iter()
-                    .try_for_each(|b| comm.all_reduce(&mut buf[b.clone()], ReduceOp::Sum));
-                let bytes = 4 * buf.len() as u64;
+                    .try_for_each(|b| super::all_reduce_as(comm, &mut buf[b.clone()], wire));
+                let bytes = wire_bytes(wire) * buf.len() as u64;
                 (TraceKind::AllReduce { bytes }, r.map(|()| buf))
             }
+            Collective::Compressed { .. } => unreachable!("run above"),
         };
-        (result, Some((kind, t, t.elapsed())))
+        (result, vec![(kind, t, t.elapsed())])
     }
 
     /// The result in a group of one.
@@ -107,7 +157,81 @@ impl Collective {
         match self {
             Collective::AllGather { shard, .. } => shard,
             Collective::ReduceScatter { flat, .. } => flat,
-            Collective::AllReduce { buf, .. } => buf,
+            Collective::AllReduce { buf, .. } | Collective::Compressed { buf, .. } => buf,
         }
     }
+}
+
+/// Why a compressor's exchange failed: the collective, or what a peer sent.
+#[derive(Debug)]
+pub(crate) struct Exchanged(pub(crate) CommError);
+
+impl From<CommError> for Exchanged {
+    fn from(e: CommError) -> Self {
+        Exchanged(e)
+    }
+}
+
+impl From<crate::parallel::compress::CompressError> for Exchanged {
+    fn from(e: crate::parallel::compress::CompressError) -> Self {
+        Exchanged(CommError::Malformed {
+            op: CollectiveKind::AllGather,
+            reason: e.to_string(),
+        })
+    }
+}
+
+/// A group's communicator as a compressor's [`Exchange`], a span per collective (CSYNC-1);
+/// alone (`None`, or a group of one), nothing is exchanged.
+pub(crate) struct OnComm<'a> {
+    comm: Option<&'a mut Communicator>,
+    /// The spans of the collectives run so far.
+    pub(crate) spans: Vec<Span>,
+}
+
+impl<'a> OnComm<'a> {
+    pub(crate) fn new(comm: Option<&'a mut Communicator>) -> Self {
+        Self {
+            comm: comm.filter(|c| c.world() > 1),
+            spans: Vec::new(),
+        }
+    }
+}
+
+impl Exchange for OnComm<'_> {
+    type Error = Exchanged;
+
+    fn world(&self) -> usize {
+        self.comm.as_ref().map_or(1, |c| c.world())
+    }
+
+    fn all_reduce(&mut self, buf: &mut [f32], wire: Precision) -> Result<(), Exchanged> {
+        let Some(comm) = self.comm.as_deref_mut() else {
+            return Ok(());
+        };
+        let t = Instant::now();
+        super::all_reduce_as(comm, buf, wire)?;
+        let bytes = wire_bytes(wire) * buf.len() as u64;
+        self.spans
+            .push((TraceKind::AllReduce { bytes }, t, t.elapsed()));
+        Ok(())
+    }
+
+    fn all_gather(&mut self, mine: &[f32], out: &mut [f32]) -> Result<(), Exchanged> {
+        let Some(comm) = self.comm.as_deref_mut() else {
+            out.copy_from_slice(mine);
+            return Ok(());
+        };
+        let t = Instant::now();
+        comm.all_gather(mine, out)?;
+        let bytes = 4 * out.len() as u64;
+        self.spans
+            .push((TraceKind::AllGather { bytes }, t, t.elapsed()));
+        Ok(())
+    }
+}
+
+/// The bytes one element takes in `wire`'s type.
+fn wire_bytes(wire: Precision) -> u64 {
+    if wire.is_low() { 2 } else { 4 }
 }

@@ -18,10 +18,13 @@
 //!   (each sum in `f32`, rounded once, COMM-5); the TCP transport sends final values as 2
 //!   bytes per element and ring partial sums as `f32` (TCP-7). Top-k's indices ride bit-cast
 //!   in `f32` words of an all-gather, which copies them untouched.
-//! - Compression is a data-parallel strategy only: the block executor's split reduction
-//!   (`start_reduce`) answers [`SyncError::NotSplittable`]; the job builder refuses
-//!   compression with blocks and pipelines first (JOB-1).
+//! - CSYNC-4: in block and pipeline jobs each block has its own `CompressedSync` (its
+//!   compressor over the block's parameters, its residual in the block's checkpoint part);
+//!   the split reduction hands the compressor to the executor inside the collective
+//!   (`Collective::Compressed`, shared, used by one collective at a time), so where it runs
+//!   changes no bit (COLL-1) and the reduction is the one `reduce` runs.
 
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
@@ -29,20 +32,21 @@ use burn::module::Module;
 use burn::optim::GradientsParams;
 use serde::{Deserialize, Serialize};
 
+use super::collective::OnComm;
 use super::{
     AllReduceSync, Collective, GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext,
-    SyncError, all_reduce_as, clip_by_global_norm, overflow_in_group, rank_part,
+    SyncError, clip_by_global_norm, overflow_in_group, rank_part,
 };
 use crate::checkpoint::{CheckpointError, OptimizerState};
-use crate::parallel::compress::{Compression, Compressor, CompressorState, Exchange};
+use crate::parallel::compress::{Compression, Compressor, CompressorState};
 use crate::parallel::gradients::{GradientBuffers, ParamLayout};
-use crate::precision::Precision;
 use crate::trace::TraceKind;
 
 /// Plain data parallelism with compressed gradients and error feedback.
 pub(crate) struct CompressedSync {
     inner: AllReduceSync,
-    compressor: Compressor,
+    /// Shared with a block executor's collective while it runs (CSYNC-4).
+    compressor: Arc<Mutex<Compressor>>,
     /// This rank's place in the group it last stepped or restored in (a checkpoint part is
     /// keyed by it).
     place: (usize, usize),
@@ -50,7 +54,7 @@ pub(crate) struct CompressedSync {
 
 impl std::fmt::Debug for CompressedSync {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CompressedSync({})", self.compressor.scheme())
+        write!(f, "CompressedSync({})", self.compressor().scheme())
     }
 }
 
@@ -71,10 +75,27 @@ impl CompressedSync {
         world: usize,
     ) -> Self {
         Self {
-            compressor: Compressor::new(scheme, &shapes(&inner)),
+            compressor: Arc::new(Mutex::new(Compressor::new(scheme, &shapes(&inner)))),
             inner,
             place: (rank, world),
         }
+    }
+
+    /// The compressor (no collective holds it between a reduction's halves).
+    fn compressor(&self) -> MutexGuard<'_, Compressor> {
+        self.compressor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Note what a rank holds when its reduction starts, as rank `place` of the group.
+    fn start(&mut self, place: (usize, usize)) {
+        let whole = 4 * self.inner.layout.len() as u64;
+        self.inner.held.params = whole;
+        self.inner.held.grads = whole;
+        self.inner.held.grads_backward = whole;
+        self.inner.held.owned = (0, self.inner.layout.len() as u64);
+        self.place = place;
     }
 }
 
@@ -88,47 +109,6 @@ fn shapes(inner: &AllReduceSync) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// The group's communicator as a compressor's [`Exchange`], recording a span per collective
-/// (CSYNC-1). Alone, nothing is exchanged.
-struct OnGroup<'a, 'b> {
-    cx: &'a mut SyncContext<'b>,
-}
-
-impl Exchange for OnGroup<'_, '_> {
-    type Error = SyncError;
-
-    fn world(&self) -> usize {
-        self.cx.world()
-    }
-
-    fn all_reduce(&mut self, buf: &mut [f32], wire: Precision) -> Result<(), SyncError> {
-        let Some(comm) = self.cx.comm.as_deref_mut().filter(|c| c.world() > 1) else {
-            return Ok(());
-        };
-        let t = Instant::now();
-        all_reduce_as(comm, buf, wire)?;
-        let bytes = (buf.len() * if wire.is_low() { 2 } else { 4 }) as u64;
-        self.cx
-            .spans
-            .push((TraceKind::AllReduce { bytes }, t, t.elapsed()));
-        Ok(())
-    }
-
-    fn all_gather(&mut self, mine: &[f32], out: &mut [f32]) -> Result<(), SyncError> {
-        let Some(comm) = self.cx.comm.as_deref_mut().filter(|c| c.world() > 1) else {
-            out.copy_from_slice(mine);
-            return Ok(());
-        };
-        let t = Instant::now();
-        comm.all_gather(mine, out)?;
-        let bytes = 4 * out.len() as u64;
-        self.cx
-            .spans
-            .push((TraceKind::AllGather { bytes }, t, t.elapsed()));
-        Ok(())
-    }
-}
-
 fn optimizer_error(reason: String) -> CheckpointError {
     CheckpointError::Optimizer { reason }
 }
@@ -140,17 +120,15 @@ impl<M: Module> GradientSync<M> for CompressedSync {
         grads: GradientsParams,
         cx: &mut SyncContext<'_>,
     ) -> Result<Reduced, SyncError> {
+        self.start((cx.rank(), cx.world()));
         let layout: &ParamLayout = &self.inner.layout;
-        let whole = 4 * layout.len() as u64;
-        self.inner.held.params = whole;
-        self.inner.held.grads = whole;
-        self.inner.held.grads_backward = whole;
-        self.inner.held.owned = (0, layout.len() as u64);
-        self.place = (cx.rank(), cx.world());
         let t = Instant::now();
         let mut flat = GradientBuffers::take(model, layout, grads).into_flat();
         cx.spans.push((TraceKind::Flatten, t, t.elapsed()));
-        self.compressor.reduce(&mut flat, &mut OnGroup { cx })?;
+        let mut on = OnComm::new(cx.comm.as_deref_mut());
+        let reduced = self.compressor().reduce(&mut flat, &mut on);
+        cx.spans.extend(on.spans);
+        reduced.map_err(|e| SyncError::Comm(e.0))?;
         if cx.scale != 1.0 {
             flat.iter_mut().for_each(|g| *g *= cx.scale);
         }
@@ -177,23 +155,29 @@ impl<M: Module> GradientSync<M> for CompressedSync {
 
     fn start_reduce(
         &mut self,
-        _model: &M,
-        _grads: GradientsParams,
-        _rank_of: (usize, usize),
+        model: &M,
+        grads: GradientsParams,
+        rank_of: (usize, usize),
     ) -> Result<Collective, SyncError> {
-        Err(SyncError::NotSplittable {
-            strategy: "gradient compression",
+        self.start(rank_of);
+        Ok(Collective::Compressed {
+            buf: GradientBuffers::take(model, &self.inner.layout, grads).into_flat(),
+            compressor: self.compressor.clone(),
         })
     }
 
     fn finish_reduce(
         &mut self,
-        _out: Vec<f32>,
-        _scale: f32,
+        mut out: Vec<f32>,
+        scale: f32,
         _rank_of: (usize, usize),
     ) -> Result<Reduced, SyncError> {
-        Err(SyncError::NotSplittable {
-            strategy: "gradient compression",
+        if scale != 1.0 {
+            out.iter_mut().for_each(|g| *g *= scale);
+        }
+        Ok(Reduced {
+            grads: ReducedGrads::Buffers(GradientBuffers::from_flat(&self.inner.layout, out)),
+            non_finite: false,
         })
     }
 
@@ -205,7 +189,7 @@ impl<M: Module> GradientSync<M> for CompressedSync {
             .to_vec();
         let saved = SavedState {
             optimizer,
-            compressor: self.compressor.state(),
+            compressor: self.compressor().state(),
         };
         let bytes = bincode::serde::encode_to_vec(&saved, bincode::config::standard())
             .map_err(|e| optimizer_error(format!("encoding the compression state: {e}")))?;
@@ -222,7 +206,8 @@ impl<M: Module> GradientSync<M> for CompressedSync {
         let Some(parts) = state.parts() else {
             // Written without compression: the optimizer, and a fresh compressor.
             self.inner.optimizer = state.restore(self.inner.optimizer.clone())?;
-            self.compressor = Compressor::new(self.compressor.scheme(), &shapes(&self.inner));
+            let fresh = Compressor::new(self.compressor().scheme(), &shapes(&self.inner));
+            *self.compressor() = fresh;
             return Ok(());
         };
         let mut saved = parts
@@ -285,14 +270,14 @@ impl<M: Module> GradientSync<M> for CompressedSync {
         let optimizer = std::mem::take(&mut state.optimizer);
         self.inner.optimizer =
             OptimizerState::from_bytes(optimizer).restore(self.inner.optimizer.clone())?;
-        self.compressor
+        self.compressor()
             .restore(state.compressor)
             .map_err(|e| optimizer_error(e.to_string()))
     }
 
     fn held(&self) -> HeldBytes {
         let mut held = <AllReduceSync as GradientSync<M>>::held(&self.inner);
-        held.optimizer += 4 * self.compressor.state_words() as u64;
+        held.optimizer += 4 * self.compressor().state_words() as u64;
         held
     }
 }

@@ -188,6 +188,7 @@ impl<M: Module> GradientSync<M> for ShardedSync {
         Ok(Collective::ReduceScatter {
             flat,
             out: range.len(),
+            wire: crate::precision::Precision::F32,
         })
     }
 

@@ -194,10 +194,12 @@ impl<M: Module> GradientSync<M> for ZeroSync {
             ZeroStage::Two if world > 1 => Collective::ReduceScatter {
                 flat,
                 out: range.len(),
+                wire: crate::precision::Precision::F32,
             },
             _ => Collective::AllReduce {
                 buf: flat,
                 buckets: bucket_ranges(&self.buckets, &self.layout),
+                wire: crate::precision::Precision::F32,
             },
         })
     }

@@ -127,6 +127,7 @@ impl BlockStep<u32> for FakeBlock {
         Ok(Collective::AllReduce {
             buf: vec![(self.rank + 1) as f32; SHARD],
             buckets: std::iter::once(0..SHARD).collect(),
+            wire: crate::precision::Precision::F32,
         })
     }
 
