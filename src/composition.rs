@@ -218,11 +218,6 @@ pub const REFUSALS: &[Refusal] = &[
     ),
     // Compression: a data-parallel reduction of its own.
     row(
-        &[Compression, Zero],
-        "ZeRO reduces (reduce-scatters) its own way",
-        "remove one of them",
-    ),
-    row(
         &[Compression, LowPrecisionGradients],
         "both narrow the gradient all-reduce",
         "use .compression(Compression::Bf16) alone",

@@ -55,6 +55,12 @@ fn the_common_combinations_pass() {
             Feature::ClipGradNorm,
         ]),
         set(&[Feature::Compression, Feature::Bf16, Feature::ClipGradNorm]),
+        set(&[Feature::Compression, Feature::Pipeline, Feature::Zero]),
+        set(&[
+            Feature::LowPrecisionGradients,
+            Feature::Blocks,
+            Feature::Bf16,
+        ]),
         set(&[Feature::LocalUpdates, Feature::Bf16]),
         set(&[Feature::ParameterServer, Feature::BackupWorkers]),
         set(&[Feature::AcrossProcesses, Feature::Pipeline, Feature::Zero]),
@@ -67,17 +73,17 @@ fn the_common_combinations_pass() {
 #[test]
 fn a_refusal_names_both_settings_its_reason_and_what_to_do() {
     let e = check(
-        &set(&[Feature::Compression, Feature::Pipeline]),
+        &set(&[Feature::LocalUpdates, Feature::Pipeline]),
         |f| match f {
-            Feature::Compression => "compression(topk:0.05)".into(),
+            Feature::LocalUpdates => "local_updates(diloco:4)".into(),
             f => f.to_string(),
         },
     )
     .unwrap_err();
-    assert_eq!(e.features(), &[Feature::Compression, Feature::Pipeline]);
+    assert_eq!(e.features(), &[Feature::LocalUpdates, Feature::Pipeline]);
     let m = e.to_string();
     assert!(
-        m.starts_with("compression(topk:0.05) with .pipeline(..) together: "),
+        m.starts_with("local_updates(diloco:4) with .pipeline(..) together: "),
         "{m}"
     );
     assert!(m.contains("give the model with .model(..)"), "{m}");

@@ -50,6 +50,7 @@ where
         // Every refused combination of strategies, from the one table (COMP-1).
         self.plan().check()?;
         self.compression.validate()?;
+        self.zero.with_compression(self.compression)?;
         if let Some(updates) = &self.local_updates {
             local_updates::check(updates, self.dp, self.steps)?;
         }

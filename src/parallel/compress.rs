@@ -442,12 +442,45 @@ impl Compressor {
         ex: &mut E,
         wire: Precision,
     ) -> Result<(), E::Error> {
+        self.round_into_residual(m, wire);
+        ex.all_reduce(m, wire)
+    }
+
+    /// `m` rounded to `wire`'s type, what rounding dropped kept in the residual.
+    fn round_into_residual(&mut self, m: &mut [f32], wire: Precision) {
         for (v, e) in m.iter_mut().zip(self.residual.iter_mut()) {
             let sent = round16(*v, wire);
             *e = *v - sent;
             *v = sent;
         }
-        ex.all_reduce(m, wire)
+    }
+
+    /// A 16-bit scheme's step without its exchange, for a caller that sums the result itself
+    /// (ZeRO-2's 16-bit reduce-scatter): `grad` becomes this rank's contribution, `g + e`
+    /// rounded to the scheme's type with what rounding dropped kept in the residual, exactly
+    /// what [`reduce`](Self::reduce) hands its all-reduce; returns that type. `None`, touching
+    /// nothing, for the schemes whose contribution is not a dense buffer to sum (top-k,
+    /// PowerSGD, none).
+    pub fn narrow_alone(&mut self, grad: &mut [f32]) -> Option<Precision> {
+        assert_eq!(
+            grad.len(),
+            self.len,
+            "the gradient has the compressor's layout"
+        );
+        let wire = match self.scheme {
+            Compression::Bf16 => Precision::Bf16,
+            Compression::F16 => Precision::F16,
+            _ => return None,
+        };
+        self.step += 1;
+        if self.residual.len() != self.len {
+            self.residual = vec![0.0; self.len];
+        }
+        grad.iter_mut()
+            .zip(&self.residual)
+            .for_each(|(g, e)| *g += e);
+        self.round_into_residual(grad, wire);
+        Some(wire)
     }
 
     fn top_k_reduce<E: Exchange>(&mut self, m: &mut [f32], ex: &mut E) -> Result<(), E::Error> {

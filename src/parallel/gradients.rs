@@ -419,6 +419,37 @@ pub(crate) fn trainable_range<M: Module>(
     r.out
 }
 
+/// The layout's slots met in `module`'s visit order, as [`ParamLayout::trainable`] met
+/// them (FLAT-2): the next trainable parameter takes the next slot, a tied parameter met
+/// again its first slot. By order, not by id: a module restored from a checkpoint carries
+/// the ids it was saved with (`checkpoint::restore_module`, so Burn's optimizer state
+/// applies), not those of the module the layout was read from (FLAT-3).
+struct SlotsInOrder<'a> {
+    slots: std::slice::Iter<'a, ParamSlot>,
+    met: std::collections::HashMap<ParamId, &'a ParamSlot>,
+}
+
+impl<'a> SlotsInOrder<'a> {
+    fn new(layout: &'a ParamLayout) -> Self {
+        Self {
+            slots: layout.slots.iter(),
+            met: std::collections::HashMap::new(),
+        }
+    }
+
+    fn slot<const D: usize>(&mut self, param: &Param<Tensor<D>>) -> Option<&'a ParamSlot> {
+        if let Some(s) = self.met.get(&param.id) {
+            return Some(s);
+        }
+        if !param.val().is_require_grad() {
+            return None;
+        }
+        let s = self.slots.next()?;
+        self.met.insert(param.id, s);
+        Some(s)
+    }
+}
+
 /// `module` with its trainable parameters set from `flat`, laid out as `layout`
 /// ([`ParamLayout::trainable`]); ids, devices and training state are kept, a tied weight
 /// gets its one range at every use.
@@ -429,15 +460,16 @@ pub(crate) fn set_trainable<M: Module>(module: M, layout: &ParamLayout, flat: &[
         "a flat buffer of the layout's length"
     );
     struct Write<'a> {
-        slots: std::collections::HashMap<ParamId, (Range<usize>, Shape)>,
+        slots: SlotsInOrder<'a>,
         flat: &'a [f32],
     }
     impl ModuleMapper for Write<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let Some((range, shape)) = self.slots.get(&param.id).cloned() else {
+            let Some(slot) = self.slots.slot(&param) else {
                 return param;
             };
-            let values = &self.flat[range];
+            let values = &self.flat[slot.range.clone()];
+            let shape = slot.shape.clone();
             param.map(|old| {
                 let device = old.device();
                 let grad = old.is_require_grad();
@@ -449,11 +481,7 @@ pub(crate) fn set_trainable<M: Module>(module: M, layout: &ParamLayout, flat: &[
         }
     }
     let mut w = Write {
-        slots: layout
-            .slots
-            .iter()
-            .map(|s| (s.id, (s.range.clone(), s.shape.clone())))
-            .collect(),
+        slots: SlotsInOrder::new(layout),
         flat,
     };
     module.map(&mut w)
@@ -463,12 +491,12 @@ pub(crate) fn set_trainable<M: Module>(module: M, layout: &ParamLayout, flat: &[
 /// dimension 0; ids, devices and training state kept): what a ZeRO-3 rank keeps of a block
 /// between uses. [`set_trainable`] gives them their values and shapes back.
 pub(crate) fn release_trainable<M: Module>(module: M, layout: &ParamLayout) -> M {
-    struct Empty {
-        ids: HashSet<ParamId>,
+    struct Empty<'a> {
+        slots: SlotsInOrder<'a>,
     }
-    impl ModuleMapper for Empty {
+    impl ModuleMapper for Empty<'_> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            if !self.ids.contains(&param.id) {
+            if self.slots.slot(&param).is_none() {
                 return param;
             }
             param.map(|old| {
@@ -481,7 +509,7 @@ pub(crate) fn release_trainable<M: Module>(module: M, layout: &ParamLayout) -> M
         }
     }
     module.map(&mut Empty {
-        ids: layout.slots.iter().map(|s| s.id).collect(),
+        slots: SlotsInOrder::new(layout),
     })
 }
 
@@ -555,5 +583,45 @@ impl Fingerprint {
 impl Default for Fingerprint {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::nn::{Linear, LinearConfig};
+
+    use super::*;
+
+    /// Every parameter of `module` with a fresh id, as a checkpoint restore leaves them.
+    fn new_ids(module: Linear) -> Linear {
+        struct Renew;
+        impl ModuleMapper for Renew {
+            fn map_float<const D: usize>(&mut self, mut p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                p.id = ParamId::new();
+                p
+            }
+        }
+        module.map(&mut Renew)
+    }
+
+    /// FLAT-3: a layout read before the ids changed still writes, releases and reads the
+    /// module, by order.
+    #[test]
+    fn flat_3_a_layout_meets_a_restored_module_by_order() {
+        let device = Device::flex().autodiff();
+        let module = LinearConfig::new(3, 2).init(&device);
+        let layout = ParamLayout::trainable(&module);
+        assert_eq!(layout.len(), 3 * 2 + 2, "weight and bias take part");
+        let module = new_ids(module);
+        let flat: Vec<f32> = (0..layout.len()).map(|i| i as f32).collect();
+        let written = set_trainable(module, &layout, &flat);
+        assert_eq!(trainable_range(&written, &layout, 0..layout.len()), flat);
+        let released = release_trainable(written, &layout);
+        assert!(
+            released.weight.val().shape().num_elements() == 0,
+            "released"
+        );
+        let back = set_trainable(released, &layout, &flat);
+        assert_eq!(trainable_range(&back, &layout, 0..layout.len()), flat);
     }
 }

@@ -523,6 +523,72 @@ pub(crate) trait GradientSync<M: Module>: Send {
     }
 }
 
+/// The synchronisation `stage` and `compression` ask for together, over `model`'s trainable
+/// parameters: `compressed` for a compressed job without ZeRO, ZeRO-1/2 with the compressor
+/// inside (ZSYNC-1), [`for_stage`] when nothing is compressed. `build` refuses the pairs that
+/// have no form ([`ZeroStage::with_compression`]).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn for_reduction<M: Module>(
+    stage: ZeroStage,
+    compression: super::compress::Compression,
+    model: &M,
+    optimizer: &OptimizerConfig,
+    bucket_elems: usize,
+    fuse_below: usize,
+    rank: usize,
+    world: usize,
+) -> Result<Box<dyn GradientSync<M>>, super::zero::UnsupportedOptimizer> {
+    if !compression.is_on() {
+        return for_stage(
+            stage,
+            model,
+            optimizer,
+            bucket_elems,
+            fuse_below,
+            rank,
+            world,
+        );
+    }
+    let layout = ParamLayout::trainable(model);
+    Ok(match stage {
+        ZeroStage::Off => compressed(compression, model, optimizer, rank, world),
+        ZeroStage::One | ZeroStage::Two => {
+            let compressor = super::compress::Compressor::new(
+                compression,
+                &sharded_optimizer::shapes_of(&layout),
+            );
+            let mut sync = zero_sync(stage, layout, Vec::new(), optimizer, rank, world)?;
+            sync.compressor = Some(std::sync::Arc::new(std::sync::Mutex::new(compressor)));
+            Box::new(sync)
+        }
+        ZeroStage::Three => {
+            unreachable!("build refuses compression with ZeRO-3 (ZeroStage::with_compression)")
+        }
+    })
+}
+
+/// ZeRO-1 or 2 over `layout`, rank `rank` of `world`, reducing uncompressed in `buckets`.
+fn zero_sync(
+    stage: ZeroStage,
+    layout: ParamLayout,
+    buckets: Vec<Bucket>,
+    optimizer: &OptimizerConfig,
+    rank: usize,
+    world: usize,
+) -> Result<ZeroSync, super::zero::UnsupportedOptimizer> {
+    Ok(ZeroSync {
+        stage,
+        shard: OptimizerShard::fresh(FlatRule::of(optimizer)?, layout.len(), world, rank),
+        restored: None,
+        layout,
+        buckets,
+        fusion: Vec::new(),
+        held: HeldBytes::default(),
+        compressor: None,
+        restored_compressors: None,
+    })
+}
+
 /// The synchronisation `stage` asks for, over `model`'s trainable parameters.
 pub(crate) fn for_stage<M: Module>(
     stage: ZeroStage,
@@ -545,15 +611,9 @@ pub(crate) fn for_stage<M: Module>(
             fusion: Vec::new(),
             held: HeldBytes::default(),
         }),
-        ZeroStage::One | ZeroStage::Two => Box::new(ZeroSync {
-            stage,
-            shard: OptimizerShard::fresh(FlatRule::of(optimizer)?, layout.len(), world, rank),
-            restored: None,
-            layout,
-            buckets,
-            fusion: Vec::new(),
-            held: HeldBytes::default(),
-        }),
+        ZeroStage::One | ZeroStage::Two => {
+            Box::new(zero_sync(stage, layout, buckets, optimizer, rank, world)?)
+        }
         ZeroStage::Three => Box::new(sharded::ShardedSync::new(FlatRule::of(optimizer)?, layout)),
     })
 }

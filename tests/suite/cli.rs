@@ -377,9 +377,33 @@ fn bench_tensor_reports_megatron_s_all_reduce_bytes_as_json() {
 fn bench_tensor_over_a_mesh_reports_bytes_per_rank_against_the_zero_formula() {
     // The recipe's model over dp 2 × pp 2 × tp 2 with ZeRO-1 in f32, against one device.
     let (code, stdout, stderr) = run(&[
-        "bench", "tensor", "--dp", "2", "--pp", "2", "--tp", "2", "--zero", "1", "--layers",
-        "1", "--hidden", "16", "--heads", "2", "--seq", "8", "--batch", "8", "--micro-batches",
-        "2", "--steps", "2", "--repeats", "1", "--json",
+        "bench",
+        "tensor",
+        "--dp",
+        "2",
+        "--pp",
+        "2",
+        "--tp",
+        "2",
+        "--zero",
+        "1",
+        "--layers",
+        "1",
+        "--hidden",
+        "16",
+        "--heads",
+        "2",
+        "--seq",
+        "8",
+        "--batch",
+        "8",
+        "--micro-batches",
+        "2",
+        "--steps",
+        "2",
+        "--repeats",
+        "1",
+        "--json",
     ]);
     assert_eq!(code, Some(0), "stderr:\n{stderr}");
     let line = stdout.lines().last().expect("one JSON line");

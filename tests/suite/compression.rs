@@ -226,6 +226,23 @@ async fn each_compressor_converges_near_plain_data_parallel_with_fewer_bytes() {
     .await;
 }
 
+/// `job` resumed from the 5-step checkpoint in `dir` starts at step 5 and ends with
+/// `uninterrupted`'s bits; the directory is removed.
+async fn resumes_as(uninterrupted: &Mlp, job: JobBuilder<Mlp, Sample>, dir: &TempDir, what: &str) {
+    let (resumed, steps) = train(job.checkpoint_dir(dir.path()).resume_from_checkpoint(true)).await;
+    assert_eq!(
+        steps.first().map(|s| s.step),
+        Some(5),
+        "{what}: resumed after step 5"
+    );
+    assert_eq!(
+        parameter_bits(&resumed),
+        parameter_bits(uninterrupted),
+        "{what}: resumed differs from uninterrupted"
+    );
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
 /// Same seed, same layout: the same bits; and a job resumed from a checkpoint (its residuals
 /// and PowerSGD's Q in every rank's part, CSYNC-2) equals the uninterrupted job bit for bit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -261,23 +278,101 @@ async fn reruns_and_resumes_are_bitwise_equal() {
                 Some(DP as usize),
                 "{c}: one part (residual) per rank"
             );
-            let (resumed, steps) = train(
-                builder(c, adam(), 0.01, 10)
-                    .checkpoint_dir(dir.path())
-                    .resume_from_checkpoint(true),
-            )
-            .await;
-            assert_eq!(
-                steps.first().map(|s| s.step),
-                Some(5),
-                "resumed after step 5"
+            resumes_as(&a, builder(c, adam(), 0.01, 10), &dir, &c.to_string()).await;
+        }
+    })
+    .await;
+}
+
+/// ZSYNC-1/2: compression under ZeRO. At ZeRO-1 every scheme compresses the whole gradient
+/// before the sharded update: at the exact limits it equals plain data parallelism within
+/// 1e-5 · max|ref| (SGD), its collectives being the compressor's plus ZeRO's parameter
+/// all-gather. At ZeRO-2 bf16 rounds with error feedback and reduce-scatters 2-byte
+/// elements: the same roundings as bf16 compression without ZeRO, so within 1e-5 · max|ref|
+/// of it (measured: equal). Each runs twice, bitwise equal, and a
+/// ZeRO-1 top-k and a ZeRO-2 bf16 job resumed from their checkpoints (the shard and the
+/// residual in every rank's part) equal the uninterrupted ones bit for bit, as plain ZeRO-1
+/// and 2 do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compression_under_zero_1_and_2() {
+    bounded(BOUND, async {
+        let steps = 6;
+        let (plain, _) = train(builder(Compression::None, sgd(), 0.1, steps)).await;
+        let len: u64 = shapes(&plain)
+            .iter()
+            .map(|s| s.iter().product::<usize>() as u64)
+            .sum();
+        for exact in [
+            Compression::TopK { fraction: 1.0 },
+            Compression::PowerSgd {
+                rank: 64,
+                start_after: 0,
+            },
+        ] {
+            let job = || builder(exact, sgd(), 0.1, steps).zero(ZeroStage::One);
+            let (model, steps) = train(job()).await;
+            let worst = compare_parameters(&model, &plain, TOLERANCE)
+                .unwrap_or_else(|e| panic!("{exact} with ZeRO-1 vs plain data parallel: {e}"));
+            eprintln!("{exact} with ZeRO-1: worst relative difference to plain dp {worst:e}");
+            let want = exact.predicted_bytes(&shapes(&model), DP as usize) + 4 * len;
+            assert!(
+                traced_bytes(&steps).iter().flatten().all(|b| *b == want),
+                "{exact} with ZeRO-1: the compressor's bytes and the parameter all-gather"
             );
+            let (again, _) = train(job()).await;
             assert_eq!(
-                parameter_bits(&resumed),
-                parameter_bits(&a),
-                "{c}: resumed differs from uninterrupted"
+                parameter_bits(&model),
+                parameter_bits(&again),
+                "{exact}: reruns differ"
             );
-            let _ = std::fs::remove_dir_all(dir.path());
+        }
+
+        let bf16 = |zero| builder(Compression::Bf16, sgd(), 0.1, steps).zero(zero);
+        let (unsharded, _) = train(bf16(ZeroStage::Off)).await;
+        let (zero2, zero2_steps) = train(bf16(ZeroStage::Two)).await;
+        let worst = compare_parameters(&zero2, &unsharded, TOLERANCE)
+            .unwrap_or_else(|e| panic!("bf16 with ZeRO-2 vs bf16 alone: {e}"));
+        eprintln!("bf16 with ZeRO-2: worst relative difference to bf16 alone {worst:e}");
+        for s in &zero2_steps {
+            for r in &s.replicas {
+                let scattered: u64 = r
+                    .trace
+                    .iter()
+                    .filter_map(|t| match t.kind {
+                        TraceKind::ReduceScatter { bytes } => Some(bytes),
+                        TraceKind::AllReduce { bytes } if bytes > 4 => {
+                            panic!("bf16 with ZeRO-2: a gradient all-reduce of {bytes} bytes")
+                        }
+                        _ => None,
+                    })
+                    .sum();
+                assert_eq!(scattered, 2 * len, "bf16 with ZeRO-2: 2 bytes an element");
+            }
+        }
+        let (again, _) = train(bf16(ZeroStage::Two)).await;
+        assert_eq!(
+            parameter_bits(&zero2),
+            parameter_bits(&again),
+            "bf16 ZeRO-2: reruns differ"
+        );
+
+        // A resume (the shard and the residual in every rank's part) goes on bit for bit,
+        // with and without compression: ZeRO-1 and 2 wrote nothing after a resume until
+        // FLAT-3 held.
+        for (c, zero) in [
+            (Compression::None, ZeroStage::One),
+            (Compression::None, ZeroStage::Two),
+            (Compression::TopK { fraction: 0.1 }, ZeroStage::One),
+            (Compression::Bf16, ZeroStage::Two),
+        ] {
+            let job = |n| builder(c, sgd(), 0.1, n).zero(zero);
+            let (whole, _) = train(job(10)).await;
+            let dir = TempDir::new(&format!(
+                "compression-{zero:?}-{}",
+                c.to_string().replace(':', "-")
+            ));
+            train(job(5).checkpoint_dir(dir.path())).await;
+            resumes_as(&whole, job(10), &dir, &format!("{c} with {zero:?}")).await;
         }
     })
     .await;
@@ -295,7 +390,20 @@ fn compression_is_refused_with_other_reductions() {
         Err(e) => panic!("{what}: wrong error {e}"),
         Ok(_) => panic!("{what}: accepted"),
     };
-    refused(builder(topk, sgd(), 0.1, 1).zero(ZeroStage::One), "zero");
+    refused(
+        builder(topk, sgd(), 0.1, 1).zero(ZeroStage::Two),
+        "top-k with ZeRO-2",
+    );
+    refused(
+        builder(Compression::Bf16, sgd(), 0.1, 1).zero(ZeroStage::Three),
+        "ZeRO-3",
+    );
+    for (c, zero) in [(topk, ZeroStage::One), (Compression::Bf16, ZeroStage::Two)] {
+        builder(c, sgd(), 0.1, 1)
+            .zero(zero)
+            .build()
+            .unwrap_or_else(|e| panic!("{c} with {zero:?}: {e}"));
+    }
     refused(
         builder(topk, sgd(), 0.1, 1)
             .precision(Precision::Bf16)

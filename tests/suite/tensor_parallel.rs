@@ -649,11 +649,18 @@ impl Composed {
                     self.name
                 );
             }
-            *optimizer.entry((r.stage.stage, r.stage.tp)).or_default() += p.memory.optimizer;
+            // A compressor's residual (top-k's: the rank's whole gradient) is the rank's own.
+            let residual = if self.compression.is_on() {
+                4 * held as u64
+            } else {
+                0
+            };
+            *optimizer.entry((r.stage.stage, r.stage.tp)).or_default() +=
+                p.memory.optimizer - residual;
             if self.zero != ZeroStage::Off {
                 // SGD with momentum: one f32 of state per element, partitioned over dp.
                 assert!(
-                    p.memory.optimizer < 4 * held as u64,
+                    p.memory.optimizer - residual < 4 * held as u64,
                     "{}: rank {} holds a part of its slices' state",
                     self.name,
                     r.rank.0
@@ -771,7 +778,10 @@ async fn low_precision_pair(
     // The same micro-batches: each replica's share, in the schedule's micro-batches.
     let micro = if layout.pp > 1 { 2 } else { 1 } * layout.dp;
     let (whole, one_events) = run(built(job(one, micro))).await;
-    ((split_model, steps_of(&events)), (whole, steps_of(&one_events)))
+    (
+        (split_model, steps_of(&events)),
+        (whole, steps_of(&one_events)),
+    )
 }
 
 /// tp × bf16 and f16, pipelines × f16: the split job equals the one-device job computing in
@@ -832,7 +842,8 @@ async fn tp_and_pipelines_in_bf16_and_f16_equal_one_device() {
             Precision::F16,
         ),
     ] {
-        let ((split, steps), (whole, one_steps)) = low_precision_pair(layout, precision, |b| b).await;
+        let ((split, steps), (whole, one_steps)) =
+            low_precision_pair(layout, precision, |b| b).await;
         let worst = compare_parameters(&split, &whole, LOW_TOL)
             .unwrap_or_else(|e| panic!("{layout:?} {precision:?}: {e}"));
         println!("{layout:?} {precision:?}: worst relative difference {worst:e}");
@@ -889,7 +900,8 @@ async fn sixteen_bit_gradients_over_blocks_and_pipelines_equal_one_device() {
             ZeroStage::Two,
         ),
     ] {
-        let sixteen = |b: JobBuilder<PipelineModel, Window>| b.low_precision_gradients(true).zero(zero);
+        let sixteen =
+            |b: JobBuilder<PipelineModel, Window>| b.low_precision_gradients(true).zero(zero);
         let ((split, steps), (whole, _)) =
             low_precision_pair(layout, Precision::Bf16, sixteen).await;
         let worst = compare_parameters(&split, &whole, LOW_TOL)
@@ -954,9 +966,14 @@ async fn compression_over_blocks_and_pipelines() {
             },
             ..Composed::new("dp 2 × pp 2, PowerSGD full rank", 2, 2, 1)
         },
+        Composed {
+            compression: everything,
+            zero: ZeroStage::One,
+            ..Composed::new("dp 2 × pp 2, ZeRO-1, top-k 1.0", 2, 2, 1)
+        },
     ] {
         let steps = c.equals_one_device().await;
-        if c.compression != everything {
+        if c.compression != everything || c.zero != ZeroStage::Off {
             continue;
         }
         let Layout { dp, pp, .. } = c.layout;
@@ -965,7 +982,8 @@ async fn compression_over_blocks_and_pipelines() {
                 let want: u64 = (0..CONFIG.blocks())
                     .filter(|b| b % pp as usize == r.stage.stage as usize)
                     .map(|b| {
-                        everything.predicted_bytes(&[vec![held_elements(&init, 1, 0)[b]]], dp as usize)
+                        everything
+                            .predicted_bytes(&[vec![held_elements(&init, 1, 0)[b]]], dp as usize)
                     })
                     .sum();
                 let gathered: u64 = r
@@ -979,7 +997,11 @@ async fn compression_over_blocks_and_pipelines() {
                         _ => None,
                     })
                     .sum();
-                assert_eq!(gathered, want, "{}: step {} rank {}", c.name, s.step, r.rank.0);
+                assert_eq!(
+                    gathered, want,
+                    "{}: step {} rank {}",
+                    c.name, s.step, r.rank.0
+                );
             }
         }
     }
@@ -1016,5 +1038,9 @@ async fn compression_over_blocks_and_pipelines() {
         }
     }
     let (again, _) = run(bf16(&init)).await;
-    assert_eq!(parameter_bits(&again), parameter_bits(&trained), "bf16: bitwise repeatable");
+    assert_eq!(
+        parameter_bits(&again),
+        parameter_bits(&trained),
+        "bf16: bitwise repeatable"
+    );
 }

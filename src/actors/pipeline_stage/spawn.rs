@@ -229,9 +229,7 @@ where
         // A tensor-parallel rank's twins are the same (stage, tensor-parallel rank) of the
         // other replicas: the Supervisor pairs them by place.
         // A compressed block's residual is its rank's own (CSYNC-2): not replicated either.
-        Capabilities::pipeline(
-            !self.spec.zero.shards_optimizer() && !self.spec.compression.is_on(),
-        )
+        Capabilities::pipeline(!self.spec.zero.shards_optimizer() && !self.spec.compression.is_on())
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {

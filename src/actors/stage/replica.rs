@@ -482,11 +482,9 @@ where
                 rank,
                 world,
             ),
-            None if spec.compression.is_on() => {
-                sync::compressed(spec.compression, &model, &spec.optimizer, rank, world)
-            }
-            None => sync::for_stage(
+            None => sync::for_reduction(
                 spec.zero,
+                spec.compression,
                 &model,
                 &spec.optimizer,
                 spec.bucket_elems,

@@ -303,7 +303,11 @@ fn median(mut runs: Vec<Run>) -> Run {
 }
 
 fn held(m: &StepMemory) -> (u64, u64, u64) {
-    (m.peak_full_params + m.param_shards, m.peak_grads, m.optimizer)
+    (
+        m.peak_full_params + m.param_shards,
+        m.peak_grads,
+        m.optimizer,
+    )
 }
 
 /// Run both sides, alternated, and measure.
@@ -444,7 +448,10 @@ mod tests {
     #[test]
     fn the_papers_figures_shard_as_each_stage_says() {
         let f32 = Precision::F32;
-        assert_eq!(paper_bytes(10.0, 2.0, ZeroStage::Off, f32), (40.0, 40.0, 80.0));
+        assert_eq!(
+            paper_bytes(10.0, 2.0, ZeroStage::Off, f32),
+            (40.0, 40.0, 80.0)
+        );
         assert_eq!(
             paper_bytes(10.0, 2.0, ZeroStage::One, f32),
             (40.0, 40.0, 40.0)
@@ -487,7 +494,10 @@ mod tests {
         let split = b.held_elements(&gpt, b.layout().unwrap()).unwrap();
         // Half the blocks, about half of each: more than an eighth (replicated norms and
         // positions), less than half.
-        assert!(split * 4 > whole / 2 && split * 2 < whole, "{split} of {whole}");
+        assert!(
+            split * 4 > whole / 2 && split * 2 < whole,
+            "{split} of {whole}"
+        );
     }
 
     #[test]

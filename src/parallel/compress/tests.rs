@@ -223,6 +223,53 @@ proptest! {
         }
     }
 
+    /// ZSYNC-1: a 16-bit scheme's `narrow_alone` hands the caller what `reduce` hands its
+    /// all-reduce: summing every rank's result (in f32, rank order, rounded once, as the
+    /// 16-bit reduce-scatter does) gives `reduce`'s output bit for bit over several steps,
+    /// with the same residuals; the other schemes refuse, touching nothing.
+    #[test]
+    fn narrowing_alone_then_summing_is_the_reduction(
+        shapes in shapes_strategy(),
+        world in 1usize..4,
+        seed in any::<u64>(),
+    ) {
+        let grads = gradients(&shapes, 3, world, seed);
+        for (scheme, wire) in [(Compression::Bf16, Precision::Bf16), (Compression::F16, Precision::F16)] {
+            let ranks = run(scheme, &shapes, &grads, world);
+            let mut alone: Vec<Compressor> =
+                (0..world).map(|_| Compressor::new(scheme, &shapes)).collect();
+            for (s, step) in grads.iter().enumerate() {
+                let sent: Vec<Vec<f32>> = alone
+                    .iter_mut()
+                    .zip(step)
+                    .map(|(c, g)| {
+                        let mut g = g.clone();
+                        assert_eq!(c.narrow_alone(&mut g), Some(wire));
+                        g
+                    })
+                    .collect();
+                let summed: Vec<f32> = (0..sent[0].len())
+                    .map(|i| {
+                        let total = sent.iter().fold(0.0f32, |a, g| a + round16(g[i], wire));
+                        if world == 1 { total } else { round16(total, wire) }
+                    })
+                    .collect();
+                for (outs, _, _) in &ranks {
+                    prop_assert_eq!(&outs[s], &summed, "{} step {}", scheme, s);
+                }
+            }
+            for ((_, _, c), a) in ranks.iter().zip(&alone) {
+                prop_assert_eq!(c.residual(), a.residual());
+            }
+        }
+        for scheme in [Compression::None, Compression::TopK { fraction: 0.5 }] {
+            let mut c = Compressor::new(scheme, &shapes);
+            let mut g = grads[0][0].clone();
+            prop_assert_eq!(c.narrow_alone(&mut g), None);
+            prop_assert_eq!(&g, &grads[0][0]);
+        }
+    }
+
     /// CMP-4: the bytes the collectives carry per step are the prediction, and compressing
     /// top-k and low-rank sends what their sizes say.
     #[test]

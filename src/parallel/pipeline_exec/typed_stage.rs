@@ -671,12 +671,9 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         compression: crate::parallel::compress::Compression,
     ) -> Result<(), UnsupportedOptimizer> {
         self.shards_params = stage.shards_parameters();
-        if compression.is_on() {
-            self.sync = sync::compressed(compression, &self.model, &self.optimizer, 0, 1);
-            return Ok(());
-        }
-        self.sync = sync::for_stage(
+        self.sync = sync::for_reduction(
             stage,
+            compression,
             &self.model,
             &self.optimizer,
             BUCKET_ELEMS,

@@ -33,8 +33,8 @@ pub(crate) trait StageWork<I>: BlockStep<I> {
     /// on an error.
     fn restore_lr(&mut self, state: Option<&LrSchedulerState>) -> Result<(), CheckpointError>;
     /// How the block's data-parallel group reduces and steps, before the first step: its
-    /// optimizer state sharded (ZeRO `stage`), or its gradients `compression`-compressed
-    /// (the job refuses both at once).
+    /// optimizer state sharded (ZeRO `stage`), its gradients `compression`-compressed, or
+    /// both where they have a form together (`sync::for_reduction`, ZSYNC-1).
     fn set_reduction(
         &mut self,
         stage: ZeroStage,
