@@ -232,17 +232,7 @@ pub const REFUSALS: &[Refusal] = &[
         "compressed collectives run in one process only",
         "train in one process, or without compression",
     ),
-    // Local updates: each rank steps alone on a whole replica.
-    row(
-        &[LocalUpdates, Blocks],
-        "ranks step alone on whole replicas",
-        "give the model with .model(..)",
-    ),
-    row(
-        &[LocalUpdates, Pipeline],
-        "ranks step alone on whole replicas",
-        "give the model with .model(..)",
-    ),
+    // Local updates: each rank steps alone, block by block in block and pipeline jobs.
     row(
         &[LocalUpdates, Zero],
         "each rank steps its own optimizer on its own parameters: there is no shared state \

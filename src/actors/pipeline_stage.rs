@@ -60,8 +60,10 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) learning_rate: LearningRate,
     /// How much of each block's training state each data-parallel rank keeps (ZeRO).
     pub(crate) zero: crate::parallel::zero::ZeroStage,
-    /// Each block's reduction compressed (CSYNC-4; with ZeRO off).
+    /// Each block's reduction compressed (CSYNC-4, ZSYNC-1).
     pub(crate) compression: crate::parallel::compress::Compression,
+    /// Each block's ranks stepping alone and meeting every few steps (LOCAL-6).
+    pub(crate) local: Option<crate::parallel::local::LocalUpdates>,
     /// Clip each step's gradient to this global norm over the stage's blocks (block jobs).
     pub(crate) clip: Option<f32>,
     /// Blocks whose gathered parameters may wait for their use at once, the collectives
@@ -356,8 +358,12 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
                     let block = &spec.stages.blocks[spec.plan.block(stage, Chunk(c)) as usize];
                     let mut work =
                         (block.build)(&device, &spec.optimizer, spec.learning_rate.clone(), &tp)?;
-                    work.set_reduction(spec.zero, spec.compression)
-                        .expect("the job refuses an optimizer ZeRO cannot shard when it is built");
+                    work.set_reduction(crate::parallel::sync::Reduction {
+                        zero: spec.zero,
+                        compression: spec.compression,
+                        local: spec.local,
+                    })
+                    .expect("the job refuses an optimizer ZeRO cannot shard when it is built");
                     work.set_precision(spec.mixed.precision, spec.mixed.sync(false).wire);
                     Ok(work)
                 })

@@ -62,6 +62,7 @@ fn the_common_combinations_pass() {
             Feature::Bf16,
         ]),
         set(&[Feature::LocalUpdates, Feature::Bf16]),
+        set(&[Feature::LocalUpdates, Feature::Pipeline, Feature::Bf16]),
         set(&[Feature::ParameterServer, Feature::BackupWorkers]),
         set(&[Feature::AcrossProcesses, Feature::Pipeline, Feature::Zero]),
         set(&[Feature::AcrossProcesses, Feature::RollBack]),
@@ -73,17 +74,17 @@ fn the_common_combinations_pass() {
 #[test]
 fn a_refusal_names_both_settings_its_reason_and_what_to_do() {
     let e = check(
-        &set(&[Feature::LocalUpdates, Feature::Pipeline]),
+        &set(&[Feature::ParameterServer, Feature::Pipeline]),
         |f| match f {
-            Feature::LocalUpdates => "local_updates(diloco:4)".into(),
+            Feature::ParameterServer => "parameter_server(ssp:2)".into(),
             f => f.to_string(),
         },
     )
     .unwrap_err();
-    assert_eq!(e.features(), &[Feature::LocalUpdates, Feature::Pipeline]);
+    assert_eq!(e.features(), &[Feature::ParameterServer, Feature::Pipeline]);
     let m = e.to_string();
     assert!(
-        m.starts_with("local_updates(diloco:4) with .pipeline(..) together: "),
+        m.starts_with("parameter_server(ssp:2) with .pipeline(..) together: "),
         "{m}"
     );
     assert!(m.contains("give the model with .model(..)"), "{m}");

@@ -418,6 +418,7 @@ where
             learning_rate: self.learning_rate.clone(),
             zero: self.zero,
             compression: self.compression,
+            local: self.local_updates,
             clip: self.clip_norm,
             blocks_in_flight: self.blocks_in_flight,
             epoch: Instant::now(),

@@ -55,7 +55,7 @@ use burn::tensor::{Device, FloatDType, Tensor, TensorData};
 
 use super::gradients::parameter_fingerprint;
 use super::memory::BlockBytes;
-use super::sync::{self, Collective, GradientSync, SyncContext};
+use super::sync::{self, Collective, GradientSync, Reduction, SyncContext};
 use super::tensor::{TensorParallel, TpFailure};
 use super::zero::{UnsupportedOptimizer, ZeroStage};
 use crate::checkpoint::{CheckpointError, LrSchedulerState, OptimizerState, ShardParams};

@@ -121,16 +121,6 @@ pub enum SyncError {
         /// The group's size.
         world: usize,
     },
-    /// The strategy's reduction cannot be split from a collective for an executor that runs
-    /// collectives itself (block and pipeline jobs refuse the strategy when built).
-    #[error(
-        "{strategy} has no gradient collective to hand to a block executor: it runs in \
-         data-parallel jobs (.model(..)) only"
-    )]
-    NotSplit {
-        /// The strategy's name.
-        strategy: &'static str,
-    },
 }
 
 /// What a reduction hands to [`GradientSync::apply`]: the reduced gradients (whole or this
@@ -523,14 +513,25 @@ pub(crate) trait GradientSync<M: Module>: Send {
     }
 }
 
-/// The synchronisation `stage` and `compression` ask for together, over `model`'s trainable
-/// parameters: `compressed` for a compressed job without ZeRO, ZeRO-1/2 with the compressor
-/// inside (ZSYNC-1), [`for_stage`] when nothing is compressed. `build` refuses the pairs that
-/// have no form ([`ZeroStage::with_compression`]).
+/// How a data-parallel group reduces and steps: the job's ZeRO stage, compression and local
+/// updates (the table refuses local updates with either of the others).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Reduction {
+    /// The ZeRO stage.
+    pub(crate) zero: ZeroStage,
+    /// How gradients travel compressed.
+    pub(crate) compression: super::compress::Compression,
+    /// Ranks stepping alone and meeting every few steps.
+    pub(crate) local: Option<super::local::LocalUpdates>,
+}
+
+/// The synchronisation a [`Reduction`] asks for, over `model`'s trainable parameters:
+/// [`for_local_updates`] for local updates, `compressed` for a compressed job without ZeRO,
+/// ZeRO-1/2 with the compressor inside (ZSYNC-1), [`for_stage`] when nothing is compressed.
+/// `build` refuses the pairs that have no form ([`ZeroStage::with_compression`], the table).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn for_reduction<M: Module>(
-    stage: ZeroStage,
-    compression: super::compress::Compression,
+    reduction: Reduction,
     model: &M,
     optimizer: &OptimizerConfig,
     bucket_elems: usize,
@@ -538,6 +539,22 @@ pub(crate) fn for_reduction<M: Module>(
     rank: usize,
     world: usize,
 ) -> Result<Box<dyn GradientSync<M>>, super::zero::UnsupportedOptimizer> {
+    let Reduction {
+        zero: stage,
+        compression,
+        local,
+    } = reduction;
+    if let Some(updates) = local {
+        return Ok(for_local_updates(
+            updates,
+            model,
+            optimizer,
+            bucket_elems,
+            fuse_below,
+            rank,
+            world,
+        ));
+    }
     if !compression.is_on() {
         return for_stage(
             stage,

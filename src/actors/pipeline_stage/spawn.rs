@@ -228,8 +228,13 @@ where
     fn capabilities(&self) -> Capabilities {
         // A tensor-parallel rank's twins are the same (stage, tensor-parallel rank) of the
         // other replicas: the Supervisor pairs them by place.
-        // A compressed block's residual is its rank's own (CSYNC-2): not replicated either.
-        Capabilities::pipeline(!self.spec.zero.shards_optimizer() && !self.spec.compression.is_on())
+        // A compressed block's residual (CSYNC-2) and a local-updates rank's parameters
+        // (LOCAL-4) are the rank's own: not replicated either.
+        Capabilities::pipeline(
+            !self.spec.zero.shards_optimizer()
+                && !self.spec.compression.is_on()
+                && self.spec.local.is_none(),
+        )
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {

@@ -472,28 +472,21 @@ where
         let after = parameter_fingerprint(&model);
         let fuse_below = FUSE_BELOW.min(spec.bucket_elems / 4);
         let (rank, world) = (comm.rank().index(), comm.world());
-        let sync = match spec.local {
-            Some(updates) => sync::for_local_updates(
-                updates,
-                &model,
-                &spec.optimizer,
-                spec.bucket_elems,
-                fuse_below,
-                rank,
-                world,
-            ),
-            None => sync::for_reduction(
-                spec.zero,
-                spec.compression,
-                &model,
-                &spec.optimizer,
-                spec.bucket_elems,
-                fuse_below,
-                rank,
-                world,
-            )
-            .map_err(|e| Error::InvalidConfig(e.to_string()))?,
+        let reduction = sync::Reduction {
+            zero: spec.zero,
+            compression: spec.compression,
+            local: spec.local,
         };
+        let sync = sync::for_reduction(
+            reduction,
+            &model,
+            &spec.optimizer,
+            spec.bucket_elems,
+            fuse_below,
+            rank,
+            world,
+        )
+        .map_err(|e| Error::InvalidConfig(e.to_string()))?;
         Ok((
             Slot {
                 model,

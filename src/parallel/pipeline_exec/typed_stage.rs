@@ -635,10 +635,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
     }
 
     fn snapshot(&self) -> Result<(ShardParams, OptimizerState), CheckpointError> {
-        Ok((
-            self.sync.snapshot_params(&self.model),
-            self.sync.optimizer_state()?,
-        ))
+        self.sync.snapshot_state(&self.model)
     }
 
     fn restore(
@@ -647,11 +644,13 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         optimizer: Option<&OptimizerState>,
         (rank, world): (usize, usize),
     ) -> Result<(), CheckpointError> {
-        let model = self
-            .sync
-            .restore_params(self.model.clone(), params, rank, world)?;
-        if let Some(o) = optimizer {
-            self.sync.restore_optimizer(o, rank, world)?;
+        let mut model =
+            self.sync
+                .restore_state(self.model.clone(), params, optimizer, rank, world)?;
+        // A rank's own state waiting for its place (LOCAL-4) is placed now: a block is
+        // restored as the rank it steps as.
+        if let Some(placed) = self.sync.settle(&model, rank, world)? {
+            model = placed;
         }
         self.model = model;
         Ok(())
@@ -665,15 +664,10 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         self.lr.restore(state)
     }
 
-    fn set_reduction(
-        &mut self,
-        stage: ZeroStage,
-        compression: crate::parallel::compress::Compression,
-    ) -> Result<(), UnsupportedOptimizer> {
-        self.shards_params = stage.shards_parameters();
+    fn set_reduction(&mut self, reduction: Reduction) -> Result<(), UnsupportedOptimizer> {
+        self.shards_params = reduction.zero.shards_parameters();
         self.sync = sync::for_reduction(
-            stage,
-            compression,
+            reduction,
             &self.model,
             &self.optimizer,
             BUCKET_ELEMS,

@@ -33,13 +33,10 @@ pub(crate) trait StageWork<I>: BlockStep<I> {
     /// on an error.
     fn restore_lr(&mut self, state: Option<&LrSchedulerState>) -> Result<(), CheckpointError>;
     /// How the block's data-parallel group reduces and steps, before the first step: its
-    /// optimizer state sharded (ZeRO `stage`), its gradients `compression`-compressed, or
-    /// both where they have a form together (`sync::for_reduction`, ZSYNC-1).
-    fn set_reduction(
-        &mut self,
-        stage: ZeroStage,
-        compression: crate::parallel::compress::Compression,
-    ) -> Result<(), UnsupportedOptimizer>;
+    /// optimizer state sharded (ZeRO), its gradients compressed, both where they have a form
+    /// together (ZSYNC-1), or its ranks stepping alone and meeting every few steps (local
+    /// updates, LOCAL-6): `sync::for_reduction`.
+    fn set_reduction(&mut self, reduction: Reduction) -> Result<(), UnsupportedOptimizer>;
     /// Run forward and backward in `precision` on a low-precision copy of the `f32` master
     /// parameters (MIX-1), and reduce its gradients travelling as `gradients`' type (`f32`,
     /// or the 16-bit type: `.low_precision_gradients(true)`); `f32` until called.

@@ -55,6 +55,12 @@ pub(crate) enum Collective {
         /// The rank's compressor for this buffer.
         compressor: Arc<Mutex<Compressor>>,
     },
+    /// No exchange: the rank keeps its own gradient (local updates, whose ranks step alone
+    /// and meet every few steps in `apply`, LOCAL-5).
+    Local {
+        /// The rank's own gradient.
+        buf: Vec<f32>,
+    },
 }
 
 /// What a collective took: which kind, when it began, how long (a trace span).
@@ -66,9 +72,9 @@ impl Collective {
         match self {
             Collective::AllGather { .. } => CollectiveKind::AllGather,
             Collective::ReduceScatter { .. } => CollectiveKind::ReduceScatter,
-            Collective::AllReduce { .. } | Collective::Compressed { .. } => {
-                CollectiveKind::AllReduce
-            }
+            Collective::AllReduce { .. }
+            | Collective::Compressed { .. }
+            | Collective::Local { .. } => CollectiveKind::AllReduce,
         }
     }
 
@@ -80,8 +86,8 @@ impl Collective {
             Collective::ReduceScatter { wire, .. } | Collective::AllReduce { wire, .. } => {
                 *wire = to;
             }
-            // The compressor chose its own wire.
-            Collective::Compressed { .. } => {}
+            // The compressor chose its own wire; a local gradient does not travel.
+            Collective::Compressed { .. } | Collective::Local { .. } => {}
         }
         self
     }
@@ -91,7 +97,9 @@ impl Collective {
         4 * match self {
             Collective::AllGather { len, .. } => *len,
             Collective::ReduceScatter { out, .. } => *out,
-            Collective::AllReduce { buf, .. } | Collective::Compressed { buf, .. } => buf.len(),
+            Collective::AllReduce { buf, .. }
+            | Collective::Compressed { buf, .. }
+            | Collective::Local { buf } => buf.len(),
         } as u64
     }
 
@@ -113,6 +121,9 @@ impl Collective {
                 .unwrap_or_else(PoisonError::into_inner)
                 .reduce(&mut buf, &mut on);
             return (r.map(|()| buf).map_err(|e| e.0), on.spans);
+        }
+        if let Collective::Local { buf } = self {
+            return (Ok(buf), Vec::new());
         }
         let Some(comm) = comm.filter(|c| c.world() > 1) else {
             return (Ok(self.alone()), Vec::new());
@@ -147,7 +158,9 @@ impl Collective {
                 let bytes = wire_bytes(wire) * buf.len() as u64;
                 (TraceKind::AllReduce { bytes }, r.map(|()| buf))
             }
-            Collective::Compressed { .. } => unreachable!("run above"),
+            Collective::Compressed { .. } | Collective::Local { .. } => {
+                unreachable!("run above")
+            }
         };
         (result, vec![(kind, t, t.elapsed())])
     }
@@ -157,7 +170,9 @@ impl Collective {
         match self {
             Collective::AllGather { shard, .. } => shard,
             Collective::ReduceScatter { flat, .. } => flat,
-            Collective::AllReduce { buf, .. } | Collective::Compressed { buf, .. } => buf,
+            Collective::AllReduce { buf, .. }
+            | Collective::Compressed { buf, .. }
+            | Collective::Local { buf } => buf,
         }
     }
 }

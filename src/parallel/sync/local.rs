@@ -16,6 +16,11 @@
 //! - LOCAL-5 no gradient collective: the only collectives of a step are the losses'
 //!   all-reduce every data-parallel step has (DP-3) and, on a synchronisation step, the
 //!   parameter all-reduce, recorded as `AllReduce` spans (one per bucket).
+//! - LOCAL-6 in block and pipeline jobs each block has its own `LocalSync`: its split
+//!   reduction is `Collective::Local` (no exchange), `finish_reduce` rescales the block
+//!   executor's group mean to the rank's own, and `apply` meets the block's data-parallel
+//!   group every `every` steps; the block's checkpoint part is the rank's own state, as
+//!   LOCAL-4 (tested in `tests/suite/tensor_parallel.rs`).
 
 use std::ops::Range;
 use std::time::Instant;
@@ -116,6 +121,23 @@ impl LocalSync {
 
     fn all(&self) -> Range<usize> {
         0..self.layout.len()
+    }
+
+    /// A step begins, as rank `rank_of` of the group: what the rank holds, and the outer
+    /// state's anchor at the first step.
+    fn begin<M: Module>(&mut self, model: &M, rank_of: (usize, usize)) {
+        self.rank_of = rank_of;
+        let whole = 4 * self.layout.len() as u64;
+        self.held.params = whole;
+        self.held.grads = whole;
+        self.held.grads_backward = whole;
+        self.held.owned = (0, self.layout.len() as u64);
+        if self.updates.has_outer_state() && self.outer.anchor.is_empty() {
+            // LOCAL-2: every rank starts from rank 0's broadcast parameters (a block job's
+            // replicas are built from the same records).
+            let start = trainable_range(model, &self.layout, self.all());
+            self.outer.start(&self.updates, &start);
+        }
     }
 
     /// The synchronisation after an applied step: the contribution all-reduced in buckets,
@@ -228,17 +250,7 @@ impl<M: Module> GradientSync<M> for LocalSync {
         grads: GradientsParams,
         cx: &mut SyncContext<'_>,
     ) -> Result<Reduced, SyncError> {
-        self.rank_of = (cx.rank(), cx.world());
-        let whole = 4 * self.layout.len() as u64;
-        self.held.params = whole;
-        self.held.grads = whole;
-        self.held.grads_backward = whole;
-        self.held.owned = (0, self.layout.len() as u64);
-        if self.updates.has_outer_state() && self.outer.anchor.is_empty() {
-            // LOCAL-2: every rank starts from rank 0's broadcast parameters.
-            let start = trainable_range(model, &self.layout, self.all());
-            self.outer.start(&self.updates, &start);
-        }
+        self.begin(model, (cx.rank(), cx.world()));
         // The gradient arrives weighted by the rank's share of the global batch (DP-2); a
         // rank stepping alone steps on its own mean.
         let share = if cx.share > 0.0 { cx.share } else { 1.0 };
@@ -382,23 +394,31 @@ impl<M: Module> GradientSync<M> for LocalSync {
 
     fn start_reduce(
         &mut self,
-        _model: &M,
-        _grads: GradientsParams,
-        _rank_of: (usize, usize),
+        model: &M,
+        grads: GradientsParams,
+        rank_of: (usize, usize),
     ) -> Result<Collective, SyncError> {
-        Err(SyncError::NotSplit {
-            strategy: self.updates.name(),
+        self.begin(model, rank_of);
+        Ok(Collective::Local {
+            buf: GradientBuffers::take(model, &self.layout, grads).into_flat(),
         })
     }
 
+    /// A block executor's `scale` turns the group's sum into its mean (1 / (micro-batches ×
+    /// world)); a rank stepping alone steps on its own mean, `world` times that (LOCAL-6).
     fn finish_reduce(
         &mut self,
-        _out: Vec<f32>,
-        _scale: f32,
-        _rank_of: (usize, usize),
+        mut out: Vec<f32>,
+        scale: f32,
+        (_, world): (usize, usize),
     ) -> Result<Reduced, SyncError> {
-        Err(SyncError::NotSplit {
-            strategy: self.updates.name(),
+        let own = scale * world as f32;
+        if own != 1.0 {
+            out.iter_mut().for_each(|g| *g *= own);
+        }
+        Ok(Reduced {
+            grads: ReducedGrads::Buffers(GradientBuffers::from_flat(&self.layout, out)),
+            non_finite: false,
         })
     }
 }
