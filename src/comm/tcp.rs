@@ -283,6 +283,7 @@ fn op_of(error: &CommError) -> CollectiveKind {
         | CommError::MessageLost { op, .. }
         | CommError::CorruptMessage { op, .. }
         | CommError::InvalidPeer { op, .. }
+        | CommError::Malformed { op, .. }
         | CommError::Unsupported { op, .. } => *op,
     }
 }
