@@ -202,11 +202,6 @@ pub const REFUSALS: &[Refusal] = &[
         "remove one of them",
     ),
     row(
-        &[TensorParallel, LocalUpdates],
-        "tensor-parallel blocks need a gradient collective every step",
-        "remove one of them",
-    ),
-    row(
         &[TensorParallel, ParameterServer],
         "the server holds whole parameters",
         "remove one of them",

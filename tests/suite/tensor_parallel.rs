@@ -1054,7 +1054,8 @@ async fn compression_over_blocks_and_pipelines() {
 /// LOCAL-6: local updates over blocks and pipelines, each block's ranks stepping alone and
 /// meeting every few steps. Local SGD every step (SGD with momentum: the ranks' mean
 /// velocity is the one-device velocity) equals one device within 1e-5 · max|ref| over dp 2
-/// blocks and dp 2 × pp 2. DiLoCo every 2 steps (the paper's outer settings) over dp 2 × pp 2
+/// blocks, dp 2 × pp 2 and dp 2 × tp 2 (the tp group's collectives every step, the dp group
+/// meeting after each). DiLoCo every 2 steps (the paper's outer settings) over dp 2 × pp 2
 /// equals the same job over dp 2 blocks within 1e-5 (a block's arithmetic does not depend
 /// on where its neighbours run), runs twice bitwise, trains, and no block issues a gradient
 /// collective (LOCAL-5; the averaging every step of local SGD is what makes it equal one
@@ -1072,6 +1073,10 @@ async fn local_updates_over_blocks_and_pipelines() {
             Composed {
                 local: Some(every_step),
                 ..Composed::new("dp 2 × pp 2, local SGD every step", 2, 2, 1)
+            },
+            Composed {
+                local: Some(every_step),
+                ..Composed::new("dp 2 × tp 2, local SGD every step", 2, 1, 2)
             },
         ] {
             c.equals_one_device().await;
