@@ -237,6 +237,36 @@ pub struct CompressorState {
     pub q: Vec<Vec<f32>>,
 }
 
+impl CompressorState {
+    /// The state rank `rank` of a group of another size resumes with from every rank's saved
+    /// one (CSYNC-2): the step count and PowerSGD's `Q` (the same on every rank) from the
+    /// first, and on rank 0 the residuals' sum (what the group still owes), on the others
+    /// none. `None` without a saved state.
+    pub fn regrouped<'a>(
+        saved: impl IntoIterator<Item = &'a CompressorState>,
+        rank: usize,
+    ) -> Option<CompressorState> {
+        let mut saved = saved.into_iter().peekable();
+        let mut state = CompressorState {
+            residual: Vec::new(),
+            ..(*saved.peek()?).clone()
+        };
+        if rank == 0 {
+            for p in saved {
+                if state.residual.len() < p.residual.len() {
+                    state.residual.resize(p.residual.len(), 0.0);
+                }
+                state
+                    .residual
+                    .iter_mut()
+                    .zip(&p.residual)
+                    .for_each(|(a, b)| *a += b);
+            }
+        }
+        Some(state)
+    }
+}
+
 /// One parameter as PowerSGD sees it: a matrix `[rows, cols]` worked on as `n × m` with
 /// `n ≤ m` (transposed when `rows > cols`), approximated at rank `r`.
 #[derive(Debug, Clone, Copy)]

@@ -183,6 +183,16 @@ fn held_elements(init: &Gpt, tp: u32, rank: usize) -> Vec<usize> {
         .expect("the test's GPT splits over its degrees")
 }
 
+/// The parameter elements tp rank `rank` of `tp` holds of the blocks of pipeline stage
+/// `stage` of `pp` (block b on stage b mod pp).
+fn stage_elements(init: &Gpt, pp: u32, stage: u32, tp: u32, rank: usize) -> usize {
+    let held = held_elements(init, tp, rank);
+    (0..CONFIG.blocks())
+        .filter(|b| b % pp as usize == stage as usize)
+        .map(|b| held[b])
+        .sum()
+}
+
 /// The work was distributed over every rank of the layout: one report per rank, each
 /// tensor-parallel rank holding only its slice, the group's all-reduces exactly Megatron's.
 fn assert_distributed(layout: Layout, init: &Gpt, steps: &[StepDone]) {
@@ -636,10 +646,7 @@ impl Composed {
         let mut optimizer = std::collections::HashMap::<(u32, u32), u64>::new();
         for r in &last.replicas {
             let p = r.pipeline.as_ref().expect("a block job's record");
-            let held: usize = (0..CONFIG.blocks())
-                .filter(|b| b % pp as usize == r.stage.stage as usize)
-                .map(|b| held_elements(init, tp, r.stage.tp as usize)[b])
-                .sum();
+            let held: usize = stage_elements(init, pp, r.stage.stage, tp, r.stage.tp as usize);
             if tp > 1 {
                 let traffic = p.tensor_parallel.expect("a tensor-parallel rank's traffic");
                 assert!(
@@ -675,10 +682,7 @@ impl Composed {
         }
         if self.zero != ZeroStage::Off {
             for ((stage, t), bytes) in optimizer {
-                let held: usize = (0..CONFIG.blocks())
-                    .filter(|b| b % pp as usize == stage as usize)
-                    .map(|b| held_elements(init, tp, t as usize)[b])
-                    .sum();
+                let held: usize = stage_elements(init, pp, stage, tp, t as usize);
                 assert_eq!(
                     bytes,
                     4 * held as u64,
@@ -916,10 +920,7 @@ async fn sixteen_bit_gradients_over_blocks_and_pipelines_equal_one_device() {
         let last = steps.last().expect("steps ran");
         assert_eq!(last.replicas.len(), (layout.dp * layout.pp) as usize);
         for r in &last.replicas {
-            let held: usize = (0..CONFIG.blocks())
-                .filter(|b| b % layout.pp as usize == r.stage.stage as usize)
-                .map(|b| held_elements(&init, 1, 0)[b])
-                .sum();
+            let held: usize = stage_elements(&init, layout.pp, r.stage.stage, 1, 0);
             let bytes: u64 = r
                 .trace
                 .iter()
@@ -1028,10 +1029,7 @@ async fn compression_over_blocks_and_pipelines() {
     let (trained, events) = run(bf16(&init)).await;
     for s in steps_of(&events) {
         for r in &s.replicas {
-            let held: usize = (0..CONFIG.blocks())
-                .filter(|b| b % 2 == r.stage.stage as usize)
-                .map(|b| held_elements(&init, 1, 0)[b])
-                .sum();
+            let held: usize = stage_elements(&init, 2, r.stage.stage, 1, 0);
             let bytes: u64 = r
                 .trace
                 .iter()

@@ -18,8 +18,8 @@ use meshwork::data::TextWindows;
 use meshwork::demo::gpt::{Gpt, GptConfig};
 use meshwork::demo::kjv_corpus;
 use meshwork::error::{Error, Result};
-use meshwork::events::{JobEvent, StepDone};
-use meshwork::job::{EventsError, Job};
+use meshwork::events::StepDone;
+use meshwork::job::Job;
 use meshwork::parallel::memory::StepMemory;
 use meshwork::parallel::pipeline::Schedule;
 use meshwork::parallel::zero::ZeroStage;
@@ -254,35 +254,11 @@ fn run_once(b: &LayoutBench, layout: Layout, gpt: &Gpt, data: &TextWindows) -> R
         .collective_timeout(Duration::from_secs(120))
         .step_timeout(Duration::from_secs(600))
         .build()?;
-    let runtime = tokio::runtime::Runtime::new().map_err(|e| Error::Io {
-        path: "tokio runtime".into(),
-        reason: e.to_string(),
-    })?;
-    let steps = runtime.block_on(async move {
-        let handle = job.spawn().await?;
-        let mut events = handle.events();
-        let mut steps = Vec::new();
-        loop {
-            match events.recv().await {
-                Ok(JobEvent::StepDone(s)) => steps.push(s),
-                Ok(_) | Err(EventsError::Missed(_)) => {}
-                Err(EventsError::Closed) => break,
-            }
-        }
-        handle.join().await?;
-        Ok::<_, Error>(steps)
-    })?;
     let what = format!(
         "bench tensor (dp {} × pp {} × tp {})",
         layout.dp, layout.pp, layout.tp
     );
-    if steps.len() as u64 != b.steps {
-        return Err(Error::Runtime(format!(
-            "{what}: saw {} of {} steps",
-            steps.len(),
-            b.steps
-        )));
-    }
+    let steps = crate::bench_run::collect_steps(job, b.steps, &what)?;
     let timed: Vec<&StepDone> = steps.iter().filter(|s| s.step >= b.warmup()).collect();
     let wall: f64 = timed.iter().map(|s| s.wall_s).sum();
     let memory = steps
@@ -294,12 +270,6 @@ fn run_once(b: &LayoutBench, layout: Layout, gpt: &Gpt, data: &TextWindows) -> R
         memory,
         losses: steps.iter().map(|s| s.loss).collect(),
     })
-}
-
-fn median(mut runs: Vec<Run>) -> Run {
-    runs.sort_by(|a, b| a.samples_per_s.total_cmp(&b.samples_per_s));
-    let mid = runs.len() / 2;
-    runs.swap_remove(mid)
 }
 
 fn held(m: &StepMemory) -> (u64, u64, u64) {
@@ -331,19 +301,10 @@ pub(crate) fn run(b: &LayoutBench) -> Result<LayoutFigures> {
         runs.push(run_once(b, layout, &gpt, &data)?);
     }
     let (last_run, last_base) = (&runs[runs.len() - 1], &baselines[baselines.len() - 1]);
-    let scale = last_base
-        .losses
-        .iter()
-        .fold(0f64, |m, l| m.max(f64::from(l.abs())))
-        .max(f64::MIN_POSITIVE);
-    let loss_max_rel_diff = last_run
-        .losses
-        .iter()
-        .zip(&last_base.losses)
-        .map(|(a, c)| f64::from((a - c).abs()) / scale)
-        .fold(0.0, f64::max);
-    let run = median(runs);
-    let base = median(baselines);
+    let loss_max_rel_diff =
+        crate::bench_run::loss_max_rel_diff(&last_run.losses, &last_base.losses);
+    let run = crate::bench_run::median(runs, |r| r.samples_per_s);
+    let base = crate::bench_run::median(baselines, |r| r.samples_per_s);
     let (param_bytes, grad_bytes, optim_bytes) = held(&run.memory);
     let (bp, bg, bo) = held(&base.memory);
     let (fp, fg, fo) = paper_bytes(

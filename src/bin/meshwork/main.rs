@@ -13,6 +13,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod bench;
+mod bench_run;
 #[cfg(feature = "cluster")]
 mod cluster;
 mod comm_bench;

@@ -25,8 +25,8 @@ use burn::optim::SgdConfig;
 use burn::tensor::{Device, Tensor, TensorData};
 use meshwork::data::InMemoryDataset;
 use meshwork::error::{Error, Result};
-use meshwork::events::{JobEvent, StepDone};
-use meshwork::job::{EventsError, Job};
+use meshwork::events::StepDone;
+use meshwork::job::Job;
 use meshwork::parallel::pipeline_exec::{AnyTensor, Boundary};
 use meshwork::parallel::stages::{PipelineStages, materialize};
 use meshwork::parallel::tensor::TpTraffic;
@@ -249,31 +249,7 @@ fn run_once(b: &TensorBench, tp: u32) -> Result<Run> {
         .collective_timeout(Duration::from_secs(120))
         .step_timeout(Duration::from_secs(600))
         .build()?;
-    let runtime = tokio::runtime::Runtime::new().map_err(|e| Error::Io {
-        path: "tokio runtime".into(),
-        reason: e.to_string(),
-    })?;
-    let steps = runtime.block_on(async move {
-        let handle = job.spawn().await?;
-        let mut events = handle.events();
-        let mut steps = Vec::new();
-        loop {
-            match events.recv().await {
-                Ok(JobEvent::StepDone(s)) => steps.push(s),
-                Ok(_) | Err(EventsError::Missed(_)) => {}
-                Err(EventsError::Closed) => break,
-            }
-        }
-        handle.join().await?;
-        Ok::<_, Error>(steps)
-    })?;
-    if steps.len() as u64 != b.steps {
-        return Err(Error::Runtime(format!(
-            "bench tensor (tp {tp}): saw {} of {} steps",
-            steps.len(),
-            b.steps
-        )));
-    }
+    let steps = crate::bench_run::collect_steps(job, b.steps, &format!("bench tensor (tp {tp})"))?;
     let timed: Vec<&StepDone> = steps.iter().filter(|s| s.step >= b.warmup()).collect();
     let timed_wall_s: f64 = timed.iter().map(|s| s.wall_s).sum();
     let timed_comm_s: f64 = timed
@@ -305,12 +281,6 @@ fn run_once(b: &TensorBench, tp: u32) -> Result<Run> {
     })
 }
 
-fn median(mut runs: Vec<Run>) -> Run {
-    runs.sort_by(|a, b| a.samples_per_s.total_cmp(&b.samples_per_s));
-    let mid = runs.len() / 2;
-    runs.swap_remove(mid)
-}
-
 /// Run both sides, alternated, and measure.
 pub(crate) fn run(b: &TensorBench) -> Result<TensorFigures> {
     b.check()?;
@@ -329,17 +299,8 @@ pub(crate) fn run(b: &TensorBench) -> Result<TensorFigures> {
         runs.push(run_once(b, b.tp)?);
     }
     let (last_run, last_base) = (&runs[runs.len() - 1], &baselines[baselines.len() - 1]);
-    let scale = last_base
-        .losses
-        .iter()
-        .fold(0f64, |m, l| m.max(f64::from(l.abs())))
-        .max(f64::MIN_POSITIVE);
-    let loss_max_rel_diff = last_run
-        .losses
-        .iter()
-        .zip(&last_base.losses)
-        .map(|(a, c)| f64::from((a - c).abs()) / scale)
-        .fold(0.0, f64::max);
+    let loss_max_rel_diff =
+        crate::bench_run::loss_max_rel_diff(&last_run.losses, &last_base.losses);
     let expected = b.expected_bytes();
     let traffic: Vec<TpTraffic> = runs.iter().flat_map(|r| r.traffic.clone()).collect();
     let steps_seen = traffic.len().max(1) as u64;
@@ -352,8 +313,8 @@ pub(crate) fn run(b: &TensorBench) -> Result<TensorFigures> {
         traffic.is_empty()
     };
     let parameter_bytes_per_step = traffic.first().map_or(0, |t| t.parameter_bytes);
-    let run = median(runs);
-    let base = median(baselines);
+    let run = crate::bench_run::median(runs, |r| r.samples_per_s);
+    let base = crate::bench_run::median(baselines, |r| r.samples_per_s);
     Ok(TensorFigures {
         tp: b.tp,
         hidden: b.hidden,

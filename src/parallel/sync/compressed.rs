@@ -239,32 +239,17 @@ impl<M: Module> GradientSync<M> for CompressedSync {
             None => {
                 // Another group size: the shared state from the first part, and the sum of
                 // the residuals (what the group owes) on rank 0 only (CSYNC-2).
-                let Some((_, _, first)) = saved.first() else {
+                let compressor =
+                    CompressorState::regrouped(saved.iter().map(|(_, _, p)| &p.compressor), rank);
+                let (Some((_, _, first)), Some(compressor)) = (saved.first(), compressor) else {
                     return Err(optimizer_error(
                         "the checkpoint has no compression part".into(),
                     ));
                 };
-                let mut s = SavedState {
+                SavedState {
                     optimizer: first.optimizer.clone(),
-                    compressor: CompressorState {
-                        residual: Vec::new(),
-                        ..first.compressor.clone()
-                    },
-                };
-                if rank == 0 {
-                    for (_, _, p) in &saved {
-                        let r = &p.compressor.residual;
-                        if s.compressor.residual.len() < r.len() {
-                            s.compressor.residual.resize(r.len(), 0.0);
-                        }
-                        s.compressor
-                            .residual
-                            .iter_mut()
-                            .zip(r)
-                            .for_each(|(a, b)| *a += b);
-                    }
+                    compressor,
                 }
-                s
             }
         };
         let optimizer = std::mem::take(&mut state.optimizer);

@@ -72,24 +72,7 @@ fn resumed_compressor(
     {
         return Some(state.clone());
     }
-    let (_, _, first) = parts.first()?;
-    let mut state = CompressorState {
-        residual: Vec::new(),
-        ..first.clone()
-    };
-    if rank == 0 {
-        for (_, _, p) in parts {
-            if state.residual.len() < p.residual.len() {
-                state.residual.resize(p.residual.len(), 0.0);
-            }
-            state
-                .residual
-                .iter_mut()
-                .zip(&p.residual)
-                .for_each(|(a, b)| *a += b);
-        }
-    }
-    Some(state)
+    CompressorState::regrouped(parts.iter().map(|(_, _, s)| s), rank)
 }
 
 impl std::fmt::Debug for ZeroSync {
