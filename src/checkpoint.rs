@@ -417,4 +417,12 @@ pub enum CheckpointError {
         /// What is wrong with them.
         reason: String,
     },
+    /// A tensor-parallel checkpoint cannot be re-sliced onto this job's degree (TP-7).
+    #[error("re-slicing {what} onto another tensor-parallel degree: {reason}")]
+    Reslice {
+        /// The parameter, optimizer tensor or state concerned.
+        what: String,
+        /// What is wrong or not supported.
+        reason: String,
+    },
 }

@@ -16,6 +16,11 @@ cargo run --release -- train --model gpt --tp 2 --steps 30 --sample 60
 # the recipe: 2 replicas × 2 pipeline stages × 2 tensor-parallel ranks, ZeRO-1, bf16, clipping, accumulation, warm-up/cosine
 cargo run --release -- train --model gpt --dp 2 --pp 2 --tp 2 --zero 1 --precision bf16 --clip 1.0 --accumulate 2 --lr-schedule warmup-cosine --steps 20 --sample 60
 # ANCHOR_END: recipe
+# ANCHOR: recipe-resume
+# stop a dp 2 × tp 2 GPT after 10 steps with a checkpoint, then resume it on one replica of 4 tensor-parallel ranks
+cargo run --release -- train --model gpt --dp 2 --tp 2 --zero 1 --steps 10 --checkpoint-dir gpt-checkpoints
+cargo run --release -- train --model gpt --dp 1 --tp 4 --zero 1 --steps 20 --checkpoint-dir gpt-checkpoints --resume
+# ANCHOR_END: recipe-resume
 # ANCHOR: faults
 # a fault-injection run: four replicas, a kill and a panic from the plan, shrinking to the survivors
 cargo run --release -- train --dp 4 --batch-size 48 --steps 20 --faults book/snippets/faults.json --on-replica-loss shrink

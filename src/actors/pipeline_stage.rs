@@ -43,6 +43,7 @@ use crate::parallel::pipeline_exec::{
 };
 use crate::parallel::stages::{BlockPart, PipelineModel, PipelineStages};
 use crate::parallel::tensor::TensorParallel;
+use crate::parallel::tensor::reslice::reslice;
 use crate::precision::LossScaler;
 use crate::trace::{TraceKind, TraceRecord};
 mod spawn;
@@ -273,12 +274,39 @@ where
                 .comm
                 .as_ref()
                 .map_or((0, 1), |c| (c.rank().index(), c.world()));
+            let degree = s.tp.degree();
             for (c, w) in s.chunks.iter_mut().enumerate() {
                 let wanted = ShardId {
                     pp: plan.block(stage, Chunk(c as u32)),
                     tp: tp_rank,
                 };
-                let Some(shard) = shard.iter().find(|x| x.shard == wanted) else {
+                let resliced;
+                let shard = match slices_of(&shard, wanted.pp, degree) {
+                    Slices::Own => shard.iter().find(|x| x.shard == wanted),
+                    Slices::None => None,
+                    // TP-7: written at another tensor-parallel degree: re-sliced here.
+                    Slices::Other(parts) => {
+                        let Some(held) = w.held_params() else {
+                            return Err(Error::InvalidConfig(format!(
+                                "the checkpoint holds {} tensor-parallel slices of block {}; \
+                                 {id}'s block is not tensor-parallel",
+                                parts.len(),
+                                wanted.pp
+                            )));
+                        };
+                        resliced =
+                            reslice(&parts, &held, tp_rank as usize, degree).map_err(|e| {
+                                Error::InvalidConfig(format!(
+                                    "{id} (tp rank {tp_rank} of {degree}) from the {} slices \
+                                     of block {}: {e}",
+                                    parts.len(),
+                                    wanted.pp
+                                ))
+                            })?;
+                        Some(&resliced)
+                    }
+                };
+                let Some(shard) = shard else {
                     return Err(Error::InvalidConfig(format!(
                         "no {wanted} to restore {id} from"
                     )));
@@ -593,5 +621,31 @@ fn report<I>(
         loss_scale: None,
         bytes_sent: 0,
         parameter_server: None,
+    }
+}
+
+/// How a checkpoint holds one block for a stage of a tensor-parallel group of `degree`.
+enum Slices<'a> {
+    /// One slice per rank of the same degree: the rank takes its own.
+    Own,
+    /// None at all.
+    None,
+    /// The slices of another degree, in rank order: re-sliced (TP-7).
+    Other(Vec<&'a ShardSnapshot>),
+}
+
+/// How `shards` hold block `pp` for a group of `degree` ranks: slices `0..T` of the block,
+/// `T` being the degree that wrote them.
+fn slices_of(shards: &[ShardSnapshot], pp: u32, degree: usize) -> Slices<'_> {
+    let mut parts: Vec<&ShardSnapshot> = shards.iter().filter(|s| s.shard.pp == pp).collect();
+    parts.sort_by_key(|s| s.shard.tp);
+    let complete = parts
+        .iter()
+        .enumerate()
+        .all(|(t, s)| s.shard.tp as usize == t);
+    match parts.len() {
+        0 => Slices::None,
+        n if n == degree || !complete => Slices::Own,
+        _ => Slices::Other(parts),
     }
 }

@@ -269,11 +269,12 @@ where
     /// in the backward). Combines with [`data_parallel`](Self::data_parallel) and
     /// [`pipeline`](Self::pipeline) into a dp × pp × tp mesh (tp ranks fastest in the rank
     /// order, MESH-1); works with [`blocks`](Self::blocks) and `pipeline` jobs. Checkpoints
-    /// hold each rank's slices (`shard-ppB-tpT`) and restore onto the same degree; a lost
-    /// rank is replaced from its twin in another replica or rolled back, as a pipeline stage
-    /// is. Not yet with ZeRO, mixed precision, `clip_grad_norm`, restoring onto another
-    /// degree, or across processes: those are refused when the job is built (or, for a checkpoint of another
-    /// degree, when it is read).
+    /// hold each rank's slices (`shard-ppB-tpT`) and restore onto any degree and data-parallel
+    /// size, re-sliced (TP-7); a lost rank is replaced from its twin in another replica or
+    /// rolled back, as a pipeline stage is. Composes with ZeRO, mixed precision,
+    /// `clip_grad_norm`, accumulation and local updates; what it does not compose with
+    /// (compression, the parameter server, jobs across processes) is a row of
+    /// [`REFUSALS`](crate::composition::REFUSALS), refused when the job is built.
     pub fn tensor_parallel(mut self, t: u32) -> Self {
         self.tp = t;
         self

@@ -83,6 +83,31 @@ impl ParamLayout {
     pub(crate) fn slots(&self) -> &[ParamSlot] {
         &self.slots
     }
+
+    /// The same layout with each slot's id replaced as `map` says (a restored module's
+    /// parameters take their saved ids: CKPT-5); an id not in `map` stays.
+    pub(crate) fn rekeyed(&self, map: &std::collections::HashMap<ParamId, ParamId>) -> Self {
+        let mut out = self.clone();
+        for s in &mut out.slots {
+            if let Some(&id) = map.get(&s.id) {
+                s.id = id;
+            }
+        }
+        out
+    }
+}
+
+/// Each float parameter's id in `module`'s visit order.
+pub(crate) fn ids_in_order<M: Module>(module: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    module.visit(&mut ids);
+    ids.0
 }
 
 /// Copy a tensor's values into `out`.

@@ -71,7 +71,7 @@ mod sharded_optimizer;
 
 pub(crate) use all_reduce::AllReduceSync;
 pub(crate) use checkpoint_parts::{
-    rank_part, restore_flat, restore_shard, shard_state, with_flat_and_named,
+    decode_zero_parts, rank_part, restore_flat, restore_shard, shard_state, with_flat_and_named,
 };
 pub(crate) use collective::{Collective, Span};
 pub(crate) use sharded_optimizer::ZeroSync;

@@ -45,8 +45,12 @@
 //! - TP-6: a block holds one split region: at `T > 1` a split layer that runs after a
 //!   `reduce` of the same block's forward ([`TensorParallel::enter_split`]) fails the step
 //!   with an error naming the block, instead of training with wrong gradients.
+//! - TP-7: a checkpoint written at another degree is re-sliced when it is restored
+//!   (`reslice`): a block's old slices joined, the new rank's cut, for parameters and
+//!   optimizer state.
 
 pub mod layers;
+pub(crate) mod reslice;
 
 use std::collections::HashMap;
 use std::sync::Mutex;

@@ -65,16 +65,6 @@ where
             state.sampler.cursor(c.step)
         )));
     }
-    // TP-5: a tensor-parallel rank restores its own slices: the degree must match.
-    if c.layout.tp() != state.layout.tp() {
-        return Err(Error::InvalidConfig(format!(
-            "{} was written by a job with tensor-parallel degree {}; this job has {}: \
-             restoring onto another degree (re-slicing the shards) is not supported yet",
-            loaded.dir.display(),
-            c.layout.tp(),
-            state.layout.tp()
-        )));
-    }
     let refused = loaded
         .refused
         .iter()

@@ -106,6 +106,8 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         .collective_timeout(Duration::from_secs_f64(args.collective_timeout));
     let builder =
         crate::train::training_settings(args, crate::train::learning_rate(args)?, builder);
+    // A checkpoint restores onto another --dp and --tp, re-sliced (TP-7).
+    let builder = crate::train::checkpoint_settings(&args.checkpoint_flags(), builder);
     let conclude = |trained: Trained<PipelineModel>| -> meshwork::error::Result<()> {
         let s = &trained.summary;
         let model = Gpt::from_blocks(trained.model)

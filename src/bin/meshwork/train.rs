@@ -474,11 +474,10 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
 }
 
 /// `meshwork train --model gpt`: in this process only (tensor parallelism is not yet
-/// across processes), without the MLP's checkpoint and fault flags.
+/// across processes), without the MLP's fault flags.
 fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
     let unsupported = [
         ("--recompute", args.recompute),
-        ("--checkpoint-dir", args.checkpoint_dir.is_some()),
         ("--faults", args.faults.is_some()),
         ("--save-model", args.save_model.is_some()),
         ("--timeline", args.timeline.is_some()),

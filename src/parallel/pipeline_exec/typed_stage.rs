@@ -644,16 +644,54 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         optimizer: Option<&OptimizerState>,
         (rank, world): (usize, usize),
     ) -> Result<(), CheckpointError> {
+        let before = crate::parallel::gradients::ids_in_order(&self.model);
         let mut model =
             self.sync
                 .restore_state(self.model.clone(), params, optimizer, rank, world)?;
+        // The restored parameters carry the checkpoint's ids (CKPT-5), which another process
+        // drew differently: what is keyed by id follows them, matched in visit order.
+        let map: HashMap<ParamId, ParamId> = before
+            .into_iter()
+            .zip(crate::parallel::gradients::ids_in_order(&model))
+            .collect();
         // A rank's own state waiting for its place (LOCAL-4) is placed now: a block is
         // restored as the rank it steps as.
         if let Some(placed) = self.sync.settle(&model, rank, world)? {
             model = placed;
         }
+        if let Some(split) = self.split.take() {
+            self.split = Some(
+                split
+                    .into_iter()
+                    .map(|(id, axis)| (map.get(&id).copied().unwrap_or(id), axis))
+                    .collect(),
+            );
+        }
+        if let Some(layout) = self.split_layout.take() {
+            self.split_layout = Some(layout.rekeyed(&map));
+        }
         self.model = model;
         Ok(())
+    }
+
+    fn held_params(&self) -> Option<Vec<crate::parallel::tensor::reslice::HeldParam>> {
+        let split = self.split.as_ref()?;
+        let layout = crate::parallel::gradients::ParamLayout::trainable(&self.model);
+        let trainable: std::collections::HashSet<u64> =
+            layout.slots().iter().map(|s| s.id.val()).collect();
+        let mut seen = std::collections::HashSet::new();
+        Some(
+            crate::checkpoint::snapshot_module(&self.model)
+                .params()
+                .iter()
+                .map(|p| crate::parallel::tensor::reslice::HeldParam {
+                    name: p.name.clone(),
+                    axis: split.get(&ParamId::from(p.id)).copied(),
+                    // A tied weight is in the flat order once, at its first visit (FLAT-2).
+                    trainable: trainable.contains(&p.id) && seen.insert(p.id),
+                })
+                .collect(),
+        )
     }
 
     fn lr_state(&self) -> Result<Option<LrSchedulerState>, CheckpointError> {

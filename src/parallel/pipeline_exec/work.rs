@@ -27,6 +27,10 @@ pub(crate) trait StageWork<I>: BlockStep<I> {
         optimizer: Option<&OptimizerState>,
         rank_of: (usize, usize),
     ) -> Result<(), CheckpointError>;
+    /// A tensor-parallel block's float parameters as it holds them (name, split axis,
+    /// whether trainable), in visit order: what re-slicing a checkpoint of another degree
+    /// needs (TP-7); `None` for a block that is not tensor-parallel.
+    fn held_params(&self) -> Option<Vec<crate::parallel::tensor::reslice::HeldParam>>;
     /// The stage's learning-rate scheduler state, `None` for a constant rate (LR-2).
     fn lr_state(&self) -> Result<Option<LrSchedulerState>, CheckpointError>;
     /// Continue the learning-rate schedule from a snapshot's state (LR-2); nothing changes

@@ -83,6 +83,32 @@ pub(crate) fn restore_shard(
     rank: usize,
     world: usize,
 ) -> Result<(OptimizerShard, Vec<OptimizerShard>), CheckpointError> {
+    let decoded = decode_zero_parts(state)?;
+    let mut shard =
+        reshard(&decoded, len, world, rank).map_err(|e| CheckpointError::Optimizer {
+            reason: e.to_string(),
+        })?;
+    // The configured rule steps on (a resumed job may change, say, its weight decay), as
+    // long as its state has the same buffers.
+    if shard.rule.state_words() != own.rule.state_words()
+        || std::mem::discriminant(&shard.rule) != std::mem::discriminant(&own.rule)
+    {
+        return Err(CheckpointError::Optimizer {
+            reason: format!(
+                "the checkpoint's optimizer is {:?}, this job's is {:?}",
+                shard.rule, own.rule
+            ),
+        });
+    }
+    shard.rule = own.rule;
+    Ok((shard, decoded))
+}
+
+/// The ZeRO shards a sharded optimizer state's parts hold (CKPT-8), each checked against its
+/// part's range; an error for whole state or parts of another kind.
+pub(crate) fn decode_zero_parts(
+    state: &OptimizerState,
+) -> Result<Vec<OptimizerShard>, CheckpointError> {
     let Some(parts) = state.parts() else {
         return Err(CheckpointError::Optimizer {
             reason: "the checkpoint holds a whole-model optimizer state (no ZeRO); it \
@@ -90,7 +116,7 @@ pub(crate) fn restore_shard(
                 .into(),
         });
     };
-    let decoded = parts
+    parts
         .iter()
         .map(|p| {
             let (shard, used) = bincode::serde::decode_from_slice::<OptimizerShard, _>(
@@ -114,23 +140,5 @@ pub(crate) fn restore_shard(
             }
             Ok(shard)
         })
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut shard =
-        reshard(&decoded, len, world, rank).map_err(|e| CheckpointError::Optimizer {
-            reason: e.to_string(),
-        })?;
-    // The configured rule steps on (a resumed job may change, say, its weight decay), as
-    // long as its state has the same buffers.
-    if shard.rule.state_words() != own.rule.state_words()
-        || std::mem::discriminant(&shard.rule) != std::mem::discriminant(&own.rule)
-    {
-        return Err(CheckpointError::Optimizer {
-            reason: format!(
-                "the checkpoint's optimizer is {:?}, this job's is {:?}",
-                shard.rule, own.rule
-            ),
-        });
-    }
-    shard.rule = own.rule;
-    Ok((shard, decoded))
+        .collect()
 }

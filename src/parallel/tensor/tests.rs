@@ -9,8 +9,10 @@ use super::layers::{ColumnParallelLinear, RowParallelLinear};
 use super::{TensorParallelModule, UnshardError, shard, split_axes, unshard};
 use crate::mesh::chunk_range;
 
+/// A column-parallel and a row-parallel linear with a replicated one: every kind of
+/// parameter a tensor-parallel block holds (also the re-slicing tests' block).
 #[derive(Module, Debug)]
-struct Pair {
+pub(super) struct Pair {
     column: ColumnParallelLinear,
     row: RowParallelLinear,
     replicated: Linear,
@@ -41,7 +43,7 @@ fn flat<M: Module>(m: &M) -> Vec<Vec<f32>> {
     a.0
 }
 
-fn pair(d_in: usize, hidden: usize, device: &Device) -> Pair {
+pub(super) fn pair(d_in: usize, hidden: usize, device: &Device) -> Pair {
     Pair {
         column: ColumnParallelLinear::new(d_in, hidden, true, device),
         row: RowParallelLinear::new(hidden, d_in, true, device),
