@@ -454,6 +454,55 @@ impl OptimizerState {
             })
     }
 
+    /// The same whole state keyed by other parameter ids: Burn keys a parameter's state by
+    /// its id (tensors `"{id}.{field}"` carrying the id, scalars `"{id}.{field}"`), and a
+    /// module rebuilt in another process draws other ids. Each id of `map` becomes its value;
+    /// other entries stay. Sharded state is returned as it is.
+    pub fn with_param_ids(&self, map: &HashMap<u64, u64>) -> Result<Self, CheckpointError> {
+        let Repr::Whole(bytes) = &self.repr else {
+            return Ok(self.clone());
+        };
+        let bad = |e: burn_pack::Error| CheckpointError::Optimizer {
+            reason: format!("re-keying Burn's optimizer record: {e}"),
+        };
+        let rename = |key: &str| -> String {
+            let (head, rest) = key.split_once('.').unwrap_or((key, ""));
+            match head.parse::<u64>().ok().and_then(|id| map.get(&id)) {
+                Some(new) if rest.is_empty() => new.to_string(),
+                Some(new) => format!("{new}.{rest}"),
+                None => key.to_string(),
+            }
+        };
+        let reader =
+            burn_pack::Reader::from_bytes(Bytes::from_bytes_vec(bytes.clone())).map_err(bad)?;
+        let scalars = reader.scalars().clone();
+        let metadata = reader.metadata().clone();
+        let tensors = reader
+            .into_tensors()
+            .map_err(bad)?
+            .into_iter()
+            .map(|t| {
+                let (name, dtype, shape, id, data) = t.into_parts().map_err(bad)?;
+                let id = id.map(|i| map.get(&i).copied().unwrap_or(i));
+                Ok(burn_pack::Tensor::new(
+                    rename(&name),
+                    dtype,
+                    shape,
+                    id,
+                    data,
+                ))
+            })
+            .collect::<Result<Vec<_>, CheckpointError>>()?;
+        let mut writer = burn_pack::Writer::new(tensors);
+        for (k, v) in &scalars {
+            writer = writer.with_scalar(&rename(k), *v);
+        }
+        for (k, v) in &metadata {
+            writer = writer.with_metadata(&rename(k), v);
+        }
+        Ok(Self::from_bytes(writer.into_bytes().map_err(bad)?.to_vec()))
+    }
+
     /// Whole state bytes as stored (opaque: Burn's format).
     pub fn from_bytes(bytes: Vec<u8>) -> Self {
         Self {

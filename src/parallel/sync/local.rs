@@ -113,7 +113,21 @@ impl LocalSync {
         state: RankState,
     ) -> Result<M, CheckpointError> {
         let model = with_flat_and_named(model, &self.layout, &state.params, named)?;
-        self.optimizer = OptimizerState::from_bytes(state.inner).restore(self.optimizer.clone())?;
+        // The model keeps its own ids (the layout's); the inner state is keyed by the ids the
+        // checkpoint's model had, which another process drew differently: matched by name.
+        let current = snapshot_module(&model);
+        let ids: std::collections::HashMap<&str, u64> = current
+            .params()
+            .iter()
+            .map(|p| (p.name.as_str(), p.id))
+            .collect();
+        let map: std::collections::HashMap<u64, u64> = named
+            .named()
+            .filter_map(|p| ids.get(p.name.as_str()).map(|&new| (p.id, new)))
+            .filter(|(old, new)| old != new)
+            .collect();
+        let inner = OptimizerState::from_bytes(state.inner).with_param_ids(&map)?;
+        self.optimizer = inner.restore(self.optimizer.clone())?;
         self.applied = state.applied;
         self.outer = state.outer;
         Ok(model)
