@@ -92,6 +92,7 @@ use crate::precision::ScalerState;
 pub use fs::{
     CheckpointFile, CheckpointFs, FaultyFile, FaultyFs, FsOp, MemoryFile, MemoryFs, RealFs,
 };
+pub(crate) use params::{BurnRecord, RecordTensor};
 pub use params::{
     NamedParam, OptimizerPart, OptimizerState, ParamPart, ShardParams, restore_module,
     snapshot_module,

@@ -473,34 +473,29 @@ impl OptimizerState {
                 None => key.to_string(),
             }
         };
-        let reader =
-            burn_pack::Reader::from_bytes(Bytes::from_bytes_vec(bytes.clone())).map_err(bad)?;
-        let scalars = reader.scalars().clone();
-        let metadata = reader.metadata().clone();
-        let tensors = reader
-            .into_tensors()
-            .map_err(bad)?
-            .into_iter()
-            .map(|t| {
-                let (name, dtype, shape, id, data) = t.into_parts().map_err(bad)?;
-                let id = id.map(|i| map.get(&i).copied().unwrap_or(i));
-                Ok(burn_pack::Tensor::new(
-                    rename(&name),
-                    dtype,
-                    shape,
-                    id,
-                    data,
-                ))
-            })
-            .collect::<Result<Vec<_>, CheckpointError>>()?;
-        let mut writer = burn_pack::Writer::new(tensors);
-        for (k, v) in &scalars {
-            writer = writer.with_scalar(&rename(k), *v);
-        }
-        for (k, v) in &metadata {
-            writer = writer.with_metadata(&rename(k), v);
-        }
-        Ok(Self::from_bytes(writer.into_bytes().map_err(bad)?.to_vec()))
+        let record = BurnRecord::read(bytes).map_err(bad)?;
+        let renamed = BurnRecord {
+            tensors: record
+                .tensors
+                .into_iter()
+                .map(|t| RecordTensor {
+                    name: rename(&t.name),
+                    param_id: t.param_id.map(|i| map.get(&i).copied().unwrap_or(i)),
+                    ..t
+                })
+                .collect(),
+            scalars: record
+                .scalars
+                .into_iter()
+                .map(|(k, v)| (rename(&k), v))
+                .collect(),
+            metadata: record
+                .metadata
+                .into_iter()
+                .map(|(k, v)| (rename(&k), v))
+                .collect(),
+        };
+        Ok(Self::from_bytes(renamed.write().map_err(bad)?))
     }
 
     /// Whole state bytes as stored (opaque: Burn's format).
@@ -557,5 +552,83 @@ impl OptimizerState {
     /// Whether no bytes are held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// Burn's optimizer record (burnpack, `ModuleOptimizer::into_bytes`) as plain parts: what a
+/// rewrite of it (re-keyed ids, re-sliced tensors) reads and writes back.
+pub(crate) struct BurnRecord {
+    /// Its tensors, in the record's order.
+    pub tensors: Vec<RecordTensor>,
+    /// Its scalars (step counts), by key.
+    pub scalars: std::collections::BTreeMap<String, burn_pack::Scalar>,
+    /// Its metadata, by key.
+    pub metadata: std::collections::BTreeMap<String, String>,
+}
+
+/// One tensor of a [`BurnRecord`].
+pub(crate) struct RecordTensor {
+    /// Its name (`"{param_id}.{field}"`).
+    pub name: String,
+    /// Its element type.
+    pub dtype: DType,
+    /// Its shape.
+    pub dims: Vec<usize>,
+    /// The parameter it belongs to.
+    pub param_id: Option<u64>,
+    /// Its raw little-endian bytes.
+    pub bytes: Vec<u8>,
+}
+
+impl BurnRecord {
+    /// The record of these bytes.
+    pub(crate) fn read(bytes: &[u8]) -> Result<Self, burn_pack::Error> {
+        let reader = burn_pack::Reader::from_bytes(Bytes::from_bytes_vec(bytes.to_vec()))?;
+        let scalars = reader.scalars().clone();
+        let metadata = reader.metadata().clone();
+        let tensors = reader
+            .into_tensors()?
+            .into_iter()
+            .map(|t| {
+                let (name, dtype, shape, param_id, bytes) = t.into_parts()?;
+                Ok(RecordTensor {
+                    name,
+                    dtype,
+                    dims: shape.as_slice().to_vec(),
+                    param_id,
+                    bytes: bytes.to_vec(),
+                })
+            })
+            .collect::<Result<_, burn_pack::Error>>()?;
+        Ok(Self {
+            tensors,
+            scalars,
+            metadata,
+        })
+    }
+
+    /// The record's bytes.
+    pub(crate) fn write(self) -> Result<Vec<u8>, burn_pack::Error> {
+        let tensors = self
+            .tensors
+            .into_iter()
+            .map(|t| {
+                burn_pack::Tensor::new(
+                    t.name,
+                    t.dtype,
+                    t.dims,
+                    t.param_id,
+                    Bytes::from_bytes_vec(t.bytes),
+                )
+            })
+            .collect();
+        let mut writer = burn_pack::Writer::new(tensors);
+        for (k, v) in &self.scalars {
+            writer = writer.with_scalar(k, *v);
+        }
+        for (k, v) in &self.metadata {
+            writer = writer.with_metadata(k, v);
+        }
+        Ok(writer.into_bytes()?.to_vec())
     }
 }

@@ -1,4 +1,4 @@
-//! What the alternated benches share (`bench tensor`, with and without a mesh): run one job
+//! What the benches share (`bench tensor`, with and without a mesh; `bench pipeline`): run one job
 //! to its end collecting its steps, the median run, and how far two runs' losses are apart.
 
 use meshwork::error::{Error, Result};

@@ -6,8 +6,8 @@ use burn::optim::SgdConfig;
 use burn::tensor::Device;
 use meshwork::demo::{TeacherTask, measure_mlp_layers, mlp_pipeline};
 use meshwork::error::{Error, Result};
-use meshwork::events::{JobEvent, PipelineStep};
-use meshwork::job::{EventsError, Job};
+use meshwork::events::PipelineStep;
+use meshwork::job::Job;
 use meshwork::parallel::pipeline::{Schedule, balanced_split, even_split, render_svg};
 use meshwork::parallel::pipeline_exec::chrome_trace;
 
@@ -170,28 +170,12 @@ pub(crate) fn run(b: PipelineBench, timeline: Option<&std::path::Path>) -> Resul
         .steps((WARMUP + b.steps) as u64)
         .step_timeout(Duration::from_secs(300))
         .build()?;
-    let runtime = tokio::runtime::Runtime::new().map_err(|e| Error::Io {
-        path: "tokio runtime".into(),
-        reason: e.to_string(),
-    })?;
-    let steps = runtime.block_on(async move {
-        let handle = job.spawn().await?;
-        let mut events = handle.events();
-        let mut steps = Vec::new();
-        loop {
-            match events.recv().await {
-                Ok(JobEvent::StepDone(s)) if s.step as usize >= WARMUP => {
-                    if let Some(p) = s.pipeline {
-                        steps.push((s.wall_s, p));
-                    }
-                }
-                Ok(_) | Err(EventsError::Missed(_)) => {}
-                Err(EventsError::Closed) => break,
-            }
-        }
-        handle.join().await?;
-        Ok::<_, Error>(steps)
-    })?;
+    let steps: Vec<_> =
+        crate::bench_run::collect_steps(job, (WARMUP + b.steps) as u64, "bench pipeline")?
+            .into_iter()
+            .filter(|s| s.step as usize >= WARMUP)
+            .filter_map(|s| s.pipeline.map(|p| (s.wall_s, p)))
+            .collect();
     if let (Some(path), Some((_, last))) = (timeline, steps.last()) {
         let text = if path.extension().is_some_and(|e| e == "json") {
             chrome_trace(&last.timeline)

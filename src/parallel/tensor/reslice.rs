@@ -21,10 +21,9 @@
 //! gives the whole back bitwise, so re-slicing onto the same degree is the identity and onto
 //! another degree keeps every value where the one-device model has it.
 
-use burn_pack::{Reader, Tensor as PackTensor, Writer};
-
 use crate::checkpoint::{
-    CheckpointError, NamedParam, OptimizerState, ShardId, ShardParams, ShardSnapshot,
+    BurnRecord, CheckpointError, NamedParam, OptimizerState, RecordTensor, ShardId, ShardParams,
+    ShardSnapshot,
 };
 use crate::mesh::chunk_range;
 use crate::parallel::sync::{decode_zero_parts, shard_state};
@@ -163,18 +162,16 @@ fn reslice_burn(
     degree: usize,
 ) -> Result<Vec<u8>, CheckpointError> {
     let bad = |e: burn_pack::Error| refused("Burn's optimizer record", e.to_string());
-    let mut readers = records
-        .iter()
-        .map(|b| Reader::from_bytes(burn_pack::Bytes::from_bytes_vec(b.to_vec())).map_err(bad))
-        .collect::<Result<Vec<_>, _>>()?;
-    let first = readers.remove(0);
-    let scalars = first.scalars().clone();
-    let metadata = first.metadata().clone();
-    let mut tensors: Vec<Vec<Entry>> = Vec::with_capacity(parts.len());
-    tensors.push(entries(first)?);
-    for r in readers {
-        tensors.push(entries(r)?);
+    let mut tensors = Vec::with_capacity(records.len());
+    let mut first = None;
+    for bytes in records {
+        let record = BurnRecord::read(bytes).map_err(bad)?;
+        tensors.push(record.tensors);
+        first.get_or_insert((record.scalars, record.metadata));
     }
+    let Some((scalars, metadata)) = first else {
+        return Err(refused("Burn's optimizer record", "no old rank's record"));
+    };
     // A split parameter by id, with its slice's dims on each old rank.
     let split_by_id = |id: u64| -> Option<(usize, Vec<&[usize]>)> {
         let name = &parts[0].params.params().iter().find(|p| p.id == id)?.name;
@@ -220,53 +217,21 @@ fn reslice_burn(
             }
             _ => (e.dims.clone(), e.bytes.clone()),
         };
-        out.push(PackTensor::new(
-            e.name.clone(),
-            e.dtype,
-            bytes.0,
-            e.param_id,
-            burn_pack::Bytes::from_bytes_vec(bytes.1),
-        ));
+        out.push(RecordTensor {
+            name: e.name.clone(),
+            dtype: e.dtype,
+            dims: bytes.0,
+            param_id: e.param_id,
+            bytes: bytes.1,
+        });
     }
-    let mut writer = Writer::new(out);
-    for (k, v) in &scalars {
-        writer = writer.with_scalar(k, *v);
+    BurnRecord {
+        tensors: out,
+        scalars,
+        metadata,
     }
-    for (k, v) in &metadata {
-        writer = writer.with_metadata(k, v);
-    }
-    writer
-        .into_bytes()
-        .map(|b| b.to_vec())
-        .map_err(|e| refused("Burn's optimizer record", format!("writing it: {e}")))
-}
-
-/// One tensor of a burnpack record.
-struct Entry {
-    name: String,
-    dtype: burn_pack::DType,
-    dims: Vec<usize>,
-    param_id: Option<u64>,
-    bytes: Vec<u8>,
-}
-
-fn entries(reader: Reader) -> Result<Vec<Entry>, CheckpointError> {
-    let bad = |e: burn_pack::Error| refused("Burn's optimizer record", e.to_string());
-    reader
-        .into_tensors()
-        .map_err(bad)?
-        .into_iter()
-        .map(|t| {
-            let (name, dtype, shape, param_id, bytes) = t.into_parts().map_err(bad)?;
-            Ok(Entry {
-                name,
-                dtype,
-                dims: shape.as_slice().to_vec(),
-                param_id,
-                bytes: bytes.to_vec(),
-            })
-        })
-        .collect()
+    .write()
+    .map_err(|e| refused("Burn's optimizer record", format!("writing it: {e}")))
 }
 
 fn with_width(dims: &[usize], width: usize) -> Vec<usize> {

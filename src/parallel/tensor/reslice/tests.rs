@@ -152,10 +152,9 @@ fn stepped(whole: &Pair, config: &OptimizerConfig, rank: usize, degree: usize) -
 /// Burn's record as (name, dims, bytes), in its order.
 fn tensors_of(state: &OptimizerState) -> Vec<(String, Vec<usize>, Vec<u8>)> {
     let bytes = state.whole_bytes().expect("whole state");
-    let reader =
-        Reader::from_bytes(burn_pack::Bytes::from_bytes_vec(bytes.to_vec())).expect("a record");
-    entries(reader)
-        .expect("reads")
+    BurnRecord::read(bytes)
+        .expect("a record")
+        .tensors
         .into_iter()
         .map(|e| (e.name, e.dims, e.bytes))
         .collect()
