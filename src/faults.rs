@@ -5,8 +5,9 @@
 //! and enter through hooks the runtime always calls — on the device thread before each forward,
 //! each backward and the optimizer update ([`FaultHooks::before`], at a [`Phase`]), in the
 //! communicators' message layer ([`DeviceMessages`]), in the checkpoint writer
-//! ([`FaultHooks::fails_checkpoint`]), in the Supervisor at the start of each step
-//! ([`FaultHooks::kills_at`]) — not through test-only code paths. With no plan, a hook is one
+//! ([`FaultHooks::fails_checkpoint`]), in the Supervisor at each step boundary
+//! ([`FaultHooks::resize_at`]) and at the start of each step ([`FaultHooks::kills_at`]) —
+//! not through test-only code paths. With no plan, a hook is one
 //! `Option` check.
 //!
 //! - FAULT-1: a fault fires at most once per plan entry (`times` entries fire that many
@@ -107,6 +108,14 @@ pub enum FaultKind {
     /// The checkpoint taken at the step fails half-way through writing (the device is
     /// ignored): the writer has written part of a shard file when the file system fails.
     FailCheckpointWrite,
+    /// Devices leave or arrive: the job is asked to resize to `replicas` data-parallel
+    /// replicas at the boundary before the step (the device is ignored). The same request
+    /// as `JobControl::scale_to`, at a step the plan fixes, so an elastic rehearsal
+    /// replays exactly (FAULT-2); admitted or refused as that request is (ELASTIC-1..6).
+    Resize {
+        /// The replicas asked for.
+        replicas: u32,
+    },
 }
 
 impl FaultKind {
@@ -415,6 +424,22 @@ impl FaultHooks {
         self.plan.faults.iter().enumerate().any(|(i, f)| {
             matches!(f.kind, FaultKind::FailCheckpointWrite) && f.step == step && self.fire(i, None)
         })
+    }
+
+    /// The resize the plan asks for at the boundary before `step`, if any (each entry fires
+    /// once; of several at one step, the last in the plan).
+    pub fn resize_at(&self, step: u64) -> Option<u32> {
+        self.plan
+            .faults
+            .iter()
+            .enumerate()
+            .filter_map(|(i, f)| match f.kind {
+                FaultKind::Resize { replicas } if f.step == step && self.fire(i, None) => {
+                    Some(replicas)
+                }
+                _ => None,
+            })
+            .last()
     }
 
     /// The devices the Supervisor kills at the start of `step` (each entry fires once).

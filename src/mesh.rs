@@ -163,6 +163,62 @@ impl Layout {
     }
 }
 
+/// The same mesh with another number of replicas (ELASTIC-6): the new layout, and for each of
+/// its ranks the rank of the old layout at the same coordinates (`None`: a rank that joins);
+/// the old ranks whose replica is not in the new layout leave. Every block keeps its place:
+/// only the data-parallel degree changes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Remesh {
+    /// The layout after the resize.
+    pub layout: Layout,
+    /// Per rank of [`Remesh::layout`], the old rank at its coordinates, if there was one.
+    pub origin: Vec<Option<Rank>>,
+    /// The old ranks that leave, in rank order.
+    pub leaving: Vec<Rank>,
+}
+
+impl Remesh {
+    /// The ranks of the new layout that join (no old rank at their coordinates), in rank
+    /// order.
+    pub fn joining(&self) -> Vec<Rank> {
+        self.origin
+            .iter()
+            .enumerate()
+            .filter(|(_, o)| o.is_none())
+            .map(|(r, _)| Rank(r as u32))
+            .collect()
+    }
+}
+
+impl Layout {
+    /// This layout with `dp` replicas instead of its own, the pipeline and tensor-parallel
+    /// degrees kept (ELASTIC-6).
+    pub fn remesh(&self, dp: u32) -> Result<Remesh, InvalidConfig> {
+        let layout = Layout::new(dp, self.pp, self.tp)?;
+        let origin = layout
+            .ranks()
+            .map(|r| layout.coord_of(r).and_then(|c| self.rank_of(c)))
+            .collect();
+        let leaving = self
+            .ranks()
+            .filter(|&r| self.coord_of(r).is_some_and(|c| c.dp >= dp))
+            .collect();
+        Ok(Remesh {
+            layout,
+            origin,
+            leaving,
+        })
+    }
+
+    /// The ranks of replica `replica` (every stage and tensor-parallel rank of it), in rank
+    /// order: stage by stage, tensor-parallel rank fastest.
+    pub fn replica_ranks(&self, replica: u32) -> Vec<Rank> {
+        self.ranks()
+            .filter(|&r| self.coord_of(r).is_some_and(|c| c.dp == replica))
+            .collect()
+    }
+}
+
 /// A logical device of the job (one OS thread).
 #[derive(
     Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
@@ -252,6 +308,42 @@ mod tests {
             assert_eq!(l.rank_of(l.coord_of(r).unwrap()), Some(r));
         }
         assert_eq!(l.coord_of(Rank(12)), None);
+    }
+
+    proptest::proptest! {
+        /// ELASTIC-6: a remeshed layout keeps pp and tp; each new rank comes from the old
+        /// rank at the same coordinates exactly when its replica existed; the old ranks of
+        /// replicas beyond the new degree leave; nothing else is lost or made up.
+        #[test]
+        fn elastic_6_a_remesh_keeps_every_block_in_its_place(
+            dp in 1u32..6, pp in 1u32..4, tp in 1u32..4, to in 1u32..6,
+        ) {
+            let old = Layout::new(dp, pp, tp).unwrap();
+            let m = old.remesh(to).unwrap();
+            proptest::prop_assert_eq!((m.layout.dp(), m.layout.pp(), m.layout.tp()), (to, pp, tp));
+            proptest::prop_assert_eq!(m.origin.len(), m.layout.world_size() as usize);
+            for (r, origin) in m.origin.iter().enumerate() {
+                let c = m.layout.coord_of(Rank(r as u32)).unwrap();
+                match origin {
+                    Some(o) => proptest::prop_assert_eq!(old.coord_of(*o), Some(c)),
+                    None => proptest::prop_assert!(c.dp >= dp),
+                }
+            }
+            let kept: BTreeSet<Rank> = m.origin.iter().flatten().copied().collect();
+            let leaving: BTreeSet<Rank> = m.leaving.iter().copied().collect();
+            proptest::prop_assert!(kept.is_disjoint(&leaving));
+            proptest::prop_assert_eq!(kept.len() + leaving.len(), old.world_size() as usize);
+            proptest::prop_assert_eq!(
+                m.joining().len(),
+                (to.saturating_sub(dp) * pp * tp) as usize
+            );
+            for r in &m.leaving {
+                proptest::prop_assert!(old.coord_of(*r).unwrap().dp >= to);
+            }
+            let replica0 = m.layout.replica_ranks(0);
+            proptest::prop_assert_eq!(replica0.len(), (pp * tp) as usize);
+            proptest::prop_assert!(replica0.windows(2).all(|w| w[0] < w[1]));
+        }
     }
 
     #[test]

@@ -177,9 +177,12 @@ pub fn compare_parameters<M: Module>(a: &M, b: &M, rel: f32) -> Result<f32, Stri
     Ok(worst)
 }
 
-/// Spawn `job`, record every event until it ends, and return its outcome with the events.
-pub async fn run_recording<M, I>(
+/// [`run_recording`], calling `on_step` with the step and the job's controls as each step's
+/// report arrives (a resize, a pause or a checkpoint asked while the job runs; each takes
+/// effect at a later step boundary).
+pub async fn run_controlled<M, I>(
     job: crate::job::Job<M, I>,
+    on_step: impl Fn(u64, &crate::job::JobControl) + Send + 'static,
 ) -> (
     crate::error::Result<crate::job::Trained<M>>,
     Vec<crate::events::JobEvent>,
@@ -192,12 +195,18 @@ where
         Ok(h) => h,
         Err(e) => return (Err(e), Vec::new()),
     };
+    let control = handle.control();
     let mut stream = handle.events();
     let recorder = tokio::spawn(async move {
         let mut events = Vec::new();
         loop {
             match stream.recv().await {
-                Ok(e) => events.push(e),
+                Ok(e) => {
+                    if let crate::events::JobEvent::StepDone(s) = &e {
+                        on_step(s.step, &control);
+                    }
+                    events.push(e);
+                }
                 Err(crate::job::EventsError::Missed(_)) => continue,
                 Err(crate::job::EventsError::Closed) => break,
             }
@@ -207,6 +216,20 @@ where
     let outcome = handle.join().await;
     let events = recorder.await.unwrap_or_default();
     (outcome, events)
+}
+
+/// Spawn `job`, record every event until it ends, and return its outcome with the events.
+pub async fn run_recording<M, I>(
+    job: crate::job::Job<M, I>,
+) -> (
+    crate::error::Result<crate::job::Trained<M>>,
+    Vec<crate::events::JobEvent>,
+)
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    run_controlled(job, |_, _| {}).await
 }
 
 /// Each rank's final parameter fingerprint, from the `Finished` event among `events`.

@@ -105,6 +105,7 @@ where
             droppable_replicas: true,
             twins: false,
             can_grow: false,
+            fixed_size: None,
             rejoin: Rejoin::Regroup,
         }
     }

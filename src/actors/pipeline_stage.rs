@@ -335,12 +335,15 @@ where
 
     fn rewire(
         &mut self,
+        rank: Rank,
         links: StageLinks,
         comm: Option<Communicator>,
         model: ModelGroups,
     ) -> Result<()> {
         match self.slot.as_mut() {
             Some(slot) => {
+                // ELASTIC-6: a resize along dp moves the stage's rank, never its place.
+                self.rank = rank;
                 slot.links = links;
                 slot.comm = comm;
                 slot.replica = model.replica;

@@ -11,10 +11,10 @@
 //! | spawner | where | capabilities |
 //! |---|---|---|
 //! | `stage::LocalReplicas` | data-parallel replicas in this process | [`Capabilities::data_parallel`] with [`Rejoin::Regroup`] |
-//! | `pipeline_stage::LocalPipeline` | dp × pp pipeline stages in this process | [`Capabilities::pipeline`] |
+//! | `pipeline_stage::LocalPipeline` | dp × pp × tp blocks and pipeline stages in this process | [`Capabilities::pipeline`], resizable along dp (ELASTIC-6) |
 //! | `parameter_server::PsReplicas` | parameter-server workers and their server in this process | replicated (the server's), droppable, no growth, [`Rejoin::Regroup`] |
 //! | `cluster::remote::ClusterReplicas` | data-parallel replicas across processes | [`Capabilities::data_parallel`] with [`Rejoin::Reconnect`] |
-//! | `cluster::remote::ClusterPipeline` | dp × pp pipeline stages across processes | [`Capabilities::pipeline`] |
+//! | `cluster::remote::ClusterPipeline` | dp × pp pipeline stages across processes | [`Capabilities::pipeline`], fixed size |
 //!
 //! Where the next strategy plugs in: a new `Spawner` (its stage actors answer the same
 //! `StageMsg`s) and, on the device side, a `GradientSync` (`parallel::sync`) for how its
@@ -89,8 +89,12 @@ pub(crate) struct Capabilities {
     /// state) to be replaced from (REC-6): pipelines only, and only when the state is
     /// replicated (SV-5).
     pub(crate) twins: bool,
-    /// The job can start more data-parallel replicas while it runs (ELASTIC-1, ELASTIC-4).
+    /// The job can start more data-parallel replicas while it runs (ELASTIC-1, ELASTIC-4,
+    /// ELASTIC-6).
     pub(crate) can_grow: bool,
+    /// Why the job's number of replicas cannot change while it runs; `None`: it can
+    /// (ELASTIC-1 for data-parallel groups, ELASTIC-6 for a dp × pp × tp mesh).
+    pub(crate) fixed_size: Option<&'static str>,
     /// How members rejoin a rebuilt mesh.
     pub(crate) rejoin: Rejoin,
 }
@@ -105,18 +109,21 @@ impl Capabilities {
             droppable_replicas: replicated_state,
             twins: false,
             can_grow: true,
+            fixed_size: None,
             rejoin,
         }
     }
 
-    /// A dp × pp pipeline: rewired in place, never resized; a lost stage is replaced from its
-    /// twin where the state is replicated.
-    pub(crate) fn pipeline(replicated_state: bool) -> Self {
+    /// A dp × pp × tp mesh (blocks, a pipeline): rewired in place; a lost stage is replaced
+    /// from its twin where the state is replicated; resized along dp (ELASTIC-6) unless
+    /// `fixed_size` says why not.
+    pub(crate) fn pipeline(replicated_state: bool, fixed_size: Option<&'static str>) -> Self {
         Capabilities {
             replicated_state,
             droppable_replicas: false,
             twins: replicated_state,
-            can_grow: false,
+            can_grow: fixed_size.is_none(),
+            fixed_size,
             rejoin: Rejoin::Rewire,
         }
     }
@@ -146,11 +153,11 @@ mod tests {
     fn replicated_state_is_read_from_replica_zero_and_shards_from_every_rank() {
         let pipeline = Layout::new(2, 3, 1).expect("a valid layout");
         assert_eq!(
-            Capabilities::pipeline(true).state_ranks(pipeline),
+            Capabilities::pipeline(true, None).state_ranks(pipeline),
             [0, 2, 4]
         );
         assert_eq!(
-            Capabilities::pipeline(false).state_ranks(pipeline),
+            Capabilities::pipeline(false, None).state_ranks(pipeline),
             [0, 1, 2, 3, 4, 5]
         );
         let replicas = Layout::data_parallel(3).expect("a valid layout");
@@ -166,8 +173,8 @@ mod tests {
             assert!(!Capabilities::data_parallel(false, rejoin).droppable_replicas);
             assert!(Capabilities::data_parallel(true, rejoin).droppable_replicas);
         }
-        assert!(!Capabilities::pipeline(false).twins);
-        assert!(Capabilities::pipeline(true).twins);
-        assert!(!Capabilities::pipeline(true).rejoin.regroups());
+        assert!(!Capabilities::pipeline(false, None).twins);
+        assert!(Capabilities::pipeline(true, None).twins);
+        assert!(!Capabilities::pipeline(true, None).rejoin.regroups());
     }
 }

@@ -104,12 +104,13 @@ impl<R: StageRole> Actor for Stage<R> {
                 let _ = reply.send(role.regroup(id, rank, comm));
             }
             StageMsg::Rewire {
+                rank,
                 links,
                 comm,
                 model,
                 reply,
             } => {
-                let _ = reply.send(role.rewire(*links, comm, *model));
+                let _ = reply.send(role.rewire(rank, *links, comm, *model));
             }
             StageMsg::Reconnect { reply, .. } => {
                 // Only the head's proxy for a stage in another process takes it; a stage of

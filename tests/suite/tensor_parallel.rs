@@ -1287,3 +1287,6 @@ async fn a_local_updates_block_job_resumes_bitwise() {
     );
     let _ = std::fs::remove_dir_all(dir.path());
 }
+
+/// ELASTIC-6: block and pipeline jobs resized along dp.
+mod elastic;

@@ -339,34 +339,17 @@ async fn a_zero_checkpoint_resumes_on_another_data_parallel_size() {
     .await;
 }
 
-/// Run `job`, calling `on_step` with the job's controls after each step event.
+/// Run `job`, calling `on_step` with the job's controls after each step event (bounded).
 async fn run_controlled(
     job: Job<Mlp, Sample>,
     on_step: impl Fn(u64, &meshwork::job::JobControl) + Send + 'static,
 ) -> (Result<meshwork::job::Trained<Mlp>>, Vec<JobEvent>) {
-    let handle = job.spawn().await.expect("spawned");
-    let control = handle.control();
-    let mut stream = handle.events();
-    let recorder = tokio::spawn(async move {
-        let mut events = Vec::new();
-        loop {
-            match stream.recv().await {
-                Ok(e) => {
-                    if let JobEvent::StepDone(s) = &e {
-                        on_step(s.step, &control);
-                    }
-                    events.push(e);
-                }
-                Err(meshwork::job::EventsError::Missed(_)) => continue,
-                Err(meshwork::job::EventsError::Closed) => break,
-            }
-        }
-        events
-    });
-    let outcome = tokio::time::timeout(Duration::from_secs(120), handle.join())
-        .await
-        .expect("the job ends within 120 s");
-    (outcome, recorder.await.unwrap_or_default())
+    tokio::time::timeout(
+        Duration::from_secs(120),
+        meshwork::testing::run_controlled(job, on_step),
+    )
+    .await
+    .expect("the job ends within 120 s")
 }
 
 fn reference_of(init: Mlp, case: &Case, steps: &[StepDone]) -> Mlp {

@@ -234,6 +234,11 @@ where
             !self.spec.zero.shards_optimizer()
                 && !self.spec.compression.is_on()
                 && self.spec.local.is_none(),
+            // LOCAL-4: a rank's own parameters do not move onto another group size.
+            self.spec.local.as_ref().map(|_| {
+                "local updates keep each rank's own parameters, which do not move onto \
+                 another number of replicas"
+            }),
         )
     }
 

@@ -77,9 +77,13 @@ pub(crate) enum StageMsg<M> {
         /// `Ok` once connected.
         reply: RpcReplyPort<Result<()>>,
     },
-    /// A pipeline stage takes new links and a new data-parallel communicator (after a stage
-    /// of the mesh was replaced, REC-6).
+    /// A pipeline stage takes its rank and new links and communicators in a mesh wired anew
+    /// (after a stage of the mesh was replaced, REC-6, or the mesh resized along dp,
+    /// ELASTIC-6: its place in the pipeline and its tensor-parallel rank stay, its rank
+    /// follows the new layout).
     Rewire {
+        /// Its rank in the rewired mesh.
+        rank: Rank,
         /// Its links to its replica's other stages.
         links: Box<crate::parallel::pipeline_exec::StageLinks>,
         /// Its communicator in its stage index's data-parallel group (none at dp = 1).

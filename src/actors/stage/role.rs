@@ -64,14 +64,16 @@ pub(crate) trait StageRole: Sized + Send + 'static {
         )))
     }
 
-    /// Takes new pipeline links and communicators (after a stage of the mesh was replaced).
+    /// Takes its rank and new pipeline links and communicators in a mesh wired anew (after a
+    /// stage of the mesh was replaced, or the mesh resized along dp).
     fn rewire(
         &mut self,
+        rank: Rank,
         links: StageLinks,
         comm: Option<Communicator>,
         model: crate::parallel::pipeline_exec::ModelGroups,
     ) -> Result<()> {
-        let _ = (links, comm, model);
+        let _ = (rank, links, comm, model);
         Err(Error::InvalidConfig(format!(
             "{}: a {} has no pipeline links",
             self.id(),

@@ -10,7 +10,7 @@ use super::checkpoints::checkpoint;
 use super::decide::{self, AtBoundary, Boundary, CheckpointFacts};
 use super::lifecycle::{child_exited, finish};
 use super::recover::{LostRanks, recover};
-use super::resize::{resize, wait_for_minimum};
+use super::resize::{request, resize, wait_for_minimum};
 use super::state::SupervisorState;
 use super::step;
 use crate::error::Error;
@@ -34,6 +34,12 @@ where
             "a step was asked while one runs"
         );
         return Ok(());
+    }
+    // A resize the fault plan fixes at this boundary: the same request as `scale_to`
+    // (FAULT-2: replayed at the same step).
+    if let Some(n) = state.faults.as_ref().and_then(|h| h.resize_at(step)) {
+        state.publish_fired();
+        request(myself, state, n)?;
     }
     let mut resized = false;
     let mut checkpoint_taken = false;

@@ -414,19 +414,18 @@ pub(crate) enum ResizePlan {
 }
 
 /// What a resize from `from` to `n` replicas does, or why it is refused (the mesh is left
-/// as it was): only jobs whose ranks are one data-parallel group ([`Rejoin::regroups`])
-/// resize, to another size; a job grows only if it can start replicas
-/// ([`Capabilities::can_grow`]); a joining replica takes rank 0's learning-rate schedule
-/// with its state (LR-2).
-///
-/// [`Rejoin::regroups`]: crate::actors::spawner::Rejoin::regroups
+/// as it was): a job resizes unless its strategy says why not
+/// ([`Capabilities::fixed_size`]: a data-parallel group regroups, ELASTIC-1; a dp × pp × tp
+/// mesh is rewired along dp, ELASTIC-6), to another size; a job grows only if it can start
+/// replicas ([`Capabilities::can_grow`]); a joining replica takes rank 0's learning-rate
+/// schedule with its state (LR-2).
 pub(crate) fn plan_resize(
     n: usize,
     from: usize,
     caps: &Capabilities,
 ) -> Result<ResizePlan, String> {
-    if !caps.rejoin.regroups() {
-        return Err("only data-parallel jobs can be resized yet".into());
+    if let Some(why) = caps.fixed_size {
+        return Err(why.into());
     }
     if n == from {
         return Err(format!("the job already has {n} replicas"));

@@ -8,7 +8,7 @@ use ractor::{Actor, ActorRef};
 use tokio::task::JoinSet;
 
 use super::calls::ask;
-use super::spawn::{Grow, GrowArgs, RemoteGrowArgs};
+use super::spawn::{Grow, GrowArgs, RemoteGrowArgs, SurvivorWiring};
 use super::state::SupervisorState;
 use crate::actors::device::{DeviceActor, DeviceMsg};
 use crate::actors::group::{GroupActor, GroupArgs};
@@ -243,4 +243,31 @@ where
         return Err(e);
     }
     Ok((stage, device))
+}
+
+/// Hand each rank of a rewired mesh that has wiring (`survivors`, by rank: the stages that
+/// stay) its rank, links and communicators (`StageMsg::Rewire`), one after the other;
+/// `stages` are the mesh's stages by rank, in the rewired layout.
+pub(super) async fn rewire_survivors<M: Send + 'static>(
+    stages: &[(ActorRef<StageMsg<M>>, StageId)],
+    survivors: Vec<Option<SurvivorWiring>>,
+    timeout: std::time::Duration,
+) -> Result<()> {
+    for (r, wiring) in survivors.into_iter().enumerate() {
+        let (Some((links, comm, model)), Some((stage, id))) = (wiring, stages.get(r)) else {
+            continue;
+        };
+        let rewire = |reply| StageMsg::Rewire {
+            rank: Rank(r as u32),
+            links,
+            comm,
+            model: Box::new(model),
+            reply,
+        };
+        ask(stage, rewire, timeout, || {
+            format!("{id} did not take its new wiring")
+        })
+        .await?;
+    }
+    Ok(())
 }

@@ -12,7 +12,7 @@ use tokio::task::JoinSet;
 use super::calls::{HEARTBEAT_PROBE, ask, restore};
 use super::checkpoints::latest_checkpoint;
 use super::decide::{self, CatchUp, Divergence, Failure, OnFailure};
-use super::members::{rebuild_group, spawn_replica, start_device};
+use super::members::{rebuild_group, rewire_survivors, spawn_replica, start_device};
 use super::resize::{refill_from_waiting, wait_for_minimum};
 use super::spawn::RewireArgs;
 use super::state::SupervisorState;
@@ -365,22 +365,7 @@ where
             state.devices[r] = (device_ref.clone(), device.id());
         }
     }
-    for (r, wiring) in rewired.survivors.into_iter().enumerate() {
-        let Some((links, comm, model)) = wiring else {
-            continue;
-        };
-        let (stage, id) = state.stages[r].clone();
-        let rewire = |reply| StageMsg::Rewire {
-            links,
-            comm,
-            model: Box::new(model),
-            reply,
-        };
-        ask(&stage, rewire, timeout, || {
-            format!("{id} did not take its new wiring")
-        })
-        .await?;
-    }
+    rewire_survivors(&state.stages, rewired.survivors, timeout).await?;
     state.others = rewired.others;
     state.shutdown = rewired.shutdown;
     state.generation = generation;

@@ -1,7 +1,8 @@
-//! Elastic data-parallel jobs (ELASTIC-1..5): `scale_to`/`add_replicas` requests admitted
-//! or refused as they arrive ([`decide::admit_request`]), a resize carried out at the next
-//! step boundary ([`decide::plan_resize`]), the wait for devices below the elastic minimum
-//! and its end, and the growth back onto slots waiting to join.
+//! Elastic jobs (ELASTIC-1..6): `scale_to`/`add_replicas` requests admitted or refused as
+//! they arrive ([`decide::admit_request`]), a resize carried out at the next step boundary
+//! ([`decide::plan_resize`]: a data-parallel group regrouped, or a dp × pp × tp mesh rewired
+//! along dp), the wait for devices below the elastic minimum and its end, and the growth back
+//! onto slots waiting to join.
 
 use std::time::Instant;
 
@@ -12,13 +13,14 @@ use super::calls::{ask, restore};
 use super::checkpoints::snapshot_state;
 use super::decide::{self, Admission, ResizePlan, ResizeRequest};
 use super::lifecycle::finish;
-use super::members::{Member, rebuild_group, spawn_replica};
-use super::spawn::Grow;
+use super::members::{Member, rebuild_group, rewire_survivors, spawn_replica, start_device};
+use super::spawn::{Grow, RewireArgs};
 use super::state::SupervisorState;
+use crate::actors::spawner::Rejoin;
 use crate::actors::stage::StageMsg;
 use crate::error::{Error, Result, StageId};
 use crate::events::JobEvent;
-use crate::mesh::Generation;
+use crate::mesh::{Generation, Rank};
 
 /// `scale_to(n)`: take it for the next step boundary, or refuse it at once; below the
 /// minimum, a resize taken ends the wait (ELASTIC-3).
@@ -135,6 +137,9 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
+    if state.caps.rejoin == Rejoin::Rewire {
+        return resize_mesh(state, step, n).await;
+    }
     let from = state.stages.len();
     let plan = decide::plan_resize(n, from, &state.caps).map_err(Error::InvalidConfig)?;
     // ZERO-3: where each rank holds a shard of the state, every shard is gathered before
@@ -252,5 +257,158 @@ where
             break;
         }
     }
+    Ok(())
+}
+
+/// ELASTIC-6: resize a dp × pp × tp mesh (a block or pipeline job) to `n` replicas at a step
+/// boundary, keeping pp and tp. Every block's state is gathered first (each ZeRO rank's
+/// parts put together), the replicas beyond `n` leave, new ones start on spare or new
+/// devices, the whole mesh is wired anew under the next generation in the new layout
+/// (survivors keep their place and take their new rank), and the state goes back: to every
+/// rank where each holds a shard of it (re-sharded over its new data-parallel group), to the
+/// joining ranks alone where replicas hold it whole. The global batch stays the same.
+/// `InvalidConfig`: refused, the mesh is as it was; any other error: failed half-way.
+async fn resize_mesh<M, I>(state: &mut SupervisorState<M, I>, step: u64, n: usize) -> Result<()>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    let old = state.layout;
+    let from = old.dp() as usize;
+    decide::plan_resize(n, from, &state.caps).map_err(Error::InvalidConfig)?;
+    let Some(rewire) = state.rewire.clone() else {
+        return Err(Error::InvalidConfig(
+            "this job cannot wire its mesh anew".into(),
+        ));
+    };
+    let remesh = old.remesh(n as u32)?;
+    let gathered = snapshot_state(state).await?;
+    // From here on the mesh is changing: a failure ends the job.
+    let half_way = |e: Error| {
+        Error::Runtime(format!(
+            "resizing the mesh from {from} to {n} replicas failed half-way: {e}"
+        ))
+    };
+    (state.shutdown)();
+    for o in state.others.drain(..) {
+        state.departed.insert(o.get_id());
+        o.stop(None);
+    }
+    for r in &remesh.leaving {
+        let (stage, _) = &state.stages[r.index()];
+        let (device, _) = &state.devices[r.index()];
+        state.departed.insert(stage.get_id());
+        state.departed.insert(device.get_id());
+        stage.stop(None);
+        device.stop(None);
+    }
+    let mut devices = Vec::with_capacity(remesh.origin.len());
+    for origin in &remesh.origin {
+        devices.push(match origin {
+            Some(_) => None,
+            None => Some(start_device(state).await.map_err(half_way)?),
+        });
+    }
+    let slots = remesh
+        .origin
+        .iter()
+        .zip(&devices)
+        .map(|(origin, fresh)| match (origin, fresh) {
+            (Some(o), _) => state.devices[o.index()].1,
+            (None, Some((device, _))) => device.id(),
+            (None, None) => unreachable!("a joining rank has a device (just above)"),
+        })
+        .collect();
+    let generation = Generation(state.generation.0 + 1);
+    let joining: Vec<usize> = remesh.joining().into_iter().map(Rank::index).collect();
+    let rewired = rewire(RewireArgs {
+        supervisor: state.myself.clone(),
+        layout: remesh.layout,
+        generation,
+        comm: state.comm.clone(),
+        devices: devices.clone(),
+        fresh: joining.clone(),
+        slots,
+    })
+    .await
+    .map_err(|e| half_way(Error::Runtime(format!("could not rewire the mesh: {e}"))))?;
+    let mut fresh: Vec<Option<ActorRef<StageMsg<M>>>> = vec![None; remesh.origin.len()];
+    for (r, stage) in rewired.fresh {
+        if let Some(f) = fresh.get_mut(r) {
+            *f = Some(stage);
+        }
+    }
+    let timeout = state.step_timeout;
+    let mut stages = Vec::with_capacity(remesh.origin.len());
+    let mut members = Vec::with_capacity(remesh.origin.len());
+    for (r, origin) in remesh.origin.iter().enumerate() {
+        let coord = remesh
+            .layout
+            .coord_of(Rank(r as u32))
+            .expect("every rank of a layout has coordinates");
+        let id = StageId {
+            replica: coord.dp,
+            stage: coord.pp,
+            tp: coord.tp,
+        };
+        match (origin, fresh[r].take(), &devices[r]) {
+            (Some(o), _, _) => {
+                stages.push((state.stages[o.index()].0.clone(), id));
+                members.push(state.devices[o.index()].clone());
+            }
+            (None, Some(stage), Some((device, device_ref))) => {
+                // Linked to the Supervisor before it is asked: a failed start is a loss.
+                ask(&stage, StageMsg::Init, timeout, || {
+                    format!("{id} did not start")
+                })
+                .await
+                .map_err(half_way)?;
+                stages.push((stage, id));
+                members.push((device_ref.clone(), device.id()));
+            }
+            _ => {
+                return Err(half_way(Error::Runtime(format!(
+                    "the rewired mesh has no stage for {id}"
+                ))));
+            }
+        }
+    }
+    // The joining ranks' wiring went to their new stages: the rest is the survivors'.
+    rewire_survivors(&stages, rewired.survivors, timeout)
+        .await
+        .map_err(half_way)?;
+    state.stages = stages;
+    state.devices = members;
+    state.others = rewired.others;
+    state.shutdown = rewired.shutdown;
+    state.generation = generation;
+    state.layout = remesh.layout;
+    state.model_ranks = remesh
+        .layout
+        .replica_ranks(0)
+        .into_iter()
+        .map(Rank::index)
+        .collect();
+    // The state goes back: every rank re-shards its part (ZeRO), or the joining ranks take
+    // their twins' (replicated).
+    let takers: Vec<usize> = if state.caps.replicated_state {
+        joining
+    } else {
+        (0..state.stages.len()).collect()
+    };
+    for r in takers {
+        let (stage, id) = state.stages[r].clone();
+        restore(&stage, gathered.clone(), timeout, || {
+            format!("{id} did not take its state in the resized mesh")
+        })
+        .await
+        .map_err(half_way)?;
+    }
+    state.publish(JobEvent::Resized {
+        step,
+        generation: state.generation,
+        from: from as u32,
+        to: n as u32,
+    });
     Ok(())
 }

@@ -548,6 +548,7 @@ impl<M: Send + 'static> NodeInner<M> {
             return self
                 .asker(slot, timeout)?
                 .call(|reply| StageMsg::Rewire {
+                    rank: slot,
                     links,
                     comm,
                     model: Default::default(),

@@ -68,7 +68,10 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::pipeline(!self.spec.zero.shards_optimizer())
+        Capabilities::pipeline(
+            !self.spec.zero.shards_optimizer(),
+            Some("a block or pipeline job across processes cannot be resized yet"),
+        )
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {

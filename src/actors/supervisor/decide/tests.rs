@@ -154,7 +154,7 @@ proptest! {
         let caps = if replicas_only {
             Capabilities::data_parallel(replicated_state, Rejoin::Regroup)
         } else {
-            Capabilities::pipeline(replicated_state)
+            Capabilities::pipeline(replicated_state, None)
         };
         let f = Failure {
             stage_of: &stage_of,
@@ -281,28 +281,34 @@ proptest! {
         prop_assert_eq!(resume, waiting && (accepted || pending.is_some()));
     }
 
-    /// A resize at a boundary: refused (mesh unchanged) for pipelines, the same size, and
-    /// growth without a way to grow (a scheduler does not matter, LR-2); otherwise a shrink to `n` or a
-    /// growth from the current size to `n`.
+    /// A resize at a boundary: refused (mesh unchanged) where the strategy gives a reason
+    /// (`fixed_size`: a mesh across processes, local updates over blocks), for the same
+    /// size, and for growth without a way to grow (a scheduler does not matter, LR-2);
+    /// otherwise a shrink to `n` or a growth from the current size to `n`, for a
+    /// data-parallel group and a dp × pp × tp mesh alike (ELASTIC-6).
     #[test]
     fn resizes_are_planned_only_where_they_can_be_carried_out(
         n in 0usize..10, from in 1usize..10, replicas_only in any::<bool>(),
-        can_grow in any::<bool>(),
+        can_grow in any::<bool>(), fixed in any::<bool>(),
     ) {
         let caps = Capabilities {
             can_grow,
+            fixed_size: fixed.then_some("the strategy's reason"),
             rejoin: if replicas_only { Rejoin::Regroup } else { Rejoin::Rewire },
             ..Capabilities::data_parallel(true, Rejoin::Regroup)
         };
         match plan_resize(n, from, &caps) {
-            Ok(ResizePlan::Shrink { to }) => prop_assert!(replicas_only && to == n && n < from),
+            Ok(ResizePlan::Shrink { to }) => prop_assert!(!fixed && to == n && n < from),
             Ok(ResizePlan::Grow { from: f, to }) => {
-                prop_assert!(replicas_only && f == from && to == n && n > from);
+                prop_assert!(!fixed && f == from && to == n && n > from);
                 prop_assert!(can_grow);
             }
-            Err(_) => prop_assert!(
-                !replicas_only || n == from || (n > from && !can_grow)
-            ),
+            Err(why) => {
+                prop_assert!(fixed || n == from || (n > from && !can_grow));
+                if fixed {
+                    prop_assert_eq!(why, "the strategy's reason");
+                }
+            }
         }
     }
 
