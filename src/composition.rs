@@ -197,11 +197,6 @@ pub const REFUSALS: &[Refusal] = &[
         "train in one process",
     ),
     row(
-        &[TensorParallel, Compression],
-        "tensor-parallel blocks reduce their gradients in f32",
-        "remove one of them",
-    ),
-    row(
         &[TensorParallel, ParameterServer],
         "the server holds whole parameters",
         "remove one of them",

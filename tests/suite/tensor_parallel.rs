@@ -1065,10 +1065,11 @@ async fn sixteen_bit_gradients_over_blocks_and_pipelines_equal_one_device() {
 }
 
 /// Compression over blocks and pipelines (issue 25, CSYNC-4): each block reduces through its
-/// own compressor. Its exact limits — top-k of every element, PowerSGD at full rank — equal
-/// one device, and top-k's traffic is each block's all-gather of every (index, value) pair
-/// (`Compression::predicted_bytes` of the block); bf16 moves 2 bytes an element, and like
-/// the others is bitwise repeatable.
+/// own compressor, and over tensor-parallel blocks each tp rank compresses its own slices
+/// over its data-parallel group. Its exact limits — top-k of every element, PowerSGD at full
+/// rank — equal one device, and top-k's traffic is each block's all-gather of every (index,
+/// value) pair of the rank's part (`Compression::predicted_bytes` of the block); bf16 moves
+/// 2 bytes an element, and like the others is bitwise repeatable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compression_over_blocks_and_pipelines() {
     use meshwork::trace::TraceKind;
@@ -1095,19 +1096,32 @@ async fn compression_over_blocks_and_pipelines() {
             zero: ZeroStage::One,
             ..Composed::new("dp 2 × pp 2, ZeRO-1, top-k 1.0", 2, 2, 1)
         },
+        // Each tensor-parallel rank's slices compressed over its data-parallel group.
+        Composed {
+            compression: everything,
+            ..Composed::new("dp 2 × tp 2, top-k 1.0", 2, 1, 2)
+        },
+        Composed {
+            compression: Compression::PowerSgd {
+                rank: 64,
+                start_after: 0,
+            },
+            ..Composed::new("dp 2 × pp 2 × tp 2, PowerSGD full rank", 2, 2, 2)
+        },
     ] {
         let steps = c.equals_one_device().await;
         if c.compression != everything || c.zero != ZeroStage::Off {
             continue;
         }
-        let Layout { dp, pp, .. } = c.layout;
+        let Layout { dp, pp, tp } = c.layout;
         for s in &steps {
             for r in &s.replicas {
                 let want: u64 = (0..CONFIG.blocks())
                     .filter(|b| b % pp as usize == r.stage.stage as usize)
                     .map(|b| {
-                        everything
-                            .predicted_bytes(&[vec![held_elements(&init, 1, 0)[b]]], dp as usize)
+                        // Each tensor-parallel rank's own slices.
+                        let held = held_elements(&init, tp, r.stage.tp as usize)[b];
+                        everything.predicted_bytes(&[vec![held]], dp as usize)
                     })
                     .sum();
                 let gathered: u64 = r
