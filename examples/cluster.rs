@@ -159,6 +159,9 @@ fn settings<M: Send + 'static>(
         .steps(spec.steps)
         .seed(spec.seed)
         .collective_timeout(Duration::from_millis(spec.collective_timeout_ms))
+        // The head's precision: every process computes in the same type.
+        .precision(spec.precision)
+        .low_precision_gradients(spec.low_precision_gradients)
 }
 
 /// How a node builds its stages once the head prepared it: replicas, or pipeline stages.
@@ -212,6 +215,8 @@ async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std:
         learning_rate: 3e-3,
         collective_timeout_ms: 20_000,
         zero: 0,
+        precision: Default::default(),
+        low_precision_gradients: false,
         // A pipeline of one stage per node: a 1 × 2 dp × pp mesh.
         pipeline: pipelined.then(|| PipelineShape {
             stages: NODES as u32,

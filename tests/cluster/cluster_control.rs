@@ -218,6 +218,8 @@ fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
             collective_timeout_ms: 60_000,
             pipeline: None,
             zero: 0,
+            precision: Default::default(),
+            low_precision_gradients: false,
         };
         let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap();
         let fingerprint = {
@@ -331,7 +333,6 @@ fn a_flag_nodes_cannot_apply_is_refused_before_anyone_joins() {
         (&["--timeline", "t.svg"][..], "--timeline"),
         (&["--zero", "3"][..], "--zero 3"),
         (&["--dp", "2"][..], "--dp"),
-        (&["--precision", "bf16"][..], "--precision"),
     ] {
         let mut args = vec![
             "train",

@@ -303,6 +303,77 @@ fn dp_3_across_three_node_processes_equals_the_single_device_reference() {
     let _ = std::fs::remove_dir_all(dir.path());
 }
 
+/// Mixed precision across processes (issue 26): the job spec carries the precision, so every
+/// node computes in bf16 — its gradients crossing the TCP data plane in 16 bits — or in f16
+/// with one loss scaler, whose overflow decision every process takes alike. bf16 ends bitwise
+/// where the same job trained in one process (`--dp 3`) ends, f16 within `TOLERANCE` of it
+/// (its f32 gradient sums in another order), and both away from the f32 one-device loop: the
+/// precision was applied on the nodes, not dropped.
+#[test]
+fn bf16_and_f16_across_three_node_processes_equal_their_single_process_run() {
+    let dir = TempDir::new("mixed");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let (steps, batch, seed) = (8u64, 48usize, 7u64);
+    let (f32_reference, device) = reference(seed, batch, steps, 3);
+    for (name, precision) in [
+        (
+            "bf16",
+            &["--precision", "bf16", "--low-precision-gradients"][..],
+        ),
+        ("f16", &["--precision", "f16"][..]),
+    ] {
+        let across = dir.join(format!("{name}-across.mpk"));
+        let alone = dir.join(format!("{name}-alone.mpk"));
+        let (across_arg, alone_arg) = (across.display().to_string(), alone.display().to_string());
+        let mut flags = vec![
+            "--steps",
+            "8",
+            "--batch-size",
+            "48",
+            "--seed",
+            "7",
+            "--collective-timeout",
+            "20",
+        ];
+        flags.extend_from_slice(precision);
+        let mut head_flags = flags.clone();
+        head_flags.extend(["--save-model", across_arg.as_str()]);
+        let (out, nodes) = run_to_end(&format!("mixed-{name}"), &[&[], &[], &[]], &head_flags);
+        assert!(out.contains("world assembled: 3 rank(s)"), "{out}");
+        assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2], "{name}");
+        // The same job in one process, three replicas.
+        let mut one = Proc::spawn(
+            &format!("{name}-alone"),
+            &[
+                ["train", "--dp", "3", "--save-model", alone_arg.as_str()].as_slice(),
+                &flags,
+            ]
+            .concat(),
+            None,
+        );
+        let (status, _) = one.wait_exit(Duration::from_secs(180));
+        assert!(status.success(), "{name} in one process:\n{}", one.output());
+        let (trained, single) = (load(&across, &device), load(&alone, &device));
+        // The ranks compute alike in both; only the order of the gradient sums differs (the
+        // TCP ring against the in-process reduction), and bf16 gradients sum exactly in f32.
+        let worst = compare_parameters(&trained, &single, TOLERANCE)
+            .unwrap_or_else(|e| panic!("{name} across processes vs one process: {e}"));
+        println!("{name}: worst relative difference to one process {worst:e}");
+        if name == "bf16" {
+            assert_eq!(
+                parameter_bits(&trained),
+                parameter_bits(&single),
+                "bf16 with 16-bit gradients: bitwise the single-process run"
+            );
+        }
+        assert!(
+            compare_parameters(&trained, &f32_reference, 1e-5).is_err(),
+            "{name}: the nodes trained in f32"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
 /// ZeRO-2 over the TCP transport: each node process keeps a third of Adam's state and of the
 /// reduced gradient (reduce-scatter and all-gather across processes); the job still equals one
 /// device, and its checkpoint (taken through the head) holds one optimizer part per rank.

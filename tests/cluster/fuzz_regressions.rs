@@ -75,6 +75,8 @@ fn write_control_seed_corpus() {
         learning_rate: 3e-3,
         collective_timeout_ms: 60_000,
         zero: 0,
+        precision: Default::default(),
+        low_precision_gradients: false,
         pipeline: None,
     };
     let messages = [

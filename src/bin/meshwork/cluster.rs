@@ -25,6 +25,7 @@ use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
 use meshwork::job::{Job, JobBuilder, JobControl};
 use meshwork::parallel::pipeline::{Schedule, even_split};
+use meshwork::precision::Precision;
 use meshwork::recovery::{OnReplicaLoss, RecoveryPolicy};
 
 use crate::demo_job::{Configure, DemoJob, RunOptions};
@@ -247,6 +248,8 @@ impl Configure for SpecSettings<'_> {
             .steps(spec.steps)
             .seed(spec.seed)
             .collective_timeout(Duration::from_millis(spec.collective_timeout_ms.max(1)))
+            .precision(spec.precision)
+            .low_precision_gradients(spec.low_precision_gradients)
             .step_timeout(Duration::from_secs(120))
     }
 }
@@ -359,6 +362,7 @@ pub(crate) fn demo_spec(
     widths: &[usize],
     (seed, batch_size, steps): (u64, usize, u64),
     (lr, zero): (f64, u8),
+    (precision, low_precision_gradients): (Precision, bool),
     collective_timeout: f64,
     pipeline: Option<PipelineShape>,
 ) -> JobSpec {
@@ -373,6 +377,8 @@ pub(crate) fn demo_spec(
         collective_timeout_ms: (collective_timeout * 1000.0) as u64,
         pipeline,
         zero,
+        precision,
+        low_precision_gradients,
     }
 }
 

@@ -375,6 +375,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                 &widths,
                 (args.seed, args.batch_size_or(256), args.steps),
                 (args.lr, args.zero),
+                (args.precision, args.low_precision_gradients),
                 args.collective_timeout,
                 pipeline,
             )
@@ -412,16 +413,6 @@ const CARRIES_NO: &str = "the job spec nodes receive does not carry it";
 #[cfg(feature = "cluster")]
 fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
     let unsupported = [
-        (
-            "--precision",
-            args.precision.is_low(),
-            "the job spec nodes receive carries no precision; use f32",
-        ),
-        (
-            "--low-precision-gradients",
-            args.low_precision_gradients,
-            "the job spec nodes receive carries no precision",
-        ),
         (
             "--faults",
             args.faults.is_some(),

@@ -39,7 +39,7 @@ use crate::mesh::Rank;
 pub const CONTROL_MAGIC: [u8; 4] = *b"MWCT";
 
 /// The control protocol version this build speaks.
-pub const CONTROL_PROTOCOL_VERSION: u16 = 7;
+pub const CONTROL_PROTOCOL_VERSION: u16 = 8;
 
 /// Bytes of the fixed header.
 pub const CONTROL_HEADER_LEN: usize = 10;
@@ -96,6 +96,12 @@ pub struct JobSpec {
     pub pipeline: Option<PipelineShape>,
     /// The ZeRO stage (0: every rank holds the whole optimizer state; 1; 2).
     pub zero: u8,
+    /// What every rank's forward and backward compute in (version 8 on): the same on every
+    /// process, so f16's loss scaler skips the same steps everywhere (MIX-2).
+    pub precision: crate::precision::Precision,
+    /// With a 16-bit precision: the gradients travel in that type, 2 bytes an element on
+    /// the data plane (version 8 on).
+    pub low_precision_gradients: bool,
 }
 
 /// How a dp × pp job cuts its model: what every process needs to build the same stages.

@@ -49,6 +49,8 @@ fn structure_fingerprint_follows_shapes_not_values() {
         learning_rate: 0.1,
         collective_timeout_ms: 1000,
         zero: 0,
+        precision: Default::default(),
+        low_precision_gradients: false,
         pipeline: None,
     };
     let a = crate::demo::cluster_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();

@@ -15,6 +15,8 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
         learning_rate: 3e-3,
         collective_timeout_ms: 60_000,
         zero: 0,
+        precision: Default::default(),
+        low_precision_gradients: false,
         pipeline: None,
     };
     let addr = |port| SocketAddr::from(([127, 0, 0, 1], port));
