@@ -127,7 +127,8 @@ pub enum JobEvent {
         /// Where the checkpoints were looked for (a store's root directory).
         location: String,
     },
-    /// The data-parallel group was resized at a step boundary (`scale_to`).
+    /// The job's number of data-parallel replicas changed at a step boundary (`scale_to`,
+    /// or a fault plan's `Resize`).
     Resized {
         /// The first step run at the new size.
         step: u64,

@@ -106,6 +106,7 @@ where
             twins: false,
             can_grow: false,
             fixed_size: None,
+            micro_batches: None,
             rejoin: Rejoin::Regroup,
         }
     }

@@ -95,6 +95,11 @@ pub(crate) struct Capabilities {
     /// Why the job's number of replicas cannot change while it runs; `None`: it can
     /// (ELASTIC-1 for data-parallel groups, ELASTIC-6 for a dp × pp × tp mesh).
     pub(crate) fixed_size: Option<&'static str>,
+    /// The micro-batches each replica cuts its share into when every one weighs
+    /// 1 / (micro-batches × replicas) (a block or pipeline job's walk): a size is taken only
+    /// if the global batch is a multiple of replicas × this (JOB-1 at every size). `None`:
+    /// each micro-batch is weighted by its share (data-parallel replicas, DP-2), any size.
+    pub(crate) micro_batches: Option<u32>,
     /// How members rejoin a rebuilt mesh.
     pub(crate) rejoin: Rejoin,
 }
@@ -110,20 +115,26 @@ impl Capabilities {
             twins: false,
             can_grow: true,
             fixed_size: None,
+            micro_batches: None,
             rejoin,
         }
     }
 
-    /// A dp × pp × tp mesh (blocks, a pipeline): rewired in place; a lost stage is replaced
-    /// from its twin where the state is replicated; resized along dp (ELASTIC-6) unless
-    /// `fixed_size` says why not.
-    pub(crate) fn pipeline(replicated_state: bool, fixed_size: Option<&'static str>) -> Self {
+    /// A dp × pp × tp mesh (blocks, a pipeline) whose replicas each run `micro_batches`
+    /// micro-batches a step: rewired in place; a lost stage is replaced from its twin where
+    /// the state is replicated; resized along dp (ELASTIC-6) unless `fixed_size` says why not.
+    pub(crate) fn pipeline(
+        replicated_state: bool,
+        fixed_size: Option<&'static str>,
+        micro_batches: u32,
+    ) -> Self {
         Capabilities {
             replicated_state,
             droppable_replicas: false,
             twins: replicated_state,
             can_grow: fixed_size.is_none(),
             fixed_size,
+            micro_batches: Some(micro_batches),
             rejoin: Rejoin::Rewire,
         }
     }
@@ -153,11 +164,11 @@ mod tests {
     fn replicated_state_is_read_from_replica_zero_and_shards_from_every_rank() {
         let pipeline = Layout::new(2, 3, 1).expect("a valid layout");
         assert_eq!(
-            Capabilities::pipeline(true, None).state_ranks(pipeline),
+            Capabilities::pipeline(true, None, 1).state_ranks(pipeline),
             [0, 2, 4]
         );
         assert_eq!(
-            Capabilities::pipeline(false, None).state_ranks(pipeline),
+            Capabilities::pipeline(false, None, 1).state_ranks(pipeline),
             [0, 1, 2, 3, 4, 5]
         );
         let replicas = Layout::data_parallel(3).expect("a valid layout");
@@ -173,8 +184,8 @@ mod tests {
             assert!(!Capabilities::data_parallel(false, rejoin).droppable_replicas);
             assert!(Capabilities::data_parallel(true, rejoin).droppable_replicas);
         }
-        assert!(!Capabilities::pipeline(false, None).twins);
-        assert!(Capabilities::pipeline(true, None).twins);
-        assert!(!Capabilities::pipeline(true, None).rejoin.regroups());
+        assert!(!Capabilities::pipeline(false, None, 1).twins);
+        assert!(Capabilities::pipeline(true, None, 1).twins);
+        assert!(!Capabilities::pipeline(true, None, 1).rejoin.regroups());
     }
 }

@@ -67,10 +67,12 @@ impl<M: Send + 'static> JobHandle<M> {
         self.control().checkpoint_now();
     }
 
-    /// Resize a data-parallel job to `n` replicas at the next step boundary: joining replicas
-    /// take rank 0's parameters and optimizer state, the global batch stays the same. A
-    /// `Resized` event follows, or `ResizeRefused` saying why (outside
-    /// [`JobBuilder::elastic`]'s range, a pipeline job).
+    /// Resize the job to `n` data-parallel replicas at the next step boundary (a block or
+    /// pipeline job keeps its stages and tensor-parallel degree): joining replicas take the
+    /// parameters and optimizer state, sharded state is re-sharded, the global batch stays
+    /// the same. A `Resized` event follows, or `ResizeRefused` saying why (outside
+    /// [`JobBuilder::elastic`]'s range, a mesh across processes, local updates over blocks, a
+    /// size that does not cut a mesh's global batch into its micro-batches).
     pub fn scale_to(&self, n: u32) {
         self.control().scale_to(n);
     }

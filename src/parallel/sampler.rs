@@ -76,6 +76,11 @@ impl DistributedSampler {
         order
     }
 
+    /// Samples in every step's global batch.
+    pub fn batch_size(&self) -> usize {
+        self.global_batch
+    }
+
     /// The global batch of `step`, in replica order.
     pub fn global_batch(&self, step: u64) -> Vec<usize> {
         let c = self.cursor(step);

@@ -333,6 +333,10 @@ fn a_flag_nodes_cannot_apply_is_refused_before_anyone_joins() {
         (&["--timeline", "t.svg"][..], "--timeline"),
         (&["--zero", "3"][..], "--zero 3"),
         (&["--dp", "2"][..], "--dp"),
+        (
+            &["--precision", "f16", "--pp", "2"][..],
+            "--precision f16 with --pp",
+        ),
     ] {
         let mut args = vec![
             "train",

@@ -239,6 +239,7 @@ where
                 "local updates keep each rank's own parameters, which do not move onto \
                  another number of replicas"
             }),
+            self.spec.plan.micro_batches(),
         )
     }
 

@@ -418,14 +418,26 @@ pub(crate) enum ResizePlan {
 /// ([`Capabilities::fixed_size`]: a data-parallel group regroups, ELASTIC-1; a dp × pp × tp
 /// mesh is rewired along dp, ELASTIC-6), to another size; a job grows only if it can start
 /// replicas ([`Capabilities::can_grow`]); a joining replica takes rank 0's learning-rate
-/// schedule with its state (LR-2).
+/// schedule with its state (LR-2); a mesh whose micro-batches each weigh
+/// 1 / (micro-batches × replicas) takes only sizes that cut the global batch `global` evenly
+/// ([`Capabilities::micro_batches`], JOB-1).
 pub(crate) fn plan_resize(
     n: usize,
     from: usize,
+    global: usize,
     caps: &Capabilities,
 ) -> Result<ResizePlan, String> {
     if let Some(why) = caps.fixed_size {
         return Err(why.into());
+    }
+    if let Some(m) = caps.micro_batches {
+        let unit = n * m as usize;
+        if unit > 0 && !global.is_multiple_of(unit) {
+            return Err(format!(
+                "the global batch of {global} does not divide into {n} replica(s) × {m} \
+                 micro-batch(es): choose a number of replicas that does"
+            ));
+        }
     }
     if n == from {
         return Err(format!("the job already has {n} replicas"));

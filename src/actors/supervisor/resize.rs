@@ -60,7 +60,7 @@ pub(super) fn add<M, I>(
     state: &SupervisorState<M, I>,
     k: u32,
 ) -> Result<(), ActorProcessingErr> {
-    let now = state.scale_target.unwrap_or(state.stages.len() as u32);
+    let now = state.scale_target.unwrap_or(state.layout.dp());
     myself.send_message(SupervisorMsg::ScaleTo(now.saturating_add(k)))?;
     Ok(())
 }
@@ -141,7 +141,8 @@ where
         return resize_mesh(state, step, n).await;
     }
     let from = state.stages.len();
-    let plan = decide::plan_resize(n, from, &state.caps).map_err(Error::InvalidConfig)?;
+    let global = state.sampler.batch_size();
+    let plan = decide::plan_resize(n, from, global, &state.caps).map_err(Error::InvalidConfig)?;
     // ZERO-3: where each rank holds a shard of the state, every shard is gathered before
     // anyone leaves and re-sharded onto the new group once it is built.
     let gathered = if state.caps.replicated_state {
@@ -275,7 +276,8 @@ where
 {
     let old = state.layout;
     let from = old.dp() as usize;
-    decide::plan_resize(n, from, &state.caps).map_err(Error::InvalidConfig)?;
+    let global = state.sampler.batch_size();
+    decide::plan_resize(n, from, global, &state.caps).map_err(Error::InvalidConfig)?;
     let Some(rewire) = state.rewire.clone() else {
         return Err(Error::InvalidConfig(
             "this job cannot wire its mesh anew".into(),

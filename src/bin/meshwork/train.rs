@@ -419,6 +419,12 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
             "fault plans act on in-process devices; kill a node process to rehearse a failure",
         ),
         (
+            "--precision f16 with --pp",
+            args.precision == Precision::F16 && args.pp > 1,
+            "a pipeline's stages in several processes have no group to agree the loss \
+             scaler's overflow over yet; use --precision bf16",
+        ),
+        (
             "--device",
             args.device != BackendKind::Flex,
             "every rank in a node process computes on the Flex CPU backend today",

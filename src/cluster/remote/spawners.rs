@@ -71,6 +71,7 @@ where
         Capabilities::pipeline(
             !self.spec.zero.shards_optimizer(),
             Some("a block or pipeline job across processes cannot be resized yet"),
+            self.spec.plan.micro_batches(),
         )
     }
 

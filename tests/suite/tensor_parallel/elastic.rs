@@ -212,3 +212,47 @@ async fn elastic_6_a_resize_of_local_updates_over_blocks_is_refused_with_its_rea
         "every step ran on the 2 × 2 mesh"
     );
 }
+
+/// JOB-1 at every size: a pipeline's micro-batches each weigh 1 / (micro-batches × replicas),
+/// so a size that does not cut the global batch evenly (8 samples into 3 replicas × 2
+/// micro-batches) is refused with the reason, and the job goes on at its size.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn elastic_6_a_size_that_does_not_cut_the_batch_is_refused() {
+    let init = initial();
+    let plan = FaultPlan::new(6).with(Fault {
+        device: 0,
+        step: 3,
+        micro_batch: None,
+        phase: Phase::Forward,
+        kind: FaultKind::Resize { replicas: 3 },
+    });
+    let job = builder(
+        Layout {
+            dp: 2,
+            pp: 2,
+            tp: 1,
+        },
+        &init,
+    )
+    .fault_plan(plan)
+    .build()
+    .expect("a valid job");
+    let (_, events) = run(job).await;
+    let refused: Vec<&String> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::ResizeRefused {
+                requested: 3,
+                reason,
+            } => Some(reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refused.len(), 1, "{:#?}", events_summary(&events));
+    assert!(
+        refused[0].contains("does not divide into 3 replica(s) × 2 micro-batch(es)"),
+        "{}",
+        refused[0]
+    );
+    assert!(steps_of(&events).iter().all(|s| s.replicas.len() == 4));
+}

@@ -154,7 +154,7 @@ proptest! {
         let caps = if replicas_only {
             Capabilities::data_parallel(replicated_state, Rejoin::Regroup)
         } else {
-            Capabilities::pipeline(replicated_state, None)
+            Capabilities::pipeline(replicated_state, None, 2)
         };
         let f = Failure {
             stage_of: &stage_of,
@@ -289,22 +289,28 @@ proptest! {
     #[test]
     fn resizes_are_planned_only_where_they_can_be_carried_out(
         n in 0usize..10, from in 1usize..10, replicas_only in any::<bool>(),
-        can_grow in any::<bool>(), fixed in any::<bool>(),
+        can_grow in any::<bool>(), fixed in any::<bool>(), global in 1usize..64,
+        micro in 1u32..4,
     ) {
         let caps = Capabilities {
             can_grow,
             fixed_size: fixed.then_some("the strategy's reason"),
+            micro_batches: (!replicas_only).then_some(micro),
             rejoin: if replicas_only { Rejoin::Regroup } else { Rejoin::Rewire },
             ..Capabilities::data_parallel(true, Rejoin::Regroup)
         };
-        match plan_resize(n, from, &caps) {
-            Ok(ResizePlan::Shrink { to }) => prop_assert!(!fixed && to == n && n < from),
+        // A mesh's micro-batches weigh 1 / (m · replicas): only sizes that cut the batch.
+        let uneven = !replicas_only && n > 0 && global % (n * micro as usize) != 0;
+        match plan_resize(n, from, global, &caps) {
+            Ok(ResizePlan::Shrink { to }) => {
+                prop_assert!(!fixed && !uneven && to == n && n < from)
+            }
             Ok(ResizePlan::Grow { from: f, to }) => {
-                prop_assert!(!fixed && f == from && to == n && n > from);
+                prop_assert!(!fixed && !uneven && f == from && to == n && n > from);
                 prop_assert!(can_grow);
             }
             Err(why) => {
-                prop_assert!(fixed || n == from || (n > from && !can_grow));
+                prop_assert!(fixed || uneven || n == from || (n > from && !can_grow));
                 if fixed {
                     prop_assert_eq!(why, "the strategy's reason");
                 }
