@@ -14,7 +14,7 @@ use burn::tensor::Device;
 use meshwork::data::TextWindow;
 use meshwork::demo::gpt::{Gpt, GptConfig};
 use meshwork::demo::kjv_corpus;
-use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
+use meshwork::faults::FaultPlan;
 use meshwork::job::EventsError;
 use meshwork::prelude::*;
 // ANCHOR_END: imports
@@ -41,15 +41,8 @@ async fn main() -> meshwork::Result<()> {
 
     // ANCHOR: plan
     // The rehearsal: at the boundary before step 6 the job is asked for one replica, before
-    // step 12 for four (the device of an entry is ignored for a resize).
-    let resize = |step, replicas| Fault {
-        device: 0,
-        step,
-        micro_batch: None,
-        phase: Phase::Forward,
-        kind: FaultKind::Resize { replicas },
-    };
-    let plan = FaultPlan::new(7).with(resize(6, 1)).with(resize(12, 4));
+    // step 12 for four.
+    let plan = FaultPlan::new(7).with_resize(6, 1).with_resize(12, 4);
     // ANCHOR_END: plan
 
     // ANCHOR: job

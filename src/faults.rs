@@ -182,6 +182,18 @@ impl FaultPlan {
         }
     }
 
+    /// The plan with one more entry asking the job to resize to `replicas` at the boundary
+    /// before `step` ([`FaultKind::Resize`]; the entry's device is not used).
+    pub fn with_resize(self, step: u64, replicas: u32) -> Self {
+        self.with(Fault {
+            device: 0,
+            step,
+            micro_batch: None,
+            phase: Phase::Forward,
+            kind: FaultKind::Resize { replicas },
+        })
+    }
+
     /// The plan with one more fault.
     pub fn with(mut self, fault: Fault) -> Self {
         self.faults.push(fault);

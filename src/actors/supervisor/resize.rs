@@ -284,7 +284,19 @@ where
         ));
     };
     let remesh = old.remesh(n as u32)?;
-    let gathered = snapshot_state(state).await?;
+    let joining: Vec<usize> = remesh.joining().into_iter().map(Rank::index).collect();
+    // Who takes the state back: every rank re-shards its part (ZeRO), or the joining ranks
+    // take their twins' (replicated). A replicated mesh that only shrinks gathers nothing.
+    let takers: Vec<usize> = if state.caps.replicated_state {
+        joining.clone()
+    } else {
+        (0..remesh.origin.len()).collect()
+    };
+    let gathered = if takers.is_empty() {
+        Vec::new()
+    } else {
+        snapshot_state(state).await?
+    };
     // From here on the mesh is changing: a failure ends the job.
     let half_way = |e: Error| {
         Error::Runtime(format!(
@@ -322,14 +334,13 @@ where
         })
         .collect();
     let generation = Generation(state.generation.0 + 1);
-    let joining: Vec<usize> = remesh.joining().into_iter().map(Rank::index).collect();
     let rewired = rewire(RewireArgs {
         supervisor: state.myself.clone(),
         layout: remesh.layout,
         generation,
         comm: state.comm.clone(),
         devices: devices.clone(),
-        fresh: joining.clone(),
+        fresh: joining,
         slots,
     })
     .await
@@ -391,13 +402,6 @@ where
         .into_iter()
         .map(Rank::index)
         .collect();
-    // The state goes back: every rank re-shards its part (ZeRO), or the joining ranks take
-    // their twins' (replicated).
-    let takers: Vec<usize> = if state.caps.replicated_state {
-        joining
-    } else {
-        (0..state.stages.len()).collect()
-    };
     for r in takers {
         let (stage, id) = state.stages[r].clone();
         restore(&stage, gathered.clone(), timeout, || {

@@ -16,14 +16,8 @@ impl Resizing {
         let plan = self
             .resizes
             .iter()
-            .fold(FaultPlan::new(6), |plan, &(step, replicas)| {
-                plan.with(Fault {
-                    device: 0,
-                    step,
-                    micro_batch: None,
-                    phase: Phase::Forward,
-                    kind: FaultKind::Resize { replicas },
-                })
+            .fold(FaultPlan::new(6), |plan, &(step, n)| {
+                plan.with_resize(step, n)
             });
         let c = &self.composed;
         let mut b = builder(c.layout, init)
@@ -169,48 +163,45 @@ async fn elastic_6_block_and_pipeline_jobs_resize_along_dp_and_equal_one_device(
     }
 }
 
+/// A dp 2 × pp 2 job (with `extra` settings) whose plan asks for `replicas` before step 3:
+/// the one `ResizeRefused` reason, after checking every step ran on the 2 × 2 mesh.
+async fn refused_resize(
+    extra: impl FnOnce(JobBuilder<PipelineModel, Window>) -> JobBuilder<PipelineModel, Window>,
+    replicas: u32,
+) -> String {
+    let init = initial();
+    let layout = Layout {
+        dp: 2,
+        pp: 2,
+        tp: 1,
+    };
+    let job = extra(builder(layout, &init))
+        .fault_plan(FaultPlan::new(6).with_resize(3, replicas))
+        .build()
+        .expect("a valid job");
+    let (_, events) = run(job).await;
+    let refused: Vec<&String> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::ResizeRefused { requested, reason } if *requested == replicas => Some(reason),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refused.len(), 1, "{:#?}", events_summary(&events));
+    assert!(
+        steps_of(&events).iter().all(|s| s.replicas.len() == 4),
+        "every step ran on the 2 × 2 mesh"
+    );
+    refused[0].clone()
+}
+
 /// Local updates over blocks keep each rank's own parameters, which do not move onto another
 /// number of replicas: the planned resize is refused with that reason and the job goes on at
 /// its size.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn elastic_6_a_resize_of_local_updates_over_blocks_is_refused_with_its_reason() {
-    let init = initial();
-    let plan = FaultPlan::new(6).with(Fault {
-        device: 0,
-        step: 3,
-        micro_batch: None,
-        phase: Phase::Forward,
-        kind: FaultKind::Resize { replicas: 4 },
-    });
-    let job = builder(
-        Layout {
-            dp: 2,
-            pp: 2,
-            tp: 1,
-        },
-        &init,
-    )
-    .local_updates(LocalUpdates::local_sgd(2))
-    .fault_plan(plan)
-    .build()
-    .expect("a valid job");
-    let (_, events) = run(job).await;
-    let refused: Vec<&String> = events
-        .iter()
-        .filter_map(|e| match e {
-            JobEvent::ResizeRefused {
-                requested: 4,
-                reason,
-            } => Some(reason),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(refused.len(), 1, "{:#?}", events_summary(&events));
-    assert!(refused[0].contains("local updates"), "{}", refused[0]);
-    assert!(
-        steps_of(&events).iter().all(|s| s.replicas.len() == 4),
-        "every step ran on the 2 × 2 mesh"
-    );
+    let reason = refused_resize(|b| b.local_updates(LocalUpdates::local_sgd(2)), 4).await;
+    assert!(reason.contains("local updates"), "{reason}");
 }
 
 /// JOB-1 at every size: a pipeline's micro-batches each weigh 1 / (micro-batches × replicas),
@@ -218,41 +209,9 @@ async fn elastic_6_a_resize_of_local_updates_over_blocks_is_refused_with_its_rea
 /// micro-batches) is refused with the reason, and the job goes on at its size.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn elastic_6_a_size_that_does_not_cut_the_batch_is_refused() {
-    let init = initial();
-    let plan = FaultPlan::new(6).with(Fault {
-        device: 0,
-        step: 3,
-        micro_batch: None,
-        phase: Phase::Forward,
-        kind: FaultKind::Resize { replicas: 3 },
-    });
-    let job = builder(
-        Layout {
-            dp: 2,
-            pp: 2,
-            tp: 1,
-        },
-        &init,
-    )
-    .fault_plan(plan)
-    .build()
-    .expect("a valid job");
-    let (_, events) = run(job).await;
-    let refused: Vec<&String> = events
-        .iter()
-        .filter_map(|e| match e {
-            JobEvent::ResizeRefused {
-                requested: 3,
-                reason,
-            } => Some(reason),
-            _ => None,
-        })
-        .collect();
-    assert_eq!(refused.len(), 1, "{:#?}", events_summary(&events));
+    let reason = refused_resize(|b| b, 3).await;
     assert!(
-        refused[0].contains("does not divide into 3 replica(s) × 2 micro-batch(es)"),
-        "{}",
-        refused[0]
+        reason.contains("does not divide into 3 replica(s) × 2 micro-batch(es)"),
+        "{reason}"
     );
-    assert!(steps_of(&events).iter().all(|s| s.replicas.len() == 4));
 }
