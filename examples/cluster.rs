@@ -151,17 +151,12 @@ fn settings<M: Send + 'static>(
     spec: &JobSpec,
     task: &TeacherTask,
 ) -> JobBuilder<M, Sample> {
+    // The spec's settings (seed, batch, steps, rate, precision, strategy): every process
+    // trains alike; the data and the optimizer are this program's own.
     builder
         .data(task.dataset(4096))
         .optimizer(AdamConfig::new())
-        .learning_rate(spec.learning_rate)
-        .batch_size(spec.batch_size as usize)
-        .steps(spec.steps)
-        .seed(spec.seed)
-        .collective_timeout(Duration::from_millis(spec.collective_timeout_ms))
-        // The head's precision: every process computes in the same type.
-        .precision(spec.precision)
-        .low_precision_gradients(spec.low_precision_gradients)
+        .follow_spec(spec)
 }
 
 /// How a node builds its stages once the head prepared it: replicas, or pipeline stages.
@@ -217,6 +212,8 @@ async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std:
         zero: 0,
         precision: Default::default(),
         low_precision_gradients: false,
+        strategy: Default::default(),
+        backend: meshwork::device::BackendKind::Flex,
         // A pipeline of one stage per node: a 1 × 2 dp × pp mesh.
         pipeline: pipelined.then(|| PipelineShape {
             stages: NODES as u32,

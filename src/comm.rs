@@ -197,6 +197,23 @@ impl fmt::Display for Algorithm {
     }
 }
 
+/// `auto`, `ring`, `tree` or `direct`, as [`Algorithm`]'s `Display` writes them.
+impl std::str::FromStr for Algorithm {
+    type Err = crate::config::InvalidConfig;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Algorithm::Auto),
+            "ring" => Ok(Algorithm::Ring),
+            "tree" => Ok(Algorithm::Tree),
+            "direct" => Ok(Algorithm::Direct),
+            other => Err(crate::config::InvalidConfig(format!(
+                "unknown collective algorithm {other:?}: auto, ring, tree or direct"
+            ))),
+        }
+    }
+}
+
 /// The kind of a communication op, as named in errors and status snapshots.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum CollectiveKind {

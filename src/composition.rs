@@ -217,22 +217,12 @@ pub const REFUSALS: &[Refusal] = &[
         "a step skipped by the loss scaler would leave an overflow in the residual",
         "use .precision(Bf16)",
     ),
-    row(
-        &[Compression, AcrossProcesses],
-        "compressed collectives run in one process only",
-        "train in one process, or without compression",
-    ),
     // Local updates: each rank steps alone, block by block in block and pipeline jobs.
     row(
         &[LocalUpdates, Zero],
         "each rank steps its own optimizer on its own parameters: there is no shared state \
          to shard",
         "remove one of them",
-    ),
-    row(
-        &[LocalUpdates, AcrossProcesses],
-        "local updates run in one process only",
-        "train in one process",
     ),
     row(
         &[LocalUpdates, ClipGradNorm],

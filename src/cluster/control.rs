@@ -75,7 +75,7 @@ pub use head::{
 };
 pub use protocol::{
     CodecError, ControlMsg, Hello, Incompatibility, JobSpec, ModelFingerprint, ModelSpec, NodeInfo,
-    NodePhase, PipelineShape,
+    NodePhase, PipelineShape, StrategySpec,
 };
 pub use secret::{ClusterSecret, SecretError, secret_from_env};
 pub use stages::{

@@ -293,9 +293,10 @@ where
     /// Send gradients compressed (PyTorch's DDP communication hooks): bf16/f16 values,
     /// top-k sparsification or PowerSGD, each with error feedback (the part a rank does not
     /// send waits in its residual, kept in checkpoints). In block and pipeline jobs each
-    /// block's reduction goes through its own compressor. Refused with ZeRO, tensor
-    /// parallelism, `low_precision_gradients`, f16 loss scaling, local updates, the parameter
-    /// server and across processes (`composition::REFUSALS`). See
+    /// block's reduction goes through its own compressor, also over tensor-parallel blocks
+    /// and across processes. Top-k and PowerSGD are refused with ZeRO-2 and 3, any scheme with
+    /// `low_precision_gradients`, f16 loss scaling, local updates and the parameter server
+    /// (`composition::REFUSALS`, and the ZeRO rule of `ZeroStage`). See
     /// [`crate::parallel::compress`].
     pub fn compression(mut self, compression: Compression) -> Self {
         self.compression = compression;
@@ -313,8 +314,9 @@ where
     /// the uninterrupted one; resuming or resizing onto another number of replicas is
     /// refused (the job cannot grow; a shrink fails at its next step). The job
     /// must end on a synchronisation (`steps` a multiple of `every`): the trained model is
-    /// replica 0's (for EASGD its own variable after the last elastic step). Data-parallel
-    /// `.model(..)` jobs in one process only, not with ZeRO, tensor parallelism or f16.
+    /// replica 0's (for EASGD its own variable after the last elastic step). Data-parallel,
+    /// block and pipeline jobs (block by block), in one process or across processes; not with
+    /// ZeRO, clipping, compression or f16 (`composition::REFUSALS`).
     pub fn local_updates(mut self, updates: LocalUpdates) -> Self {
         self.local_updates = Some(updates);
         self
@@ -552,10 +554,37 @@ where
         self
     }
 
+    /// Take every setting of `spec` all processes of a job must share: seed, global batch,
+    /// steps, learning rate, collective time-out, ZeRO stage, precision and the
+    /// [`StrategySpec`](crate::cluster::control::StrategySpec) (compression, local updates,
+    /// clipping, accumulation, the collectives' algorithm). A node's [`crate::cluster::control::HostFactory`] calls it
+    /// on the builder of its own model, loss, data and optimizer, and the head on the
+    /// builder it trains with, so that every process builds its stages alike; what is not in
+    /// the spec (the model, the data) is the program's own, checked by the model fingerprint
+    /// (feature `cluster`).
+    pub fn follow_spec(self, spec: &crate::cluster::control::JobSpec) -> Self {
+        let strategy = &spec.strategy;
+        let mut b = self
+            .seed(spec.seed)
+            .batch_size(spec.batch_size as usize)
+            .steps(spec.steps)
+            .learning_rate(spec.learning_rate)
+            .collective_timeout(Duration::from_millis(spec.collective_timeout_ms.max(1)))
+            .zero(ZeroStage::from_number(spec.zero).unwrap_or_default())
+            .precision(spec.precision)
+            .low_precision_gradients(spec.low_precision_gradients)
+            .compression(strategy.compression)
+            .gradient_accumulation(strategy.accumulation.max(1))
+            .algorithm(strategy.algorithm);
+        b.local_updates = strategy.local_updates;
+        b.clip_norm = strategy.clip_norm;
+        b
+    }
+
     /// The stages of one process of a job across processes (a node's, or the head's own
     /// devices'), trained with this builder's model (or pipeline), loss, data, optimizer and
     /// settings: what a node's [`crate::cluster::control::HostFactory`] returns. Each slot gets
-    /// a Flex CPU device (feature `cluster`).
+    /// a device of the backend the job's spec names (feature `cluster`).
     pub fn stage_host(
         mut self,
         args: crate::cluster::control::HostArgs,
@@ -569,9 +598,7 @@ where
             ));
         };
         // A node checks the same table as the head (COMP-1), as a job across processes.
-        let mut plan = self.plan();
-        plan.assume(crate::composition::Feature::AcrossProcesses);
-        plan.check()?;
+        self.plan().across_processes().check()?;
         let world = args.plan.world_size as u32;
         let slots = match self.pipeline.take() {
             Some(p) => {

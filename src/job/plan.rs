@@ -27,13 +27,13 @@ impl JobPlan {
         self.settings.get(&feature).map(String::as_str)
     }
 
-    /// Counts `feature` as on (a node process is across processes without a cluster mesh of
-    /// its own).
+    /// The plan of the same job trained across processes (what a node checks, and a head
+    /// before it waits for its nodes, so that a refused job is refused before anyone joins).
     #[cfg(feature = "cluster")]
-    pub(super) fn assume(&mut self, feature: Feature) {
-        self.settings
-            .entry(feature)
-            .or_insert_with(|| feature.to_string());
+    pub fn across_processes(mut self) -> Self {
+        let f = Feature::AcrossProcesses;
+        self.settings.entry(f).or_insert_with(|| f.to_string());
+        self
     }
 
     /// Refuses the plan when it combines features the table refuses (COMP-1).

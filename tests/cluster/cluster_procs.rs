@@ -41,6 +41,15 @@ impl Proc {
         if let Some(s) = secret {
             cmd.env("MESHWORK_SECRET", s);
         }
+        // A process computing on wgpu (`--device wgpu`) finds Mesa's software Vulkan on a
+        // machine without a GPU (CI's), which wants a runtime directory; the caller's own
+        // settings win.
+        if std::env::var_os("CUBECL_WGPU_DEFAULT_DEVICE").is_none() {
+            cmd.env("CUBECL_WGPU_DEFAULT_DEVICE", "Cpu");
+        }
+        if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
+            cmd.env("XDG_RUNTIME_DIR", std::env::temp_dir());
+        }
         let mut child = cmd.spawn().expect("start meshwork");
         let lines = Arc::new(Mutex::new(Vec::new()));
         collect(child.stdout.take().unwrap(), lines.clone());

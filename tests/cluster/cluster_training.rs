@@ -303,11 +303,55 @@ fn dp_3_across_three_node_processes_equals_the_single_device_reference() {
     let _ = std::fs::remove_dir_all(dir.path());
 }
 
+/// The demo job of `flags` trained twice: over three `meshwork node` processes (one rank
+/// each, every one of them training all `steps`), and in one process with `--dp 3`. Both
+/// trained models.
+fn across_and_alone(
+    dir: &TempDir,
+    name: &str,
+    (steps, batch, seed): (u64, usize, u64),
+    flags: &[&str],
+    device: &MeshDevice,
+) -> (Mlp, Mlp) {
+    let across = dir.join(format!("{name}-across.mpk"));
+    let alone = dir.join(format!("{name}-alone.mpk"));
+    let (across_arg, alone_arg) = (across.display().to_string(), alone.display().to_string());
+    let (steps_arg, batch_arg, seed_arg) = (steps.to_string(), batch.to_string(), seed.to_string());
+    let mut common = vec![
+        "--steps",
+        steps_arg.as_str(),
+        "--batch-size",
+        batch_arg.as_str(),
+        "--seed",
+        seed_arg.as_str(),
+        "--collective-timeout",
+        "20",
+    ];
+    common.extend_from_slice(flags);
+    let head_flags = [&common[..], &["--save-model", across_arg.as_str()]].concat();
+    let (out, nodes) = run_to_end(&format!("across-{name}"), &[&[], &[], &[]], &head_flags);
+    assert!(out.contains("world assembled: 3 rank(s)"), "{out}");
+    assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2], "{name}");
+    let mut one = Proc::spawn(
+        &format!("{name}-alone"),
+        &[
+            ["train", "--dp", "3", "--save-model", alone_arg.as_str()].as_slice(),
+            &common,
+        ]
+        .concat(),
+        None,
+    );
+    let (status, _) = one.wait_exit(Duration::from_secs(180));
+    assert!(status.success(), "{name} in one process:\n{}", one.output());
+    (load(&across, device), load(&alone, device))
+}
+
 /// Mixed precision across processes (issue 26): the job spec carries the precision, so every
 /// node computes in bf16 — its gradients crossing the TCP data plane in 16 bits — or in f16
-/// with one loss scaler, whose overflow decision every process takes alike. bf16 ends bitwise
-/// where the same job trained in one process (`--dp 3`) ends, f16 within `TOLERANCE` of it
-/// (its f32 gradient sums in another order), and both away from the f32 one-device loop: the
+/// with one loss scaler, whose overflow decision every process takes alike. With the ring
+/// algorithm on both sides each ends bitwise where the same job trained in one process
+/// (`--dp 3`) ends; bf16 with 16-bit gradients does under `auto` too (its gradients sum
+/// exactly in f32, whatever the order). Both end away from the f32 one-device loop: the
 /// precision was applied on the nodes, not dropped.
 #[test]
 fn bf16_and_f16_across_three_node_processes_equal_their_single_process_run() {
@@ -320,57 +364,117 @@ fn bf16_and_f16_across_three_node_processes_equal_their_single_process_run() {
             "bf16",
             &["--precision", "bf16", "--low-precision-gradients"][..],
         ),
-        ("f16", &["--precision", "f16"][..]),
+        ("f16", &["--precision", "f16", "--algorithm", "ring"][..]),
     ] {
-        let across = dir.join(format!("{name}-across.mpk"));
-        let alone = dir.join(format!("{name}-alone.mpk"));
-        let (across_arg, alone_arg) = (across.display().to_string(), alone.display().to_string());
-        let mut flags = vec![
-            "--steps",
-            "8",
-            "--batch-size",
-            "48",
-            "--seed",
-            "7",
-            "--collective-timeout",
-            "20",
-        ];
-        flags.extend_from_slice(precision);
-        let mut head_flags = flags.clone();
-        head_flags.extend(["--save-model", across_arg.as_str()]);
-        let (out, nodes) = run_to_end(&format!("mixed-{name}"), &[&[], &[], &[]], &head_flags);
-        assert!(out.contains("world assembled: 3 rank(s)"), "{out}");
-        assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2], "{name}");
-        // The same job in one process, three replicas.
-        let mut one = Proc::spawn(
-            &format!("{name}-alone"),
-            &[
-                ["train", "--dp", "3", "--save-model", alone_arg.as_str()].as_slice(),
-                &flags,
-            ]
-            .concat(),
-            None,
+        let (trained, single) =
+            across_and_alone(&dir, name, (steps, batch, seed), precision, &device);
+        assert_eq!(
+            parameter_bits(&trained),
+            parameter_bits(&single),
+            "{name}: across processes, bitwise the single-process run"
         );
-        let (status, _) = one.wait_exit(Duration::from_secs(180));
-        assert!(status.success(), "{name} in one process:\n{}", one.output());
-        let (trained, single) = (load(&across, &device), load(&alone, &device));
-        // The ranks compute alike in both; only the order of the gradient sums differs (the
-        // TCP ring against the in-process reduction), and bf16 gradients sum exactly in f32.
-        let worst = compare_parameters(&trained, &single, TOLERANCE)
-            .unwrap_or_else(|e| panic!("{name} across processes vs one process: {e}"));
-        println!("{name}: worst relative difference to one process {worst:e}");
-        if name == "bf16" {
-            assert_eq!(
-                parameter_bits(&trained),
-                parameter_bits(&single),
-                "bf16 with 16-bit gradients: bitwise the single-process run"
-            );
-        }
         assert!(
             compare_parameters(&trained, &f32_reference, 1e-5).is_err(),
             "{name}: the nodes trained in f32"
         );
     }
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
+/// The methods built for slow links, across processes (issue 26): the job spec carries the
+/// compression and the local-update rule, so each node compresses its gradient (top-k with
+/// its residual, PowerSGD's low-rank factors) or steps alone and meets the others every few
+/// steps (DiLoCo's outer step, EASGD's elastic pull) over the TCP data plane; clipping and
+/// accumulation travel with them (top-k clips, PowerSGD accumulates). With the ring algorithm
+/// on both sides (`--algorithm ring`, carried by the spec too) the TCP group sums in the order
+/// the in-process group does, so each ends bitwise where the same job trained in one process
+/// (`--dp 3`) ends — and away from the plain one-device loop: the method ran on the nodes
+/// rather than being dropped.
+#[test]
+fn compression_and_local_updates_across_three_node_processes_equal_their_single_process_run() {
+    let dir = TempDir::new("slowlinks");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let (steps, batch, seed) = (8u64, 48usize, 7u64);
+    let (plain, device) = reference(seed, batch, steps, 3);
+    for (name, flags) in [
+        ("topk", &["--compression", "topk:0.1", "--clip", "0.5"][..]),
+        (
+            "powersgd",
+            &["--compression", "powersgd:2", "--accumulate", "2"][..],
+        ),
+        ("diloco", &["--local-updates", "diloco:4"][..]),
+        ("easgd", &["--local-updates", "easgd:2"][..]),
+    ] {
+        let flags = [flags, &["--algorithm", "ring"]].concat();
+        let (trained, single) = across_and_alone(&dir, name, (steps, batch, seed), &flags, &device);
+        assert_eq!(
+            parameter_bits(&trained),
+            parameter_bits(&single),
+            "{name}: across processes, bitwise the single-process run"
+        );
+        assert!(
+            compare_parameters(&trained, &plain, 1e-5).is_err(),
+            "{name}: the nodes trained plain data parallelism"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
+/// Nodes computing on wgpu (issue 26): `meshwork node --device wgpu` and a head of
+/// `--device wgpu` train on wgpu devices (Mesa's software Vulkan where there is no GPU) and
+/// end within `TOLERANCE` of the plain one-device loop (on Flex, from the same initial model:
+/// every process of a job across processes draws it on Flex from the job's seed); a node of
+/// another backend is refused at its Hello, naming both backends, and the job never starts
+/// on a mix.
+#[test]
+fn two_wgpu_node_processes_equal_the_single_device_reference_and_a_flex_node_is_refused() {
+    let dir = TempDir::new("wgpu-nodes");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let (steps, batch, seed) = (6u64, 32usize, 7u64);
+    let across = dir.join("across.mpk");
+    let across_arg = across.display().to_string();
+    let common = [
+        "--steps",
+        "6",
+        "--batch-size",
+        "32",
+        "--seed",
+        "7",
+        "--collective-timeout",
+        "30",
+        "--device",
+        "wgpu",
+    ];
+    // A Flex node cannot join a wgpu job.
+    {
+        let (mut head, addr) = training_head("wgpu-mix", 1, 20, &common);
+        let mut flex = node("node-flex", &addr, "wgpu-mix", &[], SECRET);
+        let (status, _) = flex.wait_exit(Duration::from_secs(40));
+        let out = flex.output();
+        assert!(!status.success(), "{out}");
+        assert!(
+            out.contains("backend mismatch: the job computes on Wgpu, the node on Flex"),
+            "{out}"
+        );
+        let (status, _) = head.wait_exit(Duration::from_secs(40));
+        let out = head.output();
+        assert!(!status.success(), "{out}");
+        assert!(out.contains("backend mismatch"), "{out}");
+        assert!(!out.contains("world assembled"), "{out}");
+    }
+    let head_flags = [&common[..], &["--save-model", across_arg.as_str()]].concat();
+    let wgpu: &[&str] = &["--device", "wgpu"];
+    let (out, nodes) = run_to_end("wgpu-nodes", &[wgpu, wgpu], &head_flags);
+    assert!(out.contains("world assembled: 2 rank(s)"), "{out}");
+    // Distributed, and on wgpu: each node trained its rank every step on its wgpu device.
+    assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1]);
+    for n in &nodes {
+        assert!(n.output().contains("1 Wgpu device(s)"), "{}", n.output());
+    }
+    let (reference, device) = reference(seed, batch, steps, 2);
+    let worst = compare_parameters(&load(&across, &device), &reference, TOLERANCE)
+        .unwrap_or_else(|e| panic!("wgpu nodes vs the one-device loop: {e}"));
+    println!("wgpu nodes: worst relative difference to the one-device loop {worst:e}");
     let _ = std::fs::remove_dir_all(dir.path());
 }
 

@@ -77,6 +77,8 @@ fn write_control_seed_corpus() {
         zero: 0,
         precision: Default::default(),
         low_precision_gradients: false,
+        strategy: Default::default(),
+        backend: meshwork::device::BackendKind::Flex,
         pipeline: None,
     };
     let messages = [

@@ -15,7 +15,8 @@ use std::time::Duration;
 use burn::optim::AdamConfig;
 use meshwork::cluster::control::{
     self, ControlError, FingerprintFn, Head, HeadConfig, Incompatibility, JobSpec,
-    ModelFingerprint, ModelSpec, NodeConfig, NodeReport, PipelineShape, ProcessIndex, protocol,
+    ModelFingerprint, ModelSpec, NodeConfig, NodeReport, PipelineShape, ProcessIndex, StrategySpec,
+    protocol,
 };
 use meshwork::cluster::control::{HostArgs, HostFactory, KeepAlive, LateEvent, LateEvents};
 use meshwork::cluster::remote::{ClusterMesh, MeshJoiner};
@@ -92,6 +93,11 @@ pub(crate) struct NodeArgs {
     /// Devices this node holds.
     #[arg(long, default_value_t = 1)]
     devices: u32,
+    /// What this node's devices compute on: flex (Burn's CPU backend) or wgpu (a GPU, or
+    /// Mesa's software Vulkan). The head's --device must name the same: a job never mixes
+    /// backends, and a node of another is refused, naming both.
+    #[arg(long, default_value = "flex")]
+    device: BackendKind,
     /// The job's name (as given to the head).
     #[arg(long, default_value = "meshwork")]
     job: String,
@@ -238,18 +244,10 @@ struct SpecSettings<'a> {
 
 impl Configure for SpecSettings<'_> {
     fn apply<M: Send + 'static>(self, builder: JobBuilder<M, Sample>) -> JobBuilder<M, Sample> {
-        let spec = self.spec;
         builder
             .data(self.task.dataset(DEMO_SAMPLES))
             .optimizer(AdamConfig::new())
-            .learning_rate(spec.learning_rate)
-            .zero(meshwork::parallel::zero::ZeroStage::from_number(spec.zero).unwrap_or_default())
-            .batch_size(spec.batch_size as usize)
-            .steps(spec.steps)
-            .seed(spec.seed)
-            .collective_timeout(Duration::from_millis(spec.collective_timeout_ms.max(1)))
-            .precision(spec.precision)
-            .low_precision_gradients(spec.low_precision_gradients)
+            .follow_spec(self.spec)
             .step_timeout(Duration::from_secs(120))
     }
 }
@@ -343,6 +341,7 @@ pub(crate) fn dispatch_train(
             let args = NodeArgs {
                 join: Some(join),
                 devices: 1,
+                device: spec().backend,
                 job: cluster.job.clone(),
                 name: None,
                 join_timeout: cluster.join_timeout,
@@ -365,6 +364,7 @@ pub(crate) fn demo_spec(
     (precision, low_precision_gradients): (Precision, bool),
     collective_timeout: f64,
     pipeline: Option<PipelineShape>,
+    (strategy, backend): (StrategySpec, BackendKind),
 ) -> JobSpec {
     JobSpec {
         model: ModelSpec::DemoMlp {
@@ -379,6 +379,8 @@ pub(crate) fn demo_spec(
         zero,
         precision,
         low_precision_gradients,
+        strategy,
+        backend,
     }
 }
 
@@ -392,6 +394,9 @@ fn run_head(
     head_job: HeadJob,
 ) -> meshwork::error::Result<()> {
     let join_timeout = seconds("--join-timeout", cluster.join_timeout)?;
+    // The job the nodes will build, checked against the table of refused combinations as a
+    // job across processes before anyone waits for a node (COMP-1).
+    demo_job(&spec)?.0.plan().across_processes().check()?;
     let secret = control::secret_from_env().map_err(ControlError::from)?;
     let fingerprint = demo_fingerprint(&spec, None).map_err(|reason| {
         Error::InvalidConfig(format!("the head cannot build its own model: {reason}"))
@@ -636,6 +641,7 @@ fn run_node_with(args: NodeArgs, requested: Option<ProcessIndex>) -> meshwork::e
         fingerprint,
     );
     config.requested = requested;
+    config.backend = args.device;
     config.stages = Some(demo_stages());
     config.join_timeout = seconds("--join-timeout", args.join_timeout)?;
     config.head_timeout = seconds("--head-timeout", args.head_timeout)?;
@@ -654,8 +660,8 @@ fn run_node_with(args: NodeArgs, requested: Option<ProcessIndex>) -> meshwork::e
     }
     let name = config.name.clone();
     println!(
-        "meshwork node {name}: joining job {} at {head} with {} device(s)",
-        args.job, args.devices
+        "meshwork node {name}: joining job {} at {head} with {} {:?} device(s)",
+        args.job, args.devices, args.device
     );
     let _ = std::io::stdout().flush();
     let outcome = runtime()?.block_on(control::run_node(config, |report| {

@@ -83,6 +83,15 @@ impl DemoJob {
         }
     }
 
+    /// The job's plan (which strategies it combines).
+    #[cfg(feature = "cluster")]
+    pub(crate) fn plan(&self) -> meshwork::job::JobPlan {
+        match self {
+            DemoJob::Replicas(b) => b.plan(),
+            DemoJob::Blocks(b) | DemoJob::Pipeline(b, _) => b.plan(),
+        }
+    }
+
     /// The pipeline schedule, for a pipeline job.
     pub(crate) fn schedule(&self) -> Option<Schedule> {
         match self {

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use burn::optim::AdamConfig;
+use meshwork::comm::Algorithm;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_blocks, mlp_blocks_of, mse_loss, split_mlp};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
@@ -107,6 +108,11 @@ pub(crate) struct TrainArgs {
     /// diloco:H[:OUTER_LR[:OUTER_MOMENTUM[:nesterov|plain]]] or easgd:H[:ALPHA].
     #[arg(long)]
     local_updates: Option<LocalUpdates>,
+    /// The algorithm of every collective: auto (chosen per call by size and group), ring,
+    /// tree or direct (in one process only; across processes it runs as auto). The same
+    /// algorithm sums in the same order in one process and across processes.
+    #[arg(long, default_value = "auto")]
+    algorithm: Algorithm,
     /// Push the gradients to a parameter server, which applies them (see --staleness).
     #[arg(long)]
     parameter_server: bool,
@@ -318,7 +324,8 @@ pub(crate) fn training_settings<M: Send + 'static, I: Send + Sync + 'static>(
     builder = builder
         .learning_rate_schedule(lr)
         .gradient_accumulation(args.accumulate)
-        .compression(args.compression);
+        .compression(args.compression)
+        .algorithm(args.algorithm);
     if let Some(clip) = args.clip {
         builder = builder.clip_grad_norm(clip);
     }
@@ -378,6 +385,16 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                 (args.precision, args.low_precision_gradients),
                 args.collective_timeout,
                 pipeline,
+                (
+                    meshwork::cluster::control::StrategySpec {
+                        compression: args.compression,
+                        local_updates: args.local_updates,
+                        clip_norm: args.clip,
+                        accumulation: args.accumulate,
+                        algorithm: args.algorithm,
+                    },
+                    args.device,
+                ),
             )
         };
         let across = args.cluster.listen.is_some()
@@ -419,17 +436,6 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
             "fault plans act on in-process devices; kill a node process to rehearse a failure",
         ),
         (
-            "--precision f16 with --pp",
-            args.precision == Precision::F16 && args.pp > 1,
-            "a pipeline's stages in several processes have no group to agree the loss \
-             scaler's overflow over yet; use --precision bf16",
-        ),
-        (
-            "--device",
-            args.device != BackendKind::Flex,
-            "every rank in a node process computes on the Flex CPU backend today",
-        ),
-        (
             "--recompute",
             args.recompute,
             "the job spec nodes receive does not carry it",
@@ -449,11 +455,7 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
             args.dp.is_some(),
             "the replicas are the world's ranks divided by --pp: start more nodes or devices",
         ),
-        ("--clip", args.clip.is_some(), CARRIES_NO),
-        ("--accumulate", args.accumulate != 1, CARRIES_NO),
         ("--lr-schedule", args.lr_schedule != "constant", CARRIES_NO),
-        ("--compression", args.compression.is_on(), CARRIES_NO),
-        ("--local-updates", args.local_updates.is_some(), CARRIES_NO),
         ("--parameter-server", args.parameter_server, CARRIES_NO),
         (
             "--backup-workers",

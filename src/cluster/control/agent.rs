@@ -20,6 +20,7 @@ use super::tls::NodeTls;
 use super::world::{ProcessIndex, ProcessPlan};
 use super::{AGENTS_GROUP, ControlError, HeadLoss, bind_data_plane, host_name, job_scope};
 use crate::comm::net::link::JobToken;
+use crate::device::BackendKind;
 use crate::mesh::Rank;
 
 /// A message to a node's agent. Across processes it travels as the control protocol's bytes
@@ -115,6 +116,9 @@ pub struct NodeConfig {
     /// TLS on the control plane (CTL-10): the authorities that sign the head's certificate
     /// (default none: plain TCP).
     pub tls: Option<NodeTls>,
+    /// The backend this node's devices compute on (default Flex): a job whose spec names
+    /// another is refused at its Hello, naming both, never trained on a mix of backends.
+    pub backend: BackendKind,
 }
 
 impl std::fmt::Debug for NodeConfig {
@@ -129,6 +133,7 @@ impl std::fmt::Debug for NodeConfig {
             .field("head_timeout", &self.head_timeout)
             .field("protocol_version", &self.protocol_version)
             .field("tls", &self.tls)
+            .field("backend", &self.backend)
             .finish_non_exhaustive()
     }
 }
@@ -155,6 +160,7 @@ impl NodeConfig {
             protocol_version: CONTROL_PROTOCOL_VERSION,
             stages: None,
             tls: None,
+            backend: BackendKind::Flex,
         }
     }
 }
@@ -226,6 +232,7 @@ pub(crate) struct AgentState {
     data_addrs: Vec<SocketAddr>,
     requested: Option<ProcessIndex>,
     fingerprint: FingerprintFn,
+    backend: BackendKind,
     version: u16,
     phase: NodePhase,
     greeted: bool,
@@ -281,6 +288,14 @@ impl AgentState {
         match request {
             ControlMsg::Hello(hello) => {
                 self.tell(AgentEvent::Heard);
+                if hello.spec.backend != self.backend {
+                    let why = Incompatibility::Backend {
+                        head: hello.spec.backend,
+                        node: self.backend,
+                    };
+                    self.tell(AgentEvent::RefusedHead(why.clone()));
+                    return ControlMsg::Refused(why);
+                }
                 let compute = self.fingerprint.clone();
                 let spec = hello.spec.clone();
                 let mine = tokio::task::spawn_blocking(move || compute(&spec))
@@ -471,6 +486,7 @@ impl Actor for NodeAgent {
             data_addrs: args.data_addrs,
             requested: args.config.requested,
             fingerprint: args.config.fingerprint,
+            backend: args.config.backend,
             version: args.config.protocol_version,
             phase: NodePhase::Joined,
             greeted: false,

@@ -39,7 +39,7 @@ use crate::mesh::Rank;
 pub const CONTROL_MAGIC: [u8; 4] = *b"MWCT";
 
 /// The control protocol version this build speaks.
-pub const CONTROL_PROTOCOL_VERSION: u16 = 8;
+pub const CONTROL_PROTOCOL_VERSION: u16 = 9;
 
 /// Bytes of the fixed header.
 pub const CONTROL_HEADER_LEN: usize = 10;
@@ -102,6 +102,41 @@ pub struct JobSpec {
     /// With a 16-bit precision: the gradients travel in that type, 2 bytes an element on
     /// the data plane (version 8 on).
     pub low_precision_gradients: bool,
+    /// How the replicas synchronise and what every step does to its gradient (version 9 on).
+    pub strategy: StrategySpec,
+    /// What every rank computes on (version 9 on): each process's devices are of this
+    /// backend, and a node of another refuses the job ([`Incompatibility::Backend`]).
+    pub backend: crate::device::BackendKind,
+}
+
+/// The settings of a job that change how its replicas synchronise or what a step does with
+/// its gradient: every process must train with the same ones, so the head sends them
+/// ([`crate::job::JobBuilder::follow_spec`] applies them on each process).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StrategySpec {
+    /// Gradient compression of the data-parallel reduction.
+    pub compression: crate::parallel::compress::Compression,
+    /// Local updates (local SGD, DiLoCo, EASGD) instead of a reduction every step.
+    pub local_updates: Option<crate::parallel::local::LocalUpdates>,
+    /// The global gradient norm each step is clipped to.
+    pub clip_norm: Option<f32>,
+    /// Micro-batches each replica accumulates per step (1: none).
+    pub accumulation: u32,
+    /// The algorithm of every collective (`Auto` by default): with `Ring` on both, a job
+    /// across processes sums its f32 values in the order the same job in one process does.
+    pub algorithm: crate::comm::Algorithm,
+}
+
+impl Default for StrategySpec {
+    fn default() -> Self {
+        Self {
+            compression: crate::parallel::compress::Compression::None,
+            local_updates: None,
+            clip_norm: None,
+            accumulation: 1,
+            algorithm: crate::comm::Algorithm::Auto,
+        }
+    }
 }
 
 /// How a dp × pp job cuts its model: what every process needs to build the same stages.
@@ -164,6 +199,18 @@ pub enum Incompatibility {
         head: ModelFingerprint,
         /// The node's fingerprint.
         node: ModelFingerprint,
+    },
+    /// The node computes on another backend than the job's (a job never mixes backends:
+    /// replicas stepping on different arithmetic would drift apart).
+    #[error(
+        "backend mismatch: the job computes on {head:?}, the node on {node:?} (start the node \
+         with the job's --device)"
+    )]
+    Backend {
+        /// The job's backend.
+        head: crate::device::BackendKind,
+        /// The node's.
+        node: crate::device::BackendKind,
     },
     /// The node cannot build this kind of model.
     #[error("node cannot build model {kind}")]

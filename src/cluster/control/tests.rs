@@ -51,6 +51,8 @@ fn structure_fingerprint_follows_shapes_not_values() {
         zero: 0,
         precision: Default::default(),
         low_precision_gradients: false,
+        strategy: Default::default(),
+        backend: crate::device::BackendKind::Flex,
         pipeline: None,
     };
     let a = crate::demo::cluster_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();

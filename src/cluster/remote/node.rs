@@ -65,7 +65,8 @@ impl<M> std::fmt::Debug for NodeStages<M> {
 }
 
 impl<M: Send + 'static> NodeStages<M> {
-    /// The stages of `args.plan`'s slots, started by `factory`, one Flex CPU device each.
+    /// The stages of `args.plan`'s slots, started by `factory`, one device each of the
+    /// backend the job's spec names.
     pub(crate) fn new(
         factory: Arc<dyn SlotFactory<M>>,
         args: HostArgs,
@@ -78,7 +79,7 @@ impl<M: Send + 'static> NodeStages<M> {
                 args.plan.ranks
             )));
         }
-        let devices = MeshDevice::of_kind(BackendKind::Flex, args.plan.ranks.len())?;
+        let devices = MeshDevice::of_kind(args.spec.backend, args.plan.ranks.len())?;
         let slots = args
             .plan
             .ranks

@@ -17,6 +17,8 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
         zero: 0,
         precision: Default::default(),
         low_precision_gradients: false,
+        strategy: Default::default(),
+        backend: crate::device::BackendKind::Flex,
         pipeline: None,
     };
     let addr = |port| SocketAddr::from(([127, 0, 0, 1], port));
@@ -179,17 +181,18 @@ fn ctl_2_a_huge_declared_length_inside_the_body_fails_without_allocating_it() {
 
 #[test]
 fn ctl_3_another_version_is_named_not_misread() {
-    let from_future = encode_as(&ControlMsg::Bye, 9, MAX_CONTROL_MESSAGE).unwrap();
-    assert_eq!(peek_version(&from_future), Ok(9));
+    let future = CONTROL_PROTOCOL_VERSION + 1;
+    let from_future = encode_as(&ControlMsg::Bye, future, MAX_CONTROL_MESSAGE).unwrap();
+    assert_eq!(peek_version(&from_future), Ok(future));
     assert_eq!(
         decode(&from_future),
         Err(CodecError::UnsupportedVersion {
-            found: 9,
+            found: future,
             supported: CONTROL_PROTOCOL_VERSION
         })
     );
     assert_eq!(
-        decode_as(&from_future, 9, MAX_CONTROL_MESSAGE),
+        decode_as(&from_future, future, MAX_CONTROL_MESSAGE),
         Ok(ControlMsg::Bye)
     );
 }
