@@ -1,7 +1,7 @@
 //! A job across processes, embedded in a program of your own (feature `cluster`). Run
 //! plainly, this program is the head: it starts two copies of itself as nodes
 //! (`cluster node HEAD_ADDR`), waits for them, trains its own model (`Regressor`, described to
-//! the nodes as `ModelSpec::Named`) with one replica per node, and stops them. With
+//! the nodes as a `ModelSpec` of a kind it registers in a `ModelRegistry`) with one replica per node, and stops them. With
 //! `pipeline`, the model's two layers become two pipeline stages instead, one per node (a
 //! 1 × 2 dp × pp mesh). On real machines the nodes are started by hand, torchrun or Slurm.
 //!
@@ -23,7 +23,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use meshwork::cluster::control::{
     self, ClusterSecret, FingerprintFn, Head, HeadConfig, HostArgs, HostFactory, Incompatibility,
-    JobSpec, ModelSpec, NodeConfig, PipelineShape,
+    JobSpec, ModelRegistry, ModelSpec, NodeConfig, PipelineShape,
 };
 use meshwork::cluster::remote::ClusterMesh;
 use meshwork::demo::{Sample, TeacherTask, batch_tensors, mlp_pipeline};
@@ -67,7 +67,7 @@ fn loss(model: &Regressor, items: &[Sample], device: &Device) -> Tensor<1> {
 const KIND: &str = "example-regressor";
 
 fn model_spec(widths: [u32; 3]) -> ModelSpec {
-    ModelSpec::Named {
+    ModelSpec {
         kind: KIND.into(),
         config: widths.iter().flat_map(|w| w.to_le_bytes()).collect(),
     }
@@ -75,11 +75,7 @@ fn model_spec(widths: [u32; 3]) -> ModelSpec {
 
 /// The widths a spec names; bytes from the network are checked, never trusted.
 fn widths(spec: &JobSpec) -> Result<[usize; 3], Incompatibility> {
-    let ModelSpec::Named { kind, config } = &spec.model else {
-        return Err(Incompatibility::Other(
-            "this program trains its own model".into(),
-        ));
-    };
+    let ModelSpec { kind, config } = &spec.model;
     if kind != KIND {
         return Err(Incompatibility::UnknownModel { kind: kind.clone() });
     }
@@ -159,6 +155,12 @@ fn settings<M: Send + 'static>(
         .follow_spec(spec)
 }
 
+/// The model kinds this program trains: one, its own. A node fingerprints and builds the kind a
+/// job names and refuses a job of a kind it has not registered.
+fn models() -> ModelRegistry {
+    ModelRegistry::new().register(KIND, fingerprint(), stages())
+}
+
 /// How a node builds its stages once the head prepared it: replicas, or pipeline stages.
 fn stages() -> HostFactory {
     Arc::new(|args: HostArgs| {
@@ -189,8 +191,7 @@ fn fingerprint() -> FingerprintFn {
 // ANCHOR: node
 /// A node: join the head, serve its stages until the head ends the job.
 async fn node(head: String, secret: ClusterSecret) -> Result<(), Box<dyn std::error::Error>> {
-    let mut config = NodeConfig::new(head, JOB, secret, 1, fingerprint());
-    config.stages = Some(stages());
+    let config = NodeConfig::for_models(head, JOB, secret, 1, &models());
     let outcome = control::run_node(config, |_| {}).await?;
     for (rank, steps) in outcome.trained {
         println!("node: rank {} trained {steps} steps", rank.0);
@@ -224,7 +225,7 @@ async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std:
     };
     let mut head = Head::start(HeadConfig::new("127.0.0.1:0", JOB, secret)).await?;
     let children = start_nodes(head.local_addr())?;
-    let fingerprint = fingerprint()(&spec)?;
+    let fingerprint = models().fingerprint(&spec)?;
     let world = head
         .assemble(
             NODES,

@@ -313,34 +313,68 @@ pub fn measure_mlp_layers(widths: &[usize], batch: usize, device: &Device) -> Ve
         .collect()
 }
 
+/// The model kind of [`Mlp`] on the control plane ([`crate::cluster::control::ModelSpec`]):
+/// `meshwork train`'s model, registered by the binary like any program's own.
+#[cfg(feature = "cluster")]
+pub const MLP_KIND: &str = "meshwork-demo-mlp";
+
+/// The [`crate::cluster::control::ModelSpec`] of an [`Mlp`] of `widths` (its configuration:
+/// each width as a little-endian `u32`).
+#[cfg(feature = "cluster")]
+pub fn mlp_spec(widths: &[usize]) -> crate::cluster::control::ModelSpec {
+    crate::cluster::control::ModelSpec {
+        kind: MLP_KIND.into(),
+        config: widths
+            .iter()
+            .flat_map(|&w| u32::try_from(w).unwrap_or(u32::MAX).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// The widths of the [`Mlp`] `spec` describes. The bytes come from the network, so the model
+/// is bounded before it is built: 2 to 64 widths, none 0, at most 2^28 parameters.
+#[cfg(feature = "cluster")]
+pub fn mlp_widths(
+    spec: &crate::cluster::control::ModelSpec,
+) -> Result<Vec<usize>, crate::cluster::control::Incompatibility> {
+    use crate::cluster::control::Incompatibility;
+    if spec.kind != MLP_KIND {
+        return Err(Incompatibility::UnknownModel {
+            kind: spec.kind.clone(),
+        });
+    }
+    let widths: Vec<u32> = spec
+        .config
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let params: u64 = widths
+        .windows(2)
+        .map(|w| u64::from(w[0]) * u64::from(w[1]) + u64::from(w[1]))
+        .sum();
+    if !spec.config.len().is_multiple_of(4)
+        || widths.len() < 2
+        || widths.len() > 64
+        || widths.contains(&0)
+        || params > 1 << 28
+    {
+        return Err(Incompatibility::Other(format!(
+            "demo MLP widths {widths:?} ({} configuration bytes) are not a model this node builds",
+            spec.config.len()
+        )));
+    }
+    Ok(widths.iter().map(|&w| w as usize).collect())
+}
+
 /// The control plane's structure fingerprint
 /// ([`structure_fingerprint`](crate::cluster::control::structure_fingerprint)) of [`Mlp`] built
-/// from `spec` on `device` (the model of
-/// `meshwork train`). The widths come from the network, so the model is bounded before it is
-/// built: at most 64 layers and 2^28 parameters.
+/// from `spec` on `device` (the model of `meshwork train`; [`mlp_widths`] checks the spec).
 #[cfg(feature = "cluster")]
 pub fn cluster_fingerprint(
     spec: &crate::cluster::control::JobSpec,
     device: &burn::tensor::Device,
 ) -> Result<crate::cluster::control::ModelFingerprint, crate::cluster::control::Incompatibility> {
-    let widths = match &spec.model {
-        crate::cluster::control::ModelSpec::DemoMlp { widths } => widths,
-        crate::cluster::control::ModelSpec::Named { kind, .. } => {
-            return Err(crate::cluster::control::Incompatibility::UnknownModel {
-                kind: kind.clone(),
-            });
-        }
-    };
-    let params: u64 = widths
-        .windows(2)
-        .map(|w| u64::from(w[0]) * u64::from(w[1]) + u64::from(w[1]))
-        .sum();
-    if widths.len() < 2 || widths.len() > 64 || widths.contains(&0) || params > 1 << 28 {
-        return Err(crate::cluster::control::Incompatibility::Other(format!(
-            "demo MLP widths {widths:?} are not a model this node builds"
-        )));
-    }
-    let widths: Vec<usize> = widths.iter().map(|&w| w as usize).collect();
+    let widths = mlp_widths(&spec.model)?;
     let model = Mlp::new(&widths, device);
     Ok(crate::cluster::control::structure_fingerprint(
         "demo-mlp", &model,

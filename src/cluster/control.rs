@@ -61,6 +61,7 @@ use burn::module::Module;
 
 mod agent;
 mod head;
+pub mod models;
 pub mod protocol;
 pub mod secret;
 mod session;
@@ -73,6 +74,7 @@ pub use head::{
     Assembled, Head, HeadConfig, JoinedNode, KeepAlive, LateEvent, LateEvents, LateJoins, LateNode,
     NodeHandle,
 };
+pub use models::ModelRegistry;
 pub use protocol::{
     CodecError, ControlMsg, Hello, Incompatibility, JobSpec, ModelFingerprint, ModelSpec, NodeInfo,
     NodePhase, PipelineShape, StrategySpec,

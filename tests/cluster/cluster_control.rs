@@ -192,7 +192,7 @@ fn ctl_7_node_stops_when_its_head_is_silent() {
 /// prepared node past several of its head time-outs, and reports the node once it is killed.
 #[test]
 fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
-    use meshwork::cluster::control::{ClusterSecret, Head, HeadConfig, JobSpec, ModelSpec};
+    use meshwork::cluster::control::{ClusterSecret, Head, HeadConfig, JobSpec};
     use meshwork::device::{BackendKind, MeshDevice};
 
     let runtime = tokio::runtime::Runtime::new().unwrap();
@@ -208,9 +208,7 @@ fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
         let addr = head.local_addr().to_string();
         let mut n = node("kept-node", &addr, "kept", &["--head-timeout", "5"], SECRET);
         let spec = JobSpec {
-            model: ModelSpec::DemoMlp {
-                widths: vec![32, 128, 128, 4],
-            },
+            model: meshwork::demo::mlp_spec(&[32, 128, 128, 4]),
             seed: 0,
             batch_size: 256,
             steps: 300,

@@ -66,9 +66,7 @@ fn write_control_seed_corpus() {
     let dir = fuzz_dir().join("corpus").join("control_decoder");
     fs::create_dir_all(&dir).unwrap();
     let spec = JobSpec {
-        model: ModelSpec::DemoMlp {
-            widths: vec![32, 128, 128, 4],
-        },
+        model: meshwork::demo::mlp_spec(&[32, 128, 128, 4]),
         seed: 1,
         batch_size: 256,
         steps: 10,
@@ -143,7 +141,7 @@ fn write_control_seed_corpus() {
                 job: "j".into(),
                 head: "h".into(),
                 spec: JobSpec {
-                    model: ModelSpec::Named {
+                    model: ModelSpec {
                         kind: "transformer".into(),
                         config: vec![0, 1, 2, 3],
                     },

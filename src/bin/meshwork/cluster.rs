@@ -15,8 +15,8 @@ use std::time::Duration;
 use burn::optim::AdamConfig;
 use meshwork::cluster::control::{
     self, ControlError, FingerprintFn, Head, HeadConfig, Incompatibility, JobSpec,
-    ModelFingerprint, ModelSpec, NodeConfig, NodeReport, PipelineShape, ProcessIndex, StrategySpec,
-    protocol,
+    ModelFingerprint, ModelRegistry, NodeConfig, NodeReport, PipelineShape, ProcessIndex,
+    StrategySpec, protocol,
 };
 use meshwork::cluster::control::{HostArgs, HostFactory, KeepAlive, LateEvent, LateEvents};
 use meshwork::cluster::remote::{ClusterMesh, MeshJoiner};
@@ -186,12 +186,8 @@ const DEMO_SAMPLES: usize = 16_384;
 /// way as a single-process run: the teacher task, the MLP (or its pipeline blocks) initialized
 /// on a Flex device seeded with the job's seed, Adam.
 fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(DemoJob, TeacherTask)> {
-    let ModelSpec::DemoMlp { widths } = &spec.model else {
-        return Err(Error::InvalidConfig(
-            "meshwork train runs the demo MLP only".into(),
-        ));
-    };
-    let widths: Vec<usize> = widths.iter().map(|&w| w as usize).collect();
+    let widths = meshwork::demo::mlp_widths(&spec.model)
+        .map_err(|e| Error::InvalidConfig(format!("meshwork train runs the demo MLP: {e}")))?;
     let (Some(&d_in), Some(&d_out)) = (widths.first(), widths.last()) else {
         return Err(Error::InvalidConfig("the demo MLP has no layers".into()));
     };
@@ -266,6 +262,14 @@ impl Configure for HeadSettings<'_> {
             .step_timeout(self.job.step_timeout)
             .cluster(self.mesh)
     }
+}
+
+/// The model kinds `meshwork` trains across processes: the demo MLP (`variant`: pretend
+/// another build's, whose fingerprint differs).
+fn demo_models(variant: Option<String>) -> ModelRegistry {
+    let fingerprint: FingerprintFn =
+        Arc::new(move |spec: &JobSpec| demo_fingerprint(spec, variant.as_deref()));
+    ModelRegistry::new().register(meshwork::demo::MLP_KIND, fingerprint, demo_stages())
 }
 
 /// How a node (and the head, for its own devices) builds its stages: the demo job of the
@@ -367,9 +371,7 @@ pub(crate) fn demo_spec(
     (strategy, backend): (StrategySpec, BackendKind),
 ) -> JobSpec {
     JobSpec {
-        model: ModelSpec::DemoMlp {
-            widths: widths.iter().map(|&w| w as u32).collect(),
-        },
+        model: meshwork::demo::mlp_spec(widths),
         seed,
         batch_size: batch_size as u64,
         steps,
@@ -398,7 +400,7 @@ fn run_head(
     // job across processes before anyone waits for a node (COMP-1).
     demo_job(&spec)?.0.plan().across_processes().check()?;
     let secret = control::secret_from_env().map_err(ControlError::from)?;
-    let fingerprint = demo_fingerprint(&spec, None).map_err(|reason| {
+    let fingerprint = demo_models(None).fingerprint(&spec).map_err(|reason| {
         Error::InvalidConfig(format!("the head cannot build its own model: {reason}"))
     })?;
     // The head's own data-plane listeners, adopted by its stages once the world is known.
@@ -523,13 +525,14 @@ async fn train_on_world(
         None
     } else {
         Some(
-            demo_stages()(HostArgs {
-                spec: spec.clone(),
-                plan: assembled.head_plan(),
-                token: assembled.token.clone(),
-                listeners: head_listeners,
-            })
-            .map_err(Error::InvalidConfig)?,
+            demo_models(None)
+                .stages(HostArgs {
+                    spec: spec.clone(),
+                    plan: assembled.head_plan(),
+                    token: assembled.token.clone(),
+                    listeners: head_listeners,
+                })
+                .map_err(Error::InvalidConfig)?,
         )
     };
     let mesh = ClusterMesh::new(&assembled.world, &head.node_handles(), head_stages)?;
@@ -630,19 +633,15 @@ fn run_node_with(args: NodeArgs, requested: Option<ProcessIndex>) -> meshwork::e
         ));
     }
     let secret = control::secret_from_env().map_err(ControlError::from)?;
-    let variant = args.pretend_model_variant.clone();
-    let fingerprint: FingerprintFn =
-        Arc::new(move |spec: &JobSpec| demo_fingerprint(spec, variant.as_deref()));
-    let mut config = NodeConfig::new(
+    let mut config = NodeConfig::for_models(
         head.clone(),
         args.job.clone(),
         secret,
         args.devices,
-        fingerprint,
+        &demo_models(args.pretend_model_variant.clone()),
     );
     config.requested = requested;
     config.backend = args.device;
-    config.stages = Some(demo_stages());
     config.join_timeout = seconds("--join-timeout", args.join_timeout)?;
     config.head_timeout = seconds("--head-timeout", args.head_timeout)?;
     if let Some(name) = args.name {

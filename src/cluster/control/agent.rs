@@ -139,6 +139,21 @@ impl std::fmt::Debug for NodeConfig {
 }
 
 impl NodeConfig {
+    /// A node of job `job` joining `head` with `devices` devices, named `host-pid`, that
+    /// trains the model kinds of `models`: it fingerprints and builds the kind a job names,
+    /// and refuses a job of another kind at its Hello.
+    pub fn for_models(
+        head: impl Into<String>,
+        job: impl Into<String>,
+        secret: ClusterSecret,
+        devices: u32,
+        models: &super::ModelRegistry,
+    ) -> Self {
+        let mut config = Self::new(head, job, secret, devices, models.fingerprint_fn());
+        config.stages = Some(models.host_factory());
+        config
+    }
+
     /// A node of job `job` joining `head` with `devices` devices, named `host-pid`.
     pub fn new(
         head: impl Into<String>,

@@ -59,21 +59,16 @@ impl std::fmt::Display for ModelFingerprint {
     }
 }
 
-/// The model a job trains, as the processes build it from their own code.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub enum ModelSpec {
-    /// `meshwork::demo::Mlp` with these layer widths (`meshwork train`'s model).
-    DemoMlp {
-        /// Layer widths, input first.
-        widths: Vec<u32>,
-    },
-    /// A model of the embedding program's own: a kind name and its configuration bytes.
-    Named {
-        /// What kind of model (the program maps it to a constructor).
-        kind: String,
-        /// Its configuration, in the program's own encoding.
-        config: Vec<u8>,
-    },
+/// The model a job trains, as the processes build it from their own code: a kind the
+/// program registered ([`super::ModelRegistry`]) and its configuration. `meshwork train`'s
+/// demo MLP is the kind `meshwork::demo::MLP_KIND` (version 9 on: no variant of its own).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    /// What kind of model (the program maps it to its code).
+    pub kind: String,
+    /// Its configuration, in the program's own encoding (checked by its code: it comes
+    /// from the network).
+    pub config: Vec<u8>,
 }
 
 /// What every process needs to build the same job: sent by the head with [`Hello`] and

@@ -38,11 +38,10 @@ fn adopted_data_plane_listeners_admit_the_token_for_their_ranks() {
     ));
 }
 
-#[test]
-fn structure_fingerprint_follows_shapes_not_values() {
-    let device = burn::tensor::Device::default();
-    let spec = |widths: Vec<u32>| JobSpec {
-        model: ModelSpec::DemoMlp { widths },
+/// A one-step job of the demo MLP of `widths`.
+fn demo_spec(widths: &[usize]) -> JobSpec {
+    JobSpec {
+        model: crate::demo::mlp_spec(widths),
         seed: 0,
         batch_size: 1,
         steps: 1,
@@ -54,7 +53,13 @@ fn structure_fingerprint_follows_shapes_not_values() {
         strategy: Default::default(),
         backend: crate::device::BackendKind::Flex,
         pipeline: None,
-    };
+    }
+}
+
+#[test]
+fn structure_fingerprint_follows_shapes_not_values() {
+    let device = burn::tensor::Device::default();
+    let spec = |widths: Vec<usize>| demo_spec(&widths);
     let a = crate::demo::cluster_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();
     let b = crate::demo::cluster_fingerprint(&spec(vec![4, 8, 2]), &device).unwrap();
     let c = crate::demo::cluster_fingerprint(&spec(vec![4, 9, 2]), &device).unwrap();
@@ -65,7 +70,7 @@ fn structure_fingerprint_follows_shapes_not_values() {
         Err(Incompatibility::Other(_))
     ));
     let named = JobSpec {
-        model: ModelSpec::Named {
+        model: ModelSpec {
             kind: "gpt".into(),
             config: vec![],
         },
@@ -75,4 +80,52 @@ fn structure_fingerprint_follows_shapes_not_values() {
         crate::demo::cluster_fingerprint(&named, &device),
         Err(Incompatibility::UnknownModel { kind: "gpt".into() })
     );
+}
+
+/// A registry fingerprints and builds the kind a spec names, and refuses one it has not
+/// registered with `UnknownModel` naming it (a node's Hello answer), whatever its bytes.
+#[test]
+fn a_registry_dispatches_on_the_kind_and_refuses_an_unknown_one() {
+    use std::sync::Arc;
+
+    use crate::cluster::control::{FingerprintFn, HostFactory, ModelRegistry};
+    let of = |tag: u64| -> FingerprintFn {
+        Arc::new(move |spec: &JobSpec| Ok(ModelFingerprint(tag ^ spec.model.config.len() as u64)))
+    };
+    let refuse: HostFactory =
+        Arc::new(|args| Err(format!("no stages for {}", args.spec.model.kind)));
+    let models = ModelRegistry::new()
+        .register("a", of(1), refuse.clone())
+        .register("b", of(2), refuse);
+    assert_eq!(models.kinds().collect::<Vec<_>>(), ["a", "b"]);
+    let mut spec = demo_spec(&[4, 8, 2]);
+    for (kind, expected) in [("a", 1 ^ 3), ("b", 2 ^ 3)] {
+        spec.model = ModelSpec {
+            kind: kind.into(),
+            config: vec![0; 3],
+        };
+        assert_eq!(models.fingerprint(&spec), Ok(ModelFingerprint(expected)));
+        assert_eq!(
+            models.fingerprint_fn()(&spec),
+            Ok(ModelFingerprint(expected))
+        );
+    }
+    spec.model.kind = "c".into();
+    assert_eq!(
+        models.fingerprint(&spec),
+        Err(Incompatibility::UnknownModel { kind: "c".into() })
+    );
+    // The demo MLP is a kind like any other: its checks refuse bytes that are not widths.
+    let demo = crate::demo::mlp_spec(&[4, 8, 2]);
+    assert_eq!(crate::demo::mlp_widths(&demo), Ok(vec![4, 8, 2]));
+    for bad in [vec![1, 2, 3], vec![0; 4], Vec::new()] {
+        let spec = ModelSpec {
+            config: bad,
+            ..demo.clone()
+        };
+        assert!(matches!(
+            crate::demo::mlp_widths(&spec),
+            Err(Incompatibility::Other(_))
+        ));
+    }
 }

@@ -6,9 +6,7 @@ use crate::cluster::control::world::{ProcessSlot, assign_ranks};
 /// One of each message, with realistic contents.
 pub(crate) fn samples() -> Vec<ControlMsg> {
     let spec = JobSpec {
-        model: ModelSpec::DemoMlp {
-            widths: vec![32, 128, 128, 4],
-        },
+        model: crate::demo::mlp_spec(&[32, 128, 128, 4]),
         seed: 7,
         batch_size: 256,
         steps: 300,
@@ -76,7 +74,7 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
             job: "named".into(),
             head: "h".into(),
             spec: JobSpec {
-                model: ModelSpec::Named {
+                model: ModelSpec {
                     kind: "transformer".into(),
                     config: vec![1, 2, 3],
                 },
