@@ -57,13 +57,16 @@ pub enum Feature {
     AcrossProcesses,
     /// Faults injected by a plan (`.fault_plan(..)`).
     FaultPlan,
+    /// A fault plan that delays, drops or corrupts collective messages
+    /// (`FaultKind::DelayMessage`, `DropMessage`, `CorruptMessage`).
+    MessageFaults,
     /// A recovery policy that rolls back to a checkpoint (`RecoveryPolicy::roll_back()`).
     RollBack,
 }
 
 impl Feature {
     /// Every feature, in the table's order.
-    pub const ALL: [Feature; 17] = [
+    pub const ALL: [Feature; 18] = [
         Feature::Blocks,
         Feature::Pipeline,
         Feature::TensorParallel,
@@ -80,6 +83,7 @@ impl Feature {
         Feature::BackupWorkers,
         Feature::AcrossProcesses,
         Feature::FaultPlan,
+        Feature::MessageFaults,
         Feature::RollBack,
     ];
 
@@ -102,6 +106,7 @@ impl Feature {
             Feature::BackupWorkers => ".backup_workers(b)",
             Feature::AcrossProcesses => ".cluster(..)",
             Feature::FaultPlan => ".fault_plan(..)",
+            Feature::MessageFaults => ".fault_plan(message faults)",
             Feature::RollBack => "RecoveryPolicy::roll_back()",
         }
     }
@@ -125,6 +130,7 @@ impl Feature {
             Feature::BackupWorkers => "backup",
             Feature::AcrossProcesses => "cluster",
             Feature::FaultPlan => "faults",
+            Feature::MessageFaults => "msg faults",
             Feature::RollBack => "roll back",
         }
     }
@@ -320,9 +326,10 @@ pub const REFUSALS: &[Refusal] = &[
     ),
     // Across processes.
     row(
-        &[AcrossProcesses, FaultPlan],
-        "a fault plan acts on in-process devices",
-        "kill a node process to rehearse a failure",
+        &[AcrossProcesses, MessageFaults],
+        "a TCP data plane's messages do not pass the fault hooks (its faults are the \
+         network's); a node carries out every other kind of fault",
+        "use panic, stall, slow, partition or kill entries, or kill a node process",
     ),
     row(
         &[AcrossProcesses, Pipeline, ClipGradNorm],

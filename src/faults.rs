@@ -15,6 +15,10 @@
 //!   as a `FaultInjected` event.
 //! - FAULT-2: the same plan gives the same run: triggers are step / micro-batch / phase
 //!   positions, never wall-clock times, and [`FaultPlan::random`] draws from its seed only.
+//! - FAULT-3 (across processes): every process of a job carries out the same plan, each the
+//!   entries whose hook runs there — a node those of its own devices, the head those of the
+//!   Supervisor —, and a node's firings travel back with its answers
+//!   ([`FaultHooks::record`]), so the head publishes every firing once.
 //!
 //! ```
 //! use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
@@ -471,6 +475,24 @@ impl FaultHooks {
     pub fn take_fired(&self) -> Vec<FiredFault> {
         std::mem::take(&mut self.state().log)
     }
+
+    /// Records entries of this plan that fired elsewhere (a node process carrying out the
+    /// same plan, FAULT-3), each as its index and micro-batch, so that they are published with
+    /// this process's own; an index this plan does not hold is ignored (the record comes from
+    /// the network).
+    pub fn record(&self, fired: impl IntoIterator<Item = (usize, Option<u32>)>) {
+        let mut s = self.state();
+        for (index, micro_batch) in fired {
+            if let Some(fault) = self.plan.faults.get(index) {
+                s.fired[index] = true;
+                s.log.push(FiredFault {
+                    index,
+                    fault: fault.clone(),
+                    micro_batch,
+                });
+            }
+        }
+    }
 }
 
 /// [`FaultHooks`] seen from one device's communicator: its collective messages go through
@@ -557,6 +579,30 @@ mod tests {
         let fired: Vec<usize> = h.take_fired().iter().map(|f| f.index).collect();
         assert_eq!(fired, vec![0, 1]);
         assert!(h.take_fired().is_empty());
+    }
+
+    #[test]
+    fn fault_3_firings_recorded_from_another_process_are_published_by_index() {
+        let plan = FaultPlan::new(0)
+            .with(fault(1, 2, FaultKind::Panic))
+            .with(fault(0, 3, FaultKind::Slow { factor: 2.0 }));
+        let (head, node) = (FaultHooks::new(plan.clone()), FaultHooks::new(plan));
+        assert_eq!(
+            node.before(DeviceId(1), 2, 1, Phase::Forward),
+            Action::Panic(0)
+        );
+        let fired: Vec<(usize, Option<u32>)> = node
+            .take_fired()
+            .into_iter()
+            .map(|f| (f.index, f.micro_batch))
+            .collect();
+        // An index the plan does not hold (bytes from the network) is ignored.
+        head.record(fired.into_iter().chain([(7, None)]));
+        let published = head.take_fired();
+        assert_eq!(published.len(), 1);
+        assert_eq!(published[0].index, 0);
+        assert_eq!(published[0].micro_batch, Some(1));
+        assert_eq!(published[0].fault, fault(1, 2, FaultKind::Panic));
     }
 
     #[test]

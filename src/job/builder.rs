@@ -547,8 +547,10 @@ where
     /// same builder settings ([`JobBuilder::stage_host`] on the nodes); `data_parallel` follows
     /// the world. A data-parallel job across processes recovers by shrinking, growing onto
     /// nodes that joined it, or rolling back; a pipeline job replaces a lost stage from its
-    /// twin on a node that joined it (REMOTE-7) or fails with the lost stage named; fault plans,
-    /// and roll-back of a pipeline job, are refused at `build` (feature `cluster`).
+    /// twin on a node that joined it (REMOTE-7) or fails with the lost stage named; roll-back
+    /// of a pipeline job is refused at `build`. A fault plan is carried out by every process
+    /// (the spec carries it: [`JobBuilder::follow_spec`]), except message faults, refused
+    /// across processes (feature `cluster`).
     pub fn cluster(mut self, mesh: crate::cluster::remote::ClusterMesh) -> Self {
         self.cluster = Some(mesh);
         self
@@ -557,7 +559,7 @@ where
     /// Take every setting of `spec` all processes of a job must share: seed, global batch,
     /// steps, learning rate, collective time-out, ZeRO stage, precision and the
     /// [`StrategySpec`](crate::cluster::control::StrategySpec) (compression, local updates,
-    /// clipping, accumulation, the collectives' algorithm). A node's [`crate::cluster::control::HostFactory`] calls it
+    /// clipping, accumulation, the collectives' algorithm, the fault plan). A node's [`crate::cluster::control::HostFactory`] calls it
     /// on the builder of its own model, loss, data and optimizer, and the head on the
     /// builder it trains with, so that every process builds its stages alike; what is not in
     /// the spec (the model, the data) is the program's own, checked by the model fingerprint
@@ -578,6 +580,7 @@ where
             .algorithm(strategy.algorithm);
         b.local_updates = strategy.local_updates;
         b.clip_norm = strategy.clip_norm;
+        b.faults = strategy.faults.clone().map(FaultHooks::new);
         b
     }
 
@@ -634,7 +637,10 @@ where
         }
         .with_link(link);
         Ok(Arc::new(crate::cluster::remote::NodeStages::new(
-            slots, args, tcp,
+            slots,
+            args,
+            tcp,
+            self.faults.clone(),
         )?))
     }
 }

@@ -126,8 +126,11 @@ where
                 Feature::AcrossProcesses.to_string(),
             );
         }
-        if self.faults.is_some() {
+        if let Some(hooks) = &self.faults {
             on(Feature::FaultPlan, Feature::FaultPlan.to_string());
+            if hooks.has_message_faults() {
+                on(Feature::MessageFaults, Feature::MessageFaults.to_string());
+            }
         }
         if self.recovery.roll_back {
             on(Feature::RollBack, Feature::RollBack.to_string());

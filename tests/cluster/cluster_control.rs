@@ -327,8 +327,21 @@ fn ctl_10_over_tls_nodes_that_trust_the_head_train_and_the_others_are_refused() 
 #[test]
 fn a_flag_nodes_cannot_apply_is_refused_before_anyone_joins() {
     let not_yet = |flag: &str| format!("{flag} is not supported across processes yet");
+    let dir = meshwork::testing::TempDir::new("refused-flags");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let plan = dir.join("drop.json");
+    std::fs::write(
+        &plan,
+        r#"{ "seed": 1, "faults": [{ "device": 0, "step": 1, "kind": "drop_message" }] }"#,
+    )
+    .unwrap();
+    let plan = plan.display().to_string();
     for (extra, expected) in [
-        (&["--faults", "plan.json"][..], not_yet("--faults")),
+        // A fault plan crosses to the nodes, but its message faults cannot act on TCP links.
+        (
+            &["--faults", plan.as_str()][..],
+            "a TCP data plane's messages do not pass the fault hooks".to_string(),
+        ),
         (&["--recompute"][..], not_yet("--recompute")),
         (&["--timeline", "t.svg"][..], not_yet("--timeline")),
         (&["--zero", "3"][..], not_yet("--zero 3")),

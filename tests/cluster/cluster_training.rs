@@ -420,6 +420,89 @@ fn compression_and_local_updates_across_three_node_processes_equal_their_single_
     let _ = std::fs::remove_dir_all(dir.path());
 }
 
+/// The lines a run prints for the faults of its plan that fired (`fault I fired on device D
+/// at step S: KIND`), in order.
+fn fired_faults(output: &str) -> Vec<String> {
+    output
+        .lines()
+        .filter_map(|l| l.find("fault ").map(|at| &l[at..]))
+        .filter(|l| l.contains(" fired on device "))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Fault plans across processes (issue 26, FAULT-3): the job spec carries the plan, each node
+/// carries out the entries of its own devices (a slow device from step 0, a panic in the
+/// backward of step 3) and the head those of the Supervisor (a kill at step 5); the node's
+/// firings travel back with its step answers, so the head publishes the same events, in the
+/// same order, as the same job in one process. With `--on-replica-loss shrink` the job shrinks
+/// 3 → 2 → 1 and ends bitwise where the in-process run ends (`--algorithm ring` on both);
+/// each node trained exactly the steps its device lived for.
+#[test]
+fn a_fault_plan_is_carried_out_by_the_nodes_and_replays_the_single_process_run() {
+    let dir = TempDir::new("faults-across");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let plan = dir.join("plan.json");
+    std::fs::write(
+        &plan,
+        r#"{ "seed": 5, "faults": [
+            { "device": 0, "step": 0, "kind": "slow", "factor": 1.5 },
+            { "device": 2, "step": 3, "micro_batch": 0, "phase": "backward", "kind": "panic" },
+            { "device": 1, "step": 5, "kind": "kill" }
+        ] }"#,
+    )
+    .unwrap();
+    let plan_arg = plan.display().to_string();
+    let (across, alone) = (dir.join("across.mpk"), dir.join("alone.mpk"));
+    let (across_arg, alone_arg) = (across.display().to_string(), alone.display().to_string());
+    let common = [
+        "--steps",
+        "8",
+        "--batch-size",
+        "48",
+        "--seed",
+        "7",
+        "--collective-timeout",
+        "20",
+        "--algorithm",
+        "ring",
+        "--on-replica-loss",
+        "shrink",
+        "--faults",
+        plan_arg.as_str(),
+    ];
+    let head_flags = [&common[..], &["--save-model", across_arg.as_str()]].concat();
+    let (out, nodes) = run_to_end("faults-across", &[&[], &[], &[]], &head_flags);
+    // Rank 2 panicked at step 3 (it trained steps 0-2), rank 1 was killed at step 5.
+    let mut trained: Vec<(u32, u64)> = nodes.iter().flat_map(steps_trained).collect();
+    trained.sort_unstable();
+    assert_eq!(trained, [(0, 8), (1, 5), (2, 3)], "{out}");
+    let mut one = Proc::spawn(
+        "faults-alone",
+        &[
+            ["train", "--dp", "3", "--save-model", alone_arg.as_str()].as_slice(),
+            &common,
+        ]
+        .concat(),
+        None,
+    );
+    let (status, _) = one.wait_exit(Duration::from_secs(180));
+    assert!(status.success(), "in one process:\n{}", one.output());
+    let fired = fired_faults(&out);
+    assert_eq!(fired.len(), 3, "{out}");
+    assert_eq!(fired, fired_faults(&one.output()), "{out}");
+    assert!(
+        out.contains("recovered (generation 2, 1 replicas)"),
+        "{out}"
+    );
+    let (_, device) = reference(7, 48, 1, 1);
+    assert!(
+        parameter_bits(&load(&across, &device)) == parameter_bits(&load(&alone, &device)),
+        "the rehearsal across processes ends where the one in one process ends"
+    );
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
 /// Nodes computing on wgpu (issue 26): `meshwork node --device wgpu` and a head of
 /// `--device wgpu` train on wgpu devices (Mesa's software Vulkan where there is no GPU) and
 /// end within `TOLERANCE` of the plain one-device loop (on Flex, from the same initial model:

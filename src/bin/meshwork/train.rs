@@ -365,6 +365,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
     }
     #[cfg(feature = "cluster")]
     {
+        let (faults, policy) = fault_settings(&args)?;
         let spec = || {
             // A dp × pp job across processes: the deeper MLP, cut as a single-process run cuts it.
             let pipeline = (args.pp > 1).then(|| meshwork::cluster::control::PipelineShape {
@@ -392,6 +393,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                         clip_norm: args.clip,
                         accumulation: args.accumulate,
                         algorithm: args.algorithm,
+                        faults,
                     },
                     args.device,
                 ),
@@ -403,7 +405,6 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
         if across {
             refuse_across_processes(&args)?;
         }
-        let (_, policy) = fault_settings(&args)?;
         let head = crate::cluster::HeadJob {
             save_model: args.save_model.clone(),
             policy,
@@ -430,11 +431,6 @@ const CARRIES_NO: &str = "the job spec nodes receive does not carry it";
 #[cfg(feature = "cluster")]
 fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
     let unsupported = [
-        (
-            "--faults",
-            args.faults.is_some(),
-            "fault plans act on in-process devices; kill a node process to rehearse a failure",
-        ),
         (
             "--recompute",
             args.recompute,

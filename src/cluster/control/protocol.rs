@@ -120,6 +120,36 @@ pub struct StrategySpec {
     /// The algorithm of every collective (`Auto` by default): with `Ring` on both, a job
     /// across processes sums its f32 values in the order the same job in one process does.
     pub algorithm: crate::comm::Algorithm,
+    /// Faults to inject (a rehearsal): every process carries out the entries that fire where
+    /// it is — a node those of its own devices (panics, stalls, slow-downs, lost messages),
+    /// the head those of the Supervisor (kills, resizes, failed checkpoints) — and the head
+    /// publishes every firing as `JobEvent::FaultInjected`. On the wire as the plan's JSON
+    /// (its fault kinds are internally tagged, which bincode cannot carry), checked by
+    /// `FaultPlan::from_json` when decoded.
+    #[serde(with = "plan_as_json")]
+    pub faults: Option<crate::faults::FaultPlan>,
+}
+
+/// A fault plan as its JSON text inside the bincode body (see [`StrategySpec::faults`]).
+mod plan_as_json {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    use crate::faults::FaultPlan;
+
+    pub(super) fn serialize<S: Serializer>(
+        plan: &Option<FaultPlan>,
+        to: S,
+    ) -> Result<S::Ok, S::Error> {
+        plan.as_ref().map(FaultPlan::to_json).serialize(to)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
+        from: D,
+    ) -> Result<Option<FaultPlan>, D::Error> {
+        Option::<String>::deserialize(from)?
+            .map(|text| FaultPlan::from_json(&text).map_err(serde::de::Error::custom))
+            .transpose()
+    }
 }
 
 impl Default for StrategySpec {
@@ -130,6 +160,7 @@ impl Default for StrategySpec {
             clip_norm: None,
             accumulation: 1,
             algorithm: crate::comm::Algorithm::Auto,
+            faults: None,
         }
     }
 }

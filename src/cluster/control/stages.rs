@@ -198,6 +198,15 @@ pub enum StageAnswer {
     Heartbeat(Heartbeat),
     /// The op failed on the node.
     Failed(RemoteError),
+    /// `answer`, and the faults of the job's fault plan that fired on the node since its
+    /// last answer (FAULT-3: the head publishes them).
+    Faults {
+        /// Each fault that fired: its index in the plan (which the head holds too) and the
+        /// micro-batch it fired at.
+        fired: Vec<(u32, Option<u32>)>,
+        /// The answer itself.
+        answer: Box<StageAnswer>,
+    },
 }
 
 impl StageAnswer {
@@ -214,6 +223,7 @@ impl StageAnswer {
             Self::Part(_) => "Part",
             Self::Heartbeat(_) => "Heartbeat",
             Self::Failed(_) => "Failed",
+            Self::Faults { answer, .. } => answer.kind(),
         }
     }
 }

@@ -9,6 +9,8 @@ pub(super) struct Shape<M> {
     pub(super) layout: Layout,
     /// Slots start in two phases (REMOTE-4).
     pub(super) pipelined: bool,
+    /// The job's fault plan on the head (FAULT-3).
+    pub(super) faults: Option<Arc<crate::faults::FaultHooks>>,
     pub(super) rebuild: Rebuild<M>,
     pub(super) model_ranks: Vec<usize>,
     pub(super) assemble: fn(Vec<M>) -> Option<M>,
@@ -311,6 +313,7 @@ impl ClusterMesh {
             rebuild: shape.rebuild.clone(),
             generation: Arc::new(AtomicU64::new(0)),
             wait: cx.step_timeout,
+            faults: shape.faults.clone(),
         };
         let mut stages = Vec::new();
         let mut devices = Vec::new();

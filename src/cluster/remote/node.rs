@@ -48,6 +48,8 @@ pub(super) struct NodeInner<M> {
     pub(super) groups: ProcessGroups,
     pub(super) plan: ProcessPlan,
     pub(super) tcp: TcpConfig,
+    /// The job's fault plan as this process carries it out (FAULT-3).
+    pub(super) faults: Option<Arc<crate::faults::FaultHooks>>,
     pub(super) slots: Mutex<HashMap<u32, NodeSlot<M>>>,
 }
 
@@ -71,6 +73,7 @@ impl<M: Send + 'static> NodeStages<M> {
         factory: Arc<dyn SlotFactory<M>>,
         args: HostArgs,
         tcp: TcpConfig,
+        faults: Option<Arc<crate::faults::FaultHooks>>,
     ) -> Result<Self> {
         if args.listeners.len() != args.plan.ranks.len() {
             return Err(Error::InvalidConfig(format!(
@@ -120,6 +123,7 @@ impl<M: Send + 'static> NodeStages<M> {
                 token: args.token,
                 plan: args.plan,
                 tcp,
+                faults,
                 slots: Mutex::new(slots),
             }),
         })
@@ -172,9 +176,27 @@ impl<M: Send + 'static> NodeInner<M> {
 
     pub(super) async fn serve(self: Arc<Self>, request: StageRequest) -> StageAnswer {
         let timeout = Duration::from_millis(request.timeout_ms);
-        match self.serve_op(request.slot, request.op, timeout).await {
+        let step = matches!(request.op, StageOp::Step { .. });
+        let answer = match self.serve_op(request.slot, request.op, timeout).await {
             Ok(answer) => answer,
             Err(e) => StageAnswer::Failed(e),
+        };
+        // FAULT-3: what fired here goes back with a step's answer (its stage proxy reads it),
+        // for the head to publish.
+        match self
+            .faults
+            .as_ref()
+            .filter(|_| step)
+            .map(|h| h.take_fired())
+        {
+            Some(fired) if !fired.is_empty() => StageAnswer::Faults {
+                fired: fired
+                    .into_iter()
+                    .map(|f| (u32::try_from(f.index).unwrap_or(u32::MAX), f.micro_batch))
+                    .collect(),
+                answer: Box::new(answer),
+            },
+            _ => answer,
         }
     }
 

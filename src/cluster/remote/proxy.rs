@@ -34,6 +34,9 @@ pub(crate) struct RemoteStageArgs<M> {
     /// How long a request may take (the job's step time-out, which the Supervisor's own wait
     /// also is).
     pub(super) wait: Duration,
+    /// The job's fault plan as the Supervisor carries it out: what fired on the node is
+    /// recorded in it and published (FAULT-3).
+    pub(super) faults: Option<Arc<crate::faults::FaultHooks>>,
 }
 
 impl<M> std::fmt::Debug for RemoteStageArgs<M> {
@@ -65,7 +68,16 @@ impl<M> RemoteStageArgs<M> {
         read: impl FnOnce(StageAnswer) -> Option<T>,
     ) -> Result<T> {
         let kind = op.kind();
-        match self.endpoint.call(self.slot, op, timeout).await {
+        let answer = match self.endpoint.call(self.slot, op, timeout).await {
+            Ok(StageAnswer::Faults { fired, answer }) => {
+                if let Some(h) = &self.faults {
+                    h.record(fired.into_iter().map(|(i, m)| (i as usize, m)));
+                }
+                Ok(*answer)
+            }
+            other => other,
+        };
+        match answer {
             Err(why) => Err(self.lost(why)),
             Ok(StageAnswer::Failed(e)) => Err(e.into_error(&self.endpoint.name())),
             Ok(answer) => {

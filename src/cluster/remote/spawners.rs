@@ -24,6 +24,7 @@ where
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {
         let ClusterReplicas { mesh, spec } = *self;
+        let faults = spec.faults.clone();
         let device = mesh.model_device.burn().clone();
         let rebuild: Rebuild<M> = Arc::new(move |id: StageId, shards: Vec<ShardSnapshot>| {
             let shard = shards
@@ -42,6 +43,7 @@ where
             let shape = Shape {
                 layout: Layout::data_parallel(world)?,
                 pipelined: false,
+                faults,
                 rebuild,
                 model_ranks: vec![0],
                 assemble: |mut models: Vec<M>| models.pop(),
@@ -77,6 +79,7 @@ where
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {
         let ClusterPipeline { mesh, spec, layout } = *self;
+        let faults = spec.faults.clone();
         let rebuild = pipeline::rebuild_blocks(spec, mesh.model_device.burn().clone());
         Box::pin(async move {
             let model_ranks = (0..layout.pp())
@@ -86,6 +89,7 @@ where
             let shape = Shape {
                 layout,
                 pipelined: true,
+                faults,
                 rebuild,
                 model_ranks,
                 assemble: PipelineModel::merge,
@@ -137,6 +141,8 @@ pub(super) struct Proxies<M> {
     /// The newest generation a group was formed under (REMOTE-3).
     pub(super) generation: Arc<AtomicU64>,
     pub(super) wait: Duration,
+    /// The job's fault plan on the head (FAULT-3).
+    pub(super) faults: Option<Arc<crate::faults::FaultHooks>>,
 }
 
 impl<M: Send + 'static> Proxies<M> {
@@ -173,6 +179,7 @@ impl<M: Send + 'static> Proxies<M> {
                 rebuild: self.rebuild.clone(),
                 generation: self.generation.clone(),
                 wait: self.wait,
+                faults: self.faults.clone(),
             },
             supervisor.clone(),
         )

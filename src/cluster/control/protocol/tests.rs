@@ -78,6 +78,25 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
                     kind: "transformer".into(),
                     config: vec![1, 2, 3],
                 },
+                // Every field of the strategy set, the fault plan's tagged kinds included.
+                strategy: StrategySpec {
+                    compression: crate::parallel::compress::Compression::TopK { fraction: 0.05 },
+                    local_updates: None,
+                    clip_norm: Some(1.0),
+                    accumulation: 2,
+                    algorithm: crate::comm::Algorithm::Ring,
+                    faults: Some(
+                        crate::faults::FaultPlan::new(3)
+                            .with(crate::faults::Fault {
+                                device: 1,
+                                step: 2,
+                                micro_batch: Some(0),
+                                phase: crate::faults::Phase::Backward,
+                                kind: crate::faults::FaultKind::Panic,
+                            })
+                            .with_resize(4, 2),
+                    ),
+                },
                 ..spec
             },
             fingerprint: ModelFingerprint(u64::MAX),
