@@ -343,6 +343,12 @@ pub fn mlp_widths(
             kind: spec.kind.clone(),
         });
     }
+    if spec.config.len() > 64 * 4 {
+        return Err(Incompatibility::Other(format!(
+            "demo MLP: {} configuration bytes, more than 64 widths",
+            spec.config.len()
+        )));
+    }
     let widths: Vec<u32> = spec
         .config
         .chunks_exact(4)

@@ -483,7 +483,10 @@ impl FaultHooks {
     pub fn record(&self, fired: impl IntoIterator<Item = (usize, Option<u32>)>) {
         let mut s = self.state();
         for (index, micro_batch) in fired {
-            if let Some(fault) = self.plan.faults.get(index) {
+            // Each entry is published once (FAULT-1), whatever the record repeats.
+            if let Some(fault) = self.plan.faults.get(index)
+                && !s.fired[index]
+            {
                 s.fired[index] = true;
                 s.log.push(FiredFault {
                     index,
@@ -597,7 +600,13 @@ mod tests {
             .map(|f| (f.index, f.micro_batch))
             .collect();
         // An index the plan does not hold (bytes from the network) is ignored.
-        head.record(fired.into_iter().chain([(7, None)]));
+        head.record(
+            fired
+                .iter()
+                .copied()
+                .chain([(7, None)])
+                .chain(fired.clone()),
+        );
         let published = head.take_fired();
         assert_eq!(published.len(), 1);
         assert_eq!(published[0].index, 0);

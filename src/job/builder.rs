@@ -556,14 +556,17 @@ where
         self
     }
 
-    /// Take every setting of `spec` all processes of a job must share: seed, global batch,
+    /// Take every setting of `spec` all processes of a job must share (replacing what the
+    /// builder had for each, so call it before settings of the program's own): seed, global batch,
     /// steps, learning rate, collective time-out, ZeRO stage, precision and the
     /// [`StrategySpec`](crate::cluster::control::StrategySpec) (compression, local updates,
-    /// clipping, accumulation, the collectives' algorithm, the fault plan). A node's [`crate::cluster::control::HostFactory`] calls it
+    /// clipping, accumulation, the collectives' algorithm, the fault plan, the emulated link). A node's [`crate::cluster::control::HostFactory`] calls it
     /// on the builder of its own model, loss, data and optimizer, and the head on the
     /// builder it trains with, so that every process builds its stages alike; what is not in
-    /// the spec (the model, the data) is the program's own, checked by the model fingerprint
-    /// (feature `cluster`).
+    /// the spec (the model, the data, the optimizer, a pipeline's blocks and schedule, which
+    /// the program builds from `spec.pipeline` itself) is the program's own, checked by the
+    /// model fingerprint. Values out of range are not corrected here: `build` and
+    /// [`JobBuilder::stage_host`] refuse them (feature `cluster`).
     pub fn follow_spec(self, spec: &crate::cluster::control::JobSpec) -> Self {
         let strategy = &spec.strategy;
         let mut b = self
@@ -581,6 +584,7 @@ where
         b.local_updates = strategy.local_updates;
         b.clip_norm = strategy.clip_norm;
         b.faults = strategy.faults.clone().map(FaultHooks::new);
+        b.comm.link = strategy.link.clone();
         b
     }
 
@@ -602,6 +606,20 @@ where
         };
         // A node checks the same table as the head (COMP-1), as a job across processes.
         self.plan().across_processes().check()?;
+        // The spec's values come from the network: the same checks of them as `build` runs
+        // on the head (JOB-1), so a node refuses what it cannot train rather than panicking.
+        if let Some(link) = &self.comm.link {
+            link.validate()
+                .map_err(|e| Error::InvalidConfig(format!("link_emulation: {e}")))?;
+        }
+        if self.mixed.precision.scales_loss() {
+            self.mixed.scaler.validate()?;
+        }
+        self.compression.validate()?;
+        self.zero.with_compression(self.compression)?;
+        if let Some(updates) = &self.local_updates {
+            super::local_updates::check(updates, args.plan.world_size as u32, self.steps)?;
+        }
         let world = args.plan.world_size as u32;
         let slots = match self.pipeline.take() {
             Some(p) => {

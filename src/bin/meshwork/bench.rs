@@ -249,6 +249,10 @@ pub(crate) enum BenchCommand {
         /// One JSON object per method per line.
         #[arg(long)]
         json: bool,
+        /// Where the ranks run: in-process (this process, every rank a thread) or tcp (one
+        /// `meshwork node` process per rank, the slow-links scenario only; feature cluster).
+        #[arg(long, default_value = "in-process", value_parser = ["in-process", "tcp"])]
+        transport: String,
     },
     /// (internal) One side of `bench memory`, run in a child process.
     #[command(hide = true)]
@@ -473,6 +477,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             methods,
             svg,
             json,
+            transport,
         } => {
             let link = meshwork::comm::emulate::LinkEmulation::new(link_bandwidth, link_latency)
                 .map_err(|e| Error::InvalidConfig(e.to_string()))?;
@@ -486,6 +491,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                 target: target_loss,
                 only: methods,
                 svg,
+                tcp: transport == "tcp",
             };
             let runs = crate::comm_bench::run(&b)?;
             if json {

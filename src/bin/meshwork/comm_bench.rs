@@ -10,6 +10,13 @@
 //!   long (a `FaultPlan` `Slow` fault): `sync` against the parameter server and backup
 //!   workers.
 //!
+//! With `--transport tcp` (feature `cluster`) the slow-links scenario runs over real
+//! processes instead: this process is the head and starts [`WORLD`] `meshwork node` processes
+//! per method, one rank each, the emulated link on every rank's TCP sends (the job spec
+//! carries it, with the method); the job is `meshwork train`'s demo job (its data, from the
+//! same seed). The slow-rank scenario's methods (the parameter server, backup workers) do
+//! not run across processes yet, so that scenario is left out there.
+//!
 //! Per method: the wall time and the steps until the loss (the mean of the last
 //! [`SMOOTH`] steps' losses) first reaches the target, the bytes each rank's transport sent
 //! (mean over ranks, the whole run), and the final loss (the same mean at the end). The
@@ -68,6 +75,8 @@ pub(crate) struct CommBench {
     pub(crate) only: Vec<String>,
     /// Draw the loss against wall time into this file.
     pub(crate) svg: Option<PathBuf>,
+    /// Run over real processes and TCP (`--transport tcp`) instead of in this process.
+    pub(crate) tcp: bool,
 }
 
 /// One method's run.
@@ -150,24 +159,41 @@ fn base(b: &CommBench, init: &Mlp) -> JobBuilder<Mlp, Sample> {
         .step_timeout(Duration::from_secs(600))
 }
 
-/// `builder` set up for `method`; `None` for a name this build does not know.
-fn configure(method: &str, builder: JobBuilder<Mlp, Sample>) -> Option<JobBuilder<Mlp, Sample>> {
-    Some(match method {
-        "sync" => builder,
-        "bf16" => builder.compression(Compression::Bf16),
-        "topk" => builder.compression(Compression::TopK { fraction: 0.1 }),
-        "powersgd" => builder.compression(Compression::PowerSgd {
+/// How a slow-links method exchanges its gradients or parameters: its compression and its
+/// local-update rule; `None` for a name that is not a slow-links method.
+fn slow_links_method(method: &str) -> Option<(Compression, Option<LocalUpdates>)> {
+    let compress = |c| Some((c, None));
+    let local = |u| Some((Compression::None, Some(u)));
+    match method {
+        "sync" => compress(Compression::None),
+        "bf16" => compress(Compression::Bf16),
+        "topk" => compress(Compression::TopK { fraction: 0.1 }),
+        "powersgd" => compress(Compression::PowerSgd {
             rank: 2,
             start_after: 10,
         }),
-        "local-sgd" => builder.local_updates(LocalUpdates::local_sgd(LOCAL_EVERY)),
-        "diloco" => builder.local_updates(LocalUpdates::DiLoCo {
+        "local-sgd" => local(LocalUpdates::local_sgd(LOCAL_EVERY)),
+        "diloco" => local(LocalUpdates::DiLoCo {
             every: LOCAL_EVERY,
             outer_lr: 0.7,
             outer_momentum: 0.5,
             nesterov: true,
         }),
-        "easgd" => builder.local_updates(LocalUpdates::easgd(4, 0.2)),
+        "easgd" => local(LocalUpdates::easgd(4, 0.2)),
+        _ => None,
+    }
+}
+
+/// `builder` set up for `method`; `None` for a name this build does not know.
+fn configure(method: &str, builder: JobBuilder<Mlp, Sample>) -> Option<JobBuilder<Mlp, Sample>> {
+    if let Some((compression, local)) = slow_links_method(method) {
+        let builder = builder.compression(compression);
+        return Some(match local {
+            Some(u) => builder.local_updates(u),
+            None => builder,
+        });
+    }
+    Some(match method {
         "ssp-0" => builder.parameter_server(ParameterServer::new(Staleness::Bounded(0))),
         "ssp-2" => builder.parameter_server(ParameterServer::new(Staleness::Bounded(2))),
         "async" => builder.parameter_server(ParameterServer::new(Staleness::Unbounded)),
@@ -214,25 +240,79 @@ fn run_method(
     runtime.block_on(async move {
         let handle = job.spawn().await?;
         let mut events = handle.events();
-        let mut start = None;
-        let mut curve = Vec::new();
-        let mut bytes = 0u64;
+        let mut curve = Curve::default();
         loop {
             match events.recv().await {
-                Ok(JobEvent::ReplicasSynchronized { .. }) => start = Some(Instant::now()),
-                Ok(JobEvent::StepDone(s)) => {
-                    let t0 = *start.get_or_insert_with(Instant::now);
-                    curve.push((t0.elapsed().as_secs_f64(), s.loss));
-                    let n = s.replicas.len().max(1) as u64;
-                    bytes += s.replicas.iter().map(|r| r.bytes_sent).sum::<u64>() / n;
-                }
-                Ok(_) | Err(EventsError::Missed(_)) => {}
+                Ok(e) => curve.see(e),
+                Err(EventsError::Missed(_)) => {}
                 Err(EventsError::Closed) => break,
             }
         }
         handle.join().await?;
-        Ok((curve, bytes))
+        Ok((curve.points, curve.bytes))
     })
+}
+
+/// What a run's events make of its curve and bytes (see [`run_method`]).
+#[derive(Default)]
+struct Curve {
+    start: Option<Instant>,
+    points: Vec<(f64, f32)>,
+    bytes: u64,
+}
+
+impl Curve {
+    fn see(&mut self, event: JobEvent) {
+        match event {
+            JobEvent::ReplicasSynchronized { .. } => self.start = Some(Instant::now()),
+            JobEvent::StepDone(s) => {
+                let t0 = *self.start.get_or_insert_with(Instant::now);
+                self.points.push((t0.elapsed().as_secs_f64(), s.loss));
+                let n = s.replicas.len().max(1) as u64;
+                self.bytes += s.replicas.iter().map(|r| r.bytes_sent).sum::<u64>() / n;
+            }
+            _ => {}
+        }
+    }
+}
+
+/// [`run_method`] of the slow-links scenario over [`WORLD`] node processes and TCP.
+#[cfg(feature = "cluster")]
+fn run_method_over_tcp(b: &CommBench, method: &str) -> Result<(Vec<(f64, f32)>, u64)> {
+    use meshwork::cluster::control::{JobSpec, StrategySpec};
+    let (compression, local_updates) = slow_links_method(method).ok_or_else(|| {
+        Error::InvalidConfig(format!("bench comm-efficiency: no method {method}"))
+    })?;
+    let spec = JobSpec {
+        model: meshwork::demo::mlp_spec(&[32, b.hidden, b.hidden, 8]),
+        seed: 5,
+        batch_size: b.batch_size as u64,
+        steps: b.steps,
+        learning_rate: 1e-3,
+        collective_timeout_ms: 300_000,
+        pipeline: None,
+        zero: 0,
+        precision: Default::default(),
+        low_precision_gradients: false,
+        strategy: StrategySpec {
+            compression,
+            local_updates,
+            link: Some(b.link.clone()),
+            ..StrategySpec::default()
+        },
+        backend: meshwork::device::BackendKind::Flex,
+    };
+    let mut curve = Curve::default();
+    crate::cluster::train_over_local_nodes(&spec, WORLD, &mut |e| curve.see(e))?;
+    Ok((curve.points, curve.bytes))
+}
+
+/// Without the `cluster` feature there are no processes to run over.
+#[cfg(not(feature = "cluster"))]
+fn run_method_over_tcp(_: &CommBench, _: &str) -> Result<(Vec<(f64, f32)>, u64)> {
+    Err(Error::InvalidConfig(
+        "--transport tcp: build meshwork with --features cluster".into(),
+    ))
 }
 
 /// The mean of the last [`SMOOTH`] losses up to each step.
@@ -259,12 +339,21 @@ pub(crate) fn run(b: &CommBench) -> Result<Vec<MethodRun>> {
     let init = initial_model(b.hidden);
     let wanted = |m: &str| b.only.is_empty() || m == "sync" || b.only.iter().any(|o| o == m);
     let mut runs = Vec::new();
-    for scenario in [Scenario::SlowLinks, Scenario::SlowRank] {
+    let scenarios: &[Scenario] = if b.tcp {
+        &[Scenario::SlowLinks]
+    } else {
+        &[Scenario::SlowLinks, Scenario::SlowRank]
+    };
+    for &scenario in scenarios {
         let mut target = b.target;
         let mut sync_time = None;
         for &method in scenario.methods().iter().filter(|m| wanted(m)) {
             eprintln!("bench comm-efficiency: {} / {method} …", scenario.name());
-            let (curve, bytes) = run_method(b, &init, method, scenario)?;
+            let (curve, bytes) = if b.tcp {
+                run_method_over_tcp(b, method)?
+            } else {
+                run_method(b, &init, method, scenario)?
+            };
             let smooth = smoothed(&curve);
             if target.is_none() {
                 let at = ((curve.len() as f64 * TARGET_AT).ceil() as usize).clamp(1, curve.len());
@@ -300,6 +389,12 @@ pub(crate) fn run(b: &CommBench) -> Result<Vec<MethodRun>> {
 
 /// The table of `runs`.
 pub(crate) fn print_table(b: &CommBench, runs: &[MethodRun]) {
+    if b.tcp {
+        println!(
+            "transport: TCP, {WORLD} `meshwork node` processes on this machine (one rank each), \
+             this process the head; the slow-rank scenario does not run across processes"
+        );
+    }
     println!(
         "comm-efficiency: {WORLD} ranks, demo MLP 32-{h}-{h}-8, {st} steps; slow links \
          (Adam, batch {bs}): {link}; slow rank (SGD with momentum, batch {rbs} in \

@@ -365,7 +365,20 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
     }
     #[cfg(feature = "cluster")]
     {
-        let (faults, policy) = fault_settings(&args)?;
+        // A process a launcher made a node takes its job from the head's spec: the plan file
+        // need not exist on its host.
+        let launched_node = args.cluster.listen.is_none()
+            && meshwork::cluster::rendezvous::from_env(|k| std::env::var(k).ok()).is_ok_and(|r| {
+                r.is_some_and(|r| {
+                    r.processes > 1
+                        && matches!(r.role(), meshwork::cluster::rendezvous::Role::Node { .. })
+                })
+            });
+        let (faults, policy) = if launched_node {
+            (None, RecoveryPolicy::default())
+        } else {
+            fault_settings(&args)?
+        };
         let spec = || {
             // A dp × pp job across processes: the deeper MLP, cut as a single-process run cuts it.
             let pipeline = (args.pp > 1).then(|| meshwork::cluster::control::PipelineShape {
@@ -394,6 +407,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                         accumulation: args.accumulate,
                         algorithm: args.algorithm,
                         faults,
+                        link: None,
                     },
                     args.device,
                 ),

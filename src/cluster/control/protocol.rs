@@ -118,7 +118,8 @@ pub struct StrategySpec {
     /// Micro-batches each replica accumulates per step (1: none).
     pub accumulation: u32,
     /// The algorithm of every collective (`Auto` by default): with `Ring` on both, a job
-    /// across processes sums its f32 values in the order the same job in one process does.
+    /// across processes of one rank each sums its f32 values in the order the same job in one
+    /// process does (a process of several ranks all-reduces hierarchically).
     pub algorithm: crate::comm::Algorithm,
     /// Faults to inject (a rehearsal): every process carries out the entries that fire where
     /// it is — a node those of its own devices (panics, stalls, slow-downs, lost messages),
@@ -128,6 +129,9 @@ pub struct StrategySpec {
     /// `FaultPlan::from_json` when decoded.
     #[serde(with = "plan_as_json")]
     pub faults: Option<crate::faults::FaultPlan>,
+    /// The link every rank's data-plane sends are emulated on (`comm::emulate`, LINK-1/2):
+    /// a rehearsal of slow links between machines.
+    pub link: Option<crate::comm::emulate::LinkEmulation>,
 }
 
 /// A fault plan as its JSON text inside the bincode body (see [`StrategySpec::faults`]).
@@ -161,6 +165,7 @@ impl Default for StrategySpec {
             accumulation: 1,
             algorithm: crate::comm::Algorithm::Auto,
             faults: None,
+            link: None,
         }
     }
 }
@@ -273,6 +278,9 @@ pub enum NodePhase {
 
 /// One control message. Requests go from the head to a node's agent (`Hello`, `Prepare`,
 /// `Heartbeat`, `Shutdown`), each answered by one reply.
+// A Hello is a few hundred bytes, once per node: boxing it would buy nothing measurable and
+// cost every sender a box.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ControlMsg {
     /// Head → node: the job and the head's fingerprint.

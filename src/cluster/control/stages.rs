@@ -198,14 +198,16 @@ pub enum StageAnswer {
     Heartbeat(Heartbeat),
     /// The op failed on the node.
     Failed(RemoteError),
-    /// `answer`, and the faults of the job's fault plan that fired on the node since its
-    /// last answer (FAULT-3: the head publishes them).
-    Faults {
+    /// The answer to Step (its report, or why it failed) with the faults of the job's fault
+    /// plan that fired in the node's process since its last step answer (FAULT-3: the head
+    /// publishes them). Flat, not a wrapper of another answer: a nested answer would let a
+    /// message of bounded size nest without bound in the decoder.
+    StepFired {
         /// Each fault that fired: its index in the plan (which the head holds too) and the
         /// micro-batch it fired at.
         fired: Vec<(u32, Option<u32>)>,
-        /// The answer itself.
-        answer: Box<StageAnswer>,
+        /// The step's report, or why it failed.
+        outcome: Result<Box<StepReport>, RemoteError>,
     },
 }
 
@@ -223,7 +225,10 @@ impl StageAnswer {
             Self::Part(_) => "Part",
             Self::Heartbeat(_) => "Heartbeat",
             Self::Failed(_) => "Failed",
-            Self::Faults { answer, .. } => answer.kind(),
+            Self::StepFired { outcome: Ok(_), .. } => "Step",
+            Self::StepFired {
+                outcome: Err(_), ..
+            } => "Failed",
         }
     }
 }

@@ -110,10 +110,29 @@ fn a_registry_dispatches_on_the_kind_and_refuses_an_unknown_one() {
             Ok(ModelFingerprint(expected))
         );
     }
+    // Stages: the kind's own factory, or the unknown kind named.
+    let host_args = |spec: &JobSpec| HostArgs {
+        spec: spec.clone(),
+        plan: ProcessPlan {
+            process: ProcessIndex(0),
+            ranks: Vec::new(),
+            world_size: 1,
+            addrs: Vec::new(),
+            processes: Vec::new(),
+        },
+        token: JobToken::from_bytes([1; 32]),
+        listeners: Vec::new(),
+    };
+    let refused = |r: Result<std::sync::Arc<dyn StageHost>, String>| r.err().unwrap_or_default();
+    assert_eq!(refused(models.stages(host_args(&spec))), "no stages for b");
     spec.model.kind = "c".into();
     assert_eq!(
         models.fingerprint(&spec),
         Err(Incompatibility::UnknownModel { kind: "c".into() })
+    );
+    assert_eq!(
+        refused(models.host_factory()(host_args(&spec))),
+        "node cannot build model c"
     );
     // The demo MLP is a kind like any other: its checks refuse bytes that are not widths.
     let demo = crate::demo::mlp_spec(&[4, 8, 2]);

@@ -189,13 +189,24 @@ impl<M: Send + 'static> NodeInner<M> {
             .filter(|_| step)
             .map(|h| h.take_fired())
         {
-            Some(fired) if !fired.is_empty() => StageAnswer::Faults {
-                fired: fired
+            Some(fired) if !fired.is_empty() => {
+                let fired = fired
                     .into_iter()
                     .map(|f| (u32::try_from(f.index).unwrap_or(u32::MAX), f.micro_batch))
-                    .collect(),
-                answer: Box::new(answer),
-            },
+                    .collect();
+                match answer {
+                    StageAnswer::Step(report) => StageAnswer::StepFired {
+                        fired,
+                        outcome: Ok(report),
+                    },
+                    StageAnswer::Failed(e) => StageAnswer::StepFired {
+                        fired,
+                        outcome: Err(e),
+                    },
+                    // A step answers Step or Failed only.
+                    other => other,
+                }
+            }
             _ => answer,
         }
     }

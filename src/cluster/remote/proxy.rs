@@ -69,11 +69,14 @@ impl<M> RemoteStageArgs<M> {
     ) -> Result<T> {
         let kind = op.kind();
         let answer = match self.endpoint.call(self.slot, op, timeout).await {
-            Ok(StageAnswer::Faults { fired, answer }) => {
+            Ok(StageAnswer::StepFired { fired, outcome }) => {
                 if let Some(h) = &self.faults {
                     h.record(fired.into_iter().map(|(i, m)| (i as usize, m)));
                 }
-                Ok(*answer)
+                Ok(match outcome {
+                    Ok(report) => StageAnswer::Step(report),
+                    Err(e) => StageAnswer::Failed(e),
+                })
             }
             other => other,
         };

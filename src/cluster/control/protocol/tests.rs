@@ -96,6 +96,13 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
                             })
                             .with_resize(4, 2),
                     ),
+                    link: Some(
+                        crate::comm::emulate::LinkEmulation::new(
+                            1e8,
+                            std::time::Duration::from_millis(2),
+                        )
+                        .unwrap(),
+                    ),
                 },
                 ..spec
             },
