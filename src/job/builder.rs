@@ -574,18 +574,50 @@ where
             .batch_size(spec.batch_size as usize)
             .steps(spec.steps)
             .learning_rate(spec.learning_rate)
-            .collective_timeout(Duration::from_millis(spec.collective_timeout_ms.max(1)))
+            .collective_timeout(Duration::from_millis(spec.collective_timeout_ms))
             .zero(ZeroStage::from_number(spec.zero).unwrap_or_default())
             .precision(spec.precision)
             .low_precision_gradients(spec.low_precision_gradients)
             .compression(strategy.compression)
-            .gradient_accumulation(strategy.accumulation.max(1))
+            .gradient_accumulation(strategy.accumulation)
             .algorithm(strategy.algorithm);
         b.local_updates = strategy.local_updates;
         b.clip_norm = strategy.clip_norm;
         b.faults = strategy.faults.clone().map(FaultHooks::new);
         b.comm.link = strategy.link.clone();
         b
+    }
+
+    /// Checks the builder as a job across processes of `world` ranks: the one table of
+    /// refused combinations (COMP-1, with `.cluster(..)` counted on) and the checks `build`
+    /// runs on the values a job spec carries (JOB-1: accumulation, time-outs, the emulated
+    /// link, the loss scaler, compression and its ZeRO stage, local updates). A node runs it
+    /// on the spec it receives ([`JobBuilder::stage_host`]), so it refuses what it cannot train
+    /// rather than failing later; a head runs it before it waits for its nodes, so a job it
+    /// would refuse once they joined is refused before anyone joins (feature `cluster`).
+    pub fn check_across_processes(&self, world: u32) -> Result<()> {
+        self.plan().across_processes().check()?;
+        let invalid = |m: String| Err(Error::InvalidConfig(m));
+        if self.accumulation == 0 {
+            return invalid("gradient_accumulation(0): use at least 1 micro-batch".into());
+        }
+        if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
+            return invalid("a time-out of zero: use a positive duration".into());
+        }
+        if let Some(link) = &self.comm.link
+            && let Err(e) = link.validate()
+        {
+            return invalid(format!("link_emulation: {e}"));
+        }
+        if self.mixed.precision.scales_loss() {
+            self.mixed.scaler.validate()?;
+        }
+        self.compression.validate()?;
+        self.zero.with_compression(self.compression)?;
+        if let Some(updates) = &self.local_updates {
+            super::local_updates::check(updates, world, self.steps)?;
+        }
+        Ok(())
     }
 
     /// The stages of one process of a job across processes (a node's, or the head's own
@@ -604,23 +636,9 @@ where
                 "no batch size: call .batch_size(global_batch)".into(),
             ));
         };
-        // A node checks the same table as the head (COMP-1), as a job across processes.
-        self.plan().across_processes().check()?;
-        // The spec's values come from the network: the same checks of them as `build` runs
-        // on the head (JOB-1), so a node refuses what it cannot train rather than panicking.
-        if let Some(link) = &self.comm.link {
-            link.validate()
-                .map_err(|e| Error::InvalidConfig(format!("link_emulation: {e}")))?;
-        }
-        if self.mixed.precision.scales_loss() {
-            self.mixed.scaler.validate()?;
-        }
-        self.compression.validate()?;
-        self.zero.with_compression(self.compression)?;
-        if let Some(updates) = &self.local_updates {
-            super::local_updates::check(updates, args.plan.world_size as u32, self.steps)?;
-        }
+        // The spec's values come from the network: a node checks them as the head did.
         let world = args.plan.world_size as u32;
+        self.check_across_processes(world)?;
         let slots = match self.pipeline.take() {
             Some(p) => {
                 // The head checks the mesh against the world it assembled; a node's slots learn

@@ -352,6 +352,16 @@ fn a_flag_nodes_cannot_apply_is_refused_before_anyone_joins() {
             &["--precision", "f16", "--pp", "2"][..],
             "no group to agree the loss scaler's overflow over yet".to_string(),
         ),
+        // With the head's recovery policy.
+        (
+            &["--pp", "2", "--on-replica-loss", "rollback"][..],
+            "rolling a pipeline back across processes is not built yet".to_string(),
+        ),
+        // A value `build` would refuse once the nodes joined.
+        (
+            &["--zero", "2", "--compression", "topk:0.1"][..],
+            "with zero(Two): top-k and PowerSGD compress an all-reduce".to_string(),
+        ),
     ] {
         let mut args = vec![
             "train",

@@ -396,9 +396,12 @@ fn run_head(
     head_job: HeadJob,
 ) -> meshwork::error::Result<()> {
     let join_timeout = seconds("--join-timeout", cluster.join_timeout)?;
-    // The job the nodes will build, checked against the table of refused combinations as a
-    // job across processes before anyone waits for a node (COMP-1).
-    demo_job(&spec)?.0.plan().across_processes().check()?;
+    // The job the nodes will build, checked as a job across processes (the table, COMP-1,
+    // and the values, JOB-1) before anyone waits for a node; the world is at least the nodes
+    // and the head's own devices.
+    demo_job(&spec)?
+        .0
+        .check_across_processes(nodes + local_devices, head_job.policy)?;
     let secret = control::secret_from_env().map_err(ControlError::from)?;
     let fingerprint = demo_models(None).fingerprint(&spec).map_err(|reason| {
         Error::InvalidConfig(format!("the head cannot build its own model: {reason}"))

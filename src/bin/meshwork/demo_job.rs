@@ -83,12 +83,19 @@ impl DemoJob {
         }
     }
 
-    /// The job's plan (which strategies it combines).
+    /// Checks the job as a job across processes of `world` ranks recovering by `policy`
+    /// (`JobBuilder::check_across_processes`).
     #[cfg(feature = "cluster")]
-    pub(crate) fn plan(&self) -> meshwork::job::JobPlan {
+    pub(crate) fn check_across_processes(
+        self,
+        world: u32,
+        policy: meshwork::recovery::RecoveryPolicy,
+    ) -> Result<()> {
         match self {
-            DemoJob::Replicas(b) => b.plan(),
-            DemoJob::Blocks(b) | DemoJob::Pipeline(b, _) => b.plan(),
+            DemoJob::Replicas(b) => b.recovery(policy).check_across_processes(world),
+            DemoJob::Blocks(b) | DemoJob::Pipeline(b, _) => {
+                b.recovery(policy).check_across_processes(world)
+            }
         }
     }
 

@@ -81,7 +81,12 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
                 // Every field of the strategy set, the fault plan's tagged kinds included.
                 strategy: StrategySpec {
                     compression: crate::parallel::compress::Compression::TopK { fraction: 0.05 },
-                    local_updates: None,
+                    local_updates: Some(crate::parallel::local::LocalUpdates::DiLoCo {
+                        every: 4,
+                        outer_lr: 0.7,
+                        outer_momentum: 0.9,
+                        nesterov: true,
+                    }),
                     clip_norm: Some(1.0),
                     accumulation: 2,
                     algorithm: crate::comm::Algorithm::Ring,
