@@ -344,11 +344,6 @@ pub const REFUSALS: &[Refusal] = &[
         "use .precision(Bf16)",
     ),
     row(
-        &[AcrossProcesses, Pipeline, GradientAccumulation],
-        "a node builds its stages' schedule from the job's micro-batches alone",
-        "set micro_batches in the schedule instead",
-    ),
-    row(
         &[AcrossProcesses, Pipeline, RollBack],
         "rolling a pipeline back across processes is not built yet",
         "use RecoveryPolicy::shrink() (a lost stage is replaced from its twin on a spare \
