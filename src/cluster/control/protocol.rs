@@ -89,7 +89,9 @@ pub struct JobSpec {
     pub collective_timeout_ms: u64,
     /// The pipeline the model is cut into, if the job is dp × pp.
     pub pipeline: Option<PipelineShape>,
-    /// The ZeRO stage (0: every rank holds the whole optimizer state; 1; 2).
+    /// The ZeRO stage (0: every rank holds the whole optimizer state; 1; 2; 3). Another
+    /// number does not decode (a node never trains a stage it was not asked for).
+    #[serde(deserialize_with = "zero_stage")]
     pub zero: u8,
     /// What every rank's forward and backward compute in (version 8 on): the same on every
     /// process, so f16's loss scaler skips the same steps everywhere (MIX-2).
@@ -132,6 +134,14 @@ pub struct StrategySpec {
     /// The link every rank's data-plane sends are emulated on (`comm::emulate`, LINK-1/2):
     /// a rehearsal of slow links between machines.
     pub link: Option<crate::comm::emulate::LinkEmulation>,
+}
+
+/// A ZeRO stage number, 0 to 3 (see [`JobSpec::zero`]).
+fn zero_stage<'de, D: serde::Deserializer<'de>>(from: D) -> Result<u8, D::Error> {
+    let n = u8::deserialize(from)?;
+    crate::parallel::zero::ZeroStage::from_number(n)
+        .map(|_| n)
+        .ok_or_else(|| serde::de::Error::custom(format!("ZeRO stage {n}: 0, 1, 2 or 3")))
 }
 
 /// A fault plan as its JSON text inside the bincode body (see [`StrategySpec::faults`]).

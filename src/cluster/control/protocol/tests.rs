@@ -208,6 +208,24 @@ fn ctl_2_a_huge_declared_length_inside_the_body_fails_without_allocating_it() {
     ));
 }
 
+/// A job spec naming a ZeRO stage that does not exist does not decode: no node trains a
+/// stage it was not asked for.
+#[test]
+fn a_spec_with_an_unknown_zero_stage_is_malformed() {
+    let Some(ControlMsg::Hello(mut hello)) = samples()
+        .into_iter()
+        .find(|m| matches!(m, ControlMsg::Hello(_)))
+    else {
+        panic!("a Hello among the samples");
+    };
+    hello.spec.zero = 3;
+    let ok = encode(&ControlMsg::Hello(hello.clone())).unwrap();
+    assert!(decode(&ok).is_ok());
+    hello.spec.zero = 4;
+    let bad = encode(&ControlMsg::Hello(hello)).unwrap();
+    assert!(matches!(decode(&bad), Err(CodecError::Malformed { .. })));
+}
+
 #[test]
 fn ctl_3_another_version_is_named_not_misread() {
     let future = CONTROL_PROTOCOL_VERSION + 1;
