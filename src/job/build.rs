@@ -30,17 +30,7 @@ where
         if self.event_capacity == 0 {
             return invalid("event_capacity(0): keep at least 1 event".into());
         }
-        if let Some(link) = &self.comm.link
-            && let Err(e) = link.validate()
-        {
-            return invalid(format!("link_emulation: {e}"));
-        }
-        if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
-            return invalid("a time-out of zero: use a positive duration".into());
-        }
-        if self.mixed.precision.scales_loss() {
-            self.mixed.scaler.validate()?;
-        }
+        self.check_link_and_timeouts()?;
         if self.zero.shards_optimizer()
             && let Err(e) = FlatRule::of(&self.optimizer)
         {
@@ -49,11 +39,7 @@ where
         let remote = self.is_remote();
         // Every refused combination of strategies, from the one table (COMP-1).
         self.plan().check()?;
-        self.compression.validate()?;
-        self.zero.with_compression(self.compression)?;
-        if let Some(updates) = &self.local_updates {
-            local_updates::check(updates, self.dp, self.steps)?;
-        }
+        self.check_strategy_values(self.dp)?;
         let server = parameter_server::check(
             self.parameter_server.0,
             self.parameter_server.1,
@@ -240,6 +226,35 @@ where
             Layout::data_parallel(self.dp)?,
             self.accumulation,
         ))
+    }
+
+    /// JOB-1 of the emulated link, the time-outs and the loss scaler (what a job spec carries
+    /// of them is checked by a node too: `check_across_processes`).
+    pub(super) fn check_link_and_timeouts(&self) -> Result<()> {
+        if let Some(link) = &self.comm.link
+            && let Err(e) = link.validate()
+        {
+            return Err(Error::InvalidConfig(format!("link_emulation: {e}")));
+        }
+        if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
+            return Err(Error::InvalidConfig(
+                "a time-out of zero: use a positive duration".into(),
+            ));
+        }
+        if self.mixed.precision.scales_loss() {
+            self.mixed.scaler.validate()?;
+        }
+        Ok(())
+    }
+
+    /// JOB-1 of the compression (and its ZeRO stage) and the local updates over `replicas`.
+    pub(super) fn check_strategy_values(&self, replicas: u32) -> Result<()> {
+        self.compression.validate()?;
+        self.zero.with_compression(self.compression)?;
+        if let Some(updates) = &self.local_updates {
+            local_updates::check(updates, replicas, self.steps)?;
+        }
+        Ok(())
     }
 
     /// Whether the job runs across processes (`JobBuilder::cluster`).

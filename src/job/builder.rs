@@ -597,27 +597,13 @@ where
     /// would refuse once they joined is refused before anyone joins (feature `cluster`).
     pub fn check_across_processes(&self, world: u32) -> Result<()> {
         self.plan().across_processes().check()?;
-        let invalid = |m: String| Err(Error::InvalidConfig(m));
         if self.accumulation == 0 {
-            return invalid("gradient_accumulation(0): use at least 1 micro-batch".into());
+            return Err(Error::InvalidConfig(
+                "gradient_accumulation(0): use at least 1 micro-batch".into(),
+            ));
         }
-        if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
-            return invalid("a time-out of zero: use a positive duration".into());
-        }
-        if let Some(link) = &self.comm.link
-            && let Err(e) = link.validate()
-        {
-            return invalid(format!("link_emulation: {e}"));
-        }
-        if self.mixed.precision.scales_loss() {
-            self.mixed.scaler.validate()?;
-        }
-        self.compression.validate()?;
-        self.zero.with_compression(self.compression)?;
-        if let Some(updates) = &self.local_updates {
-            super::local_updates::check(updates, world, self.steps)?;
-        }
-        Ok(())
+        self.check_link_and_timeouts()?;
+        self.check_strategy_values(world)
     }
 
     /// The stages of one process of a job across processes (a node's, or the head's own

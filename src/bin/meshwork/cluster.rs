@@ -500,10 +500,7 @@ fn run_head(
         let (late, late_events) = head.admit_late(&spec, fingerprint, &assembled, refuse);
         let trained =
             train_on_world(&head, &assembled, &spec, head_listeners, &head_job, late_events).await;
-        let reason = match &trained {
-            Ok(()) => "the job finished".to_string(),
-            Err(e) => format!("the job failed: {e}"),
-        };
+        let reason = ending(&trained);
         let late_byes = late.shutdown(&reason).await;
         for (name, bye) in late_byes.into_iter().chain(head.shutdown(&reason).await) {
             if let Err(e) = bye {
@@ -512,6 +509,14 @@ fn run_head(
         }
         trained
     })
+}
+
+/// What the head tells its nodes when it stops them after `trained`.
+fn ending(trained: &meshwork::error::Result<()>) -> String {
+    match trained {
+        Ok(()) => "the job finished".to_string(),
+        Err(e) => format!("the job failed: {e}"),
+    }
 }
 
 /// Trains the demo job on the assembled world: the head's own ranks (if any) in this process,
@@ -716,7 +721,6 @@ pub(crate) fn train_over_local_nodes(
     nodes: u32,
     on_event: &mut dyn FnMut(meshwork::events::JobEvent),
 ) -> meshwork::error::Result<()> {
-    use meshwork::job::EventsError;
     let io = |what: &str, e: std::io::Error| Error::Io {
         path: what.into(),
         reason: e.to_string(),
@@ -778,21 +782,10 @@ pub(crate) fn train_over_local_nodes(
                 .build()?
                 .spawn()
                 .await?;
-            let mut events = handle.events();
-            loop {
-                match events.recv().await {
-                    Ok(e) => on_event(e),
-                    Err(EventsError::Missed(_)) => {}
-                    Err(EventsError::Closed) => break,
-                }
-            }
-            handle.join().await.map(|_| ())
+            crate::demo_job::watch(handle, on_event).await.map(|_| ())
         }
         .await;
-        let reason = match &trained {
-            Ok(()) => "the job finished".to_string(),
-            Err(e) => format!("the job failed: {e}"),
-        };
+        let reason = ending(&trained);
         head.shutdown(&reason).await;
         drop(children);
         trained

@@ -35,7 +35,7 @@ use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::error::{Error, Result};
 use meshwork::events::JobEvent;
 use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
-use meshwork::job::{EventsError, Job, JobBuilder};
+use meshwork::job::{Job, JobBuilder};
 use meshwork::parallel::compress::Compression;
 use meshwork::parallel::local::LocalUpdates;
 use meshwork::parallel::parameter_server::{ParameterServer, Staleness};
@@ -238,17 +238,8 @@ fn run_method(
         .build()?;
     let runtime = tokio::runtime::Runtime::new().map_err(|e| Error::Runtime(e.to_string()))?;
     runtime.block_on(async move {
-        let handle = job.spawn().await?;
-        let mut events = handle.events();
         let mut curve = Curve::default();
-        loop {
-            match events.recv().await {
-                Ok(e) => curve.see(e),
-                Err(EventsError::Missed(_)) => {}
-                Err(EventsError::Closed) => break,
-            }
-        }
-        handle.join().await?;
+        crate::demo_job::watch(job.spawn().await?, &mut |e| curve.see(e)).await?;
         Ok((curve.points, curve.bytes))
     })
 }

@@ -139,6 +139,23 @@ async fn finish<M: Send + 'static>(
     .await
 }
 
+/// Hands every event of the spawned job to `on_event` until its stream ends, then joins it
+/// (the benches' way of watching a job; `run_job` drives one with a progress bar).
+pub(crate) async fn watch<M: Send + 'static>(
+    handle: JobHandle<M>,
+    on_event: &mut dyn FnMut(JobEvent),
+) -> Result<Trained<M>> {
+    let mut events = handle.events();
+    loop {
+        match events.recv().await {
+            Ok(e) => on_event(e),
+            Err(EventsError::Missed(_)) => {}
+            Err(EventsError::Closed) => break,
+        }
+    }
+    handle.join().await
+}
+
 /// The one run path of every model and strategy: build → spawn → drive (progress, signals,
 /// watchers) → `conclude` (the model's report and save) with the trained job; the last
 /// step's pipeline figures (pipeline jobs).

@@ -365,14 +365,18 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
     }
     #[cfg(feature = "cluster")]
     {
+        // What a launcher says of this process, read once: whether the job is across
+        // processes, and whether this process is one of its nodes.
+        let launched = meshwork::cluster::rendezvous::from_env(|k| std::env::var(k).ok())
+            .ok()
+            .flatten()
+            .filter(|r| r.processes > 1);
+        let across = args.cluster.listen.is_some() || launched.is_some();
         // A process a launcher made a node takes its job from the head's spec: the plan file
         // need not exist on its host.
         let launched_node = args.cluster.listen.is_none()
-            && meshwork::cluster::rendezvous::from_env(|k| std::env::var(k).ok()).is_ok_and(|r| {
-                r.is_some_and(|r| {
-                    r.processes > 1
-                        && matches!(r.role(), meshwork::cluster::rendezvous::Role::Node { .. })
-                })
+            && launched.is_some_and(|r| {
+                matches!(r.role(), meshwork::cluster::rendezvous::Role::Node { .. })
             });
         let (faults, policy) = if launched_node {
             (None, RecoveryPolicy::default())
@@ -413,9 +417,6 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                 ),
             )
         };
-        let across = args.cluster.listen.is_some()
-            || meshwork::cluster::rendezvous::from_env(|k| std::env::var(k).ok())
-                .is_ok_and(|r| r.is_some_and(|r| r.processes > 1));
         if across {
             refuse_across_processes(&args)?;
         }
