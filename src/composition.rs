@@ -198,11 +198,6 @@ pub const REFUSALS: &[Refusal] = &[
     // Tensor parallelism, first: a tensor-parallel job is a block or pipeline job too, and
     // its own row says more than the blocks' or the pipeline's.
     row(
-        &[TensorParallel, AcrossProcesses],
-        "tensor-parallel groups run in one process only",
-        "train in one process",
-    ),
-    row(
         &[TensorParallel, ParameterServer],
         "the server holds whole parameters",
         "remove one of them",
@@ -330,18 +325,6 @@ pub const REFUSALS: &[Refusal] = &[
         "a TCP data plane's messages do not pass the fault hooks (its faults are the \
          network's); a node carries out every other kind of fault",
         "use panic, stall, slow, partition or kill entries, or kill a node process",
-    ),
-    row(
-        &[AcrossProcesses, Pipeline, ClipGradNorm],
-        "a pipeline's stages in several processes have no group to sum the global norm over \
-         yet",
-        "clip in one process, or train the blocks with .blocks(..)",
-    ),
-    row(
-        &[AcrossProcesses, Pipeline, F16],
-        "a pipeline's stages in several processes have no group to agree the loss scaler's \
-         overflow over yet",
-        "use .precision(Bf16)",
     ),
     row(
         &[AcrossProcesses, Pipeline, RollBack],

@@ -263,6 +263,39 @@ where
         }
     }
 
+    async fn snapshot_model(&mut self) -> Result<Vec<ShardSnapshot>> {
+        let plan = self.spec.plan.clone();
+        let tp_rank = self.tp_rank;
+        let stage = StageIndex(self.id.stage);
+        let out = run_on_slot(
+            &self.device_actor,
+            "model snapshot",
+            &mut self.slot,
+            move |s| {
+                s.chunks
+                    .iter()
+                    .enumerate()
+                    .map(|(c, w)| ShardSnapshot {
+                        shard: ShardId {
+                            pp: plan.block(stage, Chunk(c as u32)),
+                            tp: tp_rank,
+                        },
+                        params: w.module_params(),
+                        optimizer: None,
+                        training: TrainingState::default(),
+                    })
+                    .collect::<Vec<_>>()
+            },
+        )
+        .await;
+        match out {
+            None => Err(lost(self.id, &self.device)),
+            Some(Ok(Ok(r))) => Ok(r),
+            Some(Ok(Err(panic))) => Err(failed(self.id, &self.device, "model snapshot", panic)),
+            Some(Err(e)) => Err(e),
+        }
+    }
+
     async fn restore(&mut self, shard: Vec<ShardSnapshot>) -> Result<()> {
         let plan = self.spec.plan.clone();
         let tp_rank = self.tp_rank;

@@ -92,6 +92,9 @@ impl<R: StageRole> Actor for Stage<R> {
             StageMsg::Snapshot(reply) => {
                 let _ = reply.send(role.snapshot().await);
             }
+            StageMsg::SnapshotModel(reply) => {
+                let _ = reply.send(role.snapshot_model().await);
+            }
             StageMsg::Restore { shard, reply } => {
                 let _ = reply.send(role.restore(shard).await);
             }

@@ -81,8 +81,8 @@ pub use protocol::{
 };
 pub use secret::{ClusterSecret, SecretError, secret_from_env};
 pub use stages::{
-    HostArgs, HostFactory, PART_BYTES, RemoteError, StageAnswer, StageHost, StageOp, StageRequest,
-    join_shards, split_shards,
+    HostArgs, HostFactory, PART_BYTES, PipelineListeners, RemoteError, StageAnswer, StageHost,
+    StageOp, StageRequest, join_shards, split_shards,
 };
 pub use tls::{HeadTls, NodeTls};
 pub use world::{ProcessIndex, ProcessPlan, ProcessSlot, RankEntry, World, WorldError};

@@ -31,8 +31,8 @@
 //! - **REMOTE-3** an abort (the Supervisor's RT-4 shutdown) carries the generation it is for:
 //!   a node ignores an abort older than its slot's group, so a late abort never breaks the
 //!   group a recovery just formed.
-//! - **REMOTE-4** (dp × pp, `pipeline`) a pipeline slot starts in two phases and keeps its
-//!   pipeline links on a listener of their own.
+//! - **REMOTE-4** (dp × pp × tp, `pipeline`) a pipeline slot starts in two phases and keeps
+//!   its pipeline links, tensor-parallel group and model group on listeners of their own.
 //! - **REMOTE-5** the world only grows: a node that joins the running job brings the next
 //!   slots, and the job grows onto them (or a roll-back replaces a lost replica with one).
 //! - **REMOTE-6** parameters of any size cross the control plane: a snapshot or restore over
@@ -113,6 +113,8 @@ pub(crate) struct SlotStart {
     pub(crate) comm: Option<Communicator>,
     /// Its pipeline links (pipeline jobs).
     pub(crate) links: Option<StageLinks>,
+    /// Its tensor-parallel and model groups (pipeline jobs).
+    pub(crate) model: crate::parallel::pipeline_exec::ModelGroups,
 }
 
 /// What a process's slots run: data-parallel replicas or pipeline stages.

@@ -368,13 +368,7 @@ where
         }
         let pp = (blocks / v) as u32;
         if let Some(world) = world {
-            if !world.is_multiple_of(pp) || (self.dp != 1 && self.dp * pp != world) {
-                return invalid(format!(
-                    "a pipeline of {pp} stages on a cluster of {world} rank(s): the world must \
-                     be replicas × {pp}; leave data_parallel unset"
-                ));
-            }
-            self.dp = world / pp;
+            self.dp = self.replicas_in(world, pp)?;
         }
         let plan = schedule.instructions(pp)?;
         let dp = self.dp as usize;
@@ -395,7 +389,7 @@ where
         world: Option<u32>,
     ) -> Result<(Arc<PipelineSpec<I>>, Layout)> {
         if let Some(world) = world {
-            self.dp = world;
+            self.dp = self.replicas_in(world, 1)?;
         }
         let plan = crate::parallel::pipeline::PipelineSchedule::sequential(
             stages.len() as u32,
@@ -404,6 +398,20 @@ where
         check_batch(global, self.dp as usize, self.accumulation as usize)?;
         let spec = self.stages_spec(stages, plan, dataset);
         Ok((spec, Layout::new(self.dp, 1, self.tp)?))
+    }
+
+    /// The replicas of a job across processes whose world is `world` ranks, each replica `pp`
+    /// stages × `tensor_parallel` ranks.
+    fn replicas_in(&self, world: u32, pp: u32) -> Result<u32> {
+        let per_replica = pp * self.tp.max(1);
+        if world.is_multiple_of(per_replica) && (self.dp == 1 || self.dp * per_replica == world) {
+            return Ok(world / per_replica);
+        }
+        Err(Error::InvalidConfig(format!(
+            "a mesh of {pp} stage(s) × tensor_parallel({}) on a cluster of {world} rank(s): the \
+             world must be replicas × {per_replica}; leave data_parallel unset",
+            self.tp
+        )))
     }
 
     /// Why this job cannot be split `tensor_parallel(t)` ways (t > 1): what is not done yet

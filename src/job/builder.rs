@@ -580,7 +580,8 @@ where
             .low_precision_gradients(spec.low_precision_gradients)
             .compression(strategy.compression)
             .gradient_accumulation(strategy.accumulation)
-            .algorithm(strategy.algorithm);
+            .algorithm(strategy.algorithm)
+            .tensor_parallel(strategy.tensor_parallel);
         b.local_updates = strategy.local_updates;
         b.clip_norm = strategy.clip_norm;
         b.faults = strategy.faults.clone().map(FaultHooks::new);

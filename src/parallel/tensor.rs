@@ -126,6 +126,17 @@ impl TensorParallel {
         }
     }
 
+    /// Rank `rank` of a group of `degree` with no communicator: what builds (or restores) a
+    /// rank's slices outside a job, as the head rebuilding a trained model does. Its
+    /// collectives must not run (they would be the identity, not the group's).
+    pub(crate) fn detached(rank: usize, degree: usize) -> Self {
+        Self {
+            rank,
+            degree,
+            ..Self::single()
+        }
+    }
+
     /// The rank of `comm` in a group of `comm.world()`.
     pub fn new(comm: Communicator) -> Self {
         let (rank, degree) = (comm.rank().index(), comm.world());

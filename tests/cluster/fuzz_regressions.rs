@@ -173,7 +173,7 @@ fn write_control_seed_corpus() {
         process: meshwork::cluster::control::ProcessIndex(2),
     });
     let stages = {
-        use meshwork::cluster::control::{StageAnswer, StageOp, StageRequest};
+        use meshwork::cluster::control::{PipelineListeners, StageAnswer, StageOp, StageRequest};
         let request = |op| {
             ControlMsg::Stage(StageRequest {
                 slot: meshwork::mesh::Rank(3),
@@ -219,8 +219,14 @@ fn write_control_seed_corpus() {
                         "127.0.0.1:6000".parse().unwrap(),
                         "[::1]:6001".parse().unwrap(),
                     ],
+                    tp: vec!["127.0.0.1:6100".parse().unwrap()],
+                    model: vec![
+                        "127.0.0.1:6200".parse().unwrap(),
+                        "[::1]:6201".parse().unwrap(),
+                    ],
                 }),
             ),
+            ("stage_model_snapshot", request(StageOp::ModelSnapshot)),
             (
                 "stage_restore_part",
                 request(StageOp::RestorePart {
@@ -239,7 +245,11 @@ fn write_control_seed_corpus() {
             ),
             (
                 "stage_done_listening",
-                ControlMsg::StageDone(StageAnswer::Listening("10.0.0.2:7000".parse().unwrap())),
+                ControlMsg::StageDone(StageAnswer::Listening(PipelineListeners {
+                    links: "10.0.0.2:7000".parse().unwrap(),
+                    tp: "10.0.0.2:7001".parse().unwrap(),
+                    model: "[::1]:7002".parse().unwrap(),
+                })),
             ),
         ]
     };

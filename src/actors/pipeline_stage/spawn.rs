@@ -188,27 +188,27 @@ pub(super) async fn spawn_stage<I: Send + Sync + 'static>(
     Ok((a, id))
 }
 
-/// Starts the stage actor `id` (rank `rank`) of a job whose ranks live in several processes,
-/// with its links and data-parallel communicator already made (not linked to a Supervisor:
-/// the head drives it through a proxy).
+/// Starts the stage actor `id` (rank `rank`, tensor-parallel rank `id.tp`) of a job whose
+/// ranks live in several processes, with its links, data-parallel communicator and model
+/// groups already made (not linked to a Supervisor: the head drives it through a proxy).
 #[cfg(feature = "cluster")]
 pub(crate) async fn spawn_unlinked<I: Send + Sync + 'static>(
     spec: Arc<PipelineSpec<I>>,
     (id, rank): (StageId, Rank),
     (device, device_actor): (MeshDevice, ActorRef<DeviceMsg>),
     links: StageLinks,
-    comm: Option<Communicator>,
+    (comm, model): (Option<Communicator>, ModelGroups),
 ) -> Result<ActorRef<StageMsg<PipelineModel>>, ractor::SpawnErr> {
     let args = PipelineStageArgs {
         id,
         rank,
-        tp_rank: 0,
+        tp_rank: id.tp,
         device,
         device_actor,
         spec,
         links: Some(links),
         comm,
-        model: ModelGroups::default(),
+        model,
     };
     let (a, _) = Actor::spawn(None, PipelineStageActor::<I>::default(), args).await?;
     Ok(a)

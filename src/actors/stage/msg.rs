@@ -36,6 +36,10 @@ pub(crate) enum StageMsg<M> {
     /// block the stage holds (a data-parallel replica: one; a pipeline stage: one per chunk),
     /// for a checkpoint, a joining replica or a twin's replacement.
     Snapshot(RpcReplyPort<Result<Vec<ShardSnapshot>>>),
+    /// The trained model's parameters as the stage holds them now, one shard per block
+    /// (parameters only; whole blocks under ZeRO-3 once `Fingerprint` gathered them): what a
+    /// node sends the head of a job across processes for the trained model.
+    SnapshotModel(RpcReplyPort<Result<Vec<ShardSnapshot>>>),
     /// Take the parameters and optimizer state of the shards of the blocks the stage holds
     /// (others in the list are ignored; a missing one is an error).
     Restore {
@@ -106,6 +110,7 @@ impl<M> std::fmt::Debug for StageMsg<M> {
             StageMsg::Snapshot(_) => write!(f, "Snapshot"),
             StageMsg::Restore { .. } => write!(f, "Restore"),
             StageMsg::Rewire { .. } => write!(f, "Rewire"),
+            StageMsg::SnapshotModel(_) => write!(f, "SnapshotModel"),
             StageMsg::Reconnect { id, .. } => write!(f, "Reconnect({id})"),
         }
     }

@@ -51,6 +51,13 @@ pub(crate) trait StageRole: Sized + Send + 'static {
     /// Its parameters and optimizer state, one shard per block it holds.
     fn snapshot(&mut self) -> impl Future<Output = Result<Vec<ShardSnapshot>>> + Send;
 
+    /// Its trained model's parameters as it holds them now, one shard per block, for the head
+    /// of a job across processes to rebuild the model from (`TakeModel` in another process).
+    /// A replica's snapshot holds its whole model already.
+    fn snapshot_model(&mut self) -> impl Future<Output = Result<Vec<ShardSnapshot>>> + Send {
+        self.snapshot()
+    }
+
     /// Takes the parameters and optimizer state of its blocks' shards from `shards` (others
     /// are ignored; a missing one is an error).
     fn restore(&mut self, shards: Vec<ShardSnapshot>) -> impl Future<Output = Result<()>> + Send;

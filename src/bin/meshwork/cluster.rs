@@ -21,11 +21,12 @@ use meshwork::cluster::control::{
 use meshwork::cluster::control::{HostArgs, HostFactory, KeepAlive, LateEvent, LateEvents};
 use meshwork::cluster::remote::{ClusterMesh, MeshJoiner};
 use meshwork::cluster::rendezvous::{self, Rendezvous, Role};
-use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_pipeline, mse_loss};
+use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_blocks, mlp_blocks_of, mse_loss, split_mlp};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
 use meshwork::job::{Job, JobBuilder, JobControl};
 use meshwork::parallel::pipeline::{Schedule, even_split};
+use meshwork::parallel::stages::BlockOptions;
 use meshwork::precision::Precision;
 use meshwork::recovery::{OnReplicaLoss, RecoveryPolicy};
 
@@ -199,7 +200,16 @@ fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(DemoJob, TeacherTask)> {
     };
     let device = MeshDevice::of_kind(BackendKind::Flex, 1)?.remove(0);
     device.burn().seed(spec.seed);
+    let options = BlockOptions::default().recompute(spec.strategy.recompute);
     let job = match &spec.pipeline {
+        // ZeRO-3 and recomputation work per block: the MLP as blocks of one layer each, as in
+        // one process.
+        None if spec.zero == 3 || spec.strategy.recompute => DemoJob::Blocks(
+            Job::builder()
+                .blocks(mlp_blocks(&widths, options, device.burn()).ok_or_else(|| {
+                    Error::Runtime("the demo MLP did not cut into blocks".into())
+                })?),
+        ),
         None => DemoJob::Replicas(
             Job::builder()
                 .initial_model(Mlp::new(&widths, device.burn()))
@@ -217,7 +227,8 @@ fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(DemoJob, TeacherTask)> {
             let blocks = (shape.stages * schedule.virtual_stages()) as usize;
             let layers = widths.len() - 1;
             let stages = even_split(layers, blocks)
-                .and_then(|split| mlp_pipeline(&widths, &split, device.burn()))
+                .and_then(|split| split_mlp(&widths, &split, device.burn()))
+                .map(|parts| mlp_blocks_of(parts, options))
                 .ok_or_else(|| {
                     Error::InvalidConfig(format!(
                         "{} stages × {} virtual stages: the demo MLP has {layers} layers, so at \

@@ -412,6 +412,8 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                         algorithm: args.algorithm,
                         faults,
                         link: None,
+                        tensor_parallel: 1,
+                        recompute: args.recompute,
                     },
                     args.device,
                 ),
@@ -447,19 +449,9 @@ const CARRIES_NO: &str = "the job spec nodes receive does not carry it";
 fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
     let unsupported = [
         (
-            "--recompute",
-            args.recompute,
-            "the job spec nodes receive does not carry it",
-        ),
-        (
             "--timeline",
             args.timeline.is_some(),
             "the pipeline's timeline is drawn in one process only",
-        ),
-        (
-            "--zero 3",
-            args.zero == 3,
-            "ZeRO-3 trains as blocks, which the nodes do not build yet; use --zero 1 or 2",
         ),
         (
             "--dp",

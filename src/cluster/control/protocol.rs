@@ -39,7 +39,7 @@ use crate::mesh::Rank;
 pub const CONTROL_MAGIC: [u8; 4] = *b"MWCT";
 
 /// The control protocol version this build speaks.
-pub const CONTROL_PROTOCOL_VERSION: u16 = 9;
+pub const CONTROL_PROTOCOL_VERSION: u16 = 10;
 
 /// Bytes of the fixed header.
 pub const CONTROL_HEADER_LEN: usize = 10;
@@ -134,6 +134,13 @@ pub struct StrategySpec {
     /// The link every rank's data-plane sends are emulated on (`comm::emulate`, LINK-1/2):
     /// a rehearsal of slow links between machines.
     pub link: Option<crate::comm::emulate::LinkEmulation>,
+    /// The tensor-parallel degree of a block or pipeline job (1: none; version 10 on): the
+    /// world is replicas × stages × this.
+    pub tensor_parallel: u32,
+    /// Every block recomputes its forward during the backward instead of keeping its
+    /// activations (version 10 on). A block's options are fixed when the model's code builds
+    /// its blocks, so that code reads it ([`crate::job::JobBuilder::follow_spec`] cannot).
+    pub recompute: bool,
 }
 
 /// A ZeRO stage number, 0 to 3 (see [`JobSpec::zero`]).
@@ -176,6 +183,8 @@ impl Default for StrategySpec {
             algorithm: crate::comm::Algorithm::Auto,
             faults: None,
             link: None,
+            tensor_parallel: 1,
+            recompute: false,
         }
     }
 }

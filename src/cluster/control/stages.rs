@@ -10,11 +10,14 @@
 //!  │ Stage { slot, Start { id } } ───────────────►│ device + stage actor, joins the data plane
 //!  │◄──── StageDone(Done)                          │   (generation 0, every rank of the world)
 //!  │      (a pipeline job: the device, and a listener for the pipeline links)
-//!  │◄──── StageDone(Listening(addr))
-//!  │ Stage { slot, Wire { generation, dp, links } } ►│ joins its stage index's data-parallel
-//!  │◄──── StageDone(Done)                          │   group, connects to its replica's stages
+//!  │◄──── StageDone(Listening(listeners))          │   (links, tensor-parallel, model group)
+//!  │ Stage { slot, Wire { generation, dp, links, tp, model } } ►│ joins its stage index's
+//!  │◄──── StageDone(Done)                          │   data-parallel group, its tensor-parallel
+//!  │                                               │   and model groups, connects to its
+//!  │                                               │   pipeline's stages
 //!  │                      (again under generation + 1 when a lost stage was replaced: REC-6)
-//!  │ Stage { slot, Init | Step | Fingerprint | Snapshot | Restore | Heartbeat } ─►│
+//!  │ Stage { slot, Init | Step | Fingerprint | Snapshot | ModelSnapshot | Restore
+//!  │         | Heartbeat } ─►│
 //!  │◄──── StageDone(the answer) or StageDone(Failed(RemoteError))
 //!  │ Stage { slot, Regroup { id, rank, generation, addrs } } ─►│ reconnects (after a loss)
 //!  │ Stage { slot, Abort } ──────────────────────►│ shuts its data-plane group (RT-4)
@@ -65,18 +68,27 @@ pub enum StageOp {
         /// head reconnects everyone once its stage holds rank 0's state).
         alone: bool,
     },
-    /// A pipeline job: join the data-parallel group of the slot's stage index and connect to
-    /// the other stages of its replica under `generation`, then start the stage actor, or (a
-    /// stage that runs already: a rewire after a stage of the mesh was replaced, REC-6) hand
-    /// it the new wiring.
+    /// A pipeline job: join the data-parallel group of the slot's stage index, its
+    /// tensor-parallel group and its replica's model group, and connect to the other stages of
+    /// its pipeline under `generation`, then start the stage actor, or (a stage that runs
+    /// already: a rewire after a stage of the mesh was replaced, REC-6) hand it the new
+    /// wiring.
     Wire {
         /// The wiring's generation (0 when the job starts).
         generation: Generation,
-        /// The data-plane addresses of the slot's stage index's replicas, by replica (its
-        /// data-parallel group; one address at dp = 1).
+        /// The data-plane addresses of the slot's (stage, tensor-parallel rank)'s replicas, by
+        /// replica (its data-parallel group; one address at dp = 1).
         dp: Vec<SocketAddr>,
-        /// The pipeline-link listeners of the slot's replica's stages, by stage index.
+        /// The pipeline-link listeners of its pipeline's stages (its replica and
+        /// tensor-parallel rank), by stage index.
         links: Vec<SocketAddr>,
+        /// The tensor-parallel listeners of its (replica, stage)'s ranks, by tensor-parallel
+        /// rank (one address at tp = 1).
+        tp: Vec<SocketAddr>,
+        /// The model-group listeners of every stage × tensor-parallel rank of its replica, in
+        /// rank order (stage-major; one address when a replica is one rank): where the global
+        /// gradient norm and f16's overflow are agreed.
+        model: Vec<SocketAddr>,
     },
     /// `StageMsg::Init`: build the model, take rank 0's parameters, build the optimizer.
     Init,
@@ -94,7 +106,12 @@ pub enum StageOp {
     /// `StageMsg::Snapshot`: the answer carries each shard in the checkpoint format, or (over
     /// [`PART_BYTES`]) says in how many parts it waits to be fetched ([`StageOp::SnapshotPart`]).
     Snapshot,
-    /// Part `part` of the snapshot `transfer` the last `Snapshot` kept.
+    /// The stage's trained model as it holds it now (after `Fingerprint`, a ZeRO-3 stage holds
+    /// its blocks' full parameters): one shard per block, parameters only, answered as
+    /// `Snapshot` is (in parts over [`PART_BYTES`]). What the head rebuilds the trained model
+    /// from.
+    ModelSnapshot,
+    /// Part `part` of the snapshot `transfer` the last `Snapshot` or `ModelSnapshot` kept.
     SnapshotPart {
         /// The transfer ([`StageAnswer::SnapshotParts`] names it): a part of an older snapshot
         /// is never handed out for a newer one.
@@ -155,6 +172,7 @@ impl StageOp {
             Self::Step { .. } => "Step",
             Self::Fingerprint => "Fingerprint",
             Self::Snapshot => "Snapshot",
+            Self::ModelSnapshot => "ModelSnapshot",
             Self::SnapshotPart { .. } => "SnapshotPart",
             Self::RestorePart { .. } => "RestorePart",
             Self::Restore { .. } => "Restore",
@@ -165,13 +183,26 @@ impl StageOp {
     }
 }
 
+/// Where a pipeline slot accepts the connections of what a `Wire` joins it to (REMOTE-4): one
+/// listener each, so no group takes another's connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PipelineListeners {
+    /// Its pipeline's links to the other stages.
+    pub links: SocketAddr,
+    /// Its tensor-parallel group.
+    pub tp: SocketAddr,
+    /// Its replica's model group (every stage × tensor-parallel rank).
+    pub model: SocketAddr,
+}
+
 /// A node's answer to a [`StageRequest`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum StageAnswer {
     /// Done (Start, Wire, Restore, Regroup, Abort).
     Done,
-    /// The answer to Start in a pipeline job: where the slot's pipeline links are accepted.
-    Listening(SocketAddr),
+    /// The answer to Start in a pipeline job: where the slot accepts its pipeline links and
+    /// the connections of its tensor-parallel and model groups.
+    Listening(PipelineListeners),
     /// The answer to Init.
     Init {
         /// Fingerprint of the parameters the factory built.

@@ -3,6 +3,7 @@
 //! while the job runs (`MeshJoiner`).
 
 use super::*;
+use crate::cluster::control::PipelineListeners;
 
 /// The head's side of a job's shape: where each rank sits, how its model comes back.
 pub(super) struct Shape<M> {
@@ -244,25 +245,19 @@ impl ClusterMesh {
         let endpoints = lock(&self.slots).endpoints.clone();
         if layout.world_size() as usize != endpoints.len() {
             return Err(Error::InvalidConfig(format!(
-                "a {} × {} mesh (data × pipeline) on a world of {} rank(s)",
+                "a {} × {} × {} mesh (data × pipeline × tensor) on a world of {} rank(s)",
                 layout.dp(),
                 layout.pp(),
+                layout.tp(),
                 endpoints.len()
             )));
         }
         let id_of = |slot: Rank| {
-            layout.coord_of(slot).map_or(
-                StageId {
-                    replica: slot.0,
-                    stage: 0,
-                    tp: 0,
-                },
-                |c| StageId {
-                    replica: c.dp,
-                    stage: c.pp,
-                    tp: 0,
-                },
-            )
+            pipeline::stage_id(layout, slot).unwrap_or(StageId {
+                replica: slot.0,
+                stage: 0,
+                tp: 0,
+            })
         };
         let start = |slot| StageOp::Start {
             id: id_of(slot),
@@ -276,14 +271,14 @@ impl ClusterMesh {
                 answer.kind()
             ))
         };
-        // Every slot's pipeline-link listener, by slot (pipeline jobs; REC-6 adds slots).
-        let mut links: Vec<Option<SocketAddr>> = Vec::new();
+        // Every slot's pipeline listeners, by slot (pipeline jobs; REC-6 adds slots).
+        let mut links: Vec<Option<PipelineListeners>> = Vec::new();
         if shape.pipelined {
             links = started
                 .iter()
                 .enumerate()
                 .map(|(slot, a)| match a {
-                    StageAnswer::Listening(addr) => Ok(Some(*addr)),
+                    StageAnswer::Listening(heard) => Ok(Some(*heard)),
                     other => Err(unexpected(other, slot, "Start")),
                 })
                 .collect::<Result<Vec<_>>>()?;

@@ -3,6 +3,8 @@
 //! communicator is a data-plane group; starting, wiring, snapshots and restores in parts.
 
 use super::*;
+use crate::cluster::control::PipelineListeners;
+use crate::parallel::pipeline_exec::ModelGroups;
 
 /// One slot of a process: its device, listener, and (once started) its actors and group.
 pub(super) struct NodeSlot<M> {
@@ -13,10 +15,13 @@ pub(super) struct NodeSlot<M> {
     pub(super) id: StageId,
     /// The data-plane group it is in, with its generation.
     pub(super) group: Option<(Generation, GroupShutdown)>,
-    /// A pipeline slot once started: where its pipeline links are accepted (at every Wire).
-    pub(super) link_listener: Option<TcpListener>,
-    /// A pipeline slot's links to its replica's other stages.
+    /// A pipeline slot once started: where its pipeline links and the connections of its
+    /// tensor-parallel and model groups are accepted (at every Wire).
+    pub(super) pipeline_listeners: Option<SlotListeners>,
+    /// A pipeline slot's links to its pipeline's other stages.
     pub(super) wires: Vec<LinkCloser>,
+    /// A pipeline slot's tensor-parallel and model groups.
+    pub(super) model_groups: Vec<GroupShutdown>,
     /// The generation of its last Wire (a pipeline slot; REMOTE-3: older aborts are ignored).
     pub(super) wired: Generation,
     /// The last snapshot over one message, by transfer, until the head fetched its last part.
@@ -38,6 +43,43 @@ impl<M> NodeSlot<M> {
         for w in &self.wires {
             w.shutdown();
         }
+        for g in &self.model_groups {
+            g.shutdown();
+        }
+    }
+}
+
+/// A pipeline slot's listeners besides its data-plane one (REMOTE-4): one per kind of
+/// connection, so no group takes another's.
+pub(super) struct SlotListeners {
+    links: TcpListener,
+    tp: TcpListener,
+    model: TcpListener,
+}
+
+impl SlotListeners {
+    /// Three listeners on `ip`, any free ports.
+    fn bind(ip: std::net::IpAddr) -> std::io::Result<(Self, PipelineListeners)> {
+        let bind = || TcpListener::bind((ip, 0));
+        let me = Self {
+            links: bind()?,
+            tp: bind()?,
+            model: bind()?,
+        };
+        let addrs = PipelineListeners {
+            links: me.links.local_addr()?,
+            tp: me.tp.local_addr()?,
+            model: me.model.local_addr()?,
+        };
+        Ok((me, addrs))
+    }
+
+    fn try_clone(&self) -> std::io::Result<Self> {
+        Ok(Self {
+            links: self.links.try_clone()?,
+            tp: self.tp.try_clone()?,
+            model: self.model.try_clone()?,
+        })
     }
 }
 
@@ -105,8 +147,9 @@ impl<M: Send + 'static> NodeStages<M> {
                         stage: None,
                         id,
                         group: None,
-                        link_listener: None,
+                        pipeline_listeners: None,
                         wires: Vec::new(),
+                        model_groups: Vec::new(),
                         wired: Generation(0),
                         outgoing: (0, Vec::new()),
                         incoming: (0, Vec::new(), 0),
@@ -229,8 +272,20 @@ impl<M: Send + 'static> NodeInner<M> {
                 generation,
                 dp,
                 links,
+                tp,
+                model,
             } => self
-                .wire(slot, generation, (dp, links), timeout)
+                .wire(
+                    slot,
+                    generation,
+                    WireAddrs {
+                        dp,
+                        links,
+                        tp,
+                        model,
+                    },
+                    timeout,
+                )
                 .await
                 .map(|()| StageAnswer::Done),
             StageOp::Abort { generation } => {
@@ -283,31 +338,15 @@ impl<M: Send + 'static> NodeInner<M> {
                 .await
                 .map(StageAnswer::Fingerprint),
             StageOp::Snapshot => {
-                let shards: Vec<Vec<u8>> = self
+                let shards = self.asker(slot, timeout)?.call(StageMsg::Snapshot).await?;
+                self.send_snapshot(slot, &shards)
+            }
+            StageOp::ModelSnapshot => {
+                let shards = self
                     .asker(slot, timeout)?
-                    .call(StageMsg::Snapshot)
-                    .await?
-                    .iter()
-                    .map(crate::checkpoint::format::encode_transfer)
-                    .collect();
-                if shards.iter().map(Vec::len).sum::<usize>() <= PART_BYTES {
-                    return Ok(StageAnswer::Snapshot(shards));
-                }
-                // REMOTE-6: kept until the head fetched it part by part.
-                let parts: Vec<Vec<u8>> = join_shards(&shards)
-                    .chunks(PART_BYTES)
-                    .map(<[u8]>::to_vec)
-                    .collect();
-                let count = parts.len() as u32;
-                let transfer = self.with_slot(slot, |s| {
-                    let transfer = s.outgoing.0 + 1;
-                    s.outgoing = (transfer, parts);
-                    transfer
-                })?;
-                Ok(StageAnswer::SnapshotParts {
-                    transfer,
-                    parts: count,
-                })
+                    .call(StageMsg::SnapshotModel)
+                    .await?;
+                self.send_snapshot(slot, &shards)
             }
             StageOp::SnapshotPart { transfer, part } => self.with_slot(slot, |s| {
                 let (kept, parts) = &mut s.outgoing;
@@ -381,6 +420,36 @@ impl<M: Send + 'static> NodeInner<M> {
                 Ok(StageAnswer::Done)
             }
         }
+    }
+
+    /// The answer carrying `shards` in the checkpoint format: in one message, or (REMOTE-6)
+    /// kept until the head fetched it part by part.
+    fn send_snapshot(
+        &self,
+        slot: Rank,
+        shards: &[crate::checkpoint::ShardSnapshot],
+    ) -> std::result::Result<StageAnswer, RemoteError> {
+        let shards: Vec<Vec<u8>> = shards
+            .iter()
+            .map(crate::checkpoint::format::encode_transfer)
+            .collect();
+        if shards.iter().map(Vec::len).sum::<usize>() <= PART_BYTES {
+            return Ok(StageAnswer::Snapshot(shards));
+        }
+        let parts: Vec<Vec<u8>> = join_shards(&shards)
+            .chunks(PART_BYTES)
+            .map(<[u8]>::to_vec)
+            .collect();
+        let count = parts.len() as u32;
+        let transfer = self.with_slot(slot, |s| {
+            let transfer = s.outgoing.0 + 1;
+            s.outgoing = (transfer, parts);
+            transfer
+        })?;
+        Ok(StageAnswer::SnapshotParts {
+            transfer,
+            parts: count,
+        })
     }
 
     /// Restores `slot`'s stage from shards in the checkpoint format (checksums verified).
@@ -461,6 +530,7 @@ impl<M: Send + 'static> NodeInner<M> {
             device_actor: device_actor.clone(),
             comm: Some(comm),
             links: None,
+            model: ModelGroups::default(),
         };
         let stage = self
             .factory
@@ -474,13 +544,14 @@ impl<M: Send + 'static> NodeInner<M> {
         })
     }
 
-    /// A pipeline slot's first phase (REMOTE-4): starts its device and binds the listener of
-    /// its pipeline links, on the address of its data-plane listener.
+    /// A pipeline slot's first phase (REMOTE-4): starts its device and binds the listeners of
+    /// its pipeline links and its tensor-parallel and model groups, on the address of its
+    /// data-plane listener.
     pub(super) async fn listen(
         &self,
         slot: Rank,
         id: StageId,
-    ) -> std::result::Result<SocketAddr, RemoteError> {
+    ) -> std::result::Result<PipelineListeners, RemoteError> {
         let (started, device, ip) = self.with_slot(slot, |s| {
             (
                 s.device_actor.is_some(),
@@ -494,30 +565,30 @@ impl<M: Send + 'static> NodeInner<M> {
                 slot.0
             )));
         }
-        let io = |e: std::io::Error| RemoteError::Other(format!("the pipeline-link listener: {e}"));
-        let listener = TcpListener::bind((ip.map_err(io)?, 0)).map_err(io)?;
-        let addr = listener.local_addr().map_err(io)?;
+        let io = |e: std::io::Error| RemoteError::Other(format!("the pipeline listeners: {e}"));
+        let (listeners, addrs) = SlotListeners::bind(ip.map_err(io)?).map_err(io)?;
         let (device_actor, _) = Actor::spawn(None, DeviceActor, device)
             .await
             .map_err(|e| RemoteError::Other(format!("cannot start the device: {e}")))?;
         self.with_slot(slot, |s| {
             s.device_actor = Some(device_actor);
-            s.link_listener = Some(listener);
+            s.pipeline_listeners = Some(listeners);
             s.id = id;
         })?;
-        Ok(addr)
+        Ok(addrs)
     }
 
-    /// A pipeline slot's second phase (REMOTE-4): joins its stage index's data-parallel group
-    /// (its replicas at `dp`) and connects to its replica's other stages (at `links`) at once
-    /// under `generation`, then starts its stage actor; or, a stage that runs already (REC-6:
+    /// A pipeline slot's second phase (REMOTE-4): joins its data-parallel group (its
+    /// replicas at `addrs.dp`), its tensor-parallel group and its replica's model group, and
+    /// connects to its pipeline's other stages (at `addrs.links`), all at once under
+    /// `generation`, then starts its stage actor; or, a stage that runs already (REC-6:
     /// another stage of the mesh was replaced), shuts its old wiring first and hands the
     /// stage the new one.
     pub(super) async fn wire(
         &self,
         slot: Rank,
         generation: Generation,
-        (dp_addrs, pp_addrs): (Vec<SocketAddr>, Vec<SocketAddr>),
+        addrs: WireAddrs,
         timeout: Duration,
     ) -> std::result::Result<(), RemoteError> {
         let other = RemoteError::Other;
@@ -525,67 +596,106 @@ impl<M: Send + 'static> NodeInner<M> {
             .factory
             .pipeline()
             .ok_or_else(|| other("Wire in a job without a pipeline".into()))?;
-        let (id, device, device_actor, listener, stage) = self.with_slot(slot, |s| {
+        let (id, device, device_actor, listeners, stage) = self.with_slot(slot, |s| {
             // REMOTE-3: from now on an abort of an older generation leaves this one alone.
             s.shut();
+            s.model_groups.clear();
             s.wired = generation;
             (
                 s.id,
                 s.device.clone(),
                 s.device_actor.clone(),
-                s.link_listener.as_ref().map(TcpListener::try_clone),
+                s.pipeline_listeners.as_ref().map(SlotListeners::try_clone),
                 s.stage.clone(),
             )
         })?;
-        let (Some(device_actor), Some(listener)) = (device_actor, listener) else {
+        let (Some(device_actor), Some(listeners)) = (device_actor, listeners) else {
             return Err(other(format!(
                 "rank {} is not listening for pipeline links (Start first)",
                 slot.0
             )));
         };
-        if dp_addrs.len() <= id.replica as usize || pp_addrs.len() <= id.stage as usize {
+        let degree = addrs.tp.len().max(1);
+        let model_rank = id.stage as usize * degree + id.tp as usize;
+        if addrs.dp.len() <= id.replica as usize
+            || addrs.links.len() <= id.stage as usize
+            || addrs.tp.len() <= id.tp as usize
+            || addrs.model.len() != addrs.links.len() * degree
+        {
             return Err(other(format!(
-                "{id} is outside a Wire of {} replica(s) and {} stage(s)",
-                dp_addrs.len(),
-                pp_addrs.len()
+                "{id} is outside a Wire of {} replica(s), {} stage(s), {} tensor-parallel \
+                 rank(s) and a model group of {}",
+                addrs.dp.len(),
+                addrs.links.len(),
+                addrs.tp.len(),
+                addrs.model.len()
             )));
         }
-        let listener = listener
-            .and_then(|l| {
-                LinkListener::from_std(l, Rank(id.stage), self.token.clone(), self.tcp.link)
-            })
-            .map_err(|e| other(format!("the pipeline-link listener: {e}")))?;
+        let listeners = listeners.map_err(|e| other(format!("the pipeline listeners: {e}")))?;
+        let links = LinkListener::from_std(
+            listeners.links,
+            Rank(id.stage),
+            self.token.clone(),
+            self.tcp.link,
+        )
+        .map_err(|e| other(format!("the pipeline-link listener: {e}")))?;
         let link_config = self.tcp.link;
         let capacity = plan.link_capacity() as usize;
+        let pp_addrs = addrs.links;
         let wires = tokio::task::spawn_blocking(move || {
-            pipeline::connect_wires(&listener, &pp_addrs, link_config, capacity)
+            pipeline::connect_wires(&links, &pp_addrs, link_config, capacity)
         });
         let comm = async {
-            if dp_addrs.len() > 1 {
-                self.connect(slot, Rank(id.replica), generation, dp_addrs, None)
+            if addrs.dp.len() > 1 {
+                self.connect(slot, Rank(id.replica), generation, addrs.dp, None)
                     .await
                     .map(Some)
             } else {
                 Ok(None)
             }
         };
-        let (comm, wires) = tokio::join!(comm, wires);
+        // A flat TCP group each (their members may share a process or not).
+        let group = |listener: TcpListener, rank: usize, members: Vec<SocketAddr>| async move {
+            if members.len() < 2 {
+                return Ok(None);
+            }
+            self.groups
+                .join(Ok(listener), Rank(rank as u32), generation, members, None)
+                .await
+                .map(Some)
+                .map_err(|e| other(format!("{id}: {e}")))
+        };
+        let tp = group(listeners.tp, id.tp as usize, addrs.tp);
+        let model = group(listeners.model, model_rank, addrs.model);
+        let (comm, wires, tp, model) = tokio::join!(comm, wires, tp, model);
         let (wires, closers) = wires
             .map_err(|e| other(format!("the connect task failed: {e}")))?
             .map_err(|e| other(format!("{id} could not connect its pipeline links: {e}")))?;
-        self.with_slot(slot, |s| s.wires = closers)?;
+        let mut groups = ModelGroups::default();
+        let mut shutdowns = Vec::new();
+        for (joined, into) in [(tp, &mut groups.tp), (model, &mut groups.replica)] {
+            if let Some(j) = joined? {
+                shutdowns.push(j.shutdown);
+                *into = Some(j.communicator);
+            }
+        }
+        self.with_slot(slot, |s| {
+            s.wires = closers;
+            s.model_groups = shutdowns;
+        })?;
         let comm = comm?;
         let links = remote_links(&plan, id.stage, self.tcp.comm.timeout, wires)
             .map_err(|e| other(e.to_string()))?;
         if stage.is_some() {
             let links = Box::new(links);
+            let model = Box::new(groups);
             return self
                 .asker(slot, timeout)?
                 .call(|reply| StageMsg::Rewire {
                     rank: slot,
                     links,
                     comm,
-                    model: Default::default(),
+                    model,
                     reply,
                 })
                 .await;
@@ -597,10 +707,19 @@ impl<M: Send + 'static> NodeInner<M> {
             device_actor,
             comm,
             links: Some(links),
+            model: groups,
         };
         let stage = self.factory.spawn(start).await.map_err(other)?;
         self.with_slot(slot, |s| s.stage = Some(stage))
     }
+}
+
+/// What a `Wire` joins a pipeline slot to (`StageOp::Wire`'s addresses).
+pub(super) struct WireAddrs {
+    dp: Vec<SocketAddr>,
+    links: Vec<SocketAddr>,
+    tp: Vec<SocketAddr>,
+    model: Vec<SocketAddr>,
 }
 
 pub(super) fn not_started(slot: Rank) -> RemoteError {

@@ -3,11 +3,12 @@
 //! pipeline stage's trained blocks.
 //!
 //! - **REMOTE-4** a slot of a pipeline job starts in two phases: `Start` starts its device and
-//!   binds a listener for pipeline links (its address goes back to the head), `Wire` (once
-//!   every slot listens) joins the data-parallel group of its stage index over the world's
-//!   data-plane listener and connects to its replica's other stages over the link listeners,
-//!   both token-checked (LINK-1). Two listeners, so the two groups never take each other's
-//!   connections.
+//!   binds three listeners — pipeline links, tensor-parallel group, model group — (their
+//!   addresses go back to the head), `Wire` (once every slot listens) joins the data-parallel
+//!   group of its (stage, tp rank) over the world's data-plane listener, connects to its
+//!   pipeline's other stages over the link listeners, and joins its tensor-parallel group and
+//!   its replica's model group over theirs, all token-checked (LINK-1). A listener per kind, so
+//!   no group takes another's connections.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -18,7 +19,7 @@ use std::time::{Duration, Instant};
 use super::{Rebuild, SlotFactory, SlotFuture, SlotStart};
 use crate::actors::pipeline_stage::{PipelineSpec, spawn_unlinked};
 use crate::checkpoint::ShardSnapshot;
-use crate::cluster::control::StageOp;
+use crate::cluster::control::{PipelineListeners, StageOp};
 use crate::comm::net::link::{LinkCloser, LinkConfig, LinkError, LinkListener, LinkReader};
 use crate::comm::tcp::{TcpGroupError, connect_mesh};
 use crate::mesh::StageId;
@@ -168,7 +169,7 @@ impl<I: Send + Sync + 'static> SlotFactory<PipelineModel> for PipelineSlots<I> {
                 (start.id, start.rank),
                 (start.device, start.device_actor),
                 links,
-                start.comm,
+                (start.comm, start.model),
             )
             .await
             .map_err(|e| format!("cannot start {}: {e}", start.id))
@@ -176,11 +177,15 @@ impl<I: Send + Sync + 'static> SlotFactory<PipelineModel> for PipelineSlots<I> {
     }
 }
 
-/// How the head rebuilds a pipeline stage's trained blocks from its snapshot (one shard per
-/// block, CKPT-6): each block built as every stage builds it, then restored.
+/// How the head rebuilds a pipeline stage's trained blocks from its model snapshot (one
+/// shard per block, CKPT-6, taken by `ModelSnapshot`: the blocks' parameters as the stage
+/// holds them at the end, whole under ZeRO-3): each block built as every stage builds it —
+/// a tensor-parallel rank's slice of it —, then restored. The slices are put together by
+/// [`PipelineModel::merge`] (TP-3).
 pub(crate) fn rebuild_blocks<I: Send + Sync + 'static>(
     spec: Arc<PipelineSpec<I>>,
     device: burn::tensor::Device,
+    tp: u32,
 ) -> Rebuild<PipelineModel> {
     Arc::new(move |id: StageId, shards: Vec<ShardSnapshot>| {
         let stage = StageIndex(id.stage);
@@ -191,22 +196,26 @@ pub(crate) fn rebuild_blocks<I: Send + Sync + 'static>(
                     .iter()
                     .find(|s| s.shard.pp == block)
                     .ok_or_else(|| format!("the snapshot of {id} has no block {block}"))?;
-                let make = &spec.stages.blocks[block as usize].build;
-                let single = Arc::new(crate::parallel::tensor::TensorParallel::single());
-                let mut work = make(
-                    &device,
-                    &spec.optimizer,
-                    spec.learning_rate.clone(),
-                    &single,
-                )
-                .map_err(|e| format!("block {block} of {id} cannot be built: {e}"))?;
+                let built = &spec.stages.blocks[block as usize];
+                let unshard = built.tensor_parallel.as_ref().map(|(_, u)| u.clone());
+                // A replicated block is whole on every tensor-parallel rank.
+                let (tp_rank, degree) = match unshard {
+                    Some(_) => (id.tp as usize, tp as usize),
+                    None => (0, 1),
+                };
+                let slice = Arc::new(crate::parallel::tensor::TensorParallel::detached(
+                    tp_rank, degree,
+                ));
+                let mut work =
+                    (built.build)(&device, &spec.optimizer, spec.learning_rate.clone(), &slice)
+                        .map_err(|e| format!("block {block} of {id} cannot be built: {e}"))?;
                 work.restore(&shard.params, None, (0, 1))
                     .map_err(|e| format!("block {block} of {id} does not restore: {e}"))?;
                 Ok(crate::parallel::stages::BlockPart {
                     block,
-                    tp_rank: 0,
+                    tp_rank: id.tp,
                     module: work.into_module(),
-                    unshard: None,
+                    unshard,
                 })
             })
             .collect::<Result<Vec<_>, String>>()?;
@@ -214,27 +223,62 @@ pub(crate) fn rebuild_blocks<I: Send + Sync + 'static>(
     })
 }
 
-/// The world ranks of stage index `stage` in every replica, and of every stage of replica
-/// `replica`: who a pipeline slot groups with.
-pub(crate) fn partners(layout: Layout, id: StageId) -> Option<(Vec<Rank>, Vec<Rank>)> {
-    let at = |dp, pp| layout.rank_of(crate::mesh::Coord { dp, pp, tp: 0 });
-    let replicas = (0..layout.dp())
-        .map(|r| at(r, id.stage))
-        .collect::<Option<_>>()?;
-    let stages = (0..layout.pp())
-        .map(|s| at(id.replica, s))
-        .collect::<Option<_>>()?;
-    Some((replicas, stages))
+/// Who a pipeline rank of a dp × pp × tp mesh groups with, as world ranks (MESH-1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Partners {
+    /// Its (stage, tensor-parallel rank) in every replica, by replica: its data-parallel group.
+    pub(crate) replicas: Vec<Rank>,
+    /// Every stage of its pipeline (its replica and tensor-parallel rank), by stage index.
+    pub(crate) stages: Vec<Rank>,
+    /// Every tensor-parallel rank of its (replica, stage), by tensor-parallel rank.
+    pub(crate) tp: Vec<Rank>,
+    /// Every rank of its replica, in rank order (stage-major): its model group.
+    pub(crate) model: Vec<Rank>,
 }
 
-/// The `Wire` of every rank of a dp × pp `layout` under `generation`, by layout rank:
+/// The partners of the rank at `id` (`id.tp` its tensor-parallel rank), or `None` outside
+/// `layout`.
+pub(crate) fn partners(layout: Layout, id: StageId) -> Option<Partners> {
+    let at = |dp, pp, tp| layout.rank_of(crate::mesh::Coord { dp, pp, tp });
+    let replicas = (0..layout.dp())
+        .map(|r| at(r, id.stage, id.tp))
+        .collect::<Option<_>>()?;
+    let stages = (0..layout.pp())
+        .map(|s| at(id.replica, s, id.tp))
+        .collect::<Option<_>>()?;
+    let tp = (0..layout.tp())
+        .map(|t| at(id.replica, id.stage, t))
+        .collect::<Option<_>>()?;
+    let model = (0..layout.pp())
+        .flat_map(|s| (0..layout.tp()).map(move |t| (s, t)))
+        .map(|(s, t)| at(id.replica, s, t))
+        .collect::<Option<_>>()?;
+    Some(Partners {
+        replicas,
+        stages,
+        tp,
+        model,
+    })
+}
+
+/// The place of layout rank `rank` as a stage id (its tensor-parallel rank included).
+pub(crate) fn stage_id(layout: Layout, rank: Rank) -> Option<StageId> {
+    layout.coord_of(rank).map(|c| StageId {
+        replica: c.dp,
+        stage: c.pp,
+        tp: c.tp,
+    })
+}
+
+/// The `Wire` of every rank of a dp × pp × tp `layout` under `generation`, by layout rank:
 /// `slot_of[r]` is the slot that holds layout rank r (REC-6 moves a rank to another slot);
-/// `data[slot]` and `links[slot]` are a slot's data-plane and pipeline-link listeners.
+/// `data[slot]` and `listeners[slot]` are a slot's data-plane listener and its pipeline
+/// listeners (links, tensor-parallel and model groups).
 pub(crate) fn wire_ops(
     layout: Layout,
     slot_of: &[Rank],
     data: &[SocketAddr],
-    links: &[Option<SocketAddr>],
+    listeners: &[Option<PipelineListeners>],
     generation: crate::mesh::Generation,
 ) -> Result<Vec<StageOp>, String> {
     let address = |table: &dyn Fn(usize) -> Option<SocketAddr>, rank: Rank| {
@@ -243,30 +287,28 @@ pub(crate) fn wire_ops(
             .ok_or_else(|| format!("no slot holds rank {}", rank.0))?;
         table(slot.index()).ok_or_else(|| format!("no address for slot {}", slot.0))
     };
+    let listener = |slot: usize| listeners.get(slot).copied().flatten();
     let data_of = |slot: usize| data.get(slot).copied();
-    let link_of = |slot: usize| links.get(slot).copied().flatten();
+    let link_of = |slot: usize| listener(slot).map(|l| l.links);
+    let tp_of = |slot: usize| listener(slot).map(|l| l.tp);
+    let model_of = |slot: usize| listener(slot).map(|l| l.model);
+    let addresses = |table: &dyn Fn(usize) -> Option<SocketAddr>, ranks: &[Rank]| {
+        ranks
+            .iter()
+            .map(|&q| address(table, q))
+            .collect::<Result<Vec<_>, String>>()
+    };
     (0..layout.world_size())
         .map(|r| {
-            let coord = layout
-                .coord_of(Rank(r))
+            let id = stage_id(layout, Rank(r))
                 .ok_or_else(|| format!("rank {r} is outside {layout:?}"))?;
-            let id = StageId {
-                replica: coord.dp,
-                stage: coord.pp,
-                tp: 0,
-            };
-            let (replicas, stages) =
-                partners(layout, id).ok_or_else(|| format!("{id} is outside {layout:?}"))?;
+            let p = partners(layout, id).ok_or_else(|| format!("{id} is outside {layout:?}"))?;
             Ok(StageOp::Wire {
                 generation,
-                dp: replicas
-                    .iter()
-                    .map(|&q| address(&data_of, q))
-                    .collect::<Result<_, String>>()?,
-                links: stages
-                    .iter()
-                    .map(|&q| address(&link_of, q))
-                    .collect::<Result<_, String>>()?,
+                dp: addresses(&data_of, &p.replicas)?,
+                links: addresses(&link_of, &p.stages)?,
+                tp: addresses(&tp_of, &p.tp)?,
+                model: addresses(&model_of, &p.model)?,
             })
         })
         .collect()
@@ -277,17 +319,28 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    fn listeners(slot: usize) -> PipelineListeners {
+        let at = |net: u8| SocketAddr::from(([10, 0, 0, net], 6000 + slot as u16));
+        PipelineListeners {
+            links: at(2),
+            tp: at(3),
+            model: at(4),
+        }
+    }
+
     proptest! {
         /// REC-6 across processes: whichever slots hold the ranks, every rank's Wire lists its
-        /// stage index's replicas (by replica) and its replica's stages (by stage index) at the
-        /// slots that hold them.
+        /// data-parallel group (by replica), its pipeline's stages (by stage index), its
+        /// tensor-parallel group (by tp rank) and its replica's model group (rank order) at the
+        /// slots that hold them, each on its own listener.
         #[test]
         fn every_wire_names_its_partners_where_their_slots_listen(
             dp in 1u32..4,
             pp in 1u32..4,
+            tp in 1u32..3,
             seed in any::<u64>(),
         ) {
-            let layout = Layout::new(dp, pp, 1).unwrap();
+            let layout = Layout::new(dp, pp, tp).unwrap();
             let world = layout.world_size() as usize;
             // Slots: a permutation of world..2·world (replacements come from later slots).
             let mut slot_of: Vec<Rank> = (0..world).map(|r| Rank((world + r) as u32)).collect();
@@ -299,47 +352,63 @@ mod tests {
             let data: Vec<SocketAddr> = (0..2 * world)
                 .map(|s| SocketAddr::from(([10, 0, 0, 1], 5000 + s as u16)))
                 .collect();
-            let links: Vec<Option<SocketAddr>> = (0..2 * world)
-                .map(|s| Some(SocketAddr::from(([10, 0, 0, 2], 6000 + s as u16))))
-                .collect();
+            let heard: Vec<Option<PipelineListeners>> =
+                (0..2 * world).map(|s| Some(listeners(s))).collect();
             let generation = crate::mesh::Generation(3);
-            let ops = wire_ops(layout, &slot_of, &data, &links, generation).unwrap();
+            let ops = wire_ops(layout, &slot_of, &data, &heard, generation).unwrap();
             prop_assert_eq!(ops.len(), world);
+            let slot = |c: crate::mesh::Coord| slot_of[layout.rank_of(c).unwrap().index()].index();
             for (r, op) in ops.iter().enumerate() {
                 let c = layout.coord_of(Rank(r as u32)).unwrap();
-                let StageOp::Wire { generation: g, dp: dps, links: ls } = op else {
+                let StageOp::Wire { generation: g, dp: dps, links: ls, tp: tps, model } = op else {
                     panic!("not a Wire: {op:?}");
                 };
                 prop_assert_eq!(*g, generation);
                 prop_assert_eq!(dps.len(), dp as usize);
                 prop_assert_eq!(ls.len(), pp as usize);
+                prop_assert_eq!(tps.len(), tp as usize);
+                prop_assert_eq!(model.len(), (pp * tp) as usize);
                 for (d, addr) in dps.iter().enumerate() {
-                    let q = layout.rank_of(crate::mesh::Coord { dp: d as u32, pp: c.pp, tp: 0 }).unwrap();
-                    prop_assert_eq!(*addr, data[slot_of[q.index()].index()]);
+                    let q = slot(crate::mesh::Coord { dp: d as u32, pp: c.pp, tp: c.tp });
+                    prop_assert_eq!(*addr, data[q]);
                 }
                 for (s, addr) in ls.iter().enumerate() {
-                    let q = layout.rank_of(crate::mesh::Coord { dp: c.dp, pp: s as u32, tp: 0 }).unwrap();
-                    prop_assert_eq!(Some(*addr), links[slot_of[q.index()].index()]);
+                    let q = slot(crate::mesh::Coord { dp: c.dp, pp: s as u32, tp: c.tp });
+                    prop_assert_eq!(*addr, listeners(q).links);
+                }
+                for (t, addr) in tps.iter().enumerate() {
+                    let q = slot(crate::mesh::Coord { dp: c.dp, pp: c.pp, tp: t as u32 });
+                    prop_assert_eq!(*addr, listeners(q).tp);
+                }
+                for (i, addr) in model.iter().enumerate() {
+                    let (s, t) = (i as u32 / tp, i as u32 % tp);
+                    let q = slot(crate::mesh::Coord { dp: c.dp, pp: s, tp: t });
+                    prop_assert_eq!(*addr, listeners(q).model);
                 }
                 // A rank is its own partner at its own coordinates.
                 prop_assert_eq!(dps[c.dp as usize], data[slot_of[r].index()]);
+                prop_assert_eq!(tps[c.tp as usize], listeners(slot_of[r].index()).tp);
+                prop_assert_eq!(
+                    model[(c.pp * tp + c.tp) as usize],
+                    listeners(slot_of[r].index()).model
+                );
             }
         }
     }
 
     #[test]
-    fn a_wire_without_the_link_address_of_a_partner_is_an_error() {
+    fn a_wire_without_the_listeners_of_a_partner_is_an_error() {
         let layout = Layout::new(1, 2, 1).unwrap();
         let data = [
             "127.0.0.1:1".parse().unwrap(),
             "127.0.0.1:2".parse().unwrap(),
         ];
-        let links = [Some("127.0.0.1:3".parse().unwrap()), None];
+        let heard = [Some(listeners(0)), None];
         let e = wire_ops(
             layout,
             &[Rank(0), Rank(1)],
             &data,
-            &links,
+            &heard,
             crate::mesh::Generation(0),
         )
         .unwrap_err();
@@ -347,17 +416,22 @@ mod tests {
     }
 
     #[test]
-    fn a_slot_groups_with_its_stage_index_and_its_replica() {
-        // MESH-1: rank = dp + DP·pp.
-        let layout = Layout::new(2, 3, 1).unwrap();
+    fn a_slot_groups_with_its_replicas_its_pipeline_its_tp_group_and_its_replica() {
+        // MESH-1: rank = tp + TP·(dp + DP·pp).
+        let layout = Layout::new(2, 3, 2).unwrap();
         let id = StageId {
             replica: 1,
             stage: 2,
-            tp: 0,
+            tp: 1,
         };
-        let (replicas, stages) = partners(layout, id).unwrap();
-        assert_eq!(replicas, [Rank(4), Rank(5)]);
-        assert_eq!(stages, [Rank(1), Rank(3), Rank(5)]);
+        let p = partners(layout, id).unwrap();
+        assert_eq!(p.replicas, [Rank(9), Rank(11)]);
+        assert_eq!(p.stages, [Rank(3), Rank(7), Rank(11)]);
+        assert_eq!(p.tp, [Rank(10), Rank(11)]);
+        assert_eq!(
+            p.model,
+            [Rank(2), Rank(3), Rank(6), Rank(7), Rank(10), Rank(11)]
+        );
         let outside = StageId {
             replica: 2,
             stage: 0,

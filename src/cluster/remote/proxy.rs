@@ -96,9 +96,15 @@ impl<M> RemoteStageArgs<M> {
         }
     }
 
-    pub(super) async fn snapshot(&self, timeout: Duration) -> Result<Vec<ShardSnapshot>> {
+    /// The stage's snapshot (`StageOp::Snapshot`) or its model's (`StageOp::ModelSnapshot`),
+    /// fetched part by part when it is over one message.
+    pub(super) async fn snapshot(
+        &self,
+        op: StageOp,
+        timeout: Duration,
+    ) -> Result<Vec<ShardSnapshot>> {
         let answer = self
-            .ask(StageOp::Snapshot, timeout, |a| match a {
+            .ask(op, timeout, |a| match a {
                 StageAnswer::Snapshot(s) => Some(Ok(s)),
                 StageAnswer::SnapshotParts { transfer, parts } => Some(Err((transfer, parts))),
                 _ => None,
@@ -223,7 +229,10 @@ where
                 let _ = reply.send(take_model(state, wait).await);
             }
             StageMsg::Snapshot(reply) => {
-                let _ = reply.send(state.snapshot(wait).await);
+                let _ = reply.send(state.snapshot(StageOp::Snapshot, wait).await);
+            }
+            StageMsg::SnapshotModel(reply) => {
+                let _ = reply.send(state.snapshot(StageOp::ModelSnapshot, wait).await);
             }
             StageMsg::Restore { shard, reply } => {
                 let shards: Vec<Vec<u8>> = shard
@@ -283,10 +292,11 @@ where
     }
 }
 
-/// The trained model of a stage in another process: its snapshot, restored into a model the
-/// job builds on the head.
+/// The trained model of a stage in another process: its model's snapshot (the parameters as
+/// the stage holds them at the end: whole blocks under ZeRO-3, once `Fingerprint` gathered
+/// them), restored into a model the job builds on the head.
 async fn take_model<M>(state: &RemoteStageArgs<M>, wait: Duration) -> Option<M> {
-    let shards = match state.snapshot(wait).await {
+    let shards = match state.snapshot(StageOp::ModelSnapshot, wait).await {
         Ok(s) => s,
         Err(e) => {
             tracing::error!("the trained model of {} is lost: {e}", state.id);

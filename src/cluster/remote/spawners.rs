@@ -3,6 +3,7 @@
 //! slots that join (REMOTE-5) and rewires survivors after a recovery.
 
 use super::*;
+use crate::cluster::control::PipelineListeners;
 
 /// The spawner of a data-parallel job across processes (`JobBuilder::cluster`): starts every
 /// slot's stage where it lives (all at once: each waits for the others while it joins the
@@ -80,10 +81,12 @@ where
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {
         let ClusterPipeline { mesh, spec, layout } = *self;
         let faults = spec.faults.clone();
-        let rebuild = pipeline::rebuild_blocks(spec, mesh.model_device.burn().clone());
+        let rebuild = pipeline::rebuild_blocks(spec, mesh.model_device.burn().clone(), layout.tp());
         Box::pin(async move {
+            // Replica 0's stages, every tensor-parallel rank of each (TP-3).
             let model_ranks = (0..layout.pp())
-                .filter_map(|pp| layout.rank_of(Coord { dp: 0, pp, tp: 0 }))
+                .flat_map(|pp| (0..layout.tp()).map(move |tp| Coord { dp: 0, pp, tp }))
+                .filter_map(|c| layout.rank_of(c))
                 .map(Rank::index)
                 .collect();
             let shape = Shape {
@@ -261,7 +264,7 @@ impl<M: Send + 'static> Proxies<M> {
     pub(super) fn rewirer(
         self,
         layout: Layout,
-        links: Vec<Option<SocketAddr>>,
+        links: Vec<Option<PipelineListeners>>,
         shutdown: Arc<dyn Fn() + Send + Sync>,
         timeout: Duration,
     ) -> RewireStages<M> {
@@ -275,24 +278,18 @@ impl<M: Send + 'static> Proxies<M> {
                 let mut slot_of: Vec<Rank> = a.slots.iter().map(|d| Rank(d.0)).collect();
                 let mut fresh = Vec::new();
                 for &r in &a.fresh {
-                    let coord = layout
-                        .coord_of(Rank(r as u32))
+                    let id = pipeline::stage_id(layout, Rank(r as u32))
                         .ok_or_else(|| Error::Runtime(format!("rank {r} is outside {layout:?}")))?;
-                    let id = StageId {
-                        replica: coord.dp,
-                        stage: coord.pp,
-                        tp: 0,
-                    };
                     let start = StageOp::Start { id, alone: false };
                     let listening = |a: &StageAnswer| matches!(a, StageAnswer::Listening(_));
                     let (slot, endpoint, answer) =
                         proxies.start_waiting(id, start, listening, timeout).await?;
-                    if let StageAnswer::Listening(addr) = answer {
+                    if let StageAnswer::Listening(heard) = answer {
                         let mut links = lock_links(&links);
                         if links.len() <= slot.index() {
                             links.resize(slot.index() + 1, None);
                         }
-                        links[slot.index()] = Some(addr);
+                        links[slot.index()] = Some(heard);
                     }
                     if let Some(s) = slot_of.get_mut(r) {
                         *s = slot;
@@ -337,7 +334,7 @@ impl<M: Send + 'static> Proxies<M> {
 }
 
 pub(super) fn lock_links(
-    links: &Mutex<Vec<Option<SocketAddr>>>,
-) -> std::sync::MutexGuard<'_, Vec<Option<SocketAddr>>> {
+    links: &Mutex<Vec<Option<PipelineListeners>>>,
+) -> std::sync::MutexGuard<'_, Vec<Option<PipelineListeners>>> {
     links.lock().unwrap_or_else(|e| e.into_inner())
 }

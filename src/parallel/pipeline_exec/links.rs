@@ -81,8 +81,9 @@ pub(crate) fn links(
     out
 }
 
-/// The ends of `stage`'s links when every peer its list talks to is in another process:
-/// `wires[peer]` is the connection to stage `peer`. A wait is bounded by `timeout`; an abort
+/// The ends of `stage`'s links when every other peer its list talks to is in another process:
+/// `wires[peer]` is the connection to stage `peer`; its links to itself (a block job's) stay
+/// in process. A wait is bounded by `timeout`; an abort
 /// reaches it by closing the connections (the abort flag of in-process links plays no part).
 #[cfg_attr(
     not(feature = "cluster"),
@@ -98,12 +99,24 @@ pub(crate) fn remote_links(
     mut wires: HashMap<u32, Arc<dyn PacketWire>>,
 ) -> Result<StageLinks, ExecError> {
     let mut remote = HashMap::new();
+    let (mut to, mut from) = (HashMap::new(), HashMap::new());
     for instr in plan.list(StageIndex(stage)) {
-        let peer = match *instr {
-            Instr::SendActivation { to, .. } | Instr::SendGradient { to, .. } => to.0,
-            Instr::RecvActivation { from, .. } | Instr::RecvGradient { from, .. } => from.0,
+        let (peer, flow) = match *instr {
+            Instr::SendActivation { to, .. } => (to.0, Flow::Activation),
+            Instr::SendGradient { to, .. } => (to.0, Flow::Gradient),
+            Instr::RecvActivation { from, .. } => (from.0, Flow::Activation),
+            Instr::RecvGradient { from, .. } => (from.0, Flow::Gradient),
             _ => continue,
         };
+        if peer == stage {
+            // A block job's boundaries pass through the stage's links to itself: in process.
+            if let std::collections::hash_map::Entry::Vacant(link) = to.entry((peer, flow)) {
+                let (tx, rx) = sync_channel(plan.link_capacity() as usize);
+                link.insert(tx);
+                from.insert((peer, flow), rx);
+            }
+            continue;
+        }
         if remote.contains_key(&peer) {
             continue;
         }
@@ -116,8 +129,8 @@ pub(crate) fn remote_links(
     }
     Ok(StageLinks {
         stage,
-        to: HashMap::new(),
-        from: HashMap::new(),
+        to,
+        from,
         remote,
         timeout,
         abort: Arc::new(AtomicBool::new(false)),

@@ -638,6 +638,10 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         self.sync.snapshot_state(&self.model)
     }
 
+    fn module_params(&self) -> ShardParams {
+        crate::checkpoint::snapshot_module(&self.model)
+    }
+
     fn restore(
         &mut self,
         params: &ShardParams,

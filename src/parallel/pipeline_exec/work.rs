@@ -18,6 +18,10 @@ pub(crate) trait StageWork<I>: BlockStep<I> {
     /// The stage's parameters by name and its optimizer state (a checkpoint shard, or what a
     /// twin's replacement starts from).
     fn snapshot(&self) -> Result<(ShardParams, OptimizerState), CheckpointError>;
+    /// The module's parameters as it holds them now (whole after a ZeRO-3 gather; a
+    /// tensor-parallel rank's slices), in the checkpoint's form: what the trained model is
+    /// rebuilt from in another process.
+    fn module_params(&self) -> ShardParams;
     /// Take the parameters and optimizer state of a snapshot of the same block, as rank
     /// `rank` of `world` of the block's data-parallel group (sharded optimizer state is
     /// re-sharded onto that group).

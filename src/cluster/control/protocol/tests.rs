@@ -108,6 +108,8 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
                         )
                         .unwrap(),
                     ),
+                    tensor_parallel: 2,
+                    recompute: true,
                 },
                 ..spec
             },
