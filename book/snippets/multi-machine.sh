@@ -38,6 +38,13 @@ meshwork train --listen 0.0.0.0:29400 --nodes 4 --pp 2 --schedule 1f1b --micro-b
 # on each of the four node hosts
 meshwork node --join head-host:29400
 # ANCHOR_END: pipeline
+# ANCHOR: tensor
+# a 2 × 2 × 2 dp × pp × tp job of the demo GPT: four nodes of two devices each (each node's
+# two ranks are one tensor-parallel pair), the trained GPT's slices put together on the head
+meshwork train --listen 0.0.0.0:29400 --nodes 4 --model gpt --pp 2 --tp 2 --layers 1 --save-model gpt.mpk
+# on each of the four node hosts
+meshwork node --join head-host:29400 --devices 2
+# ANCHOR_END: tensor
 # ANCHOR: tls-certs
 # once, on a trusted machine: a certificate authority for the cluster (ca.key never leaves it) ...
 (umask 077; openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out ca.key)

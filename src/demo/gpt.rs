@@ -36,6 +36,97 @@ pub struct GptConfig {
     pub layers: usize,
 }
 
+/// The model kind of [`Gpt`] on the control plane ([`crate::cluster::control::ModelSpec`]):
+/// `meshwork train --model gpt`'s model across processes, registered by the binary.
+#[cfg(feature = "cluster")]
+pub const GPT_KIND: &str = "meshwork-demo-gpt";
+
+/// The [`crate::cluster::control::ModelSpec`] of a [`Gpt`] of `config` (its configuration:
+/// vocabulary, context, d_model, heads and layers, each a little-endian `u32`).
+#[cfg(feature = "cluster")]
+pub fn gpt_spec(config: &GptConfig) -> crate::cluster::control::ModelSpec {
+    let sizes = [
+        config.vocab,
+        config.context,
+        config.d_model,
+        config.heads,
+        config.layers,
+    ];
+    crate::cluster::control::ModelSpec {
+        kind: GPT_KIND.into(),
+        config: sizes
+            .iter()
+            .flat_map(|&n| u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// The configuration of the [`Gpt`] `spec` describes. The bytes come from the network, so the
+/// model is bounded before it is built: five sizes, none 0, `heads` dividing `d_model`, at
+/// most 2^28 parameters.
+#[cfg(feature = "cluster")]
+pub fn gpt_config(
+    spec: &crate::cluster::control::ModelSpec,
+) -> Result<GptConfig, crate::cluster::control::Incompatibility> {
+    use crate::cluster::control::Incompatibility;
+    if spec.kind != GPT_KIND {
+        return Err(Incompatibility::UnknownModel {
+            kind: spec.kind.clone(),
+        });
+    }
+    let sizes: Vec<u64> = spec
+        .config
+        .chunks_exact(4)
+        .map(|b| u64::from(u32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+        .collect();
+    let refused = || {
+        Incompatibility::Other(format!(
+            "demo GPT sizes {sizes:?} ({} configuration bytes) are not a model this node builds",
+            spec.config.len()
+        ))
+    };
+    let &[vocab, context, d_model, heads, layers] = sizes.as_slice() else {
+        return Err(refused());
+    };
+    // Embeddings, head, and per layer attention (4 d²) and MLP (8 d²), biases aside (in
+    // u128: no product of u32 sizes overflows it).
+    let (v, c, d, l) = (
+        vocab as u128,
+        context as u128,
+        d_model as u128,
+        layers as u128,
+    );
+    let params = 2 * v * d + c * d + l * 12 * d * d;
+    if spec.config.len() != 20
+        || sizes.contains(&0)
+        || !d_model.is_multiple_of(heads)
+        || params > 1 << 28
+    {
+        return Err(refused());
+    }
+    Ok(GptConfig {
+        vocab: vocab as usize,
+        context: context as usize,
+        d_model: d_model as usize,
+        heads: heads as usize,
+        layers: layers as usize,
+    })
+}
+
+/// The control plane's structure fingerprint of the [`Gpt`] `spec` describes, built on
+/// `device` ([`gpt_config`] checks the spec).
+#[cfg(feature = "cluster")]
+pub fn gpt_fingerprint(
+    spec: &crate::cluster::control::JobSpec,
+    device: &Device,
+) -> Result<crate::cluster::control::ModelFingerprint, crate::cluster::control::Incompatibility> {
+    let config = gpt_config(&spec.model)?;
+    Ok(crate::cluster::control::structure_fingerprint(
+        GPT_KIND,
+        &Gpt::new(&config, device),
+    ))
+}
+
 impl GptConfig {
     /// The MLP's hidden width: 4 × `d_model`, as GPT-2.
     pub fn mlp_hidden(&self) -> usize {

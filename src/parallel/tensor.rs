@@ -129,6 +129,13 @@ impl TensorParallel {
     /// Rank `rank` of a group of `degree` with no communicator: what builds (or restores) a
     /// rank's slices outside a job, as the head rebuilding a trained model does. Its
     /// collectives must not run (they would be the identity, not the group's).
+    #[cfg_attr(
+        not(feature = "cluster"),
+        expect(
+            dead_code,
+            reason = "only the head of a job across processes rebuilds slices"
+        )
+    )]
     pub(crate) fn detached(rank: usize, degree: usize) -> Self {
         Self {
             rank,

@@ -125,7 +125,7 @@ fn spawn_nodes(job: &str, addr: &str, nodes: &[&[&str]]) -> Vec<Proc> {
 /// Runs a job to its end: the head with `flags` and one `meshwork node` per entry of `nodes`
 /// (that node's own flags); every process must exit cleanly. The head's output, and the nodes
 /// for what they report.
-fn run_to_end(job: &str, nodes: &[&[&str]], flags: &[&str]) -> (String, Vec<Proc>) {
+pub(crate) fn run_to_end(job: &str, nodes: &[&[&str]], flags: &[&str]) -> (String, Vec<Proc>) {
     let (mut head, addr) = training_head(job, nodes.len() as u32, 60, flags);
     let mut procs = spawn_nodes(job, &addr, nodes);
     let (status, _) = head.wait_exit(Duration::from_secs(180));
@@ -141,7 +141,7 @@ fn run_to_end(job: &str, nodes: &[&[&str]], flags: &[&str]) -> (String, Vec<Proc
 /// Proof that the work was distributed: every node trained `per_node` ranks for `steps` steps
 /// each (a silent fallback to the head's process would leave the nodes idle). All the nodes'
 /// ranks, sorted.
-fn ranks_trained(nodes: &[Proc], per_node: usize, steps: u64) -> Vec<u32> {
+pub(crate) fn ranks_trained(nodes: &[Proc], per_node: usize, steps: u64) -> Vec<u32> {
     let mut ranks = Vec::new();
     for n in nodes {
         let trained = steps_trained(n);

@@ -6,5 +6,6 @@
 mod cluster_control;
 mod cluster_procs;
 mod cluster_tcp;
+mod cluster_tensor;
 mod cluster_training;
 mod fuzz_regressions;

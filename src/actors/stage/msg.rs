@@ -39,6 +39,10 @@ pub(crate) enum StageMsg<M> {
     /// The trained model's parameters as the stage holds them now, one shard per block
     /// (parameters only; whole blocks under ZeRO-3 once `Fingerprint` gathered them): what a
     /// node sends the head of a job across processes for the trained model.
+    #[cfg_attr(
+        not(feature = "cluster"),
+        expect(dead_code, reason = "only a node of a job across processes sends it")
+    )]
     SnapshotModel(RpcReplyPort<Result<Vec<ShardSnapshot>>>),
     /// Take the parameters and optimizer state of the shards of the blocks the stage holds
     /// (others in the list are ignored; a missing one is an error).

@@ -156,7 +156,11 @@ fn demo_fingerprint(
 ) -> Result<ModelFingerprint, Incompatibility> {
     let device = MeshDevice::of_kind(BackendKind::Flex, 1)
         .map_err(|e| Incompatibility::Other(e.to_string()))?;
-    let fingerprint = meshwork::demo::cluster_fingerprint(spec, device[0].burn())?;
+    let fingerprint = if is_gpt(spec) {
+        meshwork::demo::gpt::gpt_fingerprint(spec, device[0].burn())?
+    } else {
+        meshwork::demo::cluster_fingerprint(spec, device[0].burn())?
+    };
     Ok(match variant {
         // Another build's model: its structure hashes differently.
         Some(v) => ModelFingerprint(v.bytes().fold(fingerprint.0, |h, b| {
@@ -171,6 +175,8 @@ fn demo_fingerprint(
 #[derive(Debug, Clone)]
 pub(crate) struct HeadJob {
     pub(crate) save_model: Option<std::path::PathBuf>,
+    /// `--sample N` of `--model gpt`: characters sampled from the trained model.
+    pub(crate) sample: Option<usize>,
     pub(crate) policy: RecoveryPolicy,
     pub(crate) checkpoints: crate::train::CheckpointFlags,
     /// The replicas a data-parallel job may have (`--min-replicas`, `--max-replicas`).
@@ -267,20 +273,58 @@ struct HeadSettings<'a> {
 
 impl Configure for HeadSettings<'_> {
     fn apply<M: Send + 'static>(self, builder: JobBuilder<M, Sample>) -> JobBuilder<M, Sample> {
-        crate::train::checkpoint_settings(&self.job.checkpoints, builder)
-            .recovery(self.job.policy)
-            .elastic(self.job.elastic.0, self.job.elastic.1)
-            .step_timeout(self.job.step_timeout)
-            .cluster(self.mesh)
+        head_settings(self.job, self.mesh, builder)
     }
 }
 
-/// The model kinds `meshwork` trains across processes: the demo MLP (`variant`: pretend
-/// another build's, whose fingerprint differs).
+/// What the head adds to any of its jobs (the MLP's or the GPT's).
+fn head_settings<M: Send + 'static, I: Send + Sync + 'static>(
+    job: &HeadJob,
+    mesh: ClusterMesh,
+    builder: JobBuilder<M, I>,
+) -> JobBuilder<M, I> {
+    crate::train::checkpoint_settings(&job.checkpoints, builder)
+        .recovery(job.policy)
+        .elastic(job.elastic.0, job.elastic.1)
+        .step_timeout(job.step_timeout)
+        .cluster(mesh)
+}
+
+/// The ranks of one replica of a block or pipeline job (stages × tensor-parallel degree);
+/// `None` for a data-parallel job of the whole model (which grows onto nodes that join).
+fn ranks_per_replica(spec: &JobSpec) -> Option<u32> {
+    let blocks =
+        spec.pipeline.is_some() || is_gpt(spec) || spec.zero == 3 || spec.strategy.recompute;
+    blocks.then(|| {
+        spec.pipeline.as_ref().map_or(1, |p| p.stages.max(1)) * spec.strategy.tensor_parallel.max(1)
+    })
+}
+
+/// Whether `spec` is a job of the demo GPT (`--model gpt`), not of the demo MLP.
+fn is_gpt(spec: &JobSpec) -> bool {
+    spec.model.kind == meshwork::demo::gpt::GPT_KIND
+}
+
+/// The model kinds `meshwork` trains across processes: the demo MLP and the demo GPT
+/// (`variant`: pretend another build's, whose fingerprints differ).
 fn demo_models(variant: Option<String>) -> ModelRegistry {
+    let pretend = variant.clone();
     let fingerprint: FingerprintFn =
         Arc::new(move |spec: &JobSpec| demo_fingerprint(spec, variant.as_deref()));
-    ModelRegistry::new().register(meshwork::demo::MLP_KIND, fingerprint, demo_stages())
+    let gpt_fingerprint: FingerprintFn =
+        Arc::new(move |spec: &JobSpec| demo_fingerprint(spec, pretend.as_deref()));
+    ModelRegistry::new()
+        .register(meshwork::demo::MLP_KIND, fingerprint, demo_stages())
+        .register(meshwork::demo::gpt::GPT_KIND, gpt_fingerprint, gpt_stages())
+}
+
+/// How a process builds its stages of a `--model gpt` job: the GPT job of the head's spec.
+fn gpt_stages() -> HostFactory {
+    Arc::new(|args: HostArgs| {
+        let (builder, _, _) =
+            crate::gpt_train::cluster_job(&args.spec).map_err(|e| e.to_string())?;
+        builder.stage_host(args).map_err(|e| e.to_string())
+    })
 }
 
 /// How a node (and the head, for its own devices) builds its stages: the demo job of the
@@ -410,9 +454,17 @@ fn run_head(
     // The job the nodes will build, checked as a job across processes (the table, COMP-1,
     // and the values, JOB-1) before anyone waits for a node; the world is at least the nodes
     // and the head's own devices.
-    demo_job(&spec)?
-        .0
-        .check_across_processes(nodes + local_devices, head_job.policy)?;
+    let world = nodes + local_devices;
+    if is_gpt(&spec) {
+        crate::gpt_train::cluster_job(&spec)?
+            .0
+            .recovery(head_job.policy)
+            .check_across_processes(world)?;
+    } else {
+        demo_job(&spec)?
+            .0
+            .check_across_processes(world, head_job.policy)?;
+    }
     let secret = control::secret_from_env().map_err(ControlError::from)?;
     let fingerprint = demo_models(None).fingerprint(&spec).map_err(|reason| {
         Error::InvalidConfig(format!("the head cannot build its own model: {reason}"))
@@ -499,12 +551,12 @@ fn run_head(
         }
         // Nodes that come while the job runs join it: a data-parallel job grows onto them; in
         // a pipeline job they wait as spares that replace a lost stage (REC-6), where one can.
-        let refuse = spec.pipeline.as_ref().and_then(|p| {
-            let replicas = assembled.world.size() as u32 / p.stages.max(1);
+        let refuse = ranks_per_replica(&spec).and_then(|per_replica| {
+            let replicas = assembled.world.size() as u32 / per_replica;
             let replaces = head_job.policy.on_replica_loss == OnReplicaLoss::Shrink;
             (!replaces || replicas < 2).then(|| {
-                "the job is running: a pipeline job takes nodes only as spares for lost stages, \
-                 with --on-replica-loss shrink and at least 2 replicas"
+                "the job is running: a block or pipeline job takes nodes only as spares for lost \
+                 stages, with --on-replica-loss shrink and at least 2 replicas"
                     .to_string()
             })
         });
@@ -555,9 +607,8 @@ async fn train_on_world(
         )
     };
     let mesh = ClusterMesh::new(&assembled.world, &head.node_handles(), head_stages)?;
-    let (demo, task) = demo_job(spec)?;
     let joiner = mesh.joiner();
-    let pipelined = spec.pipeline.is_some();
+    let pipelined = ranks_per_replica(spec).is_some();
     let keep_alive = head.keep_alive();
     let watchers = Box::new(move |control: JobControl| {
         vec![
@@ -565,6 +616,12 @@ async fn train_on_world(
             tokio::spawn(report_lost_nodes(keep_alive)),
         ]
     });
+    if is_gpt(spec) {
+        let settings = |b| head_settings(job, mesh, b);
+        let report = (job.save_model.clone(), job.sample);
+        return crate::gpt_train::train_across(spec, settings, report, watchers).await;
+    }
+    let (demo, task) = demo_job(spec)?;
     demo.configure(HeadSettings { job, mesh })
         .run(RunOptions {
             steps: spec.steps,

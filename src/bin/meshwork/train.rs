@@ -78,7 +78,7 @@ pub(crate) struct TrainArgs {
     /// Recompute each block's forward during its backward (activation checkpointing): less
     /// memory for more compute. Without --pp the demo MLP trains as blocks of one layer.
     #[arg(long)]
-    recompute: bool,
+    pub(crate) recompute: bool,
     /// Precision of forward and backward: f32, bf16 or f16 (the optimizer steps f32 master
     /// weights; f16 scales the loss dynamically and skips steps whose gradient overflows).
     /// Replicas, blocks, --pp pipelines and --model gpt (with --tp) take both.
@@ -103,16 +103,16 @@ pub(crate) struct TrainArgs {
     /// How the replicas exchange gradients: none (an f32 all-reduce), bf16, f16,
     /// topk:FRACTION or powersgd:RANK[:UNCOMPRESSED_STEPS], with error feedback.
     #[arg(long, default_value = "none")]
-    compression: Compression,
+    pub(crate) compression: Compression,
     /// Replicas that step alone and meet every few steps: local-sgd:H,
     /// diloco:H[:OUTER_LR[:OUTER_MOMENTUM[:nesterov|plain]]] or easgd:H[:ALPHA].
     #[arg(long)]
-    local_updates: Option<LocalUpdates>,
+    pub(crate) local_updates: Option<LocalUpdates>,
     /// The algorithm of every collective: auto (chosen per call by size and group), ring,
     /// tree or direct (in one process only; across processes it runs as auto). The same
     /// algorithm sums in the same order in one process and across processes.
     #[arg(long, default_value = "auto")]
-    algorithm: Algorithm,
+    pub(crate) algorithm: Algorithm,
     /// Push the gradients to a parameter server, which applies them (see --staleness).
     #[arg(long)]
     parameter_server: bool,
@@ -125,7 +125,7 @@ pub(crate) struct TrainArgs {
     backup_workers: Option<u32>,
     /// Write the trained model (Burn record) to this file.
     #[arg(long)]
-    save_model: Option<PathBuf>,
+    pub(crate) save_model: Option<PathBuf>,
     /// Width of the demo MLP's hidden layers (128: about 21 thousand parameters; 1024:
     /// about 1.1 million).
     #[arg(long, default_value_t = 128)]
@@ -424,6 +424,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
         }
         let head = crate::cluster::HeadJob {
             save_model: args.save_model.clone(),
+            sample: None,
             policy,
             checkpoints: args.checkpoint_flags(),
             elastic: (1, u32::MAX),
@@ -479,9 +480,7 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
 /// across processes), without the MLP's fault flags.
 fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
     let unsupported = [
-        ("--recompute", args.recompute),
         ("--faults", args.faults.is_some()),
-        ("--save-model", args.save_model.is_some()),
         ("--timeline", args.timeline.is_some()),
         ("--on-replica-loss", args.on_replica_loss != "fail"),
     ];
@@ -489,14 +488,6 @@ fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
         return Err(Error::InvalidConfig(format!(
             "{flag} is not supported with --model gpt yet"
         )));
-    }
-    #[cfg(feature = "cluster")]
-    if args.cluster.listen.is_some() {
-        return Err(Error::InvalidConfig(
-            "--model gpt trains in one process (tensor parallelism across processes is not \
-             supported yet)"
-                .into(),
-        ));
     }
     let flags = crate::gpt_train::GptFlags {
         config: meshwork::demo::gpt::GptConfig {
@@ -514,6 +505,30 @@ fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
             "--d-model {} does not split into --heads {}",
             args.d_model, args.heads
         )));
+    }
+    // Across processes (--listen, or a launcher's variables): the head sends the GPT and
+    // every setting in the job spec; each process builds the same job from it.
+    #[cfg(feature = "cluster")]
+    {
+        let launched = meshwork::cluster::rendezvous::from_env(|k| std::env::var(k).ok())
+            .ok()
+            .flatten()
+            .is_some_and(|r| r.processes > 1);
+        if args.cluster.listen.is_some() || launched {
+            refuse_across_processes(&args)?;
+            let spec = crate::gpt_train::gpt_spec(&args, flags.config, flags.tp)?;
+            let head = crate::cluster::HeadJob {
+                save_model: args.save_model.clone(),
+                sample: args.sample,
+                policy: RecoveryPolicy::default(),
+                checkpoints: args.checkpoint_flags(),
+                elastic: (1, u32::MAX),
+                step_timeout: Duration::from_secs_f64(args.step_timeout),
+            };
+            if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, || spec, head) {
+                return outcome;
+            }
+        }
     }
     let runtime = tokio::runtime::Runtime::new().map_err(|e| meshwork::error::Error::Io {
         path: "tokio runtime".into(),

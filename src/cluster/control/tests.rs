@@ -147,4 +147,42 @@ fn a_registry_dispatches_on_the_kind_and_refuses_an_unknown_one() {
             Err(Incompatibility::Other(_))
         ));
     }
+    // So is the demo GPT: its five sizes round-trip, and sizes that are not a model it builds
+    // (a zero, heads not dividing d_model, too many parameters, other lengths) are refused
+    // before anything is built.
+    let config = crate::demo::gpt::GptConfig {
+        vocab: 63,
+        context: 16,
+        d_model: 32,
+        heads: 4,
+        layers: 1,
+    };
+    let gpt = crate::demo::gpt::gpt_spec(&config);
+    assert_eq!(crate::demo::gpt::gpt_config(&gpt), Ok(config));
+    let sizes = |s: [u32; 5]| ModelSpec {
+        config: s.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ..gpt.clone()
+    };
+    for bad in [
+        sizes([63, 16, 32, 0, 1]),
+        sizes([63, 16, 30, 4, 1]),
+        sizes([63, 16, u32::MAX, 1, u32::MAX]),
+        ModelSpec {
+            config: vec![1; 19],
+            ..gpt.clone()
+        },
+        ModelSpec {
+            config: Vec::new(),
+            ..gpt.clone()
+        },
+    ] {
+        assert!(matches!(
+            crate::demo::gpt::gpt_config(&bad),
+            Err(Incompatibility::Other(_))
+        ));
+    }
+    assert!(matches!(
+        crate::demo::gpt::gpt_config(&demo),
+        Err(Incompatibility::UnknownModel { .. })
+    ));
 }

@@ -209,7 +209,27 @@ pub(crate) fn rebuild_blocks<I: Send + Sync + 'static>(
                 let mut work =
                     (built.build)(&device, &spec.optimizer, spec.learning_rate.clone(), &slice)
                         .map_err(|e| format!("block {block} of {id} cannot be built: {e}"))?;
-                work.restore(&shard.params, None, (0, 1))
+                // The parameters keep the ids this process drew for the block (another process
+                // drew the snapshot's): every tensor-parallel rank's slice of a block then has
+                // the same ids, which is how its slices are matched when they are put together.
+                let drawn: HashMap<String, u64> = work
+                    .module_params()
+                    .params()
+                    .iter()
+                    .map(|p| (p.name.clone(), p.id))
+                    .collect();
+                let params = crate::checkpoint::ShardParams::from_params(
+                    shard
+                        .params
+                        .params()
+                        .iter()
+                        .map(|p| crate::checkpoint::NamedParam {
+                            id: drawn.get(&p.name).copied().unwrap_or(p.id),
+                            ..p.clone()
+                        })
+                        .collect(),
+                );
+                work.restore(&params, None, (0, 1))
                     .map_err(|e| format!("block {block} of {id} does not restore: {e}"))?;
                 Ok(crate::parallel::stages::BlockPart {
                     block,
