@@ -326,12 +326,6 @@ pub const REFUSALS: &[Refusal] = &[
          network's); a node carries out every other kind of fault",
         "use panic, stall, slow, partition or kill entries, or kill a node process",
     ),
-    row(
-        &[AcrossProcesses, Pipeline, RollBack],
-        "rolling a pipeline back across processes is not built yet",
-        "use RecoveryPolicy::shrink() (a lost stage is replaced from its twin on a spare \
-         node) or fail",
-    ),
 ];
 
 /// A job whose settings combine features that [`REFUSALS`] refuses: the row, and how the job

@@ -22,9 +22,9 @@ const TOLERANCE: f32 = 1e-5;
 /// Steps each run trains.
 const STEPS: u64 = 4;
 
-/// A small GPT and its run: one layer of width 32, 4 heads, 16 characters of context, Adam,
+/// A small GPT and its run of `steps` steps, saved at `model`: one layer of width 32, 4 heads, 16 characters of context, Adam,
 /// the ring algorithm everywhere (so every group sums in one order in and across processes).
-fn gpt_flags(model: &Path) -> Vec<String> {
+pub(crate) fn gpt_flags(model: &Path, steps: u64) -> Vec<String> {
     [
         "--model",
         "gpt",
@@ -37,7 +37,7 @@ fn gpt_flags(model: &Path) -> Vec<String> {
         "--context",
         "16",
         "--steps",
-        &STEPS.to_string(),
+        &steps.to_string(),
         "--batch-size",
         "8",
         "--micro-batches",
@@ -56,7 +56,7 @@ fn gpt_flags(model: &Path) -> Vec<String> {
 }
 
 /// The trained GPT the head (or a single-process run) saved at `path`.
-fn load_gpt(path: &Path, device: &MeshDevice) -> Gpt {
+pub(crate) fn load_gpt(path: &Path, device: &MeshDevice) -> Gpt {
     let vocab = meshwork::demo::kjv_corpus().unwrap().vocab().len();
     let config = GptConfig {
         vocab,
@@ -77,7 +77,7 @@ fn load_gpt(path: &Path, device: &MeshDevice) -> Gpt {
 
 /// The GPT job of `layout` (`--dp/--pp/--tp` values) trained in one process.
 fn in_one_process(name: &str, layout: [&str; 3], model: &Path) {
-    let flags = gpt_flags(model);
+    let flags = gpt_flags(model, STEPS);
     let args: Vec<&str> = [
         "train", "--dp", layout[0], "--pp", layout[1], "--tp", layout[2],
     ]
@@ -113,7 +113,7 @@ fn gpt_dp_pp_tp_across_node_processes_equals_its_single_process_run_and_one_devi
             dir.join(format!("{name}-across.mpk")),
             dir.join(format!("{name}-alone.mpk")),
         );
-        let flags = gpt_flags(&across);
+        let flags = gpt_flags(&across, STEPS);
         let flags: Vec<&str> = ["--pp", layout[1], "--tp", layout[2]]
             .into_iter()
             .chain(flags.iter().map(String::as_str))

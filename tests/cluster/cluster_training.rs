@@ -21,9 +21,9 @@ use meshwork::testing::{
 };
 
 /// The demo MLP of `meshwork train`.
-const WIDTHS: [usize; 4] = [32, 128, 128, 4];
+pub(crate) const WIDTHS: [usize; 4] = [32, 128, 128, 4];
 /// The demo MLP of `meshwork train --pp …` (cut into blocks of consecutive layers).
-const PIPELINE_WIDTHS: [usize; 6] = [32, 128, 128, 128, 128, 4];
+pub(crate) const PIPELINE_WIDTHS: [usize; 6] = [32, 128, 128, 128, 128, 4];
 /// `meshwork train`'s default learning rate.
 const LR: f64 = 3e-3;
 /// Samples in the demo dataset.
@@ -76,7 +76,7 @@ fn load(path: &Path, device: &MeshDevice) -> Mlp {
     load_of(&WIDTHS, path, device)
 }
 
-fn load_of(widths: &[usize], path: &Path, device: &MeshDevice) -> Mlp {
+pub(crate) fn load_of(widths: &[usize], path: &Path, device: &MeshDevice) -> Mlp {
     let shape = {
         // Unseeded (the file's values replace the draw), but a draw all the same: not in the
         // middle of another test's.
@@ -89,7 +89,7 @@ fn load_of(widths: &[usize], path: &Path, device: &MeshDevice) -> Mlp {
 }
 
 /// The steps each node says its ranks trained (`rank R trained S step(s)`).
-fn steps_trained(node: &Proc) -> Vec<(u32, u64)> {
+pub(crate) fn steps_trained(node: &Proc) -> Vec<(u32, u64)> {
     node.output()
         .lines()
         .filter_map(|l| {
@@ -186,7 +186,7 @@ fn kill(nodes: &mut Vec<Proc>, i: usize) {
 
 /// Lets the job train a second more, stops it with SIGTERM (the step in flight finishes), and
 /// asserts the head and every node exit cleanly; the head's output.
-fn stop_cleanly(head: &mut Proc, nodes: &mut [Proc]) -> String {
+pub(crate) fn stop_cleanly(head: &mut Proc, nodes: &mut [Proc]) -> String {
     std::thread::sleep(Duration::from_secs(1));
     head.signal("-TERM");
     let (status, _) = head.wait_exit(Duration::from_secs(60));
@@ -201,7 +201,11 @@ fn stop_cleanly(head: &mut Proc, nodes: &mut [Proc]) -> String {
 
 /// Waits until a line of `p`'s output satisfies `wanted` and returns it; `None` when `p`
 /// exits first (its exit is then recorded).
-fn wait_for_line(p: &mut Proc, timeout: Duration, wanted: impl Fn(&str) -> bool) -> Option<String> {
+pub(crate) fn wait_for_line(
+    p: &mut Proc,
+    timeout: Duration,
+    wanted: impl Fn(&str) -> bool,
+) -> Option<String> {
     let deadline = std::time::Instant::now() + timeout;
     loop {
         let exited = p.child.try_wait().unwrap().is_some();
@@ -226,7 +230,7 @@ fn wait_for_line(p: &mut Proc, timeout: Duration, wanted: impl Fn(&str) -> bool)
 }
 
 /// The step number `line` gives after `prefix` (`prefix` then digits).
-fn step_after(line: &str, prefix: &str) -> Option<u64> {
+pub(crate) fn step_after(line: &str, prefix: &str) -> Option<u64> {
     let rest = &line[line.find(prefix)? + prefix.len()..];
     let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
     digits.parse().ok()

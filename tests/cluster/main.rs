@@ -5,6 +5,7 @@
 
 mod cluster_control;
 mod cluster_procs;
+mod cluster_rollback;
 mod cluster_tcp;
 mod cluster_tensor;
 mod cluster_training;

@@ -551,12 +551,15 @@ fn run_head(
         }
         // Nodes that come while the job runs join it: a data-parallel job grows onto them; in
         // a pipeline job they wait as spares that replace a lost stage (REC-6), where one can.
+        // A spare replaces a lost stage from its twin (shrink, at least 2 replicas) or takes
+        // a lost rank's place when the job rolls back to its checkpoint.
         let refuse = ranks_per_replica(&spec).and_then(|per_replica| {
             let replicas = assembled.world.size() as u32 / per_replica;
-            let replaces = head_job.policy.on_replica_loss == OnReplicaLoss::Shrink;
-            (!replaces || replicas < 2).then(|| {
+            let from_twin =
+                head_job.policy.on_replica_loss == OnReplicaLoss::Shrink && replicas >= 2;
+            (!from_twin && !head_job.policy.roll_back).then(|| {
                 "the job is running: a block or pipeline job takes nodes only as spares for lost \
-                 stages, with --on-replica-loss shrink and at least 2 replicas"
+                 stages, with --on-replica-loss shrink and at least 2 replicas, or rollback"
                     .to_string()
             })
         });

@@ -152,7 +152,8 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         .seed(args.seed)
         .collective_timeout(Duration::from_secs_f64(args.collective_timeout));
     let builder =
-        crate::train::training_settings(args, crate::train::learning_rate(args)?, builder);
+        crate::train::training_settings(args, crate::train::learning_rate(args)?, builder)
+            .recovery(crate::train::fault_settings(args)?.1);
     // A checkpoint restores onto another --dp and --tp, re-sliced (TP-7).
     let builder = crate::train::checkpoint_settings(&args.checkpoint_flags(), builder);
     run_gpt_job(builder, args.steps, &data, report, no_watchers()).await

@@ -482,7 +482,6 @@ fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
     let unsupported = [
         ("--faults", args.faults.is_some()),
         ("--timeline", args.timeline.is_some()),
-        ("--on-replica-loss", args.on_replica_loss != "fail"),
     ];
     if let Some((flag, _)) = unsupported.iter().find(|(_, given)| *given) {
         return Err(Error::InvalidConfig(format!(
@@ -520,7 +519,7 @@ fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
             let head = crate::cluster::HeadJob {
                 save_model: args.save_model.clone(),
                 sample: args.sample,
-                policy: RecoveryPolicy::default(),
+                policy: fault_settings(&args)?.1,
                 checkpoints: args.checkpoint_flags(),
                 elastic: (1, u32::MAX),
                 step_timeout: Duration::from_secs_f64(args.step_timeout),
