@@ -236,7 +236,7 @@ async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std:
         )
         .await?;
     // Every rank on a node (the head holds none).
-    let mesh = ClusterMesh::new(&world.world, &head.node_handles(), None)?;
+    let mesh = ClusterMesh::new(&world, &head.node_handles(), None)?;
     let summary = match &spec.pipeline {
         None => {
             let handle = job(&spec)?.cluster(mesh).build()?.spawn();

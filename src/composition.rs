@@ -254,11 +254,6 @@ pub const REFUSALS: &[Refusal] = &[
         "remove .zero(..)",
     ),
     row(
-        &[ParameterServer, AcrossProcesses],
-        "the server runs in this process only",
-        "train in one process",
-    ),
-    row(
         &[ParameterServer, Bf16],
         "the server steps f32 parameters with f32 gradients",
         "train in f32",
@@ -287,11 +282,6 @@ pub const REFUSALS: &[Refusal] = &[
         &[BackupWorkers, Zero],
         "the server already holds the only optimizer state",
         "remove .zero(..)",
-    ),
-    row(
-        &[BackupWorkers, AcrossProcesses],
-        "the server runs in this process only",
-        "train in one process",
     ),
     row(
         &[BackupWorkers, Bf16],

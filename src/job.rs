@@ -181,7 +181,38 @@ pub struct JobBuilder<M, I> {
     /// How data-parallel replicas of `model` run across processes (set with it).
     #[cfg(feature = "cluster")]
     replica_cluster: Option<ClusterFns<StageSpec<M, I>, M>>,
+    /// How a parameter-server job of `model` runs across processes (set with it).
+    #[cfg(feature = "cluster")]
+    ps_cluster: Option<PsClusterFns<M, I>>,
 }
+
+/// What a parameter-server job's server runs with: its mode, its update rule and rate.
+#[cfg(feature = "cluster")]
+type ServerSettings = (parameter_server::Mode, crate::parallel::zero::FlatRule, f64);
+
+/// How a parameter-server job runs across processes: the head's spawner (the server and its
+/// gateway) and a process's slots (workers linked to it; their rule and rate) (feature
+/// `cluster`).
+#[cfg(feature = "cluster")]
+struct PsClusterFns<M, I> {
+    spawn: PsSpawn<M, I>,
+    slots: PsSlots<M, I>,
+}
+
+/// The head's spawner of a parameter-server job across processes.
+#[cfg(feature = "cluster")]
+type PsSpawn<M, I> = fn(
+    crate::cluster::remote::ClusterMesh,
+    Arc<StageSpec<M, I>>,
+    ServerSettings,
+) -> Box<dyn Spawner<M>>;
+
+/// A process's parameter-server workers from their spec, update rule and rate.
+#[cfg(feature = "cluster")]
+type PsSlots<M, I> = fn(
+    Arc<StageSpec<M, I>>,
+    (crate::parallel::zero::FlatRule, f64),
+) -> Arc<dyn crate::cluster::remote::SlotFactory<M>>;
 
 /// How the stages of a job built from a spec `S` run across processes: the head's spawner
 /// and a process's slots (feature `cluster`).
@@ -278,6 +309,8 @@ where
             cluster: None,
             #[cfg(feature = "cluster")]
             replica_cluster: None,
+            #[cfg(feature = "cluster")]
+            ps_cluster: None,
         }
     }
 

@@ -61,6 +61,8 @@ use crate::parallel::zero::{FlatRule, FlatState, OptimizerShard};
 mod server;
 
 use server::ServerGuard;
+#[cfg(feature = "cluster")]
+pub(crate) use server::ServerState;
 pub(crate) use server::{PullAnswer, ServerActor, ServerArgs, ServerMsg};
 
 /// The one shard built today.
@@ -98,17 +100,7 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        // PSA-2, PSA-3: the state is the server's, so any worker may be dropped, and its
-        // snapshot is read through worker 0. Workers are not added while the job runs.
-        Capabilities {
-            replicated_state: true,
-            droppable_replicas: true,
-            twins: false,
-            can_grow: false,
-            fixed_size: None,
-            micro_batches: None,
-            rejoin: Rejoin::Regroup,
-        }
+        capabilities(Rejoin::Regroup)
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {
@@ -120,17 +112,8 @@ where
         } = *self;
         Box::pin(async move {
             let workers = cx.layout.world_size();
-            let (server, _) = Actor::spawn(
-                None,
-                ServerActor,
-                ServerArgs {
-                    mode,
-                    rule,
-                    lr,
-                    workers,
-                },
-            )
-            .await?;
+            let (server, _) =
+                Actor::spawn(None, ServerActor, ServerArgs::new(mode, rule, lr, workers)).await?;
             let guard = Arc::new(ServerGuard(server.clone()));
             let mut stages = Vec::with_capacity(workers as usize);
             let mut watched = Vec::with_capacity(workers as usize);
@@ -152,7 +135,7 @@ where
                         device_actor: device_actor.clone(),
                         spec: spec.clone(),
                         server: server.clone(),
-                        _guard: guard.clone(),
+                        _guard: Some(guard.clone()),
                         model: Arc::new(Mutex::new(None)),
                         rule,
                         lr,
@@ -183,8 +166,67 @@ where
     }
 }
 
+/// What a parameter-server job's spawner says the Supervisor may do (PSA-2, PSA-3): the
+/// state is the server's, so any worker may be dropped, and its snapshot is read through
+/// worker 0; workers are not added while the job runs. `rejoin`: how the survivors take a
+/// rebuilt mesh (their server does not change).
+pub(crate) fn capabilities(rejoin: Rejoin) -> Capabilities {
+    Capabilities {
+        replicated_state: true,
+        droppable_replicas: true,
+        twins: false,
+        can_grow: false,
+        fixed_size: None,
+        micro_batches: None,
+        rejoin,
+    }
+}
+
 /// One worker of a parameter-server job.
 pub(crate) type WorkerActor<M, I> = Stage<WorkerState<M, I>>;
+
+/// Where a worker's server is and how it waits for it.
+#[cfg(feature = "cluster")]
+pub(crate) struct WorkerServer {
+    pub(crate) server: ActorRef<ServerMsg>,
+    pub(crate) rule: FlatRule,
+    pub(crate) lr: f64,
+    /// How long a device thread waits for the server (PSA-1).
+    pub(crate) wait: Duration,
+    /// How long the worker waits for its round.
+    pub(crate) round_wait: Duration,
+}
+
+/// Starts worker `worker` (the world's rank) of a job across processes on this process's
+/// `device`, its server reached through `server` (a link to the head's).
+#[cfg(feature = "cluster")]
+pub(crate) async fn spawn_remote_worker<M: Module + 'static, I: Send + Sync + 'static>(
+    spec: Arc<StageSpec<M, I>>,
+    (id, worker): (StageId, u32),
+    (device, device_actor): (MeshDevice, ActorRef<DeviceMsg>),
+    server: WorkerServer,
+    link: Option<crate::comm::emulate::LinkEmulation>,
+) -> std::result::Result<ActorRef<super::stage::StageMsg<M>>, ractor::SpawnErr> {
+    let state = WorkerState {
+        id,
+        rank: Rank(worker),
+        worker,
+        device,
+        device_actor,
+        spec,
+        server: server.server,
+        _guard: None,
+        model: Arc::new(Mutex::new(None)),
+        rule: server.rule,
+        lr: server.lr,
+        wait: server.wait,
+        round_wait: server.round_wait,
+        link,
+    };
+    Actor::spawn(None, WorkerActor::<M, I>::default(), state)
+        .await
+        .map(|(a, _)| a)
+}
 
 /// A worker's model (the structure it computes gradients in) and its trainable layout.
 struct WorkerModel<M> {
@@ -201,7 +243,9 @@ pub(crate) struct WorkerState<M, I> {
     device_actor: ActorRef<DeviceMsg>,
     spec: Arc<StageSpec<M, I>>,
     server: ActorRef<ServerMsg>,
-    _guard: Arc<ServerGuard>,
+    /// Stops the server with its last worker (in process; a worker of another process holds
+    /// its link to the head's server instead).
+    _guard: Option<Arc<ServerGuard>>,
     /// On the device thread while a loop runs; loops of one worker run one after another on
     /// its device thread.
     model: Arc<Mutex<Option<WorkerModel<M>>>>,

@@ -57,7 +57,7 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, RpcReplyPort};
 
 use super::control::{
     HostArgs, NodeHandle, PART_BYTES, ProcessIndex, ProcessPlan, RemoteError, StageAnswer,
-    StageHost, StageOp, StageRequest, World, join_shards, split_shards,
+    StageHost, StageOp, StageRequest, join_shards, split_shards,
 };
 use crate::actors::device::{DeviceActor, DeviceMsg, heartbeat};
 use crate::actors::pipeline_stage::PipelineSpec;
@@ -85,12 +85,14 @@ mod mesh;
 mod node;
 pub(crate) mod pipeline;
 mod proxy;
+mod ps;
 mod spawners;
 
 pub use mesh::{ClusterMesh, MeshJoiner};
 use mesh::{Endpoint, HEARTBEAT_WAIT, MeshSlots, Shape, lock};
 pub(crate) use node::NodeStages;
 pub(crate) use proxy::{RemoteDevice, RemoteDeviceArgs, RemoteStage, RemoteStageArgs};
+pub(crate) use ps::{ClusterParameterServer, PsWorkerSlots};
 pub(crate) use spawners::{ClusterPipeline, ClusterReplicas};
 use spawners::{Proxies, ask_each};
 
@@ -115,6 +117,8 @@ pub(crate) struct SlotStart {
     pub(crate) links: Option<StageLinks>,
     /// Its tensor-parallel and model groups (pipeline jobs).
     pub(crate) model: crate::parallel::pipeline_exec::ModelGroups,
+    /// Where its parameter server is (a parameter-server worker).
+    pub(crate) server: Option<ps::ServerLinkArgs>,
 }
 
 /// What a process's slots run: data-parallel replicas or pipeline stages.

@@ -44,7 +44,7 @@ where
             self.parameter_server.0,
             self.parameter_server.1,
             parameter_server::JobShape {
-                workers: self.dp,
+                workers: self.workers(),
                 optimizer: &self.optimizer,
                 learning_rate: &self.learning_rate,
             },
@@ -214,6 +214,9 @@ where
             self.dp = world;
             let spec = self.stage_spec(global, dataset)?;
             let layout = Layout::data_parallel(world)?;
+            if let (Some(server), Some(ps)) = (server, self.ps_cluster.take()) {
+                return Ok(((ps.spawn)(mesh, spec, server), layout, self.accumulation));
+            }
             return Ok(((fns.spawn)(mesh, spec, layout), layout, self.accumulation));
         }
         let spec = self.stage_spec(global, dataset)?;
@@ -255,6 +258,16 @@ where
             local_updates::check(updates, replicas, self.steps)?;
         }
         Ok(())
+    }
+
+    /// The data-parallel workers a parameter server would serve: the world's ranks across
+    /// processes, else `data_parallel`.
+    fn workers(&self) -> u32 {
+        #[cfg(feature = "cluster")]
+        if let Some(mesh) = &self.cluster {
+            return mesh.world_size() as u32;
+        }
+        self.dp
     }
 
     /// Whether the job runs across processes (`JobBuilder::cluster`).

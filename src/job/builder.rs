@@ -31,6 +31,20 @@ where
                 },
                 slots: |spec, _| Arc::new(crate::cluster::remote::ReplicaSlots(spec)),
             });
+            self.ps_cluster = Some(PsClusterFns {
+                spawn: |mesh, spec, (mode, rule, lr)| {
+                    Box::new(crate::cluster::remote::ClusterParameterServer {
+                        mesh,
+                        spec,
+                        mode,
+                        rule,
+                        lr,
+                    })
+                },
+                slots: |spec, (rule, lr)| {
+                    Arc::new(crate::cluster::remote::PsWorkerSlots { spec, rule, lr })
+                },
+            });
         }
         self
     }
@@ -583,6 +597,8 @@ where
             .algorithm(strategy.algorithm)
             .tensor_parallel(strategy.tensor_parallel);
         b.local_updates = strategy.local_updates;
+        b.parameter_server.0 = strategy.parameter_server;
+        b.parameter_server.1 = strategy.backup_workers;
         b.clip_norm = strategy.clip_norm;
         b.faults = strategy.faults.clone().map(FaultHooks::new);
         b.comm.link = strategy.link.clone();
@@ -643,11 +659,23 @@ where
                             .into(),
                     ));
                 };
+                let server = crate::parallel::parameter_server::check(
+                    self.parameter_server.0,
+                    self.parameter_server.1,
+                    crate::parallel::parameter_server::JobShape {
+                        workers: world,
+                        optimizer: &self.optimizer,
+                        learning_rate: &self.learning_rate,
+                    },
+                )?;
                 // The head checks the batch against the replicas it drives; a node's world
                 // counts every rank ever joined (it grows with late nodes, REMOTE-5).
                 self.dp = 1;
                 let spec = self.stage_spec(global, dataset)?;
-                (fns.slots)(spec, Layout::data_parallel(world)?)
+                match (server, self.ps_cluster.take()) {
+                    (Some((_, rule, lr)), Some(ps)) => (ps.slots)(spec, (rule, lr)),
+                    _ => (fns.slots)(spec, Layout::data_parallel(world)?),
+                }
             }
         };
         let link = crate::comm::net::link::LinkConfig {

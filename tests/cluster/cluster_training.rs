@@ -767,6 +767,68 @@ fn accumulation_and_compression_in_a_pipeline_across_processes_equal_the_single_
     let _ = std::fs::remove_dir_all(dir.path());
 }
 
+/// The parameter server across processes (issue 26): the server on the head, each node's
+/// rank a worker pulling parameters and pushing gradients over its own link to the head's
+/// gateway. SSP 0 over three node processes ends bitwise where the same job in one process
+/// ends, and within the tolerance of the one-device loop; bounded staleness (ssp:2) and one
+/// backup worker, whose outcome depends on which worker is last, train every step on every
+/// node and bring the loss down.
+#[test]
+fn the_parameter_server_across_three_node_processes_equals_its_single_process_run() {
+    let dir = TempDir::new("ps-across");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let (steps, batch, seed) = (8u64, 48usize, 7u64);
+    let (expected, device) = reference(seed, batch, steps, 3);
+    let flags = ["--parameter-server", "--staleness", "ssp:0"];
+    let (trained, single) =
+        across_and_alone(&dir, "ps-ssp0", (steps, batch, seed), &flags, &device);
+    assert!(
+        parameter_bits(&trained) == parameter_bits(&single),
+        "SSP 0 across processes ends where the same job in one process ends"
+    );
+    let worst = compare_parameters(&trained, &expected, TOLERANCE)
+        .unwrap_or_else(|e| panic!("SSP 0 across processes differs from one device: {e}"));
+    println!("SSP 0 across processes, worst relative difference to one device: {worst:e}");
+    for (name, extra) in [
+        (
+            "ps-ssp2",
+            &["--parameter-server", "--staleness", "ssp:2"][..],
+        ),
+        ("ps-backup", &["--backup-workers", "1"][..]),
+    ] {
+        let model = dir.join(format!("{name}.mpk"));
+        let mut flags = vec![
+            "--steps".to_string(),
+            "12".to_string(),
+            "--batch-size".to_string(),
+            batch.to_string(),
+            "--collective-timeout".to_string(),
+            "20".to_string(),
+            "--save-model".to_string(),
+            model.display().to_string(),
+        ];
+        flags.extend(extra.iter().map(|s| s.to_string()));
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let (out, nodes) = run_to_end(name, &[&[], &[], &[]], &flags);
+        assert!(out.contains(".cluster(..)"), "{out}");
+        assert_eq!(ranks_trained(&nodes, 1, 12), [0, 1, 2], "{name}");
+        let losses = out
+            .lines()
+            .find_map(|l| l.strip_prefix("loss "))
+            .and_then(|l| {
+                let (first, rest) = l.split_once(" → ")?;
+                let last = rest.split_whitespace().next()?;
+                Some((first.parse::<f32>().ok()?, last.parse::<f32>().ok()?))
+            })
+            .unwrap_or_else(|| panic!("{name}: no loss line:\n{out}"));
+        assert!(
+            losses.1 < losses.0,
+            "{name}: the loss did not come down: {losses:?}"
+        );
+    }
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
 /// f16 and clipping in a pipeline across processes (issue 26): every replica's stages agree
 /// the loss scaler's overflow and sum the global gradient norm over their model group — a TCP
 /// group of the replica's stages, joined at `Wire` beside the data-parallel group and the

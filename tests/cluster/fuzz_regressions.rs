@@ -208,6 +208,7 @@ fn write_control_seed_corpus() {
                         tp: 0,
                     },
                     alone: true,
+                    server: Some(29_600),
                 }),
             ),
             (

@@ -19,7 +19,7 @@ pub(crate) enum PullAnswer {
 }
 
 /// The server's parameters, optimizer state and rule.
-pub(super) type ServerState = (Arc<Vec<f32>>, FlatState, FlatRule);
+pub(crate) type ServerState = (Arc<Vec<f32>>, FlatState, FlatRule);
 
 /// Messages a [`ServerActor`] handles.
 pub(crate) enum ServerMsg {
@@ -96,6 +96,18 @@ pub(crate) struct ServerArgs {
     pub(super) rule: FlatRule,
     pub(super) lr: f64,
     pub(super) workers: u32,
+}
+
+impl ServerArgs {
+    /// A server of `workers` workers in `mode`, stepping with `rule` at `lr`.
+    pub(crate) fn new(mode: Mode, rule: FlatRule, lr: f64, workers: u32) -> Self {
+        Self {
+            mode,
+            rule,
+            lr,
+            workers,
+        }
+    }
 }
 
 /// State of a [`ServerActor`].

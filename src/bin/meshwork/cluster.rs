@@ -605,11 +605,12 @@ async fn train_on_world(
                     plan: assembled.head_plan(),
                     token: assembled.token.clone(),
                     listeners: head_listeners,
+                    head: None,
                 })
                 .map_err(Error::InvalidConfig)?,
         )
     };
-    let mesh = ClusterMesh::new(&assembled.world, &head.node_handles(), head_stages)?;
+    let mesh = ClusterMesh::new(assembled, &head.node_handles(), head_stages)?;
     let joiner = mesh.joiner();
     let pipelined = ranks_per_replica(spec).is_some();
     let keep_alive = head.keep_alive();
@@ -841,7 +842,7 @@ pub(crate) fn train_over_local_nodes(
             }
         };
         let trained = async {
-            let mesh = ClusterMesh::new(&assembled.world, &head.node_handles(), None)?;
+            let mesh = ClusterMesh::new(&assembled, &head.node_handles(), None)?;
             let DemoJob::Replicas(builder) = demo_job(spec)?.0 else {
                 return Err(Error::InvalidConfig(
                     "a data-parallel job: the spec names no pipeline".into(),

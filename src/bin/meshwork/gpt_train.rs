@@ -322,6 +322,8 @@ pub(crate) fn gpt_spec(
             link: None,
             tensor_parallel: tp,
             recompute: args.recompute,
+            parameter_server: None,
+            backup_workers: None,
         },
         backend: args.device,
     })

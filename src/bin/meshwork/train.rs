@@ -414,6 +414,10 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                         link: None,
                         tensor_parallel: 1,
                         recompute: args.recompute,
+                        parameter_server: args
+                            .parameter_server
+                            .then(|| ParameterServer::new(args.staleness)),
+                        backup_workers: args.backup_workers,
                     },
                     args.device,
                 ),
@@ -460,12 +464,6 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
             "the replicas are the world's ranks divided by --pp: start more nodes or devices",
         ),
         ("--lr-schedule", args.lr_schedule != "constant", CARRIES_NO),
-        ("--parameter-server", args.parameter_server, CARRIES_NO),
-        (
-            "--backup-workers",
-            args.backup_workers.is_some(),
-            CARRIES_NO,
-        ),
     ];
     match unsupported.iter().find(|(_, given, _)| *given) {
         Some((flag, _, why)) => Err(Error::InvalidConfig(format!(

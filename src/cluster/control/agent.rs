@@ -261,6 +261,8 @@ pub(crate) struct AgentState {
     factory: Option<HostFactory>,
     /// The stages, once prepared (with a factory).
     host: Option<Arc<dyn StageHost>>,
+    /// The head's address as this node reaches it (`HostArgs::head`).
+    head: Option<std::net::IpAddr>,
 }
 
 impl std::fmt::Debug for AgentState {
@@ -457,6 +459,7 @@ impl AgentState {
             plan: plan.clone(),
             token: JobToken::from_bytes(prepare.token),
             listeners: std::mem::take(&mut self.listeners),
+            head: self.head,
         })
         .map_err(|e| format!("this node cannot build the job's stages: {e}"))?;
         self.host = Some(host);
@@ -495,7 +498,12 @@ impl Actor for NodeAgent {
             AGENTS_GROUP.to_string(),
             vec![myself.get_cell()],
         );
+        let head = std::net::ToSocketAddrs::to_socket_addrs(args.config.head.as_str())
+            .ok()
+            .and_then(|mut a| a.next())
+            .map(|a| a.ip());
         Ok(AgentState {
+            head,
             name: args.config.name,
             devices: args.config.devices,
             data_addrs: args.data_addrs,

@@ -141,6 +141,12 @@ pub struct StrategySpec {
     /// activations (version 10 on). A block's options are fixed when the model's code builds
     /// its blocks, so that code reads it ([`crate::job::JobBuilder::follow_spec`] cannot).
     pub recompute: bool,
+    /// A parameter server instead of an all-reduce (version 10 on): its staleness bound; the
+    /// server runs on the head, every node's ranks are its workers.
+    pub parameter_server: Option<crate::parallel::parameter_server::ParameterServer>,
+    /// Synchronous steps that drop the last `b` workers' gradients, on the parameter server
+    /// (version 10 on).
+    pub backup_workers: Option<u32>,
 }
 
 /// A ZeRO stage number, 0 to 3 (see [`JobSpec::zero`]).
@@ -185,6 +191,8 @@ impl Default for StrategySpec {
             link: None,
             tensor_parallel: 1,
             recompute: false,
+            parameter_server: None,
+            backup_workers: None,
         }
     }
 }

@@ -67,6 +67,9 @@ pub enum StageOp {
         /// A node that joined the running job: start in a data-plane group of its own (the
         /// head reconnects everyone once its stage holds rank 0's state).
         alone: bool,
+        /// A parameter-server worker: the port of the head's gateway to its server (at the
+        /// address the node reaches the head at).
+        server: Option<u16>,
     },
     /// A pipeline job: join the data-parallel group of the slot's stage index, its
     /// tensor-parallel group and its replica's model group, and connect to the other stages of
@@ -485,6 +488,10 @@ pub struct HostArgs {
     pub token: JobToken,
     /// The data-plane listeners, one per slot of `plan.ranks`, in that order.
     pub listeners: Vec<TcpListener>,
+    /// The head's address as this process reaches it (a node: the host it joined; `None` in
+    /// the head's own process): where links to the head's own endpoints go (the parameter
+    /// server's gateway).
+    pub head: Option<std::net::IpAddr>,
 }
 
 /// Builds a node's [`StageHost`] once the world is known (the program's own job, built from

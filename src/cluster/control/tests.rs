@@ -122,6 +122,7 @@ fn a_registry_dispatches_on_the_kind_and_refuses_an_unknown_one() {
         },
         token: JobToken::from_bytes([1; 32]),
         listeners: Vec::new(),
+        head: None,
     };
     let refused = |r: Result<std::sync::Arc<dyn StageHost>, String>| r.err().unwrap_or_default();
     assert_eq!(refused(models.stages(host_args(&spec))), "no stages for b");

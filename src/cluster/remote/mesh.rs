@@ -15,6 +15,8 @@ pub(super) struct Shape<M> {
     pub(super) rebuild: Rebuild<M>,
     pub(super) model_ranks: Vec<usize>,
     pub(super) assemble: fn(Vec<M>) -> Option<M>,
+    /// A parameter-server job: the port of the head's gateway to the server.
+    pub(super) server: Option<u16>,
 }
 
 /// How much longer than the time-out a request carries the head waits for its answer (the
@@ -78,6 +80,9 @@ impl std::fmt::Debug for Endpoint {
 /// [`crate::job::JobBuilder::cluster`] trains on.
 pub struct ClusterMesh {
     pub(super) slots: Arc<Mutex<MeshSlots>>,
+    /// The data-plane token every process of the job holds (links the head opens itself, as
+    /// the parameter server's gateway, check it too).
+    pub(super) token: JobToken,
     /// The device the trained model is assembled on (in the head's process).
     pub(super) model_device: MeshDevice,
 }
@@ -157,15 +162,17 @@ impl MeshJoiner {
 }
 
 impl ClusterMesh {
-    /// The mesh of `world` (from [`crate::cluster::control::Head::assemble`]): the ranks of process 0
-    /// are served by `head_stages` (the head's own devices; `None` when it holds none), every
-    /// other rank by its node (`nodes`, from [`crate::cluster::control::Head::node_handles`]). The
-    /// trained model is assembled on a Flex CPU device of the head.
+    /// The mesh of the world `assembled` (from [`crate::cluster::control::Head::assemble`]): the
+    /// ranks of process 0 are served by `head_stages` (the head's own devices; `None` when it
+    /// holds none), every other rank by its node (`nodes`, from
+    /// [`crate::cluster::control::Head::node_handles`]). The trained model is assembled on a
+    /// Flex CPU device of the head.
     pub fn new(
-        world: &World,
+        assembled: &crate::cluster::control::Assembled,
         nodes: &HashMap<String, NodeHandle>,
         head_stages: Option<Arc<dyn StageHost>>,
     ) -> Result<Self> {
+        let world = &assembled.world;
         let mut endpoints = Vec::with_capacity(world.ranks.len());
         for entry in &world.ranks {
             let endpoint = if entry.process == ProcessIndex(0) {
@@ -205,6 +212,7 @@ impl ClusterMesh {
                 processes: world.ranks.iter().map(|e| e.process.0).collect(),
                 waiting: Default::default(),
             })),
+            token: assembled.token.clone(),
             model_device,
         })
     }
@@ -259,9 +267,11 @@ impl ClusterMesh {
                 tp: 0,
             })
         };
+        let server = shape.server;
         let start = |slot| StageOp::Start {
             id: id_of(slot),
             alone: false,
+            server,
         };
         let started = Self::ask_all(&endpoints, start, timeout).await?;
         let unexpected = |answer: &StageAnswer, slot: usize, op: &str| {

@@ -93,6 +93,8 @@ pub(super) struct NodeInner<M> {
     /// The job's fault plan as this process carries it out (FAULT-3).
     pub(super) faults: Option<Arc<crate::faults::FaultHooks>>,
     pub(super) slots: Mutex<HashMap<u32, NodeSlot<M>>>,
+    /// The head's address as this process reaches it (`None`: this is the head's process).
+    pub(super) head: Option<std::net::IpAddr>,
 }
 
 /// A process's stages: serves the head's [`StageRequest`]s for its slots with ordinary
@@ -168,6 +170,7 @@ impl<M: Send + 'static> NodeStages<M> {
                 tcp,
                 faults,
                 slots: Mutex::new(slots),
+                head: args.head,
             }),
         })
     }
@@ -261,9 +264,9 @@ impl<M: Send + 'static> NodeInner<M> {
         timeout: Duration,
     ) -> std::result::Result<StageAnswer, RemoteError> {
         match op {
-            StageOp::Start { id, alone } => match self.factory.pipeline() {
+            StageOp::Start { id, alone, server } => match self.factory.pipeline() {
                 None => self
-                    .start(slot, id, alone)
+                    .start(slot, id, alone, server)
                     .await
                     .map(|()| StageAnswer::Done),
                 Some(_) => self.listen(slot, id).await.map(StageAnswer::Listening),
@@ -495,6 +498,7 @@ impl<M: Send + 'static> NodeInner<M> {
         slot: Rank,
         id: StageId,
         alone: bool,
+        server: Option<u16>,
     ) -> std::result::Result<(), RemoteError> {
         let (started, device) = self.with_slot(slot, |s| (s.stage.is_some(), s.device.clone()))?;
         if started {
@@ -531,6 +535,18 @@ impl<M: Send + 'static> NodeInner<M> {
             comm: Some(comm),
             links: None,
             model: ModelGroups::default(),
+            server: server.map(|port| super::ps::ServerLinkArgs {
+                // The head's own stages reach its gateway on loopback.
+                gateway: SocketAddr::new(
+                    self.head
+                        .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)),
+                    port,
+                ),
+                worker: slot.0,
+                token: self.token.clone(),
+                config: self.tcp.link,
+                emulated: self.tcp.comm.link.clone(),
+            }),
         };
         let stage = self
             .factory
@@ -708,6 +724,7 @@ impl<M: Send + 'static> NodeInner<M> {
             comm,
             links: Some(links),
             model: groups,
+            server: None,
         };
         let stage = self.factory.spawn(start).await.map_err(other)?;
         self.with_slot(slot, |s| s.stage = Some(stage))

@@ -48,6 +48,7 @@ where
                 rebuild,
                 model_ranks: vec![0],
                 assemble: |mut models: Vec<M>| models.pop(),
+                server: None,
             };
             mesh.spawn_all(shape, cx)
                 .await
@@ -96,6 +97,7 @@ where
                 rebuild,
                 model_ranks,
                 assemble: PipelineModel::merge,
+                server: None,
             };
             mesh.spawn_all(shape, cx)
                 .await
@@ -248,6 +250,7 @@ impl<M: Send + 'static> Proxies<M> {
                 let start = StageOp::Start {
                     id: g.id,
                     alone: true,
+                    server: None,
                 };
                 let done = |a: &StageAnswer| matches!(a, StageAnswer::Done);
                 let (slot, endpoint, _) = proxies.start_waiting(g.id, start, done, timeout).await?;
@@ -280,7 +283,11 @@ impl<M: Send + 'static> Proxies<M> {
                 for &r in &a.fresh {
                     let id = pipeline::stage_id(layout, Rank(r as u32))
                         .ok_or_else(|| Error::Runtime(format!("rank {r} is outside {layout:?}")))?;
-                    let start = StageOp::Start { id, alone: false };
+                    let start = StageOp::Start {
+                        id,
+                        alone: false,
+                        server: None,
+                    };
                     let listening = |a: &StageAnswer| matches!(a, StageAnswer::Listening(_));
                     let (slot, endpoint, answer) =
                         proxies.start_waiting(id, start, listening, timeout).await?;

@@ -53,7 +53,7 @@ pub(super) struct Worker {
 }
 
 /// What a worker did in a round.
-#[derive(Debug, Default, Clone, PartialEq)]
+#[derive(Debug, Default, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct WorkerRound {
     /// Samples of its applied gradients, in the order applied.
     pub(crate) sample_ids: Vec<usize>,

@@ -110,6 +110,12 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
                     ),
                     tensor_parallel: 2,
                     recompute: true,
+                    parameter_server: Some(
+                        crate::parallel::parameter_server::ParameterServer::new(
+                            crate::parallel::parameter_server::Staleness::Bounded(2),
+                        ),
+                    ),
+                    backup_workers: Some(1),
                 },
                 ..spec
             },
