@@ -184,6 +184,10 @@ pub struct JobBuilder<M, I> {
     /// How a parameter-server job of `model` runs across processes (set with it).
     #[cfg(feature = "cluster")]
     ps_cluster: Option<PsClusterFns<M, I>>,
+    /// What in a job spec this builder followed cannot configure a job (`follow_spec`):
+    /// reported by `build` and `check_across_processes`.
+    #[cfg(feature = "cluster")]
+    spec_problem: Option<String>,
 }
 
 /// What a parameter-server job's server runs with: its mode, its update rule and rate.
@@ -311,6 +315,8 @@ where
             replica_cluster: None,
             #[cfg(feature = "cluster")]
             ps_cluster: None,
+            #[cfg(feature = "cluster")]
+            spec_problem: None,
         }
     }
 

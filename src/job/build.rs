@@ -37,6 +37,10 @@ where
             return invalid(format!("zero({:?}): {e}", self.zero));
         }
         let remote = self.is_remote();
+        #[cfg(feature = "cluster")]
+        if let Some(problem) = &self.spec_problem {
+            return invalid(problem.clone());
+        }
         // Every refused combination of strategies, from the one table (COMP-1).
         self.plan().check()?;
         self.check_strategy_values(self.dp)?;

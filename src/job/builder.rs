@@ -599,6 +599,16 @@ where
         b.local_updates = strategy.local_updates;
         b.parameter_server.0 = strategy.parameter_server;
         b.parameter_server.1 = strategy.backup_workers;
+        if let Some(warmup) = strategy.warmup_cosine {
+            match LearningRate::warmup_cosine(
+                spec.learning_rate,
+                usize::try_from(warmup).unwrap_or(usize::MAX),
+                usize::try_from(spec.steps).unwrap_or(usize::MAX),
+            ) {
+                Ok(schedule) => b.learning_rate = schedule,
+                Err(e) => b.spec_problem = Some(e.0),
+            }
+        }
         b.clip_norm = strategy.clip_norm;
         b.faults = strategy.faults.clone().map(FaultHooks::new);
         b.comm.link = strategy.link.clone();
@@ -613,6 +623,9 @@ where
     /// rather than failing later; a head runs it before it waits for its nodes, so a job it
     /// would refuse once they joined is refused before anyone joins (feature `cluster`).
     pub fn check_across_processes(&self, world: u32) -> Result<()> {
+        if let Some(problem) = &self.spec_problem {
+            return Err(Error::InvalidConfig(problem.clone()));
+        }
         self.plan().across_processes().check()?;
         if self.accumulation == 0 {
             return Err(Error::InvalidConfig(

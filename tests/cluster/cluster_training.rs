@@ -767,6 +767,30 @@ fn accumulation_and_compression_in_a_pipeline_across_processes_equal_the_single_
     let _ = std::fs::remove_dir_all(dir.path());
 }
 
+/// A learning-rate schedule across processes (issue 26): the spec carries the warm-up, so
+/// every node steps the same warm-up-and-cosine schedule as the head's Supervisor reports; the
+/// job ends bitwise where the same job in one process ends (`--algorithm ring`), and away
+/// from the constant-rate one-device loop.
+#[test]
+fn a_learning_rate_schedule_across_processes_equals_its_single_process_run() {
+    let dir = TempDir::new("lr-across");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let (steps, batch, seed) = (8u64, 48usize, 7u64);
+    let (constant, device) = reference(seed, batch, steps, 3);
+    let flags = ["--lr-schedule", "warmup-cosine:2", "--algorithm", "ring"];
+    let (trained, single) =
+        across_and_alone(&dir, "lr-schedule", (steps, batch, seed), &flags, &device);
+    assert!(
+        parameter_bits(&trained) == parameter_bits(&single),
+        "the scheduled job across processes ends where it ends in one process"
+    );
+    assert!(
+        compare_parameters(&trained, &constant, 1e-5).is_err(),
+        "the nodes trained at a constant rate"
+    );
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
 /// The parameter server across processes (issue 26): the server on the head, each node's
 /// rank a worker pulling parameters and pushing gradients over its own link to the head's
 /// gateway. SSP 0 over three node processes ends bitwise where the same job in one process

@@ -324,6 +324,7 @@ pub(crate) fn gpt_spec(
             recompute: args.recompute,
             parameter_server: None,
             backup_workers: None,
+            warmup_cosine: crate::train::warmup_steps(args)?.map(|w| w as u64),
         },
         backend: args.device,
     })

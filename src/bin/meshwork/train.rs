@@ -291,6 +291,16 @@ fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
 /// The learning rate `--lr` and `--lr-schedule` ask for (refused here, naming the flag, when
 /// they do not make a schedule).
 pub(crate) fn learning_rate(args: &TrainArgs) -> meshwork::error::Result<LearningRate> {
+    match warmup_steps(args)? {
+        None => Ok(LearningRate::Constant(args.lr)),
+        Some(warmup) => LearningRate::warmup_cosine(args.lr, warmup, args.steps as usize)
+            .map_err(|e| Error::InvalidConfig(format!("--lr-schedule: {}", e.0))),
+    }
+}
+
+/// `--lr-schedule`'s warm-up steps (`warmup-cosine[:W]`, W a tenth of the steps by default),
+/// or `None` for `constant`.
+pub(crate) fn warmup_steps(args: &TrainArgs) -> meshwork::error::Result<Option<usize>> {
     let bad = || {
         Error::InvalidConfig(format!(
             "--lr-schedule {}: constant, or warmup-cosine[:WARMUP_STEPS]",
@@ -302,13 +312,8 @@ pub(crate) fn learning_rate(args: &TrainArgs) -> meshwork::error::Result<Learnin
         None => (args.lr_schedule.as_str(), None),
     };
     match name {
-        "constant" if warmup.is_none() => Ok(LearningRate::Constant(args.lr)),
-        "warmup-cosine" => {
-            let total = args.steps as usize;
-            let warmup = warmup.unwrap_or((total / 10).max(1));
-            LearningRate::warmup_cosine(args.lr, warmup, total)
-                .map_err(|e| Error::InvalidConfig(format!("--lr-schedule: {}", e.0)))
-        }
+        "constant" if warmup.is_none() => Ok(None),
+        "warmup-cosine" => Ok(Some(warmup.unwrap_or((args.steps as usize / 10).max(1)))),
         _ => Err(bad()),
     }
 }
@@ -383,6 +388,8 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
         } else {
             fault_settings(&args)?
         };
+        // Refused here, before any node waits, if it names no schedule.
+        let warmup = warmup_steps(&args)?;
         let spec = || {
             // A dp × pp job across processes: the deeper MLP, cut as a single-process run cuts it.
             let pipeline = (args.pp > 1).then(|| meshwork::cluster::control::PipelineShape {
@@ -418,6 +425,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                             .parameter_server
                             .then(|| ParameterServer::new(args.staleness)),
                         backup_workers: args.backup_workers,
+                        warmup_cosine: warmup.map(|w| w as u64),
                     },
                     args.device,
                 ),
@@ -445,11 +453,8 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
     runtime.block_on(train(args))
 }
 
-/// The flags a job across processes cannot apply yet, refused before the head waits for its
-/// nodes: the job spec the nodes receive carries none of them, so each would be ignored.
-#[cfg(feature = "cluster")]
-const CARRIES_NO: &str = "the job spec nodes receive does not carry it";
-
+/// The flags a job across processes cannot apply, refused before the head waits for its
+/// nodes: each would be ignored on some process.
 #[cfg(feature = "cluster")]
 fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
     let unsupported = [
@@ -463,7 +468,6 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
             args.dp.is_some(),
             "the replicas are the world's ranks divided by --pp: start more nodes or devices",
         ),
-        ("--lr-schedule", args.lr_schedule != "constant", CARRIES_NO),
     ];
     match unsupported.iter().find(|(_, given, _)| *given) {
         Some((flag, _, why)) => Err(Error::InvalidConfig(format!(

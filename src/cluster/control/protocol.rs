@@ -147,6 +147,9 @@ pub struct StrategySpec {
     /// Synchronous steps that drop the last `b` workers' gradients, on the parameter server
     /// (version 10 on).
     pub backup_workers: Option<u32>,
+    /// A warm-up of this many steps to `learning_rate`, then a cosine down to 1 % of it at
+    /// `steps` (`LearningRate::warmup_cosine`; version 10 on); none: the constant rate.
+    pub warmup_cosine: Option<u64>,
 }
 
 /// A ZeRO stage number, 0 to 3 (see [`JobSpec::zero`]).
@@ -193,6 +196,7 @@ impl Default for StrategySpec {
             recompute: false,
             parameter_server: None,
             backup_workers: None,
+            warmup_cosine: None,
         }
     }
 }

@@ -116,6 +116,7 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
                         ),
                     ),
                     backup_workers: Some(1),
+                    warmup_cosine: Some(3),
                 },
                 ..spec
             },
