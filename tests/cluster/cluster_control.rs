@@ -344,10 +344,6 @@ fn a_flag_nodes_cannot_apply_is_refused_before_anyone_joins() {
         ),
         (&["--timeline", "t.svg"][..], not_yet("--timeline")),
         (&["--dp", "2"][..], not_yet("--dp")),
-        (
-            &["--lr-schedule", "warmup-cosine"][..],
-            not_yet("--lr-schedule"),
-        ),
         // A combination the one table refuses, named by its row.
         (
             &["--precision", "f16", "--compression", "topk:0.1"][..],
