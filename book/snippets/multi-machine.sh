@@ -32,6 +32,11 @@ RANK=0 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job 
 RANK=1 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork node --job demo
 RANK=2 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job demo
 # ANCHOR_END: torchrun
+# ANCHOR: mpirun
+# OpenMPI's mpirun (or MPICH's mpiexec): rank 0 is the head (holding one device), every other
+# rank a node with one device; across hosts, name rank 0's host (on one host it is this one)
+mpirun -n 4 -x MESHWORK_SECRET_FILE -x MASTER_ADDR=10.0.0.1 meshwork train --job demo
+# ANCHOR_END: mpirun
 # ANCHOR: pipeline
 # a 2 × 2 dp × pp job: the head waits for four nodes, each will hold one pipeline stage
 meshwork train --listen 0.0.0.0:29400 --nodes 4 --pp 2 --schedule 1f1b --micro-batches 4 --save-model trained.mpk

@@ -12,17 +12,29 @@
 //!   `node[01-03,07],gpu5`). Task 0 is the head; it runs on the first host of the list (Slurm's
 //!   default block distribution) unless `MASTER_ADDR` names another. The port is
 //!   `MESHWORK_PORT`, else `MASTER_PORT`, else [`DEFAULT_PORT`].
+//! - **mpirun** of OpenMPI (detected when `OMPI_COMM_WORLD_RANK` is set:
+//!   `OMPI_COMM_WORLD_RANK`, `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_SIZE`) and of MPICH
+//!   or Intel MPI's Hydra (detected when `PMI_RANK` is set: `PMI_RANK`, `PMI_SIZE`,
+//!   `MPI_LOCALNRANKS`). Rank 0 is the head. The launcher does not say where rank 0 runs:
+//!   `MASTER_ADDR` names it (`mpirun -x MASTER_ADDR=…`), and when every rank runs on this host
+//!   (the local size equals the world's) it is the loopback address; a job over several hosts
+//!   without `MASTER_ADDR` is an error (RDV-3). The port is `MESHWORK_PORT`, else
+//!   `MASTER_PORT`, else [`DEFAULT_PORT`].
 //!
 //! # Precedence
 //!
 //! Command-line flags (`--listen`, `--join`) win over the environment; torchrun's variables
 //! win over Slurm's (torchrun run inside a Slurm allocation sets both, and its own are the
-//! ones that describe its processes).
+//! ones that describe its processes), and an MPI launcher's over Slurm's (`mpirun` inside an
+//! allocation describes its own ranks, where `SLURM_PROCID` is the one task that ran it).
 //!
 //! # Invariants (tests name the id they check)
 //!
 //! - RDV-1: every garbled or missing variable of a detected convention is a typed
 //!   [`RendezvousError`] naming the variable; nothing falls back silently.
+//! - RDV-3: under an MPI launcher, the head's host is `MASTER_ADDR`, or the loopback address
+//!   only when the launcher says every rank is on this host; otherwise
+//!   [`RendezvousError::Missing`] names `MASTER_ADDR`.
 //! - RDV-2: [`expand_hostlist`] expands Slurm's syntax (ranges with zero padding, lists,
 //!   several bracket groups per name) in order, and rejects malformed lists with a typed
 //!   [`HostlistError`]; it never expands more than the limit it is given.
@@ -43,6 +55,10 @@ pub enum Convention {
     Torchrun,
     /// `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_NODELIST`.
     Slurm,
+    /// OpenMPI's `mpirun`: `OMPI_COMM_WORLD_RANK`/`OMPI_COMM_WORLD_SIZE`.
+    OpenMpi,
+    /// MPICH's (or Intel MPI's) Hydra `mpiexec`: `PMI_RANK`/`PMI_SIZE`.
+    Hydra,
 }
 
 /// Where this process stands in the job, as the launcher described it.
@@ -251,6 +267,43 @@ pub fn from_env(
             port,
         }));
     }
+    let mpi = [
+        (
+            Convention::OpenMpi,
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ),
+        (Convention::Hydra, "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS"),
+    ];
+    for (c, rank_var, size_var, local_var) in mpi {
+        if lookup(rank_var).is_none() {
+            continue;
+        }
+        let process: u32 = parse(&lookup, c, rank_var, "a rank (0, 1, ...)")?;
+        let processes: u32 = parse(&lookup, c, size_var, "a positive number of ranks")?;
+        check_range(rank_var, size_var, process, processes)?;
+        let head_host = match lookup("MASTER_ADDR") {
+            Some(addr) if !addr.trim().is_empty() => addr.trim().to_string(),
+            // RDV-3: the loopback address only when every rank is on this host.
+            _ => match lookup(local_var).map(|v| v.trim().parse::<u32>()) {
+                Some(Ok(local)) if local == processes => "127.0.0.1".to_string(),
+                _ => {
+                    return Err(RendezvousError::Missing {
+                        convention: c,
+                        var: "MASTER_ADDR",
+                    });
+                }
+            },
+        };
+        return Ok(Some(Rendezvous {
+            convention: c,
+            process: ProcessIndex(process),
+            processes,
+            head_host,
+            port: port_of(&lookup, c)?,
+        }));
+    }
     if lookup("SLURM_PROCID").is_some() {
         let c = Convention::Slurm;
         let process: u32 = parse(&lookup, c, "SLURM_PROCID", "a task index (0, 1, ...)")?;
@@ -274,22 +327,29 @@ pub fn from_env(
                 first_host(&list).map_err(|error| RendezvousError::Hostlist { var, error })?
             }
         };
-        let port = if lookup("MESHWORK_PORT").is_some() {
-            parse(&lookup, c, "MESHWORK_PORT", "a port number (0-65535)")?
-        } else if lookup("MASTER_PORT").is_some() {
-            parse(&lookup, c, "MASTER_PORT", "a port number (0-65535)")?
-        } else {
-            DEFAULT_PORT
-        };
         return Ok(Some(Rendezvous {
             convention: c,
             process: ProcessIndex(process),
             processes,
             head_host,
-            port,
+            port: port_of(&lookup, c)?,
         }));
     }
     Ok(None)
+}
+
+/// The head's port when the launcher has none of its own: `MESHWORK_PORT`, else
+/// `MASTER_PORT`, else [`DEFAULT_PORT`].
+fn port_of(
+    lookup: &impl Fn(&str) -> Option<String>,
+    c: Convention,
+) -> Result<u16, RendezvousError> {
+    for var in ["MESHWORK_PORT", "MASTER_PORT"] {
+        if lookup(var).is_some() {
+            return parse(lookup, c, var, "a port number (0-65535)");
+        }
+    }
+    Ok(DEFAULT_PORT)
 }
 
 /// Splits `list` at the commas outside brackets.

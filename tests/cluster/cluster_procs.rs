@@ -27,7 +27,20 @@ fn collect(reader: impl Read + Send + 'static, lines: Arc<Mutex<Vec<String>>>) {
 
 impl Proc {
     pub fn spawn(name: &str, args: &[&str], secret: Option<&str>) -> Proc {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_meshwork"));
+        Self::launch(name, env!("CARGO_BIN_EXE_meshwork"), args, secret, &[])
+    }
+
+    /// `program` (`meshwork`, or a launcher such as `mpirun` running it) with `args`, in the
+    /// environment every test child gets: no launcher variables of the caller's, the secret
+    /// if given, and `vars`.
+    pub fn launch(
+        name: &str,
+        program: &str,
+        args: &[&str],
+        secret: Option<&str>,
+        vars: &[(&str, &str)],
+    ) -> Proc {
+        let mut cmd = Command::new(program);
         cmd.args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -37,10 +50,13 @@ impl Proc {
             .env_remove("RANK")
             .env_remove("WORLD_SIZE")
             .env_remove("SLURM_PROCID")
+            .env_remove("OMPI_COMM_WORLD_RANK")
+            .env_remove("PMI_RANK")
             .env("RUST_LOG", "warn,ractor_cluster=error");
         if let Some(s) = secret {
             cmd.env("MESHWORK_SECRET", s);
         }
+        cmd.envs(vars.iter().copied());
         // A process computing on wgpu (`--device wgpu`) finds Mesa's software Vulkan on a
         // machine without a GPU (CI's), which wants a runtime directory; the caller's own
         // settings win.
@@ -50,7 +66,9 @@ impl Proc {
         if std::env::var_os("XDG_RUNTIME_DIR").is_none() {
             cmd.env("XDG_RUNTIME_DIR", std::env::temp_dir());
         }
-        let mut child = cmd.spawn().expect("start meshwork");
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("start {program}: {e}"));
         let lines = Arc::new(Mutex::new(Vec::new()));
         collect(child.stdout.take().unwrap(), lines.clone());
         collect(child.stderr.take().unwrap(), lines.clone());

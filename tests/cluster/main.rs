@@ -4,6 +4,7 @@
 //! Children started from this binary name their entry test by its module path.
 
 mod cluster_control;
+mod cluster_launchers;
 mod cluster_procs;
 mod cluster_rollback;
 mod cluster_tcp;

@@ -94,9 +94,12 @@ where
         .unwrap_or_else(|| Error::Runtime("a failure without an error".into()));
     let peers_are_ranks = state.caps.rejoin.regroups();
     let mut lost = decide::lost_ranks(&failure.0, &state.stage_ids(), peers_are_ranks);
-    if state.reconnect_devices && !lost.is_empty() {
+    if state.reconnect_devices {
         // Across processes one failure can take several ranks (a node holding several
-        // devices): every other rank whose device does not answer is lost with it.
+        // devices): every other rank whose device does not answer is lost with it. And a
+        // survivor's report can come first and name no lost rank (its tensor-parallel or
+        // pipeline peer's link broke, the peer numbered in its own group): the probe finds
+        // the rank whose process died.
         lost = with_unreachable(state.devices.clone(), lost).await;
     }
     let finished: Vec<bool> = (0..state.stages.len())

@@ -259,3 +259,85 @@ proptest! {
         let _ = expand_hostlist(&list, 1000);
     }
 }
+
+/// OpenMPI's and Hydra's variables: rank 0 is the head; on one host (the local size is the
+/// world's) the head is the loopback address, over several hosts `MASTER_ADDR` names it and
+/// without it the error names it (RDV-3); the port as for Slurm.
+#[test]
+fn rdv_3_mpi_launchers_make_rank_0_the_head_and_need_master_addr_across_hosts() {
+    for (c, rank, size, local) in [
+        (
+            Convention::OpenMpi,
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ),
+        (Convention::Hydra, "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS"),
+    ] {
+        // One host: every rank local.
+        let one_host = [(rank, "2"), (size, "3"), (local, "3")];
+        let r = from_env(env(&one_host)).unwrap().unwrap();
+        assert_eq!(r.convention, c);
+        assert_eq!(
+            r.role(),
+            Role::Node {
+                join: format!("127.0.0.1:{DEFAULT_PORT}"),
+                process: ProcessIndex(2)
+            }
+        );
+        let head = [
+            (rank, "0"),
+            (size, "3"),
+            (local, "3"),
+            ("MESHWORK_PORT", "29601"),
+        ];
+        assert_eq!(
+            from_env(env(&head)).unwrap().unwrap().role(),
+            Role::Head {
+                listen: "0.0.0.0:29601".into(),
+                nodes: 2
+            }
+        );
+        // Several hosts: MASTER_ADDR, or an error naming it.
+        let hosts = [(rank, "1"), (size, "4"), (local, "2")];
+        assert_eq!(
+            from_env(env(&hosts)).unwrap_err(),
+            RendezvousError::Missing {
+                convention: c,
+                var: "MASTER_ADDR"
+            }
+        );
+        let named = [
+            (rank, "1"),
+            (size, "4"),
+            (local, "2"),
+            ("MASTER_ADDR", "10.0.0.9"),
+            ("MASTER_PORT", "29700"),
+        ];
+        assert_eq!(
+            from_env(env(&named)).unwrap().unwrap().head_addr(),
+            "10.0.0.9:29700"
+        );
+        // No local size at all: not known to be one host.
+        assert!(from_env(env(&[(rank, "0"), (size, "2")])).is_err());
+        // Garbled and out-of-range ranks are named (RDV-1).
+        assert!(matches!(
+            from_env(env(&[(rank, "x"), (size, "2"), (local, "2")])),
+            Err(RendezvousError::Invalid { var, .. }) if var == rank
+        ));
+        assert!(matches!(
+            from_env(env(&[(rank, "2"), (size, "2"), (local, "2")])),
+            Err(RendezvousError::RankOutOfRange { .. })
+        ));
+        // An MPI launcher inside a Slurm allocation describes its own ranks.
+        let inside = [
+            (rank, "1"),
+            (size, "3"),
+            (local, "3"),
+            ("SLURM_PROCID", "0"),
+            ("SLURM_NTASKS", "1"),
+            ("SLURM_NODELIST", "n1"),
+        ];
+        assert_eq!(from_env(env(&inside)).unwrap().unwrap().convention, c);
+    }
+}
