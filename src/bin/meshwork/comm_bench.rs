@@ -14,8 +14,9 @@
 //! processes instead: this process is the head and starts [`WORLD`] `meshwork node` processes
 //! per method, one rank each, the emulated link on every rank's TCP sends (the job spec
 //! carries it, with the method); the job is `meshwork train`'s demo job (its data, from the
-//! same seed). The slow-rank scenario's methods (the parameter server, backup workers) do
-//! not run across processes yet, so that scenario is left out there.
+//! same seed). The slow-rank scenario is left out there: its methods (the parameter server,
+//! backup workers) run across processes, but the scenario trains with SGD with momentum, and
+//! the job spec carries no optimizer (every process's code sets it; the demo job's is Adam).
 //!
 //! Per method: the wall time and the steps until the loss (the mean of the last
 //! [`SMOOTH`] steps' losses) first reaches the target, the bytes each rank's transport sent
@@ -383,7 +384,8 @@ pub(crate) fn print_table(b: &CommBench, runs: &[MethodRun]) {
     if b.tcp {
         println!(
             "transport: TCP, {WORLD} `meshwork node` processes on this machine (one rank each), \
-             this process the head; the slow-rank scenario does not run across processes"
+             this process the head; the slow-rank scenario runs in one process only (the job spec \
+             carries no optimizer)"
         );
     }
     println!(

@@ -81,8 +81,8 @@ pub(crate) struct TrainArgs {
     pub(crate) recompute: bool,
     /// Precision of forward and backward: f32, bf16 or f16 (the optimizer steps f32 master
     /// weights; f16 scales the loss dynamically and skips steps whose gradient overflows).
-    /// Replicas, blocks, --pp pipelines and --model gpt (with --tp) take both.
-    /// In one process only.
+    /// Replicas, blocks, --pp pipelines and --model gpt (with --tp) take both, in one process
+    /// or across processes.
     #[arg(long, default_value = "f32")]
     pub(crate) precision: Precision,
     /// With --precision bf16 or f16: all-reduce the gradients in that type (half the bytes).
@@ -478,8 +478,8 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
     }
 }
 
-/// `meshwork train --model gpt`: in this process only (tensor parallelism is not yet
-/// across processes), without the MLP's fault flags.
+/// `meshwork train --model gpt`: in this process, or across processes (`--listen`, or a
+/// launcher's variables); without the MLP's fault plans and timeline.
 fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
     let unsupported = [
         ("--faults", args.faults.is_some()),
