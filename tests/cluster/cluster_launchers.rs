@@ -104,3 +104,115 @@ fn mpirun_starts_a_job_equal_to_its_single_process_run() {
     );
     let _ = std::fs::remove_dir_all(dir.path());
 }
+
+/// The pid in a node's default name (`host-pid`) of the node that holds `rank`, from its
+/// `prepared:` line (`meshwork node NAME: prepared: process P, ranks [R] of N`).
+fn pid_of_rank(output: &str, rank: u32) -> Option<u32> {
+    output.lines().find_map(|l| {
+        let rest = l.strip_prefix("meshwork node ")?;
+        let (name, rest) = rest.split_once(": prepared: ")?;
+        if !rest.contains(&format!("ranks [{rank}] ")) {
+            return None;
+        }
+        name.rsplit_once('-')?.1.parse().ok()
+    })
+}
+
+/// Failures under an engine (issue 27): OpenMPI ends the whole world when a rank dies. A node
+/// process killed mid-run ends the job with a report naming the lost rank (meshwork's and
+/// mpirun's), the last checkpoint stays intact, and the same command run again (`--resume`:
+/// on the first run there is nothing to resume, an event) resumes from it and ends bitwise
+/// where the same job in one process, uninterrupted, ends.
+#[test]
+fn a_rank_killed_under_mpirun_ends_the_job_and_the_same_command_resumes_it() {
+    let dir = TempDir::new("mpirun-kill");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let (rerun, alone) = (dir.join("rerun.mpk"), dir.join("alone.mpk"));
+    let ckpt = dir.join("ckpt").display().to_string();
+    let (rerun_arg, alone_arg) = (rerun.display().to_string(), alone.display().to_string());
+    let common = [
+        "--steps",
+        "300",
+        "--batch-size",
+        "96",
+        "--hidden",
+        "1024",
+        "--seed",
+        "5",
+        "--algorithm",
+        "ring",
+        "--collective-timeout",
+        "10",
+    ];
+    let exe = env!("CARGO_BIN_EXE_meshwork");
+    let mut command = vec![
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-n",
+        "3",
+        "-x",
+        "MESHWORK_SECRET",
+        "-x",
+        "MESHWORK_PORT",
+        exe,
+        "train",
+        "--resume",
+        "--checkpoint-dir",
+        ckpt.as_str(),
+        "--checkpoint-every",
+        "10",
+        "--save-model",
+        rerun_arg.as_str(),
+    ];
+    command.extend_from_slice(&common);
+    let port = free_port().to_string();
+    let vars = [("MESHWORK_PORT", port.as_str())];
+    let mut first = Proc::launch("mpirun", "mpirun", &command, Some(SECRET), &vars);
+    first.wait_line("checkpoint after step 10 written", Duration::from_secs(120));
+    let pid = pid_of_rank(&first.output(), 2)
+        .unwrap_or_else(|| panic!("the node of rank 2:\n{}", first.output()));
+    let killed = std::process::Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (status, _) = first.wait_exit(Duration::from_secs(120));
+    let out = first.output();
+    assert!(!status.success(), "the job went on without rank 2:\n{out}");
+    assert!(
+        out.contains("stage 0 of replica 2 on device 2 was lost"),
+        "meshwork names the lost rank:\n{out}"
+    );
+    assert!(
+        out.contains("mpirun noticed that process rank 2"),
+        "mpirun names it:\n{out}"
+    );
+    assert!(!rerun.exists(), "the killed run wrote no model");
+    // The same command again: it resumes from the last checkpoint and trains to the end.
+    let port = free_port().to_string();
+    let vars = [("MESHWORK_PORT", port.as_str())];
+    let mut again = Proc::launch("mpirun", "mpirun", &command, Some(SECRET), &vars);
+    let (status, _) = again.wait_exit(Duration::from_secs(180));
+    let out = again.output();
+    assert!(status.success(), "the rerun failed:\n{out}");
+    assert!(out.contains("resumed after step "), "{out}");
+    let mut one = Proc::spawn(
+        "alone",
+        &[
+            &["train", "--dp", "3", "--save-model", alone_arg.as_str()][..],
+            &common,
+        ]
+        .concat(),
+        None,
+    );
+    let (status, _) = one.wait_exit(Duration::from_secs(180));
+    assert!(status.success(), "in one process:\n{}", one.output());
+    let widths = [32, 1024, 1024, 4];
+    let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap().remove(0);
+    assert!(
+        parameter_bits(&load_of(&widths, &rerun, &device))
+            == parameter_bits(&load_of(&widths, &alone, &device)),
+        "killed and rerun under mpirun, the job ends where it ends uninterrupted in one process"
+    );
+    let _ = std::fs::remove_dir_all(dir.path());
+}
