@@ -21,6 +21,25 @@ fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// `mpirun`'s arguments for `meshwork train <train>` on 3 ranks of this host, the secret and
+/// the head's port passed to every rank.
+fn mpirun_train<'a>(train: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec![
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-n",
+        "3",
+        "-x",
+        "MESHWORK_SECRET",
+        "-x",
+        "MESHWORK_PORT",
+        env!("CARGO_BIN_EXE_meshwork"),
+        "train",
+    ];
+    args.extend_from_slice(train);
+    args
+}
+
 /// `mpirun -n 3 meshwork train …` on this host: the head (rank 0, one rank of its own) and two
 /// node processes assemble a world of three ranks from OpenMPI's variables, train every step
 /// in all three processes, and end bitwise where `meshwork train --dp 3` in one process ends
@@ -43,22 +62,7 @@ fn mpirun_starts_a_job_equal_to_its_single_process_run() {
         "--collective-timeout",
         "20",
     ];
-    let exe = env!("CARGO_BIN_EXE_meshwork");
-    let mut args = vec![
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-n",
-        "3",
-        "-x",
-        "MESHWORK_SECRET",
-        "-x",
-        "MESHWORK_PORT",
-        exe,
-        "train",
-        "--save-model",
-        across_arg.as_str(),
-    ];
-    args.extend_from_slice(&common);
+    let args = mpirun_train(&[&["--save-model", across_arg.as_str()][..], &common].concat());
     // The head's port, passed to every rank with `-x`.
     let port = free_port().to_string();
     let mut job = Proc::launch(
@@ -144,18 +148,7 @@ fn a_rank_killed_under_mpirun_ends_the_job_and_the_same_command_resumes_it() {
         "--collective-timeout",
         "10",
     ];
-    let exe = env!("CARGO_BIN_EXE_meshwork");
-    let mut command = vec![
-        "--allow-run-as-root",
-        "--oversubscribe",
-        "-n",
-        "3",
-        "-x",
-        "MESHWORK_SECRET",
-        "-x",
-        "MESHWORK_PORT",
-        exe,
-        "train",
+    let resume = [
         "--resume",
         "--checkpoint-dir",
         ckpt.as_str(),
@@ -164,7 +157,7 @@ fn a_rank_killed_under_mpirun_ends_the_job_and_the_same_command_resumes_it() {
         "--save-model",
         rerun_arg.as_str(),
     ];
-    command.extend_from_slice(&common);
+    let command = mpirun_train(&[&resume[..], &common].concat());
     let port = free_port().to_string();
     let vars = [("MESHWORK_PORT", port.as_str())];
     let mut first = Proc::launch("mpirun", "mpirun", &command, Some(SECRET), &vars);

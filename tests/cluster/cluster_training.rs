@@ -717,6 +717,43 @@ fn pipeline_flags((steps, batch, seed): (u64, usize, u64), model: &Path) -> Vec<
     .to_vec()
 }
 
+/// The 2 × 2 pipeline job of `pipeline_flags` with `extra` trained twice: over four node
+/// processes (every rank training every step in its own node) and in one process with
+/// `--dp 2`, their files in `dir` (read lazily: keep it until the models are compared). Both
+/// trained models, and the plain one-device loop's.
+fn pipeline_across_and_alone(
+    dir: &TempDir,
+    name: &str,
+    (steps, batch, seed): (u64, usize, u64),
+    extra: &[&str],
+) -> (Mlp, Mlp, Mlp) {
+    let (across, alone) = (dir.join("across.mpk"), dir.join("alone.mpk"));
+    let flags = pipeline_flags((steps, batch, seed), &across);
+    let flags: Vec<&str> = flags
+        .iter()
+        .map(String::as_str)
+        .chain(extra.iter().copied())
+        .collect();
+    let (out, nodes) = run_to_end(name, &[&[], &[], &[], &[]], &flags);
+    assert!(out.contains("world assembled: 4 rank(s)"), "{out}");
+    assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2, 3]);
+    let one_flags = pipeline_flags((steps, batch, seed), &alone);
+    let one_flags: Vec<&str> = ["train", "--dp", "2"]
+        .into_iter()
+        .chain(one_flags.iter().map(String::as_str))
+        .chain(extra.iter().copied())
+        .collect();
+    let mut one = Proc::spawn(&format!("{name}-alone"), &one_flags, None);
+    let (status, _) = one.wait_exit(Duration::from_secs(180));
+    assert!(status.success(), "in one process:\n{}", one.output());
+    let (plain, device) = reference_of(&PIPELINE_WIDTHS, seed, batch, steps, 2);
+    (
+        load_of(&PIPELINE_WIDTHS, &across, &device),
+        load_of(&PIPELINE_WIDTHS, &alone, &device),
+        plain,
+    )
+}
+
 /// A pipeline's accumulation and its blocks' compression across processes (issue 26): the job
 /// spec carries both, so every node builds the schedule over 4 × 2 micro-batches the head
 /// drives, and each block's gradients are top-k compressed over its stage's data-parallel
@@ -725,10 +762,6 @@ fn pipeline_flags((steps, batch, seed): (u64, usize, u64), model: &Path) -> Vec<
 /// without compression.
 #[test]
 fn accumulation_and_compression_in_a_pipeline_across_processes_equal_the_single_process_run() {
-    let dir = TempDir::new("pp-accumulate");
-    std::fs::create_dir_all(dir.path()).unwrap();
-    let (steps, batch, seed) = (6u64, 64usize, 7u64);
-    let (across, alone) = (dir.join("across.mpk"), dir.join("alone.mpk"));
     let extra = [
         "--accumulate",
         "2",
@@ -737,25 +770,10 @@ fn accumulation_and_compression_in_a_pipeline_across_processes_equal_the_single_
         "--algorithm",
         "ring",
     ];
-    let flags = pipeline_flags((steps, batch, seed), &across);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).chain(extra).collect();
-    let (out, nodes) = run_to_end("pp-accumulate", &[&[], &[], &[], &[]], &flags);
-    assert!(out.contains("world assembled: 4 rank(s)"), "{out}");
-    assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2, 3]);
-    let one_flags = pipeline_flags((steps, batch, seed), &alone);
-    let one_flags: Vec<&str> = ["train", "--dp", "2"]
-        .into_iter()
-        .chain(one_flags.iter().map(String::as_str))
-        .chain(extra)
-        .collect();
-    let mut one = Proc::spawn("pp-accumulate-alone", &one_flags, None);
-    let (status, _) = one.wait_exit(Duration::from_secs(180));
-    assert!(status.success(), "in one process:\n{}", one.output());
-    let (plain, device) = reference_of(&PIPELINE_WIDTHS, seed, batch, steps, 2);
-    let (trained, single) = (
-        load_of(&PIPELINE_WIDTHS, &across, &device),
-        load_of(&PIPELINE_WIDTHS, &alone, &device),
-    );
+    let dir = TempDir::new("pp-accumulate");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let (trained, single, plain) =
+        pipeline_across_and_alone(&dir, "pp-accumulate", (6, 64, 7), &extra);
     assert!(
         parameter_bits(&trained) == parameter_bits(&single),
         "the pipeline across processes ends where the one in one process ends"
@@ -860,10 +878,6 @@ fn the_parameter_server_across_three_node_processes_equals_its_single_process_ru
 /// job in one process ends (`--algorithm ring`), and away from the f32 one-device loop.
 #[test]
 fn f16_and_clipping_in_a_pipeline_across_processes_equal_the_single_process_run() {
-    let dir = TempDir::new("pp-f16-clip");
-    std::fs::create_dir_all(dir.path()).unwrap();
-    let (steps, batch, seed) = (6u64, 64usize, 7u64);
-    let (across, alone) = (dir.join("across.mpk"), dir.join("alone.mpk"));
     let extra = [
         "--precision",
         "f16",
@@ -872,25 +886,10 @@ fn f16_and_clipping_in_a_pipeline_across_processes_equal_the_single_process_run(
         "--algorithm",
         "ring",
     ];
-    let flags = pipeline_flags((steps, batch, seed), &across);
-    let flags: Vec<&str> = flags.iter().map(String::as_str).chain(extra).collect();
-    let (out, nodes) = run_to_end("pp-f16-clip", &[&[], &[], &[], &[]], &flags);
-    assert!(out.contains("world assembled: 4 rank(s)"), "{out}");
-    assert_eq!(ranks_trained(&nodes, 1, steps), [0, 1, 2, 3]);
-    let one_flags = pipeline_flags((steps, batch, seed), &alone);
-    let one_flags: Vec<&str> = ["train", "--dp", "2"]
-        .into_iter()
-        .chain(one_flags.iter().map(String::as_str))
-        .chain(extra)
-        .collect();
-    let mut one = Proc::spawn("pp-f16-clip-alone", &one_flags, None);
-    let (status, _) = one.wait_exit(Duration::from_secs(180));
-    assert!(status.success(), "in one process:\n{}", one.output());
-    let (plain, device) = reference_of(&PIPELINE_WIDTHS, seed, batch, steps, 2);
-    let (trained, single) = (
-        load_of(&PIPELINE_WIDTHS, &across, &device),
-        load_of(&PIPELINE_WIDTHS, &alone, &device),
-    );
+    let dir = TempDir::new("pp-f16-clip");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let (trained, single, plain) =
+        pipeline_across_and_alone(&dir, "pp-f16-clip", (6, 64, 7), &extra);
     assert!(
         parameter_bits(&trained) == parameter_bits(&single),
         "the f16, clipped pipeline across processes ends where the one in one process ends"

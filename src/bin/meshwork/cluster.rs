@@ -136,7 +136,7 @@ fn seconds(flag: &str, s: f64) -> meshwork::error::Result<Duration> {
     }
 }
 
-fn runtime() -> meshwork::error::Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> meshwork::error::Result<tokio::runtime::Runtime> {
     tokio::runtime::Runtime::new().map_err(|e| Error::Io {
         path: "tokio runtime".into(),
         reason: e.to_string(),
@@ -192,7 +192,7 @@ const DEMO_SAMPLES: usize = 16_384;
 /// process (the head's and every node's stages train with the same settings) and the same
 /// way as a single-process run: the teacher task, the MLP (or its pipeline blocks) initialized
 /// on a Flex device seeded with the job's seed, Adam.
-fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(DemoJob, TeacherTask)> {
+pub(crate) fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(DemoJob, TeacherTask)> {
     let widths = meshwork::demo::mlp_widths(&spec.model)
         .map_err(|e| Error::InvalidConfig(format!("meshwork train runs the demo MLP: {e}")))?;
     let (Some(&d_in), Some(&d_out)) = (widths.first(), widths.last()) else {
@@ -307,7 +307,7 @@ fn is_gpt(spec: &JobSpec) -> bool {
 
 /// The model kinds `meshwork` trains across processes: the demo MLP and the demo GPT
 /// (`variant`: pretend another build's, whose fingerprints differ).
-fn demo_models(variant: Option<String>) -> ModelRegistry {
+pub(crate) fn demo_models(variant: Option<String>) -> ModelRegistry {
     let pretend = variant.clone();
     let fingerprint: FingerprintFn =
         Arc::new(move |spec: &JobSpec| demo_fingerprint(spec, variant.as_deref()));
@@ -578,7 +578,7 @@ fn run_head(
 }
 
 /// What the head tells its nodes when it stops them after `trained`.
-fn ending(trained: &meshwork::error::Result<()>) -> String {
+pub(crate) fn ending(trained: &meshwork::error::Result<()>) -> String {
     match trained {
         Ok(()) => "the job finished".to_string(),
         Err(e) => format!("the job failed: {e}"),
@@ -770,96 +770,4 @@ fn run_node_with(args: NodeArgs, requested: Option<ProcessIndex>) -> meshwork::e
         outcome.reason
     );
     Ok(())
-}
-
-/// Child processes killed when dropped (a bench's nodes never outlive it).
-struct Children(Vec<std::process::Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-/// Trains the demo job of `spec` (data parallel) over `nodes` `meshwork node` processes this
-/// program starts on this machine, one rank each, with this process as the head holding none;
-/// every event of the job goes to `on_event`. The nodes are stopped and reaped at the end,
-/// also on an error (what `bench comm-efficiency --transport tcp` runs per method).
-pub(crate) fn train_over_local_nodes(
-    spec: &JobSpec,
-    nodes: u32,
-    on_event: &mut dyn FnMut(meshwork::events::JobEvent),
-) -> meshwork::error::Result<()> {
-    let io = |what: &str, e: std::io::Error| Error::Io {
-        path: what.into(),
-        reason: e.to_string(),
-    };
-    let exe = std::env::current_exe().map_err(|e| io("the meshwork binary", e))?;
-    let text = format!(
-        "bench-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    );
-    let secret = control::ClusterSecret::new(text.clone()).map_err(ControlError::from)?;
-    let job = format!("bench-{}", std::process::id());
-    runtime()?.block_on(async move {
-        let mut head = Head::start(HeadConfig::new("127.0.0.1:0", job.clone(), secret)).await?;
-        let addr = head.local_addr().to_string();
-        let mut children = Children(Vec::new());
-        for i in 0..nodes {
-            let child = std::process::Command::new(&exe)
-                .args(["node", "--join", &addr, "--job", &job])
-                .args(["--name", &format!("bench-node-{i}")])
-                .env("MESHWORK_SECRET", &text)
-                .stdin(std::process::Stdio::null())
-                .stdout(std::process::Stdio::null())
-                .spawn()
-                .map_err(|e| io("meshwork node", e))?;
-            children.0.push(child);
-        }
-        let fingerprint = demo_models(None).fingerprint(spec).map_err(|reason| {
-            Error::InvalidConfig(format!("the head cannot build its own model: {reason}"))
-        })?;
-        let assembled = match head
-            .assemble(
-                nodes as usize,
-                spec,
-                fingerprint,
-                Vec::new(),
-                Duration::from_secs(60),
-            )
-            .await
-        {
-            Ok(a) => a,
-            Err(e) => {
-                head.shutdown(&format!("the head gave up: {e}")).await;
-                return Err(Error::from(e));
-            }
-        };
-        let trained = async {
-            let mesh = ClusterMesh::new(&assembled, &head.node_handles(), None)?;
-            let DemoJob::Replicas(builder) = demo_job(spec)?.0 else {
-                return Err(Error::InvalidConfig(
-                    "a data-parallel job: the spec names no pipeline".into(),
-                ));
-            };
-            let handle = builder
-                .step_timeout(Duration::from_secs(600))
-                .cluster(mesh)
-                .build()?
-                .spawn()
-                .await?;
-            crate::demo_job::watch(handle, on_event).await.map(|_| ())
-        }
-        .await;
-        let reason = ending(&trained);
-        head.shutdown(&reason).await;
-        drop(children);
-        trained
-    })
 }

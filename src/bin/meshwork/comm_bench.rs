@@ -295,7 +295,7 @@ fn run_method_over_tcp(b: &CommBench, method: &str) -> Result<(Vec<(f64, f32)>, 
         backend: meshwork::device::BackendKind::Flex,
     };
     let mut curve = Curve::default();
-    crate::cluster::train_over_local_nodes(&spec, WORLD, &mut |e| curve.see(e))?;
+    crate::local_nodes::train_over_local_nodes(&spec, WORLD, &mut |e| curve.see(e))?;
     Ok((curve.points, curve.bytes))
 }
 

@@ -22,6 +22,8 @@ mod demo_job;
 mod dp_bench;
 mod gpt_train;
 mod layout_bench;
+#[cfg(feature = "cluster")]
+mod local_nodes;
 mod memory_bench;
 mod memory_svg;
 mod pipeline_bench;
