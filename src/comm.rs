@@ -81,6 +81,8 @@ pub mod emulate;
 #[cfg(feature = "cluster")]
 pub mod hierarchical;
 mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 #[cfg(feature = "cluster")]
 pub mod net;
 pub mod plan;
@@ -88,6 +90,8 @@ pub mod plan;
 pub(crate) mod process_groups;
 #[cfg(feature = "cluster")]
 pub mod tcp;
+#[cfg(test)]
+mod test_support;
 #[cfg(test)]
 mod tests;
 

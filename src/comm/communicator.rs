@@ -11,6 +11,8 @@ use std::time::Duration;
 #[cfg(feature = "cluster")]
 use super::hierarchical::HierCommunicator;
 use super::local::LocalCommunicator;
+#[cfg(feature = "mpi")]
+use super::mpi::MpiCommunicator;
 #[cfg(feature = "cluster")]
 use super::tcp::TcpCommunicator;
 use super::{Algorithm, CommError, Element, LocalGroup, MessageHook, ReduceOp};
@@ -28,6 +30,9 @@ enum Transport {
     /// In-process first, then across processes between leaders (`comm::hierarchical`).
     #[cfg(feature = "cluster")]
     Hier(Box<HierCommunicator>),
+    /// Endpoints of the system's MPI (`comm::mpi`).
+    #[cfg(feature = "mpi")]
+    Mpi(Box<MpiCommunicator>),
 }
 
 /// Runs the same method on whichever transport is behind `$comm`.
@@ -39,6 +44,8 @@ macro_rules! dispatch {
             Transport::Tcp($inner) => $call,
             #[cfg(feature = "cluster")]
             Transport::Hier($inner) => $call,
+            #[cfg(feature = "mpi")]
+            Transport::Mpi($inner) => $call,
         }
     };
 }
@@ -70,6 +77,21 @@ impl Communicator {
         Self {
             transport: Transport::Tcp(Box::new(inner)),
         }
+    }
+
+    #[cfg(feature = "mpi")]
+    pub(crate) fn mpi(inner: MpiCommunicator) -> Self {
+        Self {
+            transport: Transport::Mpi(Box::new(inner)),
+        }
+    }
+
+    /// Whether this communicator moves its bytes through MPI.
+    pub fn is_mpi(&self) -> bool {
+        #[cfg(feature = "mpi")]
+        return matches!(self.transport, Transport::Mpi(_));
+        #[cfg(not(feature = "mpi"))]
+        false
     }
 
     /// A TCP communicator's data payload bytes sent so far (TCP-7's tests).
@@ -119,6 +141,8 @@ impl Communicator {
             Transport::Tcp(t) => t.data_bytes_sent(),
             #[cfg(feature = "cluster")]
             Transport::Hier(h) => h.bytes_sent(),
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(m) => m.bytes_sent(),
         }
     }
 
@@ -143,6 +167,8 @@ impl Communicator {
             Transport::Local(c) => Some(c.group()),
             #[cfg(feature = "cluster")]
             Transport::Tcp(_) | Transport::Hier(_) => None,
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(_) => None,
         }
     }
 
@@ -194,6 +220,8 @@ impl Communicator {
             Transport::Local(c) => c.set_message_hook(hook),
             #[cfg(feature = "cluster")]
             Transport::Tcp(_) | Transport::Hier(_) => {}
+            #[cfg(feature = "mpi")]
+            Transport::Mpi(_) => {}
         }
     }
 

@@ -113,15 +113,20 @@ mod setup;
 #[cfg(test)]
 mod tests;
 mod transport;
+/// What the MPI transport shares with this one: the same schedules, the same 16-bit wire.
+#[cfg(feature = "mpi")]
+pub(crate) use schedule::resolve as resolve_algorithm;
 pub(crate) use setup::connect_mesh;
 pub use setup::{TcpConfig, TcpGroup, TcpGroupError, TcpShutdown};
 use transport::{
     CopySink, Job, OpHeader, Payload, PeerLink, RawBytes, ReduceSink, Sender, Shared, StepSink,
-    WidenSink, bytes_of, narrow_bytes,
+    WidenSink, bytes_of,
 };
 
+pub(crate) use schedule::sends_of_final_values;
 pub use schedule::{LinkRole, link_role};
-use schedule::{SendMode, peers_with_role, send_modes, sends_of_final_values};
+use schedule::{SendMode, peers_with_role, send_modes};
+pub(crate) use transport::narrow_bytes;
 
 #[cfg(not(target_endian = "little"))]
 compile_error!(

@@ -10,8 +10,9 @@ use proptest::prelude::*;
 
 use super::schedule::{SendMode, chosen_modes, completes_with, peers_with_role, resolve};
 use super::*;
+use crate::comm::DType;
 use crate::comm::net::link::{JobToken, LinkListener};
-use crate::comm::{DType, LocalGroup};
+use crate::comm::test_support::{bits, blamed, every_collective, input, on_local};
 
 fn token() -> JobToken {
     JobToken::from_bytes([42; 32])
@@ -68,72 +69,6 @@ fn on_tcp<R: Send>(
             .map(|h| h.join().expect("rank thread panicked"))
             .collect()
     })
-}
-
-/// The same on the in-process transport.
-fn on_local<R: Send>(world: usize, body: impl Fn(&mut Communicator) -> R + Sync) -> Vec<R> {
-    let group = LocalGroup::new(world, Generation(0), CommConfig::default());
-    let body = &body;
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = group
-            .communicators()
-            .into_iter()
-            .map(|mut comm| scope.spawn(move || body(&mut comm)))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("rank thread panicked"))
-            .collect()
-    })
-}
-
-/// Deterministic inputs in [-1, 1] per rank.
-fn input<T: Element>(rank: usize, len: usize, seed: u64) -> Vec<T> {
-    let mut x = seed ^ (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            T::from_f32(((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32)
-        })
-        .collect()
-}
-
-fn bits<T: Element>(values: &[T]) -> Vec<u32> {
-    values.iter().map(|v| v.to_f32().to_bits()).collect()
-}
-
-/// Every collective of one element type, with one algorithm, over several lengths and reduce
-/// ops: each op's output as bits, in call order.
-fn every_collective<T: Element>(comm: &mut Communicator, algorithm: Algorithm) -> Vec<Vec<u32>> {
-    comm.set_algorithm(algorithm);
-    let (me, world) = (comm.rank().index(), comm.world());
-    let mut out = Vec::new();
-    for (i, len) in [0usize, 1, 5, 64, 1000, 4099].into_iter().enumerate() {
-        let seed = i as u64 + 11;
-        for op in [ReduceOp::Sum, ReduceOp::Mean, ReduceOp::Max, ReduceOp::Min] {
-            let mut buf = input::<T>(me, len, seed);
-            comm.all_reduce(&mut buf, op).expect("all_reduce");
-            out.push(bits(&buf));
-            let full = input::<T>(me, len, seed + 1);
-            let mut chunk = vec![T::from_f32(0.0); chunk_range(len, world, me).len()];
-            comm.reduce_scatter(&full, &mut chunk, op)
-                .expect("reduce_scatter");
-            out.push(bits(&chunk));
-        }
-        let mine = input::<T>(me, chunk_range(len, world, me).len(), seed + 2);
-        let mut gathered = vec![T::from_f32(0.0); len];
-        comm.all_gather(&mine, &mut gathered).expect("all_gather");
-        out.push(bits(&gathered));
-        for root in 0..world {
-            let mut buf = input::<T>(me, len, seed + 3);
-            comm.broadcast(&mut buf, rank_of(root)).expect("broadcast");
-            out.push(bits(&buf));
-        }
-        comm.barrier().expect("barrier");
-    }
-    out
 }
 
 #[test]
@@ -336,17 +271,6 @@ fn on_tcp_each<R: Send>(
             .map(|h| h.join().expect("rank thread panicked"))
             .collect()
     })
-}
-
-/// The rank an error blames: the missing rank of a time-out, the peer of a link failure,
-/// through a poisoned op's cause.
-fn blamed(error: &CommError) -> Vec<Rank> {
-    match error {
-        CommError::Timeout { missing, .. } => missing.clone(),
-        CommError::Link { peer, .. } => vec![*peer],
-        CommError::Poisoned { cause, .. } => blamed(cause),
-        _ => Vec::new(),
-    }
 }
 
 #[test]

@@ -273,7 +273,7 @@ impl StepSink for WidenSink<'_> {
 
 /// Final f32 values as the little-endian bytes of `dtype` (f16 or bf16), rounded to nearest
 /// even: what the op's end rounds them to anyway (TCP-7).
-pub(super) fn narrow_bytes(dtype: DType, values: &[f32]) -> Vec<u8> {
+pub(crate) fn narrow_bytes(dtype: DType, values: &[f32]) -> Vec<u8> {
     values
         .iter()
         .flat_map(|&v| match dtype {
