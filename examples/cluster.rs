@@ -215,6 +215,7 @@ async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std:
         low_precision_gradients: false,
         strategy: Default::default(),
         backend: meshwork::device::BackendKind::Flex,
+        transport: Default::default(),
         // A pipeline of one stage per node: a 1 × 2 dp × pp mesh.
         pipeline: pipelined.then(|| PipelineShape {
             stages: NODES as u32,

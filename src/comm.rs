@@ -174,6 +174,43 @@ impl fmt::Display for ReduceOp {
     }
 }
 
+/// What moves a job's bytes between processes (every process of a job uses the same).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+pub enum DataTransport {
+    /// meshwork's own authenticated TCP links (`comm::tcp`, feature `cluster`): works
+    /// anywhere, keeps live recovery from a lost process.
+    #[default]
+    Tcp,
+    /// The system's MPI (`comm::mpi`, feature `mpi`): every process started by an MPI
+    /// launcher (`mpirun`, `srun --mpi=…`) and initialised MPI; the fabric MPI is tuned for,
+    /// but a dead process ends the whole job (the launcher's rule), so failures end in a rerun
+    /// from the last checkpoint rather than a live recovery.
+    Mpi,
+}
+
+impl DataTransport {
+    /// Whether this process can move bytes on this transport now (`Mpi`: built with the
+    /// `mpi` feature and `comm::mpi::init` succeeded).
+    pub fn is_ready(self) -> bool {
+        match self {
+            DataTransport::Tcp => cfg!(feature = "cluster"),
+            #[cfg(feature = "mpi")]
+            DataTransport::Mpi => mpi::world().is_some_and(|w| !w.is_finalized()),
+            #[cfg(not(feature = "mpi"))]
+            DataTransport::Mpi => false,
+        }
+    }
+}
+
+impl fmt::Display for DataTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DataTransport::Tcp => "tcp",
+            DataTransport::Mpi => "mpi",
+        })
+    }
+}
+
 /// Which algorithm moves the data of a collective.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
 pub enum Algorithm {

@@ -55,6 +55,9 @@ pub enum Feature {
     BackupWorkers,
     /// The job runs across processes (`.cluster(..)`).
     AcrossProcesses,
+    /// Its data plane moves bytes through the system's MPI (`JobSpec::transport`,
+    /// `--transport mpi`).
+    MpiTransport,
     /// Faults injected by a plan (`.fault_plan(..)`).
     FaultPlan,
     /// A fault plan that delays, drops or corrupts collective messages
@@ -66,7 +69,7 @@ pub enum Feature {
 
 impl Feature {
     /// Every feature, in the table's order.
-    pub const ALL: [Feature; 18] = [
+    pub const ALL: [Feature; 19] = [
         Feature::Blocks,
         Feature::Pipeline,
         Feature::TensorParallel,
@@ -82,6 +85,7 @@ impl Feature {
         Feature::ParameterServer,
         Feature::BackupWorkers,
         Feature::AcrossProcesses,
+        Feature::MpiTransport,
         Feature::FaultPlan,
         Feature::MessageFaults,
         Feature::RollBack,
@@ -105,6 +109,7 @@ impl Feature {
             Feature::ParameterServer => ".parameter_server(..)",
             Feature::BackupWorkers => ".backup_workers(b)",
             Feature::AcrossProcesses => ".cluster(..)",
+            Feature::MpiTransport => "JobSpec { transport: Mpi }",
             Feature::FaultPlan => ".fault_plan(..)",
             Feature::MessageFaults => ".fault_plan(message faults)",
             Feature::RollBack => "RecoveryPolicy::roll_back()",
@@ -129,6 +134,7 @@ impl Feature {
             Feature::ParameterServer => "PS",
             Feature::BackupWorkers => "backup",
             Feature::AcrossProcesses => "cluster",
+            Feature::MpiTransport => "MPI",
             Feature::FaultPlan => "faults",
             Feature::MessageFaults => "msg faults",
             Feature::RollBack => "roll back",
@@ -315,6 +321,13 @@ pub const REFUSALS: &[Refusal] = &[
         "a TCP data plane's messages do not pass the fault hooks (its faults are the \
          network's); a node carries out every other kind of fault",
         "use panic, stall, slow, partition or kill entries, or kill a node process",
+    ),
+    row(
+        &[MpiTransport, RollBack],
+        "a lost process ends an MPI job (the MPI launcher aborts the whole world), so no \
+         survivor is left to roll back onto a spare",
+        "rerun the same command (it resumes from the last checkpoint), or use the TCP \
+         transport for live recovery",
     ),
 ];
 

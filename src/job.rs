@@ -188,6 +188,9 @@ pub struct JobBuilder<M, I> {
     /// reported by `build` and `check_across_processes`.
     #[cfg(feature = "cluster")]
     spec_problem: Option<String>,
+    /// What moves the data plane's bytes across processes (the job spec's; `follow_spec`).
+    #[cfg(feature = "cluster")]
+    transport: crate::comm::DataTransport,
 }
 
 /// What a parameter-server job's server runs with: its mode, its update rule and rate.
@@ -317,6 +320,8 @@ where
             ps_cluster: None,
             #[cfg(feature = "cluster")]
             spec_problem: None,
+            #[cfg(feature = "cluster")]
+            transport: Default::default(),
         }
     }
 

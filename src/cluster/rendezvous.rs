@@ -21,6 +21,12 @@
 //!   without `MASTER_ADDR` is an error (RDV-3). The port is `MESHWORK_PORT`, else
 //!   `MASTER_PORT`, else [`DEFAULT_PORT`].
 //!
+//! - **MPI's world** ([`from_mpi`], with `--transport mpi`): MPI itself gives the rank, the
+//!   size and every rank's host, so no launcher variable is read: the head is rank 0, on
+//!   `MASTER_ADDR` if set, else on the loopback address when every rank shares rank 0's host,
+//!   else on rank 0's host name (RDV-4). Any MPI launcher works, `mpirun`, `mpiexec` or
+//!   `srun --mpi=pmix`.
+//!
 //! # Precedence
 //!
 //! Command-line flags (`--listen`, `--join`) win over the environment; torchrun's variables
@@ -35,6 +41,8 @@
 //! - RDV-3: under an MPI launcher, the head's host is `MASTER_ADDR`, or the loopback address
 //!   only when the launcher says every rank is on this host; otherwise
 //!   [`RendezvousError::Missing`] names `MASTER_ADDR`.
+//! - RDV-4: under MPI's world, the loopback address only when every rank runs on rank 0's
+//!   host; otherwise `MASTER_ADDR` or rank 0's host name ([`from_mpi_hosts`]).
 //! - RDV-2: [`expand_hostlist`] expands Slurm's syntax (ranges with zero padding, lists,
 //!   several bracket groups per name) in order, and rejects malformed lists with a typed
 //!   [`HostlistError`]; it never expands more than the limit it is given.
@@ -59,6 +67,8 @@ pub enum Convention {
     OpenMpi,
     /// MPICH's (or Intel MPI's) Hydra `mpiexec`: `PMI_RANK`/`PMI_SIZE`.
     Hydra,
+    /// MPI's own world ([`from_mpi`], feature `mpi`): ranks and hosts from MPI itself.
+    MpiWorld,
 }
 
 /// Where this process stands in the job, as the launcher described it.
@@ -133,6 +143,9 @@ pub enum RendezvousError {
         /// The variable.
         var: &'static str,
     },
+    /// MPI could not describe its world.
+    #[error("MPI rendezvous: {0}")]
+    Mpi(String),
     /// A variable does not parse.
     #[error("{var}={value:?}: expected {expected}")]
     Invalid {
@@ -336,6 +349,45 @@ pub fn from_env(
         }));
     }
     Ok(None)
+}
+
+/// Rendezvous from MPI's world (RDV-4): this process is world rank `process` of
+/// `hosts.len()`, `hosts[r]` the host rank r runs on (`MPI_Get_processor_name`). The head is
+/// rank 0; its host is `MASTER_ADDR` if set, else the loopback address when every rank runs on
+/// rank 0's host, else rank 0's host name. The port is as for the other MPI launchers.
+pub fn from_mpi_hosts(
+    process: u32,
+    hosts: &[String],
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Rendezvous, RendezvousError> {
+    let c = Convention::MpiWorld;
+    let processes = u32::try_from(hosts.len()).unwrap_or(u32::MAX);
+    check_range("the MPI rank", "the MPI world size", process, processes)?;
+    let head_host = match lookup("MASTER_ADDR") {
+        Some(addr) if !addr.trim().is_empty() => addr.trim().to_string(),
+        _ if hosts.iter().all(|h| *h == hosts[0]) => "127.0.0.1".to_string(),
+        _ => hosts[0].clone(),
+    };
+    Ok(Rendezvous {
+        convention: c,
+        process: ProcessIndex(process),
+        processes,
+        head_host,
+        port: port_of(&lookup, c)?,
+    })
+}
+
+/// Rendezvous from the initialised MPI world (a collective: every process of the world calls
+/// it once, before its job starts): [`from_mpi_hosts`] with MPI's rank and hosts.
+#[cfg(feature = "mpi")]
+pub fn from_mpi(
+    world: &crate::comm::mpi::MpiWorld,
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<Rendezvous, RendezvousError> {
+    let hosts = world
+        .processor_names()
+        .map_err(|e| RendezvousError::Mpi(e.to_string()))?;
+    from_mpi_hosts(world.rank(), &hosts, lookup)
 }
 
 /// The head's port when the launcher has none of its own: `MESHWORK_PORT`, else

@@ -3,6 +3,12 @@
 //! group (HIER-1): an in-process [`LocalGroup`] of the process's members and a TCP group of
 //! one leader per process. The cluster's node host asks for a group at every (re)wiring and
 //! keeps the [`GroupShutdown`] to end it.
+//!
+//! Under the MPI transport ([`DataTransport::Mpi`]) the TCP group is a bootstrap, as NCCL's
+//! socket bootstrap is: once formed (token-checked), its ranks all-gather their
+//! [`MpiEndpoint`](super::mpi::MpiEndpoint)s over it, and the communicator the rank gets is an
+//! MPI one; the TCP links close. The in-process part of a hierarchical group stays in
+//! process.
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
@@ -11,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use super::hierarchical::HierarchyPlan;
 use super::net::link::{JobToken, LinkListener};
 use super::tcp::{TcpConfig, TcpGroup, TcpGroupError, TcpShutdown};
-use super::{Communicator, LocalGroup};
+use super::{Communicator, DataTransport, LocalGroup};
 use crate::mesh::{Generation, Rank};
 
 /// In-process groups being formed, by generation and members: each member's communicator
@@ -65,6 +71,20 @@ pub(crate) enum JoinError {
     /// The in-process and cross-process parts do not make one hierarchical group.
     #[error("the in-process part of a hierarchical group")]
     Hierarchical,
+    /// The job's transport is MPI and this process cannot use it.
+    #[error("the job's data plane is MPI, and MPI is not initialised in this process")]
+    NoMpi,
+    /// The MPI group could not be formed over the TCP bootstrap.
+    #[cfg(feature = "mpi")]
+    #[error("rank {} could not form its MPI group of generation {}: {detail}", rank.0, generation.0)]
+    Mpi {
+        /// The rank.
+        rank: Rank,
+        /// The group's generation.
+        generation: Generation,
+        /// What went wrong.
+        detail: String,
+    },
 }
 
 /// Shuts a rank's data-plane group down: its TCP links, and its process's in-process group
@@ -72,19 +92,40 @@ pub(crate) enum JoinError {
 #[derive(Debug)]
 pub(crate) struct GroupShutdown {
     tcp: Option<TcpShutdown>,
+    #[cfg(feature = "mpi")]
+    mpi: Option<super::mpi::MpiShutdown>,
     local: Option<Arc<LocalGroup>>,
 }
 
 impl GroupShutdown {
+    fn none() -> Self {
+        Self {
+            tcp: None,
+            #[cfg(feature = "mpi")]
+            mpi: None,
+            local: None,
+        }
+    }
+
     /// Ends the group: every op of every member fails at once (RT-4).
     pub(crate) fn shutdown(&self) {
         if let Some(t) = &self.tcp {
             t.shutdown();
         }
+        #[cfg(feature = "mpi")]
+        if let Some(m) = &self.mpi {
+            m.shutdown();
+        }
         if let Some(l) = &self.local {
             l.shutdown();
         }
     }
+}
+
+/// A cross-process group as the job's transport runs it: the communicator and what ends it.
+struct CrossProcess {
+    communicator: Communicator,
+    shutdown: GroupShutdown,
 }
 
 /// A rank's place in a data-plane group it joined.
@@ -103,15 +144,18 @@ pub(crate) struct JoinedGroup {
 pub(crate) struct ProcessGroups {
     token: JobToken,
     tcp: TcpConfig,
+    transport: DataTransport,
     forming: Mutex<Forming>,
 }
 
 impl ProcessGroups {
-    /// Groups whose links authenticate with `token`, under `tcp`'s settings.
-    pub(crate) fn new(token: JobToken, tcp: TcpConfig) -> Self {
+    /// Groups whose links authenticate with `token`, under `tcp`'s settings, moving their
+    /// bytes over `transport`.
+    pub(crate) fn new(token: JobToken, tcp: TcpConfig, transport: DataTransport) -> Self {
         Self {
             token,
             tcp,
+            transport,
             forming: Mutex::new(HashMap::new()),
         }
     }
@@ -134,17 +178,16 @@ impl ProcessGroups {
             .and_then(|p| HierarchyPlan::of(rank, p).map(|plan| (plan, p.clone())));
         let Some((plan, processes)) = hierarchy else {
             let group = self.tcp_group(listener, rank, generation, addrs).await?;
+            let world = group.world();
+            let cross = self.over_transport(group, rank, generation).await?;
             return Ok(JoinedGroup {
-                shutdown: GroupShutdown {
-                    tcp: Some(group.shutdown_handle()),
-                    local: None,
-                },
+                shutdown: cross.shutdown,
                 description: format!(
-                    "generation {}: flat TCP group of {} rank(s)",
+                    "generation {}: flat {} group of {world} rank(s)",
                     generation.0,
-                    group.world()
+                    self.transport.to_string().to_uppercase(),
                 ),
-                communicator: group.into_communicator(),
+                communicator: cross.communicator,
             });
         };
         let local = self.local_member(&plan, rank, generation)?;
@@ -160,30 +203,35 @@ impl ProcessGroups {
                         addresses: addrs.len(),
                         leaders: plan.leaders.clone(),
                     })?;
+                let group = self
+                    .tcp_group(listener, Rank(index as u32), generation, leader_addrs)
+                    .await?;
                 Some(
-                    self.tcp_group(listener, Rank(index as u32), generation, leader_addrs)
+                    self.over_transport(group, Rank(index as u32), generation)
                         .await?,
                 )
             }
             _ => None,
         };
-        let shutdown = GroupShutdown {
-            tcp: leaders.as_ref().map(TcpGroup::shutdown_handle),
-            local: local.group().cloned(),
+        let (leaders, mut shutdown) = match leaders {
+            Some(cross) => (Some(cross.communicator), cross.shutdown),
+            None => (None, GroupShutdown::none()),
         };
+        shutdown.local = local.group().cloned();
         let description = format!(
-            "generation {}: hierarchical group of {} rank(s), {} in this process, {} process(es){}",
+            "generation {}: hierarchical group of {} rank(s), {} in this process, {} process(es) \
+             over {}{}",
             generation.0,
             processes.len(),
             plan.local.len(),
             plan.leaders.len(),
+            self.transport.to_string().to_uppercase(),
             if leaders.is_some() {
                 ", this rank leads its process across processes"
             } else {
                 ""
             }
         );
-        let leaders = leaders.map(TcpGroup::into_communicator);
         let timeout = self.tcp.comm.timeout;
         match Communicator::hierarchical((rank, generation), processes, plan, local, leaders) {
             Some(c) => Ok(JoinedGroup {
@@ -222,6 +270,38 @@ impl ProcessGroups {
             })
     }
 
+    /// The communicator of a formed TCP group on the job's transport: the TCP one, or (MPI)
+    /// an MPI group whose endpoints the ranks all-gathered over it.
+    async fn over_transport(
+        &self,
+        group: TcpGroup,
+        rank: Rank,
+        generation: Generation,
+    ) -> Result<CrossProcess, JoinError> {
+        if self.transport == DataTransport::Tcp {
+            return Ok(CrossProcess {
+                shutdown: GroupShutdown {
+                    tcp: Some(group.shutdown_handle()),
+                    ..GroupShutdown::none()
+                },
+                communicator: group.into_communicator(),
+            });
+        }
+        #[cfg(feature = "mpi")]
+        {
+            let comm = self.tcp.comm.clone();
+            let bootstrap = move || mpi_over_tcp(group, rank, generation, comm);
+            tokio::task::spawn_blocking(bootstrap)
+                .await
+                .map_err(|e| JoinError::Task(e.to_string()))?
+        }
+        #[cfg(not(feature = "mpi"))]
+        {
+            drop((group, rank, generation));
+            Err(JoinError::NoMpi)
+        }
+    }
+
     /// `rank`'s communicator in the in-process group of its process's members: the first of
     /// them to ask makes the group (one per generation and membership), each takes its own.
     fn local_member(
@@ -254,4 +334,52 @@ impl ProcessGroups {
         }
         mine.ok_or(JoinError::JoinedTwice { rank, generation })
     }
+}
+
+/// The MPI group of the ranks of a formed TCP `group`: each rank's endpoint (two u32s)
+/// all-gathered over TCP as the bit patterns of two f32s (an all-gather only copies bits),
+/// then the TCP links close.
+#[cfg(feature = "mpi")]
+fn mpi_over_tcp(
+    group: TcpGroup,
+    rank: Rank,
+    generation: Generation,
+    config: super::CommConfig,
+) -> Result<CrossProcess, JoinError> {
+    use super::mpi::{MpiEndpoint, MpiGroup};
+    let failed = |detail: String| JoinError::Mpi {
+        rank,
+        generation,
+        detail,
+    };
+    let world = super::mpi::world().ok_or(JoinError::NoMpi)?;
+    let mine = world.endpoint();
+    let mut tcp = group.into_communicator();
+    let size = tcp.world();
+    let me = [f32::from_bits(mine.process), f32::from_bits(mine.id)];
+    let mut all = vec![0f32; 2 * size];
+    tcp.all_gather(&me, &mut all)
+        .map_err(|e| failed(format!("exchanging endpoints over TCP: {e}")))?;
+    let endpoints: Vec<MpiEndpoint> = all
+        .chunks_exact(2)
+        .map(|p| MpiEndpoint {
+            process: p[0].to_bits(),
+            id: p[1].to_bits(),
+        })
+        .collect();
+    if endpoints.get(tcp.rank().index()) != Some(&mine) {
+        return Err(failed(
+            "the endpoint exchange did not return this rank's own".into(),
+        ));
+    }
+    let group = MpiGroup::new(world, endpoints, tcp.rank(), generation, config)
+        .map_err(|e| failed(e.to_string()))?;
+    let shutdown = GroupShutdown {
+        mpi: Some(group.shutdown_handle()),
+        ..GroupShutdown::none()
+    };
+    Ok(CrossProcess {
+        communicator: group.into_communicator(),
+        shutdown,
+    })
 }

@@ -612,6 +612,7 @@ where
         b.clip_norm = strategy.clip_norm;
         b.faults = strategy.faults.clone().map(FaultHooks::new);
         b.comm.link = strategy.link.clone();
+        b.transport = spec.transport;
         b
     }
 

@@ -126,6 +126,10 @@ where
                 Feature::AcrossProcesses.to_string(),
             );
         }
+        #[cfg(feature = "cluster")]
+        if self.transport == crate::comm::DataTransport::Mpi {
+            on(Feature::MpiTransport, Feature::MpiTransport.to_string());
+        }
         if let Some(hooks) = &self.faults {
             on(Feature::FaultPlan, Feature::FaultPlan.to_string());
             if hooks.has_message_faults() {

@@ -220,6 +220,7 @@ fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
             low_precision_gradients: false,
             strategy: Default::default(),
             backend: meshwork::device::BackendKind::Flex,
+            transport: Default::default(),
         };
         let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap();
         let fingerprint = {

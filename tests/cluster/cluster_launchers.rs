@@ -14,7 +14,7 @@ use crate::cluster_procs::{Proc, SECRET};
 use crate::cluster_training::{WIDTHS, load_of};
 
 /// A port nobody listens on now (the head binds it a moment later).
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
@@ -24,11 +24,16 @@ fn free_port() -> u16 {
 /// `mpirun`'s arguments for `meshwork train <train>` on 3 ranks of this host, the secret and
 /// the head's port passed to every rank.
 fn mpirun_train<'a>(train: &[&'a str]) -> Vec<&'a str> {
+    mpirun_n("3", train)
+}
+
+/// [`mpirun_train`] on `n` ranks.
+pub(crate) fn mpirun_n<'a>(n: &'a str, train: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec![
         "--allow-run-as-root",
         "--oversubscribe",
         "-n",
-        "3",
+        n,
         "-x",
         "MESHWORK_SECRET",
         "-x",

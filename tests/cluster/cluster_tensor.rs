@@ -18,9 +18,9 @@ use crate::cluster_procs::Proc;
 use crate::cluster_training::{ranks_trained, run_to_end};
 
 /// Per tensor, max|a − b| ≤ TOLERANCE · max|reference| (the foundation's criterion).
-const TOLERANCE: f32 = 1e-5;
+pub(crate) const TOLERANCE: f32 = 1e-5;
 /// Steps each run trains.
-const STEPS: u64 = 4;
+pub(crate) const STEPS: u64 = 4;
 
 /// A small GPT and its run of `steps` steps, saved at `model`: one layer of width 32, 4 heads, 16 characters of context, Adam,
 /// the ring algorithm everywhere (so every group sums in one order in and across processes).
@@ -76,7 +76,7 @@ pub(crate) fn load_gpt(path: &Path, device: &MeshDevice) -> Gpt {
 }
 
 /// The GPT job of `layout` (`--dp/--pp/--tp` values) trained in one process.
-fn in_one_process(name: &str, layout: [&str; 3], model: &Path) {
+pub(crate) fn in_one_process(name: &str, layout: [&str; 3], model: &Path) {
     let flags = gpt_flags(model, STEPS);
     let args: Vec<&str> = [
         "train", "--dp", layout[0], "--pp", layout[1], "--tp", layout[2],

@@ -42,7 +42,7 @@ fn fixture(seed: u64, widths: &[usize]) -> TeacherFixture {
 /// The demo job's model after `steps` steps of a plain single-device Burn loop on the global
 /// batches a `replicas`-way job draws, from the initialization every process of the job makes
 /// (a Flex device seeded with the job's seed).
-fn reference(seed: u64, batch: usize, steps: u64, replicas: usize) -> (Mlp, MeshDevice) {
+pub(crate) fn reference(seed: u64, batch: usize, steps: u64, replicas: usize) -> (Mlp, MeshDevice) {
     reference_of(&WIDTHS, seed, batch, steps, replicas)
 }
 

@@ -77,6 +77,7 @@ fn write_control_seed_corpus() {
         low_precision_gradients: false,
         strategy: Default::default(),
         backend: meshwork::device::BackendKind::Flex,
+        transport: Default::default(),
         pipeline: None,
     };
     let messages = [

@@ -5,6 +5,7 @@
 
 mod cluster_control;
 mod cluster_launchers;
+mod cluster_mpi;
 mod cluster_procs;
 mod cluster_rollback;
 mod cluster_tcp;

@@ -21,6 +21,7 @@ use meshwork::cluster::control::{
 use meshwork::cluster::control::{HostArgs, HostFactory, KeepAlive, LateEvent, LateEvents};
 use meshwork::cluster::remote::{ClusterMesh, MeshJoiner};
 use meshwork::cluster::rendezvous::{self, Rendezvous, Role};
+use meshwork::comm::DataTransport;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_blocks, mlp_blocks_of, mse_loss, split_mlp};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
@@ -48,7 +49,8 @@ pub(crate) struct ClusterTrainArgs {
     /// How long the head waits for its nodes, in seconds.
     #[arg(long, default_value_t = 120.0)]
     join_timeout: f64,
-    /// Devices the head process itself holds (default: 0 with --listen, 1 under a launcher).
+    /// Devices the head process itself holds (default 0 with --listen); under a launcher,
+    /// the devices every process holds (default 1).
     #[arg(long)]
     local_devices: Option<u32>,
     /// The address the head's own data-plane listeners bind (default: the --listen host,
@@ -80,9 +82,33 @@ pub(crate) struct ClusterTrainArgs {
     /// the Slurm head host).
     #[arg(long, requires = "tls_ca")]
     tls_server_name: Option<String>,
+    /// What moves the data plane's bytes between processes: `tcp` (meshwork's own links,
+    /// live recovery) or `mpi` (the system's MPI: start every process under the MPI launcher,
+    /// `mpirun -n N meshwork train --transport mpi …`, with meshwork built with the `mpi`
+    /// feature; a lost process ends the job, and rerunning the command resumes it).
+    #[arg(long, value_enum, default_value_t = TransportChoice::Tcp)]
+    pub(crate) transport: TransportChoice,
     /// Testing: speak this control protocol version instead of the build's.
     #[arg(long, hide = true)]
     pretend_protocol_version: Option<u16>,
+}
+
+/// `--transport`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum TransportChoice {
+    /// meshwork's authenticated TCP links.
+    Tcp,
+    /// The system's MPI (feature `mpi`).
+    Mpi,
+}
+
+impl From<TransportChoice> for DataTransport {
+    fn from(choice: TransportChoice) -> Self {
+        match choice {
+            TransportChoice::Tcp => DataTransport::Tcp,
+            TransportChoice::Mpi => DataTransport::Mpi,
+        }
+    }
 }
 
 /// Flags of `meshwork node`.
@@ -379,12 +405,62 @@ pub(crate) fn dispatch_train(
     if cluster.nodes.is_some() {
         return Some(Err(Error::InvalidConfig("--nodes needs --listen".into())));
     }
+    if cluster.transport == TransportChoice::Mpi {
+        return Some(under_mpi(cluster, spec, job));
+    }
     let launched = match launcher() {
         Ok(Some(r)) if r.processes > 1 => r,
         Ok(_) => return None,
         Err(e) => return Some(Err(e)),
     };
-    Some(match launched.role() {
+    Some(run_launched(cluster, launched, spec(), job))
+}
+
+/// `--transport mpi`: MPI's world is the job's (RDV-4), and its bytes move through MPI.
+/// Every process finalises MPI at the end of `main`.
+fn under_mpi(
+    cluster: &ClusterTrainArgs,
+    spec: impl FnOnce() -> JobSpec,
+    job: HeadJob,
+) -> meshwork::error::Result<()> {
+    #[cfg(feature = "mpi")]
+    {
+        let world = meshwork::comm::mpi::init()
+            .map_err(|e| Error::InvalidConfig(format!("--transport mpi: {e}")))?;
+        let launched = rendezvous::from_mpi(world, |k| std::env::var(k).ok())
+            .map_err(|e| Error::from(ControlError::Rendezvous(e)))?;
+        if launched.processes < 2 {
+            return Err(Error::InvalidConfig(
+                "--transport mpi needs at least two processes: start it under an MPI launcher \
+                 (mpirun -n N meshwork train --transport mpi …)"
+                    .into(),
+            ));
+        }
+        let mut spec = spec();
+        spec.transport = DataTransport::Mpi;
+        run_launched(cluster, launched, spec, job)
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        let _ = (cluster, spec, job);
+        Err(Error::InvalidConfig(
+            "--transport mpi needs meshwork built with the `mpi` feature \
+             (cargo build --release --features mpi; it needs an MPI such as libopenmpi-dev, \
+             and libclang)"
+                .into(),
+        ))
+    }
+}
+
+/// Runs this process's part of a job a launcher started: the head on process 0, a node on
+/// the others.
+fn run_launched(
+    cluster: &ClusterTrainArgs,
+    launched: Rendezvous,
+    spec: JobSpec,
+    job: HeadJob,
+) -> meshwork::error::Result<()> {
+    match launched.role() {
         Role::Head { listen, nodes } => {
             let data_host = cluster.data_host.or_else(|| {
                 (launched.head_host.as_str(), 0)
@@ -394,13 +470,13 @@ pub(crate) fn dispatch_train(
                     .map(|a| a.ip())
             });
             let local = cluster.local_devices.unwrap_or(1);
-            run_head(cluster, listen, nodes, local, data_host, spec(), job)
+            run_head(cluster, listen, nodes, local, data_host, spec, job)
         }
         Role::Node { join, process } => {
             let args = NodeArgs {
                 join: Some(join),
-                devices: 1,
-                device: spec().backend,
+                devices: cluster.local_devices.unwrap_or(1),
+                device: spec.backend,
                 job: cluster.job.clone(),
                 name: None,
                 join_timeout: cluster.join_timeout,
@@ -412,7 +488,7 @@ pub(crate) fn dispatch_train(
             };
             run_node_with(args, Some(process))
         }
-    })
+    }
 }
 
 /// The job spec of `meshwork train`'s demo job.
@@ -438,6 +514,8 @@ pub(crate) fn demo_spec(
         low_precision_gradients,
         strategy,
         backend,
+        // `dispatch_train` sets the transport the command line chose.
+        transport: Default::default(),
     }
 }
 

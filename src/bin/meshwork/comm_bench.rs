@@ -293,6 +293,7 @@ fn run_method_over_tcp(b: &CommBench, method: &str) -> Result<(Vec<(f64, f32)>, 
             ..StrategySpec::default()
         },
         backend: meshwork::device::BackendKind::Flex,
+        transport: Default::default(),
     };
     let mut curve = Curve::default();
     crate::local_nodes::train_over_local_nodes(&spec, WORLD, &mut |e| curve.see(e))?;

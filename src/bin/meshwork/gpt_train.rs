@@ -327,6 +327,7 @@ pub(crate) fn gpt_spec(
             warmup_cosine: crate::train::warmup_steps(args)?.map(|w| w as u64),
         },
         backend: args.device,
+        transport: Default::default(),
     })
 }
 

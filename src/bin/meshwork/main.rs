@@ -88,9 +88,21 @@ fn main() -> ExitCode {
         Command::Node(args) => cluster::run_node(args),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => {
+            // Under `--transport mpi` every process finalises MPI (mpirun counts a process
+            // that exits without it as failed).
+            #[cfg(feature = "mpi")]
+            meshwork::comm::mpi::finalize();
+            ExitCode::SUCCESS
+        }
         Err(e) => {
             eprintln!("error: {e}");
+            // A failed process of an MPI job ends the whole job at once, named by the
+            // launcher's report (MPI_Finalize would wait for the others instead).
+            #[cfg(feature = "mpi")]
+            if let Some(world) = meshwork::comm::mpi::world() {
+                world.abort(1);
+            }
             ExitCode::FAILURE
         }
     }

@@ -313,6 +313,13 @@ impl AgentState {
                     self.tell(AgentEvent::RefusedHead(why.clone()));
                     return ControlMsg::Refused(why);
                 }
+                if !hello.spec.transport.is_ready() {
+                    let why = Incompatibility::Transport {
+                        job: hello.spec.transport,
+                    };
+                    self.tell(AgentEvent::RefusedHead(why.clone()));
+                    return ControlMsg::Refused(why);
+                }
                 let compute = self.fingerprint.clone();
                 let spec = hello.spec.clone();
                 let mine = tokio::task::spawn_blocking(move || compute(&spec))

@@ -39,7 +39,7 @@ use crate::mesh::Rank;
 pub const CONTROL_MAGIC: [u8; 4] = *b"MWCT";
 
 /// The control protocol version this build speaks.
-pub const CONTROL_PROTOCOL_VERSION: u16 = 10;
+pub const CONTROL_PROTOCOL_VERSION: u16 = 11;
 
 /// Bytes of the fixed header.
 pub const CONTROL_HEADER_LEN: usize = 10;
@@ -104,6 +104,9 @@ pub struct JobSpec {
     /// What every rank computes on (version 9 on): each process's devices are of this
     /// backend, and a node of another refuses the job ([`Incompatibility::Backend`]).
     pub backend: crate::device::BackendKind,
+    /// What moves the data plane's bytes between processes (version 11 on): a node that
+    /// cannot use it refuses the job ([`Incompatibility::Transport`]).
+    pub transport: crate::comm::DataTransport,
 }
 
 /// The settings of a job that change how its replicas synchronise or what a step does with
@@ -273,6 +276,17 @@ pub enum Incompatibility {
         head: crate::device::BackendKind,
         /// The node's.
         node: crate::device::BackendKind,
+    },
+    /// The job's data plane runs on a transport this node cannot use (an MPI job, a node
+    /// built without the `mpi` feature or not started by an MPI launcher).
+    #[error(
+        "transport mismatch: the job moves its data over {job}, which this node cannot use \
+         (start every process of an MPI job under the MPI launcher, with a meshwork built with \
+         the `mpi` feature)"
+    )]
+    Transport {
+        /// The job's transport.
+        job: crate::comm::DataTransport,
     },
     /// The node cannot build this kind of model.
     #[error("node cannot build model {kind}")]

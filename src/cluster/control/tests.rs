@@ -52,6 +52,7 @@ fn demo_spec(widths: &[usize]) -> JobSpec {
         low_precision_gradients: false,
         strategy: Default::default(),
         backend: crate::device::BackendKind::Flex,
+        transport: Default::default(),
         pipeline: None,
     }
 }

@@ -133,7 +133,7 @@ impl<M: Send + 'static> NodeStages<M> {
         Ok(Self {
             inner: Arc::new(NodeInner {
                 factory,
-                groups: ProcessGroups::new(args.token.clone(), tcp.clone()),
+                groups: ProcessGroups::new(args.token.clone(), tcp.clone(), args.spec.transport),
                 token: args.token,
                 plan: args.plan,
                 tcp,

@@ -341,3 +341,35 @@ fn rdv_3_mpi_launchers_make_rank_0_the_head_and_need_master_addr_across_hosts() 
         assert_eq!(from_env(env(&inside)).unwrap().unwrap().convention, c);
     }
 }
+
+#[test]
+fn rdv_4_mpi_world_puts_the_head_on_loopback_only_when_every_rank_shares_its_host() {
+    let none = |_: &str| None;
+    let local: Vec<String> = vec!["a".into(); 3];
+    let r = from_mpi_hosts(2, &local, none).unwrap();
+    assert_eq!(
+        (r.convention, r.process, r.processes, r.head_host.as_str()),
+        (Convention::MpiWorld, ProcessIndex(2), 3, "127.0.0.1")
+    );
+    assert_eq!(r.port, DEFAULT_PORT);
+    let spread: Vec<String> = vec!["gpu1".into(), "gpu1".into(), "gpu2".into()];
+    let r = from_mpi_hosts(0, &spread, none).unwrap();
+    assert_eq!(r.head_host, "gpu1");
+    assert!(matches!(r.role(), Role::Head { nodes: 2, .. }));
+    let named = |k: &str| match k {
+        "MASTER_ADDR" => Some("10.0.0.7".to_string()),
+        "MESHWORK_PORT" => Some("4000".to_string()),
+        _ => None,
+    };
+    let r = from_mpi_hosts(1, &spread, named).unwrap();
+    assert_eq!((r.head_host.as_str(), r.port), ("10.0.0.7", 4000));
+    assert_eq!(
+        r.role(),
+        Role::Node {
+            join: "10.0.0.7:4000".into(),
+            process: ProcessIndex(1)
+        }
+    );
+    assert!(from_mpi_hosts(3, &spread, none).is_err());
+    assert!(from_mpi_hosts(0, &[], none).is_err());
+}

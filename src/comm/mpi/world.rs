@@ -232,6 +232,42 @@ impl MpiWorld {
         Ok(out)
     }
 
+    /// Every process's `MPI_Get_processor_name` (its host, as MPI names it), in world rank
+    /// order (a collective, as [`MpiWorld::broadcast_bytes`]).
+    pub fn processor_names(&self) -> Result<Vec<String>, MpiError> {
+        if self.is_finalized() {
+            return Err(MpiError::Finalized);
+        }
+        // SAFETY: reading a constant the MPI library defines.
+        let width = unsafe { ffi::RSMPI_MAX_PROCESSOR_NAME }.max(1) as usize;
+        let mut mine = vec![0u8; width];
+        let mut len: c_int = 0;
+        // SAFETY: `mine` has room for MPI_MAX_PROCESSOR_NAME characters.
+        check("MPI_Get_processor_name", unsafe {
+            ffi::MPI_Get_processor_name(mine.as_mut_ptr().cast(), &mut len)
+        })?;
+        let mut all = vec![0u8; width * self.size as usize];
+        // SAFETY: every process sends `width` bytes and receives `width` from each process.
+        check("MPI_Allgather", unsafe {
+            ffi::MPI_Allgather(
+                mine.as_ptr().cast(),
+                width as c_int,
+                ffi::RSMPI_UINT8_T,
+                all.as_mut_ptr().cast(),
+                width as c_int,
+                ffi::RSMPI_UINT8_T,
+                self.comm.0,
+            )
+        })?;
+        Ok(all
+            .chunks(width)
+            .map(|name| {
+                let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+                String::from_utf8_lossy(&name[..end]).into_owned()
+            })
+            .collect())
+    }
+
     /// Ends every process of the job (`MPI_Abort`): what a rank does when it cannot go on and
     /// the launcher should stop the others.
     pub fn abort(&self, code: i32) -> ! {

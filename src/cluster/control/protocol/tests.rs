@@ -17,6 +17,7 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
         low_precision_gradients: false,
         strategy: Default::default(),
         backend: crate::device::BackendKind::Flex,
+        transport: Default::default(),
         pipeline: None,
     };
     let addr = |port| SocketAddr::from(([127, 0, 0, 1], port));
