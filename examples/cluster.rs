@@ -5,9 +5,14 @@
 //! `pipeline`, the model's two layers become two pipeline stages instead, one per node (a
 //! 1 × 2 dp × pp mesh). On real machines the nodes are started by hand, torchrun or Slurm.
 //!
+//! With `mpi` under an MPI launcher, the launcher starts every process and MPI's world is the
+//! job's; the job's bytes move through MPI (feature `mpi`).
+//!
 //! ```text
 //! cargo run --features cluster --example cluster
 //! cargo run --features cluster --example cluster -- pipeline
+//! cargo build --features mpi --example cluster
+//! mpirun -n 3 target/debug/examples/cluster mpi
 //! ```
 
 // ANCHOR: imports
@@ -201,9 +206,10 @@ async fn node(head: String, secret: ClusterSecret) -> Result<(), Box<dyn std::er
 // ANCHOR_END: node
 
 // ANCHOR: head
-/// The head: wait for the nodes, train across them, stop them.
-async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std::error::Error>> {
-    let spec = JobSpec {
+/// The job: the program's model, one replica per node, or (`pipelined`) one pipeline stage per
+/// node.
+fn the_spec(pipelined: bool) -> JobSpec {
+    JobSpec {
         model: model_spec([32, 64, 4]),
         seed: 1,
         batch_size: 64,
@@ -223,9 +229,24 @@ async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std:
             micro_batches: 4,
             virtual_stages: 1,
         }),
+    }
+}
+
+/// The head: listen on `listen`, start this program as its nodes when `start`, wait for the
+/// nodes, train across them, stop them.
+async fn head(
+    secret: ClusterSecret,
+    spec: JobSpec,
+    listen: &str,
+    start: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let pipelined = spec.pipeline.is_some();
+    let mut head = Head::start(HeadConfig::new(listen, JOB, secret)).await?;
+    let children = if start {
+        start_nodes(head.local_addr())?
+    } else {
+        Vec::new()
     };
-    let mut head = Head::start(HeadConfig::new("127.0.0.1:0", JOB, secret)).await?;
-    let children = start_nodes(head.local_addr())?;
     let fingerprint = models().fingerprint(&spec)?;
     let world = head
         .assemble(
@@ -265,6 +286,28 @@ async fn head(secret: ClusterSecret, pipelined: bool) -> Result<(), Box<dyn std:
 }
 // ANCHOR_END: head
 
+// ANCHOR: mpi
+/// Under an MPI launcher (`mpirun -n 3 target/debug/examples/cluster mpi`, feature `mpi`):
+/// MPI's world is the job's (rank 0 the head, the others its nodes), and every group's bytes
+/// move through MPI.
+#[cfg(feature = "mpi")]
+async fn under_mpi(secret: ClusterSecret) -> Result<(), Box<dyn std::error::Error>> {
+    use meshwork::cluster::rendezvous::{self, Role};
+    let world = meshwork::comm::mpi::init()?;
+    let launched = rendezvous::from_mpi(world, |k| std::env::var(k).ok())?;
+    match launched.role() {
+        Role::Head { listen, .. } => {
+            let spec = JobSpec {
+                transport: meshwork::comm::DataTransport::Mpi,
+                ..the_spec(false)
+            };
+            head(secret, spec, &listen, false).await
+        }
+        Role::Node { join, .. } => node(join, secret).await,
+    }
+}
+// ANCHOR_END: mpi
+
 /// Starts this program `NODES` times as a node of the head at `addr`.
 fn start_nodes(addr: SocketAddr) -> std::io::Result<Vec<Child>> {
     let me = std::env::current_exe()?;
@@ -300,7 +343,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             let addr = args.get(2).cloned().ok_or("node HEAD_ADDR")?;
             runtime.block_on(node(addr, secret))
         }
-        Some("pipeline") => runtime.block_on(head(secret, true)),
-        _ => runtime.block_on(head(secret, false)),
+        Some("pipeline") => runtime.block_on(head(secret, the_spec(true), "127.0.0.1:0", true)),
+        #[cfg(feature = "mpi")]
+        Some("mpi") => {
+            let trained = runtime.block_on(under_mpi(secret));
+            drop(runtime);
+            meshwork::comm::mpi::finalize();
+            trained
+        }
+        _ => runtime.block_on(head(secret, the_spec(false), "127.0.0.1:0", true)),
     }
 }

@@ -24,8 +24,9 @@
 //! - **MPI's world** ([`from_mpi`], with `--transport mpi`): MPI itself gives the rank, the
 //!   size and every rank's host, so no launcher variable is read: the head is rank 0, on
 //!   `MASTER_ADDR` if set, else on the loopback address when every rank shares rank 0's host,
-//!   else on rank 0's host name (RDV-4). Any MPI launcher works, `mpirun`, `mpiexec` or
-//!   `srun --mpi=pmix`.
+//!   else on rank 0's host name (RDV-4). The port is rank 0's `MESHWORK_PORT` or
+//!   `MASTER_PORT`, else a port free on its host, broadcast over MPI. Any MPI launcher works,
+//!   `mpirun`, `mpiexec` or `srun --mpi=pmix`.
 //!
 //! # Precedence
 //!
@@ -378,16 +379,49 @@ pub fn from_mpi_hosts(
 }
 
 /// Rendezvous from the initialised MPI world (a collective: every process of the world calls
-/// it once, before its job starts): [`from_mpi_hosts`] with MPI's rank and hosts.
+/// it once, before its job starts): [`from_mpi_hosts`] with MPI's rank and hosts, and the
+/// port rank 0 chooses for everyone: its `MESHWORK_PORT` or `MASTER_PORT`, else a port free
+/// on its host now, broadcast over MPI (so an MPI job needs no port setting, and a requeued
+/// one never finds its last run's port taken).
 #[cfg(feature = "mpi")]
 pub fn from_mpi(
     world: &crate::comm::mpi::MpiWorld,
     lookup: impl Fn(&str) -> Option<String>,
 ) -> Result<Rendezvous, RendezvousError> {
-    let hosts = world
-        .processor_names()
-        .map_err(|e| RendezvousError::Mpi(e.to_string()))?;
-    from_mpi_hosts(world.rank(), &hosts, lookup)
+    let mpi = |e: crate::comm::mpi::MpiError| RendezvousError::Mpi(e.to_string());
+    let hosts = world.processor_names().map_err(mpi)?;
+    let chosen: Result<u16, RendezvousError> = if world.rank() == 0 {
+        let set = lookup("MESHWORK_PORT").is_some() || lookup("MASTER_PORT").is_some();
+        if set {
+            port_of(&lookup, Convention::MpiWorld)
+        } else {
+            std::net::TcpListener::bind(("0.0.0.0", 0))
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .map_err(|e| RendezvousError::Mpi(format!("finding a free port: {e}")))
+        }
+    } else {
+        Ok(0)
+    };
+    // Always broadcast (0 = rank 0 failed), so no process waits for one that returned early.
+    let sent = world
+        .broadcast_bytes(0, &chosen.as_ref().copied().unwrap_or(0).to_le_bytes())
+        .map_err(mpi)?;
+    let port = match sent.as_slice() {
+        [a, b] if u16::from_le_bytes([*a, *b]) != 0 => u16::from_le_bytes([*a, *b]),
+        _ => {
+            chosen?;
+            return Err(RendezvousError::Mpi(
+                "rank 0 could not choose the head's port".into(),
+            ));
+        }
+    };
+    let mut rendezvous = from_mpi_hosts(world.rank(), &hosts, |_| None)?;
+    if let Some(addr) = lookup("MASTER_ADDR").filter(|a| !a.trim().is_empty()) {
+        rendezvous.head_host = addr.trim().to_string();
+    }
+    rendezvous.port = port;
+    Ok(rendezvous)
 }
 
 /// The head's port when the launcher has none of its own: `MESHWORK_PORT`, else

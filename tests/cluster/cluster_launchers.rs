@@ -116,7 +116,7 @@ fn mpirun_starts_a_job_equal_to_its_single_process_run() {
 
 /// The pid in a node's default name (`host-pid`) of the node that holds `rank`, from its
 /// `prepared:` line (`meshwork node NAME: prepared: process P, ranks [R] of N`).
-fn pid_of_rank(output: &str, rank: u32) -> Option<u32> {
+pub(crate) fn pid_of_rank(output: &str, rank: u32) -> Option<u32> {
     output.lines().find_map(|l| {
         let rest = l.strip_prefix("meshwork node ")?;
         let (name, rest) = rest.split_once(": prepared: ")?;

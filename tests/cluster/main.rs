@@ -8,6 +8,7 @@ mod cluster_launchers;
 mod cluster_mpi;
 mod cluster_procs;
 mod cluster_rollback;
+mod cluster_slurm;
 mod cluster_tcp;
 mod cluster_tensor;
 mod cluster_training;
