@@ -90,7 +90,7 @@ pub mod plan;
 pub(crate) mod process_groups;
 #[cfg(feature = "cluster")]
 pub mod tcp;
-#[cfg(test)]
+#[cfg(all(test, feature = "cluster"))]
 mod test_support;
 #[cfg(test)]
 mod tests;
