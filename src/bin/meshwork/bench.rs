@@ -10,13 +10,16 @@ use meshwork::parallel::pipeline::Schedule;
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum BenchCommand {
     /// All-reduce bandwidth (algbw, busbw) against memcpy, for sizes 4 KiB..64 MiB; with
-    /// `--transport tcp`, across processes and against one loopback TCP stream.
+    /// `--transport tcp`, across processes and against one loopback TCP stream; with
+    /// `--transport mpi`, 1 KiB..64 MiB on all three transports in one run (in-process, TCP,
+    /// MPI under mpirun, and the MPI library's own all-reduce).
     Allreduce {
         /// Ranks in the group: threads of this process (local) or processes (tcp).
         #[arg(long, default_value_t = 2)]
         world: usize,
-        /// `local` (one process, shared memory) or `tcp` (one process per rank on 127.0.0.1;
-        /// needs the `cluster` feature).
+        /// `local` (one process, shared memory), `tcp` (one process per rank on 127.0.0.1;
+        /// needs the `cluster` feature) or `mpi` (all three, the MPI ranks under `mpirun`;
+        /// needs the `mpi` feature and OpenMPI).
         #[arg(long, value_enum, default_value_t = TransportArg::Local)]
         transport: TransportArg,
         /// One size only (e.g. 16MiB, 4096, 64K); default: 4 KiB..64 MiB.
@@ -100,6 +103,15 @@ pub(crate) enum BenchCommand {
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
+    },
+    /// (internal) One rank of `bench allreduce --transport mpi`, run under `mpirun`.
+    #[command(hide = true)]
+    AllreduceMpiWorker {
+        /// Sizes in bytes, comma-separated.
+        #[arg(long)]
+        sizes: String,
+        #[arg(long, value_enum)]
+        algo: AlgoArg,
     },
     /// (internal) One rank of `bench allreduce --transport tcp`, run in a child process.
     #[command(hide = true)]
@@ -294,6 +306,7 @@ pub(crate) enum BenchCommand {
 pub(crate) enum TransportArg {
     Local,
     Tcp,
+    Mpi,
 }
 
 /// Algorithm choice on the command line.
@@ -357,6 +370,16 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             algo,
             json,
         } => allreduce_tcp(world, bytes, algo.into(), json),
+        BenchCommand::Allreduce {
+            world,
+            transport: TransportArg::Mpi,
+            bytes,
+            algo,
+            json,
+        } => allreduce_mpi(world, bytes, algo.into(), json),
+        BenchCommand::AllreduceMpiWorker { sizes, algo } => {
+            allreduce_mpi_worker(&sizes, algo.into())
+        }
         BenchCommand::AllreduceWorker {
             rank,
             world,
@@ -570,16 +593,55 @@ fn allreduce_tcp(world: usize, bytes: Option<usize>, algo: Algorithm, json: bool
     crate::tcp_bench::run(world, &sizes(bytes), algo, json)
 }
 
-#[cfg(feature = "cluster")]
-fn allreduce_worker(rank: u32, world: usize, sizes: &str, algo: Algorithm) -> Result<()> {
-    let sizes = sizes
+/// A worker's `--sizes` list.
+#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
+fn size_list(sizes: &str) -> Result<Vec<usize>> {
+    sizes
         .split(',')
         .map(|s| {
             s.parse()
                 .map_err(|_| Error::InvalidConfig(format!("--sizes: {s:?} is not a size")))
         })
-        .collect::<Result<Vec<usize>>>()?;
-    crate::tcp_bench::worker(rank, world, &sizes, algo)
+        .collect()
+}
+
+#[cfg(feature = "cluster")]
+fn allreduce_worker(rank: u32, world: usize, sizes: &str, algo: Algorithm) -> Result<()> {
+    crate::tcp_bench::worker(rank, world, &size_list(sizes)?, algo)
+}
+
+#[cfg(feature = "mpi")]
+fn allreduce_mpi(world: usize, bytes: Option<usize>, algo: Algorithm, json: bool) -> Result<()> {
+    if world < 2 {
+        return Err(Error::InvalidConfig(
+            "--transport mpi: use --world 2 or more".into(),
+        ));
+    }
+    // 1 KiB..64 MiB: MPI's small messages are where a fabric library differs most.
+    let sizes = match bytes {
+        Some(b) => vec![b],
+        None => (10..=26).map(|p| 1usize << p).collect(),
+    };
+    crate::mpi_bench::run(world, &sizes, algo, json)
+}
+
+#[cfg(feature = "mpi")]
+fn allreduce_mpi_worker(sizes: &str, algo: Algorithm) -> Result<()> {
+    crate::mpi_bench::worker(&size_list(sizes)?, algo)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn allreduce_mpi(_: usize, _: Option<usize>, _: Algorithm, _: bool) -> Result<()> {
+    Err(Error::InvalidConfig(
+        "--transport mpi needs meshwork built with the `mpi` feature \
+         (cargo run --release --features mpi -- bench allreduce --transport mpi)"
+            .into(),
+    ))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn allreduce_mpi_worker(_: &str, _: Algorithm) -> Result<()> {
+    allreduce_mpi(0, None, Algorithm::Auto, false)
 }
 
 #[cfg(not(feature = "cluster"))]

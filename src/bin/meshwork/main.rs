@@ -26,6 +26,8 @@ mod layout_bench;
 mod local_nodes;
 mod memory_bench;
 mod memory_svg;
+#[cfg(feature = "mpi")]
+mod mpi_bench;
 mod pipeline_bench;
 mod recovery_bench;
 #[cfg(feature = "cluster")]

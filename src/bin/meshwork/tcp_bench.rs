@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use meshwork::comm::Algorithm;
 use meshwork::comm::bench::{
-    figures, memcpy_gbps, tcp_duplex_gbps, tcp_stream_gbps, time_all_reduce,
+    AllReduceFigures, figures, memcpy_gbps, tcp_duplex_gbps, tcp_stream_gbps, time_all_reduce,
 };
 use meshwork::comm::net::link::{JobToken, LinkListener};
 use meshwork::comm::tcp::{TcpConfig, TcpGroup};
@@ -24,47 +24,25 @@ const STREAM_BYTES: usize = 1 << 30;
 
 /// What rank 0 reports per size.
 #[derive(Debug, Serialize, Deserialize)]
-struct SizeReport {
-    bytes: usize,
-    times_s: Vec<f64>,
-    algorithm: Algorithm,
+pub(crate) struct SizeReport {
+    pub(crate) bytes: usize,
+    pub(crate) times_s: Vec<f64>,
+    pub(crate) algorithm: Algorithm,
 }
 
 fn runtime(what: impl std::fmt::Display) -> Error {
     Error::Runtime(what.to_string())
 }
 
-fn iterations(bytes: usize) -> usize {
+pub(crate) fn iterations(bytes: usize) -> usize {
     ((256usize << 20) / bytes.max(1)).clamp(5, 200)
 }
 
 /// The parent: measures the loopback stream, starts `world` workers, prints their figures.
 pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) -> Result<()> {
-    let exe = std::env::current_exe().map_err(|e| Error::Io {
-        path: "current executable".into(),
-        reason: e.to_string(),
-    })?;
     let stream = tcp_stream_gbps(STREAM_BYTES, 3).map_err(runtime)?;
     let duplex = tcp_duplex_gbps(STREAM_BYTES, 3).map_err(runtime)?;
-    let token = JobToken::random();
-    let hex: String = token
-        .as_bytes()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    let list: Vec<String> = sizes.iter().map(usize::to_string).collect();
-    let commands = (0..world)
-        .map(|rank| {
-            let mut command = Command::new(&exe);
-            command
-                .env(TOKEN_ENV, &hex)
-                .args(["bench", "allreduce-worker", "--rank", &rank.to_string()])
-                .args(["--world", &world.to_string(), "--sizes", &list.join(",")])
-                .args(["--algo", &algo.to_string()]);
-            command
-        })
-        .collect();
-    let mut group = ProcessGroup::start(commands, Duration::from_secs(30)).map_err(runtime)?;
+    let measured = measure(world, sizes, algo)?;
     if !json {
         println!(
             "# all_reduce over TCP, {world} processes on 127.0.0.1, f32, sum; GB/s = 1e9 bytes/s; \
@@ -76,20 +54,7 @@ pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) ->
             "bytes", "algo", "time_us", "algbw", "busbw", "busbw/tcp", "busbw/duplex"
         );
     }
-    for &bytes in sizes {
-        // A size takes at most 200 iterations; a minute is far more than any needs.
-        let line = group
-            .next_line(0, Duration::from_secs(120))
-            .map_err(runtime)?;
-        let report: SizeReport = serde_json::from_str(&line)
-            .map_err(|e| runtime(format!("rank 0 reported {line:?}: {e}")))?;
-        let times = report
-            .times_s
-            .iter()
-            .map(|s| Duration::from_secs_f64(*s))
-            .collect();
-        let memcpy = memcpy_gbps(bytes, iterations(bytes));
-        let f = figures(world, report.bytes, report.algorithm, times, memcpy);
+    for f in measured {
         if json {
             println!(
                 "{}",
@@ -114,6 +79,47 @@ pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) ->
             );
         }
     }
+    Ok(())
+}
+
+/// Starts `world` TCP workers (this binary, one process each) and returns rank 0's figures
+/// per size.
+pub(crate) fn measure(
+    world: usize,
+    sizes: &[usize],
+    algo: Algorithm,
+) -> Result<Vec<AllReduceFigures>> {
+    let exe = std::env::current_exe().map_err(|e| Error::Io {
+        path: "current executable".into(),
+        reason: e.to_string(),
+    })?;
+    let token = JobToken::random();
+    let hex: String = token
+        .as_bytes()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let list: Vec<String> = sizes.iter().map(usize::to_string).collect();
+    let commands = (0..world)
+        .map(|rank| {
+            let mut command = Command::new(&exe);
+            command
+                .env(TOKEN_ENV, &hex)
+                .args(["bench", "allreduce-worker", "--rank", &rank.to_string()])
+                .args(["--world", &world.to_string(), "--sizes", &list.join(",")])
+                .args(["--algo", &algo.to_string()]);
+            command
+        })
+        .collect();
+    let mut group = ProcessGroup::start(commands, Duration::from_secs(30)).map_err(runtime)?;
+    let mut measured = Vec::new();
+    for _ in sizes {
+        // A size takes at most 200 iterations; two minutes are far more than any needs.
+        let line = group
+            .next_line(0, Duration::from_secs(120))
+            .map_err(runtime)?;
+        measured.push(figures_of(world, &line)?);
+    }
     let statuses = group.wait_all(Duration::from_secs(30));
     if let Some(rank) = statuses
         .iter()
@@ -124,7 +130,26 @@ pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) ->
             statuses[rank]
         )));
     }
-    Ok(())
+    Ok(measured)
+}
+
+/// The figures of one of rank 0's report lines (a [`SizeReport`]).
+pub(crate) fn figures_of(world: usize, line: &str) -> Result<AllReduceFigures> {
+    let report: SizeReport = serde_json::from_str(line)
+        .map_err(|e| runtime(format!("rank 0 reported {line:?}: {e}")))?;
+    let times = report
+        .times_s
+        .iter()
+        .map(|s| Duration::from_secs_f64(*s))
+        .collect();
+    let memcpy = memcpy_gbps(report.bytes, iterations(report.bytes));
+    Ok(figures(
+        world,
+        report.bytes,
+        report.algorithm,
+        times,
+        memcpy,
+    ))
 }
 
 /// One rank, in a child process.

@@ -268,6 +268,32 @@ impl MpiWorld {
             .collect())
     }
 
+    /// The MPI library's own `MPI_Allreduce` (f32 sum over every process of the world, one
+    /// buffer per process): the reference `meshwork bench allreduce --transport mpi` puts
+    /// meshwork's plans over MPI beside. Not what meshwork's groups run: its order of
+    /// additions is the library's, so it is not bit-reproducible across layouts.
+    pub fn library_all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), MpiError> {
+        if self.is_finalized() {
+            return Err(MpiError::Finalized);
+        }
+        let count = c_int::try_from(buf.len()).map_err(|_| MpiError::Call {
+            call: "MPI_Allreduce",
+            detail: format!("{} elements", buf.len()),
+        })?;
+        let send = buf.to_vec();
+        // SAFETY: both buffers hold `count` f32s; every process passes the same count.
+        check("MPI_Allreduce", unsafe {
+            ffi::MPI_Allreduce(
+                send.as_ptr().cast(),
+                buf.as_mut_ptr().cast(),
+                count,
+                ffi::RSMPI_FLOAT,
+                ffi::RSMPI_SUM,
+                self.comm.0,
+            )
+        })
+    }
+
     /// Ends every process of the job (`MPI_Abort`): what a rank does when it cannot go on and
     /// the launcher should stop the others.
     pub fn abort(&self, code: i32) -> ! {
