@@ -1,12 +1,14 @@
 //! Collectives: all-reduce, reduce-scatter, all-gather, broadcast, barrier and point-to-point
 //! send/recv between the ranks of a group, each rank driving its [`Communicator`] from its own
 //! OS thread. The ranks are threads of one process ([`LocalGroup`]) or, with the `cluster`
-//! feature, processes joined by TCP (`tcp::TcpGroup`); the same [`Communicator`] API, the same
-//! plans and the same semantics (below) for both.
+//! feature, processes joined by TCP (`tcp::TcpGroup`), or, with the `mpi` feature, endpoints of
+//! the system's MPI (`mpi::MpiGroup`); the same [`Communicator`] API, the same plans and the
+//! same semantics (below) for all.
 //!
 //! Owns: the [`Communicator`] API and its dispatch to a transport, the element types
 //! ([`Element`]), the pure algorithm plans ([`plan`]), the in-process transport
-//! ([`LocalGroup`]), the TCP transport (`tcp`, feature `cluster`) and the bandwidth probes
+//! ([`LocalGroup`]), the TCP transport (`tcp`, feature `cluster`), the MPI transport (`mpi`,
+//! feature `mpi`) and the bandwidth probes
 //! ([`bench`](mod@bench)).
 //!
 //! ```

@@ -118,6 +118,7 @@ fn every_book_block_is_included_from_a_checked_file() {
         "book/snippets/faults.json",
         "book/snippets/multi-machine.sh",
         "book/snippets/meshwork.sbatch",
+        "book/snippets/kubernetes.yaml",
     ] {
         assert!(
             included.contains(Path::new(f)),
@@ -646,4 +647,158 @@ fn the_books_certificates_carry_a_tls_job() {
         assert!(out.contains("trained 5 step(s)"), "{}: {out}", n.name);
     }
     let _ = std::fs::remove_dir_all(dir.path());
+}
+
+/// The book's Kubernetes manifests (`book/snippets/kubernetes.yaml`) fit meshwork's rendezvous:
+/// an indexed Job whose pods run `meshwork train` with flags the CLI has; a headless Service
+/// selecting those pods whose name is the Job's subdomain, so `MASTER_ADDR` (pod 0 under it)
+/// resolves, on the `MASTER_PORT` it exposes; the secret from the Secret's key; and each pod's
+/// variables (its completion index as `RANK`) make pod 0 the head listening on that port and
+/// every other pod a node joining it, as torchrun's convention reads them (RDV-1).
+#[cfg(feature = "cluster")]
+#[test]
+fn the_books_kubernetes_manifests_fit_the_rendezvous() {
+    use meshwork::cluster::rendezvous::{self, Role};
+    use yaml_rust2::{Yaml, YamlLoader};
+
+    let text = std::fs::read_to_string(root().join("book/snippets/kubernetes.yaml")).unwrap();
+    let docs = YamlLoader::load_from_str(&text).expect("the manifests are YAML");
+    let of_kind = |kind: &str| -> &Yaml {
+        let found: Vec<&Yaml> = docs
+            .iter()
+            .filter(|d| d["kind"].as_str() == Some(kind))
+            .collect();
+        assert_eq!(found.len(), 1, "one {kind}");
+        found[0]
+    };
+    let (secret, service, job) = (of_kind("Secret"), of_kind("Service"), of_kind("Job"));
+    let str_of = |y: &Yaml, what: &str| -> String {
+        y.as_str()
+            .map(str::to_string)
+            .or_else(|| y.as_i64().map(|i| i.to_string()))
+            .unwrap_or_else(|| panic!("{what} is not set"))
+    };
+
+    // The Job: indexed, every pod at once.
+    let spec = &job["spec"];
+    assert_eq!(spec["completionMode"].as_str(), Some("Indexed"));
+    let world = spec["completions"].as_i64().expect("completions");
+    assert_eq!(
+        spec["parallelism"].as_i64(),
+        Some(world),
+        "every process at once"
+    );
+    let pod = &spec["template"]["spec"];
+    let job_name = str_of(&job["metadata"]["name"], "the Job's name");
+
+    // The Service: headless, named as the pods' subdomain, selecting the Job's pods.
+    let service_name = str_of(&service["metadata"]["name"], "the Service's name");
+    assert_eq!(
+        service["spec"]["clusterIP"].as_str(),
+        Some("None"),
+        "headless"
+    );
+    assert_eq!(
+        service["spec"]["publishNotReadyAddresses"].as_bool(),
+        Some(true)
+    );
+    assert_eq!(str_of(&pod["subdomain"], "subdomain"), service_name);
+    let labels = &spec["template"]["metadata"]["labels"];
+    for (k, v) in service["spec"]["selector"].as_hash().expect("a selector") {
+        assert_eq!(
+            &labels[k.as_str().unwrap()],
+            v,
+            "the Service selects the Job's pods"
+        );
+    }
+
+    // The container: meshwork train with the CLI's flags, torchrun's variables.
+    let containers = pod["containers"].as_vec().expect("containers");
+    assert_eq!(containers.len(), 1);
+    let c = &containers[0];
+    let command: Vec<String> = c["command"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|w| str_of(w, "command"))
+        .collect();
+    assert_eq!(command, ["meshwork", "train"]);
+    let args: Vec<String> = c["args"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|w| str_of(w, "args"))
+        .collect();
+    let train = help(&["train"]);
+    for flag in flags(args.iter().map(String::as_str)) {
+        assert!(lists(&train, &flag), "`meshwork train` has no {flag}");
+    }
+    let mut env = std::collections::BTreeMap::new();
+    for var in c["env"].as_vec().expect("env") {
+        env.insert(str_of(&var["name"], "a variable's name"), var);
+    }
+    let index_ref = "metadata.annotations['batch.kubernetes.io/job-completion-index']";
+    assert_eq!(
+        env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"].as_str(),
+        Some(index_ref),
+        "RANK is the pod's completion index"
+    );
+    assert_eq!(
+        str_of(&env["WORLD_SIZE"]["value"], "WORLD_SIZE"),
+        world.to_string()
+    );
+    let head = str_of(&env["MASTER_ADDR"]["value"], "MASTER_ADDR");
+    assert_eq!(
+        head,
+        format!("{job_name}-0.{service_name}"),
+        "pod 0 under the Service"
+    );
+    let port = str_of(&env["MASTER_PORT"]["value"], "MASTER_PORT");
+    let ports: Vec<String> = service["spec"]["ports"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|p| str_of(&p["port"], "port"))
+        .collect();
+    assert!(
+        ports.contains(&port),
+        "the Service exposes {port}: {ports:?}"
+    );
+    let from_secret = &env["MESHWORK_SECRET"]["valueFrom"]["secretKeyRef"];
+    assert_eq!(
+        str_of(&from_secret["name"], "the secret's name"),
+        str_of(&secret["metadata"]["name"], "the Secret's name")
+    );
+    let key = str_of(&from_secret["key"], "the secret's key");
+    assert!(
+        !secret["stringData"][key.as_str()].is_badvalue(),
+        "the Secret has {key}"
+    );
+
+    // Each pod's variables, as the rendezvous reads them.
+    for index in 0..world {
+        let rank = index.to_string();
+        let vars = |k: &str| match k {
+            "RANK" => Some(rank.clone()),
+            "WORLD_SIZE" => Some(world.to_string()),
+            "MASTER_ADDR" => Some(head.clone()),
+            "MASTER_PORT" => Some(port.clone()),
+            _ => None,
+        };
+        let r = rendezvous::from_env(vars)
+            .expect("the variables parse")
+            .expect("a launcher's variables");
+        assert_eq!((r.process.0 as i64, r.processes as i64), (index, world));
+        match r.role() {
+            Role::Head { listen, nodes } => {
+                assert_eq!(index, 0);
+                assert_eq!(listen, format!("0.0.0.0:{port}"));
+                assert_eq!(nodes as i64, world - 1);
+            }
+            Role::Node { join, .. } => {
+                assert_ne!(index, 0);
+                assert_eq!(join, format!("{head}:{port}"));
+            }
+        }
+    }
 }

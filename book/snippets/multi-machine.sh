@@ -37,6 +37,15 @@ RANK=2 WORLD_SIZE=3 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 meshwork train --job 
 # rank a node with one device; across hosts, name rank 0's host (on one host it is this one)
 mpirun -n 4 -x MESHWORK_SECRET_FILE -x MASTER_ADDR=10.0.0.1 meshwork train --job demo
 # ANCHOR_END: mpirun
+# ANCHOR: mpi
+# the same job with its bytes through MPI (meshwork built with --features mpi): MPI itself says
+# who is rank 0 and where it runs, and rank 0 picks the port, so nothing but the secret is set
+mpirun -n 4 -x MESHWORK_SECRET_FILE meshwork train --transport mpi --job demo
+# a dp 2 x pp 2 x tp 2 GPT on four processes of two devices each
+mpirun -n 4 -x MESHWORK_SECRET_FILE meshwork train --transport mpi --local-devices 2 --model gpt --pp 2 --tp 2
+# under Slurm, on the MPI transport (Slurm's PMIx plugin starts OpenMPI's ranks)
+srun --mpi=pmix -n 4 meshwork train --transport mpi --job demo
+# ANCHOR_END: mpi
 # ANCHOR: pipeline
 # a 2 × 2 dp × pp job: the head waits for four nodes, each will hold one pipeline stage
 meshwork train --listen 0.0.0.0:29400 --nodes 4 --pp 2 --schedule 1f1b --micro-batches 4 --save-model trained.mpk

@@ -1,9 +1,11 @@
 //! [`Communicator`]: one rank's handle on a group, whatever transport moves its bytes.
 //!
 //! Owns: the public op API and its dispatch to a transport. The in-process transport
-//! (`comm::local`) and, with the `cluster` feature, the TCP transport (`comm::tcp`) each
-//! implement every op with the same signature and the same semantics (COMM-1..7); callers (the
-//! stage actors, pipeline execution) hold a `Communicator` and never learn which one runs.
+//! (`comm::local`), with the `cluster` feature the TCP transport (`comm::tcp`) and the
+//! hierarchical one (`comm::hierarchical`), and with the `mpi` feature the MPI transport
+//! (`comm::mpi`) each implement every op with the same signature and the same semantics
+//! (COMM-1..7); callers (the stage actors, pipeline execution) hold a `Communicator` and never
+//! learn which one runs.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -172,7 +174,8 @@ impl Communicator {
         }
     }
 
-    /// Whether this communicator's peers are other processes (the TCP transport).
+    /// Whether this communicator's peers are other processes (the TCP, hierarchical or MPI
+    /// transport).
     pub fn is_cross_process(&self) -> bool {
         !matches!(self.transport, Transport::Local(_))
     }

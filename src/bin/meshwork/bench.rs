@@ -33,11 +33,18 @@ pub(crate) enum BenchCommand {
         json: bool,
     },
     /// Data-parallel weak scaling: MLP 784-1024-1024-10, batch 64 per replica, against a plain
-    /// Burn loop on one thread; each run in its own child process for its peak memory.
+    /// Burn loop on one thread; each run in its own child process for its peak memory. With
+    /// `--transport tcp` (or `mpi`): the demo job in one process against `world` processes
+    /// under `mpirun` on the TCP data plane (and on MPI), in one run.
     Dp {
         /// Replicas.
         #[arg(long, default_value_t = 2)]
         world: u32,
+        /// `local` (threads of one process against a plain Burn loop), `tcp` (also across
+        /// processes under mpirun; needs the `cluster` feature and OpenMPI's mpirun) or `mpi`
+        /// (both transports across processes; needs the `mpi` feature).
+        #[arg(long, value_enum, default_value_t = TransportArg::Local)]
+        transport: TransportArg,
         /// Timed steps (after 3 warm-up steps).
         #[arg(long, default_value_t = 60)]
         steps: u64,
@@ -386,7 +393,18 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             sizes,
             algo,
         } => allreduce_worker(rank, world, &sizes, algo.into()),
-        BenchCommand::Dp { world, steps, json } => crate::dp_bench::dp(world, steps, json),
+        BenchCommand::Dp {
+            world,
+            steps,
+            json,
+            transport: TransportArg::Local,
+        } => crate::dp_bench::dp(world, steps, json),
+        BenchCommand::Dp {
+            world,
+            steps,
+            json,
+            transport,
+        } => dp_across(world, steps, transport == TransportArg::Mpi, json),
         BenchCommand::DpWorker { mode, world, steps } => {
             crate::dp_bench::dp_worker(&mode, world, steps)
         }
@@ -591,6 +609,26 @@ fn allreduce_tcp(world: usize, bytes: Option<usize>, algo: Algorithm, json: bool
         return Err(Error::InvalidConfig("--world 0: use at least 1".into()));
     }
     crate::tcp_bench::run(world, &sizes(bytes), algo, json)
+}
+
+#[cfg(feature = "cluster")]
+fn dp_across(world: u32, steps: u64, mpi: bool, json: bool) -> Result<()> {
+    if world < 2 {
+        return Err(Error::InvalidConfig(
+            "--world: use 2 or more across processes".into(),
+        ));
+    }
+    if mpi && !cfg!(feature = "mpi") {
+        return allreduce_mpi(0, None, Algorithm::Auto, false);
+    }
+    let runs = crate::dp_across::run(world, steps, mpi)?;
+    crate::dp_across::print(world, steps, &runs, json);
+    Ok(())
+}
+
+#[cfg(not(feature = "cluster"))]
+fn dp_across(_: u32, _: u64, _: bool, _: bool) -> Result<()> {
+    allreduce_tcp(0, None, Algorithm::Auto, false)
 }
 
 /// A worker's `--sizes` list.

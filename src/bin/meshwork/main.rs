@@ -19,8 +19,12 @@ mod cluster;
 mod comm_bench;
 mod comm_svg;
 mod demo_job;
+#[cfg(feature = "cluster")]
+mod dp_across;
 mod dp_bench;
 mod gpt_train;
+#[cfg(feature = "cluster")]
+mod launched;
 mod layout_bench;
 #[cfg(feature = "cluster")]
 mod local_nodes;

@@ -13,8 +13,8 @@ use meshwork::comm::bench::{AllReduceFigures, all_reduce_bandwidth, time_all_red
 use meshwork::comm::mpi::{self, MpiEndpoint, MpiGroup};
 use meshwork::error::{Error, Result};
 use meshwork::mesh::{Generation, Rank};
-use meshwork::testing::processes::ProcessGroup;
 
+use crate::launched::Launched;
 use crate::tcp_bench::{SizeReport, figures_of, iterations};
 
 fn runtime(what: impl std::fmt::Display) -> Error {
@@ -110,22 +110,14 @@ fn mpirun_workers(
         .arg(&exe)
         .args(["bench", "allreduce-mpi-worker", "--sizes", &list.join(",")])
         .args(["--algo", &algo.to_string()]);
-    let mut group = ProcessGroup::start(vec![command], Duration::from_secs(30))
-        .map_err(|e| runtime(format!("mpirun (is OpenMPI installed?): {e}")))?;
+    let mut mpirun = Launched::start(command, "mpirun (is OpenMPI installed?)")?;
     let mut measured = Vec::new();
     for _ in sizes {
-        let ours = group
-            .next_line(0, Duration::from_secs(180))
-            .map_err(runtime)?;
-        let theirs = group
-            .next_line(0, Duration::from_secs(180))
-            .map_err(runtime)?;
+        let ours = mpirun.next_line(Duration::from_secs(180))?;
+        let theirs = mpirun.next_line(Duration::from_secs(180))?;
         measured.push((figures_of(world, &ours)?, figures_of(world, &theirs)?));
     }
-    let statuses = group.wait_all(Duration::from_secs(30));
-    if !statuses.iter().all(|s| s.is_some_and(|s| s.success())) {
-        return Err(runtime(format!("mpirun failed: {statuses:?}")));
-    }
+    mpirun.wait(Duration::from_secs(30))?;
     Ok(measured)
 }
 
