@@ -183,9 +183,12 @@ impl MpiCommunicator {
         Ok(())
     }
 
-    /// Keeps every send still in flight alive for good (MPI-2).
+    /// Keeps every send still in flight alive for good (MPI-2). After `finalize` no MPI call
+    /// is made: every pending send is kept.
     pub(super) fn forget_pending(&mut self) {
-        let _ = self.reap();
+        if !self.mpi.is_finalized() {
+            let _ = self.reap();
+        }
         for send in self.pending.drain(..) {
             send.forget();
         }
