@@ -69,7 +69,7 @@ use crate::actors::supervisor::{
 };
 use crate::checkpoint::{ShardSnapshot, restore_module};
 use crate::comm::Communicator;
-use crate::comm::net::link::{JobToken, LinkCloser, LinkListener};
+use crate::comm::net::link::{JobToken, LinkListener};
 use crate::comm::process_groups::{GroupShutdown, ProcessGroups};
 use crate::comm::tcp::TcpConfig;
 use crate::device::{BackendKind, MeshDevice};

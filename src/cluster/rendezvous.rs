@@ -379,35 +379,46 @@ pub fn from_mpi_hosts(
 }
 
 /// Rendezvous from the initialised MPI world (a collective: every process of the world calls
-/// it once, before its job starts): [`from_mpi_hosts`] with MPI's rank and hosts, and the
-/// port rank 0 chooses for everyone: its `MESHWORK_PORT` or `MASTER_PORT`, else a port free
-/// on its host now, broadcast over MPI (so an MPI job needs no port setting, and a requeued
-/// one never finds its last run's port taken).
+/// it once, before its job starts): [`from_mpi_hosts`] with MPI's rank and hosts, and what
+/// rank 0 chooses for everyone, broadcast over MPI: its `MASTER_ADDR` if set, and the port —
+/// its `MESHWORK_PORT` or `MASTER_PORT`, else (or if 0) a port free on its host now (so an MPI
+/// job needs no port setting, and a requeued one never finds its last run's port taken; the
+/// port is free when chosen, and the head binds it a moment later).
 #[cfg(feature = "mpi")]
 pub fn from_mpi(
-    world: &crate::comm::mpi::MpiWorld,
+    world: &'static crate::comm::mpi::MpiWorld,
     lookup: impl Fn(&str) -> Option<String>,
 ) -> Result<Rendezvous, RendezvousError> {
     let mpi = |e: crate::comm::mpi::MpiError| RendezvousError::Mpi(e.to_string());
-    let hosts = world.processor_names().map_err(mpi)?;
+    // Every process enters each collective whatever happened before (none may be left
+    // waiting in one); errors are raised once all three are done.
+    let hosts = world.processor_names();
+    // Rank 0's choices for everyone: the port (0 = none could be chosen) and MASTER_ADDR.
     let chosen: Result<u16, RendezvousError> = if world.rank() == 0 {
-        let set = lookup("MESHWORK_PORT").is_some() || lookup("MASTER_PORT").is_some();
-        if set {
-            port_of(&lookup, Convention::MpiWorld)
-        } else {
-            std::net::TcpListener::bind(("0.0.0.0", 0))
+        match port_of(&lookup, Convention::MpiWorld) {
+            Ok(port)
+                if port != 0
+                    && (lookup("MESHWORK_PORT").is_some() || lookup("MASTER_PORT").is_some()) =>
+            {
+                Ok(port)
+            }
+            Ok(_) => std::net::TcpListener::bind(("0.0.0.0", 0))
                 .and_then(|l| l.local_addr())
                 .map(|a| a.port())
-                .map_err(|e| RendezvousError::Mpi(format!("finding a free port: {e}")))
+                .map_err(|e| RendezvousError::Mpi(format!("finding a free port: {e}"))),
+            Err(e) => Err(e),
         }
     } else {
         Ok(0)
     };
-    // Always broadcast (0 = rank 0 failed), so no process waits for one that returned early.
-    let sent = world
-        .broadcast_bytes(0, &chosen.as_ref().copied().unwrap_or(0).to_le_bytes())
-        .map_err(mpi)?;
-    let port = match sent.as_slice() {
+    let port = world.broadcast_bytes(0, &chosen.as_ref().copied().unwrap_or(0).to_le_bytes());
+    let master = lookup("MASTER_ADDR")
+        .map(|a| a.trim().to_string())
+        .filter(|a| !a.is_empty())
+        .unwrap_or_default();
+    let master = world.broadcast_bytes(0, master.as_bytes());
+    let hosts = hosts.map_err(mpi)?;
+    let port = match port.map_err(mpi)?.as_slice() {
         [a, b] if u16::from_le_bytes([*a, *b]) != 0 => u16::from_le_bytes([*a, *b]),
         _ => {
             chosen?;
@@ -416,10 +427,10 @@ pub fn from_mpi(
             ));
         }
     };
-    let mut rendezvous = from_mpi_hosts(world.rank(), &hosts, |_| None)?;
-    if let Some(addr) = lookup("MASTER_ADDR").filter(|a| !a.trim().is_empty()) {
-        rendezvous.head_host = addr.trim().to_string();
-    }
+    let master = String::from_utf8_lossy(&master.map_err(mpi)?).into_owned();
+    let mut rendezvous = from_mpi_hosts(world.rank(), &hosts, |k| {
+        (k == "MASTER_ADDR" && !master.is_empty()).then(|| master.clone())
+    })?;
     rendezvous.port = port;
     Ok(rendezvous)
 }

@@ -72,7 +72,17 @@
 //!   time-out. (A process that died is OpenMPI's to report: it ends the whole job.)
 //! - MPI-4 (shutdown): [`MpiShutdown::shutdown`] wakes a waiting op with
 //!   [`CommError::Shutdown`], and every later op fails the same way (COMM-4); so do ops after
-//!   [`finalize`].
+//!   [`finalize`], which waits for running ops to end (no MPI call after `MPI_Finalize`).
+//!
+//! Not carried over from the in-process transport: message hooks and
+//! `CommConfig::verify_payloads` (COMM-8) are ignored, as over TCP: MPI's messages are the
+//! library's to check, and a fault plan's message faults are refused across processes.
+
+#[cfg(not(target_endian = "little"))]
+compile_error!(
+    "meshwork's MPI transport sends buffers as their in-memory bytes (little-endian on the \
+     wire) and so needs a little-endian target"
+);
 
 use std::ffi::c_int;
 use std::sync::Arc;
@@ -86,11 +96,13 @@ use super::{Algorithm, CollectiveKind, CommConfig, CommError, Communicator};
 use crate::mesh::{Generation, Rank};
 
 mod ops;
+mod packets;
 mod raw;
 #[cfg(test)]
 mod tests;
 mod world;
 
+pub use packets::{MpiPackets, PacketsError};
 pub use world::{MpiWorld, finalize, init, world};
 
 /// Why MPI could not be used.
@@ -133,6 +145,18 @@ pub enum MpiError {
         needed: u32,
         /// Bits available.
         available: u32,
+    },
+    /// This process has made as many groups as MPI's tag space numbers (MPI-1): a new one
+    /// would share an old one's tags.
+    #[error(
+        "{endpoint:?}: this process's groups have used the {limit} endpoint ids MPI_TAG_UB \
+         leaves (each (re)wiring takes one per rank); restart the process (rerun resumes)"
+    )]
+    EndpointsExhausted {
+        /// The endpoint past the limit.
+        endpoint: MpiEndpoint,
+        /// Endpoint ids a tag can name.
+        limit: u64,
     },
     /// The rank is not one of the group's.
     #[error("rank {} is outside a group of {world}", rank.0)]
@@ -223,10 +247,15 @@ const RANK_BITS: u32 = 12;
 /// The fewest bits the endpoint field may have (a tag space smaller than this is refused).
 const MIN_ENDPOINT_BITS: u32 = 8;
 
+/// Bits of a tag that carry the receiving endpoint's id.
+fn endpoint_bits(tag_bits: u32) -> u32 {
+    tag_bits.saturating_sub(RANK_BITS + 1).min(30)
+}
+
 /// MPI-1's tag of a message to the endpoint `receiver` from group rank `sender`
-/// (`sender < 2^RANK_BITS`).
+/// (`sender < 2^RANK_BITS`; `receiver < 2^endpoint_bits`, which `MpiGroup::new` checks).
 fn tag(receiver: u32, sender: usize, tag_bits: u32) -> c_int {
-    let e = tag_bits.saturating_sub(RANK_BITS + 1).min(30);
+    let e = endpoint_bits(tag_bits);
     let endpoint = u64::from(receiver) & ((1u64 << e) - 1);
     let sender = sender as u64 & ((1u64 << RANK_BITS) - 1);
     let tag = ((endpoint << RANK_BITS) | sender) << 1;
@@ -275,6 +304,14 @@ impl MpiGroup {
                 world: size,
                 needed,
                 available: world.tag_bits(),
+            });
+        }
+        // MPI-1: an endpoint id past the tag's field would alias an older group's tags.
+        let limit = 1u64 << endpoint_bits(world.tag_bits());
+        if let Some(e) = endpoints.iter().find(|e| u64::from(e.id) >= limit) {
+            return Err(MpiError::EndpointsExhausted {
+                endpoint: *e,
+                limit,
             });
         }
         let peers = endpoints

@@ -160,6 +160,11 @@ impl ProcessGroups {
         }
     }
 
+    /// The transport the groups move their bytes on.
+    pub(crate) fn transport(&self) -> DataTransport {
+        self.transport
+    }
+
     /// Joins the group of `generation` whose ranks listen at `addrs`, as `rank`, through
     /// `listener`. With `processes` (each member's process) and a process holding two or
     /// more members, the group is hierarchical (HIER-1): an in-process group of this

@@ -1,7 +1,7 @@
 //! Jobs on the MPI transport (issue 27): `mpirun -n N meshwork train --transport mpi …` takes
 //! its world from MPI itself (rank 0 the head, RDV-4) and moves every data-parallel,
-//! tensor-parallel and model group's bytes through OpenMPI (`comm::mpi`, the TCP group only a
-//! bootstrap). Each run ends bitwise where the same layout ends in one process and within the
+//! tensor-parallel and model group's bytes and every pipeline activation through OpenMPI
+//! (`comm::mpi`, the TCP groups and links only a bootstrap). Each run ends bitwise where the same layout ends in one process and within the
 //! tolerance of one device. Needs OpenMPI (`openmpi-bin libopenmpi-dev`; `.ci/run` installs
 //! them) and meshwork built with the `mpi` feature.
 #![cfg(feature = "mpi")]
@@ -119,8 +119,8 @@ fn dp_and_zero_3_over_mpi_equal_their_single_process_runs_and_one_device() {
 }
 
 /// dp 2 × pp 2 × tp 2 of the demo GPT on 4 MPI processes of 2 devices each: the
-/// tensor-parallel, model and data-parallel groups over MPI (pipeline activations stay on
-/// their TCP links), bitwise the same layout in one process, within 1e-5 of one device.
+/// tensor-parallel, model and data-parallel groups and the pipeline links over MPI, bitwise
+/// the same layout in one process, within 1e-5 of one device.
 #[test]
 fn gpt_dp_pp_tp_over_mpi_equals_its_single_process_run_and_one_device() {
     let dir = TempDir::new("mpi-gpt");
@@ -142,6 +142,9 @@ fn gpt_dp_pp_tp_over_mpi_equals_its_single_process_run_and_one_device() {
         "{out}"
     );
     assert_trained_over_mpi(&out, 2..8, STEPS);
+    // The activations too: each stage's link to the other stage of its pipeline is MPI's.
+    assert!(out.contains("pipeline: 1 link(s) over MPI"), "{out}");
+    assert!(!out.contains("link(s) over TCP"), "{out}");
     in_one_process("gpt-mpi-alone", ["2", "2", "2"], &alone);
     in_one_process("gpt-mpi-one-device", ["1", "1", "1"], &one_device);
     let trained = load_gpt(&across, &device);

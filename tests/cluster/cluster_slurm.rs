@@ -304,6 +304,7 @@ fn slurm_starts_jobs_on_both_transports_and_requeues_a_killed_one_to_the_same_en
     let pattern = format!("slurmstepd: \\[{job}\\.");
     while Command::new("pgrep")
         .args(["-f", &pattern])
+        .stdout(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success())
     {

@@ -45,6 +45,10 @@ impl Launched {
     }
 
     /// The next line of output, within `timeout`.
+    #[cfg_attr(
+        not(feature = "mpi"),
+        allow(dead_code, reason = "the MPI bench reads lines")
+    )]
     pub(crate) fn next_line(&mut self, timeout: Duration) -> Result<String> {
         self.lines.recv_timeout(timeout).map_err(|e| {
             runtime(format!(

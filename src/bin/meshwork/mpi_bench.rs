@@ -168,7 +168,7 @@ fn measure_in_worker(
 
 /// `MPI_Allreduce` timed as `time_all_reduce` times meshwork's (barrier, then the op).
 fn time_library(
-    world: &mpi::MpiWorld,
+    world: &'static mpi::MpiWorld,
     comm: &mut meshwork::comm::Communicator,
     bytes: usize,
     iterations: usize,

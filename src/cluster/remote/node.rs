@@ -22,7 +22,7 @@ pub(super) struct NodeSlot<M> {
     /// tensor-parallel and model groups are accepted (at every Wire).
     pub(super) pipeline_listeners: Option<SlotListeners>,
     /// A pipeline slot's links to its pipeline's other stages.
-    pub(super) wires: Vec<LinkCloser>,
+    pub(super) wires: Vec<super::pipeline::WireCloser>,
     /// A pipeline slot's tensor-parallel and model groups.
     pub(super) model_groups: Vec<GroupShutdown>,
     /// The generation of its last Wire (a pipeline slot; REMOTE-3: older aborts are ignored).

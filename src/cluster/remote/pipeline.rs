@@ -1,5 +1,6 @@
 //! Pipelines across processes: the pipeline links of a replica as TCP links (a
-//! [`PacketWire`] per pair of stages), the slots of a dp × pp job, and how the head rebuilds a
+//! [`PacketWire`] per pair of stages; on the MPI transport an MPI packet channel each, the TCP
+//! link its bootstrap), the slots of a dp × pp job, and how the head rebuilds a
 //! pipeline stage's trained blocks.
 //!
 //! - **REMOTE-4** a slot of a pipeline job starts in two phases: `Start` starts its device and
@@ -97,18 +98,62 @@ impl PacketWire for TcpWire {
 /// A stage's wires to its peers, by peer stage index.
 pub(crate) type Wires = HashMap<u32, Arc<dyn PacketWire>>;
 
+/// Ends a pipeline wire from any thread: its TCP link, or an MPI wire's flag.
+#[derive(Debug)]
+pub(crate) enum WireCloser {
+    /// A TCP wire's link.
+    Tcp(LinkCloser),
+    /// An MPI wire's channel (`comm::mpi::MpiPackets::closer`).
+    #[cfg(feature = "mpi")]
+    Mpi(Arc<std::sync::atomic::AtomicBool>),
+}
+
+impl WireCloser {
+    /// Ends the wire: a waiting send or receive fails at once (TCP) or at its next poll (MPI).
+    pub(crate) fn shutdown(&self) {
+        match self {
+            WireCloser::Tcp(c) => c.shutdown(),
+            #[cfg(feature = "mpi")]
+            WireCloser::Mpi(flag) => flag.store(true, std::sync::atomic::Ordering::SeqCst),
+        }
+    }
+}
+
 /// The pipeline links of stage `listener.rank()` of a replica whose stage s accepts links at
 /// `addrs[s]`: a wire to every other stage (each sending through a queue of `capacity`
-/// packets), and the closers that end them from any thread.
+/// packets), and the closers that end them from any thread. On the MPI transport the TCP
+/// links are a bootstrap: each pair exchanges its MPI endpoints over its link, and the wire
+/// is an MPI packet channel (REMOTE-4).
 pub(crate) fn connect_wires(
     listener: &LinkListener,
     addrs: &[SocketAddr],
     config: LinkConfig,
-    capacity: usize,
-) -> Result<(Wires, Vec<LinkCloser>), TcpGroupError> {
+    (capacity, transport): (usize, crate::comm::DataTransport),
+) -> Result<(Wires, Vec<WireCloser>), TcpGroupError> {
     let me = listener.rank();
     let mut wires = Wires::new();
     let mut closers = Vec::new();
+    #[cfg(feature = "mpi")]
+    let endpoint = match transport {
+        crate::comm::DataTransport::Mpi => Some(
+            crate::comm::mpi::world()
+                .map(|w| (w, w.endpoint()))
+                .ok_or_else(|| TcpGroupError::Setup {
+                    rank: me,
+                    peer: me,
+                    detail: "the job's pipeline links are MPI's and MPI is not initialised".into(),
+                })?,
+        ),
+        crate::comm::DataTransport::Tcp => None,
+    };
+    #[cfg(not(feature = "mpi"))]
+    if transport == crate::comm::DataTransport::Mpi {
+        return Err(TcpGroupError::Setup {
+            rank: me,
+            peer: me,
+            detail: "the job's pipeline links are MPI's; this build has no `mpi` feature".into(),
+        });
+    }
     for (peer, link) in connect_mesh(listener, addrs, config)? {
         let setup = |detail: String| TcpGroupError::Setup {
             rank: me,
@@ -116,6 +161,37 @@ pub(crate) fn connect_wires(
             detail,
         };
         let (mut writer, reader, closer) = link.split().map_err(|e| setup(e.to_string()))?;
+        #[cfg(feature = "mpi")]
+        let mut reader = reader;
+        #[cfg(feature = "mpi")]
+        if let Some((world, mine)) = endpoint {
+            let deadline = Instant::now() + config.handshake_timeout;
+            writer
+                .send(&mine.to_bytes(), deadline)
+                .map_err(|e| setup(format!("sending its MPI endpoint: {e}")))?;
+            let mut theirs = Vec::new();
+            reader
+                .recv(&mut theirs, 8, deadline)
+                .map_err(|e| setup(format!("reading the peer's MPI endpoint: {e}")))?;
+            let theirs = crate::comm::mpi::MpiEndpoint::from_bytes(&theirs)
+                .ok_or_else(|| setup(format!("{} bytes are not an MPI endpoint", theirs.len())))?;
+            let packets = crate::comm::mpi::MpiPackets::new(
+                world,
+                (mine, me.index()),
+                (theirs, peer.index()),
+                capacity,
+            )
+            .map_err(|e| setup(e.to_string()))?;
+            closers.push(WireCloser::Mpi(packets.closer()));
+            wires.insert(
+                peer.0,
+                Arc::new(MpiWire {
+                    packets,
+                    max_payload: config.max_payload,
+                }),
+            );
+            continue;
+        }
         let (queue, packets) = sync_channel::<Vec<u8>>(capacity.max(1));
         let failed = Arc::new(Mutex::new(None));
         let failure = failed.clone();
@@ -132,7 +208,7 @@ pub(crate) fn connect_wires(
                 }
             })
             .map_err(|e| setup(e.to_string()))?;
-        closers.push(closer);
+        closers.push(WireCloser::Tcp(closer));
         wires.insert(
             peer.0,
             Arc::new(TcpWire {
@@ -144,6 +220,46 @@ pub(crate) fn connect_wires(
         );
     }
     Ok((wires, closers))
+}
+
+/// A pipeline link to a stage in another process over MPI (feature `mpi`): each packet one
+/// MPI message on an [`MpiPackets`](crate::comm::mpi::MpiPackets) channel, at most
+/// [`link_capacity`](PipelineSchedule::link_capacity) of them in flight, so a send completes
+/// when MPI has the packet, as on a TCP wire's queue (PIPE-4).
+#[cfg(feature = "mpi")]
+#[derive(Debug)]
+pub(crate) struct MpiWire {
+    packets: crate::comm::mpi::MpiPackets,
+    max_payload: u64,
+}
+
+#[cfg(feature = "mpi")]
+impl PacketWire for MpiWire {
+    fn send(&self, bytes: &[u8], deadline: Instant) -> Result<(), WireError> {
+        if bytes.len() as u64 > self.max_payload {
+            return Err(WireError::Refused(format!(
+                "a packet of {} bytes is over the link's largest of {} bytes",
+                bytes.len(),
+                self.max_payload
+            )));
+        }
+        self.packets.send(bytes, deadline).map_err(mpi_wire_error)
+    }
+
+    fn recv(&self, bytes: &mut Vec<u8>, deadline: Instant) -> Result<(), WireError> {
+        let max = usize::try_from(self.max_payload).unwrap_or(usize::MAX);
+        self.packets
+            .recv(bytes, max, deadline)
+            .map_err(mpi_wire_error)
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn mpi_wire_error(e: crate::comm::mpi::PacketsError) -> WireError {
+    match e {
+        crate::comm::mpi::PacketsError::TimedOut => WireError::TimedOut,
+        other => WireError::Broken(other.to_string()),
+    }
 }
 
 /// The slots of a dp × pp job: each a [`crate::actors::pipeline_stage::PipelineStageActor`].

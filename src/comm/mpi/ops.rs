@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::raw::{self, PendingRecv};
+use super::world::Live;
 use super::{ABORT, MpiCommunicator, OpId, STREAM};
 use crate::comm::element::{Element, as_f32_mut, combine, finish, narrow, widen};
 use crate::comm::plan::{self, Plan, Step};
@@ -21,9 +22,6 @@ use crate::mesh::Rank;
 
 /// The largest op header accepted.
 const MAX_HEADER: usize = 1024;
-
-/// The largest abort message read.
-const MAX_ABORT: usize = 64 * 1024;
 
 /// Marks a header, so a data message read where a header belongs is told apart.
 const HEADER_TAG: [u8; 4] = *b"MWMP";
@@ -39,6 +37,9 @@ struct Header {
     tag: [u8; 4],
     generation: u64,
     seq: u64,
+    /// The sender's largest message: a step splits into messages of this size on both sides,
+    /// so every rank of a group must use the same ([`super::MpiConfig::max_message_bytes`]).
+    max_message: u64,
     call: CallShape,
 }
 
@@ -81,6 +82,15 @@ impl MpiCommunicator {
             seq: id.seq,
             op: id.op,
         }
+    }
+
+    /// MPI kept live for one op (`MpiWorld::enter`), or the op's refusal once finalised.
+    fn live(&self, op: CollectiveKind) -> Result<Live, CommError> {
+        self.mpi.enter().ok_or(CommError::Shutdown {
+            generation: self.generation,
+            seq: self.seq,
+            op,
+        })
     }
 
     fn is_shut_down(&self) -> bool {
@@ -139,7 +149,7 @@ impl MpiCommunicator {
     fn aborted(&self, id: OpId) -> Option<CommError> {
         for (r, peer) in self.peers.iter().enumerate() {
             let Some(peer) = peer else { continue };
-            match raw::take_message(self.mpi, peer.process, peer.from | ABORT, MAX_ABORT) {
+            match raw::take_message(self.mpi, peer.process, peer.from | ABORT) {
                 Ok(None) => {}
                 Ok(Some(bytes)) => {
                     let cause =
@@ -170,11 +180,12 @@ impl MpiCommunicator {
         None
     }
 
-    /// Frees the sends that completed; the first MPI error, if any.
-    fn reap(&mut self) -> Result<(), super::MpiError> {
+    /// Frees the sends that completed; the first MPI error, if any, with the send's peer.
+    fn reap(&mut self) -> Result<(), (usize, super::MpiError)> {
         let mut i = 0;
         while i < self.pending.len() {
-            if self.pending[i].test()? {
+            let peer = self.pending[i].peer();
+            if self.pending[i].test().map_err(|e| (peer, e))? {
                 self.pending.swap_remove(i);
             } else {
                 i += 1;
@@ -186,7 +197,7 @@ impl MpiCommunicator {
     /// Keeps every send still in flight alive for good (MPI-2). After `finalize` no MPI call
     /// is made: every pending send is kept.
     pub(super) fn forget_pending(&mut self) {
-        if !self.mpi.is_finalized() {
+        if let Some(_live) = self.mpi.enter() {
             let _ = self.reap();
         }
         for send in self.pending.drain(..) {
@@ -211,8 +222,8 @@ impl MpiCommunicator {
                 Ok(false) => {}
                 Err(e) => return Err(Waited::Comm(self.mpi_error(peer, id, e))),
             }
-            if let Err(e) = self.reap() {
-                return Err(Waited::Comm(self.mpi_error(peer, id, e)));
+            if let Err((to, e)) = self.reap() {
+                return Err(Waited::Comm(self.mpi_error(to, id, e)));
             }
             if self.is_shut_down() {
                 return Err(Waited::Comm(self.shutdown_error(id)));
@@ -243,7 +254,7 @@ impl MpiCommunicator {
         let Some(tags) = self.peers.get(peer).copied().flatten() else {
             return Err(self.out_of_step(peer, id, "no such peer".into()));
         };
-        match raw::isend(self.mpi, bytes, tags.process, tags.to | STREAM) {
+        match raw::isend(self.mpi, bytes, (tags.process, tags.to | STREAM, peer)) {
             Ok(send) => {
                 self.pending.push(send);
                 Ok(())
@@ -313,16 +324,28 @@ impl MpiCommunicator {
             Err(e) => return Err(Waited::Comm(self.mpi_error(peer, id, e))),
         };
         let mut got = None;
-        let waited = self.wait_until(id, deadline, peer, |_| {
-            got = recv.test()?;
-            Ok(got.is_some())
-        });
-        match waited {
-            Ok(()) => Ok(got.unwrap_or(0)),
-            Err(e) => {
-                recv.cancel();
-                Err(e)
+        let mut failed = None;
+        let waited = self.wait_until(id, deadline, peer, |_| match recv.test() {
+            Ok(count) => {
+                got = count;
+                Ok(got.is_some())
             }
+            // A receive that completed in error (a longer message than the step's: the
+            // ranks are out of step) is the peer's, not a broken library's.
+            Err(e) => {
+                failed = Some(e);
+                Ok(true)
+            }
+        });
+        recv.cancel();
+        match (waited, failed) {
+            (Ok(()), Some(e)) => Err(Waited::Comm(self.out_of_step(
+                peer,
+                id,
+                format!("a message that does not fit its step: {e}"),
+            ))),
+            (Ok(()), None) => Ok(got.unwrap_or(0)),
+            (Err(e), _) => Err(e),
         }
     }
 
@@ -331,6 +354,7 @@ impl MpiCommunicator {
             tag: HEADER_TAG,
             generation: self.generation.0,
             seq,
+            max_message: self.max_message as u64,
             call: call.clone(),
         };
         bincode::serde::encode_to_vec(&header, bincode_config())
@@ -353,6 +377,17 @@ impl MpiCommunicator {
                         ),
                     )));
                 }
+                if header.max_message != self.max_message as u64 {
+                    return Err(Waited::Comm(self.out_of_step(
+                        peer,
+                        id,
+                        format!(
+                            "its messages are at most {} bytes, this rank's {} \
+                             (MpiConfig::max_message_bytes must agree)",
+                            header.max_message, self.max_message
+                        ),
+                    )));
+                }
                 Ok(header)
             }
             _ => Err(Waited::Comm(self.out_of_step(
@@ -368,18 +403,17 @@ impl MpiCommunicator {
 
     /// Waits until every send completed.
     fn wait_all_sent(&mut self, id: OpId) -> Result<(), CommError> {
-        let waited = self.wait_until(id, id.deadline, 0, |c| {
-            c.reap()?;
-            Ok(c.pending.is_empty())
-        });
+        let blamed = self.pending.first().map_or(0, raw::PendingSend::peer);
+        let waited = self.wait_until(id, id.deadline, blamed, |c| Ok(c.pending.is_empty()));
         match waited {
             Ok(()) => Ok(()),
             Err(Waited::Comm(e)) => Err(e),
             Err(Waited::Timeout) => {
-                let missing = (0..self.world)
-                    .filter(|&p| p != self.me())
-                    .map(rank_of)
-                    .collect();
+                // The receivers of the sends still in flight.
+                let mut missing: Vec<Rank> =
+                    self.pending.iter().map(|p| rank_of(p.peer())).collect();
+                missing.sort_unstable();
+                missing.dedup();
                 Err(self.timeout_error(id, missing))
             }
         }
@@ -392,10 +426,11 @@ impl MpiCommunicator {
             if !self.mpi.is_finalized() {
                 let reason = bincode::serde::encode_to_vec(root_cause(&error), bincode_config())
                     .unwrap_or_default();
-                for peer in self.peers.iter().flatten().copied().collect::<Vec<_>>() {
-                    if let Ok(send) =
-                        raw::isend(self.mpi, reason.clone(), peer.process, peer.to | ABORT)
-                    {
+                let peers: Vec<_> = self.peers.iter().copied().enumerate().collect();
+                for (r, tags) in peers {
+                    let Some(tags) = tags else { continue };
+                    let to = (tags.process, tags.to | ABORT, r);
+                    if let Ok(send) = raw::isend(self.mpi, reason.clone(), to) {
                         self.pending.push(send);
                     }
                 }
@@ -649,6 +684,7 @@ impl MpiCommunicator {
     }
 
     fn in_place<T: Element>(&mut self, call: CallShape, buf: &mut [T]) -> Result<(), CommError> {
+        let _live = self.live(call.kind)?;
         let id = self.rendezvous(call.clone())?;
         if let Some(values) = as_f32_mut(buf) {
             return self.run(&call, values, id);
@@ -677,6 +713,7 @@ impl MpiCommunicator {
             (output.len(), mine.len()),
             op,
         );
+        let _live = self.live(call.kind)?;
         let id = self.rendezvous(call.clone())?;
         let mut work = self.take_work(len);
         widen(&mut work, input);
@@ -700,6 +737,7 @@ impl MpiCommunicator {
             len,
             (input.len(), mine.len()),
         );
+        let _live = self.live(call.kind)?;
         let id = self.rendezvous(call.clone())?;
         if let Some(values) = as_f32_mut(output) {
             widen(&mut values[mine], input);
@@ -716,6 +754,7 @@ impl MpiCommunicator {
     }
 
     pub(crate) fn barrier(&mut self) -> Result<(), CommError> {
+        let _live = self.live(CollectiveKind::Barrier)?;
         self.rendezvous(CallShape::barrier()).map(|_| ())
     }
 
@@ -784,6 +823,7 @@ impl MpiCommunicator {
     pub(crate) fn send<T: Element>(&mut self, buf: &[T], to: Rank) -> Result<(), CommError> {
         let op = CollectiveKind::Send;
         let peer = self.check_peer(op, to)?;
+        let _live = self.live(op)?;
         let id = OpId {
             seq: self.sent[peer],
             op,
@@ -815,6 +855,7 @@ impl MpiCommunicator {
     pub(crate) fn recv<T: Element>(&mut self, buf: &mut [T], from: Rank) -> Result<(), CommError> {
         let op = CollectiveKind::Recv;
         let peer = self.check_peer(op, from)?;
+        let _live = self.live(op)?;
         let id = OpId {
             seq: self.received[peer],
             op,

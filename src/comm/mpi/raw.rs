@@ -14,9 +14,16 @@ use super::world::{Handle, MpiWorld, check};
 pub(super) struct PendingSend {
     request: Handle<ffi::MPI_Request>,
     bytes: Vec<u8>,
+    /// The receiver's rank in the group (for errors).
+    peer: usize,
 }
 
 impl PendingSend {
+    /// The receiver's rank in the group.
+    pub(super) fn peer(&self) -> usize {
+        self.peer
+    }
+
     /// Whether the send completed (its buffer is free again).
     pub(super) fn test(&mut self) -> Result<bool, MpiError> {
         test(&mut self.request).map(|done| done.is_some())
@@ -28,12 +35,11 @@ impl PendingSend {
     }
 }
 
-/// Starts sending `bytes` to world rank `process` with `tag`.
+/// Starts sending `bytes` to world rank `process` with `tag` (group rank `peer`'s).
 pub(super) fn isend(
     world: &MpiWorld,
     bytes: Vec<u8>,
-    process: c_int,
-    tag: c_int,
+    (process, tag, peer): (c_int, c_int, usize),
 ) -> Result<PendingSend, MpiError> {
     let count = c_int::try_from(bytes.len()).map_err(|_| MpiError::Call {
         call: "MPI_Isend",
@@ -57,11 +63,12 @@ pub(super) fn isend(
     Ok(PendingSend {
         request: Handle(request),
         bytes,
+        peer,
     })
 }
 
 /// A receive in flight into a buffer its caller keeps borrowed until it completed or was
-/// cancelled ([`PendingRecv::cancel`]).
+/// cancelled ([`PendingRecv::cancel`], or its drop, also on an unwind).
 #[derive(Debug)]
 pub(super) struct PendingRecv {
     request: Handle<ffi::MPI_Request>,
@@ -102,18 +109,33 @@ pub(super) unsafe fn irecv(
 }
 
 impl PendingRecv {
-    /// The received byte count once the receive completed.
+    /// The received byte count once the receive completed. After an error MPI has ended the
+    /// request (it is null), so nothing is left to cancel.
     pub(super) fn test(&mut self) -> Result<Option<usize>, MpiError> {
         test(&mut self.request)
     }
 
-    /// Cancels the receive and waits until MPI let go of its buffer (a receive cancels at
-    /// once, or completes if its message already matched).
-    pub(super) fn cancel(mut self) {
-        // SAFETY: the request is an active receive of this process.
-        unsafe {
-            ffi::MPI_Cancel(&mut self.request.0);
-            ffi::MPI_Wait(&mut self.request.0, ffi::RSMPI_STATUS_IGNORE);
+    /// Cancels the receive, if still active, and waits until MPI let go of its buffer (a
+    /// receive cancels at once, or completes if its message already matched; a message that
+    /// matched only in part completes as its sender sends the rest).
+    pub(super) fn cancel(self) {
+        // Drop does it.
+    }
+
+    fn is_active(&self) -> bool {
+        self.request.0 != unsafe_null_request()
+    }
+}
+
+impl Drop for PendingRecv {
+    fn drop(&mut self) {
+        if self.is_active() {
+            // SAFETY: the request is an active receive of this process; its op holds MPI live
+            // (`MpiWorld::enter`) for as long as the request exists.
+            unsafe {
+                ffi::MPI_Cancel(&mut self.request.0);
+                ffi::MPI_Wait(&mut self.request.0, ffi::RSMPI_STATUS_IGNORE);
+            }
         }
     }
 }
@@ -146,13 +168,12 @@ fn test(request: &mut Handle<ffi::MPI_Request>) -> Result<Option<usize>, MpiErro
     Ok(Some(usize::try_from(count).unwrap_or(0)))
 }
 
-/// `MPI_Improbe` then `MPI_Mrecv`: the message from `process` with `tag`, if one is waiting
-/// (at most `limit` bytes; a longer one is received and cut).
+/// `MPI_Improbe` then `MPI_Mrecv`: the whole message from `process` with `tag`, if one is
+/// waiting.
 pub(super) fn take_message(
     world: &MpiWorld,
     process: c_int,
     tag: c_int,
-    limit: usize,
 ) -> Result<Option<Vec<u8>>, MpiError> {
     let mut flag: c_int = 0;
     let mut message: ffi::MPI_Message = unsafe { ffi::RSMPI_MESSAGE_NULL };
@@ -190,6 +211,5 @@ pub(super) fn take_message(
             ffi::RSMPI_STATUS_IGNORE,
         )
     })?;
-    bytes.truncate(limit);
     Ok(Some(bytes))
 }

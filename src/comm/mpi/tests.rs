@@ -137,8 +137,10 @@ proptest! {
         senders in proptest::collection::vec(0usize..4096, 2),
         tag_bits in 21u32..32,
     ) {
-        let e = tag_bits - RANK_BITS - 1;
-        let same_endpoint = (endpoints[0] ^ endpoints[1]) & ((1u32 << e.min(30)) - 1) == 0;
+        // Ids below the limit MpiGroup::new enforces.
+        let e = endpoint_bits(tag_bits);
+        let endpoints: Vec<u32> = endpoints.iter().map(|&x| x & ((1u32 << e) - 1)).collect();
+        let same_endpoint = endpoints[0] == endpoints[1];
         let (a, b) = (
             tag(endpoints[0], senders[0], tag_bits),
             tag(endpoints[1], senders[1], tag_bits),
@@ -344,4 +346,34 @@ fn bad_groups_are_refused_with_a_reason() {
     assert!(matches!(e, MpiError::Endpoints(_)), "{e}");
     assert_eq!(MpiEndpoint::from_bytes(&a.to_bytes()), Some(a));
     assert_eq!(MpiEndpoint::from_bytes(&[1, 2, 3]), None);
+}
+
+/// Ranks that split steps into messages of different sizes are told so at their first op,
+/// naming the setting, instead of misreading each other's messages.
+#[test]
+fn ranks_with_different_message_sizes_fail_naming_the_setting() {
+    let mpi = mpi_world();
+    let endpoints: Vec<MpiEndpoint> = (0..2).map(|_| mpi.endpoint()).collect();
+    let errors: Vec<CommError> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..2u32)
+            .map(|r| {
+                let endpoints = endpoints.clone();
+                scope.spawn(move || {
+                    let config = MpiConfig {
+                        max_message_bytes: 64 * (r as usize + 1),
+                        ..config()
+                    };
+                    let group = MpiGroup::new(mpi, endpoints, Rank(r), Generation(0), config)
+                        .expect("the group forms");
+                    let mut comm = group.into_communicator();
+                    let mut buf = vec![1.0f32; 1000];
+                    comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errors {
+        assert!(e.to_string().contains("max_message_bytes"), "{e}");
+    }
 }

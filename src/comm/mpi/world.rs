@@ -4,8 +4,8 @@
 //! launch needs (broadcasting the head's address).
 
 use std::ffi::{c_int, c_void};
-use std::sync::OnceLock;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{OnceLock, PoisonError, RwLock, RwLockReadGuard};
 
 use mpi::ffi;
 
@@ -32,7 +32,13 @@ pub struct MpiWorld {
     /// The next endpoint id this process hands out (MPI-1).
     next_endpoint: AtomicU32,
     finalized: AtomicBool,
+    /// Held (shared) by every op and every other use of MPI while it makes MPI calls, and
+    /// (exclusive) by [`finalize`]: no MPI call runs after `MPI_Finalize`.
+    in_use: RwLock<()>,
 }
+
+/// While held, MPI is initialised and not finalised ([`MpiWorld::enter`]).
+pub(super) type Live = RwLockReadGuard<'static, ()>;
 
 static WORLD: OnceLock<Result<MpiWorld, MpiError>> = OnceLock::new();
 
@@ -69,15 +75,17 @@ pub fn world() -> Option<&'static MpiWorld> {
     WORLD.get().and_then(|w| w.as_ref().ok())
 }
 
-/// Finalises MPI if this process initialised it (call it once, at the end of `main`, after
-/// every group using MPI has ended: an op still running fails with a shut-down error at
-/// best). Later ops on MPI communicators fail with [`crate::comm::CommError::Shutdown`].
-/// Without it, `mpirun` reports the process as having exited without finalising.
+/// Finalises MPI if this process initialised it: call it once, at the end of `main`, on the
+/// thread that called [`init`] (MPI's rule), after every group using MPI has ended. It waits
+/// for ops still running (each ends within its time-out); later ops on MPI communicators fail
+/// with [`crate::comm::CommError::Shutdown`]. Without it, `mpirun` reports the process as
+/// having exited without finalising.
 pub fn finalize() {
-    if let Some(world) = world()
-        && !world.finalized.swap(true, Ordering::SeqCst)
-    {
-        // SAFETY: MPI was initialised by this process and not finalised yet.
+    let Some(world) = world() else { return };
+    let _exclusive = world.in_use.write().unwrap_or_else(PoisonError::into_inner);
+    if !world.finalized.swap(true, Ordering::SeqCst) {
+        // SAFETY: MPI was initialised by this process and not finalised yet, and no other
+        // thread is inside an MPI call (they all hold `in_use` shared while they make them).
         unsafe {
             let mut comm = world.comm.0;
             ffi::MPI_Comm_free(&mut comm);
@@ -150,6 +158,7 @@ impl MpiWorld {
                 tag_bits: u32::BITS - (tag_ub.max(1) as u32 + 1).leading_zeros() - 1,
                 next_endpoint: AtomicU32::new(0),
                 finalized: AtomicBool::new(false),
+                in_use: RwLock::new(()),
             })
         }
     }
@@ -174,6 +183,13 @@ impl MpiWorld {
         self.finalized.load(Ordering::SeqCst)
     }
 
+    /// MPI, kept initialised while the guard lives; `None` once finalised. Taken once per op
+    /// (never nested: a waiting `finalize` would block the second).
+    pub(super) fn enter(&'static self) -> Option<Live> {
+        let live = self.in_use.read().unwrap_or_else(PoisonError::into_inner);
+        (!self.is_finalized()).then_some(live)
+    }
+
     pub(super) fn comm(&self) -> ffi::MPI_Comm {
         self.comm.0
     }
@@ -188,10 +204,8 @@ impl MpiWorld {
 
     /// Broadcasts `bytes` from world rank `root` to every process (a collective: every process
     /// calls it, in the same order, before its groups start); returns root's bytes.
-    pub fn broadcast_bytes(&self, root: u32, bytes: &[u8]) -> Result<Vec<u8>, MpiError> {
-        if self.is_finalized() {
-            return Err(MpiError::Finalized);
-        }
+    pub fn broadcast_bytes(&'static self, root: u32, bytes: &[u8]) -> Result<Vec<u8>, MpiError> {
+        let _live = self.enter().ok_or(MpiError::Finalized)?;
         let root = c_int::try_from(root).map_err(|_| MpiError::Call {
             call: "MPI_Bcast",
             detail: format!("root {root} is not a rank"),
@@ -219,6 +233,11 @@ impl MpiWorld {
         } else {
             vec![0u8; n]
         };
+        if n == 0 {
+            // Every process knows the length: none enters a broadcast of nothing (an empty
+            // vector's pointer is not one MPI accepts).
+            return Ok(out);
+        }
         // SAFETY: `out` holds `n` bytes on every process (the length was broadcast first).
         check("MPI_Bcast", unsafe {
             ffi::MPI_Bcast(
@@ -234,18 +253,21 @@ impl MpiWorld {
 
     /// Every process's `MPI_Get_processor_name` (its host, as MPI names it), in world rank
     /// order (a collective, as [`MpiWorld::broadcast_bytes`]).
-    pub fn processor_names(&self) -> Result<Vec<String>, MpiError> {
-        if self.is_finalized() {
-            return Err(MpiError::Finalized);
-        }
+    pub fn processor_names(&'static self) -> Result<Vec<String>, MpiError> {
+        let _live = self.enter().ok_or(MpiError::Finalized)?;
         // SAFETY: reading a constant the MPI library defines.
         let width = unsafe { ffi::RSMPI_MAX_PROCESSOR_NAME }.max(1) as usize;
         let mut mine = vec![0u8; width];
         let mut len: c_int = 0;
         // SAFETY: `mine` has room for MPI_MAX_PROCESSOR_NAME characters.
-        check("MPI_Get_processor_name", unsafe {
+        let named = check("MPI_Get_processor_name", unsafe {
             ffi::MPI_Get_processor_name(mine.as_mut_ptr().cast(), &mut len)
-        })?;
+        });
+        // Every process enters the all-gather, even one whose name failed (an empty name):
+        // none may be left waiting for it.
+        if named.is_err() {
+            mine.fill(0);
+        }
         let mut all = vec![0u8; width * self.size as usize];
         // SAFETY: every process sends `width` bytes and receives `width` from each process.
         check("MPI_Allgather", unsafe {
@@ -259,6 +281,7 @@ impl MpiWorld {
                 self.comm.0,
             )
         })?;
+        named?;
         Ok(all
             .chunks(width)
             .map(|name| {
@@ -272,10 +295,8 @@ impl MpiWorld {
     /// buffer per process): the reference `meshwork bench allreduce --transport mpi` puts
     /// meshwork's plans over MPI beside. Not what meshwork's groups run: its order of
     /// additions is the library's, so it is not bit-reproducible across layouts.
-    pub fn library_all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), MpiError> {
-        if self.is_finalized() {
-            return Err(MpiError::Finalized);
-        }
+    pub fn library_all_reduce_sum(&'static self, buf: &mut [f32]) -> Result<(), MpiError> {
+        let _live = self.enter().ok_or(MpiError::Finalized)?;
         let count = c_int::try_from(buf.len()).map_err(|_| MpiError::Call {
             call: "MPI_Allreduce",
             detail: format!("{} elements", buf.len()),

@@ -136,8 +136,9 @@ impl<M: Send + 'static> NodeInner<M> {
         let link_config = self.tcp.link;
         let capacity = plan.link_capacity() as usize;
         let pp_addrs = addrs.links;
+        let transport = self.groups.transport();
         let wires = tokio::task::spawn_blocking(move || {
-            pipeline::connect_wires(&links, &pp_addrs, link_config, capacity)
+            pipeline::connect_wires(&links, &pp_addrs, link_config, (capacity, transport))
         });
         let comm = async {
             if addrs.dp.len() > 1 {
@@ -173,9 +174,22 @@ impl<M: Send + 'static> NodeInner<M> {
                 *into = Some(j.communicator);
             }
         }
+        let links_over = format!(
+            "pipeline: {} link(s) over {}",
+            closers.len(),
+            transport.to_string().to_uppercase()
+        );
         self.with_slot(slot, |s| {
             s.wires = closers;
             s.model_groups = shutdowns;
+            // What `meshwork node` prints at the end: the dp group's words, then the links.
+            let group = s
+                .joined
+                .split(" | pipeline: ")
+                .next()
+                .unwrap_or("")
+                .to_string();
+            s.joined = format!("{group} | {links_over}");
         })?;
         let comm = comm?;
         let links = remote_links(&plan, id.stage, self.tcp.comm.timeout, wires)
