@@ -40,7 +40,7 @@
 //! at a time. So every group runs on one duplicate of `MPI_COMM_WORLD` ([`init`]), each rank
 //! of a group addressed by an [`MpiEndpoint`] (its process's world rank and an id unique in
 //! that process), and every message carries a tag naming its receiving endpoint and its
-//! sending group rank (MPI-1). The dp, pp (pipeline links stay TCP, see ARCHITECTURE.md) and tp
+//! sending group rank (MPI-1). The dp, pp (each pipeline link an [`MpiPackets`] channel) and tp
 //! groups of a job are thus each their own tag space; MPI's matching keeps them apart.
 //!
 //! # How an op runs
