@@ -377,3 +377,46 @@ fn ranks_with_different_message_sizes_fail_naming_the_setting() {
         assert!(e.to_string().contains("max_message_bytes"), "{e}");
     }
 }
+
+/// Packets between two endpoints arrive whole and in order, whatever their sizes; one over
+/// the receiver's limit is refused, a silent peer is a time-out, a closed channel says so.
+#[test]
+fn packets_arrive_whole_and_in_order_and_every_wait_ends() {
+    let mpi = mpi_world();
+    let (a, b) = (mpi.endpoint(), mpi.endpoint());
+    let (left, right) = (
+        MpiPackets::new(mpi, (a, 0), (b, 1), 2).expect("an end"),
+        MpiPackets::new(mpi, (b, 1), (a, 0), 2).expect("an end"),
+    );
+    let sizes = [0usize, 1, 7, 4096, 1 << 20, 3];
+    let deadline = || Instant::now() + Duration::from_secs(20);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for (i, &n) in sizes.iter().enumerate() {
+                let packet: Vec<u8> = (0..n).map(|j| (i + j) as u8).collect();
+                left.send(&packet, deadline()).expect("sent");
+            }
+        });
+        let mut got = Vec::new();
+        for (i, &n) in sizes.iter().enumerate() {
+            right.recv(&mut got, 1 << 21, deadline()).expect("received");
+            assert_eq!(got.len(), n);
+            assert!(got.iter().enumerate().all(|(j, v)| *v == (i + j) as u8));
+        }
+    });
+    left.send(&[0; 100], deadline()).unwrap();
+    let mut got = Vec::new();
+    let too_large = right.recv(&mut got, 10, deadline()).unwrap_err();
+    assert_eq!(too_large, PacketsError::TooLarge { len: 100, max: 10 });
+    let silent = right.recv(&mut got, 10, Instant::now() + Duration::from_millis(50));
+    assert_eq!(silent.unwrap_err(), PacketsError::TimedOut);
+    right
+        .closer()
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(
+        right.recv(&mut got, 10, deadline()).unwrap_err(),
+        PacketsError::Closed
+    );
+    let twice = MpiPackets::new(mpi, (a, 0), (a, 0), 1).unwrap_err();
+    assert!(matches!(twice, MpiError::Endpoints(_)), "{twice}");
+}
