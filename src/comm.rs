@@ -78,6 +78,8 @@ use crate::mesh::{Generation, Rank};
 
 pub mod bench;
 mod communicator;
+#[cfg(feature = "cluster")]
+mod cross;
 mod element;
 pub mod emulate;
 #[cfg(feature = "cluster")]

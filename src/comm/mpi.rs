@@ -95,6 +95,7 @@ use super::plan::Plan;
 use super::{Algorithm, CollectiveKind, CommConfig, CommError, Communicator};
 use crate::mesh::{Generation, Rank};
 
+mod messages;
 mod ops;
 mod packets;
 mod raw;
@@ -427,7 +428,7 @@ pub(crate) struct MpiCommunicator {
 
 /// Who an op is, for its errors.
 #[derive(Debug, Clone, Copy)]
-struct OpId {
+pub(crate) struct OpId {
     seq: u64,
     op: CollectiveKind,
     deadline: Instant,

@@ -93,12 +93,13 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::element::{Element, as_f32_mut, combine, finish, narrow, widen};
+use super::cross::{self, bytes_of, rank_of, root_cause};
+use super::element::{Element, combine, finish};
 use super::emulate::LinkEmulation;
 use super::plan::{self, Plan, Step};
 use super::{
     Algorithm, CallShape, CollectiveKind, CommConfig, CommError, Communicator, DType, LinkFailure,
-    RankCall, ReduceOp, chunk_range,
+    RankCall, ReduceOp,
 };
 use crate::comm::net::link::{
     LinkCloser, LinkConfig, LinkError, LinkListener, LinkReader, LinkWriter, PayloadSink,
@@ -120,7 +121,7 @@ pub(crate) use setup::connect_mesh;
 pub use setup::{TcpConfig, TcpGroup, TcpGroupError, TcpShutdown};
 use transport::{
     CopySink, Job, OpHeader, Payload, PeerLink, RawBytes, ReduceSink, Sender, Shared, StepSink,
-    WidenSink, bytes_of,
+    WidenSink,
 };
 
 pub(crate) use schedule::sends_of_final_values;
@@ -153,10 +154,6 @@ const PROBE: Duration = Duration::from_millis(2);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-fn rank_of(index: usize) -> Rank {
-    Rank(u32::try_from(index).unwrap_or(u32::MAX))
 }
 
 fn bincode_config() -> impl bincode::config::Config {
@@ -198,7 +195,7 @@ pub(crate) struct TcpCommunicator {
 
 /// Who an op is, for its errors.
 #[derive(Debug, Clone, Copy)]
-struct OpId {
+pub(crate) struct OpId {
     seq: u64,
     op: CollectiveKind,
     deadline: Instant,
@@ -267,14 +264,6 @@ enum HeaderError {
     Timeout,
     /// Anything else, already an op error.
     Comm(CommError),
-}
-
-/// The first failure behind `error` (the cause of a poisoned op).
-fn root_cause(error: &CommError) -> &CommError {
-    match error {
-        CommError::Poisoned { cause, .. } => root_cause(cause),
-        other => other,
-    }
 }
 
 fn op_of(error: &CommError) -> CollectiveKind {

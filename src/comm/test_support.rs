@@ -90,3 +90,41 @@ pub(crate) fn blamed(error: &CommError) -> Vec<Rank> {
         _ => Vec::new(),
     }
 }
+
+/// Two ranks: rank 0 sends `values`, then 10 elements where rank 1 receives 11 (a mismatch
+/// on both sides), then 5 that match, and receives `values` back; rank 1 the other side.
+/// Each rank's mismatch error and the bits of its last receive.
+pub(crate) fn send_recv_in_order_and_a_mismatch(
+    comm: &mut Communicator,
+    values: &[half::f16],
+) -> (Result<(), CommError>, Vec<u32>) {
+    let mut got = vec![half::f16::ZERO; 3000];
+    if comm.rank() == Rank(0) {
+        comm.send(values, Rank(1)).unwrap();
+        let mismatch = comm.send(&values[..10], Rank(1));
+        comm.send(&values[..5], Rank(1)).unwrap();
+        comm.recv(&mut got, Rank(1)).unwrap();
+        (mismatch, bits(&got))
+    } else {
+        comm.recv(&mut got, Rank(0)).unwrap();
+        assert_eq!(bits(&got), bits(values));
+        let mismatch = comm.recv(&mut got[..11], Rank(0));
+        comm.recv(&mut got[..5], Rank(0)).unwrap();
+        comm.send(values, Rank(0)).unwrap();
+        (mismatch, bits(&got))
+    }
+}
+
+/// Rank 2 passes 9 elements where the others pass 8 (COMM-2), then all agree: the first
+/// op's result, whether the buffer was left untouched, and the second op's first value.
+pub(crate) fn mismatched_then_agreeing_all_reduce(
+    comm: &mut Communicator,
+) -> (Result<(), CommError>, bool, f32) {
+    let me = comm.rank().index();
+    let mut buf = vec![1.0f32; if me == 2 { 9 } else { 8 }];
+    let first = comm.all_reduce(&mut buf, ReduceOp::Sum);
+    let untouched = buf.iter().all(|v| *v == 1.0);
+    let mut buf = vec![1.0f32; 8];
+    comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+    (first, untouched, buf[0])
+}

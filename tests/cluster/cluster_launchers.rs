@@ -21,6 +21,25 @@ pub(crate) fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// `meshwork train <flags>` in one process, run to its end (the reference of a launched run).
+pub(crate) fn train_in_one_process(name: &str, flags: &[&str]) {
+    let args: Vec<&str> = ["train"].iter().chain(flags).copied().collect();
+    let mut one = Proc::spawn(name, &args, None);
+    let (status, _) = one.wait_exit(Duration::from_secs(300));
+    assert!(status.success(), "{name} in one process:\n{}", one.output());
+}
+
+/// Really distributed: a launched job's output shows each of `ranks` trained every one of
+/// its `steps` in a node process.
+pub(crate) fn assert_nodes_trained(out: &str, ranks: impl IntoIterator<Item = u32>, steps: u64) {
+    for rank in ranks {
+        assert!(
+            out.contains(&format!(": rank {rank} trained {steps} step(s)")),
+            "rank {rank}:\n{out}"
+        );
+    }
+}
+
 /// `mpirun`'s arguments for `meshwork train <train>` on 3 ranks of this host, the secret and
 /// the head's port passed to every rank.
 fn mpirun_train<'a>(train: &[&'a str]) -> Vec<&'a str> {
@@ -85,23 +104,15 @@ fn mpirun_starts_a_job_equal_to_its_single_process_run() {
         "{out}"
     );
     // Really distributed: the two node processes trained their ranks every step.
-    for rank in [1, 2] {
-        assert!(
-            out.contains(&format!(": rank {rank} trained 8 step(s)")),
-            "rank {rank}:\n{out}"
-        );
-    }
-    let mut one = Proc::spawn(
+    assert_nodes_trained(&out, [1, 2], 8);
+    train_in_one_process(
         "alone",
         &[
-            &["train", "--dp", "3", "--save-model", alone_arg.as_str()][..],
+            &["--dp", "3", "--save-model", alone_arg.as_str()][..],
             &common,
         ]
         .concat(),
-        None,
     );
-    let (status, _) = one.wait_exit(Duration::from_secs(180));
-    assert!(status.success(), "in one process:\n{}", one.output());
     let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap().remove(0);
     let (trained, single) = (
         load_of(&WIDTHS, &across, &device),
@@ -194,17 +205,14 @@ fn a_rank_killed_under_mpirun_ends_the_job_and_the_same_command_resumes_it() {
     let out = again.output();
     assert!(status.success(), "the rerun failed:\n{out}");
     assert!(out.contains("resumed after step "), "{out}");
-    let mut one = Proc::spawn(
+    train_in_one_process(
         "alone",
         &[
-            &["train", "--dp", "3", "--save-model", alone_arg.as_str()][..],
+            &["--dp", "3", "--save-model", alone_arg.as_str()][..],
             &common,
         ]
         .concat(),
-        None,
     );
-    let (status, _) = one.wait_exit(Duration::from_secs(180));
-    assert!(status.success(), "in one process:\n{}", one.output());
     let widths = [32, 1024, 1024, 4];
     let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap().remove(0);
     assert!(

@@ -11,7 +11,9 @@ use std::time::Duration;
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::testing::{TempDir, compare_parameters, parameter_bits};
 
-use crate::cluster_launchers::{free_port, mpirun_n};
+use crate::cluster_launchers::{
+    assert_nodes_trained, free_port, mpirun_n, train_in_one_process as in_one,
+};
 use crate::cluster_procs::{Proc, SECRET};
 use crate::cluster_tensor::{STEPS, TOLERANCE, gpt_flags, in_one_process, load_gpt};
 use crate::cluster_training::{WIDTHS, load_of, reference};
@@ -37,23 +39,10 @@ fn under_mpirun(n: &str, flags: &[&str]) -> String {
     out
 }
 
-/// `meshwork train <flags>` in one process, to its end.
-fn in_one(name: &str, flags: &[&str]) {
-    let args: Vec<&str> = ["train"].iter().chain(flags).copied().collect();
-    let mut one = Proc::spawn(name, &args, None);
-    let (status, _) = one.wait_exit(Duration::from_secs(180));
-    assert!(status.success(), "{name} in one process:\n{}", one.output());
-}
-
 /// Really distributed and really MPI: every node process reports its ranks trained every
 /// step, and each of its groups formed over MPI.
 fn assert_trained_over_mpi(out: &str, ranks: impl IntoIterator<Item = u32>, steps: u64) {
-    for rank in ranks {
-        assert!(
-            out.contains(&format!(": rank {rank} trained {steps} step(s)")),
-            "rank {rank}:\n{out}"
-        );
-    }
+    assert_nodes_trained(out, ranks, steps);
     assert!(out.contains("flat MPI group"), "{out}");
     assert!(
         !out.contains("flat TCP group"),

@@ -15,7 +15,9 @@ use std::time::{Duration, Instant};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::testing::{TempDir, parameter_bits};
 
-use crate::cluster_launchers::{free_port, pid_of_rank};
+use crate::cluster_launchers::{
+    assert_nodes_trained, free_port, pid_of_rank, train_in_one_process as in_one,
+};
 use crate::cluster_procs::{Proc, SECRET};
 use crate::cluster_training::{WIDTHS, load_of};
 
@@ -126,14 +128,6 @@ fn wait_in_file(path: &Path, needle: &str, limit: Duration) -> String {
     }
 }
 
-/// `meshwork train <flags>` in one process, to its end.
-fn in_one(name: &str, flags: &[&str]) {
-    let args: Vec<&str> = ["train"].iter().chain(flags).copied().collect();
-    let mut one = Proc::spawn(name, &args, None);
-    let (status, _) = one.wait_exit(Duration::from_secs(300));
-    assert!(status.success(), "{name} in one process:\n{}", one.output());
-}
-
 #[test]
 fn slurm_starts_jobs_on_both_transports_and_requeues_a_killed_one_to_the_same_end() {
     let slurm = Slurm::up();
@@ -194,12 +188,7 @@ fn slurm_starts_jobs_on_both_transports_and_requeues_a_killed_one_to_the_same_en
             out.contains("world assembled: 3 rank(s) over 3 process(es)"),
             "{out}"
         );
-        for rank in [1, 2] {
-            assert!(
-                out.contains(&format!(": rank {rank} trained 8 step(s)")),
-                "{name}, rank {rank}:\n{out}"
-            );
-        }
+        assert_nodes_trained(&out, [1, 2], 8);
         let group = format!("flat {} group of 3 rank(s)", name.to_uppercase());
         assert!(out.contains(&group), "{out}");
         assert!(

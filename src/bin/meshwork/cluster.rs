@@ -33,6 +33,10 @@ use meshwork::recovery::{OnReplicaLoss, RecoveryPolicy};
 
 use crate::demo_job::{Configure, DemoJob, RunOptions};
 
+mod demo;
+pub(crate) use demo::{HeadJob, demo_job, demo_models, demo_spec};
+use demo::{HeadSettings, head_settings, is_gpt, ranks_per_replica};
+
 /// The flags `meshwork train` gets with the `cluster` feature.
 #[derive(Debug, Clone, clap::Args)]
 pub(crate) struct ClusterTrainArgs {
@@ -175,197 +179,6 @@ fn launcher() -> meshwork::error::Result<Option<Rendezvous>> {
         .map_err(|e| Error::from(ControlError::Rendezvous(e)))
 }
 
-/// The demo model's fingerprint as this build makes it (`variant`: pretend another build).
-fn demo_fingerprint(
-    spec: &JobSpec,
-    variant: Option<&str>,
-) -> Result<ModelFingerprint, Incompatibility> {
-    let device = MeshDevice::of_kind(BackendKind::Flex, 1)
-        .map_err(|e| Incompatibility::Other(e.to_string()))?;
-    let fingerprint = if is_gpt(spec) {
-        meshwork::demo::gpt::gpt_fingerprint(spec, device[0].burn())?
-    } else {
-        meshwork::demo::cluster_fingerprint(spec, device[0].burn())?
-    };
-    Ok(match variant {
-        // Another build's model: its structure hashes differently.
-        Some(v) => ModelFingerprint(v.bytes().fold(fingerprint.0, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        })),
-        None => fingerprint,
-    })
-}
-
-/// What the head does with the trained job beyond the spec: where the model goes, how a lost
-/// node is handled.
-#[derive(Debug, Clone)]
-pub(crate) struct HeadJob {
-    pub(crate) save_model: Option<std::path::PathBuf>,
-    /// `--sample N` of `--model gpt`: characters sampled from the trained model.
-    pub(crate) sample: Option<usize>,
-    pub(crate) policy: RecoveryPolicy,
-    pub(crate) checkpoints: crate::train::CheckpointFlags,
-    /// The replicas a data-parallel job may have (`--min-replicas`, `--max-replicas`).
-    pub(crate) elastic: (u32, u32),
-    /// `--step-timeout`: how long the head's Supervisor waits for a step's ranks.
-    pub(crate) step_timeout: Duration,
-}
-
-/// Samples in the demo job's dataset (as in a single-process `meshwork train`).
-const DEMO_SAMPLES: usize = 16_384;
-
-/// The demo job of `meshwork train` as `spec` describes it, built the same way in every
-/// process (the head's and every node's stages train with the same settings) and the same
-/// way as a single-process run: the teacher task, the MLP (or its pipeline blocks) initialized
-/// on a Flex device seeded with the job's seed, Adam.
-pub(crate) fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(DemoJob, TeacherTask)> {
-    let widths = meshwork::demo::mlp_widths(&spec.model)
-        .map_err(|e| Error::InvalidConfig(format!("meshwork train runs the demo MLP: {e}")))?;
-    let (Some(&d_in), Some(&d_out)) = (widths.first(), widths.last()) else {
-        return Err(Error::InvalidConfig("the demo MLP has no layers".into()));
-    };
-    let task = TeacherTask {
-        d_in,
-        d_out,
-        noise: 0.1,
-        seed: spec.seed,
-    };
-    let device = MeshDevice::of_kind(BackendKind::Flex, 1)?.remove(0);
-    device.burn().seed(spec.seed);
-    let options = BlockOptions::default().recompute(spec.strategy.recompute);
-    let job = match &spec.pipeline {
-        // ZeRO-3 and recomputation work per block: the MLP as blocks of one layer each, as in
-        // one process.
-        None if spec.zero == 3 || spec.strategy.recompute => DemoJob::Blocks(
-            Job::builder()
-                .blocks(mlp_blocks(&widths, options, device.burn()).ok_or_else(|| {
-                    Error::Runtime("the demo MLP did not cut into blocks".into())
-                })?),
-        ),
-        None => DemoJob::Replicas(
-            Job::builder()
-                .initial_model(Mlp::new(&widths, device.burn()))
-                .loss(mse_loss),
-        ),
-        Some(shape) => {
-            let schedule =
-                Schedule::from_name(&shape.schedule, shape.micro_batches, shape.virtual_stages)
-                    .ok_or_else(|| {
-                        Error::InvalidConfig(format!(
-                            "schedule {}: gpipe, 1f1b or interleaved",
-                            shape.schedule
-                        ))
-                    })?;
-            let blocks = (shape.stages * schedule.virtual_stages()) as usize;
-            let layers = widths.len() - 1;
-            let stages = even_split(layers, blocks)
-                .and_then(|split| split_mlp(&widths, &split, device.burn()))
-                .map(|parts| mlp_blocks_of(parts, options))
-                .ok_or_else(|| {
-                    Error::InvalidConfig(format!(
-                        "{} stages × {} virtual stages: the demo MLP has {layers} layers, so at \
-                         most {layers} blocks",
-                        shape.stages,
-                        schedule.virtual_stages()
-                    ))
-                })?;
-            DemoJob::Pipeline(Job::builder().pipeline(stages, schedule), schedule)
-        }
-    };
-    Ok((job.configure(SpecSettings { spec, task: &task }), task))
-}
-
-/// The settings of the demo job every process shares.
-struct SpecSettings<'a> {
-    spec: &'a JobSpec,
-    task: &'a TeacherTask,
-}
-
-impl Configure for SpecSettings<'_> {
-    fn apply<M: Send + 'static>(self, builder: JobBuilder<M, Sample>) -> JobBuilder<M, Sample> {
-        builder
-            .data(self.task.dataset(DEMO_SAMPLES))
-            .optimizer(AdamConfig::new())
-            .follow_spec(self.spec)
-            .step_timeout(Duration::from_secs(120))
-    }
-}
-
-/// What the head adds to the demo job: its checkpoints, recovery, elastic range and mesh.
-struct HeadSettings<'a> {
-    job: &'a HeadJob,
-    mesh: ClusterMesh,
-}
-
-impl Configure for HeadSettings<'_> {
-    fn apply<M: Send + 'static>(self, builder: JobBuilder<M, Sample>) -> JobBuilder<M, Sample> {
-        head_settings(self.job, self.mesh, builder)
-    }
-}
-
-/// What the head adds to any of its jobs (the MLP's or the GPT's).
-fn head_settings<M: Send + 'static, I: Send + Sync + 'static>(
-    job: &HeadJob,
-    mesh: ClusterMesh,
-    builder: JobBuilder<M, I>,
-) -> JobBuilder<M, I> {
-    crate::train::checkpoint_settings(&job.checkpoints, builder)
-        .recovery(job.policy)
-        .elastic(job.elastic.0, job.elastic.1)
-        .step_timeout(job.step_timeout)
-        .cluster(mesh)
-}
-
-/// The ranks of one replica of a block or pipeline job (stages × tensor-parallel degree);
-/// `None` for a data-parallel job of the whole model (which grows onto nodes that join).
-fn ranks_per_replica(spec: &JobSpec) -> Option<u32> {
-    let blocks =
-        spec.pipeline.is_some() || is_gpt(spec) || spec.zero == 3 || spec.strategy.recompute;
-    blocks.then(|| {
-        spec.pipeline.as_ref().map_or(1, |p| p.stages.max(1)) * spec.strategy.tensor_parallel.max(1)
-    })
-}
-
-/// Whether `spec` is a job of the demo GPT (`--model gpt`), not of the demo MLP.
-fn is_gpt(spec: &JobSpec) -> bool {
-    spec.model.kind == meshwork::demo::gpt::GPT_KIND
-}
-
-/// The model kinds `meshwork` trains across processes: the demo MLP and the demo GPT
-/// (`variant`: pretend another build's, whose fingerprints differ).
-pub(crate) fn demo_models(variant: Option<String>) -> ModelRegistry {
-    let pretend = variant.clone();
-    let fingerprint: FingerprintFn =
-        Arc::new(move |spec: &JobSpec| demo_fingerprint(spec, variant.as_deref()));
-    let gpt_fingerprint: FingerprintFn =
-        Arc::new(move |spec: &JobSpec| demo_fingerprint(spec, pretend.as_deref()));
-    ModelRegistry::new()
-        .register(meshwork::demo::MLP_KIND, fingerprint, demo_stages())
-        .register(meshwork::demo::gpt::GPT_KIND, gpt_fingerprint, gpt_stages())
-}
-
-/// How a process builds its stages of a `--model gpt` job: the GPT job of the head's spec.
-fn gpt_stages() -> HostFactory {
-    Arc::new(|args: HostArgs| {
-        let (builder, _, _) =
-            crate::gpt_train::cluster_job(&args.spec).map_err(|e| e.to_string())?;
-        builder.stage_host(args).map_err(|e| e.to_string())
-    })
-}
-
-/// How a node (and the head, for its own devices) builds its stages: the demo job of the
-/// head's spec.
-fn demo_stages() -> HostFactory {
-    Arc::new(|args: HostArgs| {
-        let (job, _) = demo_job(&args.spec).map_err(|e| e.to_string())?;
-        match job {
-            DemoJob::Replicas(b) => b.stage_host(args),
-            DemoJob::Blocks(b) | DemoJob::Pipeline(b, _) => b.stage_host(args),
-        }
-        .map_err(|e| e.to_string())
-    })
-}
-
 /// `meshwork train` with the cluster flags or under a launcher: `None` when this is a plain
 /// single-process run.
 pub(crate) fn dispatch_train(
@@ -488,34 +301,6 @@ fn run_launched(
             };
             run_node_with(args, Some(process))
         }
-    }
-}
-
-/// The job spec of `meshwork train`'s demo job.
-pub(crate) fn demo_spec(
-    widths: &[usize],
-    (seed, batch_size, steps): (u64, usize, u64),
-    (lr, zero): (f64, u8),
-    (precision, low_precision_gradients): (Precision, bool),
-    collective_timeout: f64,
-    pipeline: Option<PipelineShape>,
-    (strategy, backend): (StrategySpec, BackendKind),
-) -> JobSpec {
-    JobSpec {
-        model: meshwork::demo::mlp_spec(widths),
-        seed,
-        batch_size: batch_size as u64,
-        steps,
-        learning_rate: lr,
-        collective_timeout_ms: (collective_timeout * 1000.0) as u64,
-        pipeline,
-        zero,
-        precision,
-        low_precision_gradients,
-        strategy,
-        backend,
-        // `dispatch_train` sets the transport the command line chose.
-        transport: Default::default(),
     }
 }
 

@@ -1,444 +1,19 @@
 //! The ops of an MPI rank: each exchanges headers (COMM-2), runs its share of the pure plan
-//! with `MPI_Isend`/`MPI_Irecv`, and waits with a deadline (MPI-2), failing its peers fast
-//! through abort messages (MPI-3).
+//! over the messages of `messages`, and fails its peers fast through abort messages (MPI-3);
+//! the collectives' front ends are the cross-process transports' shared ones (`comm::cross`).
 
-use std::ops::Range;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
-
-use serde::{Deserialize, Serialize};
-
-use super::raw::{self, PendingRecv};
+use super::messages::{PROBE, Waited};
 use super::world::Live;
-use super::{ABORT, MpiCommunicator, OpId, STREAM};
-use crate::comm::element::{Element, as_f32_mut, combine, finish, narrow, widen};
+use super::{MpiCommunicator, OpId};
+use crate::comm::cross::{self, bytes_of, rank_of};
+use crate::comm::element::{Element, combine, finish};
 use crate::comm::plan::{self, Plan, Step};
 use crate::comm::tcp::{narrow_bytes, resolve_algorithm, sends_of_final_values};
-use crate::comm::{
-    Algorithm, CallShape, CollectiveKind, CommError, DType, LinkFailure, RankCall, ReduceOp,
-    chunk_range,
-};
+use crate::comm::{Algorithm, CallShape, CollectiveKind, CommError, DType, RankCall, ReduceOp};
 use crate::mesh::Rank;
-
-/// The largest op header accepted.
-const MAX_HEADER: usize = 1024;
-
-/// Marks a header, so a data message read where a header belongs is told apart.
-const HEADER_TAG: [u8; 4] = *b"MWMP";
-
-/// How often a wait looks for abort messages (MPI-3).
-const ABORT_PROBE: Duration = Duration::from_millis(1);
-
-/// After a time-out, how long each peer not yet heard from gets to show its header.
-const PROBE: Duration = Duration::from_millis(2);
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Header {
-    tag: [u8; 4],
-    generation: u64,
-    seq: u64,
-    /// The sender's largest message: a step splits into messages of this size on both sides,
-    /// so every rank of a group must use the same ([`super::MpiConfig::max_message_bytes`]).
-    max_message: u64,
-    call: CallShape,
-}
-
-fn bincode_config() -> impl bincode::config::Config {
-    bincode::config::standard()
-        .with_little_endian()
-        .with_fixed_int_encoding()
-}
-
-fn rank_of(index: usize) -> Rank {
-    Rank(u32::try_from(index).unwrap_or(u32::MAX))
-}
-
-/// The first failure behind `error`.
-fn root_cause(error: &CommError) -> &CommError {
-    match error {
-        CommError::Poisoned { cause, .. } => root_cause(cause),
-        other => other,
-    }
-}
-
-/// The bytes of a slice of elements (plain bit patterns, little-endian targets only).
-fn bytes_of<T: Element>(values: &[T]) -> &[u8] {
-    // SAFETY: Element types have no padding and every byte is initialized.
-    unsafe {
-        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
-    }
-}
-
-/// Why a wait ended early.
-enum Waited {
-    Timeout,
-    Comm(CommError),
-}
+use std::time::Instant;
 
 impl MpiCommunicator {
-    fn shutdown_error(&self, id: OpId) -> CommError {
-        CommError::Shutdown {
-            generation: self.generation,
-            seq: id.seq,
-            op: id.op,
-        }
-    }
-
-    /// MPI kept live for one op (`MpiWorld::enter`), or the op's refusal once finalised.
-    fn live(&self, op: CollectiveKind) -> Result<Live, CommError> {
-        self.mpi.enter().ok_or(CommError::Shutdown {
-            generation: self.generation,
-            seq: self.seq,
-            op,
-        })
-    }
-
-    fn is_shut_down(&self) -> bool {
-        self.shut_down.load(Ordering::SeqCst) || self.mpi.is_finalized()
-    }
-
-    /// The error an op gets before it starts when shut down or poisoned.
-    fn refusal(&self, id: OpId) -> Option<CommError> {
-        if self.is_shut_down() {
-            return Some(self.shutdown_error(id));
-        }
-        let cause = self.failure.as_ref()?;
-        Some(CommError::Poisoned {
-            generation: self.generation,
-            seq: id.seq,
-            op: id.op,
-            cause: Box::new(root_cause(cause).clone()),
-        })
-    }
-
-    fn link(&self, peer: usize, id: OpId, failure: LinkFailure) -> CommError {
-        CommError::Link {
-            generation: self.generation,
-            seq: id.seq,
-            op: id.op,
-            peer: rank_of(peer),
-            failure,
-        }
-    }
-
-    fn mpi_error(&self, peer: usize, id: OpId, error: super::MpiError) -> CommError {
-        self.link(
-            peer,
-            id,
-            LinkFailure::Io {
-                detail: error.to_string(),
-            },
-        )
-    }
-
-    fn out_of_step(&self, peer: usize, id: OpId, detail: String) -> CommError {
-        self.link(peer, id, LinkFailure::OutOfStep { detail })
-    }
-
-    fn timeout_error(&self, id: OpId, missing: Vec<Rank>) -> CommError {
-        CommError::Timeout {
-            generation: self.generation,
-            seq: id.seq,
-            op: id.op,
-            missing,
-            waited: self.timeout,
-        }
-    }
-
-    /// MPI-3: an abort message from any peer, as this op's error.
-    fn aborted(&self, id: OpId) -> Option<CommError> {
-        for (r, peer) in self.peers.iter().enumerate() {
-            let Some(peer) = peer else { continue };
-            match raw::take_message(self.mpi, peer.process, peer.from | ABORT) {
-                Ok(None) => {}
-                Ok(Some(bytes)) => {
-                    let cause =
-                        bincode::serde::decode_from_slice::<CommError, _>(&bytes, bincode_config())
-                            .map(|(c, _)| c)
-                            .unwrap_or_else(|_| {
-                                self.link(
-                                    r,
-                                    id,
-                                    LinkFailure::BadFrame {
-                                        detail: format!(
-                                            "an abort message of {} bytes",
-                                            bytes.len()
-                                        ),
-                                    },
-                                )
-                            });
-                    return Some(CommError::Poisoned {
-                        generation: self.generation,
-                        seq: id.seq,
-                        op: id.op,
-                        cause: Box::new(cause),
-                    });
-                }
-                Err(e) => return Some(self.mpi_error(r, id, e)),
-            }
-        }
-        None
-    }
-
-    /// Frees the sends that completed; the first MPI error, if any, with the send's peer.
-    fn reap(&mut self) -> Result<(), (usize, super::MpiError)> {
-        let mut i = 0;
-        while i < self.pending.len() {
-            let peer = self.pending[i].peer();
-            if self.pending[i].test().map_err(|e| (peer, e))? {
-                self.pending.swap_remove(i);
-            } else {
-                i += 1;
-            }
-        }
-        Ok(())
-    }
-
-    /// Keeps every send still in flight alive for good (MPI-2). After `finalize` no MPI call
-    /// is made: every pending send is kept.
-    pub(super) fn forget_pending(&mut self) {
-        if let Some(_live) = self.mpi.enter() {
-            let _ = self.reap();
-        }
-        for send in self.pending.drain(..) {
-            send.forget();
-        }
-    }
-
-    /// Polls `done` until it is true, the deadline passes, the group shuts down or a peer
-    /// aborts; sends in flight make progress meanwhile.
-    fn wait_until(
-        &mut self,
-        id: OpId,
-        deadline: Instant,
-        peer: usize,
-        mut done: impl FnMut(&mut Self) -> Result<bool, super::MpiError>,
-    ) -> Result<(), Waited> {
-        let mut polls: u32 = 0;
-        let mut next_probe = Instant::now();
-        loop {
-            match done(self) {
-                Ok(true) => return Ok(()),
-                Ok(false) => {}
-                Err(e) => return Err(Waited::Comm(self.mpi_error(peer, id, e))),
-            }
-            if let Err((to, e)) = self.reap() {
-                return Err(Waited::Comm(self.mpi_error(to, id, e)));
-            }
-            if self.is_shut_down() {
-                return Err(Waited::Comm(self.shutdown_error(id)));
-            }
-            let now = Instant::now();
-            if now >= next_probe {
-                if let Some(e) = self.aborted(id) {
-                    return Err(Waited::Comm(e));
-                }
-                next_probe = now + ABORT_PROBE;
-            }
-            if now >= deadline {
-                return Err(Waited::Timeout);
-            }
-            // Spin briefly (most messages are near), then back off so ranks sharing cores
-            // (oversubscribed runs) leave each other time.
-            polls = polls.saturating_add(1);
-            if polls > 64 {
-                std::thread::sleep(Duration::from_micros(u64::from(polls.min(2_000) / 10)));
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-    }
-
-    /// Sends `bytes` to `peer` as one message (the caller split it).
-    fn post(&mut self, peer: usize, bytes: Vec<u8>, id: OpId) -> Result<(), CommError> {
-        let Some(tags) = self.peers.get(peer).copied().flatten() else {
-            return Err(self.out_of_step(peer, id, "no such peer".into()));
-        };
-        match raw::isend(self.mpi, bytes, (tags.process, tags.to | STREAM, peer)) {
-            Ok(send) => {
-                self.pending.push(send);
-                Ok(())
-            }
-            Err(e) => Err(self.mpi_error(peer, id, e)),
-        }
-    }
-
-    /// Sends `bytes` to `peer` as messages of at most `max_message` bytes.
-    fn send_bytes(&mut self, peer: usize, bytes: &[u8], id: OpId) -> Result<(), CommError> {
-        self.bytes_sent += bytes.len() as u64;
-        for piece in bytes.chunks(self.max_message) {
-            self.post(peer, piece.to_vec(), id)?;
-        }
-        Ok(())
-    }
-
-    /// Receives exactly `dst.len()` bytes from `peer` (as the sender split them).
-    fn recv_bytes(&mut self, peer: usize, dst: &mut [u8], id: OpId) -> Result<(), CommError> {
-        let max = self.max_message;
-        for piece in dst.chunks_mut(max) {
-            let expected = piece.len();
-            match self.recv_one(peer, piece, id, id.deadline) {
-                Ok(n) if n == expected => {}
-                Ok(n) => {
-                    return Err(self.out_of_step(
-                        peer,
-                        id,
-                        format!("a message of {n} bytes where {expected} belong"),
-                    ));
-                }
-                Err(Waited::Timeout) => return Err(self.timeout_error(id, vec![rank_of(peer)])),
-                Err(Waited::Comm(e)) => return Err(e),
-            }
-        }
-        Ok(())
-    }
-
-    /// Receives one message of at most `dst.len()` bytes from `peer`; returns its length.
-    fn recv_one(
-        &mut self,
-        peer: usize,
-        dst: &mut [u8],
-        id: OpId,
-        deadline: Instant,
-    ) -> Result<usize, Waited> {
-        let Some(tags) = self.peers.get(peer).copied().flatten() else {
-            return Err(Waited::Comm(self.out_of_step(
-                peer,
-                id,
-                "no such peer".into(),
-            )));
-        };
-        // SAFETY: `dst` stays borrowed (untouched by us) until the receive completed or was
-        // cancelled below.
-        let started = unsafe {
-            raw::irecv(
-                self.mpi,
-                dst.as_mut_ptr(),
-                dst.len(),
-                tags.process,
-                tags.from | STREAM,
-            )
-        };
-        let mut recv: PendingRecv = match started {
-            Ok(r) => r,
-            Err(e) => return Err(Waited::Comm(self.mpi_error(peer, id, e))),
-        };
-        let mut got = None;
-        let mut failed = None;
-        let waited = self.wait_until(id, deadline, peer, |_| match recv.test() {
-            Ok(count) => {
-                got = count;
-                Ok(got.is_some())
-            }
-            // A receive that completed in error (a longer message than the step's: the
-            // ranks are out of step) is the peer's, not a broken library's.
-            Err(e) => {
-                failed = Some(e);
-                Ok(true)
-            }
-        });
-        recv.cancel();
-        match (waited, failed) {
-            (Ok(()), Some(e)) => Err(Waited::Comm(self.out_of_step(
-                peer,
-                id,
-                format!("a message that does not fit its step: {e}"),
-            ))),
-            (Ok(()), None) => Ok(got.unwrap_or(0)),
-            (Err(e), _) => Err(e),
-        }
-    }
-
-    fn encode_header(&self, seq: u64, call: &CallShape) -> Vec<u8> {
-        let header = Header {
-            tag: HEADER_TAG,
-            generation: self.generation.0,
-            seq,
-            max_message: self.max_message as u64,
-            call: call.clone(),
-        };
-        bincode::serde::encode_to_vec(&header, bincode_config())
-            .expect("an op header always encodes")
-    }
-
-    /// The next header from `peer`, before `deadline`.
-    fn read_header(&mut self, peer: usize, id: OpId, deadline: Instant) -> Result<Header, Waited> {
-        let mut bytes = [0u8; MAX_HEADER];
-        let n = self.recv_one(peer, &mut bytes, id, deadline)?;
-        match bincode::serde::decode_from_slice::<Header, _>(&bytes[..n], bincode_config()) {
-            Ok((header, used)) if used == n && header.tag == HEADER_TAG => {
-                if header.generation != self.generation.0 {
-                    return Err(Waited::Comm(self.out_of_step(
-                        peer,
-                        id,
-                        format!(
-                            "a header of generation {} in generation {}",
-                            header.generation, self.generation.0
-                        ),
-                    )));
-                }
-                if header.max_message != self.max_message as u64 {
-                    return Err(Waited::Comm(self.out_of_step(
-                        peer,
-                        id,
-                        format!(
-                            "its messages are at most {} bytes, this rank's {} \
-                             (MpiConfig::max_message_bytes must agree)",
-                            header.max_message, self.max_message
-                        ),
-                    )));
-                }
-                Ok(header)
-            }
-            _ => Err(Waited::Comm(self.out_of_step(
-                peer,
-                id,
-                format!(
-                    "expected the header of {} #{}, got {n} bytes that are not one",
-                    id.op, id.seq
-                ),
-            ))),
-        }
-    }
-
-    /// Waits until every send completed.
-    fn wait_all_sent(&mut self, id: OpId) -> Result<(), CommError> {
-        let blamed = self.pending.first().map_or(0, raw::PendingSend::peer);
-        let waited = self.wait_until(id, id.deadline, blamed, |c| Ok(c.pending.is_empty()));
-        match waited {
-            Ok(()) => Ok(()),
-            Err(Waited::Comm(e)) => Err(e),
-            Err(Waited::Timeout) => {
-                // The receivers of the sends still in flight.
-                let mut missing: Vec<Rank> =
-                    self.pending.iter().map(|p| rank_of(p.peer())).collect();
-                missing.sort_unstable();
-                missing.dedup();
-                Err(self.timeout_error(id, missing))
-            }
-        }
-    }
-
-    /// Poisons this communicator with `error` and tells every peer (MPI-3).
-    fn fail(&mut self, error: CommError) -> CommError {
-        if self.failure.is_none() {
-            self.failure = Some(error.clone());
-            if !self.mpi.is_finalized() {
-                let reason = bincode::serde::encode_to_vec(root_cause(&error), bincode_config())
-                    .unwrap_or_default();
-                let peers: Vec<_> = self.peers.iter().copied().enumerate().collect();
-                for (r, tags) in peers {
-                    let Some(tags) = tags else { continue };
-                    let to = (tags.process, tags.to | ABORT, r);
-                    if let Ok(send) = raw::isend(self.mpi, reason.clone(), to) {
-                        self.pending.push(send);
-                    }
-                }
-            }
-        }
-        error
-    }
-
     /// Stage 1 of a collective: exchange calls with every peer and check them (COMM-2).
     fn rendezvous(&mut self, call: CallShape) -> Result<OpId, CommError> {
         let id = OpId {
@@ -502,12 +77,7 @@ impl MpiCommunicator {
                 }
             }
         }
-        let fits = calls.iter().all(|c| {
-            c.call.agrees_with(&calls[0].call)
-                && c.call.is_well_formed()
-                && c.call.peer.is_none_or(|p| p.index() < self.world)
-        });
-        if !fits {
+        if !cross::calls_fit(&calls, self.world) {
             return Err(CommError::Mismatch {
                 generation: self.generation,
                 seq: id.seq,
@@ -641,33 +211,12 @@ impl MpiCommunicator {
         result
     }
 
-    fn take_work(&mut self, len: usize) -> Vec<f32> {
-        let mut work = std::mem::take(&mut self.work);
-        work.clear();
-        work.resize(len, 0.0);
-        work
-    }
-
-    fn resolve<T: Element>(&self, kind: CollectiveKind, len: usize) -> Algorithm {
-        resolve_algorithm(
-            self.algorithm,
-            kind,
-            self.world,
-            len.saturating_mul(T::DTYPE.size_bytes()),
-        )
-    }
-
     pub(crate) fn all_reduce<T: Element>(
         &mut self,
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let call = CallShape::all_reduce::<T>(
-            self.resolve::<T>(CollectiveKind::AllReduce, buf.len()),
-            buf.len(),
-            op,
-        );
-        self.in_place(call, buf)
+        cross::all_reduce(self, buf, op)
     }
 
     pub(crate) fn broadcast<T: Element>(
@@ -675,28 +224,7 @@ impl MpiCommunicator {
         buf: &mut [T],
         root: Rank,
     ) -> Result<(), CommError> {
-        let call = CallShape::broadcast::<T>(
-            self.resolve::<T>(CollectiveKind::Broadcast, buf.len()),
-            buf.len(),
-            root,
-        );
-        self.in_place(call, buf)
-    }
-
-    fn in_place<T: Element>(&mut self, call: CallShape, buf: &mut [T]) -> Result<(), CommError> {
-        let _live = self.live(call.kind)?;
-        let id = self.rendezvous(call.clone())?;
-        if let Some(values) = as_f32_mut(buf) {
-            return self.run(&call, values, id);
-        }
-        let mut work = self.take_work(buf.len());
-        widen(&mut work, buf);
-        let result = self.run(&call, &mut work, id);
-        if result.is_ok() {
-            narrow(buf, &work);
-        }
-        self.work = work;
-        result
+        cross::broadcast(self, buf, root)
     }
 
     pub(crate) fn reduce_scatter<T: Element>(
@@ -705,24 +233,7 @@ impl MpiCommunicator {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let len = input.len();
-        let mine = chunk_range(len, self.world, self.me());
-        let call = CallShape::reduce_scatter::<T>(
-            self.resolve::<T>(CollectiveKind::ReduceScatter, len),
-            len,
-            (output.len(), mine.len()),
-            op,
-        );
-        let _live = self.live(call.kind)?;
-        let id = self.rendezvous(call.clone())?;
-        let mut work = self.take_work(len);
-        widen(&mut work, input);
-        let result = self.run(&call, &mut work, id);
-        if result.is_ok() {
-            narrow(output, &work[mine]);
-        }
-        self.work = work;
-        result
+        cross::reduce_scatter(self, input, output, op)
     }
 
     pub(crate) fn all_gather<T: Element>(
@@ -730,27 +241,7 @@ impl MpiCommunicator {
         input: &[T],
         output: &mut [T],
     ) -> Result<(), CommError> {
-        let len = output.len();
-        let mine: Range<usize> = chunk_range(len, self.world, self.me());
-        let call = CallShape::all_gather::<T>(
-            self.resolve::<T>(CollectiveKind::AllGather, len),
-            len,
-            (input.len(), mine.len()),
-        );
-        let _live = self.live(call.kind)?;
-        let id = self.rendezvous(call.clone())?;
-        if let Some(values) = as_f32_mut(output) {
-            widen(&mut values[mine], input);
-            return self.run(&call, values, id);
-        }
-        let mut work = self.take_work(len);
-        widen(&mut work[mine], input);
-        let result = self.run(&call, &mut work, id);
-        if result.is_ok() {
-            narrow(output, &work);
-        }
-        self.work = work;
-        result
+        cross::all_gather(self, input, output)
     }
 
     pub(crate) fn barrier(&mut self) -> Result<(), CommError> {
@@ -759,17 +250,7 @@ impl MpiCommunicator {
     }
 
     fn check_peer(&self, op: CollectiveKind, peer: Rank) -> Result<usize, CommError> {
-        let p = peer.index();
-        if p >= self.world || p == self.me() {
-            return Err(CommError::InvalidPeer {
-                generation: self.generation,
-                op,
-                rank: self.rank,
-                peer,
-                world: self.world,
-            });
-        }
-        Ok(p)
+        cross::check_peer((self.generation, self.rank, self.world), op, peer)
     }
 
     /// The peer's answer to a send or recv header: its call, checked to be the matching op.
@@ -801,7 +282,8 @@ impl MpiCommunicator {
     }
 
     fn p2p_mismatch(&self, id: OpId, peer: usize, mine: CallShape, theirs: CallShape) -> CommError {
-        let mut calls = vec![
+        cross::p2p_mismatch(
+            (self.generation, id.seq, id.op),
             RankCall {
                 rank: self.rank,
                 call: mine,
@@ -810,14 +292,7 @@ impl MpiCommunicator {
                 rank: rank_of(peer),
                 call: theirs,
             },
-        ];
-        calls.sort_by_key(|c| c.rank);
-        CommError::Mismatch {
-            generation: self.generation,
-            seq: id.seq,
-            op: id.op,
-            calls,
-        }
+        )
     }
 
     pub(crate) fn send<T: Element>(&mut self, buf: &[T], to: Rank) -> Result<(), CommError> {
@@ -907,5 +382,45 @@ fn reduce_bytes(dst: &mut [f32], bytes: &[u8], op: ReduceOp) {
             *v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
         }
         combine(d, &piece[..n], op);
+    }
+}
+
+impl cross::PlanTransport for MpiCommunicator {
+    /// The op's id, and MPI kept live until its plan ran (`MpiWorld::enter`).
+    type Op = (OpId, Live);
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn me(&self) -> usize {
+        self.rank.index()
+    }
+
+    fn resolve<T: Element>(&self, kind: CollectiveKind, len: usize) -> Algorithm {
+        resolve_algorithm(
+            self.algorithm,
+            kind,
+            self.world,
+            len.saturating_mul(T::DTYPE.size_bytes()),
+        )
+    }
+
+    fn start(&mut self, call: CallShape) -> Result<Self::Op, CommError> {
+        let live = self.live(call.kind)?;
+        self.rendezvous(call).map(|id| (id, live))
+    }
+
+    fn run_plan(
+        &mut self,
+        call: &CallShape,
+        work: &mut [f32],
+        (id, _live): &Self::Op,
+    ) -> Result<(), CommError> {
+        self.run(call, work, *id)
+    }
+
+    fn work(&mut self) -> &mut Vec<f32> {
+        &mut self.work
     }
 }

@@ -8,7 +8,7 @@
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::raw::{self, PendingSend};
 use super::{MpiEndpoint, MpiError, MpiWorld, RANK_BITS, STREAM, endpoint_bits, tag};
@@ -122,12 +122,7 @@ impl MpiPackets {
             if Instant::now() >= deadline {
                 return Err(PacketsError::TimedOut);
             }
-            polls = polls.saturating_add(1);
-            if polls > 64 {
-                std::thread::sleep(Duration::from_micros(u64::from(polls.min(2_000) / 10)));
-            } else {
-                std::hint::spin_loop();
-            }
+            raw::pause(&mut polls);
         }
     }
 

@@ -68,7 +68,7 @@ pub(super) fn isend(
 }
 
 /// A receive in flight into a buffer its caller keeps borrowed until it completed or was
-/// cancelled ([`PendingRecv::cancel`], or its drop, also on an unwind).
+/// cancelled (its drop, also on an unwind).
 #[derive(Debug)]
 pub(super) struct PendingRecv {
     request: Handle<ffi::MPI_Request>,
@@ -115,18 +115,14 @@ impl PendingRecv {
         test(&mut self.request)
     }
 
-    /// Cancels the receive, if still active, and waits until MPI let go of its buffer (a
-    /// receive cancels at once, or completes if its message already matched; a message that
-    /// matched only in part completes as its sender sends the rest).
-    pub(super) fn cancel(self) {
-        // Drop does it.
-    }
-
     fn is_active(&self) -> bool {
         self.request.0 != unsafe_null_request()
     }
 }
 
+/// Dropping a receive still active cancels it and waits until MPI let go of its buffer (a
+/// receive cancels at once, or completes if its message already matched; a message that
+/// matched only in part completes as its sender sends the rest).
 impl Drop for PendingRecv {
     fn drop(&mut self) {
         if self.is_active() {
@@ -212,4 +208,17 @@ pub(super) fn take_message(
         )
     })?;
     Ok(Some(bytes))
+}
+
+/// One wait between two polls of a request: spin briefly (most messages are near), then back
+/// off, so ranks sharing cores (oversubscribed runs) leave each other time.
+pub(super) fn pause(polls: &mut u32) {
+    *polls = polls.saturating_add(1);
+    if *polls > 64 {
+        std::thread::sleep(std::time::Duration::from_micros(u64::from(
+            (*polls).min(2_000) / 10,
+        )));
+    } else {
+        std::hint::spin_loop();
+    }
 }

@@ -266,24 +266,12 @@ impl TcpCommunicator {
         Ok(())
     }
 
-    pub(super) fn take_work(&mut self, len: usize) -> Vec<f32> {
-        let mut work = std::mem::take(&mut self.work);
-        work.clear();
-        work.resize(len, 0.0);
-        work
-    }
-
     pub(crate) fn all_reduce<T: Element>(
         &mut self,
         buf: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let call = CallShape::all_reduce::<T>(
-            self.resolve::<T>(CollectiveKind::AllReduce, buf.len()),
-            buf.len(),
-            op,
-        );
-        self.in_place(call, buf)
+        cross::all_reduce(self, buf, op)
     }
 
     pub(crate) fn broadcast<T: Element>(
@@ -291,35 +279,7 @@ impl TcpCommunicator {
         buf: &mut [T],
         root: Rank,
     ) -> Result<(), CommError> {
-        let call = CallShape::broadcast::<T>(
-            self.resolve::<T>(CollectiveKind::Broadcast, buf.len()),
-            buf.len(),
-            root,
-        );
-        self.in_place(call, buf)
-    }
-
-    /// All-reduce and broadcast: f32 buffers are worked on in place, the others through the
-    /// f32 working buffer.
-    pub(super) fn in_place<T: Element>(
-        &mut self,
-        call: CallShape,
-        buf: &mut [T],
-    ) -> Result<(), CommError> {
-        let id = self.rendezvous(call.clone())?;
-        if let Some(values) = as_f32_mut(buf) {
-            // SAFETY: `values` is borrowed for the whole call and not touched otherwise.
-            return unsafe { self.run(&call, values.as_mut_ptr(), id) };
-        }
-        let mut work = self.take_work(buf.len());
-        widen(&mut work, buf);
-        // SAFETY: `work` is owned here for the whole call.
-        let result = unsafe { self.run(&call, work.as_mut_ptr(), id) };
-        if result.is_ok() {
-            narrow(buf, &work);
-        }
-        self.work = work;
-        result
+        cross::broadcast(self, buf, root)
     }
 
     pub(crate) fn reduce_scatter<T: Element>(
@@ -328,24 +288,7 @@ impl TcpCommunicator {
         output: &mut [T],
         op: ReduceOp,
     ) -> Result<(), CommError> {
-        let len = input.len();
-        let mine = chunk_range(len, self.world, self.me());
-        let call = CallShape::reduce_scatter::<T>(
-            self.resolve::<T>(CollectiveKind::ReduceScatter, len),
-            len,
-            (output.len(), mine.len()),
-            op,
-        );
-        let id = self.rendezvous(call.clone())?;
-        let mut work = self.take_work(len);
-        widen(&mut work, input);
-        // SAFETY: `work` is owned here for the whole call.
-        let result = unsafe { self.run(&call, work.as_mut_ptr(), id) };
-        if result.is_ok() {
-            narrow(output, &work[mine]);
-        }
-        self.work = work;
-        result
+        cross::reduce_scatter(self, input, output, op)
     }
 
     pub(crate) fn all_gather<T: Element>(
@@ -353,28 +296,7 @@ impl TcpCommunicator {
         input: &[T],
         output: &mut [T],
     ) -> Result<(), CommError> {
-        let len = output.len();
-        let mine = chunk_range(len, self.world, self.me());
-        let call = CallShape::all_gather::<T>(
-            self.resolve::<T>(CollectiveKind::AllGather, len),
-            len,
-            (input.len(), mine.len()),
-        );
-        let id = self.rendezvous(call.clone())?;
-        if let Some(values) = as_f32_mut(output) {
-            widen(&mut values[mine], input);
-            // SAFETY: `output` is borrowed for the whole call and not touched otherwise.
-            return unsafe { self.run(&call, values.as_mut_ptr(), id) };
-        }
-        let mut work = self.take_work(len);
-        widen(&mut work[mine], input);
-        // SAFETY: `work` is owned here for the whole call.
-        let result = unsafe { self.run(&call, work.as_mut_ptr(), id) };
-        if result.is_ok() {
-            narrow(output, &work);
-        }
-        self.work = work;
-        result
+        cross::all_gather(self, input, output)
     }
 
     pub(crate) fn barrier(&mut self) -> Result<(), CommError> {
@@ -383,17 +305,7 @@ impl TcpCommunicator {
     }
 
     pub(super) fn check_peer(&self, op: CollectiveKind, peer: Rank) -> Result<usize, CommError> {
-        let p = peer.index();
-        if p >= self.world || p == self.me() {
-            return Err(CommError::InvalidPeer {
-                generation: self.generation,
-                op,
-                rank: self.rank,
-                peer,
-                world: self.world,
-            });
-        }
-        Ok(p)
+        cross::check_peer((self.generation, self.rank, self.world), op, peer)
     }
 
     /// The peer's answer to a send or recv header: its call, checked to be the matching op.
@@ -437,7 +349,8 @@ impl TcpCommunicator {
         mine: CallShape,
         theirs: CallShape,
     ) -> CommError {
-        let mut calls = vec![
+        cross::p2p_mismatch(
+            (self.generation, id.seq, id.op),
             RankCall {
                 rank: self.rank,
                 call: mine,
@@ -446,14 +359,7 @@ impl TcpCommunicator {
                 rank: rank_of(peer),
                 call: theirs,
             },
-        ];
-        calls.sort_by_key(|c| c.rank);
-        CommError::Mismatch {
-            generation: self.generation,
-            seq: id.seq,
-            op: id.op,
-            calls,
-        }
+        )
     }
 
     pub(crate) fn send<T: Element>(&mut self, buf: &[T], to: Rank) -> Result<(), CommError> {
@@ -527,5 +433,34 @@ impl TcpCommunicator {
             Ok(outcome) => outcome,
             Err(e) => Err(self.fail(e)),
         }
+    }
+}
+
+impl cross::PlanTransport for TcpCommunicator {
+    type Op = OpId;
+
+    fn world(&self) -> usize {
+        self.world
+    }
+
+    fn me(&self) -> usize {
+        self.rank.index()
+    }
+
+    fn resolve<T: Element>(&self, kind: CollectiveKind, len: usize) -> Algorithm {
+        TcpCommunicator::resolve::<T>(self, kind, len)
+    }
+
+    fn start(&mut self, call: CallShape) -> Result<OpId, CommError> {
+        self.rendezvous(call)
+    }
+
+    fn run_plan(&mut self, call: &CallShape, work: &mut [f32], op: &OpId) -> Result<(), CommError> {
+        // SAFETY: `work` is borrowed for the whole call and not touched otherwise.
+        unsafe { self.run(call, work.as_mut_ptr(), *op) }
+    }
+
+    fn work(&mut self) -> &mut Vec<f32> {
+        &mut self.work
     }
 }

@@ -6,16 +6,9 @@ use super::*;
 impl TcpCommunicator {
     /// The error an op gets before it starts when the communicator is shut down or poisoned.
     pub(super) fn refusal(&self, id: OpId) -> Option<CommError> {
-        if self.shared.shut_down.load(Ordering::SeqCst) {
-            return Some(self.shutdown_error(id));
-        }
-        let cause = self.failure.as_ref()?;
-        Some(CommError::Poisoned {
-            generation: self.generation,
-            seq: id.seq,
-            op: id.op,
-            cause: Box::new(root_cause(cause).clone()),
-        })
+        let shut_down = self.shared.shut_down.load(Ordering::SeqCst);
+        let op = (self.generation, id.seq, id.op);
+        cross::refusal(shut_down, self.failure.as_ref(), op)
     }
 
     pub(super) fn shutdown_error(&self, id: OpId) -> CommError {

@@ -213,12 +213,7 @@ impl TcpCommunicator {
                 }
             }
         }
-        let fits = calls.iter().all(|c| {
-            c.call.agrees_with(&calls[0].call)
-                && c.call.is_well_formed()
-                && c.call.peer.is_none_or(|p| p.index() < self.world)
-        });
-        if !fits {
+        if !cross::calls_fit(&calls, self.world) {
             return Err(CommError::Mismatch {
                 generation: self.generation,
                 seq: id.seq,

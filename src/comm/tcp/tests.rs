@@ -10,9 +10,12 @@ use proptest::prelude::*;
 
 use super::schedule::{SendMode, chosen_modes, completes_with, peers_with_role, resolve};
 use super::*;
-use crate::comm::DType;
 use crate::comm::net::link::{JobToken, LinkListener};
-use crate::comm::test_support::{bits, blamed, every_collective, input, on_local};
+use crate::comm::test_support::{
+    bits, blamed, every_collective, input, mismatched_then_agreeing_all_reduce, on_local,
+    send_recv_in_order_and_a_mismatch,
+};
+use crate::comm::{DType, chunk_range};
 
 fn token() -> JobToken {
     JobToken::from_bytes([42; 32])
@@ -189,21 +192,7 @@ fn multi_frame_steps_and_tree_copies_move_large_buffers_without_deadlock() {
 fn send_and_recv_match_in_order_and_a_length_mismatch_fails_both_sides() {
     let values: Vec<f16> = input(7, 3000, 1);
     let results = on_tcp(2, config(), |comm| {
-        let mut got = vec![f16::ZERO; 3000];
-        if comm.rank() == Rank(0) {
-            comm.send(&values, Rank(1)).unwrap();
-            let mismatch = comm.send(&values[..10], Rank(1));
-            comm.send(&values[..5], Rank(1)).unwrap();
-            comm.recv(&mut got, Rank(1)).unwrap();
-            (mismatch, bits(&got))
-        } else {
-            comm.recv(&mut got, Rank(0)).unwrap();
-            assert_eq!(bits(&got), bits(&values));
-            let mismatch = comm.recv(&mut got[..11], Rank(0));
-            comm.recv(&mut got[..5], Rank(0)).unwrap();
-            comm.send(&values, Rank(0)).unwrap();
-            (mismatch, bits(&got))
-        }
+        send_recv_in_order_and_a_mismatch(comm, &values)
     });
     for (r, (mismatch, got)) in results.iter().enumerate() {
         let Err(CommError::Mismatch {
@@ -225,15 +214,7 @@ fn send_and_recv_match_in_order_and_a_length_mismatch_fails_both_sides() {
 
 #[test]
 fn comm_2_mismatched_calls_fail_on_every_rank_and_the_group_stays_usable() {
-    let results = on_tcp(3, config(), |comm| {
-        let me = comm.rank().index();
-        let mut buf = vec![1.0f32; if me == 2 { 9 } else { 8 }];
-        let first = comm.all_reduce(&mut buf, ReduceOp::Sum);
-        let untouched = buf.iter().all(|v| *v == 1.0);
-        let mut buf = vec![1.0f32; 8];
-        comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
-        (first, untouched, buf[0])
-    });
+    let results = on_tcp(3, config(), mismatched_then_agreeing_all_reduce);
     for (first, untouched, after) in results {
         let Err(CommError::Mismatch { seq, calls, .. }) = first else {
             panic!("expected a mismatch, got {first:?}");

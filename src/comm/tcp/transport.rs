@@ -282,11 +282,3 @@ pub(crate) fn narrow_bytes(dtype: DType, values: &[f32]) -> Vec<u8> {
         })
         .collect()
 }
-
-/// The bytes of a slice of elements (f32, f16, bf16: plain bit patterns).
-pub(super) fn bytes_of<T: Element>(values: &[T]) -> &[u8] {
-    // SAFETY: Element types have no padding and every byte is initialized.
-    unsafe {
-        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
-    }
-}
