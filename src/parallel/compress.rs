@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::InvalidConfig;
 use crate::precision::Precision;
+use products::View;
 
 /// How a data-parallel job sends its gradients ([`None`](Compression::None): plain `f32`
 /// all-reduce), given to `JobBuilder::compression`. Its text form, read by `FromStr` and
@@ -287,19 +288,13 @@ impl Matrix {
     fn m(&self) -> usize {
         self.rows.max(self.cols)
     }
-    /// Element (i, j) of the `n × m` view of `flat`'s matrix.
-    fn at(&self, flat: &[f32], i: usize, j: usize) -> f32 {
+    /// The `n × m` view of the matrix inside the flat buffer.
+    fn view(&self) -> products::View {
+        let stored = products::View::row_major(self.start, self.rows, self.cols);
         if self.transposed() {
-            flat[self.start + j * self.cols + i]
+            stored.t()
         } else {
-            flat[self.start + i * self.cols + j]
-        }
-    }
-    fn index(&self, i: usize, j: usize) -> usize {
-        if self.transposed() {
-            self.start + j * self.cols + i
-        } else {
-            self.start + i * self.cols + j
+            stored
         }
     }
 }
@@ -572,23 +567,25 @@ impl Compressor {
         let mut second = Vec::new();
         for (mat, p) in self.matrices.iter().zip(&ps) {
             let q = mat_t_mul_p(mat, m, p);
-            for i in 0..mat.n() {
-                for j in 0..mat.m() {
-                    let idx = mat.index(i, j);
-                    self.residual[idx] = m[idx] - outer(p, &q, mat.r, i, j);
-                }
-            }
+            let region = mat.start..mat.start + mat.rows * mat.cols;
+            self.residual[region.clone()].copy_from_slice(&m[region]);
+            let (pv, qt) = factors(mat);
+            products::product(
+                &mut self.residual,
+                mat.view(),
+                true,
+                -1.0,
+                (p, pv),
+                (&q, qt),
+            );
             second.extend(q);
         }
         ex.all_reduce(&mut second, Precision::F32)?;
         let mut at = 0;
         for ((mat, p), keep) in self.matrices.iter().zip(&ps).zip(self.q.iter_mut()) {
             let q = &second[at..at + mat.m() * mat.r];
-            for i in 0..mat.n() {
-                for j in 0..mat.m() {
-                    m[mat.index(i, j)] = outer(p, q, mat.r, i, j);
-                }
-            }
+            let (pv, qt) = factors(mat);
+            products::product(m, mat.view(), false, 1.0, (p, pv), (q, qt));
             // Warm start: the next step's power iteration starts from this step's Q.
             keep.copy_from_slice(q);
             at += mat.m() * mat.r;
@@ -674,46 +671,27 @@ fn seeded_uniform(seed: u64, n: usize) -> Vec<f32> {
 fn mat_mul_q(mat: &Matrix, flat: &[f32], q: &[f32]) -> Vec<f32> {
     let (n, m, r) = (mat.n(), mat.m(), mat.r);
     let mut p = vec![0.0f32; n * r];
-    let mut acc = vec![0.0f64; r];
-    // Row by row in memory order; each sum still runs over j in ascending order.
-    for i in 0..n {
-        acc.fill(0.0);
-        for j in 0..m {
-            let v = f64::from(mat.at(flat, i, j));
-            for (a, qc) in acc.iter_mut().zip(&q[j * r..j * r + r]) {
-                *a += v * f64::from(*qc);
-            }
-        }
-        for (pc, a) in p[i * r..i * r + r].iter_mut().zip(&acc) {
-            *pc = *a as f32;
-        }
-    }
+    let (pv, qv) = (View::row_major(0, n, r), View::row_major(0, m, r));
+    products::product(&mut p, pv, false, 1.0, (flat, mat.view()), (q, qv));
     p
 }
 
 /// Q = Mᵀ P (`m × r`, row-major) for the `n × m` view of `mat`.
 fn mat_t_mul_p(mat: &Matrix, flat: &[f32], p: &[f32]) -> Vec<f32> {
     let (n, m, r) = (mat.n(), mat.m(), mat.r);
-    let mut acc = vec![0.0f64; m * r];
-    // Row by row in memory order (not column by column through the matrix); each sum still
-    // runs over i in ascending order, so the result is the same bits.
-    for i in 0..n {
-        let pi = &p[i * r..i * r + r];
-        for j in 0..m {
-            let v = f64::from(mat.at(flat, i, j));
-            for (a, pc) in acc[j * r..j * r + r].iter_mut().zip(pi) {
-                *a += v * f64::from(*pc);
-            }
-        }
-    }
-    acc.into_iter().map(|a| a as f32).collect()
+    let mut q = vec![0.0f32; m * r];
+    let (pv, qv) = (View::row_major(0, n, r), View::row_major(0, m, r));
+    products::product(&mut q, qv, false, 1.0, (flat, mat.view().t()), (p, pv));
+    q
 }
 
-/// (P Qᵀ)[i][j].
-fn outer(p: &[f32], q: &[f32], r: usize, i: usize, j: usize) -> f32 {
-    (0..r)
-        .map(|c| f64::from(p[i * r + c]) * f64::from(q[j * r + c]))
-        .sum::<f64>() as f32
+/// The views of P (`n × r`) and of Qᵀ (`r × m`, Q stored `m × r` row-major) whose product is
+/// the matrix's rank-`r` approximation P Qᵀ.
+fn factors(mat: &Matrix) -> (View, View) {
+    (
+        View::row_major(0, mat.n(), mat.r),
+        View::row_major(0, mat.m(), mat.r).t(),
+    )
 }
 
 /// Make the `r` columns of `p` (`n × r`, row-major, `r ≤ n`) orthonormal: modified
@@ -759,5 +737,6 @@ pub(crate) fn orthogonalise(p: &mut [f32], n: usize, r: usize) {
     }
 }
 
+mod products;
 #[cfg(test)]
 mod tests;

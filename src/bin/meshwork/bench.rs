@@ -230,6 +230,37 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// One GPT transformer layer on one device, per core: samples/s of a meshwork job, of a
+    /// plain Burn loop, and the bound the backend's matrix products allow, beside PyTorch on
+    /// one thread with `--pytorch` (run it under `taskset -c 0`).
+    Layer {
+        /// Features per token.
+        #[arg(long, default_value_t = 1024)]
+        hidden: usize,
+        /// Attention heads (must divide --hidden).
+        #[arg(long, default_value_t = 16)]
+        heads: usize,
+        /// Sequence length.
+        #[arg(long, default_value_t = 64)]
+        seq: usize,
+        /// Sequences per step.
+        #[arg(long, default_value_t = 8)]
+        batch: usize,
+        /// Steps per run; the first two (one of two, none of one) are warm-up, not timed.
+        #[arg(long, default_value_t = 6)]
+        steps: u64,
+        /// Alternated runs of each side; the median is reported.
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// A Python interpreter with `torch` installed: also run
+        /// `benches/peers/gpt_layer.py` (the same layer in PyTorch, one thread) between
+        /// meshwork's runs.
+        #[arg(long)]
+        pytorch: Option<std::path::PathBuf>,
+        /// One JSON object.
+        #[arg(long)]
+        json: bool,
+    },
     /// Training over slow and uneven networks: 4 ranks of the demo MLP to a target loss,
     /// synchronous data parallelism against the compressors and the methods that synchronise
     /// less often under emulated slow links, and against the parameter server and backup
@@ -259,7 +290,9 @@ pub(crate) enum BenchCommand {
         /// The target loss (default: the loss sync reaches after 60 % of its steps).
         #[arg(long)]
         target_loss: Option<f32>,
-        /// Only these methods (comma-separated; sync always runs).
+        /// Only these methods (comma-separated; sync always runs). Under slow links a
+        /// compression may carry its settings, as `--compression` takes them: powersgd:4:10,
+        /// topk:0.01.
         #[arg(long, value_delimiter = ',')]
         methods: Vec<String>,
         /// Draw the loss against wall time as an SVG picture into this file.
@@ -504,6 +537,28 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                 svg,
             })?;
             crate::tensor_bench::print(&f, json);
+            Ok(())
+        }
+        BenchCommand::Layer {
+            hidden,
+            heads,
+            seq,
+            batch,
+            steps,
+            repeats,
+            pytorch,
+            json,
+        } => {
+            let f = crate::layer_bench::run(&crate::layer_bench::LayerBench {
+                hidden,
+                heads,
+                seq,
+                batch,
+                steps,
+                repeats,
+                pytorch,
+            })?;
+            crate::layer_bench::print(&f, json);
             Ok(())
         }
         BenchCommand::CommEfficiency {

@@ -181,7 +181,8 @@ fn slow_links_method(method: &str) -> Option<(Compression, Option<LocalUpdates>)
             nesterov: true,
         }),
         "easgd" => local(LocalUpdates::easgd(4, 0.2)),
-        _ => None,
+        // Any other compression by its `--compression` name (`powersgd:4:10`, `topk:0.01`).
+        other => other.parse::<Compression>().ok().map(|c| (c, None)),
     }
 }
 
@@ -340,7 +341,21 @@ pub(crate) fn run(b: &CommBench) -> Result<Vec<MethodRun>> {
     for &scenario in scenarios {
         let mut target = b.target;
         let mut sync_time = None;
-        for &method in scenario.methods().iter().filter(|m| wanted(m)) {
+        // The scenario's methods, then (slow links) compressions named by `--methods` with
+        // their settings, such as `powersgd:4:10`.
+        let named = b.only.iter().map(String::as_str).filter(|m| {
+            scenario == Scenario::SlowLinks
+                && !scenario.methods().contains(m)
+                && slow_links_method(m).is_some()
+        });
+        let methods: Vec<&str> = scenario
+            .methods()
+            .iter()
+            .copied()
+            .filter(|m| wanted(m))
+            .chain(named)
+            .collect();
+        for method in methods {
             eprintln!("bench comm-efficiency: {} / {method} …", scenario.name());
             let (curve, bytes) = if b.tcp {
                 run_method_over_tcp(b, method)?

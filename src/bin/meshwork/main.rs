@@ -5,12 +5,22 @@
 //! - `meshwork bench allreduce …` measures collective bandwidth (like nccl-tests);
 //! - `meshwork bench dp …` measures data-parallel weak scaling against a plain Burn loop;
 //! - `meshwork bench tensor …` measures one tensor-parallel GPT layer against tp 1;
+//! - `meshwork bench layer …` measures one GPT layer per core against its matmul bound and
+//!   PyTorch;
 //! - `meshwork node …` (feature `cluster`) joins a multi-process job whose head is
 //!   `meshwork train --listen … --nodes …`.
 
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+
+/// The command line's allocator: mimalloc keeps the pages of freed buffers for the next
+/// step's tensors of the same sizes, where the system allocator returns large buffers to the
+/// kernel and every step faults them in again (a quarter of a transformer layer's step time on
+/// `flex`, measured by `meshwork bench layer`; see the book's performance chapter). A program
+/// embedding meshwork chooses its own.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bench;
 mod bench_run;
@@ -25,6 +35,7 @@ mod dp_bench;
 mod gpt_train;
 #[cfg(feature = "cluster")]
 mod launched;
+mod layer_bench;
 mod layout_bench;
 #[cfg(feature = "cluster")]
 mod local_nodes;

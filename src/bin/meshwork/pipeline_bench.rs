@@ -8,7 +8,10 @@ use meshwork::demo::{TeacherTask, measure_mlp_layers, mlp_pipeline};
 use meshwork::error::{Error, Result};
 use meshwork::events::PipelineStep;
 use meshwork::job::Job;
-use meshwork::parallel::pipeline::{Schedule, balanced_split, even_split, render_svg};
+use meshwork::parallel::pipeline::{
+    Costs, InstrKind, Schedule, StageIndex, TimedInstr, balanced_split, even_split, render_svg,
+    simulate,
+};
 use meshwork::parallel::pipeline_exec::chrome_trace;
 
 /// What `bench pipeline` measures.
@@ -23,8 +26,20 @@ pub(crate) struct PipelineFigures {
     /// Layers per block, in block order.
     split: Vec<usize>,
     samples_per_s: f64,
+    /// The mean over the timed steps of `1 − Σ compute / (K · makespan)`.
     bubble_measured: f64,
+    /// The schedule's textbook bubble: equal stages, free links.
     bubble_theoretical: f64,
+    /// The bubble the schedule simulator predicts from this run's own costs: each stage's
+    /// median forward and backward time, and the median send time (mean over the timed
+    /// steps); what the schedule leaves idle given stages that are not equal.
+    bubble_simulated: f64,
+    /// `bubble_measured / bubble_simulated`: above 1 is what the runtime adds (wake-ups,
+    /// gaps between instructions, noise).
+    measured_over_simulated: f64,
+    /// Per stage, the median forward + backward time of one micro-batch over the fastest
+    /// stage's: how unequal the stages are.
+    stage_imbalance: Vec<f64>,
     peak_stash: u32,
     peak_activation_bytes: Vec<u64>,
     /// Per stage, `[compute, communication, waiting]` shares of the measured interval,
@@ -86,6 +101,21 @@ fn figures(b: &PipelineBench, split: Vec<usize>, steps: &[(f64, PipelineStep)]) 
     let n = steps.len().max(1) as f64;
     let wall: f64 = steps.iter().map(|(w, _)| w).sum();
     let pp = b.pp as usize;
+    let bubble_measured = steps.iter().map(|(_, p)| p.bubble).sum::<f64>() / n;
+    let simulated: Vec<(f64, Vec<f64>)> = steps
+        .iter()
+        .filter_map(|(_, p)| simulated_bubble(&b.schedule, b.pp, &p.timeline))
+        .collect();
+    let bubble_simulated = simulated.iter().map(|(s, _)| s).sum::<f64>() / n;
+    let stage_imbalance = (0..pp)
+        .map(|s| {
+            simulated
+                .iter()
+                .map(|(_, w)| w.get(s).copied().unwrap_or(1.0))
+                .sum::<f64>()
+                / simulated.len().max(1) as f64
+        })
+        .collect();
     PipelineFigures {
         pp: b.pp,
         dp: b.dp,
@@ -95,8 +125,11 @@ fn figures(b: &PipelineBench, split: Vec<usize>, steps: &[(f64, PipelineStep)]) 
         batch_size: b.batch,
         split,
         samples_per_s: (b.batch * steps.len()) as f64 / wall.max(1e-12),
-        bubble_measured: steps.iter().map(|(_, p)| p.bubble).sum::<f64>() / n,
+        bubble_measured,
         bubble_theoretical: b.schedule.theoretical_bubble(b.pp),
+        bubble_simulated,
+        measured_over_simulated: bubble_measured / bubble_simulated.max(1e-12),
+        stage_imbalance,
         peak_stash: steps
             .iter()
             .flat_map(|(_, p)| p.peak_stash.iter().copied())
@@ -125,6 +158,61 @@ fn figures(b: &PipelineBench, split: Vec<usize>, steps: &[(f64, PipelineStep)]) 
             })
             .collect(),
     }
+}
+
+/// The median of `v` (0 for none).
+fn median(mut v: Vec<u64>) -> u64 {
+    v.sort_unstable();
+    v.get(v.len() / 2).copied().unwrap_or(0)
+}
+
+/// The bubble the simulator predicts for `schedule` over `pp` stages with the costs one step
+/// measured (its `timeline`, ticks per stage): each stage's median forward and backward, the
+/// median send on every link. Also each stage's forward + backward over the fastest stage's.
+fn simulated_bubble(
+    schedule: &Schedule,
+    pp: u32,
+    timeline: &[Vec<TimedInstr>],
+) -> Option<(f64, Vec<f64>)> {
+    let took = |t: &TimedInstr| t.end.saturating_sub(t.start);
+    let of = |stage: &[TimedInstr], kind: InstrKind| {
+        median(
+            stage
+                .iter()
+                .filter(|t| t.instr.kind() == kind)
+                .map(took)
+                .collect(),
+        )
+    };
+    let sends = median(
+        timeline
+            .iter()
+            .flatten()
+            .filter(|t| {
+                matches!(
+                    t.instr.kind(),
+                    InstrKind::SendActivation | InstrKind::SendGradient
+                )
+            })
+            .map(took)
+            .collect(),
+    );
+    let mut costs = Costs::new(1, 1).with_communication(sends, 0);
+    let mut per_stage = Vec::new();
+    for (s, stage) in timeline.iter().enumerate() {
+        let (f, bw) = (
+            of(stage, InstrKind::Forward),
+            of(stage, InstrKind::Backward),
+        );
+        costs = costs.with_stage(StageIndex(s as u32), f.max(1), bw.max(1));
+        per_stage.push((f + bw).max(1) as f64);
+    }
+    let report = simulate(&schedule.instructions(pp).ok()?, &costs).ok()?;
+    let fastest = per_stage.iter().copied().fold(f64::INFINITY, f64::min);
+    Some((
+        report.bubble,
+        per_stage.iter().map(|t| t / fastest).collect(),
+    ))
 }
 
 pub(crate) fn run(b: PipelineBench, timeline: Option<&std::path::Path>) -> Result<PipelineFigures> {
@@ -196,7 +284,7 @@ pub(crate) fn print(f: &PipelineFigures, json: bool) {
         println!("{}", serde_json::to_string(f).unwrap_or_default());
     } else {
         println!(
-            "pipeline {} pp={} dp={} M={} v={} batch={} split {:?}: {:.0} samples/s; bubble measured {:.3} vs theory {:.3}; peak stash {}; peak activation bytes per stage {:?}; per stage compute/communication/waiting {}",
+            "pipeline {} pp={} dp={} M={} v={} batch={} split {:?}: {:.0} samples/s; bubble measured {:.3} vs theory {:.3} ({:.2}×); simulated from this run's stage costs {:.3} (measured {:.2}× that; stage forward+backward over the fastest {}); peak stash {}; peak activation bytes per stage {:?}; per stage compute/communication/waiting {}",
             f.schedule,
             f.pp,
             f.dp,
@@ -207,6 +295,14 @@ pub(crate) fn print(f: &PipelineFigures, json: bool) {
             f.samples_per_s,
             f.bubble_measured,
             f.bubble_theoretical,
+            f.bubble_measured / f.bubble_theoretical.max(1e-12),
+            f.bubble_simulated,
+            f.measured_over_simulated,
+            f.stage_imbalance
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join("/"),
             f.peak_stash,
             f.peak_activation_bytes,
             f.stage_shares

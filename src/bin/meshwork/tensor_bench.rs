@@ -63,7 +63,7 @@ pub(crate) struct TensorBench {
 impl TensorBench {
     /// Steps not timed at the start of each run: two, or fewer when the run is shorter (at
     /// least one step is timed).
-    fn warmup(&self) -> u64 {
+    pub(crate) fn warmup(&self) -> u64 {
         self.steps.saturating_sub(1).min(2)
     }
 
@@ -77,7 +77,7 @@ impl TensorBench {
         REDUCES_PER_LAYER * b * (self.seq * self.hidden) as u64 * 4
     }
 
-    fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         let bad = |why: String| Err(Error::InvalidConfig(why));
         if self.tp == 0 {
             return bad("--tp 0: use at least 1".into());
@@ -190,12 +190,8 @@ fn stack(items: &[Item], pick: fn(&Item) -> &[f32], s: usize, h: usize, d: &Devi
 /// The layer as blocks: replicated LayerNorm, attention (tensor-parallel), MLP with the loss
 /// (tensor-parallel), drawn from `MODEL_SEED`.
 fn layer(b: &TensorBench) -> PipelineStages<Item> {
-    let device = Device::flex();
-    device.seed(MODEL_SEED);
     let (s, h) = (b.seq, b.hidden);
-    let norm: LayerNorm = materialize(LayerNormConfig::new(h).init(&device));
-    let attention = ParallelSelfAttention::new(h, b.heads, &device);
-    let mlp = ParallelMlp::new(h, 4 * h, &device);
+    let (norm, attention, mlp) = layer_modules(b, &Device::flex());
     PipelineStages::new(move |items: &[Item], d: &Device| {
         vec![AnyTensor::D3(stack(items, |i| &i.input, s, h, d))]
     })
@@ -214,10 +210,36 @@ fn layer(b: &TensorBench) -> PipelineStages<Item> {
     )
 }
 
+/// The layer's blocks — LayerNorm, attention, MLP — drawn in this order from `MODEL_SEED`
+/// on `device` (`bench layer` trains the same blocks in a plain Burn loop).
+pub(crate) fn layer_modules(
+    b: &TensorBench,
+    device: &Device,
+) -> (LayerNorm, ParallelSelfAttention, ParallelMlp) {
+    device.seed(MODEL_SEED);
+    let h = b.hidden;
+    let norm: LayerNorm = materialize(LayerNormConfig::new(h).init(device));
+    let attention = ParallelSelfAttention::new(h, b.heads, device);
+    let mlp = ParallelMlp::new(h, 4 * h, device);
+    (norm, attention, mlp)
+}
+
+/// The first batch's inputs and targets `[batch, seq, hidden]` on `device`.
+pub(crate) fn batch_tensors(b: &TensorBench, device: &Device) -> (Tensor<3>, Tensor<3>) {
+    let data = dataset(b);
+    let items: Vec<Item> = (0..b.batch)
+        .filter_map(|i| meshwork::data::Dataset::get(&data, i))
+        .collect();
+    (
+        stack(&items, |i| &i.input, b.seq, b.hidden, device),
+        stack(&items, |i| &i.target, b.seq, b.hidden, device),
+    )
+}
+
 /// One run of one side.
 #[derive(Debug, Clone)]
-struct Run {
-    samples_per_s: f64,
+pub(crate) struct Run {
+    pub(crate) samples_per_s: f64,
     /// Rank 0's traffic, step by step (all steps).
     traffic: Vec<TpTraffic>,
     /// Wall time of the timed steps.
@@ -235,7 +257,7 @@ fn rank0_traffic(step: &StepDone) -> Option<TpTraffic> {
         .and_then(|p| p.tensor_parallel)
 }
 
-fn run_once(b: &TensorBench, tp: u32) -> Result<Run> {
+pub(crate) fn run_once(b: &TensorBench, tp: u32) -> Result<Run> {
     let job = Job::builder()
         .blocks(layer(b))
         .tensor_parallel(tp)
