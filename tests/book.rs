@@ -239,8 +239,24 @@ fn every_command_of_the_book_runs() {
                         "samples_per_s",
                         "bubble_measured",
                         "bubble_theoretical",
+                        "bubble_simulated",
                         "peak_stash",
                         "peak_activation_bytes",
+                    ]
+                } else if args.contains("bench layer") {
+                    &[
+                        "job_samples_per_s",
+                        "burn_loop_samples_per_s",
+                        "matmul_bound_samples_per_s",
+                        "job_over_bound",
+                    ]
+                } else if args.contains("bench optimizer") {
+                    &[
+                        "rule",
+                        "burn_ns",
+                        "flat_ns",
+                        "memcpy_ns",
+                        "flat_over_memcpy",
                     ]
                 } else {
                     &[

@@ -38,4 +38,8 @@ cargo run --release -- bench dp --world 2 --steps 5
 cargo run --release -- bench pipeline --pp 2 --micro-batches 4 --schedule 1f1b --hidden 64 --steps 2 --json
 # the same with interleaved 1F1B (2 chunks per stage), layers cut by count
 cargo run --release -- bench pipeline --pp 2 --micro-batches 4 --schedule interleaved --virtual-stages 2 --split even --hidden 64 --steps 2
+# one GPT layer per core: a meshwork job, a plain Burn loop and the backend's matmul bound
+cargo run --release -- bench layer --hidden 64 --heads 4 --seq 8 --batch 2 --steps 3 --repeats 1 --json
+# one optimizer step per parameter: Burn's and meshwork's flat rule against a memcpy
+cargo run --release -- bench optimizer --width 64 --steps 2 --json
 # ANCHOR_END: bench

@@ -230,6 +230,19 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// One optimizer step per parameter: Burn's optimizer and meshwork's flat update rule
+    /// (SGD, SGD with momentum, Adam, AdamW) against a memcpy of the bytes the rule touches.
+    Optimizer {
+        /// Width of the MLP's 4 square layers (about 4·width² parameters).
+        #[arg(long, default_value_t = 1024)]
+        width: usize,
+        /// Timed steps per side (after two warm-up steps); the median is reported.
+        #[arg(long, default_value_t = 9)]
+        steps: usize,
+        /// One JSON object per rule.
+        #[arg(long)]
+        json: bool,
+    },
     /// One GPT transformer layer on one device, per core: samples/s of a meshwork job, of a
     /// plain Burn loop, and the bound the backend's matrix products allow, beside PyTorch on
     /// one thread with `--pytorch` (run it under `taskset -c 0`).
@@ -537,6 +550,14 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                 svg,
             })?;
             crate::tensor_bench::print(&f, json);
+            Ok(())
+        }
+        BenchCommand::Optimizer { width, steps, json } => {
+            let f = crate::optimizer_bench::run(&crate::optimizer_bench::OptimizerBench {
+                width,
+                steps: steps.max(1),
+            })?;
+            crate::optimizer_bench::print(&f, json);
             Ok(())
         }
         BenchCommand::Layer {

@@ -120,6 +120,7 @@ impl Scenario {
                 "bf16",
                 "topk",
                 "powersgd",
+                "powersgd:8:10",
                 "local-sgd",
                 "diloco",
                 "easgd",

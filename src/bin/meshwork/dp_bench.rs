@@ -51,15 +51,8 @@ pub(crate) fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
         path: "current executable".into(),
         reason: e.to_string(),
     })?;
-    // Both sides get the same allocator settings: with glibc's adaptive mmap threshold, which
-    // side happens to page-fault on its multi-MiB buffers every step varies from run to run
-    // and would swamp the comparison. A user's own setting is kept.
-    let tunables = std::env::var("GLIBC_TUNABLES").unwrap_or_else(|_| {
-        "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=268435456".into()
-    });
     let child = |mode: &str| -> Result<WorkerReport> {
         let out = Command::new(&exe)
-            .env("GLIBC_TUNABLES", &tunables)
             .args(["bench", "dp-worker", "--mode", mode])
             .args(["--world", &world.to_string(), "--steps", &steps.to_string()])
             .output()
@@ -109,7 +102,7 @@ pub(crate) fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
     } else {
         println!(
             "# dp weak scaling: MLP 784-1024-1024-10, batch {LOCAL_BATCH}/replica, {steps} steps, \
-             median of {ROUNDS} alternated runs per side; GLIBC_TUNABLES={tunables}"
+             median of {ROUNDS} alternated runs per side"
         );
         println!(
             "world {world}: {:.0} samples/s; plain Burn loop (1 thread): {:.0} samples/s; ratio {:.3}",
@@ -159,8 +152,7 @@ pub(crate) fn dp_worker(mode: &str, world: u32, steps: u64) -> Result<()> {
     let total = steps + WARMUP;
     let global = LOCAL_BATCH * world as usize;
     let (samples_per_s, shares) = match mode {
-        // On a spawned thread like meshwork's devices: on the main thread glibc serves the
-        // multi-MiB buffers by mmap and the same loop runs markedly slower.
+        // On a spawned thread, like meshwork's devices.
         "baseline" => (
             std::thread::spawn(move || baseline_loop(total, LOCAL_BATCH))
                 .join()

@@ -43,6 +43,7 @@ mod memory_bench;
 mod memory_svg;
 #[cfg(feature = "mpi")]
 mod mpi_bench;
+mod optimizer_bench;
 mod pipeline_bench;
 mod recovery_bench;
 #[cfg(feature = "cluster")]
@@ -74,21 +75,7 @@ enum Command {
     },
 }
 
-/// glibc serves allocations above an adaptive threshold with fresh `mmap`s: a training step's
-/// multi-MiB buffers then page-fault at every step, on some runs and not others (measured: up
-/// to 1.6× slower steps). The CLI fixes the thresholds at 32 MiB / 256 MiB so its runs and
-/// benchmarks are comparable; a program embedding meshwork decides for itself.
-fn tune_allocator() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets allocator parameters; called first thing, before any thread.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
-    }
-}
-
 fn main() -> ExitCode {
-    tune_allocator();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
