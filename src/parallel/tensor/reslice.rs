@@ -27,7 +27,7 @@ use crate::checkpoint::{
 };
 use crate::mesh::chunk_range;
 use crate::parallel::sync::{decode_zero_parts, shard_state};
-use crate::parallel::zero::{FlatState, OptimizerShard, reshard};
+use crate::parallel::zero::{FlatState, OptimizerShard, StateBuffer, reshard};
 
 /// One float parameter of a tensor-parallel block as the block holds it, in visit order.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -271,7 +271,7 @@ fn reslice_zero(
         wholes.push(whole);
         dims.push(d);
     }
-    let pick: [fn(&FlatState) -> &Vec<f32>; 3] = [|s| &s.first, |s| &s.second, |s| &s.max_second];
+    let pick: [fn(&FlatState) -> &[f32]; 3] = [|s| &s.first, |s| &s.second, |s| &s.max_second];
     let mut buffers: [Vec<f32>; 3] = Default::default();
     let mut total = 0;
     for (i, h) in trainable.iter().enumerate() {
@@ -332,9 +332,9 @@ fn reslice_zero(
         total,
         state: FlatState {
             steps: old.state.steps,
-            first,
-            second,
-            max_second,
+            first: StateBuffer::staggered(&first, 1),
+            second: StateBuffer::staggered(&second, 2),
+            max_second: StateBuffer::staggered(&max_second, 3),
         },
     })
 }

@@ -233,9 +233,9 @@ fn zero_state_reslices_onto_another_degree() {
     let state_of = |degree: usize, rank: usize| -> FlatState {
         FlatState {
             steps: 3,
-            first: values(degree, rank, 0.25),
-            second: values(degree, rank, 0.5),
-            max_second: Vec::new(),
+            first: values(degree, rank, 0.25).into(),
+            second: values(degree, rank, 0.5).into(),
+            max_second: Default::default(),
         }
     };
     let old: Vec<ShardSnapshot> = (0..2)
