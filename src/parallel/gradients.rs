@@ -450,21 +450,29 @@ pub(crate) fn trainable_range<M: Module>(
 /// the ids it was saved with (`checkpoint::restore_module`, so Burn's optimizer state
 /// applies), not those of the module the layout was read from (FLAT-3).
 struct SlotsInOrder<'a> {
-    slots: std::slice::Iter<'a, ParamSlot>,
-    met: std::collections::HashMap<ParamId, &'a ParamSlot>,
+    slots: std::iter::Enumerate<std::slice::Iter<'a, ParamSlot>>,
+    met: std::collections::HashMap<ParamId, (usize, &'a ParamSlot)>,
 }
 
 impl<'a> SlotsInOrder<'a> {
     fn new(layout: &'a ParamLayout) -> Self {
         Self {
-            slots: layout.slots.iter(),
+            slots: layout.slots.iter().enumerate(),
             met: std::collections::HashMap::new(),
         }
     }
 
     fn slot<const D: usize>(&mut self, param: &Param<Tensor<D>>) -> Option<&'a ParamSlot> {
+        self.indexed(param).map(|(_, s)| s)
+    }
+
+    /// The slot and its index in the layout.
+    fn indexed<const D: usize>(
+        &mut self,
+        param: &Param<Tensor<D>>,
+    ) -> Option<(usize, &'a ParamSlot)> {
         if let Some(s) = self.met.get(&param.id) {
-            return Some(s);
+            return Some(*s);
         }
         if !param.val().is_require_grad() {
             return None;
@@ -473,6 +481,65 @@ impl<'a> SlotsInOrder<'a> {
         self.met.insert(param.id, s);
         Some(s)
     }
+}
+
+/// `module` with each trainable parameter of `layout` updated in place: `update(index, slot,
+/// values)` changes a copy of the slot's `f32` values, which becomes the parameter (ids,
+/// devices and training state kept). One read and one write of each parameter, where
+/// [`trainable_range`] then [`set_trainable`] copy each twice. A tied parameter is updated at
+/// its first use and takes the same tensor at every other.
+pub(crate) fn update_trainable<M: Module>(
+    module: M,
+    layout: &ParamLayout,
+    update: impl FnMut(usize, &ParamSlot, &mut [f32]),
+) -> M {
+    struct Update<'a, F> {
+        slots: SlotsInOrder<'a>,
+        update: F,
+        done: std::collections::HashMap<ParamId, Box<dyn std::any::Any>>,
+    }
+    impl<F: FnMut(usize, &ParamSlot, &mut [f32])> ModuleMapper for Update<'_, F> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some((index, slot)) = self.slots.indexed(&param) else {
+                return param;
+            };
+            let id = param.id;
+            if let Some(t) = self
+                .done
+                .get(&id)
+                .and_then(|t| t.downcast_ref::<Tensor<D>>())
+            {
+                let t = t.clone();
+                return param.map(|_| t);
+            }
+            let update = &mut self.update;
+            let mut updated = None;
+            let param = param.map(|old| {
+                let device = old.device();
+                let grad = old.is_require_grad();
+                let mut data = into_f32(old.inner().into_data());
+                update(
+                    index,
+                    slot,
+                    data.as_mut_slice::<f32>()
+                        .expect("parameter data converted to f32"),
+                );
+                let t = Tensor::<D>::from_data(data, &device);
+                let t = if grad { t.require_grad() } else { t };
+                updated = Some(t.clone());
+                t
+            });
+            if let Some(t) = updated {
+                self.done.insert(id, Box::new(t));
+            }
+            param
+        }
+    }
+    module.map(&mut Update {
+        slots: SlotsInOrder::new(layout),
+        update,
+        done: std::collections::HashMap::new(),
+    })
 }
 
 /// `module` with its trainable parameters set from `flat`, laid out as `layout`

@@ -7,7 +7,8 @@
 //! [`GradientSync::apply`]; it never branches on how the group synchronises. Four
 //! implementations exist:
 //! - [`AllReduceSync`]: every rank holds the whole optimizer state; gradients are all-reduced
-//!   in buckets, and Burn's optimizer steps the whole model (plain data parallelism).
+//!   in buckets, and the flat rule (Burn's optimizer where the configuration has none) steps
+//!   the whole model (plain data parallelism, OPT-1).
 //! - [`ZeroSync`]: ZeRO stage 1 (all-reduce, then each rank steps its shard with its shard
 //!   of the optimizer state and the shards are all-gathered) or stage 2 (reduce-scatter, so
 //!   each rank also holds only its shard of the reduced gradient), over
@@ -51,6 +52,7 @@ use burn::tensor::Device;
 use super::buckets::{Bucket, plan_buckets};
 use super::gradients::{
     GradientBuffers, ParamLayout, bucket_ranges, reduce_buckets, set_trainable, trainable_range,
+    update_trainable,
 };
 use super::zero::{FlatRule, OptimizerShard, ZeroStage, owned_range, reshard};
 use crate::checkpoint::{
@@ -621,7 +623,8 @@ pub(crate) fn for_stage<M: Module>(
     let buckets = plan_buckets(&sizes, bucket_elems, fuse_below);
     Ok(match stage {
         ZeroStage::Off => Box::new(AllReduceSync {
-            optimizer: optimizer.init(),
+            stepper: all_reduce::Stepper::of(optimizer, layout.len()),
+            burn_fresh: optimizer.init(),
             words: FlatRule::of(optimizer).map_or(0, |r| r.state_words()),
             layout,
             buckets,
@@ -646,7 +649,8 @@ pub(crate) fn compressed<M: Module>(
 ) -> Box<dyn GradientSync<M>> {
     let layout = ParamLayout::trainable(model);
     let inner = AllReduceSync {
-        optimizer: optimizer.init(),
+        stepper: all_reduce::Stepper::Burn(optimizer.init()),
+        burn_fresh: optimizer.init(),
         words: FlatRule::of(optimizer).map_or(0, |r| r.state_words()),
         layout,
         buckets: Vec::new(),

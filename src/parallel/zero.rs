@@ -392,16 +392,58 @@ impl FlatRule {
         segments: &[(Range<usize>, f64)],
     ) {
         assert_eq!(params.len(), grads.len(), "a shard's values and gradient");
-        let first_step = state.steps == 0;
-        let n = params.len();
-        // Each buffer its own offset (ZERO-4): first 1, second 2, max_second 3 cache lines in.
+        self.begin_step(state, params.len());
+        for (range, lr) in segments {
+            let (p, g) = (&mut params[range.clone()], &grads[range.clone()]);
+            self.step_range(state, range.clone(), p, g, *lr);
+        }
+        Self::end_step(state);
+    }
+
+    /// Before a step made of [`step_range`](Self::step_range)s: the state's buffers sized
+    /// for `n` elements (zeros before the first step), each at its own offset (ZERO-4: first
+    /// 1, second 2, AMSGrad's maximum 3 cache lines into its allocation).
+    pub fn begin_step(&self, state: &mut FlatState, n: usize) {
         let grow = |v: &mut StateBuffer, stagger: usize| {
             if v.len() != n {
                 *v = StateBuffer::zeros(n, stagger);
             }
         };
-        // Each segment's slices are zipped, not indexed, so that the loops vectorise; the
-        // arithmetic per element is Burn's, in its order.
+        let amsgrad = match *self {
+            FlatRule::Sgd { momentum, .. } => {
+                if momentum.is_some() {
+                    grow(&mut state.first, 1);
+                }
+                return;
+            }
+            FlatRule::Adam { amsgrad, .. } | FlatRule::AdamW { amsgrad, .. } => amsgrad,
+        };
+        grow(&mut state.first, 1);
+        grow(&mut state.second, 2);
+        if amsgrad {
+            grow(&mut state.max_second, 3);
+        }
+    }
+
+    /// The elements `range` of the state stepped with `params` and `grads` (that range's
+    /// values and gradient) at learning rate `lr`, within a step opened by
+    /// [`begin_step`](Self::begin_step) and closed by [`end_step`](Self::end_step). The
+    /// loops run over zipped slices, so that they vectorise; the arithmetic per element is
+    /// Burn's, in its order.
+    pub fn step_range(
+        &self,
+        state: &mut FlatState,
+        range: Range<usize>,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f64,
+    ) {
+        assert!(
+            params.len() == range.len() && grads.len() == range.len(),
+            "a range's values and gradient"
+        );
+        let first_step = state.steps == 0;
+        let time = (state.steps + 1) as i32;
         let l2 = match *self {
             FlatRule::Sgd { weight_decay, .. } | FlatRule::Adam { weight_decay, .. } => {
                 weight_decay
@@ -414,95 +456,76 @@ impl FlatRule {
         };
         match *self {
             FlatRule::Sgd { momentum, .. } => {
-                if momentum.is_some() {
-                    grow(&mut state.first, 1);
-                }
-                for (range, lr) in segments {
-                    let lr = *lr as f32;
-                    let (p, g) = (&mut params[range.clone()], &grads[range.clone()]);
-                    let Some((m, dampening, nesterov)) = momentum else {
-                        for (p, &g) in p.iter_mut().zip(g) {
-                            *p -= with_l2(g, *p) * lr;
-                        }
-                        continue;
-                    };
-                    let keep = (1.0 - dampening) as f32;
-                    let v = &mut state.first[range.clone()];
-                    for ((p, &g), v) in p.iter_mut().zip(g).zip(v.iter_mut()) {
-                        let g = with_l2(g, *p);
-                        let velocity = if first_step { g } else { g * keep + *v * m };
-                        *v = velocity;
-                        let g = if nesterov { velocity * m + g } else { velocity };
-                        *p -= g * lr;
+                let lr = lr as f32;
+                let Some((m, dampening, nesterov)) = momentum else {
+                    for (p, &g) in params.iter_mut().zip(grads) {
+                        *p -= with_l2(g, *p) * lr;
                     }
+                    return;
+                };
+                let keep = (1.0 - dampening) as f32;
+                let v = &mut state.first[range];
+                for ((p, &g), v) in params.iter_mut().zip(grads).zip(v.iter_mut()) {
+                    let g = with_l2(g, *p);
+                    let velocity = if first_step { g } else { g * keep + *v * m };
+                    *v = velocity;
+                    let g = if nesterov { velocity * m + g } else { velocity };
+                    *p -= g * lr;
                 }
             }
             FlatRule::Adam {
                 beta_1,
                 beta_2,
                 epsilon,
-                amsgrad,
                 ..
             } => {
-                grow(&mut state.first, 1);
-                grow(&mut state.second, 2);
-                if amsgrad {
-                    grow(&mut state.max_second, 3);
-                }
-                let time = (state.steps + 1) as i32;
                 let bc2_sqrt = (1.0 - beta_2.powi(time)).sqrt();
                 let combined = bc2_sqrt / (1.0 - beta_1.powi(time));
-                for (range, lr) in segments {
-                    let lr = *lr as f32;
-                    let step = |p: &mut f32, m: f32, v: f32| {
-                        let update = (m * combined) / (v.sqrt() + epsilon * bc2_sqrt);
-                        *p -= update * lr;
-                    };
-                    let betas = (beta_1, beta_2);
-                    adam_segment(state, range, (params, grads), betas, with_l2, step);
-                }
+                let lr = lr as f32;
+                let step = |p: &mut f32, m: f32, v: f32| {
+                    let update = (m * combined) / (v.sqrt() + epsilon * bc2_sqrt);
+                    *p -= update * lr;
+                };
+                let betas = (beta_1, beta_2);
+                adam_segment(state, range, (params, grads), betas, with_l2, step);
             }
             FlatRule::AdamW {
                 beta_1,
                 beta_2,
                 epsilon,
-                amsgrad,
                 weight_decay,
                 cautious,
+                ..
             } => {
-                grow(&mut state.first, 1);
-                grow(&mut state.second, 2);
-                if amsgrad {
-                    grow(&mut state.max_second, 3);
-                }
-                let time = (state.steps + 1) as i32;
                 let c1 = 1.0 - beta_1.powi(time);
                 let c2 = 1.0 - beta_2.powi(time);
-                for (range, lr) in segments {
-                    let decay = *lr * f64::from(weight_decay);
-                    let (keep, cut) = ((1.0 - decay) as f32, decay as f32);
-                    let lr = *lr as f32;
-                    let step = |p: &mut f32, m: f32, v: f32| {
-                        let update = (m / c1) / ((v / c2).sqrt() + epsilon);
-                        let old = *p;
-                        let decayed = if decay == 0.0 {
-                            old
-                        } else if cautious {
-                            if (old >= 0.0) != (m >= 0.0) {
-                                old - 0.0
-                            } else {
-                                old - old * cut
-                            }
+                let decay = lr * f64::from(weight_decay);
+                let (keep, cut) = ((1.0 - decay) as f32, decay as f32);
+                let lr = lr as f32;
+                let step = |p: &mut f32, m: f32, v: f32| {
+                    let update = (m / c1) / ((v / c2).sqrt() + epsilon);
+                    let old = *p;
+                    let decayed = if decay == 0.0 {
+                        old
+                    } else if cautious {
+                        if (old >= 0.0) != (m >= 0.0) {
+                            old - 0.0
                         } else {
-                            old * keep
-                        };
-                        *p = decayed - update * lr;
+                            old - old * cut
+                        }
+                    } else {
+                        old * keep
                     };
-                    let betas = (beta_1, beta_2);
-                    adam_segment(state, range, (params, grads), betas, |g, _| g, step);
-                }
+                    *p = decayed - update * lr;
+                };
+                let betas = (beta_1, beta_2);
+                adam_segment(state, range, (params, grads), betas, |g, _| g, step);
             }
         }
+    }
+
+    /// After a step's [`step_range`](Self::step_range)s: one more step taken.
+    pub fn end_step(state: &mut FlatState) {
         state.steps += 1;
     }
 }
@@ -514,14 +537,12 @@ impl FlatRule {
 #[inline(always)]
 fn adam_segment(
     state: &mut FlatState,
-    range: &Range<usize>,
-    (params, grads): (&mut [f32], &[f32]),
+    range: Range<usize>,
+    (p, g): (&mut [f32], &[f32]),
     (b1, b2): (f32, f32),
     grad: impl Fn(f32, f32) -> f32,
     step: impl Fn(&mut f32, f32, f32),
 ) {
-    let p = &mut params[range.clone()];
-    let g = &grads[range.clone()];
     let first = &mut state.first[range.clone()];
     let second = &mut state.second[range.clone()];
     let moments = |g: f32, m: &mut f32, v: &mut f32| {
@@ -534,7 +555,7 @@ fn adam_segment(
             step(p, *m, *v);
         }
     } else {
-        let max_second = &mut state.max_second[range.clone()];
+        let max_second = &mut state.max_second[range];
         let all = p.iter_mut().zip(g).zip(first).zip(second).zip(max_second);
         for ((((p, &g), m), v), max) in all {
             moments(grad(g, *p), m, v);

@@ -390,3 +390,58 @@ fn ckpt_7_build_refuses_a_checkpoint_dir_that_cannot_be_created() {
     }
     let _ = std::fs::remove_dir_all(dir.path());
 }
+
+/// OPT-1: a job without ZeRO steps with the flat rule and checkpoints its state as one part of
+/// the whole flat order, so its checkpoint resumes in a ZeRO-2 job (re-sharded over 2 ranks);
+/// Burn's whole optimizer state (written by a configuration with Burn's own per-tensor
+/// clipping, here at a norm no gradient reaches) resumes in a plain job, Burn's optimizer
+/// stepping on from it. Both end within 1e-5 · max|ref| of the uninterrupted plain run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opt_1_plain_zero_and_burn_checkpoints_resume_in_each_others_jobs() {
+    use burn::grad_clipping::GradientClippingConfig;
+    let init = fixture().initial_model();
+    let (whole, _) = run(builder(2, 8, &init).build().unwrap()).await;
+    let whole = whole.unwrap().model;
+    let first_half = |dir: &Path, optimizer: AdamConfig| {
+        builder(2, 4, &init)
+            .optimizer(optimizer)
+            .checkpoint_dir(dir)
+            .build()
+            .unwrap()
+    };
+    let second_half = |dir: &Path| {
+        builder(2, 8, &init)
+            .checkpoint_dir(dir)
+            .resume_from_checkpoint(true)
+    };
+
+    let dir = TempDir::new("opt-1-plain-to-zero");
+    run(first_half(dir.path(), AdamConfig::new()))
+        .await
+        .0
+        .unwrap();
+    let (zero, events) = run(second_half(dir.path())
+        .zero(ZeroStage::Two)
+        .build()
+        .unwrap())
+    .await;
+    let restored = |events: &[JobEvent]| {
+        events
+            .iter()
+            .any(|e| matches!(e, JobEvent::Restored { step: 4, refused, .. } if refused.is_empty()))
+    };
+    assert!(
+        restored(&events),
+        "the ZeRO-2 job resumed the plain checkpoint"
+    );
+    compare_parameters(&zero.unwrap().model, &whole, 1e-5).unwrap_or_else(|e| panic!("{e}"));
+    let _ = std::fs::remove_dir_all(dir.path());
+
+    let dir = TempDir::new("opt-1-burn-to-plain");
+    let clipped = AdamConfig::new().with_grad_clipping(Some(GradientClippingConfig::Norm(1e6)));
+    run(first_half(dir.path(), clipped)).await.0.unwrap();
+    let (plain, events) = run(second_half(dir.path()).build().unwrap()).await;
+    assert!(restored(&events), "the plain job resumed Burn's state");
+    compare_parameters(&plain.unwrap().model, &whole, 1e-5).unwrap_or_else(|e| panic!("{e}"));
+    let _ = std::fs::remove_dir_all(dir.path());
+}

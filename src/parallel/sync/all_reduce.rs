@@ -1,11 +1,38 @@
-//! Plain data parallelism (`AllReduceSync`): gradients all-reduced in buckets, Burn's optimizer
-//! stepping the whole model on every rank.
+//! Plain data parallelism (`AllReduceSync`): gradients all-reduced in buckets, then every rank
+//! steps the whole model: with meshwork's flat rule in one pass over the flat order (OPT-1),
+//! or with Burn's optimizer where the configuration has no flat rule.
 
 use super::*;
 
-/// Plain data parallelism: all-reduce in buckets, Burn's optimizer on the whole model.
+/// How an [`AllReduceSync`] steps the model.
+pub(crate) enum Stepper {
+    /// Burn's optimizer on the model's tensors: configurations with their own per-tensor
+    /// gradient clipping (no flat rule), compressed jobs (their checkpoints hold Burn's
+    /// bytes), and state restored from a checkpoint Burn's optimizer wrote.
+    Burn(ModuleOptimizer),
+    /// The flat rule (`FlatRule`, ZeRO's) over the whole flat order, the rank being the one
+    /// owner of all of it (OPT-1): the gradient taken out of Burn once, one pass that reads
+    /// and writes each element's parameter and state once, the parameters written back.
+    Flat(OptimizerShard),
+}
+
+impl Stepper {
+    /// The flat rule of `optimizer` over `len` elements, or Burn's optimizer where the
+    /// configuration has none.
+    pub(crate) fn of(optimizer: &OptimizerConfig, len: usize) -> Self {
+        match FlatRule::of(optimizer) {
+            Ok(rule) => Stepper::Flat(OptimizerShard::fresh(rule, len, 1, 0)),
+            Err(_) => Stepper::Burn(optimizer.init()),
+        }
+    }
+}
+
+/// Plain data parallelism: all-reduce in buckets, one optimizer step on the whole model.
 pub(crate) struct AllReduceSync {
-    pub(super) optimizer: ModuleOptimizer,
+    pub(super) stepper: Stepper,
+    /// Burn's optimizer as configured, fresh: what a checkpoint of Burn's state is restored
+    /// into.
+    pub(super) burn_fresh: ModuleOptimizer,
     /// The `f32` words of state Burn's optimizer keeps per parameter element once stepped.
     pub(super) words: usize,
     pub(super) layout: ParamLayout,
@@ -32,7 +59,8 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         self.held.grads = whole;
         self.held.grads_backward = whole;
         self.held.owned = (0, self.layout.len() as u64);
-        if cx.direct {
+        // The flat rule takes the gradient out of Burn here in any case (its one copy).
+        if cx.direct && matches!(self.stepper, Stepper::Burn(_)) {
             return Ok(Reduced {
                 grads: ReducedGrads::Whole(grads),
                 non_finite: false,
@@ -69,15 +97,43 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         lr: ModuleLearningRate,
         cx: &mut SyncContext<'_>,
     ) -> Result<M, (M, SyncError)> {
-        let grads = match reduced.grads {
-            ReducedGrads::Whole(grads) => grads,
-            ReducedGrads::Buffers(buffers) => cx.timed(TraceKind::Flatten, |cx| {
-                buffers.into_gradients(&model, cx.device)
+        let shard = match &mut self.stepper {
+            Stepper::Flat(shard) => shard,
+            Stepper::Burn(optimizer) => {
+                let grads = match reduced.grads {
+                    ReducedGrads::Whole(grads) => grads,
+                    ReducedGrads::Buffers(buffers) => cx.timed(TraceKind::Flatten, |cx| {
+                        buffers.into_gradients(&model, cx.device)
+                    }),
+                    ReducedGrads::Shard(_) => {
+                        unreachable!("AllReduceSync reduces whole gradients")
+                    }
+                };
+                return Ok(cx.timed(TraceKind::OptimizerStep, |_| {
+                    optimizer.step(lr, model, grads)
+                }));
+            }
+        };
+        let buffers = match reduced.grads {
+            ReducedGrads::Buffers(buffers) => buffers,
+            ReducedGrads::Whole(grads) => cx.timed(TraceKind::Flatten, |_| {
+                GradientBuffers::take(&model, &self.layout, grads)
             }),
             ReducedGrads::Shard(_) => unreachable!("AllReduceSync reduces whole gradients"),
         };
+        let layout = &self.layout;
         Ok(cx.timed(TraceKind::OptimizerStep, |_| {
-            self.optimizer.step(lr, model, grads)
+            let grads = buffers.slices();
+            shard.rule.begin_step(&mut shard.state, layout.len());
+            let model = update_trainable(model, layout, |index, slot, values| {
+                let lr = lr.lr_from_param(slot.id, None);
+                let range = slot.range.clone();
+                shard
+                    .rule
+                    .step_range(&mut shard.state, range, values, grads[index], lr);
+            });
+            FlatRule::end_step(&mut shard.state);
+            model
         }))
     }
 
@@ -115,7 +171,12 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
     }
 
     fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
-        OptimizerState::capture(&self.optimizer)
+        match &self.stepper {
+            Stepper::Burn(optimizer) => OptimizerState::capture(optimizer),
+            // One part covering the whole flat order: the form ZeRO writes, so a plain and a
+            // ZeRO-1/2 job resume each other's checkpoints (re-sharded, ZERO-3).
+            Stepper::Flat(shard) => shard_state(shard),
+        }
     }
 
     fn restore_optimizer(
@@ -124,7 +185,20 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         _rank: usize,
         _world: usize,
     ) -> Result<(), CheckpointError> {
-        self.optimizer = state.restore(self.optimizer.clone())?;
+        if state.parts().is_none() {
+            // Burn's whole state (a checkpoint written before OPT-1, or by a configuration
+            // without a flat rule): Burn's optimizer steps on from it.
+            self.stepper = Stepper::Burn(state.restore(self.burn_fresh.clone())?);
+            return Ok(());
+        }
+        let Stepper::Flat(own) = &self.stepper else {
+            return Err(CheckpointError::Optimizer {
+                reason: "the checkpoint holds a flat (ZeRO) optimizer state and this job's                          optimizer has no flat rule (its own per-tensor gradient clipping):                          use the job's global-norm clipping (`clip_grad_norm`) instead"
+                    .into(),
+            });
+        };
+        let (shard, _) = restore_shard(state, own, self.layout.len(), 0, 1)?;
+        self.stepper = Stepper::Flat(shard);
         Ok(())
     }
 

@@ -1,5 +1,5 @@
 //! [`CompressedSync`]: data parallelism whose gradients travel compressed
-//! ([`Compression`]): `AllReduceSync`'s update (Burn's optimizer on the whole model) with its
+//! ([`Compression`]): `AllReduceSync`'s update (always Burn's optimizer on the whole model) with its
 //! reduction replaced by a [`Compressor`]'s, run over the group's communicator.
 //!
 //! Invariants (tested in `tests/suite/compression.rs`):
@@ -29,9 +29,10 @@ use std::time::Instant;
 
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::module::Module;
-use burn::optim::GradientsParams;
+use burn::optim::{GradientsParams, ModuleOptimizer};
 use serde::{Deserialize, Serialize};
 
+use super::all_reduce::Stepper;
 use super::collective::OnComm;
 use super::{
     AllReduceSync, Collective, GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext,
@@ -82,6 +83,22 @@ impl CompressedSync {
     }
 
     /// The compressor (no collective holds it between a reduction's halves).
+    /// Burn's optimizer: a compressed job steps with it (`sync::compressed` builds it so), its
+    /// checkpoint part holding Burn's bytes (CSYNC-2).
+    fn burn(&self) -> &ModuleOptimizer {
+        match &self.inner.stepper {
+            Stepper::Burn(optimizer) => optimizer,
+            Stepper::Flat(_) => unreachable!("sync::compressed builds Burn's optimizer"),
+        }
+    }
+
+    fn burn_mut(&mut self) -> &mut ModuleOptimizer {
+        match &mut self.inner.stepper {
+            Stepper::Burn(optimizer) => optimizer,
+            Stepper::Flat(_) => unreachable!("sync::compressed builds Burn's optimizer"),
+        }
+    }
+
     fn compressor(&self) -> MutexGuard<'_, Compressor> {
         self.compressor
             .lock()
@@ -182,7 +199,7 @@ impl<M: Module> GradientSync<M> for CompressedSync {
     }
 
     fn optimizer_state(&self) -> Result<OptimizerState, CheckpointError> {
-        let whole = OptimizerState::capture(&self.inner.optimizer)?;
+        let whole = OptimizerState::capture(self.burn())?;
         let optimizer = whole
             .whole_bytes()
             .expect("Burn's optimizer state is whole")
@@ -205,7 +222,8 @@ impl<M: Module> GradientSync<M> for CompressedSync {
         self.place = (rank, world);
         let Some(parts) = state.parts() else {
             // Written without compression: the optimizer, and a fresh compressor.
-            self.inner.optimizer = state.restore(self.inner.optimizer.clone())?;
+            let restored = state.restore(self.inner.burn_fresh.clone())?;
+            *self.burn_mut() = restored;
             let fresh = Compressor::new(self.compressor().scheme(), &shapes(&self.inner));
             *self.compressor() = fresh;
             return Ok(());
@@ -253,8 +271,9 @@ impl<M: Module> GradientSync<M> for CompressedSync {
             }
         };
         let optimizer = std::mem::take(&mut state.optimizer);
-        self.inner.optimizer =
-            OptimizerState::from_bytes(optimizer).restore(self.inner.optimizer.clone())?;
+        let restored =
+            OptimizerState::from_bytes(optimizer).restore(self.inner.burn_fresh.clone())?;
+        *self.burn_mut() = restored;
         self.compressor()
             .restore(state.compressor)
             .map_err(|e| optimizer_error(e.to_string()))
