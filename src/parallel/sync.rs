@@ -535,6 +535,7 @@ pub(crate) struct Reduction {
 pub(crate) fn for_reduction<M: Module>(
     reduction: Reduction,
     model: &M,
+    device: &Device,
     optimizer: &OptimizerConfig,
     bucket_elems: usize,
     fuse_below: usize,
@@ -561,6 +562,7 @@ pub(crate) fn for_reduction<M: Module>(
         return for_stage(
             stage,
             model,
+            device,
             optimizer,
             bucket_elems,
             fuse_below,
@@ -608,10 +610,27 @@ fn zero_sync(
     })
 }
 
-/// The synchronisation `stage` asks for, over `model`'s trainable parameters.
+/// Whether `device` computes on the host (Burn's `flex`): there the flat rule steps the
+/// parameters where they are (OPT-1); on a GPU, Burn's optimizer keeps them on the device
+/// instead of bringing them to the host and back at every step.
+pub(crate) fn steps_on_host(device: &Device) -> bool {
+    #[cfg(feature = "flex")]
+    {
+        device.clone().inner() == Device::flex()
+    }
+    #[cfg(not(feature = "flex"))]
+    {
+        let _ = device;
+        false
+    }
+}
+
+/// The synchronisation `stage` asks for, over `model`'s trainable parameters on `device`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn for_stage<M: Module>(
     stage: ZeroStage,
     model: &M,
+    device: &Device,
     optimizer: &OptimizerConfig,
     bucket_elems: usize,
     fuse_below: usize,
@@ -623,7 +642,7 @@ pub(crate) fn for_stage<M: Module>(
     let buckets = plan_buckets(&sizes, bucket_elems, fuse_below);
     Ok(match stage {
         ZeroStage::Off => Box::new(AllReduceSync {
-            stepper: all_reduce::Stepper::of(optimizer, layout.len()),
+            stepper: all_reduce::Stepper::of(optimizer, layout.len(), steps_on_host(device)),
             burn_fresh: optimizer.init(),
             words: FlatRule::of(optimizer).map_or(0, |r| r.state_words()),
             layout,

@@ -480,6 +480,7 @@ where
         let sync = sync::for_reduction(
             reduction,
             &model,
+            &device,
             &spec.optimizer,
             spec.bucket_elems,
             fuse_below,

@@ -107,6 +107,7 @@ impl<M: Module + 'static, I: 'static> TypedStage<M, I> {
         let sync = sync::for_stage(
             ZeroStage::Off,
             &model,
+            &device,
             optimizer,
             BUCKET_ELEMS,
             FUSE_BELOW,
@@ -711,6 +712,7 @@ impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
         self.sync = sync::for_reduction(
             reduction,
             &self.model,
+            &self.device,
             &self.optimizer,
             BUCKET_ELEMS,
             FUSE_BELOW,

@@ -6,9 +6,10 @@ use super::*;
 
 /// How an [`AllReduceSync`] steps the model.
 pub(crate) enum Stepper {
-    /// Burn's optimizer on the model's tensors: configurations with their own per-tensor
-    /// gradient clipping (no flat rule), compressed jobs (their checkpoints hold Burn's
-    /// bytes), and state restored from a checkpoint Burn's optimizer wrote.
+    /// Burn's optimizer on the model's tensors: on GPUs (the parameters stay on the device),
+    /// configurations with their own per-tensor gradient clipping (no flat rule), compressed
+    /// jobs (their checkpoints hold Burn's bytes), and state restored from a checkpoint
+    /// Burn's optimizer wrote.
     Burn(ModuleOptimizer),
     /// The flat rule (`FlatRule`, ZeRO's) over the whole flat order, the rank being the one
     /// owner of all of it (OPT-1): the gradient taken out of Burn once, one pass that reads
@@ -17,12 +18,13 @@ pub(crate) enum Stepper {
 }
 
 impl Stepper {
-    /// The flat rule of `optimizer` over `len` elements, or Burn's optimizer where the
-    /// configuration has none.
-    pub(crate) fn of(optimizer: &OptimizerConfig, len: usize) -> Self {
+    /// The flat rule of `optimizer` over `len` elements where the device computes on the
+    /// host (`on_host`), or Burn's optimizer: on a GPU, or where the configuration has no
+    /// flat rule.
+    pub(crate) fn of(optimizer: &OptimizerConfig, len: usize, on_host: bool) -> Self {
         match FlatRule::of(optimizer) {
-            Ok(rule) => Stepper::Flat(OptimizerShard::fresh(rule, len, 1, 0)),
-            Err(_) => Stepper::Burn(optimizer.init()),
+            Ok(rule) if on_host => Stepper::Flat(OptimizerShard::fresh(rule, len, 1, 0)),
+            _ => Stepper::Burn(optimizer.init()),
         }
     }
 }
