@@ -15,7 +15,6 @@ warm-up steps) and the thread count.
 """
 import argparse
 import json
-import math
 import statistics
 import time
 
