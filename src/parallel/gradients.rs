@@ -483,22 +483,40 @@ impl<'a> SlotsInOrder<'a> {
     }
 }
 
+/// Where [`update_trainable`] is in the module: the parameter's current id and its path
+/// (`"layers.0.weight"`), as Burn's optimizer names a parameter to a learning-rate group.
+pub(crate) struct ParamPlace<'a> {
+    /// The parameter's id in the module being updated.
+    pub(crate) id: ParamId,
+    /// The names of the fields and indices leading to it, joined by `.`.
+    pub(crate) path: &'a str,
+}
+
 /// `module` with each trainable parameter of `layout` updated in place: `update(index, slot,
-/// values)` changes a copy of the slot's `f32` values, which becomes the parameter (ids,
+/// place, values)` changes a copy of the slot's `f32` values, which becomes the parameter (ids,
 /// devices and training state kept). One read and one write of each parameter, where
 /// [`trainable_range`] then [`set_trainable`] copy each twice. A tied parameter is updated at
 /// its first use and takes the same tensor at every other.
 pub(crate) fn update_trainable<M: Module>(
     module: M,
     layout: &ParamLayout,
-    update: impl FnMut(usize, &ParamSlot, &mut [f32]),
+    update: impl FnMut(usize, &ParamSlot, ParamPlace<'_>, &mut [f32]),
 ) -> M {
     struct Update<'a, F> {
         slots: SlotsInOrder<'a>,
         update: F,
         done: std::collections::HashMap<ParamId, Box<dyn std::any::Any>>,
+        path: Vec<String>,
     }
-    impl<F: FnMut(usize, &ParamSlot, &mut [f32])> ModuleMapper for Update<'_, F> {
+    impl<F: FnMut(usize, &ParamSlot, ParamPlace<'_>, &mut [f32])> ModuleMapper for Update<'_, F> {
+        fn enter_module(&mut self, name: &str, _container_type: &str) {
+            self.path.push(name.to_string());
+        }
+
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.path.pop();
+        }
+
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let Some((index, slot)) = self.slots.indexed(&param) else {
                 return param;
@@ -513,6 +531,7 @@ pub(crate) fn update_trainable<M: Module>(
                 return param.map(|_| t);
             }
             let update = &mut self.update;
+            let path = self.path.join(".");
             let mut updated = None;
             let param = param.map(|old| {
                 let device = old.device();
@@ -521,6 +540,7 @@ pub(crate) fn update_trainable<M: Module>(
                 update(
                     index,
                     slot,
+                    ParamPlace { id, path: &path },
                     data.as_mut_slice::<f32>()
                         .expect("parameter data converted to f32"),
                 );
@@ -539,6 +559,7 @@ pub(crate) fn update_trainable<M: Module>(
         slots: SlotsInOrder::new(layout),
         update,
         done: std::collections::HashMap::new(),
+        path: Vec::new(),
     })
 }
 

@@ -644,6 +644,7 @@ pub(crate) fn for_stage<M: Module>(
         ZeroStage::Off => Box::new(AllReduceSync {
             stepper: all_reduce::Stepper::of(optimizer, layout.len(), steps_on_host(device)),
             burn_fresh: optimizer.init(),
+            flat_rule: FlatRule::of(optimizer).ok(),
             words: FlatRule::of(optimizer).map_or(0, |r| r.state_words()),
             layout,
             buckets,
@@ -670,6 +671,7 @@ pub(crate) fn compressed<M: Module>(
     let inner = AllReduceSync {
         stepper: all_reduce::Stepper::Burn(optimizer.init()),
         burn_fresh: optimizer.init(),
+        flat_rule: None,
         words: FlatRule::of(optimizer).map_or(0, |r| r.state_words()),
         layout,
         buckets: Vec::new(),

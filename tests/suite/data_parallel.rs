@@ -202,6 +202,32 @@ async fn burn_lr_scheduler_matches_reference() {
     .await;
 }
 
+/// OPT-1: learning-rate groups reach the flat rule as they reach Burn's optimizer, by path
+/// (the first layer held at rate 0 by a group matching `layers.0`) on top of a schedule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opt_1_learning_rate_groups_by_path_match_reference() {
+    use burn::lr_scheduler::constant::ConstantLr;
+    use burn::module::ParamGroup;
+    let schedule = ExponentialLrSchedulerConfig::new(0.1, 0.9)
+        .init()
+        .expect("valid scheduler");
+    let grouped = schedule.with_group(
+        ParamGroup::from_predicate("layers.0"),
+        ConstantLr::from(0.0),
+    );
+    bounded(
+        BOUND,
+        check_equivalence(
+            2,
+            SgdConfig::new().into(),
+            LearningRate::Scheduler(grouped),
+            1,
+            None,
+        ),
+    )
+    .await;
+}
+
 /// A model with a frozen first layer (fine-tuning): `no_grad` persists through training.
 #[derive(burn::module::Module, Debug)]
 struct FrozenBase {

@@ -35,6 +35,9 @@ pub(crate) struct AllReduceSync {
     /// Burn's optimizer as configured, fresh: what a checkpoint of Burn's state is restored
     /// into.
     pub(super) burn_fresh: ModuleOptimizer,
+    /// The configuration's flat rule, if it has one: what a checkpoint of flat state is
+    /// restored into, on any device (on a GPU the parameters then make the trip to the host).
+    pub(super) flat_rule: Option<FlatRule>,
     /// The `f32` words of state Burn's optimizer keeps per parameter element once stepped.
     pub(super) words: usize,
     pub(super) layout: ParamLayout,
@@ -127,8 +130,10 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         Ok(cx.timed(TraceKind::OptimizerStep, |_| {
             let grads = buffers.slices();
             shard.rule.begin_step(&mut shard.state, layout.len());
-            let model = update_trainable(model, layout, |index, slot, values| {
-                let lr = lr.lr_from_param(slot.id, None);
+            // The rate Burn's optimizer would give the parameter: by its id and its path,
+            // so learning-rate groups of either kind apply as they do there.
+            let model = update_trainable(model, layout, |index, slot, place, values| {
+                let lr = lr.lr_from_param(place.id, Some(place.path));
                 let range = slot.range.clone();
                 shard
                     .rule
@@ -193,13 +198,21 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
             self.stepper = Stepper::Burn(state.restore(self.burn_fresh.clone())?);
             return Ok(());
         }
-        let Stepper::Flat(own) = &self.stepper else {
-            return Err(CheckpointError::Optimizer {
-                reason: "the checkpoint holds a flat (ZeRO) optimizer state and this job's                          optimizer has no flat rule (its own per-tensor gradient clipping):                          use the job's global-norm clipping (`clip_grad_norm`) instead"
-                    .into(),
-            });
+        let len = self.layout.len();
+        let own = match (&self.stepper, self.flat_rule) {
+            (Stepper::Flat(own), _) => own.clone(),
+            (Stepper::Burn(_), Some(rule)) => OptimizerShard::fresh(rule, len, 1, 0),
+            (Stepper::Burn(_), None) => {
+                return Err(CheckpointError::Optimizer {
+                    reason: "the checkpoint holds a flat (ZeRO) optimizer state and this job's \
+                             optimizer has no flat rule (its own per-tensor gradient \
+                             clipping): use the job's global-norm clipping (`clip_grad_norm`) \
+                             instead"
+                        .into(),
+                });
+            }
         };
-        let (shard, _) = restore_shard(state, own, self.layout.len(), 0, 1)?;
+        let (shard, _) = restore_shard(state, &own, len, 0, 1)?;
         self.stepper = Stepper::Flat(shard);
         Ok(())
     }

@@ -36,7 +36,7 @@ use super::all_reduce::Stepper;
 use super::collective::OnComm;
 use super::{
     AllReduceSync, Collective, GradientSync, HeldBytes, Reduced, ReducedGrads, SyncContext,
-    SyncError, clip_by_global_norm, overflow_in_group, rank_part,
+    SyncError, clip_by_global_norm, decode_zero_parts, overflow_in_group, rank_part,
 };
 use crate::checkpoint::{CheckpointError, OptimizerState};
 use crate::parallel::compress::{Compression, Compressor, CompressorState};
@@ -228,6 +228,16 @@ impl<M: Module> GradientSync<M> for CompressedSync {
             *self.compressor() = fresh;
             return Ok(());
         };
+        if decode_zero_parts(state).is_ok() {
+            // A job without compression on CPU devices checkpoints the flat rule's state
+            // (OPT-1); this job steps with Burn's optimizer, which cannot take it.
+            return Err(optimizer_error(
+                "the checkpoint holds the flat optimizer state of a job without compression \
+                 (or of a ZeRO job); a compressed job steps with Burn's optimizer and cannot \
+                 take it: resume it without compression, or start afresh"
+                    .into(),
+            ));
+        }
         let mut saved = parts
             .iter()
             .map(|p| {
