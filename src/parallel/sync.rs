@@ -641,16 +641,12 @@ pub(crate) fn for_stage<M: Module>(
     let sizes: Vec<usize> = layout.slots().iter().map(|s| s.range.len()).collect();
     let buckets = plan_buckets(&sizes, bucket_elems, fuse_below);
     Ok(match stage {
-        ZeroStage::Off => Box::new(AllReduceSync {
-            stepper: all_reduce::Stepper::of(optimizer, layout.len(), steps_on_host(device)),
-            burn_fresh: optimizer.init(),
-            flat_rule: FlatRule::of(optimizer).ok(),
-            words: FlatRule::of(optimizer).map_or(0, |r| r.state_words()),
+        ZeroStage::Off => Box::new(AllReduceSync::new(
+            optimizer,
+            steps_on_host(device),
             layout,
             buckets,
-            fusion: Vec::new(),
-            held: HeldBytes::default(),
-        }),
+        )),
         ZeroStage::One | ZeroStage::Two => {
             Box::new(zero_sync(stage, layout, buckets, optimizer, rank, world)?)
         }
@@ -668,16 +664,8 @@ pub(crate) fn compressed<M: Module>(
     world: usize,
 ) -> Box<dyn GradientSync<M>> {
     let layout = ParamLayout::trainable(model);
-    let inner = AllReduceSync {
-        stepper: all_reduce::Stepper::Burn(optimizer.init()),
-        burn_fresh: optimizer.init(),
-        flat_rule: None,
-        words: FlatRule::of(optimizer).map_or(0, |r| r.state_words()),
-        layout,
-        buckets: Vec::new(),
-        fusion: Vec::new(),
-        held: HeldBytes::default(),
-    };
+    // Burn's optimizer always: a compressed job's parts hold Burn's bytes (CSYNC-2).
+    let inner = AllReduceSync::new(optimizer, false, layout, Vec::new());
     Box::new(compressed::CompressedSync::new(
         inner,
         compression,

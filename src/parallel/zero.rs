@@ -223,12 +223,6 @@ impl StateBuffer {
         out.copy_from_slice(values);
         out
     }
-
-    /// The values as a vector.
-    pub fn into_vec(mut self) -> Vec<f32> {
-        self.buf.drain(..self.start);
-        self.buf
-    }
 }
 
 impl From<Vec<f32>> for StateBuffer {

@@ -6,6 +6,8 @@ use meshwork::comm::bench::all_reduce_bandwidth;
 use meshwork::error::{Error, Result};
 use meshwork::parallel::pipeline::Schedule;
 
+use crate::tensor_bench::TensorBench;
+
 /// The benchmarks.
 #[derive(Debug, clap::Subcommand)]
 pub(crate) enum BenchCommand {
@@ -184,24 +186,8 @@ pub(crate) enum BenchCommand {
         /// Tensor-parallel ranks (must divide --heads).
         #[arg(long, default_value_t = 2)]
         tp: u32,
-        /// Features per token.
-        #[arg(long, default_value_t = 1024)]
-        hidden: usize,
-        /// Attention heads (must divide --hidden).
-        #[arg(long, default_value_t = 16)]
-        heads: usize,
-        /// Sequence length.
-        #[arg(long, default_value_t = 64)]
-        seq: usize,
-        /// Sequences per step (one micro-batch; with a mesh, the global batch).
-        #[arg(long, default_value_t = 8)]
-        batch: usize,
-        /// Steps per run; the first two (one of two, none of one) are warm-up, not timed.
-        #[arg(long, default_value_t = 6)]
-        steps: u64,
-        /// Alternated runs of each side; the median is reported.
-        #[arg(long, default_value_t = 3)]
-        repeats: usize,
+        #[command(flatten)]
+        layer: LayerArgs,
         /// Data-parallel replicas. Any of --dp, --pp, --zero or --precision switches to the
         /// recipe's model: the demo GPT on the KJV text with Adam over dp × pp × tp, against
         /// one device at the same global batch, with the bytes per rank against the ZeRO
@@ -247,24 +233,8 @@ pub(crate) enum BenchCommand {
     /// plain Burn loop, and the bound the backend's matrix products allow, beside PyTorch on
     /// one thread with `--pytorch` (run it under `taskset -c 0`).
     Layer {
-        /// Features per token.
-        #[arg(long, default_value_t = 1024)]
-        hidden: usize,
-        /// Attention heads (must divide --hidden).
-        #[arg(long, default_value_t = 16)]
-        heads: usize,
-        /// Sequence length.
-        #[arg(long, default_value_t = 64)]
-        seq: usize,
-        /// Sequences per step.
-        #[arg(long, default_value_t = 8)]
-        batch: usize,
-        /// Steps per run; the first two (one of two, none of one) are warm-up, not timed.
-        #[arg(long, default_value_t = 6)]
-        steps: u64,
-        /// Alternated runs of each side; the median is reported.
-        #[arg(long, default_value_t = 3)]
-        repeats: usize,
+        #[command(flatten)]
+        layer: LayerArgs,
         /// A Python interpreter with `torch` installed: also run
         /// `benches/peers/gpt_layer.py` (the same layer in PyTorch, one thread) between
         /// meshwork's runs.
@@ -355,6 +325,45 @@ pub(crate) enum BenchCommand {
 }
 
 /// Transport choice on the command line.
+/// The GPT layer `bench tensor` and `bench layer` train, and how long they measure it.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct LayerArgs {
+    /// Features per token.
+    #[arg(long, default_value_t = 1024)]
+    hidden: usize,
+    /// Attention heads (must divide --hidden).
+    #[arg(long, default_value_t = 16)]
+    heads: usize,
+    /// Sequence length.
+    #[arg(long, default_value_t = 64)]
+    seq: usize,
+    /// Sequences per step (one micro-batch; with a mesh, the global batch).
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Steps per run; the first two (one of two, none of one) are warm-up, not timed.
+    #[arg(long, default_value_t = 6)]
+    steps: u64,
+    /// Alternated runs of each side; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    repeats: usize,
+}
+
+impl LayerArgs {
+    /// `bench tensor`'s run of this layer at `tp` ranks.
+    fn tensor_bench(&self, tp: u32, svg: Option<std::path::PathBuf>) -> TensorBench {
+        TensorBench {
+            tp,
+            hidden: self.hidden,
+            heads: self.heads,
+            seq: self.seq,
+            batch: self.batch,
+            steps: self.steps,
+            repeats: self.repeats,
+            svg,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub(crate) enum TransportArg {
     Local,
@@ -505,12 +514,7 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
         }),
         BenchCommand::Tensor {
             tp,
-            hidden,
-            heads,
-            seq,
-            batch,
-            steps,
-            repeats,
+            layer,
             dp,
             pp,
             zero,
@@ -528,27 +532,18 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                     zero: zero.unwrap_or(0),
                     precision: precision.unwrap_or(meshwork::precision::Precision::F32),
                     layers,
-                    hidden,
-                    heads,
-                    seq,
-                    batch,
+                    hidden: layer.hidden,
+                    heads: layer.heads,
+                    seq: layer.seq,
+                    batch: layer.batch,
                     micro_batches,
-                    steps,
-                    repeats,
+                    steps: layer.steps,
+                    repeats: layer.repeats,
                 })?;
                 crate::layout_bench::print(&f, json);
                 return Ok(());
             }
-            let f = crate::tensor_bench::run(&crate::tensor_bench::TensorBench {
-                tp,
-                hidden,
-                heads,
-                seq,
-                batch,
-                steps,
-                repeats,
-                svg,
-            })?;
+            let f = crate::tensor_bench::run(&layer.tensor_bench(tp, svg))?;
             crate::tensor_bench::print(&f, json);
             Ok(())
         }
@@ -561,22 +556,12 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             Ok(())
         }
         BenchCommand::Layer {
-            hidden,
-            heads,
-            seq,
-            batch,
-            steps,
-            repeats,
+            layer,
             pytorch,
             json,
         } => {
             let f = crate::layer_bench::run(&crate::layer_bench::LayerBench {
-                hidden,
-                heads,
-                seq,
-                batch,
-                steps,
-                repeats,
+                layer: layer.tensor_bench(1, None),
                 pytorch,
             })?;
             crate::layer_bench::print(&f, json);

@@ -46,6 +46,11 @@ pub(crate) fn median<T>(mut runs: Vec<T>, samples_per_s: impl Fn(&T) -> f64) -> 
     runs.swap_remove(mid)
 }
 
+/// The median of `values` (not empty).
+pub(crate) fn median_of(values: Vec<f64>) -> f64 {
+    median(values, |x| *x)
+}
+
 /// The largest difference of `run`'s and `base`'s losses at the same steps, as a share of
 /// `base`'s largest loss.
 pub(crate) fn loss_max_rel_diff(run: &[f32], base: &[f32]) -> f64 {

@@ -26,36 +26,16 @@ use meshwork::parallel::tensor::TensorParallel;
 use meshwork::parallel::tensor::layers::{ParallelMlp, ParallelSelfAttention};
 use serde::Serialize;
 
+use crate::bench_run::median_of as median;
 use crate::tensor_bench::TensorBench;
 
 /// What `bench layer` is asked.
 #[derive(Debug, Clone)]
 pub(crate) struct LayerBench {
-    pub(crate) hidden: usize,
-    pub(crate) heads: usize,
-    pub(crate) seq: usize,
-    pub(crate) batch: usize,
-    /// Steps of each run, warm-up included.
-    pub(crate) steps: u64,
-    /// Alternated runs of each side; the median is kept.
-    pub(crate) repeats: usize,
+    /// The layer and the runs, as `bench tensor` takes them (at tp 1).
+    pub(crate) layer: TensorBench,
     /// A Python interpreter with `torch`: run the PyTorch side too.
     pub(crate) pytorch: Option<PathBuf>,
-}
-
-impl LayerBench {
-    fn as_tensor_bench(&self) -> TensorBench {
-        TensorBench {
-            tp: 1,
-            hidden: self.hidden,
-            heads: self.heads,
-            seq: self.seq,
-            batch: self.batch,
-            steps: self.steps,
-            repeats: self.repeats,
-            svg: None,
-        }
-    }
 }
 
 /// What `bench layer` measures.
@@ -106,7 +86,7 @@ impl Layer {
 
 fn burn_loop(b: &LayerBench) -> f64 {
     let device = Device::flex();
-    let (norm, attention, mlp) = crate::tensor_bench::layer_modules(&b.as_tensor_bench(), &device);
+    let (norm, attention, mlp) = crate::tensor_bench::layer_modules(&b.layer, &device);
     let ad = device.clone().autodiff();
     let mut model = Layer {
         norm,
@@ -116,10 +96,10 @@ fn burn_loop(b: &LayerBench) -> f64 {
     .fork(&ad)
     .train();
     let mut optim = SgdConfig::new().init();
-    let (inputs, targets) = crate::tensor_bench::batch_tensors(&b.as_tensor_bench(), &ad);
-    let warmup = b.as_tensor_bench().warmup();
+    let (inputs, targets) = crate::tensor_bench::batch_tensors(&b.layer, &ad);
+    let warmup = b.layer.warmup();
     let mut timed = 0.0;
-    for step in 0..b.steps {
+    for step in 0..b.layer.steps {
         let t = Instant::now();
         let error = model.forward(inputs.clone()) - targets.clone();
         let loss = (error.clone() * error).mean();
@@ -130,7 +110,7 @@ fn burn_loop(b: &LayerBench) -> f64 {
             timed += t.elapsed().as_secs_f64();
         }
     }
-    (b.batch as u64 * (b.steps - warmup)) as f64 / timed.max(1e-12)
+    (b.layer.batch as u64 * (b.layer.steps - warmup)) as f64 / timed.max(1e-12)
 }
 
 /// The layer's matrix products as `(batch, m, k, n)`: each linear layer's forward
@@ -138,8 +118,11 @@ fn burn_loop(b: &LayerBench) -> f64 {
 /// `[in, t]·[t, out]` (`t` tokens); the attention's scores and context per head, forward and
 /// the two products of each one's backward.
 fn products(b: &LayerBench) -> Vec<(usize, usize, usize, usize)> {
-    let (t, h, s) = (b.batch * b.seq, b.hidden, b.seq);
-    let (bh, d) = (b.batch * b.heads, b.hidden / b.heads.max(1));
+    let (t, h, s) = (b.layer.batch * b.layer.seq, b.layer.hidden, b.layer.seq);
+    let (bh, d) = (
+        b.layer.batch * b.layer.heads,
+        b.layer.hidden / b.layer.heads.max(1),
+    );
     let mut out = Vec::new();
     for (i, o) in [(h, h), (h, h), (h, h), (h, h), (h, 4 * h), (4 * h, h)] {
         out.extend([(1, t, i, o), (1, t, o, i), (1, i, t, o)]);
@@ -170,7 +153,7 @@ fn matmul_pass(b: &LayerBench) -> (f64, f64) {
         .map(|&(n, m, k, p)| 2.0 * (n * m * k * p) as f64)
         .sum();
     let mut times = Vec::new();
-    for pass in 0..b.repeats + 2 {
+    for pass in 0..b.layer.repeats + 2 {
         let t = Instant::now();
         for (x, w) in &operands {
             let _ = x.clone().matmul(w.clone()).into_data();
@@ -179,8 +162,7 @@ fn matmul_pass(b: &LayerBench) -> (f64, f64) {
             times.push(t.elapsed().as_secs_f64());
         }
     }
-    times.sort_by(f64::total_cmp);
-    (times[times.len() / 2], flops)
+    (median(times), flops)
 }
 
 /// `benches/peers/gpt_layer.py`: beside the binary's sources, or under the working directory.
@@ -203,15 +185,17 @@ fn pytorch_once(b: &LayerBench, python: &Path) -> Result<f64> {
         .args(["--threads", "1", "--repeats", "1"])
         .args([
             "--hidden",
-            &b.hidden.to_string(),
+            &b.layer.hidden.to_string(),
             "--heads",
-            &b.heads.to_string(),
+            &b.layer.heads.to_string(),
         ])
-        .args(["--seq", &b.seq.to_string(), "--batch", &b.batch.to_string()])
         .args([
-            "--steps",
-            &(b.steps - b.as_tensor_bench().warmup()).to_string(),
+            "--seq",
+            &b.layer.seq.to_string(),
+            "--batch",
+            &b.layer.batch.to_string(),
         ])
+        .args(["--steps", &(b.layer.steps - b.layer.warmup()).to_string()])
         .output()
         .map_err(|e| Error::Io {
             path: python.display().to_string(),
@@ -229,17 +213,12 @@ fn pytorch_once(b: &LayerBench, python: &Path) -> Result<f64> {
         .ok_or_else(|| failed(format!("no samples_per_s in {line}")))
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 /// Run every side, alternated, and measure.
 pub(crate) fn run(b: &LayerBench) -> Result<LayerFigures> {
-    b.as_tensor_bench().check()?;
+    b.layer.check()?;
     let (mut job, mut plain, mut torch) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..b.repeats {
-        job.push(crate::tensor_bench::run_once(&b.as_tensor_bench(), 1)?.samples_per_s);
+    for _ in 0..b.layer.repeats {
+        job.push(crate::tensor_bench::run_once(&b.layer, 1)?.samples_per_s);
         plain.push(burn_loop(b));
         if let Some(python) = &b.pytorch {
             torch.push(pytorch_once(b, python)?);
@@ -247,14 +226,14 @@ pub(crate) fn run(b: &LayerBench) -> Result<LayerFigures> {
     }
     let (pass_s, flops) = matmul_pass(b);
     let job = median(job);
-    let bound = b.batch as f64 / pass_s.max(1e-12);
+    let bound = b.layer.batch as f64 / pass_s.max(1e-12);
     let pytorch = (!torch.is_empty()).then(|| median(torch));
     Ok(LayerFigures {
-        hidden: b.hidden,
-        heads: b.heads,
-        seq: b.seq,
-        batch: b.batch,
-        repeats: b.repeats,
+        hidden: b.layer.hidden,
+        heads: b.layer.heads,
+        seq: b.layer.seq,
+        batch: b.layer.batch,
+        repeats: b.layer.repeats,
         job_samples_per_s: job,
         burn_loop_samples_per_s: median(plain.clone()),
         matmul_bound_samples_per_s: bound,
@@ -304,12 +283,16 @@ mod tests {
     #[test]
     fn the_products_cover_the_layers_flops() {
         let b = LayerBench {
-            hidden: 64,
-            heads: 4,
-            seq: 8,
-            batch: 2,
-            steps: 3,
-            repeats: 1,
+            layer: TensorBench {
+                tp: 1,
+                hidden: 64,
+                heads: 4,
+                seq: 8,
+                batch: 2,
+                steps: 3,
+                repeats: 1,
+                svg: None,
+            },
             pytorch: None,
         };
         let flops: usize = products(&b)
@@ -319,7 +302,7 @@ mod tests {
         let (t, h) = (16, 64);
         // Six training flops per weight per token (12 h² weights), and the attention's two
         // products of 2·s²·h each, three times over (forward, two in the backward).
-        let attention = 3 * 2 * (2 * b.batch * b.seq * b.seq * h);
+        let attention = 3 * 2 * (2 * b.layer.batch * b.layer.seq * b.layer.seq * h);
         assert_eq!(flops, 6 * 12 * h * h * t + attention);
     }
 }

@@ -18,6 +18,8 @@ use meshwork::optim::OptimizerConfig;
 use meshwork::parallel::zero::{FlatRule, FlatState};
 use serde::Serialize;
 
+use crate::bench_run::median_of as median;
+
 /// What `bench optimizer` is asked.
 #[derive(Debug, Clone)]
 pub(crate) struct OptimizerBench {
@@ -43,11 +45,6 @@ pub(crate) struct RuleFigures {
     flat_over_memcpy: f64,
     /// `burn_ns / flat_ns`.
     burn_over_flat: f64,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn rules() -> Vec<(&'static str, OptimizerConfig, usize)> {

@@ -17,18 +17,6 @@ pub(crate) enum Stepper {
     Flat(OptimizerShard),
 }
 
-impl Stepper {
-    /// The flat rule of `optimizer` over `len` elements where the device computes on the
-    /// host (`on_host`), or Burn's optimizer: on a GPU, or where the configuration has no
-    /// flat rule.
-    pub(crate) fn of(optimizer: &OptimizerConfig, len: usize, on_host: bool) -> Self {
-        match FlatRule::of(optimizer) {
-            Ok(rule) if on_host => Stepper::Flat(OptimizerShard::fresh(rule, len, 1, 0)),
-            _ => Stepper::Burn(optimizer.init()),
-        }
-    }
-}
-
 /// Plain data parallelism: all-reduce in buckets, one optimizer step on the whole model.
 pub(crate) struct AllReduceSync {
     pub(super) stepper: Stepper,
@@ -44,6 +32,34 @@ pub(crate) struct AllReduceSync {
     pub(super) buckets: Vec<Bucket>,
     pub(super) fusion: Vec<f32>,
     pub(super) held: HeldBytes,
+}
+
+impl AllReduceSync {
+    /// Plain data parallelism over `layout`, reducing in `buckets`: stepping with the flat
+    /// rule of `optimizer` where `flat` (the device computes on the host) and the
+    /// configuration has one, with Burn's optimizer otherwise.
+    pub(super) fn new(
+        optimizer: &OptimizerConfig,
+        flat: bool,
+        layout: ParamLayout,
+        buckets: Vec<Bucket>,
+    ) -> Self {
+        let flat_rule = FlatRule::of(optimizer).ok();
+        let stepper = match flat_rule {
+            Some(rule) if flat => Stepper::Flat(OptimizerShard::fresh(rule, layout.len(), 1, 0)),
+            _ => Stepper::Burn(optimizer.init()),
+        };
+        Self {
+            stepper,
+            burn_fresh: optimizer.init(),
+            flat_rule,
+            words: flat_rule.map_or(0, |r| r.state_words()),
+            layout,
+            buckets,
+            fusion: Vec::new(),
+            held: HeldBytes::default(),
+        }
+    }
 }
 
 impl std::fmt::Debug for AllReduceSync {
@@ -119,12 +135,9 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
                 }));
             }
         };
-        let buffers = match reduced.grads {
-            ReducedGrads::Buffers(buffers) => buffers,
-            ReducedGrads::Whole(grads) => cx.timed(TraceKind::Flatten, |_| {
-                GradientBuffers::take(&model, &self.layout, grads)
-            }),
-            ReducedGrads::Shard(_) => unreachable!("AllReduceSync reduces whole gradients"),
+        // With the flat rule, `reduce` and `finish_reduce` always hand the gradient as buffers.
+        let ReducedGrads::Buffers(buffers) = reduced.grads else {
+            unreachable!("AllReduceSync's flat step reduces into buffers")
         };
         let layout = &self.layout;
         Ok(cx.timed(TraceKind::OptimizerStep, |_| {
