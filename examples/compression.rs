@@ -1,6 +1,6 @@
-//! Gradient compression: the same 4-replica job uncompressed, with bf16 gradients, top-k
-//! sparsification and PowerSGD (each with error feedback), printing the final loss and the
-//! bytes each replica's collectives carried per step.
+//! Gradient compression: the same 4-replica job uncompressed, with bf16 gradients (their
+//! ring's partial sums in f32, then in bf16), top-k sparsification and PowerSGD (each with
+//! error feedback), printing the final loss and the bytes each replica sent per step.
 //!
 //! Run with `cargo run --release --example compression`.
 
@@ -8,17 +8,17 @@
 use burn::optim::SgdConfig;
 use burn::optim::momentum::MomentumConfig;
 use burn::tensor::Device;
+use meshwork::comm::PartialSums;
 use meshwork::demo::{Mlp, TeacherTask, mse_loss};
 use meshwork::job::EventsError;
 use meshwork::prelude::*;
-use meshwork::trace::TraceKind;
 // ANCHOR_END: imports
 
 // ANCHOR: job
-/// Train with `compression`; returns the mean loss of the last 5 steps and replica 0's bytes
-/// per step.
+/// Train with `compression`, a 16-bit ring's partial sums travelling as `partial_sums` says;
+/// returns the mean loss of the last 5 steps and the bytes replica 0 sent in the last step.
 async fn train(
-    compression: Compression,
+    (compression, partial_sums): (Compression, PartialSums),
     init: Mlp,
     task: TeacherTask,
 ) -> meshwork::Result<(f32, u64)> {
@@ -32,6 +32,9 @@ async fn train(
         .data_parallel(4)
         .batch_size(64)
         .compression(compression)
+        // The ring, as across machines: in one process `Auto` reads peers' memory directly.
+        .algorithm(Algorithm::Ring)
+        .partial_sums(partial_sums)
         .steps(steps)
         .build()?
         .spawn()
@@ -44,14 +47,7 @@ async fn train(
                 if s.step + 5 >= steps {
                     tail.push(s.loss);
                 }
-                bytes = s.replicas[0]
-                    .trace
-                    .iter()
-                    .map(|t| match t.kind {
-                        TraceKind::AllReduce { bytes } | TraceKind::AllGather { bytes } => bytes,
-                        _ => 0,
-                    })
-                    .sum();
+                bytes = s.replicas[0].bytes_sent;
             }
             Ok(_) | Err(EventsError::Missed(_)) => {}
             Err(EventsError::Closed) => break,
@@ -76,23 +72,35 @@ async fn main() -> meshwork::Result<()> {
     // ANCHOR: values
     let schemes = [
         // Plain f32 all-reduce (the default).
-        Compression::None,
-        // Every value rounded to bf16; 2 bytes each on the wire.
-        Compression::Bf16,
+        (Compression::None, PartialSums::F32),
+        // Every value rounded to bf16: the ring's partial sums travel as f32 (4 bytes, each
+        // sum rounded once), its final values as bf16 (2 bytes).
+        (Compression::Bf16, PartialSums::F32),
+        // The same, the partial sums in bf16 too (each hop rounds, as NCCL's bf16).
+        (Compression::Bf16, PartialSums::Narrow),
         // The largest 5 % of the entries, as (index, value) pairs.
-        Compression::TopK { fraction: 0.05 },
+        (Compression::TopK { fraction: 0.05 }, PartialSums::F32),
         // Rank-2 factors of every matrix, after 10 uncompressed steps.
-        Compression::PowerSgd {
-            rank: 2,
-            start_after: 10,
-        },
+        (
+            Compression::PowerSgd {
+                rank: 2,
+                start_after: 10,
+            },
+            PartialSums::F32,
+        ),
     ];
     // ANCHOR_END: values
-    for c in schemes {
-        let (loss, bytes) = train(c, init.clone(), task).await?;
+    for scheme in schemes {
+        let (loss, bytes) = train(scheme, init.clone(), task).await?;
+        let (c, sums) = scheme;
+        let sums = if c == Compression::Bf16 {
+            format!(", {sums}")
+        } else {
+            String::new()
+        };
         println!(
-            "{:>14}: final loss {loss:.5}, {bytes:>6} bytes per replica per step",
-            c.to_string()
+            "{:>32}: final loss {loss:.5}, {bytes:>6} bytes sent per replica per step",
+            format!("{c}{sums}")
         );
     }
     Ok(())

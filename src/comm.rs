@@ -57,6 +57,14 @@
 //! - COMM-5 (numerics): f16 and bf16 are reduced in f32 and rounded once, where the algorithm
 //!   allows (direct and the f32 working buffers of ring and tree always do). Mean is the sum
 //!   divided by the world size. Every rank ends with bit-identical results.
+//! - COMM-9 (16-bit partial sums): with [`PartialSums::Narrow`] an f16 or bf16 reduction run
+//!   as a message plan (ring, tree) rounds every partial sum to the op's type before it
+//!   travels, as NCCL does: a ring all-reduce moves 4 bytes per element per ring pass instead
+//!   of 6 (TCP-7), each hop rounding once. The sender keeps the rounded value, so ranks that
+//!   exchange sums (a tree) add the same two numbers. Every transport rounds at the same steps, so the
+//!   results stay bit-identical across ranks and across the in-process, TCP and MPI
+//!   transports; a direct plan has no messages and still rounds once (COMM-5). Ranks that
+//!   disagree on it get [`CommError::Mismatch`].
 //! - COMM-6 (layout): [`chunk_range`] is the public rule that splits a buffer among ranks.
 //! - COMM-7 (never a panic): bad input from the caller gives a typed error, never a panic.
 //! - COMM-8 (messages): in a message plan (ring, tree) every message names its op and its
@@ -77,6 +85,7 @@ pub use crate::mesh::chunk_range;
 use crate::mesh::{Generation, Rank};
 
 pub mod bench;
+mod bits16;
 mod communicator;
 #[cfg(feature = "cluster")]
 mod cross;
@@ -98,6 +107,7 @@ pub mod tcp;
 mod test_support;
 #[cfg(test)]
 mod tests;
+mod wire;
 
 pub use communicator::Communicator;
 pub use element::Element;
@@ -307,6 +317,49 @@ pub struct CommConfig {
     /// is held back by (`comm::emulate`, LINK-1..2); `None`: the transport's own speed.
     #[serde(default)]
     pub link: Option<emulate::LinkEmulation>,
+    /// How an f16 or bf16 reduction's partial sums travel in a message plan (COMM-9):
+    /// `f32` (default, each sum rounded once, COMM-5) or in the op's own 16-bit type.
+    #[serde(default)]
+    pub partial_sums: PartialSums,
+}
+
+/// How the partial sums of an f16 or bf16 reduction travel between ranks in a ring or tree
+/// (COMM-9). f32 reductions are not affected.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum PartialSums {
+    /// As `f32`: every sum is accumulated in `f32` and rounded once, at the end (COMM-5); a
+    /// ring all-reduce moves 6 bytes per element per ring pass (4 for the partial sum, 2 for
+    /// the final value, TCP-7).
+    #[default]
+    F32,
+    /// In the op's 16-bit type, as NCCL's 16-bit all-reduce: each hop rounds the running sum
+    /// once, and a ring all-reduce moves 4 bytes per element per ring pass. The error grows
+    /// with the world size (one rounding per hop instead of one in all).
+    Narrow,
+}
+
+impl std::str::FromStr for PartialSums {
+    type Err = String;
+
+    /// `f32`, or `16` (also `narrow`): what `--partial-sums` takes.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" | "32" => Ok(PartialSums::F32),
+            "16" | "narrow" => Ok(PartialSums::Narrow),
+            other => Err(format!(
+                "unknown partial sums {other:?}: use f32 (rounded once) or 16 (each hop rounds)"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for PartialSums {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PartialSums::F32 => "f32 partial sums",
+            PartialSums::Narrow => "16-bit partial sums",
+        })
+    }
 }
 
 impl Default for CommConfig {
@@ -317,6 +370,7 @@ impl Default for CommConfig {
             algorithm: Algorithm::Auto,
             verify_payloads: false,
             link: None,
+            partial_sums: PartialSums::F32,
         }
     }
 }
@@ -345,6 +399,13 @@ impl CommConfig {
         self.verify_payloads = on;
         self
     }
+
+    /// This config with 16-bit reductions' partial sums travelling as `partial_sums` says
+    /// (COMM-9).
+    pub fn with_partial_sums(mut self, partial_sums: PartialSums) -> Self {
+        self.partial_sums = partial_sums;
+        self
+    }
 }
 
 /// What one rank passed to an op: enough to tell why ranks disagree.
@@ -370,6 +431,10 @@ pub struct CallShape {
     pub peer: Option<Rank>,
     /// The reduce op of an all-reduce or reduce-scatter.
     pub reduce: Option<ReduceOp>,
+    /// Whether a 16-bit reduction's partial sums travel in 16 bits (COMM-9); `false` for
+    /// every other call.
+    #[serde(default)]
+    pub narrow_partials: bool,
 }
 
 impl CallShape {
@@ -384,6 +449,7 @@ impl CallShape {
             expected_chunk_len: None,
             peer: None,
             reduce: Some(op),
+            narrow_partials: false,
         }
     }
 
@@ -398,6 +464,7 @@ impl CallShape {
             expected_chunk_len: None,
             peer: Some(root),
             reduce: None,
+            narrow_partials: false,
         }
     }
 
@@ -417,6 +484,7 @@ impl CallShape {
             expected_chunk_len: Some(expected),
             peer: None,
             reduce: Some(op),
+            narrow_partials: false,
         }
     }
 
@@ -435,6 +503,7 @@ impl CallShape {
             expected_chunk_len: Some(expected),
             peer: None,
             reduce: None,
+            narrow_partials: false,
         }
     }
 
@@ -449,6 +518,7 @@ impl CallShape {
             expected_chunk_len: None,
             peer: None,
             reduce: None,
+            narrow_partials: false,
         }
     }
 
@@ -463,7 +533,18 @@ impl CallShape {
             expected_chunk_len: None,
             peer: Some(peer),
             reduce: None,
+            narrow_partials: false,
         }
+    }
+
+    /// This call with its partial sums travelling as `partial_sums` says (COMM-9): narrow
+    /// only for an f16 or bf16 reduction run as a message plan (ring or tree).
+    pub(crate) fn with_partial_sums(mut self, partial_sums: PartialSums) -> Self {
+        self.narrow_partials = partial_sums == PartialSums::Narrow
+            && matches!(self.dtype, Some(DType::F16 | DType::BF16))
+            && matches!(self.algorithm, Some(Algorithm::Ring | Algorithm::Tree))
+            && self.reduce.is_some();
+        self
     }
 
     /// Whether this call is fine on its own (its chunk fits the layout).
@@ -472,7 +553,8 @@ impl CallShape {
     }
 
     /// Whether two ranks' calls can form one op: the same kind, type, length, root and reduce
-    /// op, resolved to the same algorithm. (Chunk lengths differ between ranks by design.)
+    /// op, resolved to the same algorithm, with partial sums of the same width (COMM-9). (Chunk
+    /// lengths differ between ranks by design.)
     pub fn agrees_with(&self, other: &CallShape) -> bool {
         self.kind == other.kind
             && self.dtype == other.dtype
@@ -480,6 +562,7 @@ impl CallShape {
             && self.len == other.len
             && self.peer == other.peer
             && self.reduce == other.reduce
+            && self.narrow_partials == other.narrow_partials
     }
 }
 
@@ -511,6 +594,9 @@ impl fmt::Display for CallShape {
         }
         if let Some(algorithm) = self.algorithm {
             write!(f, ", {algorithm}")?;
+        }
+        if self.narrow_partials {
+            write!(f, ", {}", PartialSums::Narrow)?;
         }
         f.write_str(")")
     }

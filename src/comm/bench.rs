@@ -6,7 +6,10 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
-use super::{Algorithm, CommConfig, CommError, Communicator, LocalGroup, ReduceOp};
+use super::{
+    Algorithm, CommConfig, CommError, Communicator, DType, Element, LocalGroup, PartialSums,
+    ReduceOp,
+};
 use crate::mesh::Generation;
 
 /// What [`all_reduce_bandwidth`] measured. Bandwidths are in 1e9 bytes per second.
@@ -37,6 +40,67 @@ impl AllReduceFigures {
         } else {
             0.0
         }
+    }
+}
+
+/// The element type a timed all-reduce runs in and how its partial sums travel (COMM-9):
+/// `f32` (the default), `f16`, `bf16`, `f16-narrow`, `bf16-narrow` on the command line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wire {
+    /// The buffer's element type.
+    pub dtype: DType,
+    /// How a 16-bit op's partial sums travel.
+    pub partial_sums: PartialSums,
+}
+
+impl std::str::FromStr for Wire {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (dtype, partial_sums) = match s.to_ascii_lowercase().as_str() {
+            "f32" => (DType::F32, PartialSums::F32),
+            "f16" => (DType::F16, PartialSums::F32),
+            "bf16" => (DType::BF16, PartialSums::F32),
+            "f16-narrow" => (DType::F16, PartialSums::Narrow),
+            "bf16-narrow" => (DType::BF16, PartialSums::Narrow),
+            other => {
+                return Err(format!(
+                    "unknown wire {other:?}: use f32, f16, bf16, f16-narrow or bf16-narrow \
+                     (-narrow: 16-bit partial sums)"
+                ));
+            }
+        };
+        Ok(Self {
+            dtype,
+            partial_sums,
+        })
+    }
+}
+
+impl std::fmt::Display for Wire {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.dtype)?;
+        if self.dtype != DType::F32 && self.partial_sums == PartialSums::Narrow {
+            f.write_str("-narrow")?;
+        }
+        Ok(())
+    }
+}
+
+impl Default for Wire {
+    /// `f32`.
+    fn default() -> Self {
+        Self {
+            dtype: DType::F32,
+            partial_sums: PartialSums::F32,
+        }
+    }
+}
+
+impl Wire {
+    /// Bytes of one element.
+    pub fn element_bytes(&self) -> usize {
+        self.dtype.size_bytes()
     }
 }
 
@@ -80,15 +144,30 @@ pub fn memcpy_gbps(bytes: usize, iterations: usize) -> f64 {
     gbps(len * 4, median(memcpy))
 }
 
-/// One rank's side of the timing loop, for any transport: `iterations` timed f32 sum
-/// all-reduces of `bytes` bytes (rounded down to whole f32s) after a warm-up, each after a
-/// barrier. Returns this rank's durations and the algorithm that ran.
+/// One rank's side of the timing loop, for any transport: `iterations` timed sum all-reduces
+/// of `bytes` bytes (rounded down to whole elements of `wire`'s type) after a warm-up, each
+/// after a barrier. Returns this rank's durations and the algorithm that ran.
 pub fn time_all_reduce(
     comm: &mut Communicator,
     bytes: usize,
     iterations: usize,
+    wire: Wire,
 ) -> Result<(Vec<Duration>, Option<Algorithm>), CommError> {
-    let mut buf = vec![1.0f32; bytes / 4];
+    comm.set_partial_sums(wire.partial_sums);
+    let len = bytes / wire.element_bytes();
+    match wire.dtype {
+        DType::F32 => time_typed::<f32>(comm, len, iterations),
+        DType::F16 => time_typed::<half::f16>(comm, len, iterations),
+        DType::BF16 => time_typed::<half::bf16>(comm, len, iterations),
+    }
+}
+
+fn time_typed<T: Element>(
+    comm: &mut Communicator,
+    len: usize,
+    iterations: usize,
+) -> Result<(Vec<Duration>, Option<Algorithm>), CommError> {
+    let mut buf = vec![T::from_f32(1.0); len];
     let mut times = Vec::with_capacity(iterations);
     for i in 0..iterations.max(1) + WARM_UP {
         comm.barrier()?;
@@ -123,18 +202,19 @@ pub fn figures(
     }
 }
 
-/// Runs `iterations` timed f32 sum all-reduces of `bytes` bytes per rank (rounded down to
-/// whole f32s) on `world` threads with `algorithm`, after a warm-up, and reports the median.
-/// Each op starts after a barrier; rank 0 times it.
+/// Runs `iterations` timed sum all-reduces of `bytes` bytes per rank (rounded down to whole
+/// elements of `wire`'s type) on `world` threads with `algorithm`, after a warm-up, and
+/// reports the median. Each op starts after a barrier; rank 0 times it.
 pub fn all_reduce_bandwidth(
     world: usize,
     bytes: usize,
     algorithm: Algorithm,
     iterations: usize,
+    wire: Wire,
 ) -> Result<AllReduceFigures, CommError> {
     let world = world.max(1);
     let iterations = iterations.max(1);
-    let bytes = bytes / 4 * 4;
+    let bytes = bytes / wire.element_bytes() * wire.element_bytes();
     let memcpy = memcpy_gbps(bytes, iterations);
     let config = CommConfig::default().with_algorithm(algorithm);
     let group = LocalGroup::new(world, Generation(0), config);
@@ -142,7 +222,9 @@ pub fn all_reduce_bandwidth(
         let handles: Vec<_> = group
             .communicators()
             .into_iter()
-            .map(|mut comm| scope.spawn(move || time_all_reduce(&mut comm, bytes, iterations)))
+            .map(|mut comm| {
+                scope.spawn(move || time_all_reduce(&mut comm, bytes, iterations, wire))
+            })
             .collect();
         handles
             .into_iter()

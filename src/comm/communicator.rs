@@ -17,7 +17,7 @@ use super::local::LocalCommunicator;
 use super::mpi::MpiCommunicator;
 #[cfg(feature = "cluster")]
 use super::tcp::TcpCommunicator;
-use super::{Algorithm, CommError, Element, LocalGroup, MessageHook, ReduceOp};
+use super::{Algorithm, CommError, Element, LocalGroup, MessageHook, PartialSums, ReduceOp};
 use crate::mesh::{Generation, Rank};
 
 /// The transport behind a communicator. An enum, not a trait object: the ops are generic
@@ -212,6 +212,18 @@ impl Communicator {
     /// peers' memory) and runs [`Algorithm::Ring`] instead.
     pub fn set_algorithm(&mut self, algorithm: Algorithm) {
         dispatch!(&mut self.transport, c => c.set_algorithm(algorithm))
+    }
+
+    /// How the following 16-bit reductions' partial sums travel (COMM-9).
+    pub fn partial_sums(&self) -> PartialSums {
+        dispatch!(&self.transport, c => c.partial_sums())
+    }
+
+    /// Sets how the following f16 and bf16 reductions' partial sums travel in ring and tree
+    /// plans (COMM-9). All ranks of a group should set the same: ranks that differ get
+    /// [`CommError::Mismatch`].
+    pub fn set_partial_sums(&mut self, partial_sums: PartialSums) {
+        dispatch!(&mut self.transport, c => c.set_partial_sums(partial_sums))
     }
 
     /// Sends every later message of this rank's message plans through `hook` (COMM-8: how a

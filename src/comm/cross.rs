@@ -7,7 +7,9 @@
 use std::ops::Range;
 
 use super::element::{Element, as_f32_mut, narrow, widen};
-use super::{Algorithm, CallShape, CollectiveKind, CommError, RankCall, ReduceOp, chunk_range};
+use super::{
+    Algorithm, CallShape, CollectiveKind, CommError, PartialSums, RankCall, ReduceOp, chunk_range,
+};
 use crate::mesh::{Generation, Rank};
 
 /// A cross-process transport as the shared front ends drive it.
@@ -23,6 +25,9 @@ pub(crate) trait PlanTransport {
 
     /// The algorithm a call of `kind` over `len` elements of `T` resolves to.
     fn resolve<T: Element>(&self, kind: CollectiveKind, len: usize) -> Algorithm;
+
+    /// How 16-bit reductions' partial sums travel (COMM-9).
+    fn partial_sums(&self) -> PartialSums;
 
     /// Starts a collective: exchanges calls with every peer and checks them (COMM-2).
     fn start(&mut self, call: CallShape) -> Result<Self::Op, CommError>;
@@ -47,6 +52,19 @@ fn take_work<C: PlanTransport>(t: &mut C, len: usize) -> Vec<f32> {
     work
 }
 
+/// The working buffer holding `src` widened, taken out of `t`: its old values are not
+/// zeroed first when it already has the length (every value is overwritten), which saves a
+/// pass over the buffer per 16-bit op.
+fn widened_work<C: PlanTransport, T: Element>(t: &mut C, src: &[T]) -> Vec<f32> {
+    let mut work = std::mem::take(t.work());
+    if work.len() != src.len() {
+        work.clear();
+        work.resize(src.len(), 0.0);
+    }
+    widen(&mut work, src);
+    work
+}
+
 fn give_work<C: PlanTransport>(t: &mut C, work: Vec<f32>) {
     *t.work() = work;
 }
@@ -57,7 +75,8 @@ pub(crate) fn all_reduce<C: PlanTransport, T: Element>(
     op: ReduceOp,
 ) -> Result<(), CommError> {
     let algorithm = t.resolve::<T>(CollectiveKind::AllReduce, buf.len());
-    in_place(t, CallShape::all_reduce::<T>(algorithm, buf.len(), op), buf)
+    let call = CallShape::all_reduce::<T>(algorithm, buf.len(), op);
+    in_place(t, call.with_partial_sums(t.partial_sums()), buf)
 }
 
 pub(crate) fn broadcast<C: PlanTransport, T: Element>(
@@ -84,8 +103,7 @@ fn in_place<C: PlanTransport, T: Element>(
     if let Some(values) = as_f32_mut(buf) {
         return t.run_plan(&call, values, &op);
     }
-    let mut work = take_work(t, buf.len());
-    widen(&mut work, buf);
+    let mut work = widened_work(t, buf);
     let result = t.run_plan(&call, &mut work, &op);
     if result.is_ok() {
         narrow(buf, &work);
@@ -107,10 +125,10 @@ pub(crate) fn reduce_scatter<C: PlanTransport, T: Element>(
         len,
         (output.len(), mine.len()),
         op,
-    );
+    )
+    .with_partial_sums(t.partial_sums());
     let started = t.start(call.clone())?;
-    let mut work = take_work(t, len);
-    widen(&mut work, input);
+    let mut work = widened_work(t, input);
     let result = t.run_plan(&call, &mut work, &started);
     if result.is_ok() {
         narrow(output, &work[mine]);

@@ -5,7 +5,7 @@ use std::any::TypeId;
 
 use half::{bf16, f16};
 
-use super::{DType, ReduceOp};
+use super::{DType, ReduceOp, bits16};
 
 /// A scalar a collective can move: `f32`, `half::f16` or `half::bf16` (sealed).
 ///
@@ -77,27 +77,45 @@ pub(crate) fn as_f32_mut<T: Element>(s: &mut [T]) -> Option<&mut [f32]> {
     }
 }
 
+/// The bit patterns of a 16-bit slice (f16 and bf16 are transparent `u16`s).
+fn as_bits<T: Element>(s: &[T]) -> Option<&[u16]> {
+    (T::DTYPE != DType::F32 && std::mem::size_of::<T>() == 2).then(|| {
+        // SAFETY: T is f16 or bf16, `#[repr(transparent)]` over u16 (size checked).
+        unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u16>(), s.len()) }
+    })
+}
+
+/// The mutable bit patterns of a 16-bit slice.
+fn as_bits_mut<T: Element>(s: &mut [T]) -> Option<&mut [u16]> {
+    (T::DTYPE != DType::F32 && std::mem::size_of::<T>() == 2).then(|| {
+        // SAFETY: as in `as_bits`; every u16 is a valid f16 and bf16; the borrow is moved.
+        unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u16>(), s.len()) }
+    })
+}
+
 /// Widens `src` into `dst` (same length).
 pub(crate) fn widen<T: Element>(dst: &mut [f32], src: &[T]) {
-    match as_f32(src) {
-        Some(src) => dst.copy_from_slice(src),
-        None => {
-            for (d, s) in dst.iter_mut().zip(src) {
-                *d = s.to_f32();
-            }
-        }
+    if let Some(src) = as_f32(src) {
+        return dst.copy_from_slice(src);
+    }
+    if let Some(bits) = as_bits(src) {
+        return bits16::widen_bits(T::DTYPE, bits, dst);
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = s.to_f32();
     }
 }
 
 /// Rounds `src` into `dst` (same length).
 pub(crate) fn narrow<T: Element>(dst: &mut [T], src: &[f32]) {
-    match as_f32_mut(dst) {
-        Some(dst) => dst.copy_from_slice(src),
-        None => {
-            for (d, s) in dst.iter_mut().zip(src) {
-                *d = T::from_f32(*s);
-            }
-        }
+    if let Some(dst) = as_f32_mut(dst) {
+        return dst.copy_from_slice(src);
+    }
+    if let Some(bits) = as_bits_mut(dst) {
+        return bits16::narrow_bits(T::DTYPE, src, bits);
+    }
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = T::from_f32(*s);
     }
 }
 

@@ -17,7 +17,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{Algorithm, CollectiveKind, CommError, Communicator, Element, LocalGroup, ReduceOp};
+use super::{
+    Algorithm, CollectiveKind, CommError, Communicator, Element, LocalGroup, PartialSums, ReduceOp,
+};
 use crate::mesh::{Generation, Rank};
 
 /// Who does what in a hierarchical group: the ranks of this rank's process (in rank order, the
@@ -158,6 +160,18 @@ impl HierCommunicator {
     pub(crate) fn set_algorithm(&mut self, algorithm: Algorithm) {
         if let Some(l) = &mut self.leaders {
             l.set_algorithm(algorithm);
+        }
+    }
+
+    pub(crate) fn partial_sums(&self) -> PartialSums {
+        self.local.partial_sums()
+    }
+
+    /// Both levels: the local group's ring or tree plans and the leaders' plans.
+    pub(crate) fn set_partial_sums(&mut self, partial_sums: PartialSums) {
+        self.local.set_partial_sums(partial_sums);
+        if let Some(l) = &mut self.leaders {
+            l.set_partial_sums(partial_sums);
         }
     }
 

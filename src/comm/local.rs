@@ -18,12 +18,14 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
+use super::bits16::round_in_place;
 use super::element::{Element, as_f32_mut, combine, finish, narrow, reduce_into, widen};
 use super::emulate::LinkEmulation;
 use super::plan::{self, Plan, Step};
+use super::wire::Narrowing;
 use super::{
     Algorithm, CallShape, CollectiveKind, CommConfig, CommError, Communicator, MessageHook,
-    RankCall, ReduceOp, Tamper, chunk_range,
+    PartialSums, RankCall, ReduceOp, Tamper, chunk_range,
 };
 use crate::mesh::{Generation, Rank};
 
@@ -66,6 +68,8 @@ pub(crate) struct LocalCommunicator {
     seq: u64,
     timeout: Duration,
     algorithm: Algorithm,
+    /// How 16-bit reductions' partial sums travel (COMM-9).
+    partial_sums: PartialSums,
     last_algorithm: Option<Algorithm>,
     /// Sends so far to each peer (the next send's per-pair sequence number).
     sent: Vec<u64>,
@@ -135,6 +139,14 @@ impl LocalCommunicator {
     /// of one op get wrong results or time out.
     pub(crate) fn set_algorithm(&mut self, algorithm: Algorithm) {
         self.algorithm = algorithm;
+    }
+
+    pub(crate) fn partial_sums(&self) -> PartialSums {
+        self.partial_sums
+    }
+
+    pub(crate) fn set_partial_sums(&mut self, partial_sums: PartialSums) {
+        self.partial_sums = partial_sums;
     }
 
     /// Sends every later message of this rank's message plans through `hook` (COMM-8), or no

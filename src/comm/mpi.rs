@@ -92,7 +92,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::plan::Plan;
-use super::{Algorithm, CollectiveKind, CommConfig, CommError, Communicator};
+use super::{Algorithm, CollectiveKind, CommConfig, CommError, Communicator, PartialSums};
 use crate::mesh::{Generation, Rank};
 
 mod messages;
@@ -335,6 +335,7 @@ impl MpiGroup {
                 seq: 0,
                 timeout: config.comm.timeout,
                 algorithm: config.comm.algorithm,
+                partial_sums: config.comm.partial_sums,
                 last_algorithm: None,
                 sent: vec![0; size],
                 received: vec![0; size],
@@ -406,6 +407,8 @@ pub(crate) struct MpiCommunicator {
     seq: u64,
     timeout: Duration,
     algorithm: Algorithm,
+    /// How 16-bit reductions' partial sums travel (COMM-9).
+    partial_sums: PartialSums,
     last_algorithm: Option<Algorithm>,
     /// Point-to-point sends/recvs so far, per peer (COMM-1).
     sent: Vec<u64>,
@@ -465,6 +468,14 @@ impl MpiCommunicator {
 
     pub(crate) fn set_algorithm(&mut self, algorithm: Algorithm) {
         self.algorithm = algorithm;
+    }
+
+    pub(crate) fn partial_sums(&self) -> PartialSums {
+        self.partial_sums
+    }
+
+    pub(crate) fn set_partial_sums(&mut self, partial_sums: PartialSums) {
+        self.partial_sums = partial_sums;
     }
 
     pub(crate) fn last_algorithm(&self) -> Option<Algorithm> {

@@ -24,7 +24,7 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Algorithm, CollectiveKind, ReduceOp, chunk_range};
+use super::{Algorithm, CallShape, CollectiveKind, DType, PartialSums, ReduceOp, chunk_range};
 use crate::mesh::Rank;
 
 /// One step of one rank's part of a plan.
@@ -92,6 +92,44 @@ impl Plan {
     /// Rank `rank`'s steps (empty if out of range).
     pub fn steps_of(&self, rank: Rank) -> &[Step] {
         self.steps.get(rank.index()).map_or(&[], Vec::as_slice)
+    }
+
+    /// Bytes each rank puts on the wire when the op's buffer is of `dtype` and its partial sums
+    /// travel as `partial_sums` says: what every transport counts and an emulated link waits
+    /// for (f32: 4 bytes an element; f16/bf16: final values 2, partial sums 4, or 2 with
+    /// 16-bit partial sums; TCP-7, COMM-9).
+    pub fn bytes_sent(&self, dtype: DType, partial_sums: PartialSums) -> Vec<usize> {
+        let call = CallShape {
+            kind: self.kind,
+            dtype: Some(dtype),
+            algorithm: Some(self.algorithm),
+            len: self.len,
+            chunk_len: None,
+            expected_chunk_len: None,
+            peer: None,
+            reduce: matches!(
+                self.kind,
+                CollectiveKind::AllReduce | CollectiveKind::ReduceScatter
+            )
+            .then_some(ReduceOp::Sum),
+            narrow_partials: false,
+        }
+        .with_partial_sums(partial_sums);
+        (0..self.world)
+            .map(|r| {
+                let rank = Rank(u32::try_from(r).unwrap_or(u32::MAX));
+                let narrow = super::wire::Narrowing::of(&call, self, rank);
+                self.steps_of(rank)
+                    .iter()
+                    .filter_map(|s| match s {
+                        Step::Send { range, .. } => Some(range.len()),
+                        _ => None,
+                    })
+                    .enumerate()
+                    .map(|(nth, len)| narrow.as_ref().map_or(4 * len, |n| n.send_bytes(nth, len)))
+                    .sum()
+            })
+            .collect()
     }
 
     /// Elements each rank sends in messages.

@@ -93,13 +93,14 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
+use super::bits16::{self, narrow_to_bytes};
 use super::cross::{self, bytes_of, rank_of, root_cause};
 use super::element::{Element, combine, finish};
 use super::emulate::LinkEmulation;
 use super::plan::{self, Plan, Step};
 use super::{
     Algorithm, CallShape, CollectiveKind, CommConfig, CommError, Communicator, DType, LinkFailure,
-    RankCall, ReduceOp,
+    PartialSums, RankCall, ReduceOp,
 };
 use crate::comm::net::link::{
     LinkCloser, LinkConfig, LinkError, LinkListener, LinkReader, LinkWriter, PayloadSink,
@@ -124,10 +125,9 @@ use transport::{
     WidenSink,
 };
 
-pub(crate) use schedule::sends_of_final_values;
+use super::wire::Narrowing;
 pub use schedule::{LinkRole, link_role};
-use schedule::{SendMode, peers_with_role, send_modes};
-pub(crate) use transport::narrow_bytes;
+use schedule::{SendMode, narrow_pieces, peers_with_role, send_modes};
 
 #[cfg(not(target_endian = "little"))]
 compile_error!(
@@ -172,6 +172,8 @@ pub(crate) struct TcpCommunicator {
     seq: u64,
     timeout: Duration,
     algorithm: Algorithm,
+    /// How 16-bit reductions' partial sums travel (COMM-9).
+    partial_sums: PartialSums,
     last_algorithm: Option<Algorithm>,
     sent: Vec<u64>,
     received: Vec<u64>,
@@ -232,6 +234,14 @@ impl TcpCommunicator {
 
     pub(crate) fn set_algorithm(&mut self, algorithm: Algorithm) {
         self.algorithm = algorithm;
+    }
+
+    pub(crate) fn partial_sums(&self) -> PartialSums {
+        self.partial_sums
+    }
+
+    pub(crate) fn set_partial_sums(&mut self, partial_sums: PartialSums) {
+        self.partial_sums = partial_sums;
     }
 
     pub(crate) fn last_algorithm(&self) -> Option<Algorithm> {

@@ -128,3 +128,29 @@ pub(crate) fn mismatched_then_agreeing_all_reduce(
     comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
     (first, untouched, buf[0])
 }
+
+/// COMM-9: every f16 and bf16 collective of [`every_collective`] with 16-bit partial sums.
+pub(crate) fn every_narrow_collective(
+    comm: &mut Communicator,
+    algorithm: Algorithm,
+) -> Vec<Vec<u32>> {
+    comm.set_partial_sums(PartialSums::Narrow);
+    let mut out = every_collective::<half::f16>(comm, algorithm);
+    out.extend(every_collective::<half::bf16>(comm, algorithm));
+    out
+}
+
+/// COMM-9: a ring all-reduce of 3000 bf16 elements with 16-bit partial sums, and the
+/// bytes `sent` counted for it.
+pub(crate) fn narrow_ring_all_reduce_bytes(
+    comm: &mut Communicator,
+    sent: impl Fn(&Communicator) -> u64,
+) -> u64 {
+    comm.set_algorithm(Algorithm::Ring);
+    comm.set_partial_sums(PartialSums::Narrow);
+    let mut buf = input::<half::bf16>(comm.rank().index(), 3000, 1);
+    let before = sent(comm);
+    comm.all_reduce(&mut buf, ReduceOp::Sum)
+        .expect("all_reduce");
+    sent(comm) - before
+}

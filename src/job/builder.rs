@@ -388,6 +388,17 @@ where
         self
     }
 
+    /// How 16-bit gradients' partial sums travel in ring and tree reductions (COMM-9):
+    /// [`PartialSums::F32`] (default: every sum accumulated in `f32`, rounded once) or
+    /// [`PartialSums::Narrow`] (in the 16-bit type, as NCCL's 16-bit all-reduce: a ring moves
+    /// 4 bytes per element per pass instead of 6, each hop rounding once). Acts on the
+    /// reductions that travel 16-bit: [`Self::low_precision_gradients`] and
+    /// `Compression::Bf16`; set it alike on every process of a job across processes.
+    pub fn partial_sums(mut self, partial_sums: crate::comm::PartialSums) -> Self {
+        self.comm.partial_sums = partial_sums;
+        self
+    }
+
     /// How f16's dynamic loss scaling moves its scale (default: `torch.amp.GradScaler`'s,
     /// 2^16, ×2 every 2000 clean steps, ×0.5 on an overflow).
     pub fn loss_scaler(mut self, config: LossScalerConfig) -> Self {
@@ -612,6 +623,7 @@ where
         b.clip_norm = strategy.clip_norm;
         b.faults = strategy.faults.clone().map(FaultHooks::new);
         b.comm.link = strategy.link.clone();
+        b.comm.partial_sums = strategy.partial_sums;
         b.transport = spec.transport;
         b
     }

@@ -423,16 +423,16 @@ fn compression_is_refused_with_other_reductions() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_transport_counts_the_bytes_the_compressor_predicts() {
     use meshwork::comm::plan::plan;
-    use meshwork::comm::{Algorithm, CollectiveKind};
+    use meshwork::comm::{Algorithm, CollectiveKind, DType, PartialSums};
     use meshwork::mesh::Rank;
     use meshwork::parallel::compress::{Compressor, WireKind};
     bounded(BOUND, async {
         let world = DP as usize;
         let shapes = shapes(&fixture().initial_model());
-        let sent = |kind, len: usize, rank: usize| {
+        let sent = |kind, len: usize, rank: usize, dtype| {
             plan(kind, Algorithm::Ring, world, len, Rank(0))
                 .expect("a ring plan")
-                .elements_sent()[rank]
+                .bytes_sent(dtype, PartialSums::F32)[rank]
         };
         let wire_bytes = |c: Compression, rank: usize| -> u64 {
             let ops = Compressor::new(c, &shapes).ops(world);
@@ -443,10 +443,15 @@ async fn the_transport_counts_the_bytes_the_compressor_predicts() {
                         WireKind::AllReduce => (CollectiveKind::AllReduce, op.elements),
                         WireKind::AllGather => (CollectiveKind::AllGather, op.elements * world),
                     };
-                    sent(kind, len, rank) * op.element_bytes
+                    let dtype = if op.element_bytes == 2 {
+                        DType::BF16
+                    } else {
+                        DType::F32
+                    };
+                    sent(kind, len, rank, dtype)
                 })
                 .sum();
-            (grads + 4 * sent(CollectiveKind::AllReduce, world, rank)) as u64
+            (grads + sent(CollectiveKind::AllReduce, world, rank, DType::F32)) as u64
         };
         let counted = |steps: &[StepDone]| -> Vec<Vec<u64>> {
             steps

@@ -2,10 +2,13 @@
 //! inside one run (this machine is shared and noisy).
 
 use meshwork::comm::Algorithm;
-use meshwork::comm::bench::all_reduce_bandwidth;
+use meshwork::comm::bench::Wire;
 use meshwork::error::{Error, Result};
 use meshwork::parallel::pipeline::Schedule;
 
+use crate::allreduce_bench::{
+    allreduce, allreduce_mpi, allreduce_mpi_worker, allreduce_tcp, allreduce_worker,
+};
 use crate::tensor_bench::TensorBench;
 
 /// The benchmarks.
@@ -30,6 +33,10 @@ pub(crate) enum BenchCommand {
         /// Algorithm.
         #[arg(long, value_enum, default_value_t = AlgoArg::Auto)]
         algo: AlgoArg,
+        /// Element type: f32, f16, bf16, or f16-narrow / bf16-narrow (16-bit partial sums,
+        /// COMM-9); in-process and TCP.
+        #[arg(long, default_value = "f32")]
+        wire: Wire,
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
@@ -134,6 +141,8 @@ pub(crate) enum BenchCommand {
         sizes: String,
         #[arg(long, value_enum)]
         algo: AlgoArg,
+        #[arg(long, default_value = "f32")]
+        wire: Wire,
     },
     /// Memory per data-parallel rank under ZeRO stage 0 to 3, with or without per-block
     /// recomputation (peak parameters, full and sharded, gradients, optimizer state and
@@ -423,21 +432,32 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             transport: TransportArg::Local,
             bytes,
             algo,
+            wire,
             json,
-        } => allreduce(world, bytes, algo.into(), json),
+        } => allreduce(world, bytes, (algo.into(), wire), json),
         BenchCommand::Allreduce {
             world,
             transport: TransportArg::Tcp,
             bytes,
             algo,
+            wire,
             json,
-        } => allreduce_tcp(world, bytes, algo.into(), json),
+        } => allreduce_tcp(world, bytes, (algo.into(), wire), json),
+        BenchCommand::Allreduce {
+            transport: TransportArg::Mpi,
+            wire,
+            ..
+        } if wire != Wire::default() => Err(Error::InvalidConfig(format!(
+            "--wire {wire} --transport mpi: the MPI bench compares f32 with MPI_Allreduce; use \
+             --transport tcp or local"
+        ))),
         BenchCommand::Allreduce {
             world,
             transport: TransportArg::Mpi,
             bytes,
             algo,
             json,
+            ..
         } => allreduce_mpi(world, bytes, algo.into(), json),
         BenchCommand::AllreduceMpiWorker { sizes, algo } => {
             allreduce_mpi_worker(&sizes, algo.into())
@@ -447,7 +467,8 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             world,
             sizes,
             algo,
-        } => allreduce_worker(rank, world, &sizes, algo.into()),
+            wire,
+        } => allreduce_worker(rank, world, &sizes, (algo.into(), wire)),
         BenchCommand::Dp {
             world,
             steps,
@@ -657,21 +678,6 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
     }
 }
 
-fn sizes(bytes: Option<usize>) -> Vec<usize> {
-    match bytes {
-        Some(b) => vec![b],
-        None => (12..=26).map(|p| 1usize << p).collect(),
-    }
-}
-
-#[cfg(feature = "cluster")]
-fn allreduce_tcp(world: usize, bytes: Option<usize>, algo: Algorithm, json: bool) -> Result<()> {
-    if world == 0 {
-        return Err(Error::InvalidConfig("--world 0: use at least 1".into()));
-    }
-    crate::tcp_bench::run(world, &sizes(bytes), algo, json)
-}
-
 #[cfg(feature = "cluster")]
 fn dp_across(world: u32, steps: u64, mpi: bool, json: bool) -> Result<()> {
     if world < 2 {
@@ -689,111 +695,5 @@ fn dp_across(world: u32, steps: u64, mpi: bool, json: bool) -> Result<()> {
 
 #[cfg(not(feature = "cluster"))]
 fn dp_across(_: u32, _: u64, _: bool, _: bool) -> Result<()> {
-    allreduce_tcp(0, None, Algorithm::Auto, false)
-}
-
-/// A worker's `--sizes` list.
-#[cfg_attr(not(feature = "cluster"), allow(dead_code))]
-fn size_list(sizes: &str) -> Result<Vec<usize>> {
-    sizes
-        .split(',')
-        .map(|s| {
-            s.parse()
-                .map_err(|_| Error::InvalidConfig(format!("--sizes: {s:?} is not a size")))
-        })
-        .collect()
-}
-
-#[cfg(feature = "cluster")]
-fn allreduce_worker(rank: u32, world: usize, sizes: &str, algo: Algorithm) -> Result<()> {
-    crate::tcp_bench::worker(rank, world, &size_list(sizes)?, algo)
-}
-
-#[cfg(feature = "mpi")]
-fn allreduce_mpi(world: usize, bytes: Option<usize>, algo: Algorithm, json: bool) -> Result<()> {
-    if world < 2 {
-        return Err(Error::InvalidConfig(
-            "--transport mpi: use --world 2 or more".into(),
-        ));
-    }
-    // 1 KiB..64 MiB: MPI's small messages are where a fabric library differs most.
-    let sizes = match bytes {
-        Some(b) => vec![b],
-        None => (10..=26).map(|p| 1usize << p).collect(),
-    };
-    crate::mpi_bench::run(world, &sizes, algo, json)
-}
-
-#[cfg(feature = "mpi")]
-fn allreduce_mpi_worker(sizes: &str, algo: Algorithm) -> Result<()> {
-    crate::mpi_bench::worker(&size_list(sizes)?, algo)
-}
-
-#[cfg(not(feature = "mpi"))]
-fn allreduce_mpi(_: usize, _: Option<usize>, _: Algorithm, _: bool) -> Result<()> {
-    Err(Error::InvalidConfig(
-        "--transport mpi needs meshwork built with the `mpi` feature \
-         (cargo run --release --features mpi -- bench allreduce --transport mpi)"
-            .into(),
-    ))
-}
-
-#[cfg(not(feature = "mpi"))]
-fn allreduce_mpi_worker(_: &str, _: Algorithm) -> Result<()> {
-    allreduce_mpi(0, None, Algorithm::Auto, false)
-}
-
-#[cfg(not(feature = "cluster"))]
-fn allreduce_tcp(_: usize, _: Option<usize>, _: Algorithm, _: bool) -> Result<()> {
-    Err(Error::InvalidConfig(
-        "--transport tcp needs meshwork built with the `cluster` feature \
-         (cargo run --release --features cluster -- bench allreduce --transport tcp)"
-            .into(),
-    ))
-}
-
-#[cfg(not(feature = "cluster"))]
-fn allreduce_worker(_: u32, _: usize, _: &str, _: Algorithm) -> Result<()> {
-    allreduce_tcp(0, None, Algorithm::Auto, false)
-}
-
-fn allreduce(world: usize, bytes: Option<usize>, algo: Algorithm, json: bool) -> Result<()> {
-    if world == 0 {
-        return Err(Error::InvalidConfig("--world 0: use at least 1".into()));
-    }
-    let sizes = sizes(bytes);
-    if !json {
-        println!(
-            "# all_reduce, world {world}, f32, sum; GB/s = 1e9 bytes/s; busbw = algbw·2(N−1)/N"
-        );
-        println!(
-            "{:>12} {:>8} {:>10} {:>10} {:>10} {:>11}",
-            "bytes", "algo", "time_us", "algbw", "busbw", "busbw/mcpy"
-        );
-    }
-    for b in sizes {
-        let iterations = ((256usize << 20) / b.max(1)).clamp(5, 200);
-        let f = all_reduce_bandwidth(world, b, algo, iterations)?;
-        if json {
-            println!(
-                "{}",
-                serde_json::json!({
-                    "world": f.world, "bytes": f.bytes, "algo": f.algorithm.to_string(),
-                    "algbw_gbps": f.algbw_gbps, "busbw_gbps": f.busbw_gbps,
-                    "memcpy_gbps": f.memcpy_gbps, "time_us": f.seconds_median * 1e6,
-                })
-            );
-        } else {
-            println!(
-                "{:>12} {:>8} {:>10.1} {:>10.2} {:>10.2} {:>11.2}",
-                f.bytes,
-                f.algorithm.to_string(),
-                f.seconds_median * 1e6,
-                f.algbw_gbps,
-                f.busbw_gbps,
-                f.busbw_gbps / f.memcpy_gbps.max(1e-12)
-            );
-        }
-    }
-    Ok(())
+    allreduce_tcp(0, None, (Algorithm::Auto, Wire::default()), false)
 }

@@ -31,6 +31,7 @@ use std::time::{Duration, Instant};
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, SgdConfig};
 use burn::tensor::Device;
+use meshwork::comm::PartialSums;
 use meshwork::comm::emulate::LinkEmulation;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mse_loss};
 use meshwork::error::{Error, Result};
@@ -118,6 +119,7 @@ impl Scenario {
             Scenario::SlowLinks => &[
                 "sync",
                 "bf16",
+                "bf16-narrow",
                 "topk",
                 "powersgd",
                 "powersgd:8:10",
@@ -161,14 +163,17 @@ fn base(b: &CommBench, init: &Mlp) -> JobBuilder<Mlp, Sample> {
         .step_timeout(Duration::from_secs(600))
 }
 
-/// How a slow-links method exchanges its gradients or parameters: its compression and its
-/// local-update rule; `None` for a name that is not a slow-links method.
-fn slow_links_method(method: &str) -> Option<(Compression, Option<LocalUpdates>)> {
-    let compress = |c| Some((c, None));
-    let local = |u| Some((Compression::None, Some(u)));
+/// How a slow-links method exchanges its gradients or parameters: its compression, its
+/// local-update rule and how 16-bit partial sums travel; `None` for a name that is not a
+/// slow-links method.
+fn slow_links_method(method: &str) -> Option<(Compression, Option<LocalUpdates>, PartialSums)> {
+    let compress = |c| Some((c, None, PartialSums::F32));
+    let local = |u| Some((Compression::None, Some(u), PartialSums::F32));
     match method {
         "sync" => compress(Compression::None),
         "bf16" => compress(Compression::Bf16),
+        // COMM-9: bf16 with 16-bit partial sums (4 bytes an element per ring pass, not 6).
+        "bf16-narrow" => Some((Compression::Bf16, None, PartialSums::Narrow)),
         "topk" => compress(Compression::TopK { fraction: 0.1 }),
         "powersgd" => compress(Compression::PowerSgd {
             rank: 2,
@@ -183,14 +188,17 @@ fn slow_links_method(method: &str) -> Option<(Compression, Option<LocalUpdates>)
         }),
         "easgd" => local(LocalUpdates::easgd(4, 0.2)),
         // Any other compression by its `--compression` name (`powersgd:4:10`, `topk:0.01`).
-        other => other.parse::<Compression>().ok().map(|c| (c, None)),
+        other => other
+            .parse::<Compression>()
+            .ok()
+            .map(|c| (c, None, PartialSums::F32)),
     }
 }
 
 /// `builder` set up for `method`; `None` for a name this build does not know.
 fn configure(method: &str, builder: JobBuilder<Mlp, Sample>) -> Option<JobBuilder<Mlp, Sample>> {
-    if let Some((compression, local)) = slow_links_method(method) {
-        let builder = builder.compression(compression);
+    if let Some((compression, local, partial_sums)) = slow_links_method(method) {
+        let builder = builder.compression(compression).partial_sums(partial_sums);
         return Some(match local {
             Some(u) => builder.local_updates(u),
             None => builder,
@@ -274,9 +282,10 @@ impl Curve {
 #[cfg(feature = "cluster")]
 fn run_method_over_tcp(b: &CommBench, method: &str) -> Result<(Vec<(f64, f32)>, u64)> {
     use meshwork::cluster::control::{JobSpec, StrategySpec};
-    let (compression, local_updates) = slow_links_method(method).ok_or_else(|| {
-        Error::InvalidConfig(format!("bench comm-efficiency: no method {method}"))
-    })?;
+    let (compression, local_updates, partial_sums) =
+        slow_links_method(method).ok_or_else(|| {
+            Error::InvalidConfig(format!("bench comm-efficiency: no method {method}"))
+        })?;
     let spec = JobSpec {
         model: meshwork::demo::mlp_spec(&[32, b.hidden, b.hidden, 8]),
         seed: 5,
@@ -291,6 +300,7 @@ fn run_method_over_tcp(b: &CommBench, method: &str) -> Result<(Vec<(f64, f32)>, 
         strategy: StrategySpec {
             compression,
             local_updates,
+            partial_sums,
             link: Some(b.link.clone()),
             ..StrategySpec::default()
         },

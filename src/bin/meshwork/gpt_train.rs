@@ -143,6 +143,7 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         .zero(meshwork::parallel::zero::ZeroStage::from_number(args.zero).unwrap_or_default())
         .precision(args.precision)
         .low_precision_gradients(args.low_precision_gradients)
+        .partial_sums(args.partial_sums)
         .data_parallel(dp)
         .devices(devices)
         .data(data.train.clone())
@@ -318,6 +319,7 @@ pub(crate) fn gpt_spec(
             clip_norm: args.clip,
             accumulation: args.accumulate,
             algorithm: args.algorithm,
+            partial_sums: args.partial_sums,
             faults: None,
             link: None,
             tensor_parallel: tp,

@@ -22,6 +22,7 @@ use clap::{Parser, Subcommand};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+mod allreduce_bench;
 mod bench;
 mod bench_run;
 #[cfg(feature = "cluster")]

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use meshwork::comm::Algorithm;
 use meshwork::comm::CommConfig;
-use meshwork::comm::bench::{AllReduceFigures, all_reduce_bandwidth, time_all_reduce};
+use meshwork::comm::bench::{AllReduceFigures, Wire, all_reduce_bandwidth, time_all_reduce};
 use meshwork::comm::mpi::{self, MpiEndpoint, MpiGroup};
 use meshwork::error::{Error, Result};
 use meshwork::mesh::{Generation, Rank};
@@ -32,10 +32,10 @@ struct Row {
 /// The parent: the three transports, one table.
 pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) -> Result<()> {
     let mpi = mpirun_workers(world, sizes, algo)?;
-    let tcp = crate::tcp_bench::measure(world, sizes, algo)?;
+    let tcp = crate::tcp_bench::measure(world, sizes, (algo, Wire::default()))?;
     let mut rows = Vec::new();
     for ((&bytes, tcp), (mpi, library)) in sizes.iter().zip(tcp).zip(mpi) {
-        let local = all_reduce_bandwidth(world, bytes, algo, iterations(bytes))?;
+        let local = all_reduce_bandwidth(world, bytes, algo, iterations(bytes), Wire::default())?;
         rows.push(Row {
             local,
             tcp,
@@ -149,7 +149,7 @@ fn measure_in_worker(
         .map_err(runtime)?
         .into_communicator();
     for &size in sizes {
-        let (times, used) = time_all_reduce(&mut comm, size, iterations(size))?;
+        let (times, used) = time_all_reduce(&mut comm, size, iterations(size), Wire::default())?;
         let library = time_library(world, &mut comm, size, iterations(size))?;
         if world.rank() == 0 {
             for (times, algorithm) in [(times, used.unwrap_or(algo)), (library, algo)] {

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use meshwork::comm::Algorithm;
 use meshwork::comm::bench::{
-    AllReduceFigures, figures, memcpy_gbps, tcp_duplex_gbps, tcp_stream_gbps, time_all_reduce,
+    AllReduceFigures, Wire, figures, memcpy_gbps, tcp_duplex_gbps, tcp_stream_gbps, time_all_reduce,
 };
 use meshwork::comm::net::link::{JobToken, LinkListener};
 use meshwork::comm::tcp::{TcpConfig, TcpGroup};
@@ -39,13 +39,18 @@ pub(crate) fn iterations(bytes: usize) -> usize {
 }
 
 /// The parent: measures the loopback stream, starts `world` workers, prints their figures.
-pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) -> Result<()> {
+pub(crate) fn run(
+    world: usize,
+    sizes: &[usize],
+    (algo, wire): (Algorithm, Wire),
+    json: bool,
+) -> Result<()> {
     let stream = tcp_stream_gbps(STREAM_BYTES, 3).map_err(runtime)?;
     let duplex = tcp_duplex_gbps(STREAM_BYTES, 3).map_err(runtime)?;
-    let measured = measure(world, sizes, algo)?;
+    let measured = measure(world, sizes, (algo, wire))?;
     if !json {
         println!(
-            "# all_reduce over TCP, {world} processes on 127.0.0.1, f32, sum; GB/s = 1e9 bytes/s; \
+            "# all_reduce over TCP, {world} processes on 127.0.0.1, {wire}, sum; GB/s = 1e9 bytes/s; \
              busbw = algbw·2(N−1)/N; one loopback TCP stream: {stream:.2} GB/s; each of two \
              opposite streams at once: {duplex:.2} GB/s"
         );
@@ -62,7 +67,7 @@ pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) ->
                     "world": f.world, "bytes": f.bytes, "algo": f.algorithm.to_string(),
                     "algbw_gbps": f.algbw_gbps, "busbw_gbps": f.busbw_gbps,
                     "memcpy_gbps": f.memcpy_gbps, "time_us": f.seconds_median * 1e6,
-                    "transport": "tcp", "tcp_stream_gbps": stream,
+                    "transport": "tcp", "tcp_stream_gbps": stream, "wire": wire.to_string(),
                     "tcp_duplex_gbps": duplex,
                 })
             );
@@ -87,7 +92,7 @@ pub(crate) fn run(world: usize, sizes: &[usize], algo: Algorithm, json: bool) ->
 pub(crate) fn measure(
     world: usize,
     sizes: &[usize],
-    algo: Algorithm,
+    (algo, wire): (Algorithm, Wire),
 ) -> Result<Vec<AllReduceFigures>> {
     let exe = std::env::current_exe().map_err(|e| Error::Io {
         path: "current executable".into(),
@@ -107,7 +112,7 @@ pub(crate) fn measure(
                 .env(TOKEN_ENV, &hex)
                 .args(["bench", "allreduce-worker", "--rank", &rank.to_string()])
                 .args(["--world", &world.to_string(), "--sizes", &list.join(",")])
-                .args(["--algo", &algo.to_string()]);
+                .args(["--algo", &algo.to_string(), "--wire", &wire.to_string()]);
             command
         })
         .collect();
@@ -153,7 +158,12 @@ pub(crate) fn figures_of(world: usize, line: &str) -> Result<AllReduceFigures> {
 }
 
 /// One rank, in a child process.
-pub(crate) fn worker(rank: u32, world: usize, sizes: &[usize], algo: Algorithm) -> Result<()> {
+pub(crate) fn worker(
+    rank: u32,
+    world: usize,
+    sizes: &[usize],
+    (algo, wire): (Algorithm, Wire),
+) -> Result<()> {
     let hex = std::env::var(TOKEN_ENV).map_err(|_| runtime(format!("{TOKEN_ENV} is not set")))?;
     let mut bytes = [0u8; 32];
     for (i, b) in bytes.iter_mut().enumerate() {
@@ -182,10 +192,11 @@ pub(crate) fn worker(rank: u32, world: usize, sizes: &[usize], algo: Algorithm) 
         .map_err(runtime)?
         .into_communicator();
     for &size in sizes {
-        let (times, used) = time_all_reduce(&mut comm, size, iterations(size))?;
+        let (times, used) = time_all_reduce(&mut comm, size, iterations(size), wire)?;
         if rank == 0 {
+            let element = wire.element_bytes();
             let report = SizeReport {
-                bytes: size / 4 * 4,
+                bytes: size / element * element,
                 times_s: times.iter().map(Duration::as_secs_f64).collect(),
                 algorithm: used.unwrap_or(algo),
             };

@@ -88,6 +88,11 @@ pub(crate) struct TrainArgs {
     /// With --precision bf16 or f16: all-reduce the gradients in that type (half the bytes).
     #[arg(long)]
     pub(crate) low_precision_gradients: bool,
+    /// With --low-precision-gradients or --compression bf16: the partial sums of a ring or
+    /// tree travel as f32 (rounded once) or 16 (in the 16-bit type, each hop rounding: 4 bytes
+    /// an element per ring pass instead of 6).
+    #[arg(long, default_value = "f32")]
+    pub(crate) partial_sums: meshwork::comm::PartialSums,
     /// Clip the gradient's global L2 norm to this value (torch's clip_grad_norm_).
     #[arg(long)]
     pub(crate) clip: Option<f32>,
@@ -417,6 +422,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
                         clip_norm: args.clip,
                         accumulation: args.accumulate,
                         algorithm: args.algorithm,
+                        partial_sums: args.partial_sums,
                         faults,
                         link: None,
                         tensor_parallel: 1,
@@ -709,6 +715,7 @@ impl Configure for Shared<'_> {
             .zero(ZeroStage::from_number(args.zero).unwrap_or_default())
             .precision(args.precision)
             .low_precision_gradients(args.low_precision_gradients)
+            .partial_sums(args.partial_sums)
             .data_parallel(self.dp)
             .devices(self.devices)
             .batch_size(args.batch_size_or(256))

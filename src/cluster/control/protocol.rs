@@ -39,7 +39,7 @@ use crate::mesh::Rank;
 pub const CONTROL_MAGIC: [u8; 4] = *b"MWCT";
 
 /// The control protocol version this build speaks.
-pub const CONTROL_PROTOCOL_VERSION: u16 = 11;
+pub const CONTROL_PROTOCOL_VERSION: u16 = 12;
 
 /// Bytes of the fixed header.
 pub const CONTROL_HEADER_LEN: usize = 10;
@@ -153,6 +153,9 @@ pub struct StrategySpec {
     /// A warm-up of this many steps to `learning_rate`, then a cosine down to 1 % of it at
     /// `steps` (`LearningRate::warmup_cosine`; version 10 on); none: the constant rate.
     pub warmup_cosine: Option<u64>,
+    /// How 16-bit reductions' partial sums travel (COMM-9; version 12 on): the same on every
+    /// process, else their reductions mismatch.
+    pub partial_sums: crate::comm::PartialSums,
 }
 
 /// A ZeRO stage number, 0 to 3 (see [`JobSpec::zero`]).
@@ -200,6 +203,7 @@ impl Default for StrategySpec {
             parameter_server: None,
             backup_workers: None,
             warmup_cosine: None,
+            partial_sums: crate::comm::PartialSums::F32,
         }
     }
 }

@@ -31,25 +31,23 @@ impl LocalCommunicator {
         }
     }
 
-    /// Runs the validated collective `kind` with `algorithm`.
+    /// Runs the validated collective `call` (op `seq`).
     ///
     /// # Safety
     /// `buffers` describe live buffers of the validated lengths that this rank does not
     /// otherwise touch until this returns; for message plans `work` already holds this rank's
     /// conceptual buffer.
-    #[allow(clippy::too_many_arguments)]
     unsafe fn run<T: Element>(
         &mut self,
-        kind: CollectiveKind,
-        algorithm: Algorithm,
-        len: usize,
-        root: Rank,
-        op: ReduceOp,
-        seq: u64,
-        deadline: Instant,
+        call: &CallShape,
+        (seq, deadline): (u64, Instant),
         buffers: Option<Target<T>>,
         work: &mut [f32],
     ) -> Result<(), CommError> {
+        let (kind, len) = (call.kind, call.len);
+        let root = call.peer.unwrap_or(Rank(0));
+        let op = call.reduce.unwrap_or(ReduceOp::Sum);
+        let algorithm = call.algorithm.unwrap_or(Algorithm::Direct);
         let plan = self.plan_for(kind, algorithm, len, root);
         let me = self.me();
         let result = match buffers {
@@ -68,7 +66,7 @@ impl LocalCommunicator {
                 let mut wire = Wire {
                     hook: self.hook.as_deref(),
                     link: self.group.config.link.as_ref(),
-                    elem_bytes: T::DTYPE.size_bytes(),
+                    narrow: Narrowing::of(call, &plan, self.rank),
                     sent_bytes: 0,
                 };
                 let r = execute_messages(
@@ -108,40 +106,21 @@ impl LocalCommunicator {
     ) -> Result<(), CommError> {
         let seq = self.take_seq();
         let deadline = self.deadline();
-        let (kind, len) = (call.kind, call.len);
-        let root = call.peer.unwrap_or(Rank(0));
-        let op = call.reduce.unwrap_or(ReduceOp::Sum);
         let algorithm = call.algorithm.unwrap_or(Algorithm::Direct);
         self.post(buffers.source);
         self.group
-            .rendezvous(self.me(), seq, call, deadline, self.timeout)?;
+            .rendezvous(self.me(), seq, call.clone(), deadline, self.timeout)?;
         self.last_algorithm = Some(algorithm);
         if algorithm == Algorithm::Direct {
             prepare_direct();
             // SAFETY: the rendezvous validated every rank's lengths against the plan; the
             // caller built `buffers` from its exclusive borrows and touches them no more.
-            return unsafe {
-                self.run(
-                    kind,
-                    algorithm,
-                    len,
-                    root,
-                    op,
-                    seq,
-                    deadline,
-                    Some(buffers.target),
-                    &mut [],
-                )
-            };
+            return unsafe { self.run(&call, (seq, deadline), Some(buffers.target), &mut []) };
         }
         let mut work = std::mem::take(&mut self.work);
         to_work(&mut work);
         // SAFETY: message plans touch no raw buffer.
-        let result = unsafe {
-            self.run::<T>(
-                kind, algorithm, len, root, op, seq, deadline, None, &mut work,
-            )
-        };
+        let result = unsafe { self.run::<T>(&call, (seq, deadline), None, &mut work) };
         if result.is_ok() {
             from_work(&work);
         }
@@ -161,7 +140,8 @@ impl LocalCommunicator {
             self.resolve::<T>(CollectiveKind::AllReduce, buf.len()),
             buf.len(),
             op,
-        );
+        )
+        .with_partial_sums(self.partial_sums);
         self.in_place(call, buf)
     }
 
@@ -200,19 +180,16 @@ impl LocalCommunicator {
     ) -> Result<(), CommError> {
         let seq = self.take_seq();
         let deadline = self.deadline();
-        let (kind, len) = (call.kind, call.len);
-        let root = call.peer.unwrap_or(Rank(0));
-        let op = call.reduce.unwrap_or(ReduceOp::Sum);
         let algorithm = call.algorithm.unwrap_or(Algorithm::Direct);
         self.post::<T>((ptr.cast_const(), 0));
         self.group
-            .rendezvous(self.me(), seq, call, deadline, self.timeout)?;
+            .rendezvous(self.me(), seq, call.clone(), deadline, self.timeout)?;
         self.last_algorithm = Some(algorithm);
         let Some(work) = as_f32_mut(buf) else {
             return Ok(());
         };
         // SAFETY: message plans touch no raw buffer; `work` is the caller's buffer.
-        unsafe { self.run::<T>(kind, algorithm, len, root, op, seq, deadline, None, work) }
+        unsafe { self.run::<T>(&call, (seq, deadline), None, work) }
     }
 
     /// Reduce-scatter: `input` is the full buffer of length L on every rank; afterwards
@@ -231,7 +208,8 @@ impl LocalCommunicator {
             len,
             (output.len(), mine.len()),
             op,
-        );
+        )
+        .with_partial_sums(self.partial_sums);
         let out_ptr = output.as_mut_ptr();
         let out_len = output.len();
         let buffers = Buffers {

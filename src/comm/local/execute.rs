@@ -3,12 +3,13 @@
 
 use super::*;
 
-/// How a rank's messages leave it: the fault hook, the emulated link, the size of the op's
-/// elements on the wire, and the bytes sent so far in the op.
+/// How a rank's messages leave it: the fault hook, the emulated link, which of a 16-bit op's
+/// messages travel 16-bit (counted as the TCP transport sends them, TCP-7, and rounded as it
+/// rounds them, COMM-9), and the bytes sent so far in the op.
 pub(super) struct Wire<'a> {
     pub(super) hook: Option<&'a dyn MessageHook>,
     pub(super) link: Option<&'a LinkEmulation>,
-    pub(super) elem_bytes: usize,
+    pub(super) narrow: Option<Narrowing>,
     pub(super) sent_bytes: u64,
 }
 
@@ -30,12 +31,20 @@ pub(super) fn execute_messages(
     // Messages sent to / received from each peer so far in this op (COMM-8).
     let mut sent = vec![0u32; group.world];
     let mut received = vec![0u32; group.world];
+    // This rank's sends so far in this op (how `wire.narrow` names them).
+    let mut sends = 0;
     for step in steps {
         match step {
             Step::Send { to, range } => {
                 let to = to.index();
                 let index = sent[to];
                 sent[to] += 1;
+                let nth = sends;
+                sends += 1;
+                if let Some(n) = wire.narrow.as_ref().filter(|n| n.rounds_in_place()) {
+                    // COMM-9: the running sum is rounded where it is, then sent.
+                    round_in_place(n.dtype(), &mut work[range.clone()]);
+                }
                 let mut data = group.take_buffer(&work[range.clone()]);
                 let crc = group.config.verify_payloads.then(|| checksum(&data));
                 let fate = wire.hook.map_or(Tamper::Deliver, |h| {
@@ -55,7 +64,10 @@ pub(super) fn execute_messages(
                     }
                 }
                 // LINK-1: the message leaves once the emulated link has carried its bytes.
-                let bytes = range.len() * wire.elem_bytes;
+                let bytes = wire
+                    .narrow
+                    .as_ref()
+                    .map_or(range.len() * 4, |n| n.send_bytes(nth, range.len()));
                 wire.sent_bytes += bytes as u64;
                 if let Some(link) = wire.link {
                     // Never past the op's deadline: the receivers' time-out names the wait.

@@ -254,6 +254,7 @@ impl LocalGroup {
                 seq: 0,
                 timeout: self.config.timeout,
                 algorithm: self.config.algorithm,
+                partial_sums: self.config.partial_sums,
                 last_algorithm: None,
                 sent: vec![0; self.world],
                 received: vec![0; self.world],

@@ -5,11 +5,15 @@
 use super::messages::{PROBE, Waited};
 use super::world::Live;
 use super::{MpiCommunicator, OpId};
+use crate::comm::bits16::{narrow_to_bytes, round_in_place, widen_bytes_into};
 use crate::comm::cross::{self, bytes_of, rank_of};
 use crate::comm::element::{Element, combine, finish};
 use crate::comm::plan::{self, Plan, Step};
-use crate::comm::tcp::{narrow_bytes, resolve_algorithm, sends_of_final_values};
-use crate::comm::{Algorithm, CallShape, CollectiveKind, CommError, DType, RankCall, ReduceOp};
+use crate::comm::tcp::resolve_algorithm;
+use crate::comm::wire::Narrowing;
+use crate::comm::{
+    Algorithm, CallShape, CollectiveKind, CommError, DType, PartialSums, RankCall, ReduceOp,
+};
 use crate::mesh::Rank;
 use std::time::Instant;
 
@@ -122,15 +126,11 @@ impl MpiCommunicator {
         let algorithm = call.algorithm.unwrap_or(Algorithm::Ring);
         let plan = self.plan_for(call.kind, algorithm, call.len, root);
         self.last_algorithm = Some(algorithm);
-        // TCP-7: a 16-bit op sends its final values as 16-bit.
-        let finals = match call.dtype {
-            Some(d @ (DType::F16 | DType::BF16)) => {
-                Some((d, sends_of_final_values(&plan, self.rank)))
-            }
-            _ => None,
-        };
+        // TCP-7, COMM-9: a 16-bit op sends its final values (and, asked, its partial sums)
+        // as 16-bit.
+        let narrow = Narrowing::of(call, &plan, self.rank);
         let result = self
-            .execute(plan.steps_of(self.rank), finals.as_ref(), work, op, id)
+            .execute(plan.steps_of(self.rank), narrow.as_ref(), work, op, id)
             .and_then(|()| self.wait_all_sent(id));
         self.plan_cache = Some((root, plan));
         result.map_err(|e| self.fail(e))
@@ -139,7 +139,7 @@ impl MpiCommunicator {
     fn execute(
         &mut self,
         steps: &[Step],
-        finals: Option<&(DType, Vec<bool>)>,
+        narrow: Option<&Narrowing>,
         work: &mut [f32],
         op: ReduceOp,
         id: OpId,
@@ -148,34 +148,38 @@ impl MpiCommunicator {
         for step in steps {
             match step {
                 Step::Send { to, range } => {
-                    let final_16 = finals
-                        .and_then(|(d, f)| f.get(sends).copied().unwrap_or(false).then_some(*d));
+                    let narrow_16 = narrow.and_then(|n| n.send(sends));
                     sends += 1;
-                    let values = &work[range.clone()];
-                    let bytes = match final_16 {
-                        Some(dtype) => narrow_bytes(dtype, values),
+                    let values = &mut work[range.clone()];
+                    if let Some(dtype) = narrow_16
+                        && narrow.is_some_and(Narrowing::rounds_in_place)
+                    {
+                        round_in_place(dtype, values);
+                    }
+                    let bytes = match narrow_16 {
+                        Some(dtype) => narrow_to_bytes(dtype, values),
                         None => bytes_of(values).to_vec(),
                     };
                     self.send_bytes(to.index(), &bytes, id)?;
                 }
-                Step::RecvCopy { from, range } if finals.is_some() => {
-                    let dtype = finals.map_or(DType::F16, |(d, _)| *d);
-                    self.recv_widened(from.index(), &mut work[range.clone()], dtype, id)?;
-                }
-                Step::RecvCopy { from, range } => {
-                    let dst = as_bytes_mut(&mut work[range.clone()]);
-                    self.recv_bytes(from.index(), dst, id)?;
-                }
-                Step::RecvReduce { from, range } => {
-                    let mut scratch = std::mem::take(&mut self.scratch);
-                    scratch.clear();
-                    scratch.resize(range.len() * 4, 0);
-                    let result = self.recv_bytes(from.index(), &mut scratch, id);
-                    if result.is_ok() {
-                        reduce_bytes(&mut work[range.clone()], &scratch, op);
+                Step::RecvCopy { from, range } | Step::RecvReduce { from, range } => {
+                    let reduce = matches!(step, Step::RecvReduce { .. }).then_some(op);
+                    let (from, dst) = (from.index(), &mut work[range.clone()]);
+                    match (narrow.and_then(|n| n.recv(reduce.is_some())), reduce) {
+                        (Some(dtype), _) => self.recv_widened(from, dst, dtype, reduce, id)?,
+                        (None, None) => self.recv_bytes(from, as_bytes_mut(dst), id)?,
+                        (None, Some(op)) => {
+                            let mut scratch = std::mem::take(&mut self.scratch);
+                            scratch.clear();
+                            scratch.resize(dst.len() * 4, 0);
+                            let result = self.recv_bytes(from, &mut scratch, id);
+                            if result.is_ok() {
+                                reduce_bytes(dst, &scratch, op);
+                            }
+                            self.scratch = scratch;
+                            result?;
+                        }
                     }
-                    self.scratch = scratch;
-                    result?;
                 }
                 Step::Finish { range } => finish(&mut work[range.clone()], op, self.world),
                 Step::ReducePeers { .. } | Step::CopyFrom { .. } | Step::Barrier => {
@@ -186,12 +190,14 @@ impl MpiCommunicator {
         Ok(())
     }
 
-    /// Receives a 16-bit op's final values from `peer` and widens them into `dst` (TCP-7).
+    /// Receives a 16-bit op's values from `peer` and widens them into `dst`: copied (final
+    /// values, TCP-7) or reduced with `op` (partial sums, COMM-9).
     fn recv_widened(
         &mut self,
         peer: usize,
         dst: &mut [f32],
         dtype: DType,
+        op: Option<ReduceOp>,
         id: OpId,
     ) -> Result<(), CommError> {
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -199,13 +205,7 @@ impl MpiCommunicator {
         scratch.resize(dst.len() * 2, 0);
         let result = self.recv_bytes(peer, &mut scratch, id);
         if result.is_ok() {
-            for (v, b) in dst.iter_mut().zip(scratch.chunks_exact(2)) {
-                let bits = u16::from_le_bytes([b[0], b[1]]);
-                *v = match dtype {
-                    DType::BF16 => half::bf16::from_bits(bits).to_f32(),
-                    _ => half::f16::from_bits(bits).to_f32(),
-                };
-            }
+            widen_bytes_into(dtype, &scratch, dst, op);
         }
         self.scratch = scratch;
         result
@@ -404,6 +404,10 @@ impl cross::PlanTransport for MpiCommunicator {
             self.world,
             len.saturating_mul(T::DTYPE.size_bytes()),
         )
+    }
+
+    fn partial_sums(&self) -> PartialSums {
+        self.partial_sums
     }
 
     fn start(&mut self, call: CallShape) -> Result<Self::Op, CommError> {

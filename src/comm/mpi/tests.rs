@@ -10,7 +10,8 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::comm::test_support::{
-    bits, blamed, every_collective, input, mismatched_then_agreeing_all_reduce, on_local,
+    bits, blamed, every_collective, every_narrow_collective, input,
+    mismatched_then_agreeing_all_reduce, narrow_ring_all_reduce_bytes, on_local,
     send_recv_in_order_and_a_mismatch,
 };
 use crate::comm::{Element, ReduceOp, chunk_range};
@@ -400,4 +401,24 @@ fn packets_arrive_whole_and_in_order_and_every_wait_ends() {
     );
     let twice = MpiPackets::new(mpi, (a, 0), (a, 0), 1).unwrap_err();
     assert!(matches!(twice, MpiError::Endpoints(_)), "{twice}");
+}
+
+/// COMM-9 over MPI: with 16-bit partial sums every 16-bit collective equals the in-process
+/// transport's bit for bit, and a ring all-reduce sends 2 bytes per element per message.
+#[test]
+fn comm_9_sixteen_bit_partial_sums_over_mpi_equal_in_process_and_move_two_bytes() {
+    for world in 2..=4 {
+        for algorithm in [Algorithm::Ring, Algorithm::Tree] {
+            let scenario = |comm: &mut Communicator| every_narrow_collective(comm, algorithm);
+            let over_mpi = on_mpi(world, config(), scenario);
+            let local = on_local(world, scenario);
+            for (r, (m, l)) in over_mpi.iter().zip(&local).enumerate() {
+                assert!(m == l, "world {world} {algorithm}: rank {r} differs");
+            }
+        }
+    }
+    let bytes = on_mpi(3, config(), |comm| {
+        narrow_ring_all_reduce_bytes(comm, Communicator::bytes_sent)
+    });
+    assert!(bytes.iter().all(|b| *b == 2 * 4000), "{bytes:?}");
 }

@@ -46,17 +46,20 @@ impl TcpCommunicator {
         let algorithm = call.algorithm.unwrap_or(Algorithm::Ring);
         let (plan, modes) = self.plan_for(call.kind, algorithm, call.len, root);
         self.last_algorithm = Some(algorithm);
-        // TCP-7: a 16-bit op sends its final values as 16-bit.
-        let finals = match call.dtype {
-            Some(d @ (DType::F16 | DType::BF16)) => {
-                Some((d, sends_of_final_values(&plan, self.rank)))
-            }
-            _ => None,
-        };
-        let narrow = finals.as_ref().map(|(d, f)| (*d, &f[..]));
+        // TCP-7, COMM-9: a 16-bit op sends its final values (and, asked, its partial sums)
+        // as 16-bit.
+        let narrow = Narrowing::of(call, &plan, self.rank);
         // SAFETY: forwarded.
-        let result =
-            unsafe { self.execute(plan.steps_of(self.rank), &modes, narrow, base, op, id) };
+        let result = unsafe {
+            self.execute(
+                plan.steps_of(self.rank),
+                &modes,
+                narrow.as_ref(),
+                base,
+                op,
+                id,
+            )
+        };
         let result = result.and_then(|()| self.wait_all_sent(id));
         self.plan_cache = Some((root, plan, modes));
         result.map_err(|e| self.fail(e))
@@ -69,7 +72,7 @@ impl TcpCommunicator {
         &mut self,
         steps: &[Step],
         modes: &[SendMode],
-        narrow: Option<(DType, &[bool])>,
+        narrow: Option<&Narrowing>,
         base: *mut f32,
         op: ReduceOp,
         id: OpId,
@@ -81,18 +84,28 @@ impl TcpCommunicator {
             match step {
                 Step::Send { to, range } => {
                     let mode = modes.get(sends).copied().unwrap_or(SendMode::Copy);
-                    let final_16 = narrow.and_then(|(d, finals)| {
-                        finals.get(sends).copied().unwrap_or(false).then_some(d)
-                    });
+                    let narrow_16 = narrow.and_then(|n| n.send(sends));
                     sends += 1;
-                    if let Some(dtype) = final_16 {
-                        // SAFETY: the range lies in the buffer (PLAN-1 and the plan tests).
-                        let values = unsafe {
-                            std::slice::from_raw_parts(base.add(range.start), range.len())
-                        };
-                        let bytes = narrow_bytes(dtype, values);
-                        self.data_bytes_sent += bytes.len() as u64;
-                        self.push(to.index(), Payload::Owned(bytes), id)?;
+                    if let Some(dtype) = narrow_16 {
+                        let keep = narrow.is_some_and(Narrowing::rounds_in_place);
+                        if keep {
+                            self.wait_overlapping(&mut borrowed, range, id)?;
+                        }
+                        // In pieces, so the link sends one while the next is converted.
+                        for piece in narrow_pieces(range, self.world) {
+                            // SAFETY: the piece lies in the range, in the buffer (PLAN-1 and
+                            // the plan tests); with `keep` no borrowed send reads it any more.
+                            let values = unsafe {
+                                std::slice::from_raw_parts_mut(base.add(piece.start), piece.len())
+                            };
+                            let bytes = narrow_to_bytes(dtype, values);
+                            if keep {
+                                // COMM-9: the sender keeps the value it sent.
+                                bits16::widen_bytes_into(dtype, &bytes, values, None);
+                            }
+                            self.data_bytes_sent += bytes.len() as u64;
+                            self.push(to.index(), Payload::Owned(bytes), id)?;
+                        }
                         continue;
                     }
                     // SAFETY: the range lies in the buffer (PLAN-1 and the plan tests).
@@ -115,17 +128,19 @@ impl TcpCommunicator {
                         borrowed.push((to.index(), ticket, range.clone()));
                     }
                 }
-                Step::RecvCopy { from, range } if narrow.is_some() => {
-                    self.wait_overlapping(&mut borrowed, range, id)?;
-                    let dtype = narrow.map_or(DType::F16, |(d, _)| d);
-                    // SAFETY: forwarded; the range is this rank's to write now.
-                    unsafe { self.recv_widened(from.index(), base, range, dtype, id)? };
-                }
                 Step::RecvReduce { from, range } | Step::RecvCopy { from, range } => {
                     self.wait_overlapping(&mut borrowed, range, id)?;
-                    let reduce = matches!(step, Step::RecvReduce { .. });
+                    let reduce = matches!(step, Step::RecvReduce { .. }).then_some(op);
+                    let from = from.index();
                     // SAFETY: forwarded; the range is this rank's to write now.
-                    unsafe { self.recv_step(from.index(), base, range, reduce.then_some(op), id)? };
+                    unsafe {
+                        match narrow.and_then(|n| n.recv(reduce.is_some())) {
+                            Some(dtype) => {
+                                self.recv_widened(from, base, range, dtype, reduce, id)?
+                            }
+                            None => self.recv_step(from, base, range, reduce, id)?,
+                        }
+                    }
                 }
                 Step::Finish { range } => {
                     self.wait_overlapping(&mut borrowed, range, id)?;
@@ -202,8 +217,9 @@ impl TcpCommunicator {
         result
     }
 
-    /// Receives `range` of a 16-bit op's final values from `peer` as 16-bit elements and
-    /// widens them into the f32 buffer at `base` (TCP-7).
+    /// Receives `range` of a 16-bit op's values from `peer` as 16-bit elements and widens
+    /// them into the f32 buffer at `base`: copied (final values, TCP-7) or reduced with `op`
+    /// (partial sums, COMM-9).
     ///
     /// # Safety
     /// `range` of the buffer at `base` is this rank's to write now.
@@ -213,6 +229,7 @@ impl TcpCommunicator {
         base: *mut f32,
         range: &Range<usize>,
         dtype: DType,
+        op: Option<ReduceOp>,
         id: OpId,
     ) -> Result<(), CommError> {
         let mut scratch = std::mem::take(&mut self.scratch16);
@@ -222,6 +239,7 @@ impl TcpCommunicator {
             base: 0,
             scratch: &mut scratch,
             dtype,
+            op,
         };
         let result = self.recv_bytes(peer, range.len() * 2, 2, &mut sink, id);
         self.scratch16 = scratch;
@@ -449,6 +467,10 @@ impl cross::PlanTransport for TcpCommunicator {
 
     fn resolve<T: Element>(&self, kind: CollectiveKind, len: usize) -> Algorithm {
         TcpCommunicator::resolve::<T>(self, kind, len)
+    }
+
+    fn partial_sums(&self) -> PartialSums {
+        self.partial_sums
     }
 
     fn start(&mut self, call: CallShape) -> Result<OpId, CommError> {

@@ -122,39 +122,23 @@ pub(crate) fn send_modes(plan: &Plan, rank: Rank) -> Vec<SendMode> {
         .collect()
 }
 
-/// For each send among `rank`'s steps, in order: whether its receiver copies the range
-/// (`RecvCopy`: the op's final values) rather than reducing it (`RecvReduce`: a partial sum).
-/// PLAN-1 pairs the k-th send from a to b with b's k-th receive from a. A 16-bit collective
-/// sends final values as 16-bit (TCP-7): rounding a final value is what the op's end does
-/// anyway, so only partial sums need their f32 bytes.
-pub(crate) fn sends_of_final_values(plan: &Plan, rank: Rank) -> Vec<bool> {
-    let me = rank.index();
-    let mut nth = vec![0usize; plan.world];
-    plan.steps_of(rank)
-        .iter()
-        .filter_map(|s| match s {
-            Step::Send { to, .. } => Some(to.index()),
-            _ => None,
-        })
-        .map(|to| {
-            let Some(k) = nth.get_mut(to) else {
-                return false;
-            };
-            let receive = plan
-                .steps
-                .get(to)
-                .into_iter()
-                .flatten()
-                .filter_map(|s| match s {
-                    Step::RecvCopy { from, .. } if from.index() == me => Some(true),
-                    Step::RecvReduce { from, .. } if from.index() == me => Some(false),
-                    _ => None,
-                })
-                .nth(*k);
-            *k += 1;
-            receive.unwrap_or(false)
-        })
-        .collect()
+/// The pieces a 16-bit send of `range` is converted and queued in: about 256 Ki elements
+/// each, so the link's sender thread writes one while the next is converted, and never more
+/// than `SEND_QUEUE / (2·world)` per step, so an op's sends to one peer (at most 2(world−1)
+/// steps) never fill the link's queue (TCP-3: a full queue would block the rank in a send).
+pub(crate) fn narrow_pieces(
+    range: &Range<usize>,
+    world: usize,
+) -> impl Iterator<Item = Range<usize>> {
+    const PIECE: usize = 256 << 10;
+    let most = (super::SEND_QUEUE / (2 * world.max(1))).max(1);
+    let pieces = range.len().div_ceil(PIECE).clamp(1, most);
+    let each = range.len().div_ceil(pieces).max(1);
+    let (start, end) = (range.start, range.end);
+    (start..end)
+        .step_by(each)
+        .map(move |s| s..(s + each).min(end))
+        .chain((start == end).then_some(start..end))
 }
 
 /// The modes [`send_modes`] picks, as a function of (rank, step index), for checking.

@@ -167,6 +167,7 @@ impl TcpGroup {
             seq: 0,
             timeout: config.comm.timeout,
             algorithm: config.comm.algorithm,
+            partial_sums: config.comm.partial_sums,
             last_algorithm: None,
             sent: vec![0; world],
             received: vec![0; world],

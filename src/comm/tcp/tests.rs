@@ -12,7 +12,8 @@ use super::schedule::{SendMode, chosen_modes, completes_with, peers_with_role, r
 use super::*;
 use crate::comm::net::link::{JobToken, LinkListener};
 use crate::comm::test_support::{
-    bits, blamed, every_collective, input, mismatched_then_agreeing_all_reduce, on_local,
+    bits, blamed, every_collective, every_narrow_collective, input,
+    mismatched_then_agreeing_all_reduce, narrow_ring_all_reduce_bytes, on_local,
     send_recv_in_order_and_a_mismatch,
 };
 use crate::comm::{DType, chunk_range};
@@ -488,4 +489,48 @@ fn tcp_3_tree_all_reduce_would_deadlock_with_borrowed_sends_so_it_copies() {
 fn dtype_sizes_match_the_wire() {
     assert_eq!(DType::F16.size_bytes(), std::mem::size_of::<f16>());
     assert_eq!(DType::BF16.size_bytes(), std::mem::size_of::<bf16>());
+}
+
+/// COMM-9 over TCP: with 16-bit partial sums every 16-bit collective equals the in-process
+/// transport's bit for bit, and a ring all-reduce sends 2 bytes per element per message: 4
+/// per element per ring pass instead of TCP-7's 6.
+#[test]
+fn comm_9_sixteen_bit_partial_sums_over_tcp_equal_in_process_and_move_two_bytes() {
+    for world in 2..=4 {
+        for algorithm in [Algorithm::Ring, Algorithm::Tree] {
+            let scenario = |comm: &mut Communicator| every_narrow_collective(comm, algorithm);
+            let tcp = on_tcp(world, config(), scenario);
+            let local = on_local(world, scenario);
+            for (r, (t, l)) in tcp.iter().zip(&local).enumerate() {
+                assert!(t == l, "world {world} {algorithm}: rank {r} differs");
+            }
+        }
+    }
+    let bytes = on_tcp(3, config(), |comm| {
+        narrow_ring_all_reduce_bytes(comm, |c| c.tcp_data_bytes_sent().unwrap_or(0))
+    });
+    // Each of 3 ranks sends 2 chunks of 1000 partial sums and 2 of 1000 final values.
+    assert!(bytes.iter().all(|b| *b == 2 * 4000), "{bytes:?}");
+}
+
+proptest! {
+    /// A 16-bit send's pieces cover its range in order, each piece once, and an op's sends to
+    /// one peer never queue more than the link holds (TCP-3).
+    #[test]
+    fn narrow_pieces_cover_the_range_and_fit_the_queue(
+        start in 0usize..1000,
+        len in 0usize..5_000_000,
+        world in 1usize..64,
+    ) {
+        let range = start..start + len;
+        let pieces: Vec<_> = super::schedule::narrow_pieces(&range, world).collect();
+        prop_assert!(!pieces.is_empty());
+        prop_assert_eq!(pieces[0].start, range.start);
+        prop_assert_eq!(pieces[pieces.len() - 1].end, range.end);
+        for pair in pieces.windows(2) {
+            prop_assert_eq!(pair[0].end, pair[1].start);
+            prop_assert!(!pair[0].is_empty());
+        }
+        prop_assert!(2 * world.saturating_sub(1) * pieces.len() <= SEND_QUEUE.max(2 * world));
+    }
 }

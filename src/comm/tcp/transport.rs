@@ -234,13 +234,15 @@ impl PayloadSink for ReduceSink<'_> {
     }
 }
 
-/// Reads received 16-bit elements into a scratch piece and widens them into an f32 buffer.
+/// Reads received 16-bit elements into a scratch piece and widens them into an f32 buffer:
+/// copied, or combined with `op` (COMM-9).
 pub(super) struct WidenSink<'a> {
     pub(super) dst: *mut f32,
     /// Bytes of the step already received.
     pub(super) base: usize,
     pub(super) scratch: &'a mut Vec<u8>,
     pub(super) dtype: DType,
+    pub(super) op: Option<ReduceOp>,
 }
 
 impl PayloadSink for WidenSink<'_> {
@@ -255,13 +257,7 @@ impl PayloadSink for WidenSink<'_> {
         let (start, n) = ((self.base + offset) / 2, len / 2);
         // SAFETY: as for CopySink: this range of the buffer is this rank's to write now.
         let dst = unsafe { std::slice::from_raw_parts_mut(self.dst.add(start), n) };
-        for (d, b) in dst.iter_mut().zip(self.scratch[..len].chunks_exact(2)) {
-            let bits = u16::from_le_bytes([b[0], b[1]]);
-            *d = match self.dtype {
-                DType::BF16 => half::bf16::from_bits(bits).to_f32(),
-                _ => half::f16::from_bits(bits).to_f32(),
-            };
-        }
+        bits16::widen_bytes_into(self.dtype, &self.scratch[..len], dst, self.op);
     }
 }
 
@@ -269,16 +265,4 @@ impl StepSink for WidenSink<'_> {
     fn set_base(&mut self, base: usize) {
         self.base = base;
     }
-}
-
-/// Final f32 values as the little-endian bytes of `dtype` (f16 or bf16), rounded to nearest
-/// even: what the op's end rounds them to anyway (TCP-7).
-pub(crate) fn narrow_bytes(dtype: DType, values: &[f32]) -> Vec<u8> {
-    values
-        .iter()
-        .flat_map(|&v| match dtype {
-            DType::BF16 => half::bf16::from_f32(v).to_bits().to_le_bytes(),
-            _ => half::f16::from_f32(v).to_bits().to_le_bytes(),
-        })
-        .collect()
 }

@@ -91,6 +91,7 @@ pub(crate) fn samples() -> Vec<ControlMsg> {
                     clip_norm: Some(1.0),
                     accumulation: 2,
                     algorithm: crate::comm::Algorithm::Ring,
+                    partial_sums: crate::comm::PartialSums::Narrow,
                     faults: Some(
                         crate::faults::FaultPlan::new(3)
                             .with(crate::faults::Fault {
