@@ -191,7 +191,14 @@ pub fn decide(
         }
         Decision::Retry
     } else {
-        let survivors: Vec<usize> = (0..world).filter(|r| !lost.contains(r)).collect();
+        // SCALE-2: linear in the world and the lost ranks (a mask, not a search per rank).
+        let mut is_lost = vec![false; world];
+        for &r in lost {
+            if let Some(l) = is_lost.get_mut(r) {
+                *l = true;
+            }
+        }
+        let survivors: Vec<usize> = (0..world).filter(|r| !is_lost[*r]).collect();
         let floor = policy.min_replicas.max(1) as usize;
         if policy.on_replica_loss == OnReplicaLoss::Shrink && survivors.len() >= floor {
             Decision::Shrink { survivors }
@@ -234,6 +241,34 @@ mod tests {
                     prop_assert!(survivors.iter().all(|s| !lost.contains(s)));
                 }
                 Decision::Fail(_) => prop_assert!(lost.is_empty() || alive < min as usize),
+                other => prop_assert!(false, "{:?}", other),
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(16))]
+
+        /// SCALE-2: at 16,384 ranks, any set of lost ranks (a node, a rack, scattered ranks,
+        /// indices out of range ignored) leaves exactly the others, in rank order.
+        #[test]
+        fn scale_2_decisions_at_16384_ranks_keep_exactly_the_others(
+            lost in prop::collection::vec(0usize..17_000, 1..4096),
+            min in 1u32..16_384,
+        ) {
+            let world = 16_384;
+            let policy = RecoveryPolicy::shrink().min_replicas(min).max_restarts(100, Duration::from_secs(1));
+            let d = decide(&policy, &mut RestartLog::default(), world, (&lost, false, false), true, Instant::now());
+            let gone: std::collections::BTreeSet<usize> = lost.iter().copied().filter(|r| *r < world).collect();
+            let alive = world - gone.len();
+            match d {
+                Decision::Shrink { survivors } => {
+                    prop_assert!(alive >= min as usize);
+                    prop_assert_eq!(survivors.len(), alive);
+                    prop_assert!(survivors.windows(2).all(|w| w[0] < w[1]));
+                    prop_assert!(survivors.iter().all(|s| !gone.contains(s)));
+                }
+                Decision::Fail(_) => prop_assert!(alive < min as usize),
                 other => prop_assert!(false, "{:?}", other),
             }
         }

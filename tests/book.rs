@@ -250,6 +250,8 @@ fn every_command_of_the_book_runs() {
                         "matmul_bound_samples_per_s",
                         "job_over_bound",
                     ]
+                } else if args.contains(" plan ") || args.starts_with("plan ") {
+                    &["layout", "predicted", "unfit"]
                 } else if args.contains("bench optimizer") {
                     &[
                         "rule",
@@ -276,6 +278,10 @@ fn every_command_of_the_book_runs() {
         if args.contains("--timeline") {
             let svg = std::fs::read_to_string(dir.join("pipeline.svg")).expect("timeline written");
             assert!(svg.starts_with("<svg"));
+        }
+        if args.contains("--svg scaling.svg") {
+            let svg = std::fs::read_to_string(dir.join("scaling.svg")).expect("picture written");
+            assert!(svg.starts_with("<svg") && svg.contains("Amdahl"), "{svg}");
         }
         if args.contains("--save-model") {
             assert!(dir.join("demo-model.bpk").exists(), "the model was written");
@@ -365,6 +371,7 @@ fn book_flags_are_the_clis() {
     let mut helps = std::collections::BTreeMap::new();
     helps.insert("train".to_string(), help(&["train"]));
     helps.insert("node".to_string(), help(&["node"]));
+    helps.insert("plan".to_string(), help(&["plan"]));
     for b in &benches {
         helps.insert(format!("bench {b}"), help(&["bench", b]));
     }

@@ -32,8 +32,10 @@ cargo run --release -- bench comm-efficiency --steps 16 --hidden 64 --slow-rank-
 # ANCHOR: bench
 # collective bandwidth (algbw, busbw) against memcpy, one size, as JSON
 cargo run --release -- bench allreduce --world 2 --bytes 16MiB --algo direct --json
-# data-parallel weak scaling against a plain Burn loop
-cargo run --release -- bench dp --world 2 --steps 5
+# data-parallel weak scaling against a plain Burn loop, the serial fraction and Amdahl's curve
+cargo run --release -- bench dp --world 2 --steps 5 --svg scaling.svg
+# the control plane at more ranks: a tiny model on 8 and 32 logical ranks, and the recovery decision at 16,384
+cargo run --release -- bench scale --ranks 8,32 --steps 2
 # a two-stage pipeline (1F1B, 4 micro-batches): samples/s, measured vs theoretical bubble
 cargo run --release -- bench pipeline --pp 2 --micro-batches 4 --schedule 1f1b --hidden 64 --steps 2 --json
 # the same with interleaved 1F1B (2 chunks per stage), layers cut by count
@@ -43,3 +45,9 @@ cargo run --release -- bench layer --hidden 64 --heads 4 --seq 8 --batch 2 --ste
 # one optimizer step per parameter: Burn's and meshwork's flat rule against a memcpy
 cargo run --release -- bench optimizer --width 64 --steps 2 --json
 # ANCHOR_END: bench
+# ANCHOR: plan
+# every layout of the recipe's GPT over 2 devices, ranked by predicted step time, the fastest run to check
+cargo run --release -- plan --model gpt --layers 1 --hidden 16 --heads 2 --seq 8 --batch 4 --devices 2 --top 4 --check 1 --steps 3
+# the demo MLP, as JSON lines
+cargo run --release -- plan --model mlp --hidden 32 --depth 2 --batch 8 --devices 2 --json
+# ANCHOR_END: plan

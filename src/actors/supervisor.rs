@@ -98,9 +98,24 @@ pub struct RunSummary {
     pub wall_s: f64,
     /// Time breakdown summed over steps, averaged over replicas.
     pub breakdown: TimeBreakdown,
+    /// Ranks of the last step (every stage of every replica).
+    #[serde(default)]
+    pub ranks: u32,
+    /// Control messages of the Supervisor over the run's steps (SCALE-1), from the first
+    /// step's start to the last one's end: the requests it sent to the stages, their replies,
+    /// and the messages its own inbox handled. Data never passes through it (collectives run
+    /// between the ranks).
+    #[serde(default)]
+    pub control_messages: u64,
 }
 
 impl RunSummary {
+    /// The run's serial fraction and the speed-up it allows on more devices (AMDAHL-1): from
+    /// the steps' wall time and the mean time each rank computed. `None` before a step.
+    pub fn amdahl(&self) -> Option<crate::scaling::Amdahl> {
+        crate::scaling::Amdahl::from_times(self.wall_s, self.breakdown.compute_s, self.ranks)
+    }
+
     /// Samples per second over the steps' wall time.
     pub fn samples_per_s(&self) -> f64 {
         if self.wall_s > 0.0 {
@@ -230,6 +245,9 @@ where
         if state.finished {
             return Ok(());
         }
+        state
+            .control
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let me = &myself;
         match msg {
             SupervisorMsg::Init => lifecycle::init(me, state).await?,

@@ -28,6 +28,8 @@ const LAYERS: &[(&str, &[&str])] = &[
             "trace",
             "recovery",
             "stragglers",
+            "scaling",
+            "planner",
             "parallel::sampler",
             "parallel::pipeline",
             "parallel::buckets",

@@ -5,6 +5,7 @@
 //! These run on the actor or on a step's task: they take a [`Crew`], never the state.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use ractor::ActorRef;
@@ -34,6 +35,9 @@ pub(super) struct Crew<M> {
     pub(super) stages: Vec<(ActorRef<StageMsg<M>>, StageId)>,
     pub(super) devices: Vec<(ActorRef<DeviceMsg>, DeviceId)>,
     pub(super) shutdown: Arc<dyn Fn() + Send + Sync>,
+    /// The Supervisor's count of control messages (SCALE-1): a request and its reply count
+    /// one each.
+    pub(super) control: Arc<AtomicU64>,
 }
 
 /// Ask `stage` for something whose reply is a `Result`, waiting at most `timeout`; a stage
@@ -110,6 +114,7 @@ where
     for (r, (stage, _)) in crew.stages.iter().enumerate() {
         let Some(build) = make(r) else { continue };
         let stage = stage.clone();
+        crew.control.fetch_add(1, Ordering::Relaxed);
         set.spawn(async move { (r, stage.call(build, Some(timeout)).await) });
     }
     let mut results: Vec<Option<T>> = (0..crew.stages.len()).map(|_| None).collect();
@@ -131,6 +136,9 @@ where
             errors.push(Error::Runtime("a request task panicked".into()));
             continue;
         };
+        if matches!(reply, Ok(CallResult::Success(_))) {
+            crew.control.fetch_add(1, Ordering::Relaxed);
+        }
         let failure = match reply {
             Ok(CallResult::Success(Ok(v))) => {
                 results[r] = Some(v);

@@ -113,6 +113,8 @@ where
         stop_requested: false,
         finished: false,
         summary: RunSummary::default(),
+        control: Default::default(),
+        control_mark: 0,
         _items: std::marker::PhantomData,
     })
 }
@@ -142,7 +144,11 @@ where
         Err(e) => Err(e),
     };
     match started {
-        Ok(first) => myself.send_message(SupervisorMsg::RunStep(first))?,
+        Ok(first) => {
+            // SCALE-1: the steps' control messages are counted from here.
+            state.control_mark = state.control.load(std::sync::atomic::Ordering::Relaxed);
+            myself.send_message(SupervisorMsg::RunStep(first))?
+        }
         Err(e) => finish(myself, state, Err(e)).await,
     }
     Ok(())

@@ -3,6 +3,7 @@
 
 use std::collections::HashSet;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 
 use ractor::{ActorRef, SupervisionEvent};
@@ -103,6 +104,11 @@ pub(crate) struct SupervisorState<M, I> {
     pub(super) stop_requested: bool,
     pub(super) finished: bool,
     pub(super) summary: RunSummary,
+    /// Control messages so far: requests the Supervisor sent to stages, their replies, and
+    /// the messages its own inbox handled (SCALE-1).
+    pub(super) control: Arc<AtomicU64>,
+    /// The count when the last step ended (or the first began).
+    pub(super) control_mark: u64,
     pub(super) _items: std::marker::PhantomData<fn() -> I>,
 }
 
@@ -161,6 +167,7 @@ impl<M, I> SupervisorState<M, I> {
             stages: self.stages.clone(),
             devices: self.devices.clone(),
             shutdown: self.shutdown.clone(),
+            control: self.control.clone(),
         }
     }
 

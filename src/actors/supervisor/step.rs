@@ -365,6 +365,10 @@ pub(super) fn step_done<M, I>(
     let n = replicas.len().max(1) as f64;
     let s = &mut state.summary;
     s.steps += 1;
+    s.ranks = u32::try_from(replicas.len()).unwrap_or(u32::MAX);
+    let now = state.control.load(std::sync::atomic::Ordering::Relaxed);
+    s.control_messages += now.saturating_sub(state.control_mark);
+    state.control_mark = now;
     s.samples += samples as u64;
     s.wall_s += wall_s;
     s.breakdown = s.breakdown.plus(TimeBreakdown {

@@ -60,6 +60,10 @@ pub(crate) enum BenchCommand {
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
+        /// Draw the measured speed-up beside Amdahl's curve for the run's serial fraction
+        /// (SVG; in one process).
+        #[arg(long)]
+        svg: Option<std::path::PathBuf>,
     },
     /// Pipeline parallelism: MLP 784 → depth×hidden → 10 (8 × 1024 by default) split into `pp` stage actors (one
     /// device each); samples/s, measured and theoretical bubble, peak stash, activation bytes
@@ -116,6 +120,20 @@ pub(crate) enum BenchCommand {
         /// checkpoints); the median round is reported.
         #[arg(long, default_value_t = 7)]
         rounds: u32,
+        /// One JSON object per line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The control plane past a handful of ranks: a tiny model on growing numbers of logical
+    /// ranks in this process (step time, the Supervisor's control messages per step and per
+    /// rank), and the recovery decision at 16,384 simulated ranks.
+    Scale {
+        /// World sizes, comma-separated.
+        #[arg(long, default_value = "64,256,1024", value_delimiter = ',')]
+        ranks: Vec<u32>,
+        /// Steps of each run.
+        #[arg(long, default_value_t = 5)]
+        steps: u64,
         /// One JSON object per line.
         #[arg(long)]
         json: bool,
@@ -474,12 +492,14 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             steps,
             json,
             transport: TransportArg::Local,
-        } => crate::dp_bench::dp(world, steps, json),
+            svg,
+        } => crate::dp_bench::dp(world, steps, json, svg.as_deref()),
         BenchCommand::Dp {
             world,
             steps,
             json,
             transport,
+            ..
         } => dp_across(world, steps, transport == TransportArg::Mpi, json),
         BenchCommand::DpWorker { mode, world, steps } => {
             crate::dp_bench::dp_worker(&mode, world, steps)
@@ -626,6 +646,13 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
             } else {
                 crate::comm_bench::print_table(&b, &runs);
             }
+            Ok(())
+        }
+        BenchCommand::Scale { ranks, steps, json } => {
+            let runtime =
+                tokio::runtime::Runtime::new().map_err(|e| Error::Runtime(e.to_string()))?;
+            let (runs, decisions) = runtime.block_on(crate::scale_bench::run(&ranks, steps))?;
+            crate::scale_bench::print(&runs, &decisions, json);
             Ok(())
         }
         BenchCommand::Recovery {

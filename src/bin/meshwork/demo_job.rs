@@ -403,6 +403,9 @@ pub(crate) fn report_time(s: &RunSummary) {
         comm * 100.0,
         wait * 100.0
     );
+    if let Some(amdahl) = s.amdahl() {
+        println!("{amdahl}");
+    }
 }
 
 /// Writes the trained demo MLP to `path` (Burn's burnpack format, `Module::save_file`).

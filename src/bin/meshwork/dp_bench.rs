@@ -2,6 +2,7 @@
 //! on one device, each side in a child process of its own, alternated, median of the rounds.
 
 use std::io::Write;
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -12,6 +13,7 @@ use meshwork::error::{Error, Result};
 use meshwork::events::JobEvent;
 use meshwork::job::{EventsError, Job};
 use meshwork::parallel::sampler::DistributedSampler;
+use meshwork::scaling::{Amdahl, REPORTED_DEVICES};
 use serde::{Deserialize, Serialize};
 
 /// What a `dp-worker` child prints.
@@ -22,6 +24,9 @@ struct WorkerReport {
     /// Shares of a step's time (compute, communication, waiting); dp mode only.
     #[serde(default)]
     shares: Option<(f64, f64, f64)>,
+    /// The run's serial fraction (dp mode only).
+    #[serde(default)]
+    amdahl: Option<Amdahl>,
 }
 
 const WIDTHS: [usize; 4] = [784, 1024, 1024, 10];
@@ -46,7 +51,7 @@ fn bench_data(samples: usize) -> meshwork::data::InMemoryDataset<Sample> {
     .dataset(samples)
 }
 
-pub(crate) fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
+pub(crate) fn dp(world: u32, steps: u64, json: bool, svg: Option<&Path>) -> Result<()> {
     let exe = std::env::current_exe().map_err(|e| Error::Io {
         path: "current executable".into(),
         reason: e.to_string(),
@@ -97,6 +102,10 @@ pub(crate) fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
                 "compute_share": run.shares.map(|s| s.0),
                 "communication_share": run.shares.map(|s| s.1),
                 "waiting_share": run.shares.map(|s| s.2),
+                "serial_fraction": run.amdahl.map(|a| a.serial_fraction),
+                "amdahl_speedup_at": run.amdahl.map(|a| {
+                    REPORTED_DEVICES.map(|n| (n, a.speedup(f64::from(n))))
+                }),
             })
         );
     } else {
@@ -126,12 +135,35 @@ pub(crate) fn dp(world: u32, steps: u64, json: bool) -> Result<()> {
                 w * 100.0
             );
         }
+        if let Some(a) = run.amdahl {
+            println!("{a}");
+        }
         println!(
             "peak RSS: {:.1} MiB vs {:.1} MiB (ratio {:.3})",
             run.peak_rss_bytes as f64 / 1048576.0,
             baseline.peak_rss_bytes as f64 / 1048576.0,
             run.peak_rss_bytes as f64 / baseline.peak_rss_bytes.max(1) as f64
         );
+    }
+    if let (Some(path), Some(amdahl)) = (svg, run.amdahl) {
+        let speedup = run.samples_per_s / baseline.samples_per_s;
+        let mut points = vec![("meshwork dp", f64::from(world), speedup)];
+        if let Some(c) = ceiling {
+            points.push((
+                "independent loops",
+                f64::from(world),
+                c / baseline.samples_per_s,
+            ));
+        }
+        std::fs::write(path, crate::scaling_svg::render(&amdahl, &points)).map_err(|e| {
+            Error::Io {
+                path: path.display().to_string(),
+                reason: e.to_string(),
+            }
+        })?;
+        if !json {
+            println!("scaling picture written to {}", path.display());
+        }
     }
     Ok(())
 }
@@ -151,12 +183,13 @@ pub(crate) fn peak_rss_bytes() -> u64 {
 pub(crate) fn dp_worker(mode: &str, world: u32, steps: u64) -> Result<()> {
     let total = steps + WARMUP;
     let global = LOCAL_BATCH * world as usize;
-    let (samples_per_s, shares) = match mode {
+    let (samples_per_s, shares, amdahl) = match mode {
         // On a spawned thread, like meshwork's devices.
         "baseline" => (
             std::thread::spawn(move || baseline_loop(total, LOCAL_BATCH))
                 .join()
                 .map_err(|_| Error::Runtime("the baseline loop panicked".into()))?,
+            None,
             None,
         ),
         // The machine's own ceiling: `world` plain loops on `world` threads at once, no
@@ -171,13 +204,13 @@ pub(crate) fn dp_worker(mode: &str, world: u32, steps: u64) -> Result<()> {
                     .join()
                     .map_err(|_| Error::Runtime("a plain loop panicked".into()))?;
             }
-            (sum, None)
+            (sum, None, None)
         }
         "dp" => {
             let runtime =
                 tokio::runtime::Runtime::new().map_err(|e| Error::Runtime(e.to_string()))?;
-            let (rate, shares) = runtime.block_on(dp_job(world, total, global))?;
-            (rate, Some(shares))
+            let (rate, shares, amdahl) = runtime.block_on(dp_job(world, total, global))?;
+            (rate, Some(shares), amdahl)
         }
         other => {
             return Err(Error::InvalidConfig(format!(
@@ -189,6 +222,7 @@ pub(crate) fn dp_worker(mode: &str, world: u32, steps: u64) -> Result<()> {
         samples_per_s,
         peak_rss_bytes: peak_rss_bytes(),
         shares,
+        amdahl,
     };
     let mut out = std::io::stdout();
     let _ = writeln!(
@@ -229,7 +263,11 @@ fn baseline_loop(total: u64, batch: usize) -> f64 {
 
 use burn::module::Module;
 
-async fn dp_job(world: u32, total: u64, global: usize) -> Result<(f64, (f64, f64, f64))> {
+async fn dp_job(
+    world: u32,
+    total: u64,
+    global: usize,
+) -> Result<(f64, (f64, f64, f64), Option<Amdahl>)> {
     let job = Job::builder()
         .model(|ctx| Mlp::new(&WIDTHS, &ctx.device))
         .loss(mse_loss)
@@ -263,5 +301,7 @@ async fn dp_job(world: u32, total: u64, global: usize) -> Result<(f64, (f64, f64
         }
     }
     handle.join().await?;
-    Ok((samples as f64 / wall.max(1e-12), time.shares()))
+    let compute_per_rank = time.compute_s / f64::from(world.max(1));
+    let amdahl = Amdahl::from_times(wall, compute_per_rank, world);
+    Ok((samples as f64 / wall.max(1e-12), time.shares(), amdahl))
 }

@@ -11,17 +11,12 @@
 //! that rank's pipeline stage and tensor-parallel slice hold ([`Gpt::held_parameters`]); and
 //! how far the two sides' losses are apart.
 
-use std::time::Duration;
-
-use burn::optim::AdamConfig;
 use meshwork::data::TextWindows;
 use meshwork::demo::gpt::{Gpt, GptConfig};
 use meshwork::demo::kjv_corpus;
 use meshwork::error::{Error, Result};
 use meshwork::events::StepDone;
-use meshwork::job::Job;
 use meshwork::parallel::memory::StepMemory;
-use meshwork::parallel::pipeline::Schedule;
 use meshwork::parallel::zero::ZeroStage;
 use meshwork::precision::Precision;
 use serde::Serialize;
@@ -227,33 +222,21 @@ fn fullest(step: &StepDone) -> Option<StepMemory> {
 }
 
 fn run_once(b: &LayoutBench, layout: Layout, gpt: &Gpt, data: &TextWindows) -> Result<Run> {
-    let stages = gpt.clone().into_blocks();
-    let builder = if layout.pp > 1 {
-        let blocks = 2 * b.layers as u32 + 2;
-        Job::builder().pipeline(
-            stages,
-            Schedule::Interleaved {
-                virtual_stages: blocks / layout.pp,
-                micro_batches: b.micro_batches,
-            },
-        )
-    } else {
-        Job::builder().blocks(stages)
+    let planned = meshwork::planner::Layout {
+        dp: layout.dp,
+        pp: layout.pp,
+        tp: layout.tp,
+        zero: layout.zero.number(),
+        micro_batches: b.micro_batches,
+        recompute: false,
     };
-    let job = builder
-        .tensor_parallel(layout.tp)
-        .data_parallel(layout.dp)
-        .zero(layout.zero)
-        .precision(layout.precision)
-        .data(data.clone())
-        .batch_size(b.batch)
-        .optimizer(AdamConfig::new())
-        .learning_rate(1e-3)
-        .steps(b.steps)
-        .seed(5)
-        .collective_timeout(Duration::from_secs(120))
-        .step_timeout(Duration::from_secs(600))
-        .build()?;
+    let job = crate::plan::layout_job(
+        gpt.clone().into_blocks(),
+        data.clone(),
+        (&planned, layout.precision),
+        b.batch as u32,
+        b.steps,
+    )?;
     let what = format!(
         "bench tensor (dp {} × pp {} × tp {})",
         layout.dp, layout.pp, layout.tp

@@ -46,7 +46,10 @@ mod memory_svg;
 mod mpi_bench;
 mod optimizer_bench;
 mod pipeline_bench;
+mod plan;
 mod recovery_bench;
+mod scale_bench;
+mod scaling_svg;
 #[cfg(feature = "cluster")]
 mod tcp_bench;
 mod tensor_bench;
@@ -69,6 +72,9 @@ enum Command {
     /// devices, follow the head until it ends the job.
     #[cfg(feature = "cluster")]
     Node(cluster::NodeArgs),
+    /// Every layout of a model over a machine, ranked by predicted step time, with its bytes
+    /// per device and why the others do not fit; `--check K` runs the K fastest.
+    Plan(Box<plan::PlanArgs>),
     /// Benchmarks: collectives and data-parallel scaling.
     Bench {
         #[command(subcommand)]
@@ -89,6 +95,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => train::run(*args),
         Command::Bench { which } => bench::run(which),
+        Command::Plan(args) => plan::run(*args),
         #[cfg(feature = "cluster")]
         Command::Node(args) => cluster::run_node(args),
     };

@@ -1,0 +1,726 @@
+//! `meshwork plan`: every layout of a model over a machine, ranked by predicted step time,
+//! with its bytes per device and the reason a layout does not fit; `--check K` then runs the
+//! K fastest and puts predicted beside measured.
+//!
+//! The prediction is `meshwork::planner`'s model; its inputs are measured here, briefly, on
+//! this machine (`calibrate`):
+//! - each block's forward and backward, from a one-device block job's own timeline (the
+//!   executor's instructions, block by block), at two micro-batch sizes, so that each block
+//!   costs `fixed + per sample × samples`;
+//! - the optimizer's seconds per parameter (its trace span) and the runtime's per-step cost
+//!   (the step's wall time less compute and optimizer) from the same runs;
+//! - the α–β cost of a collective from two in-process all-reduces (4 KiB, 4 MiB) over 2 ranks;
+//! - the boundary tensors' bytes from the model's shapes (GPT: `s·h` floats a sample, the
+//!   embedding's input `s`; MLP: the layer's input width), which the workers count the same way
+//!   (MEM-1).
+//!
+//! A layout the job itself refuses (its builder's checks, the one refusal table) is listed
+//! with the builder's reason.
+
+use std::time::Duration;
+
+use burn::optim::AdamConfig;
+use burn::tensor::Device;
+use meshwork::comm::Algorithm;
+use meshwork::comm::bench::{Wire, all_reduce_bandwidth};
+use meshwork::data::{Dataset, TextWindows};
+use meshwork::demo::gpt::{Gpt, GptConfig};
+use meshwork::demo::{Sample, TeacherTask, kjv_corpus, mlp_blocks};
+use meshwork::error::{Error, Result};
+use meshwork::events::StepDone;
+use meshwork::job::{Job, PipelineModel};
+use meshwork::parallel::pipeline::{InstrKind, Schedule};
+use meshwork::parallel::stages::{BlockOptions, PipelineStages};
+use meshwork::parallel::zero::ZeroStage;
+use meshwork::planner::{AlphaBeta, BlockCosts, Layout, Machine, ModelCosts, Prediction, plan};
+use meshwork::precision::Precision;
+use meshwork::trace::TraceKind;
+use serde::Serialize;
+
+/// What `meshwork plan` is asked.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct PlanArgs {
+    /// `gpt` (the recipe's model on the shipped KJV text) or `mlp` (the demo MLP).
+    #[arg(long, default_value = "gpt")]
+    model: String,
+    /// GPT: transformer layers.
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    /// GPT: features per token; MLP: the hidden width.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    /// GPT: attention heads.
+    #[arg(long, default_value_t = 4)]
+    heads: usize,
+    /// GPT: context (tokens per window).
+    #[arg(long, default_value_t = 32)]
+    seq: usize,
+    /// MLP: hidden layers.
+    #[arg(long, default_value_t = 3)]
+    depth: usize,
+    /// The global batch (samples per step).
+    #[arg(long, default_value_t = 16)]
+    batch: u32,
+    /// Devices (ranks) of the machine, all used.
+    #[arg(long, default_value_t = 4)]
+    devices: u32,
+    /// Cores the devices share (default: this machine's).
+    #[arg(long)]
+    cores: Option<u32>,
+    /// Memory per device (e.g. 512MiB, 16GiB).
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    memory_per_device: u64,
+    /// A collective's α (seconds per round) and β (bytes per second per rank), instead of
+    /// measuring them here: `5us,10GB/s`.
+    #[arg(long)]
+    link: Option<String>,
+    /// Micro-batch counts tried for pipelines, comma-separated.
+    #[arg(long, default_value = "1,2,4", value_delimiter = ',')]
+    micro_batches: Vec<u32>,
+    /// Layouts printed (fitting ones, fastest first).
+    #[arg(long, default_value_t = 12)]
+    top: usize,
+    /// Run the K fastest layouts and put predicted beside measured.
+    #[arg(long, default_value_t = 0)]
+    check: usize,
+    /// Steps of each checked run (the first two are not timed).
+    #[arg(long, default_value_t = 6)]
+    steps: u64,
+    /// One JSON object per line.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim().to_ascii_lowercase();
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
+    let (n, unit) = t.split_at(split);
+    let n: f64 = n.parse().map_err(|_| format!("not a size: {s:?}"))?;
+    let mul = match unit.trim() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1048576.0,
+        "g" | "gb" | "gib" => 1073741824.0,
+        u => return Err(format!("unknown unit {u:?} in {s:?}: use KiB, MiB or GiB")),
+    };
+    Ok((n * mul) as u64)
+}
+
+/// The model being planned, and how to build its jobs.
+enum PlanModel {
+    Gpt {
+        gpt: Box<Gpt>,
+        config: GptConfig,
+        data: TextWindows,
+    },
+    Mlp {
+        widths: Vec<usize>,
+        data: meshwork::data::InMemoryDataset<Sample>,
+    },
+}
+
+/// What a checked or calibrating run gives back: its steps.
+fn run_steps(model: &PlanModel, layout: &Layout, batch: u32, steps: u64) -> Result<Vec<StepDone>> {
+    let what = format!("meshwork plan ({layout})");
+    let options = BlockOptions {
+        recompute: layout.recompute,
+        ..BlockOptions::default()
+    };
+    match model {
+        PlanModel::Gpt { gpt, data, .. } => {
+            let stages = (**gpt).clone().into_blocks_with(options);
+            let job = layout_job(stages, data.clone(), (layout, Precision::F32), batch, steps)?;
+            crate::bench_run::collect_steps(job, steps, &what)
+        }
+        PlanModel::Mlp { widths, data } => {
+            let device = Device::flex();
+            device.seed(3);
+            let stages = mlp_blocks(widths, options, &device)
+                .ok_or_else(|| Error::InvalidConfig("the MLP needs two widths".into()))?;
+            let job = layout_job(stages, data.clone(), (layout, Precision::F32), batch, steps)?;
+            crate::bench_run::collect_steps(job, steps, &what)
+        }
+    }
+}
+
+/// The job of `layout` in `precision`: a pipeline with the interleaved schedule over pp
+/// stages, or blocks; Adam. `bench tensor`'s meshes are built here too.
+pub(crate) fn layout_job<I, D>(
+    stages: PipelineStages<I>,
+    data: D,
+    (layout, precision): (&Layout, Precision),
+    batch: u32,
+    steps: u64,
+) -> Result<Job<PipelineModel, I>>
+where
+    I: Send + Sync + 'static,
+    D: Dataset<Item = I> + Send + Sync + 'static,
+{
+    let blocks = stages.len() as u32;
+    let builder = if layout.pp > 1 {
+        Job::builder().pipeline(
+            stages,
+            Schedule::Interleaved {
+                virtual_stages: blocks / layout.pp,
+                micro_batches: layout.micro_batches,
+            },
+        )
+    } else {
+        Job::builder().blocks(stages)
+    };
+    builder
+        .tensor_parallel(layout.tp)
+        .data_parallel(layout.dp)
+        .zero(ZeroStage::from_number(layout.zero).unwrap_or_default())
+        .precision(precision)
+        .data(data)
+        .batch_size(batch as usize)
+        .optimizer(AdamConfig::new())
+        .learning_rate(1e-3)
+        .steps(steps)
+        .seed(5)
+        .collective_timeout(Duration::from_secs(120))
+        .step_timeout(Duration::from_secs(600))
+        .build()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The fullest rank's bytes in a step, as the workers count them: parameters (whole and
+/// shards), gradients, optimizer state, stashed activations.
+fn fullest_bytes(step: &StepDone) -> [u64; 4] {
+    step.replicas
+        .iter()
+        .filter_map(|r| r.pipeline.as_ref().map(|p| &p.memory))
+        .map(|m| {
+            [
+                m.peak_full_params + m.param_shards,
+                m.peak_grads,
+                m.optimizer,
+                m.peak_activations,
+            ]
+        })
+        .max_by_key(|b| b.iter().sum::<u64>())
+        .unwrap_or_default()
+}
+
+/// Per block, the median forward and backward seconds of a one-device run, and the
+/// optimizer's and the runtime's seconds per step.
+struct Timings {
+    forward: Vec<f64>,
+    backward: Vec<f64>,
+    optimizer_s: f64,
+    overhead_s: f64,
+}
+
+fn timings(steps: &[StepDone], blocks: usize) -> Timings {
+    let timed: Vec<&StepDone> = steps.iter().skip(2).collect();
+    let mut forward = vec![Vec::new(); blocks];
+    let mut backward = vec![Vec::new(); blocks];
+    let mut optimizer = Vec::new();
+    let mut overhead = Vec::new();
+    for s in &timed {
+        let Some(r) = s.replicas.first() else {
+            continue;
+        };
+        let mut compute = 0.0;
+        if let Some(p) = &r.pipeline {
+            for t in &p.executed {
+                let took = t.end.saturating_sub(t.start) as f64 * 1e-6;
+                let b = t.instr.chunk().0 as usize;
+                match t.instr.kind() {
+                    InstrKind::Forward if b < blocks => forward[b].push(took),
+                    InstrKind::Backward if b < blocks => backward[b].push(took),
+                    _ => continue,
+                }
+                compute += took;
+            }
+        }
+        let opt: f64 = r
+            .trace
+            .iter()
+            .filter(|t| matches!(t.kind, TraceKind::OptimizerStep))
+            .map(|t| t.duration_us as f64 * 1e-6)
+            .sum();
+        optimizer.push(opt);
+        overhead.push((s.wall_s - compute - opt).max(0.0));
+    }
+    Timings {
+        forward: forward.into_iter().map(median).collect(),
+        backward: backward.into_iter().map(median).collect(),
+        optimizer_s: median(optimizer),
+        overhead_s: median(overhead),
+    }
+}
+
+/// A pipeline send's busy time and its latency (from the send's end to the end of a receive
+/// that was already waiting for it), medians over a dp 1 × pp 2 run's steps; `(0, 0)` for a
+/// model or batch that cannot run it.
+fn pipeline_sends(model: &PlanModel, blocks: usize, batch: u32) -> Result<(f64, f64)> {
+    if blocks < 2 || !blocks.is_multiple_of(2) || !batch.is_multiple_of(2) {
+        return Ok((0.0, 0.0));
+    }
+    let layout = Layout {
+        dp: 1,
+        pp: 2,
+        tp: 1,
+        zero: 0,
+        micro_batches: 2,
+        recompute: false,
+    };
+    let steps = run_steps(model, &layout, batch, 6)?;
+    let (mut sends, mut latencies) = (Vec::new(), Vec::new());
+    for s in steps.iter().skip(2) {
+        let lists: Vec<&Vec<meshwork::parallel::pipeline::TimedInstr>> = s
+            .replicas
+            .iter()
+            .filter_map(|r| r.pipeline.as_ref().map(|p| &p.executed))
+            .collect();
+        for (from, list) in lists.iter().enumerate() {
+            for t in list.iter() {
+                let kind = t.instr.kind();
+                if !matches!(kind, InstrKind::SendActivation | InstrKind::SendGradient) {
+                    continue;
+                }
+                sends.push(t.end.saturating_sub(t.start) as f64 * 1e-6);
+                // The matching receive: the other stage's of the same micro-batch and kind,
+                // one that started before this send ended (it was waiting).
+                let want = if kind == InstrKind::SendActivation {
+                    InstrKind::RecvActivation
+                } else {
+                    InstrKind::RecvGradient
+                };
+                let other = lists.get(1 - from.min(1));
+                if let Some(r) = other.and_then(|l| {
+                    l.iter()
+                        .filter(|r| r.instr.kind() == want && r.instr.mb() == t.instr.mb())
+                        .filter(|r| r.start <= t.end && r.end >= t.end)
+                        .min_by_key(|r| r.end)
+                }) {
+                    latencies.push(r.end.saturating_sub(t.end) as f64 * 1e-6);
+                }
+            }
+        }
+    }
+    Ok((median(sends), median(latencies)))
+}
+
+/// Measures what the planner needs on this machine (see the module's docs).
+#[allow(clippy::type_complexity)]
+fn calibrate(
+    model: &PlanModel,
+    args: &PlanArgs,
+) -> Result<(ModelCosts, f64, f64, AlphaBeta, (f64, f64))> {
+    let one = Layout {
+        dp: 1,
+        pp: 1,
+        tp: 1,
+        zero: 0,
+        micro_batches: 1,
+        recompute: false,
+    };
+    let (big, small) = (args.batch, (args.batch / 4).max(1));
+    let blocks = match model {
+        PlanModel::Gpt { config, .. } => 2 * config.layers + 2,
+        PlanModel::Mlp { widths, .. } => widths.len() - 1,
+    };
+    let at_big = timings(&run_steps(model, &one, big, 6)?, blocks);
+    let at_small = timings(&run_steps(model, &one, small, 6)?, blocks);
+    // Each block: t = fixed + per_sample × samples, through the two sizes.
+    let fit = |a: f64, b: f64| {
+        let per = ((a - b) / f64::from(big - small).max(1.0)).max(0.0);
+        ((b - per * f64::from(small)).max(0.0), per)
+    };
+    let (params, stash, tp_bytes, tp_degrees) = shapes(model, args.devices)?;
+    let block_costs = (0..blocks)
+        .map(|b| {
+            let (ff, fp) = fit(at_big.forward[b], at_small.forward[b]);
+            let (bf, bp) = fit(at_big.backward[b], at_small.backward[b]);
+            BlockCosts {
+                params: params[b].clone(),
+                forward_s: fp,
+                forward_fixed_s: ff,
+                backward_s: bp,
+                backward_fixed_s: bf,
+                stash_bytes: stash[b].0,
+                recompute_stash_bytes: stash[b].1,
+                splits: tp_degrees.len() > 1,
+                tp_bytes: tp_bytes[b],
+            }
+        })
+        .collect();
+    let elements: u64 = params
+        .iter()
+        .filter_map(|p| p.iter().find(|(d, _)| *d == 1).map(|(_, n)| *n))
+        .sum();
+    let optimizer_s_per_param = at_big.optimizer_s / elements.max(1) as f64;
+    let link = match &args.link {
+        Some(text) => parse_link(text)?,
+        None => measure_link()?,
+    };
+    let sends = pipeline_sends(model, blocks, big)?;
+    let name = match model {
+        PlanModel::Gpt { config, .. } => format!(
+            "GPT: {} layers, hidden {}, {} heads, context {}, vocabulary {}",
+            config.layers, config.d_model, config.heads, config.context, config.vocab
+        ),
+        PlanModel::Mlp { widths, .. } => format!("MLP {widths:?}"),
+    };
+    Ok((
+        ModelCosts {
+            name,
+            blocks: block_costs,
+            tp_degrees,
+        },
+        optimizer_s_per_param,
+        at_big.overhead_s,
+        link,
+        sends,
+    ))
+}
+
+/// Per block: its parameter elements per tp degree, its stash bytes per sample and its
+/// tensor-parallel bytes per sample; and the degrees every block splits at.
+#[allow(clippy::type_complexity)]
+fn shapes(
+    model: &PlanModel,
+    devices: u32,
+) -> Result<(Vec<Vec<(u32, u64)>>, Vec<(u64, u64)>, Vec<u64>, Vec<u32>)> {
+    match model {
+        PlanModel::Gpt { gpt, config, .. } => {
+            let mut degrees = Vec::new();
+            let mut per_degree = Vec::new();
+            for tp in [1u32, 2, 4, 8].into_iter().filter(|t| *t <= devices) {
+                // Every rank of a degree holds the same count; rank 0 stands for them.
+                if let Ok(counts) = gpt.held_parameters(0, tp as usize) {
+                    degrees.push(tp);
+                    per_degree.push((tp, counts));
+                }
+            }
+            let blocks = 2 * config.layers + 2;
+            let params = (0..blocks)
+                .map(|b| {
+                    per_degree
+                        .iter()
+                        .map(|(tp, counts)| (*tp, counts.get(b).copied().unwrap_or(0) as u64))
+                        .collect()
+                })
+                .collect();
+            let (s, h) = (config.context as u64, config.d_model as u64);
+            // A block keeps its input and its output until its backward (the embedding's input
+            // is the tokens, the head's output the loss); a recomputing block (attention and
+            // MLP) its input only.
+            let stash = (0..blocks)
+                .map(|b| match b {
+                    0 => (4 * s + 4 * s * h, 4 * s + 4 * s * h),
+                    b if b + 1 == blocks => (4 * s * h, 4 * s * h),
+                    _ => (8 * s * h, 4 * s * h),
+                })
+                .collect();
+            // Megatron: one all-reduce of the block's output forward, one of its input's
+            // gradient backward, `s·h` floats each.
+            let tp_bytes = (0..blocks).map(|_| 2 * 4 * s * h).collect();
+            Ok((params, stash, tp_bytes, degrees))
+        }
+        PlanModel::Mlp { widths, .. } => {
+            let params = widths
+                .windows(2)
+                .map(|w| vec![(1, (w[0] * w[1] + w[1]) as u64)])
+                .collect();
+            // Input and output until the backward; with recomputation the input only; the last
+            // block (its output is the loss) trains without it.
+            let last = widths.len() - 2;
+            let stash = widths
+                .windows(2)
+                .enumerate()
+                .map(|(i, w)| {
+                    let input = 4 * w[0] as u64;
+                    if i == last {
+                        (input, input)
+                    } else {
+                        (input + 4 * w[1] as u64, input)
+                    }
+                })
+                .collect();
+            Ok((params, stash, vec![0; widths.len() - 1], vec![1]))
+        }
+    }
+}
+
+fn parse_link(text: &str) -> Result<AlphaBeta> {
+    let bad = || Error::InvalidConfig(format!("--link {text:?}: write it as `5us,10GB/s`"));
+    let (a, b) = text.split_once(',').ok_or_else(bad)?;
+    let alpha = meshwork::comm::emulate::parse_latency(a.trim()).map_err(|_| bad())?;
+    let beta = meshwork::comm::emulate::parse_bandwidth(b.trim()).map_err(|_| bad())?;
+    Ok(AlphaBeta {
+        alpha_s: alpha.as_secs_f64(),
+        bytes_per_s: beta,
+    })
+}
+
+/// α and β of the in-process all-reduce over 2 ranks, from 4 KiB and 4 MiB (ring plans, so
+/// the plan's rounds are the model's).
+fn measure_link() -> Result<AlphaBeta> {
+    let time = |bytes: usize| -> Result<f64> {
+        let f = all_reduce_bandwidth(2, bytes, Algorithm::Ring, 50, Wire::default())
+            .map_err(|e| Error::Runtime(e.to_string()))?;
+        Ok(f.seconds_median)
+    };
+    let (small, large) = (4096.0, 4.0 * 1048576.0);
+    let (ts, tl) = (time(small as usize)?, time(large as usize)?);
+    // t = 2(n−1)α + 2(n−1)/n · bytes/β with n = 2: t = 2α + bytes/β.
+    let per_byte = ((tl - ts) / (large - small)).max(1e-13);
+    Ok(AlphaBeta {
+        alpha_s: ((ts - small * per_byte) / 2.0).max(0.0),
+        bytes_per_s: 1.0 / per_byte,
+    })
+}
+
+/// One row of the report.
+#[derive(Debug, Serialize)]
+struct Row {
+    layout: Layout,
+    predicted: Option<Prediction>,
+    samples_per_s: Option<f64>,
+    unfit: Option<String>,
+    measured_step_s: Option<f64>,
+    measured_bytes: Option<u64>,
+    /// Measured parameters, gradients, optimizer state and activations of the fullest rank.
+    measured_parts: Option<[u64; 4]>,
+    step_error: Option<f64>,
+    bytes_error: Option<f64>,
+}
+
+pub(crate) fn run(args: PlanArgs) -> Result<()> {
+    let model = load(&args)?;
+    let cores = args
+        .cores
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get() as u32));
+    if args.devices == 0 || args.batch == 0 {
+        return Err(Error::InvalidConfig(
+            "--devices and --batch must be at least 1".into(),
+        ));
+    }
+    eprintln!("meshwork plan: measuring this machine (one-device runs, an all-reduce) …");
+    let (costs, optimizer_s_per_param, overhead_s, link, sends) = calibrate(&model, &args)?;
+    let machine = Machine {
+        devices: args.devices,
+        cores,
+        memory_per_device: args.memory_per_device,
+        link,
+        optimizer_s_per_param,
+        step_overhead_s: overhead_s,
+        pipeline_send_s: sends,
+    };
+    let planned = plan(&costs, &machine, args.batch, &args.micro_batches);
+    let mut rows: Vec<Row> = Vec::new();
+    for (layout, verdict) in planned {
+        // The job's own checks (the refusal table, the values) come first.
+        let refused = match &model {
+            PlanModel::Gpt { gpt, data, .. } => layout_job(
+                (**gpt).clone().into_blocks(),
+                data.clone(),
+                (&layout, Precision::F32),
+                args.batch,
+                1,
+            )
+            .err(),
+            PlanModel::Mlp { widths, data } => {
+                mlp_blocks(widths, BlockOptions::default(), &Device::flex()).and_then(|s| {
+                    layout_job(s, data.clone(), (&layout, Precision::F32), args.batch, 1).err()
+                })
+            }
+        };
+        let (predicted, unfit) = match (refused, verdict) {
+            (Some(e), _) => (None, Some(format!("refused by the job: {e}"))),
+            (None, Ok(p)) => (Some(p), None),
+            (None, Err(u)) => (None, Some(u.to_string())),
+        };
+        rows.push(Row {
+            layout,
+            samples_per_s: predicted.map(|p| f64::from(args.batch) / p.step_s),
+            predicted,
+            unfit,
+            measured_step_s: None,
+            measured_bytes: None,
+            measured_parts: None,
+            step_error: None,
+            bytes_error: None,
+        });
+    }
+    rows.sort_by(|a, b| match (&a.predicted, &b.predicted) {
+        (Some(x), Some(y)) => x.step_s.total_cmp(&y.step_s),
+        (Some(_), None) => std::cmp::Ordering::Less,
+        (None, Some(_)) => std::cmp::Ordering::Greater,
+        (None, None) => a.layout.cmp(&b.layout),
+    });
+    for row in rows
+        .iter_mut()
+        .filter(|r| r.predicted.is_some())
+        .take(args.check)
+    {
+        eprintln!("meshwork plan: running {} …", row.layout);
+        let steps = run_steps(&model, &row.layout, args.batch, args.steps.max(3))?;
+        let timed: Vec<f64> = steps.iter().skip(2).map(|s| s.wall_s).collect();
+        let measured = median(timed);
+        let parts = steps.last().map(fullest_bytes).unwrap_or_default();
+        let bytes: u64 = parts.iter().sum();
+        row.measured_parts = Some(parts);
+        if let Some(p) = row.predicted {
+            row.step_error = Some(p.step_s / measured.max(1e-12) - 1.0);
+            row.bytes_error = Some(p.bytes.total() as f64 / (bytes.max(1)) as f64 - 1.0);
+        }
+        row.measured_step_s = Some(measured);
+        row.measured_bytes = Some(bytes);
+    }
+    print(&args, &costs, &machine, &rows);
+    Ok(())
+}
+
+fn load(args: &PlanArgs) -> Result<PlanModel> {
+    match args.model.as_str() {
+        "gpt" => {
+            let corpus =
+                kjv_corpus().map_err(|e| Error::Data(format!("the embedded text: {e}")))?;
+            let config = GptConfig {
+                vocab: corpus.vocab().len(),
+                context: args.seq,
+                d_model: args.hidden,
+                heads: args.heads,
+                layers: args.layers,
+            };
+            if args.layers == 0 || args.heads == 0 || !args.hidden.is_multiple_of(args.heads) {
+                return Err(Error::InvalidConfig(format!(
+                    "--layers {} --hidden {} --heads {}: at least one layer, and heads that divide the hidden width",
+                    args.layers, args.hidden, args.heads
+                )));
+            }
+            let data = corpus
+                .train_windows(config.context, config.context)
+                .map_err(|e| Error::Data(e.to_string()))?;
+            let device = Device::flex();
+            device.seed(11);
+            Ok(PlanModel::Gpt {
+                gpt: Box::new(Gpt::new(&config, &device)),
+                config,
+                data,
+            })
+        }
+        "mlp" => {
+            let mut widths = vec![32];
+            widths.extend(std::iter::repeat_n(args.hidden, args.depth.max(1)));
+            widths.push(8);
+            let task = TeacherTask {
+                d_in: 32,
+                d_out: 8,
+                noise: 0.1,
+                seed: 1,
+            };
+            Ok(PlanModel::Mlp {
+                widths,
+                data: task.dataset(4096),
+            })
+        }
+        other => Err(Error::InvalidConfig(format!(
+            "--model {other:?}: gpt or mlp"
+        ))),
+    }
+}
+
+fn ms(s: f64) -> String {
+    format!("{:.2}", s * 1e3)
+}
+
+fn mib(b: u64) -> String {
+    format!("{:.2}", b as f64 / 1048576.0)
+}
+
+fn print(args: &PlanArgs, costs: &ModelCosts, machine: &Machine, rows: &[Row]) {
+    if args.json {
+        for r in rows {
+            println!("{}", serde_json::to_string(r).unwrap_or_default());
+        }
+        return;
+    }
+    println!(
+        "# {} — global batch {}, Adam; {} devices sharing {} cores, {} MiB each; collectives α {:.1} µs, β {:.2} GB/s; pipeline sends {:.0} µs + {:.0} µs latency; optimizer {:.2} ns/parameter; runtime {:.2} ms/step",
+        costs.name,
+        args.batch,
+        machine.devices,
+        machine.cores,
+        mib(machine.memory_per_device),
+        machine.link.alpha_s * 1e6,
+        machine.link.bytes_per_s / 1e9,
+        machine.pipeline_send_s.0 * 1e6,
+        machine.pipeline_send_s.1 * 1e6,
+        machine.optimizer_s_per_param * 1e9,
+        machine.step_overhead_s * 1e3
+    );
+    println!(
+        "{:<46} {:>9} {:>9} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>7} {:>9} {:>7}",
+        "layout",
+        "step ms",
+        "samples/s",
+        "bubble",
+        "dp ms",
+        "tp ms",
+        "opt ms",
+        "MiB/dev",
+        "measured",
+        "err",
+        "meas MiB",
+        "err"
+    );
+    let fitting: Vec<&Row> = rows.iter().filter(|r| r.predicted.is_some()).collect();
+    for r in fitting.iter().take(args.top.max(args.check)) {
+        let Some(p) = r.predicted else { continue };
+        let pct = |e: Option<f64>| e.map_or_else(|| "–".into(), |e| format!("{:+.0}%", e * 100.0));
+        println!(
+            "{:<46} {:>9} {:>9.1} {:>7.3} {:>8} {:>8} {:>8} {:>9} {:>10} {:>7} {:>9} {:>7}",
+            r.layout.to_string(),
+            ms(p.step_s),
+            f64::from(args.batch) / p.step_s,
+            p.bubble,
+            ms(p.dp_comm_s),
+            ms(p.tp_comm_s),
+            ms(p.optimizer_s),
+            mib(p.bytes.total()),
+            r.measured_step_s.map_or_else(|| "–".into(), ms),
+            pct(r.step_error),
+            r.measured_bytes.map_or_else(|| "–".into(), mib),
+            pct(r.bytes_error)
+        );
+    }
+    let unfit: Vec<&Row> = rows.iter().filter(|r| r.unfit.is_some()).collect();
+    if !unfit.is_empty() {
+        println!("# {} layouts do not fit:", unfit.len());
+        for r in unfit.iter().take(args.top) {
+            println!(
+                "{:<46} {}",
+                r.layout.to_string(),
+                r.unfit.as_deref().unwrap_or("")
+            );
+        }
+    }
+    let checked: Vec<&Row> = rows.iter().filter(|r| r.step_error.is_some()).collect();
+    if !checked.is_empty() {
+        let within = |e: Option<f64>, bound: f64| e.is_some_and(|e| e.abs() <= bound);
+        println!(
+            "# checked {}: step time within 15 % for {}, bytes within 10 % for {}",
+            checked.len(),
+            checked
+                .iter()
+                .filter(|r| within(r.step_error, 0.15))
+                .count(),
+            checked
+                .iter()
+                .filter(|r| within(r.bytes_error, 0.10))
+                .count()
+        );
+    }
+}
