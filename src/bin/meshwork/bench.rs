@@ -427,7 +427,7 @@ fn parse_latency(s: &str) -> std::result::Result<std::time::Duration, String> {
     meshwork::comm::emulate::parse_latency(s).map_err(|e| e.to_string())
 }
 
-fn parse_size(s: &str) -> std::result::Result<usize, String> {
+pub(crate) fn parse_size(s: &str) -> std::result::Result<usize, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);

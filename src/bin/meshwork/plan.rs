@@ -91,21 +91,9 @@ pub(crate) struct PlanArgs {
     json: bool,
 }
 
+/// `512MiB`, `16GiB` → bytes (`bench`'s size syntax).
 fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
-    let t = s.trim().to_ascii_lowercase();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(t.len());
-    let (n, unit) = t.split_at(split);
-    let n: f64 = n.parse().map_err(|_| format!("not a size: {s:?}"))?;
-    let mul = match unit.trim() {
-        "" | "b" => 1.0,
-        "k" | "kb" | "kib" => 1024.0,
-        "m" | "mb" | "mib" => 1048576.0,
-        "g" | "gb" | "gib" => 1073741824.0,
-        u => return Err(format!("unknown unit {u:?} in {s:?}: use KiB, MiB or GiB")),
-    };
-    Ok((n * mul) as u64)
+    crate::bench::parse_size(s).map(|b| b as u64)
 }
 
 /// The model being planned, and how to build its jobs.
