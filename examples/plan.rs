@@ -33,14 +33,22 @@ fn model() -> ModelCosts {
 
 fn main() {
     // ANCHOR: machine
+    // Two nodes of 8 devices: a fast link inside a node, a slower one between nodes.
     let machine = Machine {
-        devices: 8,
-        cores: 8,
+        devices: 16,
+        devices_per_node: 8,
+        cores: 16,
         memory_per_device: 1 << 30,
         link: AlphaBeta {
             alpha_s: 10e-6,
-            bytes_per_s: 10e9,
+            bytes_per_s: 100e9,
         },
+        inter_link: AlphaBeta {
+            alpha_s: 20e-6,
+            bytes_per_s: 12.5e9,
+        },
+        sync_wait_s: 0.0,
+        replica_sync_s: 0.5e-3,
         optimizer_s_per_param: 1e-9,
         step_overhead_s: 1e-3,
         pipeline_send_s: (20e-6, 20e-6),

@@ -21,9 +21,12 @@
 //!   data-parallel reduction of each rank's gradient (a ring's `2(n−1)/n` of the bytes, with
 //!   ZeRO-1 the parameters' all-gather added, ZeRO-3 the parameters gathered for the forward
 //!   and again for the backward of every micro-batch), each `α·steps + bytes/β`, not
-//!   overlapped with compute;
+//!   overlapped with compute; inside a node and between nodes (PLAN-3); when ranks
+//!   outnumber cores, each tensor-parallel all-reduce also waits `sync_wait_s` for its
+//!   partner to be scheduled;
 //! - **the optimizer**: the parameters the rank steps (its shard from ZeRO-1 on) times the
-//!   measured seconds per parameter; plus a fixed per-step cost of the runtime.
+//!   measured seconds per parameter; plus a fixed per-step cost of the runtime, and with
+//!   replicas the measured cost of synchronising them.
 //!
 //! Bytes per device are what the workers count (`parallel::memory`, MEM-1: f32 words): the
 //! fullest rank's parameters (4 bytes an element; ZeRO-3: its shard plus the blocks whole at
@@ -36,11 +39,16 @@
 //!   shard) and recomputation on and off, once each.
 //! - PLAN-2 (monotone): more devices of data parallelism never predict less compute per
 //!   rank; a layout that does not fit names the bytes it needs and the device's.
+//! - PLAN-3 (nodes): ranks are placed tp innermost, then pp, then dp (Megatron's order); a
+//!   group that spans nodes reduces inside each node over `link`, then between one leader per
+//!   node over `inter_link` (`comm::hierarchical`'s plan), and a pipeline boundary between
+//!   nodes carries its tensor over `inter_link`; so a slower link between nodes never
+//!   predicts a faster step, and bytes do not depend on the nodes.
 
 use serde::{Deserialize, Serialize};
 
 use crate::parallel::pipeline::{
-    Costs, PipelineSchedule, Schedule, ScheduleError, StageIndex, simulate,
+    Costs, InstrKind, PipelineSchedule, Schedule, ScheduleError, StageIndex, simulate,
 };
 
 /// One block of a model, as the planner sees it.
@@ -90,7 +98,7 @@ pub struct ModelCosts {
 
 /// The cost of a collective between devices: `alpha_s` per message round, `bytes_per_s` of
 /// bandwidth per rank.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct AlphaBeta {
     /// Seconds per round of messages.
     pub alpha_s: f64,
@@ -120,12 +128,28 @@ impl AlphaBeta {
 pub struct Machine {
     /// Devices (ranks) to use, all of them.
     pub devices: u32,
+    /// Devices in one node (they share `link`; nodes talk over `inter_link`); 0 or
+    /// `devices` or more: one node.
+    #[serde(default)]
+    pub devices_per_node: u32,
     /// Cores the devices' compute shares (on a GPU machine: as many as devices).
     pub cores: u32,
     /// Bytes of memory per device.
     pub memory_per_device: u64,
-    /// Collectives between the devices.
+    /// Collectives between the devices of a node.
     pub link: AlphaBeta,
+    /// Collectives between nodes (one leader per node, as `comm::hierarchical` runs them).
+    #[serde(default)]
+    pub inter_link: AlphaBeta,
+    /// Seconds a synchronous collective inside a block (tensor parallelism's) waits for its
+    /// partner to get a core, when ranks outnumber cores (measured; 0 otherwise).
+    #[serde(default)]
+    pub sync_wait_s: f64,
+    /// Seconds a step of data-parallel replicas spends beyond `step_overhead_s` (handing the
+    /// gradients to the reduction, waiting for the last replica, the Supervisor's messages to
+    /// every rank), measured at the machine's device count.
+    #[serde(default)]
+    pub replica_sync_s: f64,
     /// Seconds the optimizer takes per parameter element it steps.
     pub optimizer_s_per_param: f64,
     /// Seconds of the runtime's own per step (messages, scheduling), measured.
@@ -133,6 +157,37 @@ pub struct Machine {
     /// Seconds a pipeline send keeps its stage busy, and from its end until the receiver
     /// has the message (measured).
     pub pipeline_send_s: (f64, f64),
+}
+
+impl Machine {
+    /// Devices per node, `devices` for one node.
+    fn node_size(&self) -> u32 {
+        if self.devices_per_node == 0 {
+            self.devices.max(1)
+        } else {
+            self.devices_per_node.min(self.devices.max(1))
+        }
+    }
+
+    /// A group of `members` ranks `stride` apart (the placement puts tp innermost, then pp,
+    /// then dp: Megatron's): its members per node and the nodes it spans.
+    pub fn group_span(&self, members: u32, stride: u32) -> (u32, u32) {
+        let members = members.max(1);
+        let per_node = (self.node_size() / stride.max(1)).clamp(1, members);
+        (per_node, members.div_ceil(per_node))
+    }
+
+    /// An all-reduce of `bytes` over a group of `members` ranks `stride` apart: a ring inside
+    /// each node, then between one leader per node (`comm::hierarchical`).
+    pub fn all_reduce_s(&self, bytes: f64, members: u32, stride: u32) -> f64 {
+        let (inside, nodes) = self.group_span(members, stride);
+        self.link.all_reduce_s(bytes, inside) + self.inter_link.all_reduce_s(bytes, nodes)
+    }
+
+    /// An all-gather (or reduce-scatter) over the same group: half an all-reduce.
+    pub fn all_gather_s(&self, bytes: f64, members: u32, stride: u32) -> f64 {
+        self.all_reduce_s(bytes, members, stride) / 2.0
+    }
 }
 
 /// One way to lay a job out over the machine.
@@ -281,17 +336,30 @@ pub fn layouts(model: &ModelCosts, devices: u32, batch: u32, micro_batches: &[u3
     out
 }
 
-/// The pipeline schedule a layout runs: interleaved over the blocks (one chunk per block of a
-/// stage) for pp > 1, the block job's sequential list otherwise.
+/// The schedule a pipelined layout runs over `blocks` blocks: interleaved (one chunk per
+/// block of a stage) where a stage holds several blocks, 1F1B where it holds one (so any
+/// micro-batch count runs); `meshwork plan`'s jobs are built with it.
+pub fn pipeline_schedule(layout: &Layout, blocks: u32) -> Schedule {
+    let virtual_stages = blocks / layout.pp.max(1);
+    if virtual_stages > 1 {
+        Schedule::Interleaved {
+            virtual_stages,
+            micro_batches: layout.micro_batches,
+        }
+    } else {
+        Schedule::OneFOneB {
+            micro_batches: layout.micro_batches,
+        }
+    }
+}
+
+/// The instructions a layout runs: [`pipeline_schedule`]'s for pp > 1, the block job's
+/// sequential list otherwise.
 fn schedule_of(layout: &Layout, blocks: u32) -> Result<PipelineSchedule, ScheduleError> {
     if layout.pp <= 1 {
         return PipelineSchedule::sequential(blocks, layout.micro_batches);
     }
-    Schedule::Interleaved {
-        virtual_stages: blocks / layout.pp,
-        micro_batches: layout.micro_batches,
-    }
-    .instructions(layout.pp)
+    pipeline_schedule(layout, blocks).instructions(layout.pp)
 }
 
 /// The step time and bytes of `layout` for `model` on `machine` at a global batch of `batch`
@@ -341,6 +409,11 @@ pub fn predict(
         held[b % pp as usize] += n;
     }
     let samples = f64::from(batch / (dp * m));
+    let sync_wait = if machine.devices > machine.cores {
+        machine.sync_wait_s
+    } else {
+        0.0
+    };
     // Seconds per micro-batch of each stage, forward and backward, tp collectives included.
     let mut forward = vec![0.0f64; pp as usize];
     let mut backward = vec![0.0f64; pp as usize];
@@ -355,8 +428,9 @@ pub fn predict(
             + if recompute { f } else { 0.0 };
         let comm = if block.splits && tp > 1 {
             let per_direction = block.tp_bytes as f64 * samples / 2.0;
-            // Two all-reduces' worth each way (Megatron's f and g), a recomputed forward's again.
-            let once = machine.link.all_reduce_s(per_direction, tp);
+            // One all-reduce each way (Megatron's f and g), a recomputed forward's again; each
+            // waits for its partner to be scheduled when ranks outnumber cores.
+            let once = machine.all_reduce_s(per_direction, tp, 1) + sync_wait;
             (once, once + if recompute { once } else { 0.0 })
         } else {
             (0.0, 0.0)
@@ -368,9 +442,24 @@ pub fn predict(
     let schedule = schedule_of(layout, blocks).map_err(|e| Unfit::Shape(e.to_string()))?;
     // The simulator's costs are per chunk: a stage's blocks share its time.
     let chunks = f64::from(schedule.virtual_stages().max(1));
+    // Stage boundaries that cross nodes carry the boundary tensor over the inter-node link.
+    let (_, nodes_of_pipeline) = machine.group_span(pp, tp);
+    let boundary = model
+        .blocks
+        .iter()
+        .map(|b| b.recompute_stash_bytes)
+        .max()
+        .unwrap_or(0) as f64
+        * samples;
+    let crossing = if nodes_of_pipeline > 1 {
+        machine.inter_link.alpha_s + boundary / machine.inter_link.bytes_per_s.max(1.0)
+    } else {
+        0.0
+    };
     let run = |slowdown: f64| -> Result<(f64, f64, Vec<u32>), Unfit> {
         let ns = |s: f64| (s * slowdown / chunks * 1e9).round().max(1.0) as u64;
         let (send, latency) = machine.pipeline_send_s;
+        let latency = latency + crossing;
         let whole = |s: f64| (s * 1e9).round().max(0.0) as u64;
         let mut costs = Costs::new(1, 1).with_communication(whole(send), whole(latency));
         for s in 0..pp as usize {
@@ -390,14 +479,16 @@ pub fn predict(
     let (pipeline_s, bubble, peak_stash) = run(slowdown)?;
     let fullest = held.iter().copied().max().unwrap_or(0);
     let grad_bytes = 4.0 * fullest as f64;
-    let link = machine.link;
+    let stride = tp * pp;
+    let all_reduce = machine.all_reduce_s(grad_bytes, dp, stride);
+    let all_gather = machine.all_gather_s(grad_bytes, dp, stride);
     let dp_comm_s = match zero {
-        0 => link.all_reduce_s(grad_bytes, dp),
-        1 => link.all_reduce_s(grad_bytes, dp) + link.all_gather_s(grad_bytes, dp),
-        2 => 2.0 * link.all_gather_s(grad_bytes, dp),
+        0 => all_reduce,
+        1 => all_reduce + all_gather,
+        2 => 2.0 * all_gather,
         // The parameters gathered for every micro-batch's forward and again for its backward,
         // the gradient reduce-scattered once.
-        _ => link.all_gather_s(grad_bytes, dp) * (1.0 + 2.0 * f64::from(m)),
+        _ => all_gather * (1.0 + 2.0 * f64::from(m)),
     };
     let stepped = if zero >= 1 {
         fullest as f64 / f64::from(dp)
@@ -405,15 +496,16 @@ pub fn predict(
         fullest as f64
     };
     let optimizer_s = stepped * machine.optimizer_s_per_param;
-    let step_s = pipeline_s + dp_comm_s + optimizer_s + machine.step_overhead_s;
+    let replicas_s = if dp > 1 { machine.replica_sync_s } else { 0.0 };
+    let step_s = pipeline_s + dp_comm_s + optimizer_s + machine.step_overhead_s + replicas_s;
     // The fullest rank's bytes: every stage's, the largest.
     let bytes = (0..pp as usize)
         .map(|s| {
             stage_bytes(
                 model,
                 layout,
-                s,
-                held[s],
+                &schedule,
+                (s, held[s]),
                 samples / chunks,
                 peak_stash.get(s),
             )
@@ -439,12 +531,12 @@ pub fn predict(
 
 /// The bytes a rank of stage `s` holds (MEM-1): `held` parameter elements, its blocks'
 /// boundary tensors for `per_chunk` samples' worth of each stashed chunk, `stash` chunks at
-/// the peak.
+/// the peak; ZeRO-3's gathered parameters and ZeRO-2's gradients from [`walk_stage`].
 fn stage_bytes(
     model: &ModelCosts,
     layout: &Layout,
-    s: usize,
-    held: u64,
+    schedule: &PipelineSchedule,
+    (s, held): (usize, u64),
     per_chunk: f64,
     stash: Option<&u32>,
 ) -> PredictedBytes {
@@ -464,13 +556,17 @@ fn stage_bytes(
             .filter(move |(b, _)| b % pp == s)
             .map(|(_, blk)| blk)
     };
+    let walked = walk_stage(model, layout, schedule, s);
     let params = if zero >= 3 {
-        // Without recomputation Burn's graph keeps every block's gathered parameters until
-        // its backward (MEM-3): the stage's blocks whole at the peak, beside the shards; with
-        // it, the block computing and the one gathered ahead.
+        // With recomputation the block computing and the one gathered ahead are whole (MEM-3);
+        // without, every block keeps the parameters of each forward until its backward.
         let largest = mine().filter_map(|b| b.params_at(tp)).max().unwrap_or(0);
-        let whole = if layout.recompute { 2 * largest } else { held };
-        4 * whole + shard(4 * held, 3)
+        let whole = if layout.recompute {
+            4 * 2 * largest
+        } else {
+            walked.full_params
+        };
+        whole + shard(4 * held, 3)
     } else {
         4 * held
     };
@@ -487,10 +583,67 @@ fn stage_bytes(
         stash_per_sample as f64 * per_chunk * f64::from(stash.copied().unwrap_or(1).max(1));
     PredictedBytes {
         params,
-        grads: shard(4 * held, 2),
+        grads: if zero >= 2 { walked.grads } else { 4 * held },
         optimizer: shard(8 * held, 1),
         activations: activations.round() as u64,
     }
+}
+
+/// The peaks of one stage's step, walked instruction by instruction as the worker counts
+/// them (MEM-2).
+#[derive(Debug, Default)]
+struct Walked {
+    /// Gathered parameters kept for pending backwards (ZeRO-3 without recomputation): a
+    /// block's whole parameters once for every micro-batch forwarded and not yet backwarded.
+    full_params: u64,
+    /// Gradients with ZeRO-2 on: a block's whole gradient from its first backward until its
+    /// last micro-batch's backward is done (then its reduction takes it to a shard); blocks
+    /// not yet reached hold none.
+    grads: u64,
+}
+
+fn walk_stage(
+    model: &ModelCosts,
+    layout: &Layout,
+    schedule: &PipelineSchedule,
+    s: usize,
+) -> Walked {
+    let blocks = model.blocks.len();
+    let whole: Vec<u64> = model
+        .blocks
+        .iter()
+        .map(|b| 4 * b.params_at(layout.tp).unwrap_or(0))
+        .collect();
+    let part = |b: usize| whole[b].div_ceil(u64::from(layout.dp.max(1)));
+    let mut pending = vec![0u64; blocks];
+    let mut backwards = vec![0u32; blocks];
+    let mut out = Walked::default();
+    let stage = StageIndex(s as u32);
+    for instr in schedule.list(stage) {
+        let b = schedule.block(stage, instr.chunk()) as usize;
+        if b >= blocks {
+            continue;
+        }
+        match instr.kind() {
+            InstrKind::Forward => pending[b] += 1,
+            InstrKind::Backward => backwards[b] += 1,
+            _ => continue,
+        }
+        let full: u64 = (0..blocks).map(|k| whole[k] * pending[k]).sum();
+        out.full_params = out.full_params.max(full);
+        let grads: u64 = (0..blocks)
+            .map(|k| match backwards[k] {
+                0 => 0,
+                n if n >= layout.micro_batches && k != b => part(k),
+                _ => whole[k],
+            })
+            .sum();
+        out.grads = out.grads.max(grads);
+        if instr.kind() == InstrKind::Backward {
+            pending[b] = pending[b].saturating_sub(1);
+        }
+    }
+    out
 }
 
 /// Every layout with its prediction or why it does not fit, the fitting ones fastest first.
@@ -543,12 +696,19 @@ mod tests {
     fn machine(devices: u32) -> Machine {
         Machine {
             devices,
+            devices_per_node: 0,
             cores: devices,
             memory_per_device: 1 << 30,
             link: AlphaBeta {
                 alpha_s: 1e-5,
                 bytes_per_s: 1e9,
             },
+            inter_link: AlphaBeta {
+                alpha_s: 5e-5,
+                bytes_per_s: 1e8,
+            },
+            sync_wait_s: 1e-4,
+            replica_sync_s: 1e-4,
             optimizer_s_per_param: 1e-9,
             step_overhead_s: 1e-4,
             pipeline_send_s: (1e-5, 1e-5),
@@ -602,6 +762,49 @@ mod tests {
                 last = p.bytes.grads + p.bytes.optimizer;
             }
         }
+    }
+
+    proptest! {
+        /// PLAN-3 (nodes): the same layout over nodes whose link is slower than the node's
+        /// never predicts a faster step, and one node as large as the machine predicts what
+        /// the machine without nodes does.
+        #[test]
+        fn plan_3_slower_links_between_nodes_never_speed_a_step(
+            blocks in 1usize..6,
+            per_node_log in 0u32..3,
+            pick in 0usize..64,
+        ) {
+            let m = model(blocks);
+            let one = machine(8);
+            let all = layouts(&m, 8, 16, &[1, 2, 4]);
+            let layout = all[pick % all.len()];
+            // A layout the schedule refuses is refused on every machine.
+            let Ok(base) = predict(&m, &one, &layout, 16) else {
+                return Ok(());
+            };
+            let whole = Machine { devices_per_node: 8, ..one };
+            prop_assert_eq!(predict(&m, &whole, &layout, 16).expect("fits"), base);
+            let split = Machine { devices_per_node: 1 << per_node_log, ..one };
+            let p = predict(&m, &split, &layout, 16).expect("fits");
+            prop_assert!(p.step_s >= base.step_s * (1.0 - 1e-12), "{layout}: {p:?} vs {base:?}");
+            prop_assert_eq!(p.bytes, base.bytes);
+        }
+    }
+
+    #[test]
+    fn groups_span_nodes_by_the_placement() {
+        let m = Machine {
+            devices_per_node: 4,
+            ..machine(16)
+        };
+        // tp 4 fills a node; dp 4 over tp 4 spans four nodes, one member each.
+        assert_eq!(m.group_span(4, 1), (4, 1));
+        assert_eq!(m.group_span(4, 4), (1, 4));
+        // dp 8 two apart: two members per node, four nodes.
+        assert_eq!(m.group_span(8, 2), (2, 4));
+        // One node: everything inside.
+        let one = machine(16);
+        assert_eq!(one.group_span(16, 1), (16, 1));
     }
 
     #[test]

@@ -29,10 +29,12 @@ use meshwork::demo::{Sample, TeacherTask, kjv_corpus, mlp_blocks};
 use meshwork::error::{Error, Result};
 use meshwork::events::StepDone;
 use meshwork::job::{Job, PipelineModel};
-use meshwork::parallel::pipeline::{InstrKind, Schedule};
+use meshwork::parallel::pipeline::InstrKind;
 use meshwork::parallel::stages::{BlockOptions, PipelineStages};
 use meshwork::parallel::zero::ZeroStage;
-use meshwork::planner::{AlphaBeta, BlockCosts, Layout, Machine, ModelCosts, Prediction, plan};
+use meshwork::planner::{
+    AlphaBeta, BlockCosts, Layout, Machine, ModelCosts, Prediction, pipeline_schedule, plan,
+};
 use meshwork::precision::Precision;
 use meshwork::trace::TraceKind;
 use serde::Serialize;
@@ -74,6 +76,13 @@ pub(crate) struct PlanArgs {
     /// measuring them here: `5us,10GB/s`.
     #[arg(long)]
     link: Option<String>,
+    /// Devices per node (default: all of them, one node); collectives that span nodes use
+    /// `--inter-link`.
+    #[arg(long)]
+    devices_per_node: Option<u32>,
+    /// Collectives between nodes, `α,β` as `--link` (default: the same as inside a node).
+    #[arg(long)]
+    inter_link: Option<String>,
     /// Micro-batch counts tried for pipelines, comma-separated.
     #[arg(long, default_value = "1,2,4", value_delimiter = ',')]
     micro_batches: Vec<u32>,
@@ -133,8 +142,8 @@ fn run_steps(model: &PlanModel, layout: &Layout, batch: u32, steps: u64) -> Resu
     }
 }
 
-/// The job of `layout` in `precision`: a pipeline with the interleaved schedule over pp
-/// stages, or blocks; Adam. `bench tensor`'s meshes are built here too.
+/// The job of `layout` in `precision`: a pipeline over pp stages with the planner's schedule
+/// (`planner::pipeline_schedule`), or blocks; Adam. `bench tensor`'s meshes are built here too.
 pub(crate) fn layout_job<I, D>(
     stages: PipelineStages<I>,
     data: D,
@@ -148,13 +157,7 @@ where
 {
     let blocks = stages.len() as u32;
     let builder = if layout.pp > 1 {
-        Job::builder().pipeline(
-            stages,
-            Schedule::Interleaved {
-                virtual_stages: blocks / layout.pp,
-                micro_batches: layout.micro_batches,
-            },
-        )
+        Job::builder().pipeline(stages, pipeline_schedule(layout, blocks))
     } else {
         Job::builder().blocks(stages)
     };
@@ -195,6 +198,41 @@ fn fullest_bytes(step: &StepDone) -> [u64; 4] {
         })
         .max_by_key(|b| b.iter().sum::<u64>())
         .unwrap_or_default()
+}
+
+/// Where the slowest rank's step went (see [`Row::measured_split`]), medians over the timed
+/// steps.
+fn split(steps: &[StepDone]) -> [f64; 4] {
+    let mut parts: [Vec<f64>; 4] = Default::default();
+    for s in steps.iter().skip(2) {
+        let slowest = s
+            .replicas
+            .iter()
+            .map(|r| {
+                let compute: f64 = r
+                    .pipeline
+                    .iter()
+                    .flat_map(|p| p.executed.iter())
+                    .filter(|t| matches!(t.instr.kind(), InstrKind::Forward | InstrKind::Backward))
+                    .map(|t| t.end.saturating_sub(t.start) as f64 * 1e-6)
+                    .sum();
+                let optimizer: f64 = r
+                    .trace
+                    .iter()
+                    .filter(|t| matches!(t.kind, TraceKind::OptimizerStep))
+                    .map(|t| t.duration_us as f64 * 1e-6)
+                    .sum();
+                let comm = (r.breakdown.communication_s - r.breakdown.overlapped_s).max(0.0);
+                [compute, comm, optimizer]
+            })
+            .max_by(|a, b| a.iter().sum::<f64>().total_cmp(&b.iter().sum::<f64>()))
+            .unwrap_or_default();
+        for (i, v) in slowest.iter().enumerate() {
+            parts[i].push(*v);
+        }
+        parts[3].push((s.wall_s - slowest.iter().sum::<f64>()).max(0.0));
+    }
+    parts.map(median)
 }
 
 /// Per block, the median forward and backward seconds of a one-device run, and the
@@ -298,12 +336,12 @@ fn pipeline_sends(model: &PlanModel, blocks: usize, batch: u32) -> Result<(f64, 
     Ok((median(sends), median(latencies)))
 }
 
-/// Measures what the planner needs on this machine (see the module's docs).
-#[allow(clippy::type_complexity)]
-fn calibrate(
-    model: &PlanModel,
-    args: &PlanArgs,
-) -> Result<(ModelCosts, f64, f64, AlphaBeta, (f64, f64))> {
+/// Steps of each calibrating run (the first two are not timed).
+const CALIBRATION_STEPS: u64 = 12;
+
+/// Measures what the planner needs on this machine (see the module's docs): the model's
+/// costs and the machine, cores and memory as asked.
+fn calibrate(model: &PlanModel, args: &PlanArgs, cores: u32) -> Result<(ModelCosts, Machine)> {
     let one = Layout {
         dp: 1,
         pp: 1,
@@ -312,13 +350,24 @@ fn calibrate(
         micro_batches: 1,
         recompute: false,
     };
-    let (big, small) = (args.batch, (args.batch / 4).max(1));
+    // The two sizes bracket every micro-batch a layout runs: the whole batch on one device,
+    // and the smallest share (the most replicas × the most micro-batches).
+    let most_micro_batches = args.micro_batches.iter().copied().max().unwrap_or(1).max(1);
+    let (big, small) = (
+        args.batch,
+        (args.batch / most_micro_batches.saturating_mul(args.devices).max(1)).max(1),
+    );
+    let small = if small == big {
+        (big / 2).max(1)
+    } else {
+        small
+    };
     let blocks = match model {
         PlanModel::Gpt { config, .. } => 2 * config.layers + 2,
         PlanModel::Mlp { widths, .. } => widths.len() - 1,
     };
-    let at_big = timings(&run_steps(model, &one, big, 6)?, blocks);
-    let at_small = timings(&run_steps(model, &one, small, 6)?, blocks);
+    let at_big = timings(&run_steps(model, &one, big, CALIBRATION_STEPS)?, blocks);
+    let at_small = timings(&run_steps(model, &one, small, CALIBRATION_STEPS)?, blocks);
     // Each block: t = fixed + per_sample × samples, through the two sizes.
     let fit = |a: f64, b: f64| {
         let per = ((a - b) / f64::from(big - small).max(1.0)).max(0.0);
@@ -359,17 +408,84 @@ fn calibrate(
         ),
         PlanModel::Mlp { widths, .. } => format!("MLP {widths:?}"),
     };
-    Ok((
-        ModelCosts {
-            name,
-            blocks: block_costs,
-            tp_degrees,
-        },
-        optimizer_s_per_param,
-        at_big.overhead_s,
+    let inter_link = match &args.inter_link {
+        Some(text) => parse_link(text)?,
+        None => link,
+    };
+    let costs = ModelCosts {
+        name,
+        blocks: block_costs,
+        tp_degrees,
+    };
+    let mut machine = Machine {
+        devices: args.devices,
+        devices_per_node: args.devices_per_node.unwrap_or(args.devices),
+        cores,
+        memory_per_device: args.memory_per_device,
         link,
-        sends,
-    ))
+        inter_link,
+        sync_wait_s: 0.0,
+        replica_sync_s: 0.0,
+        optimizer_s_per_param,
+        step_overhead_s: at_big.overhead_s,
+        pipeline_send_s: sends,
+    };
+    if args.devices > 1 {
+        at_scale(model, &costs, &mut machine, args.batch)?;
+    }
+    Ok((costs, machine))
+}
+
+/// What the runtime costs at the machine's device count, measured on a quarter of the batch
+/// (rounded to split over the devices): the replicas' synchronisation per step (a
+/// data-parallel run over every device: its step less the predicted step without it), and,
+/// where ranks outnumber cores, each
+/// tensor-parallel all-reduce's wait for its partner to be scheduled (a tp 2 run: its step
+/// less the predicted step, per all-reduce). These are not runs a plan checks at its own
+/// batch.
+fn at_scale(
+    model: &PlanModel,
+    costs: &ModelCosts,
+    machine: &mut Machine,
+    batch: u32,
+) -> Result<()> {
+    let devices = machine.devices;
+    let small = (batch / 4).max(devices).div_ceil(devices) * devices;
+    let measured = |layout: &Layout| -> Result<f64> {
+        let steps = run_steps(model, layout, small, CALIBRATION_STEPS)?;
+        Ok(median(steps.iter().skip(2).map(|s| s.wall_s).collect()))
+    };
+    let predicted = |machine: &Machine, layout: &Layout| {
+        meshwork::planner::predict(costs, machine, layout, small).map(|p| p.step_s)
+    };
+    let dp = Layout {
+        dp: devices,
+        pp: 1,
+        tp: 1,
+        zero: 0,
+        micro_batches: 1,
+        recompute: false,
+    };
+    if let Ok(without) = predicted(machine, &dp) {
+        machine.replica_sync_s = (measured(&dp)? - without).max(0.0);
+    }
+    let tp = Layout {
+        dp: devices / 2,
+        tp: 2,
+        ..dp
+    };
+    let all_reduces = 2 * costs.blocks.iter().filter(|b| b.splits).count() as u32;
+    let oversubscribed = devices > machine.cores;
+    if oversubscribed
+        && devices.is_multiple_of(2)
+        && costs.tp_degrees.contains(&2)
+        && all_reduces > 0
+        && let Ok(without) = predicted(machine, &tp)
+    {
+        let gap = measured(&tp)? - without;
+        machine.sync_wait_s = (gap / f64::from(all_reduces)).max(0.0);
+    }
+    Ok(())
 }
 
 /// Per block: its parameter elements per tp degree, its stash bytes per sample and its
@@ -480,6 +596,10 @@ struct Row {
     measured_bytes: Option<u64>,
     /// Measured parameters, gradients, optimizer state and activations of the fullest rank.
     measured_parts: Option<[u64; 4]>,
+    /// Where the slowest rank's step went, medians in seconds: forwards and backwards
+    /// (tensor-parallel collectives inside them), collectives not hidden behind compute,
+    /// the optimizer, and the rest of the step's wall time.
+    measured_split: Option<[f64; 4]>,
     step_error: Option<f64>,
     bytes_error: Option<f64>,
 }
@@ -495,16 +615,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         ));
     }
     eprintln!("meshwork plan: measuring this machine (one-device runs, an all-reduce) …");
-    let (costs, optimizer_s_per_param, overhead_s, link, sends) = calibrate(&model, &args)?;
-    let machine = Machine {
-        devices: args.devices,
-        cores,
-        memory_per_device: args.memory_per_device,
-        link,
-        optimizer_s_per_param,
-        step_overhead_s: overhead_s,
-        pipeline_send_s: sends,
-    };
+    let (costs, machine) = calibrate(&model, &args, cores)?;
     let planned = plan(&costs, &machine, args.batch, &args.micro_batches);
     let mut rows: Vec<Row> = Vec::new();
     for (layout, verdict) in planned {
@@ -537,6 +648,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
             measured_step_s: None,
             measured_bytes: None,
             measured_parts: None,
+            measured_split: None,
             step_error: None,
             bytes_error: None,
         });
@@ -559,6 +671,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         let parts = steps.last().map(fullest_bytes).unwrap_or_default();
         let bytes: u64 = parts.iter().sum();
         row.measured_parts = Some(parts);
+        row.measured_split = Some(split(&steps));
         if let Some(p) = row.predicted {
             row.step_error = Some(p.step_s / measured.max(1e-12) - 1.0);
             row.bytes_error = Some(p.bytes.total() as f64 / (bytes.max(1)) as f64 - 1.0);
@@ -636,7 +749,7 @@ fn print(args: &PlanArgs, costs: &ModelCosts, machine: &Machine, rows: &[Row]) {
         return;
     }
     println!(
-        "# {} — global batch {}, Adam; {} devices sharing {} cores, {} MiB each; collectives α {:.1} µs, β {:.2} GB/s; pipeline sends {:.0} µs + {:.0} µs latency; optimizer {:.2} ns/parameter; runtime {:.2} ms/step",
+        "# {} — global batch {}, Adam; {} devices sharing {} cores, {} MiB each; collectives α {:.1} µs, β {:.2} GB/s; pipeline sends {:.0} µs + {:.0} µs latency; optimizer {:.2} ns/parameter; runtime {:.2} ms/step, replicas' sync {:.2} ms/step; a tp all-reduce waits {:.3} ms for its partner{}",
         costs.name,
         args.batch,
         machine.devices,
@@ -647,7 +760,19 @@ fn print(args: &PlanArgs, costs: &ModelCosts, machine: &Machine, rows: &[Row]) {
         machine.pipeline_send_s.0 * 1e6,
         machine.pipeline_send_s.1 * 1e6,
         machine.optimizer_s_per_param * 1e9,
-        machine.step_overhead_s * 1e3
+        machine.step_overhead_s * 1e3,
+        machine.replica_sync_s * 1e3,
+        machine.sync_wait_s * 1e3,
+        if machine.devices_per_node > 0 && machine.devices_per_node < machine.devices {
+            format!(
+                "; {} devices a node, between nodes α {:.1} µs, β {:.2} GB/s",
+                machine.devices_per_node,
+                machine.inter_link.alpha_s * 1e6,
+                machine.inter_link.bytes_per_s / 1e9
+            )
+        } else {
+            String::new()
+        }
     );
     println!(
         "{:<46} {:>9} {:>9} {:>7} {:>8} {:>8} {:>8} {:>9} {:>10} {:>7} {:>9} {:>7}",
@@ -697,6 +822,26 @@ fn print(args: &PlanArgs, costs: &ModelCosts, machine: &Machine, rows: &[Row]) {
     }
     let checked: Vec<&Row> = rows.iter().filter(|r| r.step_error.is_some()).collect();
     if !checked.is_empty() {
+        println!(
+            "# where the slowest rank's step went, ms: predicted pipeline (compute, tp, bubble) / dp collectives / optimizer / runtime, measured compute / collectives not hidden / optimizer / rest"
+        );
+        for r in &checked {
+            let (Some(p), Some(m)) = (r.predicted, r.measured_split) else {
+                continue;
+            };
+            println!(
+                "{:<46} {:>7} {:>6} {:>6} {:>6}  | {:>7} {:>6} {:>6} {:>6}",
+                r.layout.to_string(),
+                ms(p.pipeline_s),
+                ms(p.dp_comm_s),
+                ms(p.optimizer_s),
+                ms(machine.step_overhead_s),
+                ms(m[0]),
+                ms(m[1]),
+                ms(m[2]),
+                ms(m[3])
+            );
+        }
         let within = |e: Option<f64>, bound: f64| e.is_some_and(|e| e.abs() <= bound);
         println!(
             "# checked {}: step time within 15 % for {}, bytes within 10 % for {}",
