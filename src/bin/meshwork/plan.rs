@@ -200,6 +200,15 @@ fn fullest_bytes(step: &StepDone) -> [u64; 4] {
         .unwrap_or_default()
 }
 
+/// Seconds a rank's optimizer step took in a step (its trace span).
+fn optimizer_seconds(r: &meshwork::events::ReplicaStep) -> f64 {
+    r.trace
+        .iter()
+        .filter(|t| matches!(t.kind, TraceKind::OptimizerStep))
+        .map(|t| t.duration_us as f64 * 1e-6)
+        .sum()
+}
+
 /// Where the slowest rank's step went (see [`Row::measured_split`]), medians over the timed
 /// steps.
 fn split(steps: &[StepDone]) -> [f64; 4] {
@@ -216,12 +225,7 @@ fn split(steps: &[StepDone]) -> [f64; 4] {
                     .filter(|t| matches!(t.instr.kind(), InstrKind::Forward | InstrKind::Backward))
                     .map(|t| t.end.saturating_sub(t.start) as f64 * 1e-6)
                     .sum();
-                let optimizer: f64 = r
-                    .trace
-                    .iter()
-                    .filter(|t| matches!(t.kind, TraceKind::OptimizerStep))
-                    .map(|t| t.duration_us as f64 * 1e-6)
-                    .sum();
+                let optimizer = optimizer_seconds(r);
                 let comm = (r.breakdown.communication_s - r.breakdown.overlapped_s).max(0.0);
                 [compute, comm, optimizer]
             })
@@ -267,12 +271,7 @@ fn timings(steps: &[StepDone], blocks: usize) -> Timings {
                 compute += took;
             }
         }
-        let opt: f64 = r
-            .trace
-            .iter()
-            .filter(|t| matches!(t.kind, TraceKind::OptimizerStep))
-            .map(|t| t.duration_us as f64 * 1e-6)
-            .sum();
+        let opt = optimizer_seconds(r);
         optimizer.push(opt);
         overhead.push((s.wall_s - compute - opt).max(0.0));
     }
