@@ -54,10 +54,12 @@ mod fault_tolerance;
 mod handle;
 mod local_updates;
 mod plan;
+mod profile;
 pub use events::{EventStream, EventsError};
 pub use fault_tolerance::FaultTolerance;
 pub use handle::{JobControl, JobHandle, JobStopper};
 pub use plan::JobPlan;
+pub use profile::{Profile, ProfileRuns, profile};
 
 /// Default size of a gradient bucket (PyTorch DDP's default).
 pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;

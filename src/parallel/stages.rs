@@ -125,6 +125,8 @@ pub(crate) struct Block<I> {
     pub(crate) is_last: bool,
     /// A tensor-parallel block: how to check a degree and put its parts back together.
     pub(crate) tensor_parallel: Option<(CheckFn, UnshardFn)>,
+    /// Its parameter elements, whole (`Module::num_params`).
+    pub(crate) params: usize,
 }
 
 impl<I> Clone for Block<I> {
@@ -133,6 +135,7 @@ impl<I> Clone for Block<I> {
             build: self.build.clone(),
             is_last: self.is_last,
             tensor_parallel: self.tensor_parallel.clone(),
+            params: self.params,
         }
     }
 }
@@ -278,6 +281,7 @@ impl<I: 'static> PipelineStages<I> {
         + 'static,
     ) -> Self {
         let module = materialize(module);
+        let params = module.num_params();
         let check_module = Mutex::new(module.clone());
         let check: CheckFn = Arc::new(move |degree| {
             check_split(
@@ -307,6 +311,7 @@ impl<I: 'static> PipelineStages<I> {
             }),
             is_last,
             tensor_parallel: Some((check, unshard)),
+            params,
         });
         self
     }
@@ -321,7 +326,9 @@ impl<I: 'static> PipelineStages<I> {
         + 'static,
     ) -> Self {
         // Each replica builds its stage from a copy of the same record, drawn now (REPRO-1).
-        let module = Mutex::new(materialize(module));
+        let module = materialize(module);
+        let params = module.num_params();
+        let module = Mutex::new(module);
         let inputs = self.inputs.clone();
         self.blocks.push(Block {
             build: Arc::new(move |device, optimizer, lr, _| {
@@ -331,6 +338,7 @@ impl<I: 'static> PipelineStages<I> {
             }),
             is_last,
             tensor_parallel: None,
+            params,
         });
         self
     }
@@ -343,6 +351,19 @@ impl<I: 'static> PipelineStages<I> {
     /// Whether no block was added.
     pub fn is_empty(&self) -> bool {
         self.blocks.is_empty()
+    }
+
+    /// Each block's parameter elements, whole, in order.
+    pub fn parameters(&self) -> Vec<usize> {
+        self.blocks.iter().map(|b| b.params).collect()
+    }
+
+    /// Each block: whether it is tensor-parallel ([`tp_block`](Self::tp_block)).
+    pub fn tensor_parallel_blocks(&self) -> Vec<bool> {
+        self.blocks
+            .iter()
+            .map(|b| b.tensor_parallel.is_some())
+            .collect()
     }
 
     /// Why these blocks cannot form a pipeline, if they cannot: at least one block, exactly one

@@ -19,6 +19,7 @@ mod lifecycle;
 mod local_updates;
 mod parameter_server;
 mod pipeline;
+mod planner;
 mod precision;
 mod reproducible;
 mod runtime;

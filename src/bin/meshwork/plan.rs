@@ -28,12 +28,12 @@ use meshwork::demo::gpt::{Gpt, GptConfig};
 use meshwork::demo::{Sample, TeacherTask, kjv_corpus, mlp_blocks};
 use meshwork::error::{Error, Result};
 use meshwork::events::StepDone;
-use meshwork::job::{Job, PipelineModel};
+use meshwork::job::{Job, PipelineModel, ProfileRuns, profile};
 use meshwork::parallel::pipeline::InstrKind;
 use meshwork::parallel::stages::{BlockOptions, PipelineStages};
 use meshwork::parallel::zero::ZeroStage;
 use meshwork::planner::{
-    AlphaBeta, BlockCosts, Layout, Machine, ModelCosts, Prediction, pipeline_schedule, plan,
+    AlphaBeta, Layout, Machine, ModelCosts, Prediction, pipeline_schedule, plan,
 };
 use meshwork::precision::Precision;
 use meshwork::trace::TraceKind;
@@ -239,50 +239,6 @@ fn split(steps: &[StepDone]) -> [f64; 4] {
     parts.map(median)
 }
 
-/// Per block, the median forward and backward seconds of a one-device run, and the
-/// optimizer's and the runtime's seconds per step.
-struct Timings {
-    forward: Vec<f64>,
-    backward: Vec<f64>,
-    optimizer_s: f64,
-    overhead_s: f64,
-}
-
-fn timings(steps: &[StepDone], blocks: usize) -> Timings {
-    let timed: Vec<&StepDone> = steps.iter().skip(2).collect();
-    let mut forward = vec![Vec::new(); blocks];
-    let mut backward = vec![Vec::new(); blocks];
-    let mut optimizer = Vec::new();
-    let mut overhead = Vec::new();
-    for s in &timed {
-        let Some(r) = s.replicas.first() else {
-            continue;
-        };
-        let mut compute = 0.0;
-        if let Some(p) = &r.pipeline {
-            for t in &p.executed {
-                let took = t.end.saturating_sub(t.start) as f64 * 1e-6;
-                let b = t.instr.chunk().0 as usize;
-                match t.instr.kind() {
-                    InstrKind::Forward if b < blocks => forward[b].push(took),
-                    InstrKind::Backward if b < blocks => backward[b].push(took),
-                    _ => continue,
-                }
-                compute += took;
-            }
-        }
-        let opt = optimizer_seconds(r);
-        optimizer.push(opt);
-        overhead.push((s.wall_s - compute - opt).max(0.0));
-    }
-    Timings {
-        forward: forward.into_iter().map(median).collect(),
-        backward: backward.into_iter().map(median).collect(),
-        optimizer_s: median(optimizer),
-        overhead_s: median(overhead),
-    }
-}
-
 /// A pipeline send's busy time and its latency (from the send's end to the end of a receive
 /// that was already waiting for it), medians over a dp 1 × pp 2 run's steps; `(0, 0)` for a
 /// model or batch that cannot run it.
@@ -341,65 +297,17 @@ const CALIBRATION_STEPS: u64 = 12;
 /// Measures what the planner needs on this machine (see the module's docs): the model's
 /// costs and the machine, cores and memory as asked.
 fn calibrate(model: &PlanModel, args: &PlanArgs, cores: u32) -> Result<(ModelCosts, Machine)> {
-    let one = Layout {
-        dp: 1,
-        pp: 1,
-        tp: 1,
-        zero: 0,
-        micro_batches: 1,
-        recompute: false,
-    };
     // The two sizes bracket every micro-batch a layout runs: the whole batch on one device,
     // and the smallest share (the most replicas × the most micro-batches).
     let most_micro_batches = args.micro_batches.iter().copied().max().unwrap_or(1).max(1);
-    let (big, small) = (
-        args.batch,
-        (args.batch / most_micro_batches.saturating_mul(args.devices).max(1)).max(1),
-    );
-    let small = if small == big {
-        (big / 2).max(1)
-    } else {
-        small
+    let big = args.batch.max(2);
+    let small = (args.batch / most_micro_batches.saturating_mul(args.devices).max(1)).max(1);
+    let small = if small >= big { big / 2 } else { small };
+    let runs = ProfileRuns {
+        batch: big,
+        small_batch: small,
+        steps: CALIBRATION_STEPS,
     };
-    let blocks = match model {
-        PlanModel::Gpt { config, .. } => 2 * config.layers + 2,
-        PlanModel::Mlp { widths, .. } => widths.len() - 1,
-    };
-    let at_big = timings(&run_steps(model, &one, big, CALIBRATION_STEPS)?, blocks);
-    let at_small = timings(&run_steps(model, &one, small, CALIBRATION_STEPS)?, blocks);
-    // Each block: t = fixed + per_sample × samples, through the two sizes.
-    let fit = |a: f64, b: f64| {
-        let per = ((a - b) / f64::from(big - small).max(1.0)).max(0.0);
-        ((b - per * f64::from(small)).max(0.0), per)
-    };
-    let (params, stash, tp_bytes, tp_degrees) = shapes(model, args.devices)?;
-    let block_costs = (0..blocks)
-        .map(|b| {
-            let (ff, fp) = fit(at_big.forward[b], at_small.forward[b]);
-            let (bf, bp) = fit(at_big.backward[b], at_small.backward[b]);
-            BlockCosts {
-                params: params[b].clone(),
-                forward_s: fp,
-                forward_fixed_s: ff,
-                backward_s: bp,
-                backward_fixed_s: bf,
-                stash_bytes: stash[b].0,
-                recompute_stash_bytes: stash[b].1,
-                splits: tp_degrees.len() > 1,
-                tp_bytes: tp_bytes[b],
-            }
-        })
-        .collect();
-    let elements: u64 = params
-        .iter()
-        .filter_map(|p| p.iter().find(|(d, _)| *d == 1).map(|(_, n)| *n))
-        .sum();
-    let optimizer_s_per_param = at_big.optimizer_s / elements.max(1) as f64;
-    let link = match &args.link {
-        Some(text) => parse_link(text)?,
-        None => measure_link()?,
-    };
-    let sends = pipeline_sends(model, blocks, big)?;
     let name = match model {
         PlanModel::Gpt { config, .. } => format!(
             "GPT: {} layers, hidden {}, {} heads, context {}, vocabulary {}",
@@ -407,15 +315,51 @@ fn calibrate(model: &PlanModel, args: &PlanArgs, cores: u32) -> Result<(ModelCos
         ),
         PlanModel::Mlp { widths, .. } => format!("MLP {widths:?}"),
     };
+    // The model through the embedding API's profiler, as a user's own blocks would be.
+    let runtime = tokio::runtime::Runtime::new().map_err(|e| Error::Io {
+        path: "tokio runtime".into(),
+        reason: e.to_string(),
+    })?;
+    let profiled = runtime.block_on(async {
+        match model {
+            PlanModel::Gpt { gpt, data, .. } => {
+                let blocks = |options| Ok((**gpt).clone().into_blocks_with(options));
+                profile(&name, blocks, data.clone(), runs).await
+            }
+            PlanModel::Mlp { widths, data } => {
+                let blocks = |options| {
+                    let device = Device::flex();
+                    device.seed(3);
+                    mlp_blocks(widths, options, &device)
+                        .ok_or_else(|| Error::InvalidConfig("the MLP needs two widths".into()))
+                };
+                profile(&name, blocks, data.clone(), runs).await
+            }
+        }
+    })?;
+    let mut costs = profiled.costs;
+    // The GPT states what each rank holds at every tensor-parallel degree, and what its
+    // all-reduces move.
+    if let PlanModel::Gpt { gpt, config, .. } = model {
+        let (params, tp_bytes, tp_degrees) = gpt_splits(gpt, config, args.devices);
+        for (b, block) in costs.blocks.iter_mut().enumerate() {
+            block.params = params.get(b).cloned().unwrap_or_default();
+            block.tp_bytes = tp_bytes;
+            block.splits = tp_degrees.len() > 1;
+        }
+        costs.tp_degrees = tp_degrees;
+    }
+    let blocks = costs.blocks.len();
+    let link = match &args.link {
+        Some(text) => parse_link(text)?,
+        None => measure_link()?,
+    };
+    let sends = pipeline_sends(model, blocks, big)?;
     let inter_link = match &args.inter_link {
         Some(text) => parse_link(text)?,
         None => link,
     };
-    let costs = ModelCosts {
-        name,
-        blocks: block_costs,
-        tp_degrees,
-    };
+
     let mut machine = Machine {
         devices: args.devices,
         devices_per_node: args.devices_per_node.unwrap_or(args.devices),
@@ -425,8 +369,8 @@ fn calibrate(model: &PlanModel, args: &PlanArgs, cores: u32) -> Result<(ModelCos
         inter_link,
         sync_wait_s: 0.0,
         replica_sync_s: 0.0,
-        optimizer_s_per_param,
-        step_overhead_s: at_big.overhead_s,
+        optimizer_s_per_param: profiled.optimizer_s_per_param,
+        step_overhead_s: profiled.step_overhead_s,
         pipeline_send_s: sends,
     };
     if args.devices > 1 {
@@ -439,8 +383,8 @@ fn calibrate(model: &PlanModel, args: &PlanArgs, cores: u32) -> Result<(ModelCos
 /// (rounded to split over the devices): the replicas' synchronisation per step (a
 /// data-parallel run over every device: its step less the predicted step without it), and,
 /// where ranks outnumber cores, each
-/// tensor-parallel all-reduce's wait for its partner to be scheduled (a tp 2 run: its step
-/// less the predicted step, per all-reduce). These are not runs a plan checks at its own
+/// tensor-parallel all-reduce's wait for its partners to be scheduled (a run with the widest
+/// tp group the model allows: its step less the predicted step, per all-reduce). These are not runs a plan checks at its own
 /// batch.
 fn at_scale(
     model: &PlanModel,
@@ -468,17 +412,23 @@ fn at_scale(
     if let Ok(without) = predicted(machine, &dp) {
         machine.replica_sync_s = (measured(&dp)? - without).max(0.0);
     }
-    let tp = Layout {
-        dp: devices / 2,
-        tp: 2,
-        ..dp
-    };
+    // The widest tensor-parallel group the model allows, the rest data-parallel.
+    let widest = costs
+        .tp_degrees
+        .iter()
+        .copied()
+        .filter(|t| *t > 1 && devices.is_multiple_of(*t))
+        .max();
     let all_reduces = 2 * costs.blocks.iter().filter(|b| b.splits).count() as u32;
     let oversubscribed = devices > machine.cores;
     if oversubscribed
-        && devices.is_multiple_of(2)
-        && costs.tp_degrees.contains(&2)
         && all_reduces > 0
+        && let Some(width) = widest
+        && let tp = (Layout {
+            dp: devices / width,
+            tp: width,
+            ..dp
+        })
         && let Ok(without) = predicted(machine, &tp)
     {
         let gap = measured(&tp)? - without;
@@ -487,72 +437,34 @@ fn at_scale(
     Ok(())
 }
 
-/// Per block: its parameter elements per tp degree, its stash bytes per sample and its
-/// tensor-parallel bytes per sample; and the degrees every block splits at.
-#[allow(clippy::type_complexity)]
-fn shapes(
-    model: &PlanModel,
-    devices: u32,
-) -> Result<(Vec<Vec<(u32, u64)>>, Vec<(u64, u64)>, Vec<u64>, Vec<u32>)> {
-    match model {
-        PlanModel::Gpt { gpt, config, .. } => {
-            let mut degrees = Vec::new();
-            let mut per_degree = Vec::new();
-            for tp in [1u32, 2, 4, 8].into_iter().filter(|t| *t <= devices) {
-                // Every rank of a degree holds the same count; rank 0 stands for them.
-                if let Ok(counts) = gpt.held_parameters(0, tp as usize) {
-                    degrees.push(tp);
-                    per_degree.push((tp, counts));
-                }
-            }
-            let blocks = 2 * config.layers + 2;
-            let params = (0..blocks)
-                .map(|b| {
-                    per_degree
-                        .iter()
-                        .map(|(tp, counts)| (*tp, counts.get(b).copied().unwrap_or(0) as u64))
-                        .collect()
-                })
-                .collect();
-            let (s, h) = (config.context as u64, config.d_model as u64);
-            // A block keeps its input and its output until its backward (the embedding's input
-            // is the tokens, the head's output the loss); a recomputing block (attention and
-            // MLP) its input only.
-            let stash = (0..blocks)
-                .map(|b| match b {
-                    0 => (4 * s + 4 * s * h, 4 * s + 4 * s * h),
-                    b if b + 1 == blocks => (4 * s * h, 4 * s * h),
-                    _ => (8 * s * h, 4 * s * h),
-                })
-                .collect();
-            // Megatron: one all-reduce of the block's output forward, one of its input's
-            // gradient backward, `s·h` floats each.
-            let tp_bytes = (0..blocks).map(|_| 2 * 4 * s * h).collect();
-            Ok((params, stash, tp_bytes, degrees))
-        }
-        PlanModel::Mlp { widths, .. } => {
-            let params = widths
-                .windows(2)
-                .map(|w| vec![(1, (w[0] * w[1] + w[1]) as u64)])
-                .collect();
-            // Input and output until the backward; with recomputation the input only; the last
-            // block (its output is the loss) trains without it.
-            let last = widths.len() - 2;
-            let stash = widths
-                .windows(2)
-                .enumerate()
-                .map(|(i, w)| {
-                    let input = 4 * w[0] as u64;
-                    if i == last {
-                        (input, input)
-                    } else {
-                        (input + 4 * w[1] as u64, input)
-                    }
-                })
-                .collect();
-            Ok((params, stash, vec![0; widths.len() - 1], vec![1]))
+/// A block's elements on one rank, per tensor-parallel degree: `(degree, elements)`.
+type HeldPerDegree = Vec<(u32, u64)>;
+
+/// The GPT's blocks at every tensor-parallel degree up to `devices`: each block's elements on
+/// one rank per degree, the bytes its all-reduces move per sample (Megatron: one of the
+/// block's output forward, one of its input's gradient backward, `s·h` floats each), and the
+/// degrees every block splits at.
+fn gpt_splits(gpt: &Gpt, config: &GptConfig, devices: u32) -> (Vec<HeldPerDegree>, u64, Vec<u32>) {
+    let mut degrees = Vec::new();
+    let mut per_degree = Vec::new();
+    for tp in [1u32, 2, 4, 8].into_iter().filter(|t| *t <= devices) {
+        // Every rank of a degree holds the same count; rank 0 stands for them.
+        if let Ok(counts) = gpt.held_parameters(0, tp as usize) {
+            degrees.push(tp);
+            per_degree.push((tp, counts));
         }
     }
+    let blocks = 2 * config.layers + 2;
+    let params = (0..blocks)
+        .map(|b| {
+            per_degree
+                .iter()
+                .map(|(tp, counts)| (*tp, counts.get(b).copied().unwrap_or(0) as u64))
+                .collect()
+        })
+        .collect();
+    let (s, h) = (config.context as u64, config.d_model as u64);
+    (params, 2 * 4 * s * h, degrees)
 }
 
 fn parse_link(text: &str) -> Result<AlphaBeta> {
