@@ -39,11 +39,12 @@
 //!   shard) and recomputation on and off, once each.
 //! - PLAN-2 (monotone): more devices of data parallelism never predict less compute per
 //!   rank; a layout that does not fit names the bytes it needs and the device's.
-//! - PLAN-3 (nodes): ranks are placed tp innermost, then pp, then dp (Megatron's order); a
-//!   group that spans nodes reduces inside each node over `link`, then between one leader per
-//!   node over `inter_link` (`comm::hierarchical`'s plan), and a pipeline boundary between
-//!   nodes carries its tensor over `inter_link`; so a slower link between nodes never
-//!   predicts a faster step, and bytes do not depend on the nodes.
+//! - PLAN-3 (nodes): ranks are placed as the mesh places them (MESH-1: tp innermost, then dp,
+//!   then pp); a group that spans nodes reduces inside each node over `link`, then between
+//!   one leader per node over `inter_link` (`comm::hierarchical`'s plan, which runs an
+//!   all-gather or reduce-scatter as a whole all-reduce), and a pipeline that spans nodes
+//!   carries its boundary tensors over `inter_link`; so, for the same nodes, a slower link
+//!   between them never predicts a faster step, and bytes do not depend on the nodes.
 
 use serde::{Deserialize, Serialize};
 
@@ -169,24 +170,40 @@ impl Machine {
         }
     }
 
-    /// A group of `members` ranks `stride` apart (the placement puts tp innermost, then pp,
-    /// then dp: Megatron's): its members per node and the nodes it spans.
+    /// A group of `members` ranks `stride` apart (the mesh's placement, MESH-1: tp
+    /// innermost, then dp, then pp, as Megatron places them): its members per node and the
+    /// nodes it spans.
     pub fn group_span(&self, members: u32, stride: u32) -> (u32, u32) {
         let members = members.max(1);
         let per_node = (self.node_size() / stride.max(1)).clamp(1, members);
         (per_node, members.div_ceil(per_node))
     }
 
+    /// The link between nodes (`link` where none was given).
+    fn between_nodes(&self) -> AlphaBeta {
+        if self.inter_link.bytes_per_s > 0.0 {
+            self.inter_link
+        } else {
+            self.link
+        }
+    }
+
     /// An all-reduce of `bytes` over a group of `members` ranks `stride` apart: a ring inside
     /// each node, then between one leader per node (`comm::hierarchical`).
     pub fn all_reduce_s(&self, bytes: f64, members: u32, stride: u32) -> f64 {
         let (inside, nodes) = self.group_span(members, stride);
-        self.link.all_reduce_s(bytes, inside) + self.inter_link.all_reduce_s(bytes, nodes)
+        self.link.all_reduce_s(bytes, inside) + self.between_nodes().all_reduce_s(bytes, nodes)
     }
 
-    /// An all-gather (or reduce-scatter) over the same group: half an all-reduce.
+    /// An all-gather (or reduce-scatter) over the same group: half an all-reduce inside one
+    /// node; across nodes `comm::hierarchical` runs it as a whole all-reduce (HIER-1).
     pub fn all_gather_s(&self, bytes: f64, members: u32, stride: u32) -> f64 {
-        self.all_reduce_s(bytes, members, stride) / 2.0
+        let whole = self.all_reduce_s(bytes, members, stride);
+        if self.group_span(members, stride).1 > 1 {
+            whole
+        } else {
+            whole / 2.0
+        }
     }
 }
 
@@ -442,8 +459,9 @@ pub fn predict(
     let schedule = schedule_of(layout, blocks).map_err(|e| Unfit::Shape(e.to_string()))?;
     // The simulator's costs are per chunk: a stage's blocks share its time.
     let chunks = f64::from(schedule.virtual_stages().max(1));
-    // Stage boundaries that cross nodes carry the boundary tensor over the inter-node link.
-    let (_, nodes_of_pipeline) = machine.group_span(pp, tp);
+    // A pipeline whose stages span nodes carries the boundary tensor over the inter-node link;
+    // the simulator has one send cost, so every boundary pays it.
+    let (_, nodes_of_pipeline) = machine.group_span(pp, tp * dp);
     let boundary = model
         .blocks
         .iter()
@@ -451,8 +469,9 @@ pub fn predict(
         .max()
         .unwrap_or(0) as f64
         * samples;
+    let between = machine.between_nodes();
     let crossing = if nodes_of_pipeline > 1 {
-        machine.inter_link.alpha_s + boundary / machine.inter_link.bytes_per_s.max(1.0)
+        between.alpha_s + boundary / between.bytes_per_s.max(1.0)
     } else {
         0.0
     };
@@ -479,9 +498,8 @@ pub fn predict(
     let (pipeline_s, bubble, peak_stash) = run(slowdown)?;
     let fullest = held.iter().copied().max().unwrap_or(0);
     let grad_bytes = 4.0 * fullest as f64;
-    let stride = tp * pp;
-    let all_reduce = machine.all_reduce_s(grad_bytes, dp, stride);
-    let all_gather = machine.all_gather_s(grad_bytes, dp, stride);
+    let all_reduce = machine.all_reduce_s(grad_bytes, dp, tp);
+    let all_gather = machine.all_gather_s(grad_bytes, dp, tp);
     let dp_comm_s = match zero {
         0 => all_reduce,
         1 => all_reduce + all_gather,
@@ -765,14 +783,15 @@ mod tests {
     }
 
     proptest! {
-        /// PLAN-3 (nodes): the same layout over nodes whose link is slower than the node's
-        /// never predicts a faster step, and one node as large as the machine predicts what
-        /// the machine without nodes does.
+        /// PLAN-3 (nodes): the same layout over the same nodes never predicts a faster step
+        /// when the link between them is slower, and one node as large as the machine
+        /// predicts what the machine without nodes does.
         #[test]
         fn plan_3_slower_links_between_nodes_never_speed_a_step(
             blocks in 1usize..6,
             per_node_log in 0u32..3,
             pick in 0usize..64,
+            slower in 1.0f64..100.0,
         ) {
             let m = model(blocks);
             let one = machine(8);
@@ -784,11 +803,61 @@ mod tests {
             };
             let whole = Machine { devices_per_node: 8, ..one };
             prop_assert_eq!(predict(&m, &whole, &layout, 16).expect("fits"), base);
-            let split = Machine { devices_per_node: 1 << per_node_log, ..one };
-            let p = predict(&m, &split, &layout, 16).expect("fits");
-            prop_assert!(p.step_s >= base.step_s * (1.0 - 1e-12), "{layout}: {p:?} vs {base:?}");
-            prop_assert_eq!(p.bytes, base.bytes);
+            let fast = Machine { devices_per_node: 1 << per_node_log, inter_link: one.link, ..one };
+            let slow = Machine {
+                inter_link: AlphaBeta {
+                    alpha_s: one.link.alpha_s * slower,
+                    bytes_per_s: one.link.bytes_per_s / slower,
+                },
+                ..fast
+            };
+            let f = predict(&m, &fast, &layout, 16).expect("fits");
+            let s = predict(&m, &slow, &layout, 16).expect("fits");
+            prop_assert!(s.step_s >= f.step_s * (1.0 - 1e-12), "{layout}: {s:?} vs {f:?}");
+            prop_assert_eq!(s.bytes, base.bytes);
+            prop_assert_eq!(f.bytes, base.bytes);
         }
+    }
+
+    #[test]
+    fn zero_bytes_follow_the_stages_instructions() {
+        // Four equal blocks of 1,000 elements (tp 1) on one stage, dp 4, one micro-batch: the
+        // backwards run 3, 2, 1, 0; ZeRO-2 holds the block being reduced whole beside the
+        // shards of those already reduced.
+        let mut m = model(4);
+        for b in &mut m.blocks {
+            b.params = vec![(1, 1000), (2, 500)];
+        }
+        let dp4 = Layout {
+            dp: 4,
+            pp: 1,
+            tp: 1,
+            zero: 2,
+            micro_batches: 1,
+            recompute: false,
+        };
+        let p = predict(&m, &machine(4), &dp4, 16).expect("fits");
+        assert_eq!(p.bytes.grads, 4000 + 3 * 1000);
+        // ZeRO-3 without recomputation: every block's gathered parameters kept until its
+        // backward, beside the shards.
+        let p = predict(&m, &machine(4), &Layout { zero: 3, ..dp4 }, 16).expect("fits");
+        assert_eq!(p.bytes.params, 4 * 4000 + 4 * 1000);
+        // A pipeline of 2 stages (blocks 0, 2 and 1, 3) with 4 micro-batches at dp 2: every
+        // block's gradient accumulates whole before it can be scattered, and a ZeRO-3 block
+        // keeps a gathered copy for each micro-batch forwarded and not yet backwarded.
+        let piped = Layout {
+            dp: 2,
+            pp: 2,
+            micro_batches: 4,
+            ..dp4
+        };
+        let p = predict(&m, &machine(4), &piped, 16).expect("fits");
+        assert_eq!(p.bytes.grads, 2 * 4000);
+        let schedule = schedule_of(&piped, 4).expect("a schedule");
+        let most_in_flight = u64::from(schedule.peak_stash().into_iter().max().unwrap_or(1));
+        let p = predict(&m, &machine(4), &Layout { zero: 3, ..piped }, 16).expect("fits");
+        assert!(p.bytes.params > 2 * 4000 + 4000, "{p:?}");
+        assert!(p.bytes.params <= most_in_flight * 4000 + 4000, "{p:?}");
     }
 
     #[test]
@@ -800,7 +869,7 @@ mod tests {
         // tp 4 fills a node; dp 4 over tp 4 spans four nodes, one member each.
         assert_eq!(m.group_span(4, 1), (4, 1));
         assert_eq!(m.group_span(4, 4), (1, 4));
-        // dp 8 two apart: two members per node, four nodes.
+        // dp 8 two apart (tp 2): two members per node, four nodes.
         assert_eq!(m.group_span(8, 2), (2, 4));
         // One node: everything inside.
         let one = machine(16);

@@ -7,9 +7,11 @@
 //! sizes), and the whole batch again with every block recomputing (what a recomputing block
 //! stashes). Parameters are the blocks' own counts; the boundary tensors a block stashes are
 //! the worker's count (MEM-1), read off the step's memory timeline as it rises block by block
-//! through the forwards. A tensor-parallel block ([`PipelineStages::tp_block`]) is planned
-//! at tp 1 only here: its split counts are the model's to state (the GPT's
-//! `held_parameters`), so the caller extends [`ModelCosts::tp_degrees`] where it knows them.
+//! through the forwards. Parameters are all of a block's (`Module::num_params`, frozen ones
+//! too). A tensor-parallel block ([`PipelineStages::tp_block`]) is planned at tp 1 only
+//! here: what a rank holds at each degree and what its all-reduces move are the model's to
+//! state (the GPT's `held_parameters`), so a caller that knows them sets each block's
+//! `params`, `splits` and `tp_bytes` and extends [`ModelCosts::tp_degrees`].
 
 use burn::optim::AdamConfig;
 

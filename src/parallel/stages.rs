@@ -353,17 +353,9 @@ impl<I: 'static> PipelineStages<I> {
         self.blocks.is_empty()
     }
 
-    /// Each block's parameter elements, whole, in order.
+    /// Each block's parameter elements, whole (frozen ones too), in order.
     pub fn parameters(&self) -> Vec<usize> {
         self.blocks.iter().map(|b| b.params).collect()
-    }
-
-    /// Each block: whether it is tensor-parallel ([`tp_block`](Self::tp_block)).
-    pub fn tensor_parallel_blocks(&self) -> Vec<bool> {
-        self.blocks
-            .iter()
-            .map(|b| b.tensor_parallel.is_some())
-            .collect()
     }
 
     /// Why these blocks cannot form a pipeline, if they cannot: at least one block, exactly one

@@ -4,15 +4,17 @@
 //!
 //! The prediction is `meshwork::planner`'s model; its inputs are measured here, briefly, on
 //! this machine (`calibrate`):
-//! - each block's forward and backward, from a one-device block job's own timeline (the
-//!   executor's instructions, block by block), at two micro-batch sizes, so that each block
-//!   costs `fixed + per sample × samples`;
-//! - the optimizer's seconds per parameter (its trace span) and the runtime's per-step cost
-//!   (the step's wall time less compute and optimizer) from the same runs;
-//! - the α–β cost of a collective from two in-process all-reduces (4 KiB, 4 MiB) over 2 ranks;
-//! - the boundary tensors' bytes from the model's shapes (GPT: `s·h` floats a sample, the
-//!   embedding's input `s`; MLP: the layer's input width), which the workers count the same way
-//!   (MEM-1).
+//! - the model through `meshwork::job::profile`: each block's forward and backward from a
+//!   one-device block job's own timeline at the whole batch and at the smallest micro-batch a
+//!   layout runs (`fixed + per sample × samples`), its parameters, the boundary tensors it
+//!   stashes as the worker counts them (MEM-1), the optimizer's seconds per parameter and the
+//!   runtime's per-step cost; the GPT adds its parameters per tensor-parallel degree and its
+//!   all-reduces' bytes (`s·h` floats a sample each way);
+//! - the α–β cost of a collective from two in-process all-reduces (4 KiB, 4 MiB) over 2 ranks
+//!   (or `--link`), a pipeline send's cost and latency from a dp 1 × pp 2 run;
+//! - at the machine's device count (up to `AT_SCALE_RANKS_PER_CORE` ranks a core), the
+//!   replicas' synchronisation per step and, where ranks outnumber cores, a tensor-parallel
+//!   all-reduce's wait for its partner (`at_scale`).
 //!
 //! A layout the job itself refuses (its builder's checks, the one refusal table) is listed
 //! with the builder's reason.
@@ -291,6 +293,10 @@ fn pipeline_sends(model: &PlanModel, blocks: usize, batch: u32) -> Result<(f64, 
     Ok((median(sends), median(latencies)))
 }
 
+/// The most ranks a core `at_scale` starts on this machine; past it the planned machine is
+/// not one this machine can stand for.
+const AT_SCALE_RANKS_PER_CORE: u32 = 4;
+
 /// Steps of each calibrating run (the first two are not timed).
 const CALIBRATION_STEPS: u64 = 12;
 
@@ -351,12 +357,12 @@ fn calibrate(model: &PlanModel, args: &PlanArgs, cores: u32) -> Result<(ModelCos
     }
     let blocks = costs.blocks.len();
     let link = match &args.link {
-        Some(text) => parse_link(text)?,
+        Some(text) => parse_link("--link", text)?,
         None => measure_link()?,
     };
     let sends = pipeline_sends(model, blocks, big)?;
     let inter_link = match &args.inter_link {
-        Some(text) => parse_link(text)?,
+        Some(text) => parse_link("--inter-link", text)?,
         None => link,
     };
 
@@ -373,8 +379,14 @@ fn calibrate(model: &PlanModel, args: &PlanArgs, cores: u32) -> Result<(ModelCos
         step_overhead_s: profiled.step_overhead_s,
         pipeline_send_s: sends,
     };
-    if args.devices > 1 {
+    if args.devices > 1 && args.devices <= AT_SCALE_RANKS_PER_CORE * cores {
         at_scale(model, &costs, &mut machine, args.batch)?;
+    } else if args.devices > 1 {
+        eprintln!(
+            "meshwork plan: {} devices are more than {AT_SCALE_RANKS_PER_CORE} ranks a core here: \
+             the replicas' synchronisation and the tp partner wait are not measured (taken as 0)",
+            args.devices
+        );
     }
     Ok((costs, machine))
 }
@@ -398,8 +410,15 @@ fn at_scale(
         let steps = run_steps(model, layout, small, CALIBRATION_STEPS)?;
         Ok(median(steps.iter().skip(2).map(|s| s.wall_s).collect()))
     };
+    // The runs are on this machine: predict them for one node, memory unbounded, whatever
+    // nodes and memory the plan is for.
     let predicted = |machine: &Machine, layout: &Layout| {
-        meshwork::planner::predict(costs, machine, layout, small).map(|p| p.step_s)
+        let here = Machine {
+            devices_per_node: 0,
+            memory_per_device: u64::MAX,
+            ..*machine
+        };
+        meshwork::planner::predict(costs, &here, layout, small).map(|p| p.step_s)
     };
     let dp = Layout {
         dp: devices,
@@ -467,8 +486,8 @@ fn gpt_splits(gpt: &Gpt, config: &GptConfig, devices: u32) -> (Vec<HeldPerDegree
     (params, 2 * 4 * s * h, degrees)
 }
 
-fn parse_link(text: &str) -> Result<AlphaBeta> {
-    let bad = || Error::InvalidConfig(format!("--link {text:?}: write it as `5us,10GB/s`"));
+fn parse_link(flag: &str, text: &str) -> Result<AlphaBeta> {
+    let bad = || Error::InvalidConfig(format!("{flag} {text:?}: write it as `5us,10GB/s`"));
     let (a, b) = text.split_once(',').ok_or_else(bad)?;
     let alpha = meshwork::comm::emulate::parse_latency(a.trim()).map_err(|_| bad())?;
     let beta = meshwork::comm::emulate::parse_bandwidth(b.trim()).map_err(|_| bad())?;
@@ -524,6 +543,14 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         return Err(Error::InvalidConfig(
             "--devices and --batch must be at least 1".into(),
         ));
+    }
+    if let Some(n) = args.devices_per_node
+        && (n == 0 || !args.devices.is_multiple_of(n))
+    {
+        return Err(Error::InvalidConfig(format!(
+            "--devices-per-node {n}: nodes of equal size that divide --devices {}",
+            args.devices
+        )));
     }
     eprintln!("meshwork plan: measuring this machine (one-device runs, an all-reduce) …");
     let (costs, machine) = calibrate(&model, &args, cores)?;
@@ -734,7 +761,7 @@ fn print(args: &PlanArgs, costs: &ModelCosts, machine: &Machine, rows: &[Row]) {
     let checked: Vec<&Row> = rows.iter().filter(|r| r.step_error.is_some()).collect();
     if !checked.is_empty() {
         println!(
-            "# where the slowest rank's step went, ms: predicted pipeline (compute, tp, bubble) / dp collectives / optimizer / runtime, measured compute / collectives not hidden / optimizer / rest"
+            "# where the slowest rank's step went, ms: predicted pipeline (compute, tp, bubble) / dp collectives / optimizer / runtime (with the replicas' sync), measured compute / collectives not hidden / optimizer / rest"
         );
         for r in &checked {
             let (Some(p), Some(m)) = (r.predicted, r.measured_split) else {
@@ -746,7 +773,7 @@ fn print(args: &PlanArgs, costs: &ModelCosts, machine: &Machine, rows: &[Row]) {
                 ms(p.pipeline_s),
                 ms(p.dp_comm_s),
                 ms(p.optimizer_s),
-                ms(machine.step_overhead_s),
+                ms(p.step_s - p.pipeline_s - p.dp_comm_s - p.optimizer_s),
                 ms(m[0]),
                 ms(m[1]),
                 ms(m[2]),
