@@ -47,7 +47,7 @@ fn main() {
             alpha_s: 20e-6,
             bytes_per_s: 12.5e9,
         },
-        sync_wait_s: 0.0,
+        tp_wait: Vec::new(),
         replica_sync_s: 0.5e-3,
         optimizer_s_per_param: 1e-9,
         step_overhead_s: 1e-3,

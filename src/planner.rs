@@ -22,8 +22,8 @@
 //!   ZeRO-1 the parameters' all-gather added, ZeRO-3 the parameters gathered for the forward
 //!   and again for the backward of every micro-batch), each `α·steps + bytes/β`, not
 //!   overlapped with compute; inside a node and between nodes (PLAN-3); when ranks
-//!   outnumber cores, each tensor-parallel all-reduce also waits `sync_wait_s` for its
-//!   partner to be scheduled;
+//!   outnumber cores, a tensor-parallel group of degree t also waits for partners off the
+//!   core, a measured share (`tp_wait`) of the split blocks' compute;
 //! - **the optimizer**: the parameters the rank steps (its shard from ZeRO-1 on) times the
 //!   measured seconds per parameter; plus a fixed per-step cost of the runtime, and with
 //!   replicas the measured cost of synchronising them.
@@ -125,7 +125,7 @@ impl AlphaBeta {
 }
 
 /// The machine a plan is for.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Machine {
     /// Devices (ranks) to use, all of them.
     pub devices: u32,
@@ -142,10 +142,11 @@ pub struct Machine {
     /// Collectives between nodes (one leader per node, as `comm::hierarchical` runs them).
     #[serde(default)]
     pub inter_link: AlphaBeta,
-    /// Seconds a synchronous collective inside a block (tensor parallelism's) waits for its
-    /// partner to get a core, when ranks outnumber cores (measured; 0 otherwise).
+    /// Per tensor-parallel degree, `(degree, share)`: when ranks outnumber cores, a split
+    /// block's all-reduces wait for partners off the core for this share of its compute
+    /// (measured; none: no wait).
     #[serde(default)]
-    pub sync_wait_s: f64,
+    pub tp_wait: Vec<(u32, f64)>,
     /// Seconds a step of data-parallel replicas spends beyond `step_overhead_s` (handing the
     /// gradients to the reduction, waiting for the last replica, the Supervisor's messages to
     /// every rank), measured at the machine's device count.
@@ -426,8 +427,12 @@ pub fn predict(
         held[b % pp as usize] += n;
     }
     let samples = f64::from(batch / (dp * m));
-    let sync_wait = if machine.devices > machine.cores {
-        machine.sync_wait_s
+    let wait_share = if machine.devices > machine.cores {
+        machine
+            .tp_wait
+            .iter()
+            .find(|(t, _)| *t == tp)
+            .map_or(0.0, |(_, w)| *w)
     } else {
         0.0
     };
@@ -445,10 +450,13 @@ pub fn predict(
             + if recompute { f } else { 0.0 };
         let comm = if block.splits && tp > 1 {
             let per_direction = block.tp_bytes as f64 * samples / 2.0;
-            // One all-reduce each way (Megatron's f and g), a recomputed forward's again; each
-            // waits for its partner to be scheduled when ranks outnumber cores.
-            let once = machine.all_reduce_s(per_direction, tp, 1) + sync_wait;
-            (once, once + if recompute { once } else { 0.0 })
+            // One all-reduce each way (Megatron's f and g), a recomputed forward's again; the
+            // waits for partners off the core grow with the compute between them.
+            let once = machine.all_reduce_s(per_direction, tp, 1);
+            (
+                once + wait_share * f,
+                once + if recompute { once } else { 0.0 } + wait_share * bw,
+            )
         } else {
             (0.0, 0.0)
         };
@@ -725,7 +733,7 @@ mod tests {
                 alpha_s: 5e-5,
                 bytes_per_s: 1e8,
             },
-            sync_wait_s: 1e-4,
+            tp_wait: vec![(2, 0.1)],
             replica_sync_s: 1e-4,
             optimizer_s_per_param: 1e-9,
             step_overhead_s: 1e-4,
@@ -801,15 +809,15 @@ mod tests {
             let Ok(base) = predict(&m, &one, &layout, 16) else {
                 return Ok(());
             };
-            let whole = Machine { devices_per_node: 8, ..one };
+            let whole = Machine { devices_per_node: 8, ..one.clone() };
             prop_assert_eq!(predict(&m, &whole, &layout, 16).expect("fits"), base);
-            let fast = Machine { devices_per_node: 1 << per_node_log, inter_link: one.link, ..one };
+            let fast = Machine { devices_per_node: 1 << per_node_log, inter_link: one.link, ..one.clone() };
             let slow = Machine {
                 inter_link: AlphaBeta {
                     alpha_s: one.link.alpha_s * slower,
                     bytes_per_s: one.link.bytes_per_s / slower,
                 },
-                ..fast
+                ..fast.clone()
             };
             let f = predict(&m, &fast, &layout, 16).expect("fits");
             let s = predict(&m, &slow, &layout, 16).expect("fits");

@@ -84,7 +84,7 @@ async fn profile_counts_each_blocks_parameters_and_stash_as_the_workers_do() {
         memory_per_device: 1 << 30,
         link: AlphaBeta::default(),
         inter_link: AlphaBeta::default(),
-        sync_wait_s: 0.0,
+        tp_wait: Vec::new(),
         replica_sync_s: 0.0,
         optimizer_s_per_param: profiled.optimizer_s_per_param,
         step_overhead_s: profiled.step_overhead_s,

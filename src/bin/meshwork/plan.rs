@@ -13,8 +13,13 @@
 //! - the α–β cost of a collective from two in-process all-reduces (4 KiB, 4 MiB) over 2 ranks
 //!   (or `--link`), a pipeline send's cost and latency from a dp 1 × pp 2 run;
 //! - at the machine's device count (up to `AT_SCALE_RANKS_PER_CORE` ranks a core), the
-//!   replicas' synchronisation per step and, where ranks outnumber cores, a tensor-parallel
-//!   all-reduce's wait for its partner (`at_scale`).
+//!   replicas' synchronisation per step and, where ranks outnumber cores, the share of a
+//!   split block's compute its tensor-parallel all-reduces add waiting for partners off the
+//!   core, per degree (`at_scale`).
+//!
+//! `--check` reruns the one-device reference before each checked layout: the machine's speed
+//! drift since the calibration is printed beside the error, and the error with the prediction
+//! scaled by it.
 //!
 //! A layout the job itself refuses (its builder's checks, the one refusal table) is listed
 //! with the builder's reason.
@@ -297,6 +302,16 @@ fn pipeline_sends(model: &PlanModel, blocks: usize, batch: u32) -> Result<(f64, 
 /// not one this machine can stand for.
 const AT_SCALE_RANKS_PER_CORE: u32 = 4;
 
+/// One device, the whole batch: the reference the checks rerun.
+const ONE_DEVICE: Layout = Layout {
+    dp: 1,
+    pp: 1,
+    tp: 1,
+    zero: 0,
+    micro_batches: 1,
+    recompute: false,
+};
+
 /// Steps of each calibrating run (the first two are not timed).
 const CALIBRATION_STEPS: u64 = 12;
 
@@ -373,7 +388,7 @@ fn calibrate(model: &PlanModel, args: &PlanArgs, cores: u32) -> Result<(ModelCos
         memory_per_device: args.memory_per_device,
         link,
         inter_link,
-        sync_wait_s: 0.0,
+        tp_wait: Vec::new(),
         replica_sync_s: 0.0,
         optimizer_s_per_param: profiled.optimizer_s_per_param,
         step_overhead_s: profiled.step_overhead_s,
@@ -391,12 +406,12 @@ fn calibrate(model: &PlanModel, args: &PlanArgs, cores: u32) -> Result<(ModelCos
     Ok((costs, machine))
 }
 
-/// What the runtime costs at the machine's device count, measured on a quarter of the batch
+/// What the runtime costs at the machine's device count, measured on half the batch
 /// (rounded to split over the devices): the replicas' synchronisation per step (a
 /// data-parallel run over every device: its step less the predicted step without it), and,
-/// where ranks outnumber cores, each
-/// tensor-parallel all-reduce's wait for its partners to be scheduled (a run with the widest
-/// tp group the model allows: its step less the predicted step, per all-reduce). These are not runs a plan checks at its own
+/// where ranks outnumber cores, the waits of each tensor-parallel degree's all-reduces for
+/// partners off the core (a run of that degree, the rest data-parallel: its step less the
+/// predicted step, as a share of the split blocks' compute). These are not runs a plan checks at its own
 /// batch.
 fn at_scale(
     model: &PlanModel,
@@ -405,9 +420,9 @@ fn at_scale(
     batch: u32,
 ) -> Result<()> {
     let devices = machine.devices;
-    let small = (batch / 4).max(devices).div_ceil(devices) * devices;
+    let small = (batch / 2).max(devices).div_ceil(devices) * devices;
     let measured = |layout: &Layout| -> Result<f64> {
-        let steps = run_steps(model, layout, small, CALIBRATION_STEPS)?;
+        let steps = run_steps(model, layout, small, 2 * CALIBRATION_STEPS)?;
         Ok(median(steps.iter().skip(2).map(|s| s.wall_s).collect()))
     };
     // The runs are on this machine: predict them for one node, memory unbounded, whatever
@@ -416,7 +431,7 @@ fn at_scale(
         let here = Machine {
             devices_per_node: 0,
             memory_per_device: u64::MAX,
-            ..*machine
+            ..machine.clone()
         };
         meshwork::planner::predict(costs, &here, layout, small).map(|p| p.step_s)
     };
@@ -431,27 +446,30 @@ fn at_scale(
     if let Ok(without) = predicted(machine, &dp) {
         machine.replica_sync_s = (measured(&dp)? - without).max(0.0);
     }
-    // The widest tensor-parallel group the model allows, the rest data-parallel.
-    let widest = costs
+    // Each tensor-parallel degree the model allows, the rest data-parallel: the share of the
+    // split blocks' compute its partner waits add (the prediction is linear in it).
+    let degrees: Vec<u32> = costs
         .tp_degrees
         .iter()
         .copied()
         .filter(|t| *t > 1 && devices.is_multiple_of(*t))
-        .max();
-    let all_reduces = 2 * costs.blocks.iter().filter(|b| b.splits).count() as u32;
-    let oversubscribed = devices > machine.cores;
-    if oversubscribed
-        && all_reduces > 0
-        && let Some(width) = widest
-        && let tp = (Layout {
-            dp: devices / width,
-            tp: width,
-            ..dp
-        })
-        && let Ok(without) = predicted(machine, &tp)
-    {
-        let gap = measured(&tp)? - without;
-        machine.sync_wait_s = (gap / f64::from(all_reduces)).max(0.0);
+        .collect();
+    if devices > machine.cores && costs.blocks.iter().any(|b| b.splits) {
+        for width in degrees {
+            let tp = Layout {
+                dp: devices / width,
+                tp: width,
+                ..dp
+            };
+            let mut with = machine.clone();
+            with.tp_wait = vec![(width, 1.0)];
+            if let (Ok(without), Ok(whole)) = (predicted(machine, &tp), predicted(&with, &tp))
+                && whole > without
+            {
+                let share = (measured(&tp)? - without) / (whole - without);
+                machine.tp_wait.push((width, share.max(0.0)));
+            }
+        }
     }
     Ok(())
 }
@@ -531,6 +549,12 @@ struct Row {
     /// the optimizer, and the rest of the step's wall time.
     measured_split: Option<[f64; 4]>,
     step_error: Option<f64>,
+    /// The machine's speed when this layout ran against when it was measured: the
+    /// one-device reference's step rerun just before the layout, over its step at
+    /// calibration (1: no drift; above 1: the machine is slower now).
+    drift: Option<f64>,
+    /// The step error with the prediction scaled by `drift`.
+    drift_error: Option<f64>,
     bytes_error: Option<f64>,
 }
 
@@ -588,6 +612,8 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
             measured_parts: None,
             measured_split: None,
             step_error: None,
+            drift: None,
+            drift_error: None,
             bytes_error: None,
         });
     }
@@ -597,12 +623,24 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         (None, Some(_)) => std::cmp::Ordering::Greater,
         (None, None) => a.layout.cmp(&b.layout),
     });
+    // The one-device reference: rerun before each checked layout, it shows how the shared
+    // machine's speed drifted since the calibration.
+    let reference = |model: &PlanModel| -> Result<f64> {
+        let steps = run_steps(model, &ONE_DEVICE, args.batch, 8)?;
+        Ok(median(steps.iter().skip(2).map(|s| s.wall_s).collect()))
+    };
+    let at_calibration = if args.check > 0 {
+        reference(&model)?
+    } else {
+        0.0
+    };
     for row in rows
         .iter_mut()
         .filter(|r| r.predicted.is_some())
         .take(args.check)
     {
         eprintln!("meshwork plan: running {} …", row.layout);
+        let drift = reference(&model)? / at_calibration.max(1e-12);
         let steps = run_steps(&model, &row.layout, args.batch, args.steps.max(3))?;
         let timed: Vec<f64> = steps.iter().skip(2).map(|s| s.wall_s).collect();
         let measured = median(timed);
@@ -612,6 +650,8 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         row.measured_split = Some(split(&steps));
         if let Some(p) = row.predicted {
             row.step_error = Some(p.step_s / measured.max(1e-12) - 1.0);
+            row.drift = Some(drift);
+            row.drift_error = Some(p.step_s * drift / measured.max(1e-12) - 1.0);
             row.bytes_error = Some(p.bytes.total() as f64 / (bytes.max(1)) as f64 - 1.0);
         }
         row.measured_step_s = Some(measured);
@@ -687,7 +727,7 @@ fn print(args: &PlanArgs, costs: &ModelCosts, machine: &Machine, rows: &[Row]) {
         return;
     }
     println!(
-        "# {} — global batch {}, Adam; {} devices sharing {} cores, {} MiB each; collectives α {:.1} µs, β {:.2} GB/s; pipeline sends {:.0} µs + {:.0} µs latency; optimizer {:.2} ns/parameter; runtime {:.2} ms/step, replicas' sync {:.2} ms/step; a tp all-reduce waits {:.3} ms for its partner{}",
+        "# {} — global batch {}, Adam; {} devices sharing {} cores, {} MiB each; collectives α {:.1} µs, β {:.2} GB/s; pipeline sends {:.0} µs + {:.0} µs latency; optimizer {:.2} ns/parameter; runtime {:.2} ms/step, replicas' sync {:.2} ms/step; tp partner waits {}{}",
         costs.name,
         args.batch,
         machine.devices,
@@ -700,7 +740,16 @@ fn print(args: &PlanArgs, costs: &ModelCosts, machine: &Machine, rows: &[Row]) {
         machine.optimizer_s_per_param * 1e9,
         machine.step_overhead_s * 1e3,
         machine.replica_sync_s * 1e3,
-        machine.sync_wait_s * 1e3,
+        if machine.tp_wait.is_empty() {
+            "none".to_string()
+        } else {
+            machine
+                .tp_wait
+                .iter()
+                .map(|(t, w)| format!("{:.0} % of compute at tp {t}", w * 100.0))
+                .collect::<Vec<_>>()
+                .join(", ")
+        },
         if machine.devices_per_node > 0 && machine.devices_per_node < machine.devices {
             format!(
                 "; {} devices a node, between nodes α {:.1} µs, β {:.2} GB/s",
@@ -761,14 +810,14 @@ fn print(args: &PlanArgs, costs: &ModelCosts, machine: &Machine, rows: &[Row]) {
     let checked: Vec<&Row> = rows.iter().filter(|r| r.step_error.is_some()).collect();
     if !checked.is_empty() {
         println!(
-            "# where the slowest rank's step went, ms: predicted pipeline (compute, tp, bubble) / dp collectives / optimizer / runtime (with the replicas' sync), measured compute / collectives not hidden / optimizer / rest"
+            "# where the slowest rank's step went, ms: predicted pipeline (compute, tp, bubble) / dp collectives / optimizer / runtime (with the replicas' sync), measured compute / collectives not hidden / optimizer / rest; the machine's drift (the one-device reference now against at calibration) and the step error with the prediction scaled by it"
         );
         for r in &checked {
             let (Some(p), Some(m)) = (r.predicted, r.measured_split) else {
                 continue;
             };
             println!(
-                "{:<46} {:>7} {:>6} {:>6} {:>6}  | {:>7} {:>6} {:>6} {:>6}",
+                "{:<46} {:>7} {:>6} {:>6} {:>6}  | {:>7} {:>6} {:>6} {:>6}  | {:>5} {:>6}",
                 r.layout.to_string(),
                 ms(p.pipeline_s),
                 ms(p.dp_comm_s),
@@ -777,16 +826,23 @@ fn print(args: &PlanArgs, costs: &ModelCosts, machine: &Machine, rows: &[Row]) {
                 ms(m[0]),
                 ms(m[1]),
                 ms(m[2]),
-                ms(m[3])
+                ms(m[3]),
+                r.drift.map_or_else(|| "–".into(), |d| format!("{d:.2}")),
+                r.drift_error
+                    .map_or_else(|| "–".into(), |e| format!("{:+.0}%", e * 100.0))
             );
         }
         let within = |e: Option<f64>, bound: f64| e.is_some_and(|e| e.abs() <= bound);
         println!(
-            "# checked {}: step time within 15 % for {}, bytes within 10 % for {}",
+            "# checked {}: step time within 15 % for {} ({} against the machine's speed at the time), bytes within 10 % for {}",
             checked.len(),
             checked
                 .iter()
                 .filter(|r| within(r.step_error, 0.15))
+                .count(),
+            checked
+                .iter()
+                .filter(|r| within(r.drift_error, 0.15))
                 .count(),
             checked
                 .iter()
