@@ -225,6 +225,18 @@ pub struct Layout {
     pub recompute: bool,
 }
 
+impl Layout {
+    /// One device: no parallelism, one micro-batch.
+    pub const ONE_DEVICE: Layout = Layout {
+        dp: 1,
+        pp: 1,
+        tp: 1,
+        zero: 0,
+        micro_batches: 1,
+        recompute: false,
+    };
+}
+
 impl std::fmt::Display for Layout {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(

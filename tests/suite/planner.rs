@@ -90,15 +90,7 @@ async fn profile_counts_each_blocks_parameters_and_stash_as_the_workers_do() {
         step_overhead_s: profiled.step_overhead_s,
         pipeline_send_s: (0.0, 0.0),
     };
-    let one = Layout {
-        dp: 1,
-        pp: 1,
-        tp: 1,
-        zero: 0,
-        micro_batches: 1,
-        recompute: false,
-    };
-    let p = predict(costs, &machine, &one, 8).expect("one device fits");
+    let p = predict(costs, &machine, &Layout::ONE_DEVICE, 8).expect("one device fits");
     let params: u64 = WIDTHS.windows(2).map(|w| (w[0] * w[1] + w[1]) as u64).sum();
     assert_eq!(p.bytes.params, 4 * params);
     assert_eq!(p.bytes.grads, 4 * params);

@@ -302,16 +302,6 @@ fn pipeline_sends(model: &PlanModel, blocks: usize, batch: u32) -> Result<(f64, 
 /// not one this machine can stand for.
 const AT_SCALE_RANKS_PER_CORE: u32 = 4;
 
-/// One device, the whole batch: the reference the checks rerun.
-const ONE_DEVICE: Layout = Layout {
-    dp: 1,
-    pp: 1,
-    tp: 1,
-    zero: 0,
-    micro_batches: 1,
-    recompute: false,
-};
-
 /// Steps of each calibrating run (the first two are not timed).
 const CALIBRATION_STEPS: u64 = 12;
 
@@ -437,11 +427,7 @@ fn at_scale(
     };
     let dp = Layout {
         dp: devices,
-        pp: 1,
-        tp: 1,
-        zero: 0,
-        micro_batches: 1,
-        recompute: false,
+        ..Layout::ONE_DEVICE
     };
     if let Ok(without) = predicted(machine, &dp) {
         machine.replica_sync_s = (measured(&dp)? - without).max(0.0);
@@ -626,7 +612,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
     // The one-device reference: rerun before each checked layout, it shows how the shared
     // machine's speed drifted since the calibration.
     let reference = |model: &PlanModel| -> Result<f64> {
-        let steps = run_steps(model, &ONE_DEVICE, args.batch, 8)?;
+        let steps = run_steps(model, &Layout::ONE_DEVICE, args.batch, 8)?;
         Ok(median(steps.iter().skip(2).map(|s| s.wall_s).collect()))
     };
     let at_calibration = if args.check > 0 {
