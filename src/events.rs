@@ -317,3 +317,25 @@ pub struct ReplicaStep {
     #[serde(default)]
     pub parameter_server: Option<crate::parallel::parameter_server::ParameterServerStep>,
 }
+
+impl ReplicaStep {
+    /// Seconds its optimizer update took in the step (its `OptimizerStep` trace spans).
+    pub fn optimizer_s(&self) -> f64 {
+        self.trace
+            .iter()
+            .filter(|t| matches!(t.kind, crate::trace::TraceKind::OptimizerStep))
+            .map(|t| t.duration_us as f64 * 1e-6)
+            .sum()
+    }
+
+    /// Seconds its forwards and backwards took in the step (a pipeline or block job's
+    /// executed instructions; 0 in other jobs).
+    pub fn compute_s(&self) -> f64 {
+        self.pipeline
+            .iter()
+            .flat_map(|p| p.executed.iter())
+            .filter(|t| t.instr.is_compute())
+            .map(|t| t.end.saturating_sub(t.start) as f64 * 1e-6)
+            .sum()
+    }
+}

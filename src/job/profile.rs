@@ -20,7 +20,6 @@ use crate::data::Dataset;
 use crate::error::{Error, Result};
 use crate::parallel::pipeline::InstrKind;
 use crate::planner::{BlockCosts, ModelCosts};
-use crate::trace::TraceKind;
 
 /// What [`profile`] measured.
 #[derive(Debug, Clone, PartialEq)]
@@ -201,7 +200,6 @@ impl Measured {
             let Some(r) = s.replicas.first() else {
                 continue;
             };
-            let mut compute = 0.0;
             if let Some(p) = &r.pipeline {
                 for t in &p.executed {
                     let took = t.end.saturating_sub(t.start) as f64 * 1e-6;
@@ -209,20 +207,14 @@ impl Measured {
                     match t.instr.kind() {
                         InstrKind::Forward if b < blocks => forward[b].push(took),
                         InstrKind::Backward if b < blocks => backward[b].push(took),
-                        _ => continue,
+                        _ => {}
                     }
-                    compute += took;
                 }
                 stash = rises(&p.memory.timeline, blocks);
             }
-            let opt: f64 = r
-                .trace
-                .iter()
-                .filter(|t| matches!(t.kind, TraceKind::OptimizerStep))
-                .map(|t| t.duration_us as f64 * 1e-6)
-                .sum();
+            let opt = r.optimizer_s();
             optimizer.push(opt);
-            overhead.push((s.wall_s - compute - opt).max(0.0));
+            overhead.push((s.wall_s - r.compute_s() - opt).max(0.0));
         }
         Measured {
             forward: forward.into_iter().map(median).collect(),
