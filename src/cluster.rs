@@ -25,3 +25,22 @@
 pub mod control;
 pub mod remote;
 pub mod rendezvous;
+
+/// A process of the job: 0 is the head, nodes are 1.. in the order of
+/// [`control::world::assign_ranks`]. Here, below both planes' modules, because the
+/// rendezvous names the index a launcher gives a process and the control plane builds the
+/// world from those indices.
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    serde::Serialize,
+    serde::Deserialize,
+    Default,
+)]
+pub struct ProcessIndex(pub u32);

@@ -85,7 +85,6 @@ pub use crate::mesh::chunk_range;
 use crate::mesh::{Generation, Rank};
 
 pub mod bench;
-mod bits16;
 mod call;
 mod communicator;
 #[cfg(feature = "cluster")]
@@ -108,7 +107,6 @@ pub mod tcp;
 mod test_support;
 #[cfg(test)]
 mod tests;
-mod wire;
 
 pub use call::CallShape;
 pub use communicator::Communicator;

@@ -19,6 +19,8 @@
 //!   entries whose hook runs there — a node those of its own devices, the head those of the
 //!   Supervisor —, and a node's firings travel back with its answers
 //!   ([`FaultHooks::record`]), so the head publishes every firing once.
+//! - FAULT-4: a rehearsed panic prints one line naming the fault, not a panic message and
+//!   backtrace; a real panic keeps the hook's output (`injected_panic`).
 //!
 //! ```
 //! use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
@@ -531,10 +533,10 @@ pub fn with_hooks<R>(
 ) -> R {
     let Some(h) = hooks else { return f() };
     match h.before(device, step, micro_batch, phase) {
-        Action::Panic(i) => panic!(
+        Action::Panic(i) => injected_panic(format!(
             "injected fault {i}: panic on device {device} at step {step}, micro-batch \
              {micro_batch}, before the {phase:?}"
-        ),
+        )),
         Action::Stall(d) => std::thread::sleep(d),
         Action::Proceed => {}
     }
@@ -545,6 +547,15 @@ pub fn with_hooks<R>(
         std::thread::sleep(t.elapsed().mul_f64(factor - 1.0));
     }
     r
+}
+
+/// FAULT-4: a rehearsed panic unwinds the device thread as a real one does (the runtime
+/// catches it and reports the stage's failure with this text), but prints one line naming
+/// the fault instead of the panic hook's message and backtrace: `resume_unwind` does not call
+/// the hook.
+fn injected_panic(what: String) -> ! {
+    eprintln!("meshwork: {what} (rehearsed by the fault plan)");
+    std::panic::resume_unwind(Box::new(what))
 }
 
 #[cfg(test)]

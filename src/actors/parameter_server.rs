@@ -40,10 +40,10 @@ use tokio::sync::oneshot;
 
 use super::device::{DeviceMsg, report_progress, run_on};
 use super::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
+use super::spawner::{SpawnContext, Spawned};
 use super::stage::{
     GradientLoop, InitReport, Stage, StageRole, StageSpec, StepReport, failed, shard_of,
 };
-use super::supervisor::{SpawnContext, Spawned};
 use crate::checkpoint::{ShardId, ShardSnapshot, TrainingState, restore_module, snapshot_module};
 use crate::comm::Communicator;
 use crate::device::MeshDevice;

@@ -25,8 +25,8 @@ use ractor::{Actor, ActorProcessingErr, ActorRef};
 use super::device::{DeviceMsg, report_progress, run_on, run_on_slot};
 use super::group::{GroupActor, GroupArgs};
 use super::spawner::{Capabilities, SpawnFuture, Spawner};
+use super::spawner::{RewireArgs, RewireStages, Rewired, SpawnContext, Spawned};
 use super::stage::{InitReport, Stage, StageMsg, StageRole, StepReport, failed, lost, read_items};
-use super::supervisor::{RewireArgs, RewireStages, Rewired, SpawnContext, Spawned};
 use crate::checkpoint::{CheckpointError, ShardId, ShardSnapshot, TrainingState};
 use crate::comm::{Communicator, LocalGroup};
 use crate::data::Dataset;
@@ -531,6 +531,7 @@ async fn step_on_device<I: Send + Sync + 'static>(
                 replicas: slot.comm.as_mut(),
                 model: slot.replica.as_mut(),
                 clip: spec.clip,
+                tp_rank: slot.tp.rank(),
                 on_instr: &on_instr,
                 blocks_in_flight: spec.blocks_in_flight,
                 faults: spec.faults.as_deref().map(|h| (h, device_id, step)),

@@ -10,7 +10,7 @@
 //!
 //! | spawner | where | capabilities |
 //! |---|---|---|
-//! | `stage::LocalReplicas` | data-parallel replicas in this process | [`Capabilities::data_parallel`] with [`Rejoin::Regroup`] |
+//! | `spawner::LocalReplicas` | data-parallel replicas in this process | [`Capabilities::data_parallel`] with [`Rejoin::Regroup`] |
 //! | `pipeline_stage::LocalPipeline` | dp × pp × tp blocks and pipeline stages in this process | [`Capabilities::pipeline`], resizable along dp (ELASTIC-6) |
 //! | `parameter_server::PsReplicas` | parameter-server workers and their server in this process | replicated (the server's), droppable, no growth, [`Rejoin::Regroup`] |
 //! | `cluster::remote::ClusterReplicas` | data-parallel replicas across processes | [`Capabilities::data_parallel`] with [`Rejoin::Reconnect`] |
@@ -27,8 +27,17 @@ use std::pin::Pin;
 
 use ractor::ActorProcessingErr;
 
-use super::supervisor::{SpawnContext, Spawned};
+mod handles;
+mod local_replicas;
+
 use crate::mesh::{Layout, Rank};
+pub(crate) use handles::{
+    Grow, GrowArgs, GrowStage, RemoteGrowArgs, RewireArgs, RewireStages, Rewired, SpawnContext,
+    Spawned, SurvivorWiring,
+};
+#[cfg(feature = "cluster")]
+pub(crate) use handles::{GrowRemote, Grown};
+pub(crate) use local_replicas::LocalReplicas;
 
 /// What spawning a job's stages resolves to.
 pub(crate) type SpawnFuture<M> =

@@ -31,10 +31,8 @@ pub(crate) use crate::report::{InitReport, StepReport};
 pub(crate) use micro_batches::{GradientLoop, Progress, read_items};
 pub(crate) use msg::StageMsg;
 pub(crate) use replica::{
-    LocalReplicas, LossFn, MixedPrecision, ModelFn, StageSpec, restore_scaler,
+    LossFn, MixedPrecision, ModelFn, StageActor, StageArgs, StageSpec, restore_scaler,
 };
-#[cfg(feature = "cluster")]
-pub(crate) use replica::{StageActor, StageArgs};
 pub(crate) use role::{StageRole, shard_of};
 
 /// The actor of one stage, whatever its role.

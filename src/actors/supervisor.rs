@@ -44,7 +44,6 @@ mod lifecycle;
 mod members;
 mod recover;
 mod resize;
-mod spawn;
 mod state;
 mod step;
 
@@ -55,11 +54,6 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::{broadcast, oneshot};
 
 pub(crate) use checkpoints::CheckpointSettings;
-pub(crate) use spawn::{
-    Grow, GrowArgs, GrowStage, RewireArgs, RewireStages, Rewired, SpawnContext, Spawned,
-};
-#[cfg(feature = "cluster")]
-pub(crate) use spawn::{GrowRemote, Grown, RemoteGrowArgs};
 pub(crate) use state::SupervisorState;
 pub(crate) use step::StepFinished;
 

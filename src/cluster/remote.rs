@@ -61,12 +61,11 @@ use super::control::{
 };
 use crate::actors::device::{DeviceActor, DeviceMsg, heartbeat};
 use crate::actors::pipeline_stage::PipelineSpec;
-use crate::actors::spawner::{Capabilities, Rejoin, SpawnFuture, Spawner};
-use crate::actors::stage::{InitReport, StageActor, StageArgs, StageMsg, StageSpec};
-use crate::actors::supervisor::{
-    Grow, GrowRemote, Grown, RemoteGrowArgs, RewireArgs, RewireStages, Rewired, SpawnContext,
-    Spawned,
+use crate::actors::spawner::{
+    Capabilities, Grow, GrowRemote, Grown, Rejoin, RemoteGrowArgs, RewireArgs, RewireStages,
+    Rewired, SpawnContext, SpawnFuture, Spawned, Spawner,
 };
+use crate::actors::stage::{InitReport, StageActor, StageArgs, StageMsg, StageSpec};
 use crate::checkpoint::{ShardSnapshot, restore_module};
 use crate::comm::Communicator;
 use crate::comm::net::link::{JobToken, LinkListener};

@@ -48,7 +48,7 @@
 //!   several bracket groups per name) in order, and rejects malformed lists with a typed
 //!   [`HostlistError`]; it never expands more than the limit it is given.
 
-use crate::cluster::control::world::ProcessIndex;
+use crate::cluster::ProcessIndex;
 
 /// The port a Slurm job's head listens on when neither `MESHWORK_PORT` nor `MASTER_PORT` is
 /// set (torchrun's default).

@@ -5,7 +5,9 @@ use std::any::TypeId;
 
 use half::{bf16, f16};
 
-use super::{DType, ReduceOp, bits16};
+use super::{DType, ReduceOp};
+
+pub(crate) mod bits16;
 
 /// A scalar a collective can move: `f32`, `half::f16` or `half::bf16` (sealed).
 ///

@@ -18,11 +18,11 @@ use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use super::bits16::round_in_place;
+use super::element::bits16::round_in_place;
 use super::element::{Element, as_f32_mut, combine, finish, narrow, reduce_into, widen};
 use super::emulate::LinkEmulation;
+use super::plan::wire::Narrowing;
 use super::plan::{self, Plan, Step};
-use super::wire::Narrowing;
 use super::{
     Algorithm, CallShape, CollectiveKind, CommConfig, CommError, Communicator, MessageHook,
     PartialSums, RankCall, ReduceOp, Tamper, chunk_range,

@@ -118,7 +118,7 @@ impl Plan {
         (0..self.world)
             .map(|r| {
                 let rank = Rank(u32::try_from(r).unwrap_or(u32::MAX));
-                let narrow = super::wire::Narrowing::of(&call, self, rank);
+                let narrow = wire::Narrowing::of(&call, self, rank);
                 self.steps_of(rank)
                     .iter()
                     .filter_map(|s| match s {
@@ -758,6 +758,9 @@ pub fn simulate(plan: &Plan, inputs: &[Vec<f64>], op: ReduceOp) -> Result<Vec<Ve
     }
     Ok(bufs)
 }
+
+/// Which of a plan's messages travel as 16-bit elements, and what they cost on the wire.
+pub(crate) mod wire;
 
 #[cfg(test)]
 mod tests;

@@ -93,8 +93,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::bits16::{self, narrow_to_bytes};
 use super::cross::{self, bytes_of, rank_of, root_cause};
+use super::element::bits16::{self, narrow_to_bytes};
 use super::element::{Element, combine, finish};
 use super::emulate::LinkEmulation;
 use super::plan::{self, Plan, Step};
@@ -125,7 +125,7 @@ use transport::{
     WidenSink,
 };
 
-use super::wire::Narrowing;
+use super::plan::wire::Narrowing;
 pub use schedule::{LinkRole, link_role};
 use schedule::{SendMode, narrow_pieces, peers_with_role, send_modes};
 

@@ -28,7 +28,7 @@
 //!   micro-batches, accumulated gradients, losses) is dropped, so a step redone after a
 //!   recovery (REC-6) is the step itself.
 //! - EXEC-5: the step's collectives for its blocks (a ZeRO-3 block's all-gathers, every
-//!   block's gradient reduction) go through the stage's `CommLane` (`parallel::overlap`): with
+//!   block's gradient reduction) go through the stage's `CommLane` (`parallel::pipeline_exec::overlap`): with
 //!   `blocks_in_flight` n > 0 on a communication thread, the gathers issued in list order at
 //!   most n ahead of their use (so at most n gathered-but-unused blocks exist besides the one
 //!   computing, MEM-3) and at most n reductions in flight, each issued right after its block's
@@ -45,6 +45,13 @@
 //!   and the reductions divide by it; each block's reduced gradient is checked for an inf or a
 //!   NaN, the flags combined over the stage's blocks and all-reduced (max) over its replicas,
 //!   so every replica skips the same step (no update, no schedule advance).
+//! - CLIP-1: the global norm of `clip_grad_norm` counts each element of the one-device model
+//!   once. Over a replica's model group (its stages × tensor-parallel ranks), a split
+//!   parameter's slice is counted by the rank that holds it; every parameter that each
+//!   tensor-parallel rank holds whole (a split block's replicated ones, every parameter of an
+//!   ordinary block, which each rank runs whole) by tensor-parallel rank 0 only. Under ZeRO
+//!   each rank counts the part of those it owns and the sum goes over its data-parallel group
+//!   first (`BlockStep::norm_part`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -67,6 +74,7 @@ use crate::precision::Precision;
 mod block;
 mod error;
 mod links;
+mod overlap;
 mod timeline;
 mod typed_stage;
 mod walk;

@@ -25,37 +25,7 @@ use super::tensor::{
 use crate::config::InvalidConfig;
 use crate::optim::{LearningRate, OptimizerConfig};
 
-/// `module` with every parameter drawn now, on the calling thread (REPRO-1).
-///
-/// Burn initializes a parameter lazily: `LinearConfig::init` records how to draw it, and the
-/// numbers are drawn from the device's random generator (process-global on Flex) on its first
-/// use. A model handed to a job unused would be drawn on the stage threads, in whatever order
-/// they happen to run, each taking numbers the others would have taken: the same seed would
-/// give different initial models from run to run. Jobs therefore draw every parameter of the
-/// model they are given (a pipeline's blocks in block order) when it is handed over; call this
-/// yourself to fix the moment of the draws in your own code (right after seeding).
-pub fn materialize<M: Module>(module: M) -> M {
-    struct Draw;
-    impl burn::module::ModuleVisitor for Draw {
-        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
-            let _ = param.val();
-        }
-        fn visit_int<const D: usize>(
-            &mut self,
-            param: &burn::module::Param<Tensor<D, burn::tensor::Int>>,
-        ) {
-            let _ = param.val();
-        }
-        fn visit_bool<const D: usize>(
-            &mut self,
-            param: &burn::module::Param<Tensor<D, burn::tensor::Bool>>,
-        ) {
-            let _ = param.val();
-        }
-    }
-    module.visit(&mut Draw);
-    module
-}
+pub use super::materialize;
 
 /// How one block trains, beyond what it computes ([`PipelineStages::block`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]

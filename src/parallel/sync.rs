@@ -23,7 +23,7 @@
 //!   [`GradientSync::release`] (no-ops for the others) bracket each forward and backward.
 //!
 //! A block executor runs the collectives itself, on a communication thread beside the
-//! compute (`parallel::overlap`): it calls [`GradientSync::start_reduce`] (Burn's gradients
+//! compute (`parallel::pipeline_exec::overlap`): it calls [`GradientSync::start_reduce`] (Burn's gradients
 //! out as one flat buffer, and the [`Collective`] that reduces it), runs the collective
 //! where it likes, and hands the result to [`GradientSync::finish_reduce`]; ZeRO-3's
 //! parameters come the same way ([`GradientSync::start_gather`] /
@@ -437,7 +437,7 @@ pub(crate) trait GradientSync<M: Module>: Send {
     fn held(&self) -> HeldBytes;
 
     /// The reduction split from its collective (COLL-1), for an executor that runs the
-    /// collectives elsewhere (a communication thread, `parallel::overlap`): take this rank's
+    /// collectives elsewhere (a communication thread, `parallel::pipeline_exec::overlap`): take this rank's
     /// gradients (already weighted) out of Burn as plain buffers and name the collective that
     /// reduces them over the group, this rank being `rank_of = (rank, world)`.
     fn start_reduce(

@@ -67,7 +67,8 @@ pub(crate) fn mpirun_n<'a>(n: &'a str, train: &[&'a str]) -> Vec<&'a str> {
 /// `mpirun -n 3 meshwork train …` on this host: the head (rank 0, one rank of its own) and two
 /// node processes assemble a world of three ranks from OpenMPI's variables, train every step
 /// in all three processes, and end bitwise where `meshwork train --dp 3` in one process ends
-/// (`--algorithm ring`), within the tolerance of the one-device loop.
+/// (`--algorithm ring`), within the tolerance of the one-device loop. No `--batch-size`: the
+/// default (256) is fitted to the 3 replicas, 255, in both runs, and said on the first line.
 #[test]
 fn mpirun_starts_a_job_equal_to_its_single_process_run() {
     let dir = TempDir::new("mpirun");
@@ -77,8 +78,6 @@ fn mpirun_starts_a_job_equal_to_its_single_process_run() {
     let common = [
         "--steps",
         "8",
-        "--batch-size",
-        "48",
         "--seed",
         "7",
         "--algorithm",
@@ -103,6 +102,7 @@ fn mpirun_starts_a_job_equal_to_its_single_process_run() {
         out.contains("world assembled: 3 rank(s) over 3 process(es)"),
         "{out}"
     );
+    assert_default_batch_fitted(&out);
     // Really distributed: the two node processes trained their ranks every step.
     assert_nodes_trained(&out, [1, 2], 8);
     train_in_one_process(
@@ -123,6 +123,21 @@ fn mpirun_starts_a_job_equal_to_its_single_process_run() {
         "the job mpirun started ends where the same job in one process ends"
     );
     let _ = std::fs::remove_dir_all(dir.path());
+}
+
+/// A launched job of 3 replicas without `--batch-size` said first that it trains the default
+/// batch fitted to them.
+pub(crate) fn assert_default_batch_fitted(out: &str) {
+    let first = out
+        .lines()
+        .find(|l| l.starts_with("meshwork head:"))
+        .unwrap_or_default();
+    assert!(
+        first.starts_with(
+            "meshwork head: global batch 255 (the default 256 rounded to a multiple of 3"
+        ),
+        "the head's first line: {first:?}\n{out}"
+    );
 }
 
 /// The pid in a node's default name (`host-pid`) of the node that holds `rank`, from its

@@ -16,7 +16,8 @@ use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::testing::{TempDir, parameter_bits};
 
 use crate::cluster_launchers::{
-    assert_nodes_trained, free_port, pid_of_rank, train_in_one_process as in_one,
+    assert_default_batch_fitted, assert_nodes_trained, free_port, pid_of_rank,
+    train_in_one_process as in_one,
 };
 use crate::cluster_procs::{Proc, SECRET};
 use crate::cluster_training::{WIDTHS, load_of};
@@ -136,12 +137,11 @@ fn slurm_starts_jobs_on_both_transports_and_requeues_a_killed_one_to_the_same_en
     std::fs::create_dir_all(work.path()).unwrap();
     let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap().remove(0);
 
-    // 1. srun -n 3 on each transport, against the same job in one process.
+    // 1. srun -n 3 on each transport, against the same job in one process; no --batch-size
+    // (the default fitted to 3 replicas).
     let common = [
         "--steps",
         "8",
-        "--batch-size",
-        "48",
         "--seed",
         "7",
         "--algorithm",
@@ -188,6 +188,7 @@ fn slurm_starts_jobs_on_both_transports_and_requeues_a_killed_one_to_the_same_en
             out.contains("world assembled: 3 rank(s) over 3 process(es)"),
             "{out}"
         );
+        assert_default_batch_fitted(&out);
         assert_nodes_trained(&out, [1, 2], 8);
         let group = format!("flat {} group of 3 rank(s)", name.to_uppercase());
         assert!(out.contains(&group), "{out}");

@@ -1208,3 +1208,94 @@ async fn rec_5_a_rollback_before_any_checkpoint_ends_the_job_with_the_failure() 
     assert!(started.elapsed() < Duration::from_secs(20));
     let _ = std::fs::remove_dir_all(dir.path());
 }
+
+/// The scenario a child run of this test binary plays (FAULT-4): `injected` or `real`.
+const OUTPUT_SCENARIO: &str = "MESHWORK_FAULT_OUTPUT_SCENARIO";
+
+/// FAULT-4's child: a 2-replica job whose device 1 panics at step 2, by the fault plan
+/// (`injected`) or in the user's loss (`real`), recovering by shrinking. Run by
+/// `fault_4_a_rehearsed_panic_prints_one_line_and_a_real_one_its_backtrace` in a process of
+/// its own; a no-op in the ordinary run of the suite.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fault_4_child() {
+    let Ok(scenario) = std::env::var(OUTPUT_SCENARIO) else {
+        return;
+    };
+    let init = fixture().initial_model();
+    let builder = base(2, &init)
+        .recovery(RecoveryPolicy::shrink())
+        .collective_timeout(Duration::from_secs(30))
+        .step_timeout(Duration::from_secs(60));
+    let builder = match scenario.as_str() {
+        "injected" => builder.fault_plan(FaultPlan::new(1).with(fault(
+            1,
+            2,
+            Phase::Forward,
+            FaultKind::Panic,
+        ))),
+        _ => {
+            let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            builder.loss(move |m: &Mlp, items: &[Sample], d: &Device| {
+                // The fifth loss is step 2's on one of the two replicas.
+                if calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 4 {
+                    panic!("a real bug in the user's loss");
+                }
+                mse_loss(m, items, d)
+            })
+        }
+    };
+    let job = builder.build().expect("a valid job");
+    let (outcome, events, _) = run(job).await;
+    outcome.expect("the job recovers by shrinking");
+    assert_eq!(lost_devices(&events).len(), 1, "one replica lost");
+}
+
+#[test]
+fn fault_4_a_rehearsed_panic_prints_one_line_and_a_real_one_its_backtrace() {
+    let stderr_of = |scenario: &str| {
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let out = std::process::Command::new(exe)
+            .args([
+                "--exact",
+                "faults::fault_4_child",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(OUTPUT_SCENARIO, scenario)
+            .env("RUST_BACKTRACE", "1")
+            .output()
+            .expect("the test binary runs");
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(
+            out.status.success(),
+            "{scenario}: the child job recovers; stderr:\n{stderr}"
+        );
+        stderr
+    };
+    let injected = stderr_of("injected");
+    let lines: Vec<&str> = injected
+        .lines()
+        .filter(|l| l.contains("injected fault"))
+        .collect();
+    assert_eq!(
+        lines,
+        vec![
+            "meshwork: injected fault 0: panic on device 1 at step 2, micro-batch 0, before the \
+             Forward (rehearsed by the fault plan)"
+        ],
+        "stderr:\n{injected}"
+    );
+    assert!(
+        !injected.contains("panicked at") && !injected.contains("stack backtrace"),
+        "a rehearsed panic prints no panic message or backtrace; stderr:\n{injected}"
+    );
+    let real = stderr_of("real");
+    assert!(
+        real.contains("panicked at") && real.contains("a real bug in the user's loss"),
+        "a real panic keeps its message; stderr:\n{real}"
+    );
+    assert!(
+        real.contains("stack backtrace"),
+        "a real panic keeps its backtrace; stderr:\n{real}"
+    );
+}

@@ -1,5 +1,9 @@
 //! LAYER-1: imports only point down the layer order of `ARCHITECTURE.md`, and no import circle
 //! joins two units of the code map.
+//! LAYER-2: no import circle joins two modules inside a layer either: the modules are the
+//! crate's top-level ones and their children (`actors::stage`, `actors::supervisor`,
+//! `comm::tcp`: what the code map names), each with everything under it; an import between a
+//! module and one of its own ancestors is containment, not an edge.
 //!
 //! A hand parser, no dependency: every file under `src/` (but `src/bin`, a crate of its own
 //! that sees meshwork only through its public API) is read with comments, strings and
@@ -425,6 +429,13 @@ struct Report {
     violations: Vec<String>,
     unmapped: Vec<String>,
     cycle: Option<Vec<String>>,
+    /// A circle among modules (LAYER-2), each edge with one import that makes it.
+    module_cycle: Option<Vec<String>>,
+}
+
+/// The module of the code map a module path belongs to (LAYER-2): its first two segments.
+fn map_module(path: &[String]) -> String {
+    path.iter().take(2).cloned().collect::<Vec<_>>().join("::")
 }
 
 /// Check sources given as (path under `src/`, text).
@@ -439,6 +450,8 @@ fn check(files: &[(String, String)]) -> Report {
     let mut report = Report::default();
     let modules: BTreeSet<Vec<String>> = files.iter().map(|(f, _)| module_of(f)).collect();
     let mut graph: BTreeMap<&'static str, BTreeSet<&'static str>> = BTreeMap::new();
+    let mut modules_graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut witness: BTreeMap<(String, String), String> = BTreeMap::new();
     for (file, src) in files {
         let module = module_of(file);
         if module.last().is_some_and(|m| m == "tests") {
@@ -460,6 +473,16 @@ fn check(files: &[(String, String)]) -> Report {
             if to_unit != from_unit {
                 graph.entry(from_unit).or_default().insert(to_unit);
             }
+            let (a, b) = (map_module(&module), map_module(&target));
+            let contains = |outer: &str, inner: &str| {
+                outer.is_empty() || inner == outer || inner.starts_with(&format!("{outer}::"))
+            };
+            if !contains(&a, &b) && !contains(&b, &a) {
+                witness
+                    .entry((a.clone(), b.clone()))
+                    .or_insert_with(|| format!("src/{}:{}", imp.file, imp.line));
+                modules_graph.entry(a).or_default().insert(b);
+            }
             if to_layer > from_layer {
                 report.violations.push(format!(
                     "src/{}:{}: `{}` (layer {}) imports `crate::{}` (module `{}`, layer {}), a higher layer",
@@ -475,25 +498,33 @@ fn check(files: &[(String, String)]) -> Report {
         }
     }
     report.cycle = find_cycle(&graph);
+    report.module_cycle = find_cycle(&modules_graph).map(|c| {
+        c.windows(2)
+            .map(|e| {
+                let at = &witness[&(e[0].clone(), e[1].clone())];
+                format!("{} -> {} ({at})", e[0], e[1])
+            })
+            .collect()
+    });
     report
 }
 
-/// A cycle among units, if any (depth-first search).
-fn find_cycle(graph: &BTreeMap<&'static str, BTreeSet<&'static str>>) -> Option<Vec<String>> {
-    fn visit(
-        n: &'static str,
-        graph: &BTreeMap<&'static str, BTreeSet<&'static str>>,
-        state: &mut BTreeMap<&'static str, u8>,
-        stack: &mut Vec<&'static str>,
+/// A cycle in a graph, if any (depth-first search).
+fn find_cycle<N: Ord + Clone + ToString>(graph: &BTreeMap<N, BTreeSet<N>>) -> Option<Vec<String>> {
+    fn visit<N: Ord + Clone + ToString>(
+        n: &N,
+        graph: &BTreeMap<N, BTreeSet<N>>,
+        state: &mut BTreeMap<N, u8>,
+        stack: &mut Vec<N>,
     ) -> Option<Vec<String>> {
-        state.insert(n, 1);
-        stack.push(n);
-        for &m in graph.get(n).into_iter().flatten() {
+        state.insert(n.clone(), 1);
+        stack.push(n.clone());
+        for m in graph.get(n).into_iter().flatten() {
             match state.get(m).copied().unwrap_or(0) {
                 1 => {
-                    let at = stack.iter().position(|&s| s == m).unwrap();
+                    let at = stack.iter().position(|s| s == m).unwrap();
                     let mut cycle: Vec<String> =
-                        stack[at..].iter().map(|s| s.to_string()).collect();
+                        stack[at..].iter().map(ToString::to_string).collect();
                     cycle.push(m.to_string());
                     return Some(cycle);
                 }
@@ -506,11 +537,11 @@ fn find_cycle(graph: &BTreeMap<&'static str, BTreeSet<&'static str>>) -> Option<
             }
         }
         stack.pop();
-        state.insert(n, 2);
+        state.insert(n.clone(), 2);
         None
     }
     let mut state = BTreeMap::new();
-    for &n in graph.keys() {
+    for n in graph.keys() {
         if state.get(n).copied().unwrap_or(0) == 0
             && let Some(c) = visit(n, graph, &mut state, &mut Vec::new())
         {
@@ -578,6 +609,50 @@ fn imports_point_down_the_layer_order_and_form_no_cycle() {
         report.cycle, None,
         "an import circle among the units of LAYERS"
     );
+    assert_eq!(
+        report.module_cycle, None,
+        "an import circle among the modules of the code map (LAYER-2)"
+    );
+}
+
+#[test]
+fn checker_finds_a_circle_between_two_modules_of_one_layer_but_not_with_a_parent() {
+    let report = example(&[
+        (
+            "actors.rs",
+            "pub mod stage;\npub mod supervisor;\nfn f() -> self::stage::StageMsg { todo!() }\n",
+        ),
+        (
+            "actors/stage.rs",
+            "mod replica;\nuse crate::actors::panic_text;\n",
+        ),
+        (
+            "actors/stage/replica.rs",
+            "use crate::actors::supervisor::spawn::Grow;\nuse super::StageMsg;\n",
+        ),
+        ("actors/supervisor.rs", "pub mod spawn;\n"),
+        (
+            "actors/supervisor/spawn.rs",
+            "use crate::actors::stage::StageMsg;\nuse super::super::panic_text;\n",
+        ),
+    ]);
+    assert_eq!(report.cycle, None, "{report:#?}");
+    assert_eq!(
+        report.module_cycle,
+        Some(vec![
+            "actors::stage -> actors::supervisor (src/actors/stage/replica.rs:1)".to_string(),
+            "actors::supervisor -> actors::stage (src/actors/supervisor/spawn.rs:1)".to_string(),
+        ]),
+        "{report:#?}"
+    );
+    let parent_only = example(&[
+        (
+            "actors.rs",
+            "pub mod stage;\nfn f() -> self::stage::StageMsg { todo!() }\n",
+        ),
+        ("actors/stage.rs", "use crate::actors::panic_text;\n"),
+    ]);
+    assert_eq!(parent_only.module_cycle, None, "{parent_only:#?}");
 }
 
 fn example(files: &[(&str, &str)]) -> Report {
@@ -685,7 +760,7 @@ const BURN_FREE: &[&str] = &[
     "parallel/pipeline_exec/timeline.rs",
     "parallel/pipeline_exec/error.rs",
     "parallel/pipeline_exec/wire.rs",
-    "parallel/overlap.rs",
+    "parallel/pipeline_exec/overlap.rs",
     "parallel/memory.rs",
     "parallel/pipeline.rs",
     "parallel/pipeline/schedule.rs",

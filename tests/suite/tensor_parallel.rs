@@ -1304,3 +1304,4 @@ async fn a_local_updates_block_job_resumes_bitwise() {
 
 /// ELASTIC-6: block and pipeline jobs resized along dp.
 mod elastic;
+mod mixed;

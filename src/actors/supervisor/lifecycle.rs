@@ -10,11 +10,11 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 
 use super::calls::call_all;
 use super::checkpoints::resume;
-use super::spawn::SpawnContext;
 use super::state::SupervisorState;
 use super::{RunSummary, SupervisorArgs, SupervisorMsg, Trained};
 use crate::actors::checkpointer::{Checkpointer, DRAIN_TIMEOUT};
 use crate::actors::device::DeviceActor;
+use crate::actors::spawner::SpawnContext;
 use crate::actors::stage::StageMsg;
 use crate::error::{Error, Result};
 use crate::events::JobEvent;

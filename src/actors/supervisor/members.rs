@@ -8,11 +8,11 @@ use ractor::{Actor, ActorRef};
 use tokio::task::JoinSet;
 
 use super::calls::ask;
-use super::spawn::{Grow, GrowArgs, RemoteGrowArgs, SurvivorWiring};
 use super::state::SupervisorState;
 use crate::actors::device::{DeviceActor, DeviceMsg};
 use crate::actors::group::{GroupActor, GroupArgs};
 use crate::actors::spawner::Rejoin;
+use crate::actors::spawner::{Grow, GrowArgs, RemoteGrowArgs, SurvivorWiring};
 use crate::actors::stage::StageMsg;
 use crate::comm::LocalGroup;
 use crate::device::MeshDevice;

@@ -318,6 +318,10 @@ fn run_head(
     // and the values, JOB-1) before anyone waits for a node; the world is at least the nodes
     // and the head's own devices.
     let world = nodes + local_devices;
+    let mut spec = spec;
+    if !head_job.batch_given {
+        fit_default_batch(&mut spec, world);
+    }
     if is_gpt(&spec) {
         crate::gpt_train::cluster_job(&spec)?
             .0
@@ -438,6 +442,25 @@ fn run_head(
         }
         trained
     })
+}
+
+/// A default global batch (no `--batch-size`) fitted to the world the head waits for: the
+/// nearest multiple of its replicas × each replica's micro-batches, said on the head's first
+/// line (`mpirun -n 3 meshwork train` trains 3 replicas on 255 samples a step).
+fn fit_default_batch(spec: &mut JobSpec, world: u32) {
+    let per_replica = ranks_per_replica(spec).unwrap_or(1).max(1);
+    let micro = spec.pipeline.as_ref().map_or(1, |p| p.micro_batches.max(1))
+        * spec.strategy.accumulation.max(1);
+    let unit = (world / per_replica).max(1) as usize * micro as usize;
+    let base = spec.batch_size as usize;
+    let fitted = crate::train::fit_batch(base, unit);
+    if fitted != base {
+        println!(
+            "meshwork head: global batch {fitted} (the default {base} rounded to a multiple of \
+             {unit} replica micro-batches; --batch-size sets it)"
+        );
+        spec.batch_size = fitted as u64;
+    }
 }
 
 /// What the head tells its nodes when it stops them after `trained`.

@@ -118,11 +118,12 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
     let model_device = devices[0].burn().clone();
     model_device.seed(args.seed);
     let init = Gpt::new(&config, &model_device);
-    let batch = args.batch_size_or(32);
+    let unit = dp as usize * args.micro_batches_per_replica();
+    let batch = args.global_batch(32, unit);
     println!(
         "meshwork train --model gpt: {dp} × {pp} × {tp} (data × pipeline × tensor) {:?} device(s); \
          {} layers, d_model {}, {} heads, context {}, vocabulary {}; \
-         {} training windows, global batch {batch}, {} steps",
+         {} training windows, {}, {} steps",
         args.device,
         config.layers,
         config.d_model,
@@ -130,6 +131,7 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         config.context,
         config.vocab,
         train_len(&data.train),
+        args.batch_line(32, unit),
         args.steps,
     );
     let report = GptReport {
@@ -305,7 +307,8 @@ pub(crate) fn gpt_spec(
     Ok(meshwork::cluster::control::JobSpec {
         model: meshwork::demo::gpt::gpt_spec(&config),
         seed: args.seed,
-        batch_size: args.batch_size_or(32) as u64,
+        // The head fits a default batch to the world it waits for.
+        batch_size: args.global_batch(32, 1) as u64,
         steps: args.steps,
         learning_rate: args.lr,
         collective_timeout_ms: (args.collective_timeout * 1000.0) as u64,

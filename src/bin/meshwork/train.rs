@@ -56,8 +56,9 @@ pub(crate) struct TrainArgs {
     /// Optimizer steps.
     #[arg(long, default_value_t = 300)]
     pub(crate) steps: u64,
-    /// Global batch size (split across replicas; default 256 samples for the MLP, 32
-    /// windows for the GPT).
+    /// Global batch size (split across replicas; default about 256 samples for the MLP, 32
+    /// windows for the GPT: the nearest multiple of the replicas × micro-batches, so the
+    /// default fits every world size a launcher starts).
     #[arg(long)]
     batch_size: Option<usize>,
     /// Backend of the logical devices: flex (CPU) or wgpu.
@@ -191,10 +192,46 @@ pub(crate) struct TrainArgs {
 }
 
 impl TrainArgs {
-    /// `--batch-size`, or the model's default.
-    pub(crate) fn batch_size_or(&self, default: usize) -> usize {
-        self.batch_size.unwrap_or(default)
+    /// `--batch-size`, or the model's default `base` fitted to `unit` (replicas × each
+    /// replica's micro-batches, [`fit_batch`]).
+    pub(crate) fn global_batch(&self, base: usize, unit: usize) -> usize {
+        self.batch_size.unwrap_or_else(|| fit_batch(base, unit))
     }
+
+    /// Whether `--batch-size` was given (a default is fitted to the world; a given batch is
+    /// the user's and refused if it does not divide).
+    pub(crate) fn batch_given(&self) -> bool {
+        self.batch_size.is_some()
+    }
+
+    /// Micro-batches each replica computes per step: a pipeline's schedule's, times the
+    /// accumulation.
+    pub(crate) fn micro_batches_per_replica(&self) -> usize {
+        let schedule = if self.pp > 1 { self.micro_batches } else { 1 };
+        (schedule.max(1) * self.accumulate.max(1)) as usize
+    }
+
+    /// How the first line of output states the global batch: the number, and when it is a
+    /// fitted default, from what.
+    pub(crate) fn batch_line(&self, base: usize, unit: usize) -> String {
+        let batch = self.global_batch(base, unit);
+        if self.batch_given() || batch == base {
+            format!("global batch {batch}")
+        } else {
+            format!(
+                "global batch {batch} (the default {base} rounded to a multiple of {unit} \
+                 replica micro-batches; --batch-size sets it)"
+            )
+        }
+    }
+}
+
+/// A default global batch for a world: `base` rounded to the nearest multiple of `unit`
+/// (replicas × each replica's micro-batches), at least `unit`, so that a default works at
+/// every size a launcher can start (`mpirun -n 3` has 3 replicas; 256 does not divide).
+pub(crate) fn fit_batch(base: usize, unit: usize) -> usize {
+    let unit = unit.max(1);
+    ((base + unit / 2) / unit).max(1) * unit
 }
 
 /// The fault plan and recovery policy the flags ask for.
@@ -410,7 +447,8 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
             };
             crate::cluster::demo_spec(
                 &widths,
-                (args.seed, args.batch_size_or(256), args.steps),
+                // The head fits a default batch to the world it waits for.
+                (args.seed, args.global_batch(256, 1), args.steps),
                 (args.lr, args.zero),
                 (args.precision, args.low_precision_gradients),
                 args.collective_timeout,
@@ -447,6 +485,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
             checkpoints: args.checkpoint_flags(),
             elastic: (1, u32::MAX),
             step_timeout: Duration::from_secs_f64(args.step_timeout),
+            batch_given: args.batch_given(),
         };
         if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, spec, head) {
             return outcome;
@@ -531,6 +570,7 @@ fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
                 checkpoints: args.checkpoint_flags(),
                 elastic: (1, u32::MAX),
                 step_timeout: Duration::from_secs_f64(args.step_timeout),
+                batch_given: args.batch_given(),
             };
             if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, || spec, head) {
                 return outcome;
@@ -580,10 +620,11 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
     } else {
         format!("{dp}")
     };
+    let unit = dp as usize * args.micro_batches_per_replica();
     println!(
-        "meshwork train: {mesh} × {:?} device(s), global batch {}, {} steps, attainable loss {:.4}",
+        "meshwork train: {mesh} × {:?} device(s), {}, {} steps, attainable loss {:.4}",
         args.device,
-        args.batch_size_or(256),
+        args.batch_line(256, unit),
         args.steps,
         task.attainable_loss()
     );
@@ -718,7 +759,7 @@ impl Configure for Shared<'_> {
             .partial_sums(args.partial_sums)
             .data_parallel(self.dp)
             .devices(self.devices)
-            .batch_size(args.batch_size_or(256))
+            .batch_size(args.global_batch(256, self.dp as usize * args.micro_batches_per_replica()))
             .steps(args.steps)
             .seed(args.seed)
             .recovery(self.policy)
@@ -765,6 +806,41 @@ impl TrainArgs {
             every: self.checkpoint_every,
             resume: self.resume,
             require: self.require_checkpoint,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fit_batch;
+
+    #[test]
+    fn a_default_batch_fits_every_world_size() {
+        assert_eq!(fit_batch(256, 2), 256);
+        assert_eq!(fit_batch(256, 3), 255);
+        assert_eq!(fit_batch(256, 6), 258);
+        assert_eq!(fit_batch(32, 3), 33);
+        assert_eq!(
+            fit_batch(256, 1000),
+            1000,
+            "at least one sample a micro-batch"
+        );
+        for unit in 1..600 {
+            for base in [32, 256] {
+                let b = fit_batch(base, unit);
+                assert!(
+                    b.is_multiple_of(unit) && b >= unit,
+                    "{base} for {unit}: {b}"
+                );
+                if base >= unit {
+                    assert!(
+                        b.abs_diff(base) <= unit / 2,
+                        "the nearest: {base} for {unit}: {b}"
+                    );
+                } else {
+                    assert_eq!(b, unit, "one sample a micro-batch: {base} for {unit}");
+                }
+            }
         }
     }
 }

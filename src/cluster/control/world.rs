@@ -19,11 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::mesh::Rank;
 
-/// A process of the job: 0 is the head, nodes are 1.. in the order of [`assign_ranks`].
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
-)]
-pub struct ProcessIndex(pub u32);
+pub use crate::cluster::ProcessIndex;
 
 /// One process as rank assignment sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -669,7 +669,7 @@ where
 
     fn spawn(
         self: Box<Self>,
-        cx: crate::actors::supervisor::SpawnContext,
+        cx: crate::actors::spawner::SpawnContext,
     ) -> crate::actors::spawner::SpawnFuture<M> {
         let ClusterParameterServer {
             mesh,

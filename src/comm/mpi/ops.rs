@@ -5,12 +5,12 @@
 use super::messages::{PROBE, Waited};
 use super::world::Live;
 use super::{MpiCommunicator, OpId};
-use crate::comm::bits16::{narrow_to_bytes, round_in_place, widen_bytes_into};
 use crate::comm::cross::{self, bytes_of, rank_of};
+use crate::comm::element::bits16::{narrow_to_bytes, round_in_place, widen_bytes_into};
 use crate::comm::element::{Element, combine, finish};
+use crate::comm::plan::wire::Narrowing;
 use crate::comm::plan::{self, Plan, Step};
 use crate::comm::tcp::resolve_algorithm;
-use crate::comm::wire::Narrowing;
 use crate::comm::{
     Algorithm, CallShape, CollectiveKind, CommError, DType, PartialSums, RankCall, ReduceOp,
 };

@@ -63,10 +63,11 @@ pub(crate) trait BlockStep<I>: Send {
     /// Whether the gradients of this step were reduced already.
     fn reduced(&self) -> bool;
     /// The sum of squares of the reduced gradient this rank holds, and whether it is a shard
-    /// (to be summed over the replicas), for a global norm. A tensor-parallel block counts
-    /// its split parameters' slices on every rank and its replicated parameters on
-    /// tensor-parallel rank 0 only, so the sum over the group counts each element once.
-    fn norm_part(&self) -> Option<(f64, bool)>;
+    /// (to be summed over the replicas), for a global norm, on the rank whose coordinate in
+    /// the tensor-parallel dimension is `tp_rank` (CLIP-1): split parameters' slices on every
+    /// rank, whatever the rank holds whole (a split block's replicated parameters, an ordinary
+    /// block) on `tp_rank` 0 only, so the sum over the group counts each element once.
+    fn norm_part(&self, tp_rank: usize) -> Option<(f64, bool)>;
     /// Clip the reduced gradient with a global norm computed over several blocks.
     fn clip(&mut self, norm: f32, max_norm: f32);
     /// The optimizer step with the reduced gradient (and the exchange that keeps the

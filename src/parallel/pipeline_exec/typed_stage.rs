@@ -505,18 +505,21 @@ impl<M: Module + 'static, I: 'static> BlockStep<I> for TypedStage<M, I> {
         self.reduced.is_some()
     }
 
-    fn norm_part(&self) -> Option<(f64, bool)> {
+    fn norm_part(&self, tp_rank: usize) -> Option<(f64, bool)> {
         let reduced = self.reduced.as_ref()?;
         match (&self.split, &self.split_layout) {
-            // Replicated parameters are the same on every tensor-parallel rank: rank 0
-            // counts them, every rank its own slices.
-            (Some(split), Some(layout)) if self.splits() && self.tp.rank() > 0 => {
+            _ if tp_rank == 0 => reduced.sum_of_squares(),
+            // CLIP-1: rank 0 counts what every tensor-parallel rank holds whole, each rank
+            // its own slices.
+            (Some(split), Some(layout)) if self.splits() => {
                 let (lo, hi) = self.sync.held().owned;
                 reduced.sum_of_squares_of(layout, lo as usize..hi as usize, |id| {
                     split.contains_key(&id)
                 })
             }
-            _ => reduced.sum_of_squares(),
+            // An ordinary block runs whole on every tensor-parallel rank: nothing of it is
+            // this rank's to count (the flag kept, so the data-parallel sum is entered alike).
+            _ => reduced.sum_of_squares().map(|(_, shard)| (0.0, shard)),
         }
     }
 

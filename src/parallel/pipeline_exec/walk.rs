@@ -8,6 +8,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
+use super::overlap::{CommLane, Ticket, with_lane};
 use super::{
     BlockInput, BlockStep, ExecError, Flow, Packet, StageLinks, StageStepRecord, WireTensor,
 };
@@ -15,7 +16,6 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::faults::{FaultHooks, Phase, with_hooks};
 use crate::mesh::DeviceId;
 use crate::parallel::memory::BlockBytes;
-use crate::parallel::overlap::{CommLane, Ticket, with_lane};
 use crate::parallel::pipeline::{Chunk, Instr, PipelineSchedule, StageIndex};
 
 #[cfg(test)]
@@ -40,8 +40,11 @@ pub(crate) struct StepContext<'a, I> {
     pub model: Option<&'a mut Communicator>,
     /// Clip the step's gradient to this global L2 norm over the whole model: this stage's
     /// blocks, summed over the replica's other stages and tensor-parallel ranks (each
-    /// element counted once, [`BlockStep::norm_part`]).
+    /// element counted once, CLIP-1).
     pub clip: Option<f32>,
+    /// This rank's coordinate in the tensor-parallel dimension (0 without tensor
+    /// parallelism): who counts what in the global norm (CLIP-1).
+    pub tp_rank: usize,
     /// Called before each instruction runs (progress for heartbeats and failure reports).
     pub on_instr: &'a dyn Fn(&Instr),
     /// How many blocks' gathered parameters may wait for their use at once, the gathers
@@ -130,7 +133,7 @@ pub(crate) fn run_stage_step<I, W: BlockStep<I> + ?Sized>(
         }
     }
     if let Some(max) = cx.clip {
-        let sums: Vec<_> = chunks.iter().map(|c| c.norm_part()).collect();
+        let sums: Vec<_> = chunks.iter().map(|c| c.norm_part(cx.tp_rank)).collect();
         let partial = sums.iter().any(|s| s.is_some_and(|(_, p)| p));
         let total: f64 = sums.iter().flatten().map(|(v, _)| v).sum();
         // The same arithmetic as ZeRO's clipping: each rank's sum, all-reduced in f32.

@@ -1,6 +1,6 @@
 //! [`Collective`]: one collective a synchronisation asks for, on plain `f32` buffers, so that
 //! whoever holds the group's communicator (the compute thread itself, or a communication
-//! thread beside it: `parallel::overlap`) can run it. The tensor work (taking Burn's gradients
+//! thread beside it: `parallel::pipeline_exec::overlap`) can run it. The tensor work (taking Burn's gradients
 //! out, putting parameters back) stays with the synchronisation; only buffers cross.
 //!
 //! Invariant:

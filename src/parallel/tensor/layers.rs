@@ -22,7 +22,7 @@ use burn::tensor::{Bool, Device, Int, Tensor};
 
 use super::{TensorParallel, TensorParallelModule};
 use crate::config::InvalidConfig;
-use crate::parallel::stages::materialize;
+use crate::parallel::materialize;
 
 /// `x · W + b` over `x`'s last dimension with every leading dimension folded into the rows:
 /// one `[rows, in]·[in, out]` product forward and one per gradient backward. Burn keeps a

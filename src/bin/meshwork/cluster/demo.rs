@@ -38,6 +38,9 @@ pub(crate) struct HeadJob {
     pub(crate) elastic: (u32, u32),
     /// `--step-timeout`: how long the head's Supervisor waits for a step's ranks.
     pub(crate) step_timeout: Duration,
+    /// Whether `--batch-size` was given; if not, the head fits the spec's default batch to
+    /// the world it waits for ([`crate::train::fit_batch`]).
+    pub(crate) batch_given: bool,
 }
 
 /// Samples in the demo job's dataset (as in a single-process `meshwork train`).

@@ -145,7 +145,7 @@ impl BlockStep<u32> for FakeBlock {
         self.reduced.is_some()
     }
 
-    fn norm_part(&self) -> Option<(f64, bool)> {
+    fn norm_part(&self, _tp_rank: usize) -> Option<(f64, bool)> {
         None
     }
 
@@ -235,6 +235,7 @@ fn run_two_ranks(in_flight: usize, fail: Option<(usize, u32)>, timeout: Duration
                             replicas: Some(&mut comm),
                             model: None,
                             clip: None,
+                            tp_rank: 0,
                             on_instr: &|_| {},
                             blocks_in_flight: in_flight,
                             faults: None,

@@ -27,9 +27,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender, channel};
 use std::time::{Duration, Instant};
 
-use super::pipeline_exec::ExecError;
-use super::sync::{Collective, Span};
+use super::ExecError;
 use crate::comm::{CollectiveKind, CommError, Communicator};
+use crate::parallel::sync::{Collective, Span};
 
 /// Added to a wait's bound: a result is handed over, not computed, after its collective.
 const WAIT_MARGIN: Duration = Duration::from_secs(1);

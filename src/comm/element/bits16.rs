@@ -8,8 +8,8 @@
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-use super::element::combine;
-use super::{DType, ReduceOp};
+use super::combine;
+use crate::comm::{DType, ReduceOp};
 
 /// Elements converted per stack block.
 const BLOCK: usize = 1024;

@@ -3,7 +3,7 @@
 //! for 16-bit partial sums (COMM-9). Pure: every transport asks the same questions of the same
 //! plan, so they round at the same steps and count the same bytes.
 
-use crate::comm::plan::{Plan, Step};
+use super::{Plan, Step};
 use crate::comm::{CallShape, DType};
 use crate::mesh::Rank;
 
