@@ -87,6 +87,17 @@ pub enum JobEvent {
         /// The error that named it.
         error: Error,
     },
+    /// A failure the recovery policy asked to recover from could not be: the job ends with
+    /// the failure's own error (REC-3, published next as [`JobEvent::Failed`]); this says why
+    /// it was not recovered.
+    NotRecovered {
+        /// The step that failed.
+        step: u64,
+        /// The ranks found lost (in the generation they were lost in).
+        lost: Vec<Rank>,
+        /// Why the policy could not be carried out.
+        reason: String,
+    },
     /// The mesh was rebuilt without the lost devices; `step` is redone by the survivors.
     Recovered {
         /// The step that is redone.

@@ -88,6 +88,12 @@ impl RecoveryPolicy {
         }
     }
 
+    /// Whether the policy recovers from anything (shrinks, replaces or rolls back); the
+    /// default does not: a lost device fails the job.
+    pub fn recovers(&self) -> bool {
+        self.on_replica_loss == OnReplicaLoss::Shrink || self.roll_back
+    }
+
     /// The same policy, rolling back to the last checkpoint where it would otherwise fail
     /// (REC-5; e.g. a shrink below `min_replicas`).
     pub fn or_roll_back(mut self) -> Self {
@@ -167,7 +173,7 @@ pub fn decide(
     data_parallel_only: bool,
     now: Instant,
 ) -> Decision {
-    if policy.on_replica_loss == OnReplicaLoss::Fail && !policy.roll_back {
+    if !policy.recovers() {
         return Decision::Fail("the recovery policy is to fail".into());
     }
     let choice = if !data_parallel_only {

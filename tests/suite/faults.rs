@@ -531,6 +531,18 @@ async fn rec_3_a_pipeline_stage_lost_without_twin_restore_ends_the_job_with_its_
         "{outcome:?}"
     );
     assert_eq!(fired(&events), vec![0]);
+    // The policy asked for a recovery: the job says why it could not make one.
+    let why: Vec<_> = events
+        .iter()
+        .filter_map(|e| match e {
+            JobEvent::NotRecovered { step, lost, reason } => Some((*step, lost.clone(), reason)),
+            _ => None,
+        })
+        .collect();
+    assert!(
+        matches!(&why[..], [(2, lost, reason)] if lost.len() == 1 && reason.contains("no surviving twin")),
+        "{why:?}"
+    );
 }
 
 /// Run `job`, calling `on_step` with the job's controls after each step event.

@@ -4,12 +4,12 @@
 //! (REC-1, REC-4, with REC-7's catch-up), lost pipeline stages are replaced from their twins
 //! (REC-6), or every rank is restored from the newest checkpoint (REC-5).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use ractor::ActorRef;
 use tokio::task::JoinSet;
 
-use super::calls::{HEARTBEAT_PROBE, ask, restore};
+use super::calls::{ask, restore};
 use super::checkpoints::latest_checkpoint;
 use super::decide::{self, CatchUp, Divergence, Failure, OnFailure};
 use super::members::{rebuild_group, rewire_survivors, spawn_replica, start_device};
@@ -52,8 +52,12 @@ impl From<Error> for LostRanks {
     }
 }
 
-/// `lost` and every other rank whose device does not answer a heartbeat within twice
-/// [`HEARTBEAT_PROBE`], in rank order.
+/// How long a rank's device may take to answer the probe that decides whether it was lost
+/// with the failure ([`with_unreachable`]).
+const LOSS_PROBE: Duration = Duration::from_secs(20);
+
+/// `lost` and every other rank whose device does not answer a heartbeat within
+/// [`LOSS_PROBE`], in rank order.
 async fn with_unreachable(
     devices: Vec<(ActorRef<DeviceMsg>, DeviceId)>,
     mut lost: Vec<usize>,
@@ -63,8 +67,10 @@ async fn with_unreachable(
         if lost.contains(&r) {
             continue;
         }
-        // A device of another process answers through its node: twice the probe's time.
-        let wait = HEARTBEAT_PROBE * 2;
+        // A dead process is found at once (its session ends): the wait only bounds a frozen
+        // one. It is generous because a rank wrongly called lost can leave a lost stage
+        // without its twin, and a loaded machine answers late.
+        let wait = LOSS_PROBE;
         probes.spawn(async move { (r, heartbeat(&device, id, wait).await.is_ok()) });
     }
     while let Some(probe) = probes.join_next().await {
@@ -124,7 +130,16 @@ where
     }
     match plan {
         OnFailure::Fail(reason) => {
-            tracing::debug!(%reason, "no recovery");
+            // A policy that asked for no recovery needs no reason; one that did says why it
+            // was not carried out (a job must not end without saying why).
+            if state.recovery.recovers() {
+                tracing::warn!(step, ?lost, %reason, "the failure is not recovered");
+                state.publish(JobEvent::NotRecovered {
+                    step,
+                    lost: lost.iter().map(|&r| Rank(r as u32)).collect(),
+                    reason,
+                });
+            }
             Err(first)
         }
         OnFailure::TooMany { count } => Err(Error::TooManyFailures {

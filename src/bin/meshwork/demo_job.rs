@@ -283,6 +283,10 @@ async fn drive<M: Send + 'static>(
                     &progress,
                     format!("step {step}: lost device {device}: {error}"),
                 ),
+                Ok(JobEvent::NotRecovered { step, lost, reason }) => say(
+                    &progress,
+                    format!("step {step}: rank(s) {lost:?} lost and not recovered: {reason}"),
+                ),
                 Ok(JobEvent::Recovered {
                     step,
                     generation,

@@ -312,6 +312,9 @@ async fn take_model<M>(state: &RemoteStageArgs<M>, wait: Duration) -> Option<M> 
     }
 }
 
+/// How long the head's proxy waits for a device of another process to answer a heartbeat.
+const REMOTE_HEARTBEAT_WAIT: Duration = Duration::from_secs(30);
+
 /// The head's proxy of a device in another process: answers the Supervisor's heartbeats with
 /// the device's own.
 #[derive(Debug, Default)]
@@ -346,11 +349,13 @@ impl Actor for RemoteDevice {
     ) -> std::result::Result<(), ActorProcessingErr> {
         match message {
             DeviceMsg::Heartbeat(reply) => {
-                // Answered from a task: a cut-off node must not hold the next heartbeat.
+                // Answered from a task: a cut-off node must not hold the next heartbeat. The
+                // caller bounds its own wait; this one only ends the task of a frozen node
+                // (a shorter one would fail a probe that waits longer, on a loaded machine).
                 let (endpoint, slot) = (state.endpoint.clone(), state.slot);
                 tokio::spawn(async move {
                     if let Ok(StageAnswer::Heartbeat(h)) = endpoint
-                        .call(slot, StageOp::Heartbeat, HEARTBEAT_WAIT)
+                        .call(slot, StageOp::Heartbeat, REMOTE_HEARTBEAT_WAIT)
                         .await
                     {
                         let _ = reply.send(h);
