@@ -14,6 +14,7 @@ mod compression;
 mod data_parallel;
 mod faults;
 mod fsdp;
+mod instances;
 mod layering;
 mod lifecycle;
 mod local_updates;
