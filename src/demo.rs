@@ -387,6 +387,3 @@ pub fn cluster_fingerprint(
     ))
 }
 pub mod gpt;
-// CI-1: not in the library's own test build, which nothing links to.
-#[cfg(not(test))]
-pub mod instances;

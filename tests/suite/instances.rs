@@ -1,4 +1,4 @@
-//! CI-1: the library's compiled demo jobs (`demo::instances`) are ordinary functions: each
+//! CI-1: the library's compiled demo jobs (`testing::instances`) are ordinary functions: each
 //! trains its job exactly as `build → spawn → join` does (bitwise), on the devices it asks
 //! for.
 
@@ -9,9 +9,9 @@ use burn::optim::SgdConfig;
 use burn::tensor::Device;
 use meshwork::data::TextWindows;
 use meshwork::demo::gpt::{Gpt, GptConfig};
-use meshwork::demo::instances::{run_gpt, run_mlp, run_stages};
 use meshwork::demo::{MlpStage, mlp_pipeline};
 use meshwork::prelude::*;
+use meshwork::testing::instances::{run_gpt, run_mlp, run_stages};
 use meshwork::testing::{
     TeacherFixture, bounded, compare_parameters, draw_lock, final_fingerprints,
 };

@@ -9,21 +9,20 @@
 //! instances of the demo jobs — the MLP on [`Sample`]s whole or as stages, and the GPT's
 //! blocks on [`TextWindow`]s — from building the job and its stages to joining it, with its
 //! events recorded ([`run_recording`]); whatever trains those types downstream links to
-//! them. A release build
-//! optimises each crate on its own and gains nothing from them (nor loses anything but their
-//! compile time).
+//! them. A release build optimises each crate on its own and gains nothing from them (nor
+//! loses anything but their compile time).
 //!
 //! They are ordinary functions too: each builds the job, runs it to its end and returns its
 //! outcome with every event it published.
 
-use super::gpt::Gpt;
-use super::{Mlp, Sample};
+use super::run_recording;
 use crate::data::text::TextWindow;
+use crate::demo::gpt::Gpt;
+use crate::demo::{Mlp, Sample};
 use crate::error::Result;
 use crate::events::JobEvent;
 use crate::job::{BlockOptions, JobBuilder, PipelineModel, PipelineStages, Trained};
 use crate::parallel::pipeline::Schedule;
-use crate::testing::run_recording;
 
 /// A job's outcome and every event it published.
 pub type Recorded<M> = (Result<Trained<M>>, Vec<JobEvent>);
