@@ -30,10 +30,7 @@ pub type Recorded<M> = (Result<Trained<M>>, Vec<JobEvent>);
 /// Build the demo MLP's data-parallel job (or any job of [`Mlp`] on [`Sample`]s), run it to
 /// its end and return its outcome with its events.
 pub async fn run_mlp(builder: JobBuilder<Mlp, Sample>) -> Recorded<Mlp> {
-    match builder.build() {
-        Ok(job) => run_recording(job).await,
-        Err(e) => (Err(e), Vec::new()),
-    }
+    record(builder).await
 }
 
 /// The same for a model of stages on [`Sample`]s (the demo MLP's pipeline or blocks):
@@ -43,14 +40,7 @@ pub async fn run_stages(
     stages: PipelineStages<Sample>,
     schedule: Option<Schedule>,
 ) -> Recorded<PipelineModel> {
-    let builder = match schedule {
-        Some(schedule) => builder.pipeline(stages, schedule),
-        None => builder.blocks(stages),
-    };
-    match builder.build() {
-        Ok(job) => run_recording(job).await,
-        Err(e) => (Err(e), Vec::new()),
-    }
+    record(staged(builder, stages, schedule)).await
 }
 
 /// The same for the demo GPT on [`TextWindow`]s: its blocks (with `options`, if any) as a
@@ -65,10 +55,28 @@ pub async fn run_gpt(
         Some(options) => model.into_blocks_with(options),
         None => model.into_blocks(),
     };
-    let builder = match schedule {
+    record(staged(builder, stages, schedule)).await
+}
+
+/// `stages` as a pipeline under `schedule`, or as blocks without one.
+fn staged<I: Send + Sync + 'static>(
+    builder: JobBuilder<PipelineModel, I>,
+    stages: PipelineStages<I>,
+    schedule: Option<Schedule>,
+) -> JobBuilder<PipelineModel, I> {
+    match schedule {
         Some(schedule) => builder.pipeline(stages, schedule),
         None => builder.blocks(stages),
-    };
+    }
+}
+
+/// Build the job and run it to its end, recording its events (a refused build: its error and
+/// no events).
+async fn record<M, I>(builder: JobBuilder<M, I>) -> Recorded<M>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
     match builder.build() {
         Ok(job) => run_recording(job).await,
         Err(e) => (Err(e), Vec::new()),
