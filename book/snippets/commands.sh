@@ -22,8 +22,10 @@ cargo run --release -- train --model gpt --dp 2 --tp 2 --zero 1 --steps 10 --che
 cargo run --release -- train --model gpt --dp 1 --tp 4 --zero 1 --steps 20 --checkpoint-dir gpt-checkpoints --resume
 # ANCHOR_END: recipe-resume
 # ANCHOR: faults
-# a fault-injection run: four replicas, a kill and a panic from the plan, shrinking to the survivors
-cargo run --release -- train --dp 4 --batch-size 48 --steps 20 --faults book/snippets/faults.json --on-replica-loss shrink
+# a fault-injection run: four replicas, a kill and a panic from the plan, shrinking to the survivors;
+# the dropped message is found by the collective time-out (2 s), and the plan's four recoveries
+# within a minute need --max-restarts above the default 3
+cargo run --release -- train --dp 4 --batch-size 48 --steps 20 --faults book/snippets/faults.json --on-replica-loss shrink --collective-timeout 2 --max-restarts 5
 # ANCHOR_END: faults
 # ANCHOR: slow-links
 # the methods for slow networks, in miniature: 4 ranks, 100 MB/s links with 2 ms latency, then one rank 3× slower

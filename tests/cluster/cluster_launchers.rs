@@ -167,7 +167,7 @@ fn a_rank_killed_under_mpirun_ends_the_job_and_the_same_command_resumes_it() {
     let (rerun_arg, alone_arg) = (rerun.display().to_string(), alone.display().to_string());
     let common = [
         "--steps",
-        "300",
+        "100",
         "--batch-size",
         "96",
         "--hidden",

@@ -205,7 +205,7 @@ fn slurm_starts_jobs_on_both_transports_and_requeues_a_killed_one_to_the_same_en
     let (rerun, whole) = (work.join("requeued.mpk"), work.join("whole.mpk"));
     let long = [
         "--steps",
-        "200",
+        "100",
         "--batch-size",
         "96",
         "--hidden",

@@ -162,6 +162,10 @@ pub(crate) struct TrainArgs {
     /// or shrink-or-rollback.
     #[arg(long, default_value = "fail")]
     on_replica_loss: String,
+    /// At most this many recoveries within a minute; one more ends the job (like torchrun's
+    /// --max-restarts).
+    #[arg(long, default_value_t = RecoveryPolicy::default().max_restarts)]
+    max_restarts: u32,
     /// Write checkpoints into this directory (every --checkpoint-every steps, at the end, and
     /// on Ctrl-C or SIGTERM, which then stop the job cleanly).
     #[arg(long)]
@@ -259,7 +263,8 @@ pub(crate) fn fault_settings(
             )));
         }
     };
-    Ok((plan, policy))
+    let window = RecoveryPolicy::default().window;
+    Ok((plan, policy.max_restarts(args.max_restarts, window)))
 }
 
 /// Refuses flag values no job can run with, naming the flag, before anything starts.
