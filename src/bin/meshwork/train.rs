@@ -252,7 +252,7 @@ pub(crate) fn fault_settings(
         }
         None => None,
     };
-    let policy = match args.on_replica_loss.as_str() {
+    let mut policy = match args.on_replica_loss.as_str() {
         "fail" => RecoveryPolicy::default(),
         "shrink" => RecoveryPolicy::shrink(),
         "rollback" => RecoveryPolicy::roll_back(),
@@ -263,8 +263,8 @@ pub(crate) fn fault_settings(
             )));
         }
     };
-    let window = RecoveryPolicy::default().window;
-    Ok((plan, policy.max_restarts(args.max_restarts, window)))
+    policy.max_restarts = args.max_restarts;
+    Ok((plan, policy))
 }
 
 /// Refuses flag values no job can run with, naming the flag, before anything starts.
