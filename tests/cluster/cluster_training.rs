@@ -1119,6 +1119,9 @@ fn replace_a_killed_stage(job: &str, flags: &[&str]) -> Result<(String, Vec<Proc
         .collect();
     nodes.push(node("node-e", &addr, job, &[], SECRET));
     head.wait_line("waiting as a spare", Duration::from_secs(30));
+    // A recovering policy recovers from the first step on: a loss while the stages start is
+    // refused with a reason (`NotRecovered`), so the kill waits for training to begin.
+    head.wait_line("started:", Duration::from_secs(60));
     let victim = prepared
         .iter()
         .position(|p| the_rank(p) / 2 == 1)

@@ -149,9 +149,35 @@ where
             state.control_mark = state.control.load(std::sync::atomic::Ordering::Relaxed);
             myself.send_message(SupervisorMsg::RunStep(first))?
         }
-        Err(e) => finish(myself, state, Err(e)).await,
+        Err(e) => {
+            not_recovered_at_start(state, &e);
+            finish(myself, state, Err(e)).await
+        }
     }
     Ok(())
+}
+
+/// A recovering policy recovers from the first step on; a rank lost while the job starts
+/// (building its stages, synchronizing their parameters, restoring a checkpoint) leaves the
+/// survivors half-initialized, with nothing trained to keep: the job ends with the loss, and
+/// `NotRecovered` says why the policy was not carried out (REC-3: never without a reason).
+fn not_recovered_at_start<M, I>(state: &SupervisorState<M, I>, e: &Error)
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    if !state.recovery.recovers() {
+        return;
+    }
+    let peers_are_ranks = state.caps.rejoin.regroups();
+    let lost = super::decide::lost_ranks(&[(None, e.clone())], &state.stage_ids(), peers_are_ranks);
+    state.publish(JobEvent::NotRecovered {
+        step: 0,
+        lost: lost.iter().map(|&r| crate::mesh::Rank(r as u32)).collect(),
+        reason: "the failure came while the job was starting, before its first step \
+                 (recovery begins at the first step): start the job again"
+            .into(),
+    });
 }
 
 /// A child actor failed or stopped. One the Supervisor stopped or gave up on is no news; a

@@ -228,6 +228,13 @@ async fn drive<M: Send + 'static>(
                     last = s.pipeline.or(last);
                 }
                 Ok(JobEvent::Failed(e)) => say(&progress, format!("job failed: {e}")),
+                Ok(JobEvent::ReplicasSynchronized { after, .. }) => say(
+                    &progress,
+                    format!(
+                        "started: {} rank(s) hold rank 0's parameters; training",
+                        after.len()
+                    ),
+                ),
                 Ok(JobEvent::GradientOverflow {
                     step,
                     scale,
