@@ -247,6 +247,11 @@ pub struct StepDone {
     pub replicas: Vec<ReplicaStep>,
     /// With pipeline parallelism: the step's measured timeline and memory figures.
     pub pipeline: Option<PipelineStep>,
+    /// The minor page faults the Supervisor's process took during the step (Linux; `None`
+    /// elsewhere): memory touched fresh, which the kernel zeroed first. In one process that
+    /// is every rank's; across processes the head's alone.
+    #[serde(default)]
+    pub page_faults: Option<u64>,
 }
 
 /// How one pipeline stage spent a step's measured interval; the three add up to 1.

@@ -101,6 +101,11 @@ pub struct RunSummary {
     /// between the ranks).
     #[serde(default)]
     pub control_messages: u64,
+    /// The minor page faults of the Supervisor's process over the run's steps
+    /// ([`StepDone::page_faults`](crate::events::StepDone::page_faults) summed); `None` where
+    /// they are not counted.
+    #[serde(default)]
+    pub page_faults: Option<u64>,
 }
 
 impl RunSummary {

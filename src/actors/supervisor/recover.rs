@@ -284,7 +284,7 @@ where
         step,
         reports,
         samples,
-        interrupted.started.elapsed().as_secs_f64(),
+        (interrupted.started.elapsed().as_secs_f64(), None),
     );
     Ok(Redo::Nothing)
 }

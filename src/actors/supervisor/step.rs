@@ -42,6 +42,8 @@ pub(crate) struct StepFinished {
     pub(super) started: Instant,
     /// From the start to the last reply.
     pub(super) wall: Duration,
+    /// This process's minor page faults during the step (`None` where they are not counted).
+    pub(super) page_faults: Option<u64>,
 }
 
 /// The step running now.
@@ -93,6 +95,7 @@ where
     );
     let task = tokio::spawn(async move {
         let started = Instant::now();
+        let faults_before = crate::parallel::memory::minor_page_faults();
         let mut unfinished = Unfinished {
             me: Some(me.clone()),
             attempt,
@@ -117,6 +120,9 @@ where
         };
         let (reports, failure) = call_all_partial(&crew, build, timeout, Some(step)).await;
         let wall = started.elapsed();
+        let page_faults = faults_before
+            .zip(crate::parallel::memory::minor_page_faults())
+            .map(|(before, after)| after.saturating_sub(before));
         let failure = match failure {
             Some(e) => Some(diagnose(&crew, e, peers_are_ranks).await),
             None => None,
@@ -132,6 +138,7 @@ where
             failure,
             started,
             wall,
+            page_faults,
         })));
     });
     state.running = Some(RunningStep {
@@ -168,6 +175,7 @@ impl Drop for Unfinished {
             failure: Some(failure),
             started: self.started,
             wall: self.started.elapsed(),
+            page_faults: None,
         })));
     }
 }
@@ -262,6 +270,7 @@ where
         failure,
         started,
         wall,
+        page_faults,
         ..
     } = done;
     match failure {
@@ -272,7 +281,13 @@ where
                 .flatten()
                 .zip(state.stage_ids())
                 .collect();
-            step_done(state, step, reports, samples, wall.as_secs_f64());
+            step_done(
+                state,
+                step,
+                reports,
+                samples,
+                (wall.as_secs_f64(), page_faults),
+            );
             myself.send_message(SupervisorMsg::RunStep(step + 1))?;
         }
         Some(error) => {
@@ -303,7 +318,7 @@ pub(super) fn step_done<M, I>(
     step: u64,
     reports: Vec<(StepReport, StageId)>,
     samples: usize,
-    wall_s: f64,
+    (wall_s, page_faults): (f64, Option<u64>),
 ) {
     let stage_ids: Vec<StageId> = reports.iter().map(|(_, id)| *id).collect();
     let reports: Vec<StepReport> = reports.into_iter().map(|(r, _)| r).collect();
@@ -371,6 +386,9 @@ pub(super) fn step_done<M, I>(
     state.control_mark = now;
     s.samples += samples as u64;
     s.wall_s += wall_s;
+    if let Some(faults) = page_faults {
+        *s.page_faults.get_or_insert(0) += faults;
+    }
     s.breakdown = s.breakdown.plus(TimeBreakdown {
         compute_s: mean.compute_s / n,
         communication_s: mean.communication_s / n,
@@ -391,6 +409,7 @@ pub(super) fn step_done<M, I>(
         loss_scale: loss_scale.map(|(used, _)| used),
         replicas,
         pipeline,
+        page_faults,
     }));
 }
 

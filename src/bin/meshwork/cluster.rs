@@ -453,7 +453,7 @@ fn fit_default_batch(spec: &mut JobSpec, world: u32) {
         * spec.strategy.accumulation.max(1);
     let unit = (world / per_replica).max(1) as usize * micro as usize;
     let base = spec.batch_size as usize;
-    let fitted = crate::train::fit_batch(base, unit);
+    let fitted = crate::settings::fit_batch(base, unit);
     if fitted != base {
         println!(
             "meshwork head: global batch {fitted} (the default {base} rounded to a multiple of \

@@ -417,6 +417,12 @@ pub(crate) fn report_time(s: &RunSummary) {
     if let Some(amdahl) = s.amdahl() {
         println!("{amdahl}");
     }
+    if let Some(faults) = s.page_faults {
+        println!(
+            "page faults per step (this process's fresh pages): {:.0}",
+            faults as f64 / s.steps.max(1) as f64
+        );
+    }
 }
 
 /// Writes the trained demo MLP to `path` (Burn's burnpack format, `Module::save_file`).

@@ -155,10 +155,10 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         .seed(args.seed)
         .collective_timeout(Duration::from_secs_f64(args.collective_timeout));
     let builder =
-        crate::train::training_settings(args, crate::train::learning_rate(args)?, builder)
-            .recovery(crate::train::fault_settings(args)?.1);
+        crate::settings::training_settings(args, crate::settings::learning_rate(args)?, builder)
+            .recovery(crate::settings::fault_settings(args)?.1);
     // A checkpoint restores onto another --dp and --tp, re-sliced (TP-7).
-    let builder = crate::train::checkpoint_settings(&args.checkpoint_flags(), builder);
+    let builder = crate::settings::checkpoint_settings(&args.checkpoint_flags(), builder);
     run_gpt_job(builder, args.steps, &data, report, no_watchers()).await
 }
 
@@ -329,7 +329,7 @@ pub(crate) fn gpt_spec(
             recompute: args.recompute,
             parameter_server: None,
             backup_workers: None,
-            warmup_cosine: crate::train::warmup_steps(args)?.map(|w| w as u64),
+            warmup_cosine: crate::settings::warmup_steps(args)?.map(|w| w as u64),
         },
         backend: args.device,
         transport: Default::default(),

@@ -22,6 +22,7 @@ use burn::nn::LayerNorm;
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
 use meshwork::error::{Error, Result};
+use meshwork::parallel::memory::minor_page_faults;
 use meshwork::parallel::tensor::TensorParallel;
 use meshwork::parallel::tensor::layers::{ParallelMlp, ParallelSelfAttention};
 use serde::Serialize;
@@ -58,6 +59,11 @@ pub(crate) struct LayerFigures {
     job_over_bound: f64,
     /// The job's samples/s over the Burn loop's.
     job_over_burn_loop: f64,
+    /// The process's minor page faults per timed step of the job (fresh pages the kernel
+    /// zeroed; Linux only).
+    job_page_faults_per_step: Option<f64>,
+    /// The same for the plain Burn loop.
+    burn_loop_page_faults_per_step: Option<f64>,
     /// PyTorch's samples/s on one thread (with `--pytorch`).
     pytorch_samples_per_s: Option<f64>,
     /// The job's samples/s over PyTorch's.
@@ -84,7 +90,8 @@ impl Layer {
     }
 }
 
-fn burn_loop(b: &LayerBench) -> f64 {
+/// The plain loop's samples/s and page faults per timed step.
+fn burn_loop(b: &LayerBench) -> (f64, Option<f64>) {
     let device = Device::flex();
     let (norm, attention, mlp) = crate::tensor_bench::layer_modules(&b.layer, &device);
     let ad = device.clone().autodiff();
@@ -99,7 +106,11 @@ fn burn_loop(b: &LayerBench) -> f64 {
     let (inputs, targets) = crate::tensor_bench::batch_tensors(&b.layer, &ad);
     let warmup = b.layer.warmup();
     let mut timed = 0.0;
+    let mut faults_before = None;
     for step in 0..b.layer.steps {
+        if step == warmup {
+            faults_before = minor_page_faults();
+        }
         let t = Instant::now();
         let error = model.forward(inputs.clone()) - targets.clone();
         let loss = (error.clone() * error).mean();
@@ -110,7 +121,14 @@ fn burn_loop(b: &LayerBench) -> f64 {
             timed += t.elapsed().as_secs_f64();
         }
     }
-    (b.layer.batch as u64 * (b.layer.steps - warmup)) as f64 / timed.max(1e-12)
+    let timed_steps = b.layer.steps - warmup;
+    let faults = faults_before
+        .zip(minor_page_faults())
+        .map(|(before, after)| after.saturating_sub(before) as f64 / timed_steps.max(1) as f64);
+    (
+        (b.layer.batch as u64 * timed_steps) as f64 / timed.max(1e-12),
+        faults,
+    )
 }
 
 /// The layer's matrix products as `(batch, m, k, n)`: each linear layer's forward
@@ -217,9 +235,14 @@ fn pytorch_once(b: &LayerBench, python: &Path) -> Result<f64> {
 pub(crate) fn run(b: &LayerBench) -> Result<LayerFigures> {
     b.layer.check()?;
     let (mut job, mut plain, mut torch) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut job_faults, mut plain_faults) = (Vec::new(), Vec::new());
     for _ in 0..b.layer.repeats {
-        job.push(crate::tensor_bench::run_once(&b.layer, 1)?.samples_per_s);
-        plain.push(burn_loop(b));
+        let run = crate::tensor_bench::run_once(&b.layer, 1)?;
+        job.push(run.samples_per_s);
+        job_faults.extend(run.faults_per_step);
+        let (samples_per_s, faults) = burn_loop(b);
+        plain.push(samples_per_s);
+        plain_faults.extend(faults);
         if let Some(python) = &b.pytorch {
             torch.push(pytorch_once(b, python)?);
         }
@@ -240,6 +263,8 @@ pub(crate) fn run(b: &LayerBench) -> Result<LayerFigures> {
         matmul_gflops: flops / pass_s.max(1e-12) / 1e9,
         job_over_bound: job / bound,
         job_over_burn_loop: job / median(plain),
+        job_page_faults_per_step: (!job_faults.is_empty()).then(|| median(job_faults)),
+        burn_loop_page_faults_per_step: (!plain_faults.is_empty()).then(|| median(plain_faults)),
         pytorch_samples_per_s: pytorch,
         job_over_pytorch: pytorch.map(|p| job / p),
         bound_over_pytorch: pytorch.map(|p| bound / p),
@@ -260,6 +285,12 @@ pub(crate) fn print(f: &LayerFigures, json: bool) {
         "  samples/s: meshwork job {:.2}, plain Burn loop {:.2} (job/loop {:.2}×)",
         f.job_samples_per_s, f.burn_loop_samples_per_s, f.job_over_burn_loop
     );
+    if let (Some(job), Some(plain)) = (f.job_page_faults_per_step, f.burn_loop_page_faults_per_step)
+    {
+        println!(
+            "  page faults per step (fresh pages the kernel zeroed): meshwork job {job:.0}, plain Burn loop {plain:.0}"
+        );
+    }
     println!(
         "  the backend's matrix products alone allow {:.2} samples/s ({:.1} GFLOP/s): the job reaches {:.2}× that bound",
         f.matmul_bound_samples_per_s, f.matmul_gflops, f.job_over_bound

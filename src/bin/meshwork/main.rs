@@ -17,10 +17,43 @@ use clap::{Parser, Subcommand};
 /// The command line's allocator: mimalloc keeps the pages of freed buffers for the next
 /// step's tensors of the same sizes, where the system allocator returns large buffers to the
 /// kernel and every step faults them in again (a quarter of a transformer layer's step time on
-/// `flex`, measured by `meshwork bench layer`; see the book's performance chapter). A program
-/// embedding meshwork chooses its own.
+/// `flex`, measured by `meshwork bench layer`; see the book's performance chapter), once
+/// [`tune_allocator`] has set it so. A program embedding meshwork chooses its own.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// `mi_option_purge_delay` and `mi_option_allow_thp` in the `mi_option_t` enum of the
+/// mimalloc (v3) that libmimalloc-sys 0.1.49 builds (`c_src/mimalloc/v3/include/mimalloc.h`),
+/// which the crate does not name; a test checks them by their defaults.
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+const MI_OPTION_ALLOW_THP: libmimalloc_sys::mi_option_t = 43;
+
+/// Two of mimalloc's defaults cost a training step time on `flex`, which allocates every
+/// result afresh (issue 50: a third of a GPT's step was the kernel zeroing pages):
+/// - it returns freed memory of over 512 KiB to the kernel a second after it is freed (its
+///   purge delay), and the next step faults every page in again: kept instead, as PyTorch's
+///   caching allocator keeps freed blocks (the process holds its peak step's memory);
+/// - it asks for transparent huge pages on its large regions (`madvise`), and the kernel
+///   compacts memory to find them when they fault in: asked for no longer, as PyTorch does
+///   not by default. (Where the kernel's setting is `always`, `MIMALLOC_ALLOW_THP=0` in the
+///   environment disables them for the process.)
+///
+/// Measured with the dev binary, `meshwork train --model gpt --dp 1 --steps 8 --d-model 256
+/// --layers 4 --heads 8 --context 128 --batch-size 16`, three alternated runs each (the
+/// book's performance chapter has the figures). `MIMALLOC_PURGE_DELAY` and
+/// `MIMALLOC_ALLOW_THP` in the environment still decide when they are set.
+fn tune_allocator() {
+    for (variable, option, value) in [
+        ("MIMALLOC_PURGE_DELAY", MI_OPTION_PURGE_DELAY, -1),
+        ("MIMALLOC_ALLOW_THP", MI_OPTION_ALLOW_THP, 0),
+    ] {
+        if std::env::var_os(variable).is_none() {
+            // SAFETY: sets one of mimalloc's option values (an atomic in the library); any
+            // thread may, at any time.
+            unsafe { libmimalloc_sys::mi_option_set(option, value) };
+        }
+    }
+}
 
 mod allreduce_bench;
 mod bench;
@@ -50,6 +83,7 @@ mod plan;
 mod recovery_bench;
 mod scale_bench;
 mod scaling_svg;
+mod settings;
 #[cfg(feature = "cluster")]
 mod tcp_bench;
 mod tensor_bench;
@@ -83,6 +117,7 @@ enum Command {
 }
 
 fn main() -> ExitCode {
+    tune_allocator();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
@@ -117,5 +152,31 @@ fn main() -> ExitCode {
             }
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod allocator_tests {
+    use super::{MI_OPTION_ALLOW_THP, MI_OPTION_PURGE_DELAY};
+
+    /// The option numbers name the options meant: each reads its mimalloc v3 default before
+    /// anything sets it (the purge delay's 1000 ms is no other option's default), and the
+    /// option before `allow_thp`, `page_cross_thread_max_reclaim`, reads its 32.
+    #[test]
+    fn the_option_numbers_are_the_purge_delay_and_huge_pages() {
+        if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some()
+            || std::env::var_os("MIMALLOC_ALLOW_THP").is_some()
+        {
+            return;
+        }
+        // SAFETY: reads option values.
+        let read = |option| unsafe { libmimalloc_sys::mi_option_get(option) };
+        assert_eq!(read(MI_OPTION_PURGE_DELAY), 1000, "not the purge delay");
+        assert_eq!(read(MI_OPTION_ALLOW_THP), 1, "not allow_thp");
+        assert_eq!(
+            read(MI_OPTION_ALLOW_THP - 1),
+            32,
+            "not page_cross_thread_max_reclaim"
+        );
     }
 }

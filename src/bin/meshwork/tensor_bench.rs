@@ -240,6 +240,8 @@ pub(crate) fn batch_tensors(b: &TensorBench, device: &Device) -> (Tensor<3>, Ten
 #[derive(Debug, Clone)]
 pub(crate) struct Run {
     pub(crate) samples_per_s: f64,
+    /// The process's page faults per timed step (`None` where not counted).
+    pub(crate) faults_per_step: Option<f64>,
     /// Rank 0's traffic, step by step (all steps).
     traffic: Vec<TpTraffic>,
     /// Wall time of the timed steps.
@@ -294,8 +296,10 @@ pub(crate) fn run_once(b: &TensorBench, tp: u32) -> Result<Run> {
     } else {
         Vec::new()
     };
+    let faults: Option<u64> = timed.iter().map(|s| s.page_faults).sum();
     Ok(Run {
         samples_per_s: (b.batch * timed.len()) as f64 / timed_wall_s.max(1e-12),
+        faults_per_step: faults.map(|f| f as f64 / timed.len().max(1) as f64),
         traffic,
         timed_wall_s,
         timed_comm_s,

@@ -33,13 +33,13 @@ pub(crate) struct HeadJob {
     /// `--sample N` of `--model gpt`: characters sampled from the trained model.
     pub(crate) sample: Option<usize>,
     pub(crate) policy: RecoveryPolicy,
-    pub(crate) checkpoints: crate::train::CheckpointFlags,
+    pub(crate) checkpoints: crate::settings::CheckpointFlags,
     /// The replicas a data-parallel job may have (`--min-replicas`, `--max-replicas`).
     pub(crate) elastic: (u32, u32),
     /// `--step-timeout`: how long the head's Supervisor waits for a step's ranks.
     pub(crate) step_timeout: Duration,
     /// Whether `--batch-size` was given; if not, the head fits the spec's default batch to
-    /// the world it waits for ([`crate::train::fit_batch`]).
+    /// the world it waits for ([`crate::settings::fit_batch`]).
     pub(crate) batch_given: bool,
 }
 
@@ -141,7 +141,7 @@ pub(super) fn head_settings<M: Send + 'static, I: Send + Sync + 'static>(
     mesh: ClusterMesh,
     builder: JobBuilder<M, I>,
 ) -> JobBuilder<M, I> {
-    crate::train::checkpoint_settings(&job.checkpoints, builder)
+    crate::settings::checkpoint_settings(&job.checkpoints, builder)
         .recovery(job.policy)
         .elastic(job.elastic.0, job.elastic.1)
         .step_timeout(job.step_timeout)
