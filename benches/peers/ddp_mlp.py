@@ -12,16 +12,15 @@ steps not timed), and their ratio.
 import argparse
 import json
 import os
-import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ranks import run_ranks
 
 WARMUP = 3
 
@@ -69,25 +68,8 @@ def main():
     a = p.parse_args()
     torch.set_num_threads(1)
     one = a.batch * a.steps / train(mlp(), a.steps, a.batch, 0)
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=rank_main, args=(r, a.world, port, a.steps, a.batch, out))
-             for r in range(a.world)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=600)
-        if proc.is_alive():
-            proc.kill()
-    if out.empty():
-        raise SystemExit("a DDP rank failed before rank 0 reported")
-    if any(proc.exitcode != 0 for proc in procs):
-        # gloo sometimes aborts a process while it tears down, after the timed steps.
-        print("warning: a DDP rank exited with an error after reporting", file=sys.stderr)
-    ddp = a.world * a.batch * a.steps / out.get()
+    [seconds] = run_ranks(rank_main, a.world, (a.steps, a.batch), "DDP")
+    ddp = a.world * a.batch * a.steps / seconds
     print(json.dumps({"peer": "pytorch-ddp", "torch": torch.__version__, "world": a.world,
                       "batch_per_replica": a.batch, "one_process_samples_per_s": one,
                       "ddp_samples_per_s": ddp, "ddp_over_one": ddp / one}))

@@ -11,20 +11,13 @@ algbw = bytes / time and busbw = algbw · 2(n − 1)/n (GB/s, 10^9 bytes).
 import argparse
 import json
 import os
-import socket
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ranks import run_ranks
 
 
 def rank_main(rank, world, port, sizes, iters, out):
@@ -59,24 +52,8 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     a = p.parse_args()
     sizes = a.bytes or [4096 << (2 * i) for i in range(8)]  # 4 KiB .. 64 MiB
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, a.world, port, sizes, a.iters, out))
-             for r in range(a.world)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=600)
-        if proc.is_alive():
-            proc.kill()
-    if out.empty():
-        raise SystemExit("a gloo rank failed before rank 0 reported")
-    if any(proc.exitcode != 0 for proc in procs):
-        # gloo sometimes aborts a process while it tears down, after the timed ops.
-        print("warning: a gloo rank exited with an error after reporting", file=sys.stderr)
-    while not out.empty():
-        print(json.dumps(out.get()))
+    for report in run_ranks(rank_main, a.world, (sizes, a.iters), "gloo"):
+        print(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -22,16 +22,15 @@ import gzip
 import json
 import math
 import os
-import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from ranks import run_ranks
 
 WARMUP = 3  # steps trained but not timed
 VALIDATION_FRACTION = 0.1  # KJV_VALIDATION_FRACTION (src/demo/kjv.rs)
@@ -227,26 +226,8 @@ def main():
         raise SystemExit(f"{n} training windows do not fill a batch of {a.batch_size}")
     epochs = (a.steps - 1) // (n // a.batch_size) + 1
     orders = torch.tensor([epoch_order(n, a.seed, e) for e in range(epochs)], dtype=torch.long)
-    ctx = mp.get_context("spawn")
-    out = ctx.SimpleQueue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=rank_main,
-                         args=(r, a.world, port, a, vocab, train_tokens, val, orders, out))
-             for r in range(a.world)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=3600)
-        if proc.is_alive():
-            proc.kill()
-    if out.empty():
-        raise SystemExit("a DDP rank failed before rank 0 reported")
-    if any(proc.exitcode != 0 for proc in procs):
-        # gloo sometimes aborts a process while it tears down, after the timed steps.
-        print("warning: a DDP rank exited with an error after reporting", file=sys.stderr)
-    r = out.get()
+    [r] = run_ranks(rank_main, a.world, (a, vocab, train_tokens, val, orders), "DDP",
+                    timeout=3600)
     print(json.dumps({
         "peer": "pytorch-ddp", "torch": torch.__version__, "world": a.world, "steps": a.steps,
         "global_batch": a.batch_size, "vocab": vocab,

@@ -132,6 +132,14 @@ pub fn minor_page_faults() -> Option<u64> {
     minor_faults_of(&stat)
 }
 
+/// The minor page faults this process took since it had taken `before` (`None` when either
+/// count is missing).
+pub fn minor_page_faults_since(before: Option<u64>) -> Option<u64> {
+    before
+        .zip(minor_page_faults())
+        .map(|(before, after)| after.saturating_sub(before))
+}
+
 /// `minflt`, the 10th field of a `/proc/<pid>/stat` line; the 2nd (the command in
 /// parentheses) may hold spaces and parentheses, so fields are counted after its last `)`.
 fn minor_faults_of(stat: &str) -> Option<u64> {

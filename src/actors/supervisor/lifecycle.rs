@@ -169,8 +169,7 @@ where
     if !state.recovery.recovers() {
         return;
     }
-    let peers_are_ranks = state.caps.rejoin.regroups();
-    let lost = super::decide::lost_ranks(&[(None, e.clone())], &state.stage_ids(), peers_are_ranks);
+    let lost = state.lost_ranks(&[(None, e.clone())]);
     state.publish(JobEvent::NotRecovered {
         step: 0,
         lost: lost.iter().map(|&r| crate::mesh::Rank(r as u32)).collect(),

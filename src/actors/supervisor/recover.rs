@@ -98,8 +98,7 @@ where
         .first()
         .map(|(_, e)| e.clone())
         .unwrap_or_else(|| Error::Runtime("a failure without an error".into()));
-    let peers_are_ranks = state.caps.rejoin.regroups();
-    let mut lost = decide::lost_ranks(&failure.0, &state.stage_ids(), peers_are_ranks);
+    let mut lost = state.lost_ranks(&failure.0);
     if state.reconnect_devices {
         // Across processes one failure can take several ranks (a node holding several
         // devices): every other rank whose device does not answer is lost with it. And a
@@ -284,7 +283,8 @@ where
         step,
         reports,
         samples,
-        (interrupted.started.elapsed().as_secs_f64(), None),
+        interrupted.started.elapsed().as_secs_f64(),
+        None,
     );
     Ok(Redo::Nothing)
 }

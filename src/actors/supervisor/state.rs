@@ -206,6 +206,11 @@ impl<M, I> SupervisorState<M, I> {
         self.stages.iter().map(|(_, id)| *id).collect()
     }
 
+    /// The current ranks `failures` name as lost ([`decide::lost_ranks`](super::decide::lost_ranks)).
+    pub(super) fn lost_ranks(&self, failures: &[(Option<usize>, Error)]) -> Vec<usize> {
+        super::decide::lost_ranks(failures, &self.stage_ids(), self.caps.rejoin.regroups())
+    }
+
     /// Stop every actor of the job (SV-1).
     pub(super) fn stop_all(&self) {
         for (s, _) in &self.stages {

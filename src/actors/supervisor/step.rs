@@ -120,9 +120,7 @@ where
         };
         let (reports, failure) = call_all_partial(&crew, build, timeout, Some(step)).await;
         let wall = started.elapsed();
-        let page_faults = faults_before
-            .zip(crate::parallel::memory::minor_page_faults())
-            .map(|(before, after)| after.saturating_sub(before));
+        let page_faults = crate::parallel::memory::minor_page_faults_since(faults_before);
         let failure = match failure {
             Some(e) => Some(diagnose(&crew, e, peers_are_ranks).await),
             None => None,
@@ -286,7 +284,8 @@ where
                 step,
                 reports,
                 samples,
-                (wall.as_secs_f64(), page_faults),
+                wall.as_secs_f64(),
+                page_faults,
             );
             myself.send_message(SupervisorMsg::RunStep(step + 1))?;
         }
@@ -318,7 +317,8 @@ pub(super) fn step_done<M, I>(
     step: u64,
     reports: Vec<(StepReport, StageId)>,
     samples: usize,
-    (wall_s, page_faults): (f64, Option<u64>),
+    wall_s: f64,
+    page_faults: Option<u64>,
 ) {
     let stage_ids: Vec<StageId> = reports.iter().map(|(_, id)| *id).collect();
     let reports: Vec<StepReport> = reports.into_iter().map(|(r, _)| r).collect();

@@ -22,7 +22,7 @@ use burn::nn::LayerNorm;
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Distribution, Tensor};
 use meshwork::error::{Error, Result};
-use meshwork::parallel::memory::minor_page_faults;
+use meshwork::parallel::memory::{minor_page_faults, minor_page_faults_since};
 use meshwork::parallel::tensor::TensorParallel;
 use meshwork::parallel::tensor::layers::{ParallelMlp, ParallelSelfAttention};
 use serde::Serialize;
@@ -122,9 +122,8 @@ fn burn_loop(b: &LayerBench) -> (f64, Option<f64>) {
         }
     }
     let timed_steps = b.layer.steps - warmup;
-    let faults = faults_before
-        .zip(minor_page_faults())
-        .map(|(before, after)| after.saturating_sub(before) as f64 / timed_steps.max(1) as f64);
+    let faults =
+        minor_page_faults_since(faults_before).map(|f| f as f64 / timed_steps.max(1) as f64);
     (
         (b.layer.batch as u64 * timed_steps) as f64 / timed.max(1e-12),
         faults,
