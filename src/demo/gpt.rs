@@ -8,16 +8,16 @@
 //! per block, as `parallel::tensor` requires).
 
 use burn::module::{Module, Param, ParamId};
-use burn::nn::{Initializer, LayerNorm, LayerNormConfig};
+use burn::nn::{Initializer, LayerNorm};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 
 use crate::parallel::pipeline_exec::{AnyTensor, Boundary};
 use crate::parallel::sampler::SplitMix64;
-use crate::parallel::stages::{BlockOptions, PipelineModel, PipelineStages, materialize};
+use crate::parallel::stages::{BlockOptions, PipelineModel, PipelineStages};
 use crate::parallel::tensor::layers::{
-    ColumnParallelLinear, ParallelMlp, ParallelSelfAttention, VocabParallelEmbedding,
-    vocab_parallel_cross_entropy,
+    ColumnParallelLinear, ParallelMlp, ParallelSelfAttention, VocabParallelEmbedding, layer_norm,
+    normalize, vocab_parallel_cross_entropy,
 };
 use crate::parallel::tensor::{TensorParallel, TensorParallelModule};
 
@@ -185,7 +185,7 @@ pub struct GptHead {
 impl GptHead {
     fn new(config: &GptConfig, device: &Device) -> Self {
         Self {
-            norm: materialize(LayerNormConfig::new(config.d_model).init(device)),
+            norm: layer_norm(config.d_model, device),
             head: ColumnParallelLinear::new(config.d_model, config.vocab, false, device),
             vocab: config.vocab,
         }
@@ -197,14 +197,14 @@ impl GptHead {
         let [b, s, d] = x.dims();
         let logits = self
             .head
-            .forward(self.norm.forward(x).reshape([b * s, d]), tp);
+            .forward(normalize(&self.norm, x).reshape([b * s, d]), tp);
         vocab_parallel_cross_entropy(logits, targets.reshape([b * s]), self.vocab, tp)
     }
 
     /// The whole logits `[batch, seq, vocab]` (one device).
     pub fn logits(&self, x: Tensor<3>) -> Tensor<3> {
         self.head
-            .forward(self.norm.forward(x), &TensorParallel::single())
+            .forward(normalize(&self.norm, x), &TensorParallel::single())
     }
 }
 

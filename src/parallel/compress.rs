@@ -29,8 +29,8 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 use crate::config::InvalidConfig;
+use crate::kernels::products::{self, View};
 use crate::precision::Precision;
-use products::View;
 
 /// How a data-parallel job sends its gradients ([`None`](Compression::None): plain `f32`
 /// all-reduce), given to `JobBuilder::compression`. Its text form, read by `FromStr` and
@@ -737,6 +737,5 @@ pub(crate) fn orthogonalise(p: &mut [f32], n: usize, r: usize) {
     }
 }
 
-mod products;
 #[cfg(test)]
 mod tests;

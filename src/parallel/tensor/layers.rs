@@ -16,13 +16,34 @@
 
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::activation::{gelu, softmax};
 use burn::tensor::module::{embedding, linear};
-use burn::tensor::{Bool, Device, Int, Tensor};
+use burn::tensor::{DType, Device, Int, Tensor};
 
 use super::{TensorParallel, TensorParallelModule};
 use crate::config::InvalidConfig;
+use crate::kernels::{self, NORM_EPSILON};
 use crate::parallel::materialize;
+
+/// A LayerNorm of `d` features with the family's ε ([`NORM_EPSILON`], which [`normalize`]
+/// passes to the fused kernel).
+pub(crate) fn layer_norm(d: usize, device: &Device) -> LayerNorm {
+    materialize(
+        LayerNormConfig::new(d)
+            .with_epsilon(NORM_EPSILON)
+            .init(device),
+    )
+}
+
+/// `norm(x)`, through [`kernels::layer_norm`] for f32 (fused where it runs), through Burn's
+/// module otherwise (which widens bf16 and f16 for its sums).
+pub(crate) fn normalize<const D: usize>(norm: &LayerNorm, x: Tensor<D>) -> Tensor<D> {
+    match &norm.beta {
+        Some(beta) if x.dtype() == DType::F32 => {
+            kernels::layer_norm(x, norm.gamma.val(), beta.val(), NORM_EPSILON)
+        }
+        _ => norm.forward(x),
+    }
+}
 
 /// `x · W + b` over `x`'s last dimension with every leading dimension folded into the rows:
 /// one `[rows, in]·[in, out]` product forward and one per gradient backward. Burn keeps a
@@ -158,7 +179,7 @@ impl ParallelSelfAttention {
     pub fn new(d_model: usize, heads: usize, device: &Device) -> Self {
         let heads = heads.max(1);
         Self {
-            norm: materialize(LayerNormConfig::new(d_model).init(device)),
+            norm: layer_norm(d_model, device),
             query: ColumnParallelLinear::new(d_model, d_model, true, device),
             key: ColumnParallelLinear::new(d_model, d_model, true, device),
             value: ColumnParallelLinear::new(d_model, d_model, true, device),
@@ -171,7 +192,7 @@ impl ParallelSelfAttention {
     /// `x + attention(norm(x))` for `x` `[batch, seq, d_model]`, causal.
     pub fn forward(&self, x: Tensor<3>, tp: &TensorParallel) -> Tensor<3> {
         let [b, s, _] = x.dims();
-        let h = self.norm.forward(x.clone());
+        let h = normalize(&self.norm, x.clone());
         let local_heads = self.query.local_out() / self.head_dim.max(1);
         let split = |t: Tensor<3>| {
             t.reshape([b, s, local_heads, self.head_dim])
@@ -180,16 +201,11 @@ impl ParallelSelfAttention {
         let q = split(self.query.forward(h.clone(), tp));
         let k = split(self.key.forward(h.clone(), tp));
         let v = split(self.value.forward(h, tp));
-        let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f32).sqrt();
-        let mask: Tensor<4, Bool> = Tensor::<2, Bool>::tril_mask([s, s], 0, &scores.device())
-            .reshape([1, 1, s, s])
-            .expand([b, local_heads, s, s]);
-        let weights = softmax(scores.mask_fill(mask, -1.0e9), 3);
-        let context =
-            weights
-                .matmul(v)
-                .swap_dims(1, 2)
-                .reshape([b, s, local_heads * self.head_dim]);
+        let context = kernels::causal_attention(q, k, v).swap_dims(1, 2).reshape([
+            b,
+            s,
+            local_heads * self.head_dim,
+        ]);
         x + self.output.forward(context, tp)
     }
 }
@@ -235,7 +251,7 @@ impl ParallelMlp {
     /// The whole block `d_model → hidden → d_model`.
     pub fn new(d_model: usize, hidden: usize, device: &Device) -> Self {
         Self {
-            norm: materialize(LayerNormConfig::new(d_model).init(device)),
+            norm: layer_norm(d_model, device),
             up: ColumnParallelLinear::new(d_model, hidden, true, device),
             down: RowParallelLinear::new(hidden, d_model, true, device),
         }
@@ -243,7 +259,7 @@ impl ParallelMlp {
 
     /// `x + down(gelu(up(norm(x))))`.
     pub fn forward<const D: usize>(&self, x: Tensor<D>, tp: &TensorParallel) -> Tensor<D> {
-        let h = gelu(self.up.forward(self.norm.forward(x.clone()), tp));
+        let h = kernels::gelu(self.up.forward(normalize(&self.norm, x.clone()), tp));
         x + self.down.forward(h, tp)
     }
 }
@@ -322,8 +338,11 @@ pub fn vocab_parallel_cross_entropy(
     vocab: usize,
     tp: &TensorParallel,
 ) -> Tensor<1> {
-    let range = tp.range(vocab);
     let logits = logits.cast(burn::tensor::FloatDType::F32);
+    if tp.degree() == 1 {
+        return kernels::cross_entropy(logits, targets);
+    }
+    let range = tp.range(vocab);
     let max = tp.max_detached(logits.clone().max_dim(1));
     let shifted = logits - max;
     let sum_exp = tp.reduce(shifted.clone().exp().sum_dim(1));

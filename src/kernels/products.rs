@@ -1,6 +1,7 @@
-//! PowerSGD's matrix products through the `gemm` crate — the kernels Burn's `flex` backend
-//! multiplies with — on one thread, reading the gradient's matrices where they lie in the flat
-//! buffer (row- or column-major views, no copies).
+//! Matrix products through the `gemm` crate — the kernels Burn's `flex` backend multiplies
+//! with — on one thread, reading matrices where they lie in their buffers (row- or
+//! column-major views, any row stride, no copies): PowerSGD's products
+//! (`parallel::compress`) and the fused attention's blocks ([`super::attention`]).
 //!
 //! Each product runs the same kernel on the same inputs on every rank and every run, so its
 //! bits are reproducible; they are not those of a plain loop's sums (the kernel adds in its
@@ -8,17 +9,17 @@
 
 /// An `rows × cols` matrix inside a slice: element `(i, j)` at `offset + i·rs + j·cs`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct View {
-    pub(super) offset: usize,
-    pub(super) rows: usize,
-    pub(super) cols: usize,
-    pub(super) rs: usize,
-    pub(super) cs: usize,
+pub(crate) struct View {
+    pub(crate) offset: usize,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    pub(crate) rs: usize,
+    pub(crate) cs: usize,
 }
 
 impl View {
     /// A dense row-major `rows × cols` matrix at `offset`.
-    pub(super) fn row_major(offset: usize, rows: usize, cols: usize) -> Self {
+    pub(crate) fn row_major(offset: usize, rows: usize, cols: usize) -> Self {
         Self {
             offset,
             rows,
@@ -29,7 +30,7 @@ impl View {
     }
 
     /// The same elements read as the transposed matrix.
-    pub(super) fn t(self) -> Self {
+    pub(crate) fn t(self) -> Self {
         Self {
             rows: self.cols,
             cols: self.rows,
@@ -53,8 +54,8 @@ impl View {
 ///
 /// # Panics
 /// If the shapes do not chain or a view leaves its slice: both are bugs of the caller (the
-/// views come from the compressor's own layout, never from outside the process).
-pub(super) fn product(
+/// views come from the caller's own layout, never from outside the process).
+pub(crate) fn product(
     dst: &mut [f32],
     d: View,
     keep: bool,

@@ -1,0 +1,181 @@
+//! Each fused kernel against Burn's composed operations on the same inputs, forward and
+//! gradients, on odd shapes (sequences across the attention's query blocks, features not a
+//! multiple of the vector width) and on the strided views the layers pass.
+
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use proptest::prelude::*;
+
+use super::*;
+use crate::parallel::sampler::SplitMix64;
+
+fn device() -> Device {
+    let d = Device::default().autodiff();
+    assert!(fused_on(&d), "the fused kernels run on Flex with autodiff");
+    d
+}
+
+/// Values in [-2, 2) drawn from `seed`.
+fn draw(n: usize, seed: u64) -> Vec<f32> {
+    let mut g = SplitMix64::new(seed);
+    (0..n)
+        .map(|_| (g.next() >> 40) as f32 / (1u64 << 24) as f32 * 4.0 - 2.0)
+        .collect()
+}
+
+fn leaf<const D: usize>(shape: [usize; D], seed: u64, device: &Device) -> Tensor<D> {
+    let data = TensorData::new(draw(shape.iter().product(), seed), shape);
+    Tensor::<D>::from_data(data, device).require_grad()
+}
+
+fn values<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("f32")
+}
+
+/// `|a − b| ≤ tol · (1 + max|b|)` element by element.
+fn close(what: &str, a: Vec<f32>, b: Vec<f32>, tol: f32) -> Result<(), TestCaseError> {
+    prop_assert_eq!(a.len(), b.len(), "{} lengths", what);
+    let scale = 1.0 + b.iter().fold(0f32, |m, x| m.max(x.abs()));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        prop_assert!(
+            (x - y).abs() <= tol * scale,
+            "{what}[{i}]: fused {x}, composed {y}"
+        );
+    }
+    Ok(())
+}
+
+/// `Σ out ∘ w` for a fixed random `w`: every output element gets its own gradient.
+fn weigh<const D: usize>(out: Tensor<D>, seed: u64) -> Tensor<1> {
+    let w = Tensor::<D>::from_data(
+        TensorData::new(draw(out.shape().num_elements(), seed), out.dims()),
+        &out.device(),
+    );
+    (out * w).sum()
+}
+
+fn grad<const D: usize>(t: &Tensor<D>, grads: &burn::tensor::Gradients) -> Vec<f32> {
+    values(t.grad(grads).expect("a gradient"))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn attention_equals_the_composed_form(
+        b in 1usize..3, h in 1usize..4, s in 1usize..150, d in 1usize..40,
+        strided in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let dev = device();
+        let inputs: Vec<Tensor<4>> = (0..3)
+            .map(|i| if strided {
+                leaf([b, s, h, d], seed + i, &dev)
+            } else {
+                leaf([b, h, s, d], seed + i, &dev)
+            })
+            .collect();
+        let heads = |t: &Tensor<4>| if strided { t.clone().swap_dims(1, 2) } else { t.clone() };
+        let run = |f: fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>| {
+            let out = f(heads(&inputs[0]), heads(&inputs[1]), heads(&inputs[2]));
+            let grads = weigh(out.clone(), seed ^ 7).backward();
+            let g: Vec<Vec<f32>> = inputs.iter().map(|t| grad(t, &grads)).collect();
+            (values(out), g)
+        };
+        let (fused_out, fused_grads) = run(causal_attention);
+        let (want_out, want_grads) = run(composed_attention);
+        close("output", fused_out, want_out, 2e-6)?;
+        for (name, (g, w)) in ["dq", "dk", "dv"].iter().zip(fused_grads.into_iter().zip(want_grads)) {
+            close(name, g, w, 2e-5)?;
+        }
+    }
+
+    #[test]
+    fn layer_norm_equals_burns(rows in 1usize..40, d in 1usize..70, seed in any::<u64>()) {
+        let dev = device();
+        let x = leaf([rows, d], seed, &dev);
+        let gamma = leaf([d], seed + 1, &dev);
+        let beta = leaf([d], seed + 2, &dev);
+        let run = |fused: bool| {
+            let out = if fused {
+                layer_norm(x.clone(), gamma.clone(), beta.clone(), NORM_EPSILON)
+            } else {
+                burn::tensor::module::layer_norm(
+                    x.clone(), gamma.clone(), Some(beta.clone()), NORM_EPSILON,
+                )
+            };
+            let grads = weigh(out.clone(), seed ^ 3).backward();
+            (values(out), grad(&x, &grads), grad(&gamma, &grads), grad(&beta, &grads))
+        };
+        let (o, dx, dg, db) = run(true);
+        let (wo, wdx, wdg, wdb) = run(false);
+        close("output", o, wo, 1e-5)?;
+        close("dx", dx, wdx, 5e-5)?;
+        close("dgamma", dg, wdg, 1e-5)?;
+        close("dbeta", db, wdb, 1e-5)?;
+    }
+
+    #[test]
+    fn gelu_equals_burns(n in 1usize..300, seed in any::<u64>()) {
+        let dev = device();
+        let x = leaf([n], seed, &dev) * 3.0;
+        let x = x.detach().require_grad();
+        let run = |f: fn(Tensor<1>) -> Tensor<1>| {
+            let out = f(x.clone());
+            let grads = weigh(out.clone(), seed ^ 5).backward();
+            (values(out), grad(&x, &grads))
+        };
+        let (o, g) = run(gelu);
+        let (wo, wg) = run(burn::tensor::activation::gelu);
+        close("output", o, wo, 1e-6)?;
+        close("dx", g, wg, 1e-6)?;
+    }
+
+    #[test]
+    fn cross_entropy_equals_the_composed_form(
+        n in 1usize..50, classes in 1usize..90, seed in any::<u64>(),
+    ) {
+        let dev = device();
+        let logits = leaf([n, classes], seed, &dev);
+        let mut g = SplitMix64::new(seed ^ 11);
+        let targets: Vec<i64> = (0..n).map(|_| (g.next() % classes as u64) as i64).collect();
+        let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [n]), &dev);
+        let run = |f: fn(Tensor<2>, Tensor<1, Int>) -> Tensor<1>| {
+            let loss = f(logits.clone(), targets.clone());
+            let grads = (loss.clone() * 3.0).sum().backward();
+            (values(loss), grad(&logits, &grads))
+        };
+        let (l, d) = run(cross_entropy);
+        let (wl, wd) = run(composed_cross_entropy);
+        close("loss", l, wl, 1e-6)?;
+        close("dlogits", d, wd, 1e-6)?;
+    }
+}
+
+/// Without autodiff the same kernels compute the forward.
+#[test]
+fn the_forward_runs_without_autodiff() {
+    let dev = Device::default();
+    assert!(fused_on(&dev));
+    let q = Tensor::<4>::from_data(
+        TensorData::new(draw(2 * 3 * 70 * 5, 1), [2, 3, 70, 5]),
+        &dev,
+    );
+    let fused = values(causal_attention(q.clone(), q.clone(), q.clone()));
+    let composed = values(composed_attention(q.clone(), q.clone(), q));
+    close("attention", fused, composed, 2e-6).expect("equal");
+}
+
+/// A target outside the classes makes the loss NaN (the job's non-finite policy sees it),
+/// never a panic or an out-of-bounds read.
+#[test]
+fn a_target_outside_the_classes_is_nan() {
+    let dev = device();
+    let logits = leaf([2, 3], 9, &dev);
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![1i64, 7], [2]), &dev);
+    let loss = values(cross_entropy(logits.clone(), targets.clone()));
+    assert!(loss[0].is_nan(), "{loss:?}");
+    let grads = cross_entropy(logits.clone(), targets).backward();
+    assert!(grad(&logits, &grads).iter().all(|g| g.is_finite()));
+}
