@@ -8,13 +8,15 @@
 //! backends, other dtypes, or `MESHWORK_KERNELS=composed` in the environment): the composed
 //! form is the reference the kernels are tested against (forward and gradients) and the path
 //! on GPUs. The kernels are a Burn backend extension ([`extension`]); what they compute and
-//! how is said in each kernel's module: [`attention`], [`norm`], [`entropy`], [`vector`].
+//! how is said in each kernel's module: [`attention`], [`norm`], [`linear`], [`entropy`],
+//! [`vector`].
 //!
 //! | function | fused | composed (reference) |
 //! |---|---|---|
 //! | [`causal_attention`] | one pass per block of 64 queries, no `seq × seq` tensor; backward recomputes the probabilities | `softmax(mask(QKᵀ/√d))·V` |
 //! | [`layer_norm`] | one pass per row forward and backward | Burn's `layer_norm` |
 //! | [`gelu`] | vectorised `erf` (A&S 7.1.26) | Burn's `gelu` (libm `erf`) |
+//! | [`linear`] | one `gemm` per product into a buffer allocated once, bias rows first | Burn's `linear` |
 //! | [`cross_entropy`] | one pass per row, probabilities never stored | `log Σ e^x − x_t` |
 
 pub(crate) mod products;
@@ -22,6 +24,7 @@ pub(crate) mod products;
 mod attention;
 mod entropy;
 mod extension;
+mod linear;
 mod norm;
 mod vector;
 
@@ -115,6 +118,21 @@ pub fn composed_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4>
         .reshape([1, 1, s, s])
         .expand([b, h, s, s]);
     softmax(scores.mask_fill(mask, -1.0e9), 3).matmul(v)
+}
+
+/// `x·W + b` for `x` `[rows, in]`, `W` `[in, out]` and `b` `[out]` (none: zero).
+pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<2> {
+    let fused_bias = bias.as_ref().is_none_or(|b| fused(&[b]));
+    if fused(&[&x, &weight]) && fused_bias {
+        let bias = bias.unwrap_or_else(|| Tensor::zeros([weight.dims()[1]], &weight.device()));
+        Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_linear(
+            x.into_dispatch(),
+            weight.into_dispatch(),
+            bias.into_dispatch(),
+        ))
+    } else {
+        burn::tensor::module::linear(x, weight, bias)
+    }
 }
 
 /// The mean cross-entropy `[1]` of `logits` `[n, classes]` against `targets` `[n]`.

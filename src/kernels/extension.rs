@@ -12,7 +12,8 @@ use burn::backend::{Autodiff, Flex, backend_extension};
 use burn::tensor::{Shape, TensorData};
 
 use super::attention::{self, Heads};
-use super::{entropy, norm, vector};
+use super::products::View;
+use super::{entropy, linear, norm, vector};
 
 /// The fused operations (see the module [`super`] for each one's semantics).
 #[backend_extension(Flex, Autodiff)]
@@ -31,6 +32,12 @@ pub(crate) trait FusedKernels: burn::backend::Backend {
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         v: FloatTensor<Self>,
+    ) -> FloatTensor<Self>;
+    /// `x·W + b` for `x` `[rows, in]`, `W` `[in, out]`, `b` `[out]`.
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
     ) -> FloatTensor<Self>;
     /// The mean cross-entropy `[1]` of `logits` `[n, classes]` against `targets` `[n]`.
     fn fused_cross_entropy(
@@ -75,6 +82,30 @@ fn heads(t: FlexTensor) -> (FlexTensor, Heads) {
         offset: layout.start_offset(),
     };
     (t, heads)
+}
+
+/// `t` (2-D) seen as a [`View`] without a copy where its strides are not negative (a copy
+/// otherwise).
+fn matrix(t: FlexTensor) -> (FlexTensor, View) {
+    let layout = t.layout();
+    let usable = layout.shape().num_dims() == 2 && layout.strides().iter().all(|&s| s >= 0);
+    let t = if usable { t } else { t.to_contiguous() };
+    let layout = t.layout();
+    let (dims, s) = (layout.shape(), layout.strides());
+    let view = View {
+        offset: layout.start_offset(),
+        rows: dims[0],
+        cols: dims[1],
+        rs: s[0] as usize,
+        cs: s[1] as usize,
+    };
+    (t, view)
+}
+
+fn affine(x: FlexTensor, w: FlexTensor, b: FlexTensor) -> FlexTensor {
+    let ((x, xv), (w, wv), b) = (matrix(x), matrix(w), dense(b));
+    let y = linear::forward((x.storage(), xv), (w.storage(), wv), values(&b));
+    tensor(y, Shape::from([xv.rows, wv.cols]))
 }
 
 /// A `[batch, heads, seq, dim]` tensor over a buffer laid out as [`Heads::packed`].
@@ -129,6 +160,14 @@ impl FusedKernels for Flex {
         v: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
         attend(q, k, v).0
+    }
+
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        affine(x, weight, bias)
     }
 
     fn fused_cross_entropy(
@@ -211,6 +250,33 @@ impl Backward<Flex, 3> for AttentionStep {
 }
 
 #[derive(Debug)]
+struct LinearStep;
+
+impl Backward<Flex, 3> for LinearStep {
+    /// The input and the weight.
+    type State = (FlexTensor, FlexTensor);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [px, pw, pb] = ops.parents;
+        let (grad, gv) = matrix(grads.consume::<Flex>(&ops.node));
+        let ((x, xv), (w, wv)) = (matrix(ops.state.0), matrix(ops.state.1));
+        let g = (grad.storage(), gv);
+        if let Some(node) = px {
+            let dx = linear::input_grad((w.storage(), wv), g);
+            grads.register::<Flex>(node.id, tensor(dx, Shape::from([xv.rows, xv.cols])));
+        }
+        if let Some(node) = pw {
+            let dw = linear::weight_grad((x.storage(), xv), g);
+            grads.register::<Flex>(node.id, tensor(dw, Shape::from([wv.rows, wv.cols])));
+        }
+        if let Some(node) = pb {
+            let db = linear::bias_grad(g);
+            grads.register::<Flex>(node.id, tensor(db, Shape::from([wv.cols])));
+        }
+    }
+}
+
+#[derive(Debug)]
 struct EntropyStep;
 
 impl Backward<Flex, 1> for EntropyStep {
@@ -276,6 +342,26 @@ impl<C: CheckpointStrategy> FusedKernels for Autodiff<Flex, C> {
                 prep.finish((q, k, v, out.clone(), lse), out)
             }
             OpsKind::UnTracked(prep) => prep.finish(attend(q, k, v).0),
+        }
+    }
+
+    fn fused_linear(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        let nodes = [x.node(), weight.node(), bias.node()];
+        let (x, w, b) = (
+            x.into_primitive(),
+            weight.into_primitive(),
+            bias.into_primitive(),
+        );
+        match LinearStep.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let out = affine(x.clone(), w.clone(), b);
+                prep.finish((x, w), out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(affine(x, w, b)),
         }
     }
 

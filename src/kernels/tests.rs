@@ -133,6 +133,31 @@ proptest! {
     }
 
     #[test]
+    fn linear_equals_burns(
+        rows in 1usize..70, d_in in 1usize..40, out in 1usize..50,
+        transposed in any::<bool>(), with_bias in any::<bool>(), seed in any::<u64>(),
+    ) {
+        let dev = device();
+        // A transposed input is read where it lies (a strided view).
+        let x = if transposed { leaf([d_in, rows], seed, &dev) } else { leaf([rows, d_in], seed, &dev) };
+        let w = leaf([d_in, out], seed + 1, &dev);
+        let b = leaf([out], seed + 2, &dev);
+        let run = |f: fn(Tensor<2>, Tensor<2>, Option<Tensor<1>>) -> Tensor<2>| {
+            let input = if transposed { x.clone().transpose() } else { x.clone() };
+            let out = f(input, w.clone(), with_bias.then(|| b.clone()));
+            let grads = weigh(out.clone(), seed ^ 13).backward();
+            let db = if with_bias { grad(&b, &grads) } else { Vec::new() };
+            (values(out), grad(&x, &grads), grad(&w, &grads), db)
+        };
+        let (o, dx, dw, db) = run(linear);
+        let (wo, wdx, wdw, wdb) = run(burn::tensor::module::linear);
+        close("output", o, wo, 1e-6)?;
+        close("dx", dx, wdx, 1e-6)?;
+        close("dw", dw, wdw, 1e-6)?;
+        close("db", db, wdb, 1e-6)?;
+    }
+
+    #[test]
     fn cross_entropy_equals_the_composed_form(
         n in 1usize..50, classes in 1usize..90, seed in any::<u64>(),
     ) {

@@ -110,18 +110,21 @@ pub(crate) fn gelu_grad(x: &[f32], grad: &[f32]) -> Vec<f32> {
     "aarch64+neon"
 ))]
 pub(crate) fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
-    // Eight partial sums: the additions vectorise without reassociating one chain.
-    let mut sums = [0f32; 8];
-    let mut chunks = row.chunks_exact_mut(8);
+    // Two passes over the (cached) row: the exponentials in a loop the compiler vectorises
+    // whole, then sixteen partial sums (one exponential and one sum in the same loop body
+    // vectorise poorly).
+    for v in row.iter_mut() {
+        *v = exp(*v - shift);
+    }
+    let mut sums = [0f32; 16];
+    let mut chunks = row.chunks_exact(16);
     for chunk in &mut chunks {
-        for (v, s) in chunk.iter_mut().zip(sums.iter_mut()) {
-            *v = exp(*v - shift);
-            *s += *v;
+        for k in 0..16 {
+            sums[k] += chunk[k];
         }
     }
-    for (v, s) in chunks.into_remainder().iter_mut().zip(sums.iter_mut()) {
-        *v = exp(*v - shift);
-        *s += *v;
+    for (k, v) in chunks.remainder().iter().enumerate() {
+        sums[k] += v;
     }
     sums.iter().sum()
 }

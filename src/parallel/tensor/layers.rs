@@ -16,7 +16,7 @@
 
 use burn::module::{Module, Param, ParamId};
 use burn::nn::{Initializer, LayerNorm, LayerNormConfig, Linear, LinearConfig};
-use burn::tensor::module::{embedding, linear};
+use burn::tensor::module::embedding;
 use burn::tensor::{DType, Device, Int, Tensor};
 
 use super::{TensorParallel, TensorParallelModule};
@@ -58,7 +58,7 @@ fn linear_rows<const D: usize>(
     let dims = x.dims();
     let d_in = dims[D - 1];
     let rows = dims[..D - 1].iter().product::<usize>();
-    let out = linear(x.reshape([rows, d_in]), weight, bias);
+    let out = kernels::linear(x.reshape([rows, d_in]), weight, bias);
     let mut out_dims = dims;
     out_dims[D - 1] = out.dims()[1];
     out.reshape(out_dims)
