@@ -23,6 +23,7 @@ pub(crate) mod products;
 
 mod attention;
 mod entropy;
+#[cfg(feature = "flex")]
 mod extension;
 mod linear;
 mod norm;
@@ -33,10 +34,15 @@ mod tests;
 
 use std::sync::OnceLock;
 
-use burn::backend::{Dispatch, DispatchDevice};
+#[cfg(feature = "flex")]
+use burn::backend::Dispatch;
+use burn::backend::DispatchDevice;
+#[cfg(feature = "flex")]
+use burn::tensor::DType;
 use burn::tensor::activation::softmax;
-use burn::tensor::{Bool, DType, Device, Int, Tensor};
+use burn::tensor::{Bool, Device, Int, Tensor};
 
+#[cfg(feature = "flex")]
 use extension::FusedKernels;
 
 /// The LayerNorm ε of the layer family (Burn's default), which [`layer_norm`] is given.
@@ -54,6 +60,7 @@ pub fn fused_on(device: &Device) -> bool {
 
 fn on_flex(device: &DispatchDevice) -> bool {
     match device {
+        #[cfg(feature = "flex")]
         DispatchDevice::Flex(_) => true,
         DispatchDevice::Autodiff(inner) => on_flex(inner),
         #[allow(unreachable_patterns)]
@@ -62,6 +69,7 @@ fn on_flex(device: &DispatchDevice) -> bool {
 }
 
 /// Whether `tensors` (all f32) compute with the fused kernels.
+#[cfg(feature = "flex")]
 fn fused<const D: usize>(tensors: &[&Tensor<D>]) -> bool {
     tensors.iter().all(|t| t.dtype() == DType::F32)
         && tensors.first().is_some_and(|t| fused_on(&t.device()))
@@ -69,11 +77,11 @@ fn fused<const D: usize>(tensors: &[&Tensor<D>]) -> bool {
 
 /// `GELU(x) = x·Φ(x)` (exact, erf form) of every element.
 pub fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    #[cfg(feature = "flex")]
     if fused(&[&x]) {
-        Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_gelu(x.into_dispatch()))
-    } else {
-        burn::tensor::activation::gelu(x)
+        return Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_gelu(x.into_dispatch()));
     }
+    burn::tensor::activation::gelu(x)
 }
 
 /// LayerNorm of `x` over its last dimension: `(x − μ)/√(σ² + ε)·γ + β`, `σ²` biased, as
@@ -84,30 +92,30 @@ pub fn layer_norm<const D: usize>(
     beta: Tensor<1>,
     epsilon: f64,
 ) -> Tensor<D> {
+    #[cfg(feature = "flex")]
     if fused(&[&x]) && fused(&[&gamma, &beta]) {
-        Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_layer_norm(
+        return Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_layer_norm(
             x.into_dispatch(),
             gamma.into_dispatch(),
             beta.into_dispatch(),
             epsilon,
-        ))
-    } else {
-        burn::tensor::module::layer_norm(x, gamma, Some(beta), epsilon)
+        ));
     }
+    burn::tensor::module::layer_norm(x, gamma, Some(beta), epsilon)
 }
 
 /// Causal scaled dot-product attention `softmax(QKᵀ/√d)·V` of `q`, `k`, `v`
 /// `[batch, heads, seq, dim]` (query `i` attends to keys `j ≤ i`).
 pub fn causal_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4> {
+    #[cfg(feature = "flex")]
     if fused(&[&q, &k, &v]) && q.dims() == k.dims() && q.dims() == v.dims() {
-        Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_causal_attention(
+        return Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_causal_attention(
             q.into_dispatch(),
             k.into_dispatch(),
             v.into_dispatch(),
-        ))
-    } else {
-        composed_attention(q, k, v)
+        ));
     }
+    composed_attention(q, k, v)
 }
 
 /// [`causal_attention`] from Burn's operations: the scores, a causal mask, a softmax.
@@ -122,29 +130,28 @@ pub fn composed_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4>
 
 /// `x·W + b` for `x` `[rows, in]`, `W` `[in, out]` and `b` `[out]` (none: zero).
 pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<2> {
-    let fused_bias = bias.as_ref().is_none_or(|b| fused(&[b]));
-    if fused(&[&x, &weight]) && fused_bias {
+    #[cfg(feature = "flex")]
+    if fused(&[&x, &weight]) && bias.as_ref().is_none_or(|b| fused(&[b])) {
         let bias = bias.unwrap_or_else(|| Tensor::zeros([weight.dims()[1]], &weight.device()));
-        Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_linear(
+        return Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_linear(
             x.into_dispatch(),
             weight.into_dispatch(),
             bias.into_dispatch(),
-        ))
-    } else {
-        burn::tensor::module::linear(x, weight, bias)
+        ));
     }
+    burn::tensor::module::linear(x, weight, bias)
 }
 
 /// The mean cross-entropy `[1]` of `logits` `[n, classes]` against `targets` `[n]`.
 pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+    #[cfg(feature = "flex")]
     if fused(&[&logits]) {
-        Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_cross_entropy(
+        return Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_cross_entropy(
             logits.into_dispatch(),
             targets.into_dispatch(),
-        ))
-    } else {
-        composed_cross_entropy(logits, targets)
+        ));
     }
+    composed_cross_entropy(logits, targets)
 }
 
 /// [`cross_entropy`] from Burn's operations: `mean(log Σ e^{x − max} − (x_t − max))`.

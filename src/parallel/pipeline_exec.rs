@@ -165,12 +165,13 @@ impl AnyTensor {
     }
 
     fn from_wire(w: WireTensor, device: &Device) -> Result<Self, ExecError> {
-        let data = |dims: Vec<usize>| TensorData::new(w.values.clone(), dims);
-        Ok(match w.dims.len() {
-            1 => AnyTensor::D1(Tensor::from_data(data(w.dims.clone()), device)),
-            2 => AnyTensor::D2(Tensor::from_data(data(w.dims.clone()), device)),
-            3 => AnyTensor::D3(Tensor::from_data(data(w.dims.clone()), device)),
-            4 => AnyTensor::D4(Tensor::from_data(data(w.dims.clone()), device)),
+        let rank = w.dims.len();
+        let data = TensorData::new(w.values, w.dims);
+        Ok(match rank {
+            1 => AnyTensor::D1(Tensor::from_data(data, device)),
+            2 => AnyTensor::D2(Tensor::from_data(data, device)),
+            3 => AnyTensor::D3(Tensor::from_data(data, device)),
+            4 => AnyTensor::D4(Tensor::from_data(data, device)),
             rank => return Err(ExecError::UnsupportedRank { rank }),
         })
     }
