@@ -21,15 +21,20 @@
 
 pub(crate) mod products;
 
+#[cfg(feature = "flex")]
 mod attention;
+#[cfg(feature = "flex")]
 mod entropy;
 #[cfg(feature = "flex")]
 mod extension;
+#[cfg(feature = "flex")]
 mod linear;
+#[cfg(feature = "flex")]
 mod norm;
+#[cfg(feature = "flex")]
 mod vector;
 
-#[cfg(test)]
+#[cfg(all(test, feature = "flex"))]
 mod tests;
 
 use std::sync::OnceLock;
@@ -93,7 +98,11 @@ pub fn layer_norm<const D: usize>(
     epsilon: f64,
 ) -> Tensor<D> {
     #[cfg(feature = "flex")]
-    if fused(&[&x]) && fused(&[&gamma, &beta]) {
+    if fused(&[&x])
+        && fused(&[&gamma, &beta])
+        && gamma.dims() == [x.dims()[D - 1]]
+        && beta.dims() == gamma.dims()
+    {
         return Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_layer_norm(
             x.into_dispatch(),
             gamma.into_dispatch(),
@@ -131,7 +140,12 @@ pub fn composed_attention(q: Tensor<4>, k: Tensor<4>, v: Tensor<4>) -> Tensor<4>
 /// `x·W + b` for `x` `[rows, in]`, `W` `[in, out]` and `b` `[out]` (none: zero).
 pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<2> {
     #[cfg(feature = "flex")]
-    if fused(&[&x, &weight]) && bias.as_ref().is_none_or(|b| fused(&[b])) {
+    if x.dims()[1] == weight.dims()[0]
+        && fused(&[&x, &weight])
+        && bias
+            .as_ref()
+            .is_none_or(|b| b.dims() == [weight.dims()[1]] && fused(&[b]))
+    {
         let bias = bias.unwrap_or_else(|| Tensor::zeros([weight.dims()[1]], &weight.device()));
         return Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_linear(
             x.into_dispatch(),
@@ -145,7 +159,7 @@ pub fn linear(x: Tensor<2>, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tenso
 /// The mean cross-entropy `[1]` of `logits` `[n, classes]` against `targets` `[n]`.
 pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
     #[cfg(feature = "flex")]
-    if fused(&[&logits]) {
+    if fused(&[&logits]) && logits.dims()[0] > 0 && targets.dims() == [logits.dims()[0]] {
         return Tensor::from_dispatch(<Dispatch as FusedKernels>::fused_cross_entropy(
             logits.into_dispatch(),
             targets.into_dispatch(),

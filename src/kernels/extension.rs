@@ -114,10 +114,14 @@ fn packed(values: Vec<f32>, shape: [usize; 4]) -> FlexTensor {
     tensor(values, Shape::from(shape)).with_layout(Layout::new(Shape::from(shape), strides, 0))
 }
 
-/// The targets as `i64`, whatever integer type the device stores.
+/// The targets as `i64`, whatever integer type the device stores (−1, no class, for all of
+/// them if they cannot be read: the loss is then NaN, never a silent 0).
 fn classes(targets: &FlexTensor) -> Vec<i64> {
+    let n = targets.layout().shape().num_elements();
     let t = targets.clone().into_data();
-    t.convert::<i64>().try_into_vec::<i64>().unwrap_or_default()
+    t.convert::<i64>()
+        .try_into_vec::<i64>()
+        .unwrap_or_else(|_| vec![-1; n])
 }
 
 fn attend(q: FlexTensor, k: FlexTensor, v: FlexTensor) -> (FlexTensor, Vec<f32>) {

@@ -10,7 +10,10 @@ use crate::parallel::sampler::SplitMix64;
 
 fn device() -> Device {
     let d = Device::default().autodiff();
-    assert!(fused_on(&d), "the fused kernels run on Flex with autodiff");
+    assert!(
+        fused_on(&d),
+        "the fused kernels run on Flex with autodiff (unset MESHWORK_KERNELS to test them)"
+    );
     d
 }
 
@@ -66,17 +69,23 @@ proptest! {
     #[test]
     fn attention_equals_the_composed_form(
         b in 1usize..3, h in 1usize..4, s in 1usize..150, d in 1usize..40,
-        strided in any::<bool>(), seed in any::<u64>(),
+        layout in 0u8..3, seed in any::<u64>(),
     ) {
+        // 0: contiguous; 1: the layer's heads, `[b, s, h, d]` seen through `swap_dims`;
+        // 2: a window of a longer sequence (`narrow`: a start offset, row strides of s + 2).
         let dev = device();
         let inputs: Vec<Tensor<4>> = (0..3)
-            .map(|i| if strided {
-                leaf([b, s, h, d], seed + i, &dev)
-            } else {
-                leaf([b, h, s, d], seed + i, &dev)
+            .map(|i| match layout {
+                0 => leaf([b, h, s, d], seed + i, &dev),
+                1 => leaf([b, s, h, d], seed + i, &dev),
+                _ => leaf([b, h, s + 2, d], seed + i, &dev),
             })
             .collect();
-        let heads = |t: &Tensor<4>| if strided { t.clone().swap_dims(1, 2) } else { t.clone() };
+        let heads = |t: &Tensor<4>| match layout {
+            0 => t.clone(),
+            1 => t.clone().swap_dims(1, 2),
+            _ => t.clone().narrow(2, 1, s),
+        };
         let run = |f: fn(Tensor<4>, Tensor<4>, Tensor<4>) -> Tensor<4>| {
             let out = f(heads(&inputs[0]), heads(&inputs[1]), heads(&inputs[2]));
             let grads = weigh(out.clone(), seed ^ 7).backward();
@@ -92,9 +101,12 @@ proptest! {
     }
 
     #[test]
-    fn layer_norm_equals_burns(rows in 1usize..40, d in 1usize..70, seed in any::<u64>()) {
+    fn layer_norm_equals_burns(
+        rows in 1usize..20, d in 1usize..70, mean in -50.0f32..50.0, seed in any::<u64>(),
+    ) {
+        // Rank 3 as the layers pass it, around a mean far from 0.
         let dev = device();
-        let x = leaf([rows, d], seed, &dev);
+        let x = (leaf([rows, 2, d], seed, &dev) + mean).detach().require_grad();
         let gamma = leaf([d], seed + 1, &dev);
         let beta = leaf([d], seed + 2, &dev);
         let run = |fused: bool| {
@@ -162,7 +174,7 @@ proptest! {
         n in 1usize..50, classes in 1usize..90, seed in any::<u64>(),
     ) {
         let dev = device();
-        let logits = leaf([n, classes], seed, &dev);
+        let logits = (leaf([n, classes], seed, &dev) * 10.0).detach().require_grad();
         let mut g = SplitMix64::new(seed ^ 11);
         let targets: Vec<i64> = (0..n).map(|_| (g.next() % classes as u64) as i64).collect();
         let targets = Tensor::<1, Int>::from_data(TensorData::new(targets, [n]), &dev);
@@ -190,6 +202,56 @@ fn the_forward_runs_without_autodiff() {
     let fused = values(causal_attention(q.clone(), q.clone(), q.clone()));
     let composed = values(composed_attention(q.clone(), q.clone(), q));
     close("attention", fused, composed, 2e-6).expect("equal");
+    let t = |shape: [usize; 2], seed| {
+        Tensor::<2>::from_data(
+            TensorData::new(draw(shape[0] * shape[1], seed), shape),
+            &dev,
+        )
+    };
+    let (x, w) = (t([7, 9], 2), t([9, 5], 3));
+    let (gamma, beta) = (t([1, 9], 4).reshape([9]), t([1, 9], 5).reshape([9]));
+    let b = t([1, 5], 6).reshape([5]);
+    let pairs = [
+        (
+            "linear",
+            linear(x.clone(), w.clone(), Some(b.clone())),
+            burn::tensor::module::linear(x.clone(), w, Some(b)),
+        ),
+        (
+            "layer_norm",
+            layer_norm(x.clone(), gamma.clone(), beta.clone(), NORM_EPSILON),
+            burn::tensor::module::layer_norm(x.clone(), gamma, Some(beta), NORM_EPSILON),
+        ),
+        (
+            "gelu",
+            gelu(x.clone()),
+            burn::tensor::activation::gelu(x.clone()),
+        ),
+    ];
+    for (what, fused, composed) in pairs {
+        close(what, values(fused), values(composed), 1e-5).expect("equal");
+    }
+    let targets =
+        Tensor::<1, Int>::from_data(TensorData::new(vec![0i64, 8, 3, 1, 4, 4, 2], [7]), &dev);
+    let fused = values(cross_entropy(x.clone(), targets.clone()));
+    close(
+        "cross_entropy",
+        fused,
+        values(composed_cross_entropy(x, targets)),
+        1e-6,
+    )
+    .expect("equal");
+}
+
+/// Inputs whose shapes do not fit take the composed path, which refuses them as Burn does,
+/// instead of the fused kernel reading the buffers with the wrong sizes.
+#[test]
+#[should_panic]
+fn mismatched_shapes_are_not_fused() {
+    let dev = device();
+    let logits = leaf([4, 6], 1, &dev);
+    let targets = Tensor::<1, Int>::from_data(TensorData::new(vec![0i64, 1, 2], [3]), &dev);
+    let _ = values(cross_entropy(logits, targets));
 }
 
 /// A target outside the classes makes the loss NaN (the job's non-finite policy sees it),

@@ -216,6 +216,12 @@ mod tests {
     #[test]
     fn exp_ends() {
         assert_eq!(exp(-100.0), 0.0);
+        assert_eq!(exp(-87.5), 0.0);
+        assert!(
+            (exp(100.0) / 88f32.exp() - 1.0).abs() < 1e-6,
+            "e^88 above 88"
+        );
+        assert!((exp(-86.5) / (-86.5f32).exp() - 1.0).abs() < 1e-5);
         assert_eq!(exp(f32::NEG_INFINITY), 0.0);
         assert!(exp(f32::NAN).is_nan());
         assert_eq!(exp(0.0), 1.0);
