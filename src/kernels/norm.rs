@@ -8,7 +8,7 @@
 
 use multiversion::multiversion;
 
-use super::vector::dot;
+use super::vector::{dot, sum};
 
 /// The forward's output and what the backward needs of it.
 #[derive(Debug, Clone)]
@@ -30,21 +30,6 @@ pub(crate) struct NormGrads {
     pub(crate) gamma: Vec<f32>,
     /// `dL/dβ`.
     pub(crate) beta: Vec<f32>,
-}
-
-#[inline(always)]
-fn sum(v: &[f32]) -> f32 {
-    let mut sums = [0f32; 8];
-    let mut chunks = v.chunks_exact(8);
-    for c in &mut chunks {
-        for k in 0..8 {
-            sums[k] += c[k];
-        }
-    }
-    for (k, x) in chunks.remainder().iter().enumerate() {
-        sums[k] += x;
-    }
-    sums.iter().sum()
 }
 
 /// LayerNorm of the rows of `x` (`x.len()` a multiple of `gamma.len()`).

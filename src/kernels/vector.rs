@@ -116,15 +116,21 @@ pub(crate) fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
     for v in row.iter_mut() {
         *v = exp(*v - shift);
     }
+    sum(row)
+}
+
+/// `Σ v[j]` with sixteen partial sums.
+#[inline(always)]
+pub(crate) fn sum(v: &[f32]) -> f32 {
     let mut sums = [0f32; 16];
-    let mut chunks = row.chunks_exact(16);
+    let mut chunks = v.chunks_exact(16);
     for chunk in &mut chunks {
         for k in 0..16 {
             sums[k] += chunk[k];
         }
     }
-    for (k, v) in chunks.remainder().iter().enumerate() {
-        sums[k] += v;
+    for (k, x) in chunks.remainder().iter().enumerate() {
+        sums[k] += x;
     }
     sums.iter().sum()
 }
