@@ -425,7 +425,7 @@ where
     /// elements) packed together, larger ones reduced in place in chunks of at most this
     /// size; [`local_updates`](Self::local_updates) all-reduces its parameters the same way.
     /// The other reductions ignore it: `.blocks(..)` and `.pipeline(..)` jobs reduce in fixed
-    /// 25 MiB buckets, ZeRO stage 2 reduce-scatters the whole gradient at once, compression
+    /// 25 MiB buckets, ZeRO stage 2 (and stage 1 in `.blocks(..)` jobs) reduce-scatters the whole gradient at once, compression
     /// runs its own collectives and the parameter server none.
     pub fn bucket_bytes(mut self, bytes: usize) -> Self {
         self.bucket_bytes = bytes;

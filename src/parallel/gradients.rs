@@ -426,12 +426,19 @@ pub(crate) fn trainable_range<M: Module>(
             if s >= e {
                 return;
             }
-            let data = into_f32(param.val().inner().into_data());
-            let values = data
-                .as_slice::<f32>()
-                .expect("parameter data converted to f32");
-            self.out
-                .extend_from_slice(&values[s - slot.range.start..e - slot.range.start]);
+            // Only the range is read: a view of it is made contiguous (a copy of the range
+            // alone), not the whole parameter.
+            let whole = param.val().inner().reshape([slot.range.len()]);
+            let part = if s == slot.range.start && e == slot.range.end {
+                whole
+            } else {
+                whole.slice(s - slot.range.start..e - slot.range.start)
+            };
+            let data = into_f32(part.into_data());
+            self.out.extend_from_slice(
+                data.as_slice::<f32>()
+                    .expect("parameter data converted to f32"),
+            );
         }
     }
     let mut r = Read {
@@ -598,6 +605,69 @@ pub(crate) fn set_trainable<M: Module>(module: M, layout: &ParamLayout, flat: &[
         flat,
     };
     module.map(&mut w)
+}
+
+/// [`set_trainable`] taking the flat buffer: each slot's elements become its parameter's
+/// data without a copy where they can (the first slot's, the buffer itself; the others are
+/// split off it, one copy each). A tied weight takes the tensor made at its first use.
+pub(crate) fn set_trainable_owned<M: Module>(module: M, layout: &ParamLayout, flat: Vec<f32>) -> M {
+    assert_eq!(
+        flat.len(),
+        layout.len(),
+        "a flat buffer of the layout's length"
+    );
+    // FLAT-1: the slots' ranges are consecutive, so the last slot is the buffer's tail.
+    let mut rest = flat;
+    let mut parts: Vec<Option<Vec<f32>>> = vec![None; layout.slots.len()];
+    for (part, slot) in parts.iter_mut().zip(&layout.slots).rev() {
+        debug_assert_eq!(slot.range.end, rest.len(), "FLAT-1");
+        *part = Some(if slot.range.start == 0 {
+            std::mem::take(&mut rest)
+        } else {
+            rest.split_off(slot.range.start)
+        });
+    }
+    struct Write<'a> {
+        slots: SlotsInOrder<'a>,
+        parts: Vec<Option<Vec<f32>>>,
+        made: std::collections::HashMap<usize, Box<dyn std::any::Any>>,
+    }
+    impl ModuleMapper for Write<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let Some((index, slot)) = self.slots.indexed(&param) else {
+                return param;
+            };
+            if let Some(t) = self
+                .made
+                .get(&index)
+                .and_then(|t| t.downcast_ref::<Tensor<D>>())
+            {
+                let t = t.clone();
+                return param.map(|_| t);
+            }
+            let values = self.parts[index].take().unwrap_or_default();
+            let shape = slot.shape.clone();
+            let mut made = None;
+            let param = param.map(|old| {
+                let device = old.device();
+                let grad = old.is_require_grad();
+                // The layout's shape: a released parameter (see `release_trainable`) is empty.
+                let t = Tensor::<D>::from_data(TensorData::new(values, shape), &device);
+                let t = if grad { t.require_grad() } else { t };
+                made = Some(t.clone());
+                t
+            });
+            if let Some(t) = made {
+                self.made.insert(index, Box::new(t));
+            }
+            param
+        }
+    }
+    module.map(&mut Write {
+        slots: SlotsInOrder::new(layout),
+        parts,
+        made: std::collections::HashMap::new(),
+    })
 }
 
 /// `module` with the trainable parameters of `layout` replaced by empty tensors (every

@@ -10,8 +10,9 @@
 //!   in buckets, and the flat rule (Burn's optimizer where the configuration has none) steps
 //!   the whole model (plain data parallelism, OPT-1).
 //! - [`ZeroSync`]: ZeRO stage 1 (all-reduce, then each rank steps its shard with its shard
-//!   of the optimizer state and the shards are all-gathered) or stage 2 (reduce-scatter, so
-//!   each rank also holds only its shard of the reduced gradient), over
+//!   of the optimizer state and the shards are all-gathered; in block jobs a reduce-scatter,
+//!   each block's buffer being its own) or stage 2 (reduce-scatter, so each rank also holds
+//!   only its shard of the reduced gradient), over
 //!   [`crate::parallel::zero`]'s pure update rules.
 //! - `local::LocalSync`: local SGD, DiLoCo and EASGD ([`crate::parallel::local`]'s rules):
 //!   no gradient collective; each rank steps its own optimizer, and every H steps the ranks
@@ -51,8 +52,8 @@ use burn::tensor::Device;
 
 use super::buckets::{Bucket, plan_buckets};
 use super::gradients::{
-    GradientBuffers, ParamLayout, bucket_ranges, reduce_buckets, set_trainable, trainable_range,
-    update_trainable,
+    GradientBuffers, ParamLayout, bucket_ranges, reduce_buckets, set_trainable,
+    set_trainable_owned, trainable_range, update_trainable,
 };
 use super::zero::{FlatRule, OptimizerShard, ZeroStage, owned_range, reshard};
 use crate::checkpoint::{

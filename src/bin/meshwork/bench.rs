@@ -191,8 +191,9 @@ pub(crate) enum BenchCommand {
         /// prefetch; 0: no overlap).
         #[arg(long, default_value_t = 1)]
         in_flight: usize,
-        /// Timed steps (after 2 warm-up steps).
-        #[arg(long, default_value_t = 10)]
+        /// Timed steps (after 2 warm-up steps): enough that a step's noise on a shared
+        /// machine does not decide the ratio.
+        #[arg(long, default_value_t = 60)]
         steps: u64,
         /// Global batch size.
         #[arg(long, default_value_t = 128)]

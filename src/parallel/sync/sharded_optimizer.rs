@@ -1,6 +1,8 @@
-//! ZeRO stage 1 or 2 (`ZeroSync`): gradients reduce-scattered (stage 2) or all-reduced
-//! (stage 1), each rank stepping and keeping the optimizer state of its own range of the flat
-//! order, the updated ranges all-gathered back.
+//! ZeRO stage 1 or 2 (`ZeroSync`): gradients reduce-scattered (stage 2, and stage 1 in block
+//! jobs: `start_reduce`) or all-reduced (stage 1 in data-parallel jobs), each rank stepping
+//! and keeping the optimizer state of its own range of the flat order, the updated ranges
+//! all-gathered back: only the rank's range is read from the parameters, and the gathered
+//! buffer becomes their data (`set_trainable_owned`).
 //!
 //! With a compressor (`.compression(..)` with `.zero(..)`, ZSYNC-1): at stage 1 the whole
 //! gradient's all-reduce is the compressor's (any scheme: a 16-bit all-reduce, top-k's
@@ -244,6 +246,7 @@ impl<M: Module> GradientSync<M> for ZeroSync {
         self.held.optimizer = self.shard.state.bytes() as u64;
         let flat = match cx.comm.as_deref_mut().filter(|c| c.world() > 1) {
             Some(comm) => {
+                // Fresh each step: it becomes the parameters' data (`set_trainable_owned`).
                 let mut flat = vec![0.0f32; self.layout.len()];
                 let t = Instant::now();
                 if let Err(e) = comm.all_gather(&values, &mut flat) {
@@ -260,7 +263,7 @@ impl<M: Module> GradientSync<M> for ZeroSync {
             }
             None => values,
         };
-        Ok(set_trainable(model, &self.layout, &flat))
+        Ok(set_trainable_owned(model, &self.layout, flat))
     }
 
     fn start_reduce(
@@ -287,8 +290,11 @@ impl<M: Module> GradientSync<M> for ZeroSync {
         if let Some(c) = &self.compressor {
             return Ok(self.compressed(flat, range.len(), c));
         }
+        // Both stages reduce-scatter here: a block's reduction runs beside the backward of
+        // the blocks before it and its gradient buffer is the block's own, so stage 1 has no
+        // whole reduced gradient to keep; only the shard is stepped.
         Ok(match self.stage {
-            ZeroStage::Two if world > 1 => Collective::ReduceScatter {
+            ZeroStage::One | ZeroStage::Two if world > 1 => Collective::ReduceScatter {
                 flat,
                 out: range.len(),
                 wire: crate::precision::Precision::F32,
@@ -308,14 +314,13 @@ impl<M: Module> GradientSync<M> for ZeroSync {
         (rank, world): (usize, usize),
     ) -> Result<Reduced, SyncError> {
         let range = owned_range(self.layout.len(), world, rank);
-        // Stage 2 reduce-scattered to the shard; otherwise the whole buffer came back.
-        let mut shard = match self.stage {
-            ZeroStage::Two if world > 1 => out,
-            _ => out[range].to_vec(),
-        };
-        self.held.grads = match self.stage {
-            ZeroStage::Two => 4 * shard.len() as u64,
-            _ => 4 * self.layout.len() as u64,
+        // Reduce-scattered to the shard (`start_reduce`); a compressor's all-reduce at stage 1,
+        // or a rank alone, gives the whole buffer back.
+        self.held.grads = 4 * out.len() as u64;
+        let mut shard = if out.len() == range.len() {
+            out
+        } else {
+            out[range].to_vec()
         };
         if scale != 1.0 {
             shard.iter_mut().for_each(|g| *g *= scale);
