@@ -252,6 +252,14 @@ fn every_command_of_the_book_runs() {
                     ]
                 } else if args.contains(" plan ") || args.starts_with("plan ") {
                     &["layout", "predicted", "unfit"]
+                } else if args.contains("bench gpt") {
+                    &[
+                        "dp",
+                        "meshwork_windows_per_s",
+                        "meshwork_validation_loss",
+                        "achieved_gflops_per_core",
+                        "matmul_gflops_per_core",
+                    ]
                 } else if args.contains("bench optimizer") {
                     &[
                         "rule",

@@ -11,8 +11,9 @@
 #    --transport tcp` beside gloo_allreduce.py;
 # 3. data parallelism on the MLP 784-1024-1024-10, 2 processes/replicas: `meshwork bench dp`
 #    beside ddp_mlp.py (DDP over gloo);
-# 4. the demo GPT end to end at dp 2, two sizes: `meshwork train --model gpt` beside
-#    gpt_ddp.py (the same model, data order and Adam, DDP over gloo).
+# 4. the demo GPT end to end, two sizes, dp 1 and 2: `meshwork bench gpt --pytorch`
+#    (`meshwork train --model gpt` beside gpt_ddp.py: the same model, data order and Adam,
+#    DDP over gloo; windows/s, validation loss, FLOP/s per core).
 set -euo pipefail
 python=${1:?usage: compare.sh PYTHON [MESHWORK]}
 meshwork=${2:-target/release/meshwork}
@@ -31,10 +32,5 @@ echo "== data parallelism, MLP 784-1024-1024-10, batch 64 per replica, 2 replica
 "$meshwork" bench dp --world 2 --json
 "$python" "$here/ddp_mlp.py" --world 2
 
-for size in "--steps 300" "--steps 40 --d-model 256 --layers 4 --heads 8 --context 128"; do
-  echo "== the demo GPT, 2 replicas: $size"
-  # shellcheck disable=SC2086 # the size's flags are words
-  "$meshwork" train --model gpt --dp 2 $size | grep -E "validation loss|samples/s|page faults"
-  # shellcheck disable=SC2086
-  "$python" "$here/gpt_ddp.py" --world 2 $size
-done
+echo "== the demo GPT end to end, two sizes, dp 1 and 2 (gpt_ddp.py inside it)"
+"$meshwork" bench gpt --pytorch "$python"

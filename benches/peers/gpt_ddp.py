@@ -14,6 +14,9 @@ Run (CPU wheel of torch from PyPI) beside `meshwork train --model gpt --dp 2 --s
 
     python3 benches/peers/gpt_ddp.py --world 2 --steps 300
 
+or let `meshwork bench gpt --pytorch python3` run it beside meshwork at both sizes and
+dp 1 and 2.
+
 Prints one JSON line: global windows/s over the steps after the first 3 (all --steps steps
 train), the validation loss before and after, the global batch's first and last loss.
 """

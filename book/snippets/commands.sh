@@ -46,6 +46,8 @@ cargo run --release -- bench pipeline --pp 2 --micro-batches 4 --schedule interl
 cargo run --release -- bench layer --hidden 64 --heads 4 --seq 8 --batch 2 --steps 3 --repeats 1 --json
 # one optimizer step per parameter: Burn's and meshwork's flat rule against a memcpy
 cargo run --release -- bench optimizer --width 64 --steps 2 --json
+# the demo GPT end to end at dp 1 and 2: windows/s, validation loss, FLOP/s per core (--pytorch PY: beside PyTorch DDP)
+cargo run --release -- bench gpt --sizes small --steps 4 --json
 # ANCHOR_END: bench
 # ANCHOR: plan
 # every layout of the recipe's GPT over 2 devices, ranked by predicted step time, the fastest run to check

@@ -317,6 +317,38 @@ fn a_pipeline_job_writes_its_checkpoints_and_resumes_from_them() {
 }
 
 #[test]
+fn bench_gpt_trains_each_size_and_dp_and_reports_rate_loss_and_flops() {
+    let (code, stdout, stderr) = run(&[
+        "bench", "gpt", "--sizes", "small", "--dp", "1,2", "--steps", "4", "--json",
+    ]);
+    assert_eq!(code, Some(0), "stderr:\n{stderr}");
+    let rows: Vec<serde_json::Value> = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{stdout}");
+    for (row, dp) in rows.iter().zip([1, 2]) {
+        assert_eq!(row["dp"], dp);
+        assert_eq!(row["steps"], 4);
+        assert_eq!(row["size"]["d_model"], 64);
+        let number = |k: &str| row[k].as_f64().unwrap_or_else(|| panic!("{k} in {row}"));
+        assert!(number("meshwork_windows_per_s") > 0.0, "{row}");
+        // The untrained model's loss is about ln(vocab) = 4.4 nats; four steps move it.
+        let loss = number("meshwork_validation_loss");
+        assert!(loss > 1.0 && loss < 5.0, "{row}");
+        assert!(number("achieved_gflops_per_core") > 0.0, "{row}");
+        assert!(number("matmul_gflops_per_core") > 0.0, "{row}");
+        assert!(row["pytorch_windows_per_s"].is_null(), "no --pytorch");
+    }
+    let (code, _, stderr) = run(&["bench", "gpt", "--sizes", "huge"]);
+    assert_ne!(code, Some(0));
+    assert!(
+        stderr.contains("\"huge\" is not small or large"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn bench_tensor_reports_megatron_s_all_reduce_bytes_as_json() {
     let dir = scratch("bench-tensor");
     let svg = dir.join("split.svg");

@@ -272,6 +272,32 @@ pub(crate) enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// The demo GPT end to end at two sizes (d_model 64, 2 layers, context 64, 300 steps;
+    /// d_model 256, 4 layers, 8 heads, context 128, 40 steps), at dp 1 and dp 2: windows/s
+    /// and validation loss of `meshwork train --model gpt` beside `benches/peers/gpt_ddp.py`
+    /// (PyTorch DDP, the same model, data and Adam) with `--pytorch`, and the training FLOP/s
+    /// per core against one core's matrix-product rate.
+    Gpt {
+        /// Which sizes, comma-separated: small, large.
+        #[arg(long, value_delimiter = ',', default_values_t = ["small".to_string(), "large".to_string()])]
+        sizes: Vec<String>,
+        /// Which data-parallel degrees, comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = [1u32, 2])]
+        dp: Vec<u32>,
+        /// Steps for every size instead of its own (300 small, 40 large).
+        #[arg(long)]
+        steps: Option<u64>,
+        /// Runs per side, alternated; the median is reported.
+        #[arg(long, default_value_t = 1)]
+        repeats: usize,
+        /// A Python interpreter with `torch` installed: also run `benches/peers/gpt_ddp.py`
+        /// after each meshwork run.
+        #[arg(long)]
+        pytorch: Option<std::path::PathBuf>,
+        /// One JSON object per row.
+        #[arg(long)]
+        json: bool,
+    },
     /// Training over slow and uneven networks: 4 ranks of the demo MLP to a target loss,
     /// synchronous data parallelism against the compressors and the methods that synchronise
     /// less often under emulated slow links, and against the parameter server and backup
@@ -607,6 +633,24 @@ pub(crate) fn run(cmd: BenchCommand) -> Result<()> {
                 pytorch,
             })?;
             crate::layer_bench::print(&f, json);
+            Ok(())
+        }
+        BenchCommand::Gpt {
+            sizes,
+            dp,
+            steps,
+            repeats,
+            pytorch,
+            json,
+        } => {
+            let rows = crate::gpt_bench::run(&crate::gpt_bench::GptBench {
+                sizes,
+                dps: dp,
+                steps,
+                repeats,
+                pytorch,
+            })?;
+            crate::gpt_bench::print(&rows, json);
             Ok(())
         }
         BenchCommand::CommEfficiency {

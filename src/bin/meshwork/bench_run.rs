@@ -1,5 +1,6 @@
 //! What the benches share (`bench tensor`, with and without a mesh; `bench pipeline`): run one job
-//! to its end collecting its steps, the median run, and how far two runs' losses are apart.
+//! to its end collecting its steps, the median run, and how far two runs' losses are apart;
+//! where the PyTorch peers' scripts are (`bench layer`, `bench gpt`).
 
 use meshwork::error::{Error, Result};
 use meshwork::events::{JobEvent, StepDone};
@@ -62,4 +63,17 @@ pub(crate) fn loss_max_rel_diff(run: &[f32], base: &[f32]) -> f64 {
         .zip(base)
         .map(|(a, c)| f64::from((a - c).abs()) / scale)
         .fold(0.0, f64::max)
+}
+
+/// `benches/peers/NAME`, PyTorch's side of a bench: beside the binary's sources, or under the
+/// working directory.
+pub(crate) fn peer_script(name: &str) -> Result<std::path::PathBuf> {
+    let rel = std::path::Path::new("benches/peers").join(name);
+    [
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(&rel),
+        rel.clone(),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+    .ok_or_else(|| Error::InvalidConfig(format!("--pytorch: {} not found", rel.display())))
 }

@@ -182,21 +182,9 @@ fn matmul_pass(b: &LayerBench) -> (f64, f64) {
     (median(times), flops)
 }
 
-/// `benches/peers/gpt_layer.py`: beside the binary's sources, or under the working directory.
-fn peer_script() -> Result<PathBuf> {
-    let rel = Path::new("benches/peers/gpt_layer.py");
-    [
-        Path::new(env!("CARGO_MANIFEST_DIR")).join(rel),
-        rel.to_path_buf(),
-    ]
-    .into_iter()
-    .find(|p| p.is_file())
-    .ok_or_else(|| Error::InvalidConfig(format!("--pytorch: {} not found", rel.display())))
-}
-
 /// One PyTorch run of the same layer on one thread.
 fn pytorch_once(b: &LayerBench, python: &Path) -> Result<f64> {
-    let script = peer_script()?;
+    let script = crate::bench_run::peer_script("gpt_layer.py")?;
     let out = Command::new(python)
         .arg(&script)
         .args(["--threads", "1", "--repeats", "1"])

@@ -74,6 +74,7 @@ mod demo_job;
 #[cfg(feature = "cluster")]
 mod dp_across;
 mod dp_bench;
+mod gpt_bench;
 mod gpt_train;
 #[cfg(feature = "cluster")]
 mod launched;
