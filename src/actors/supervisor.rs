@@ -106,6 +106,10 @@ pub struct RunSummary {
     /// they are not counted.
     #[serde(default)]
     pub page_faults: Option<u64>,
+    /// The same over every step after the first: the steady state, once the first step has
+    /// touched the memory a step needs.
+    #[serde(default)]
+    pub page_faults_after_first: Option<u64>,
 }
 
 impl RunSummary {

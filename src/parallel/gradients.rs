@@ -234,8 +234,15 @@ impl GradientBuffers {
     /// The buffers laid end to end in one flat buffer; each is dropped once copied, so at
     /// most one tensor is held twice.
     pub(crate) fn into_flat(self) -> Vec<f32> {
+        self.into_flat_in(Vec::new())
+    }
+
+    /// [`into_flat`](Self::into_flat) into `out`'s allocation (its contents replaced): a
+    /// buffer kept from the last step is written again rather than allocated fresh.
+    pub(crate) fn into_flat_in(self, mut out: Vec<f32>) -> Vec<f32> {
         let len = self.datas.iter().map(TensorData::num_elements).sum();
-        let mut out = Vec::with_capacity(len);
+        out.clear();
+        out.reserve(len);
         for d in self.datas {
             out.extend_from_slice(
                 d.as_slice::<f32>()

@@ -140,6 +140,9 @@ enum ReducedGrads {
     Whole(GradientsParams),
     /// The whole reduced gradient, flat, turned back into Burn's gradients at the update.
     Buffers(GradientBuffers),
+    /// The whole reduced gradient in the flat order, as the collective left it: the flat
+    /// rule reads each parameter's range in place (`AllReduceSync`'s block path).
+    Flat(Vec<f32>),
     Shard(Vec<f32>),
 }
 
@@ -151,6 +154,7 @@ impl Reduced {
         match &self.grads {
             ReducedGrads::Whole(_) => None,
             ReducedGrads::Buffers(b) => Some((sum_of_squares(b.slices().into_iter()), false)),
+            ReducedGrads::Flat(s) => Some((sum_of_squares(std::iter::once(&s[..])), false)),
             ReducedGrads::Shard(s) => Some((sum_of_squares(std::iter::once(&s[..])), true)),
         }
     }
@@ -176,6 +180,13 @@ impl Reduced {
                     .map(|(g, _)| g);
                 Some((sum_of_squares(kept), false))
             }
+            ReducedGrads::Flat(g) => {
+                let kept = slots
+                    .iter()
+                    .filter(|s| counts(s.id))
+                    .map(|s| &g[s.range.clone()]);
+                Some((sum_of_squares(kept), false))
+            }
             ReducedGrads::Shard(g) => {
                 let kept = slots.iter().filter(|s| counts(s.id)).filter_map(|s| {
                     let (lo, hi) = (owned.start.max(s.range.start), owned.end.min(s.range.end));
@@ -194,7 +205,7 @@ impl Reduced {
             || match &self.grads {
                 ReducedGrads::Whole(_) => false,
                 ReducedGrads::Buffers(b) => b.slices().into_iter().any(bad),
-                ReducedGrads::Shard(s) => bad(s),
+                ReducedGrads::Flat(s) | ReducedGrads::Shard(s) => bad(s),
             }
     }
 
@@ -206,7 +217,9 @@ impl Reduced {
         match &mut self.grads {
             ReducedGrads::Whole(_) => {}
             ReducedGrads::Buffers(b) => clip_to(&mut b.slices_mut(), norm, max_norm),
-            ReducedGrads::Shard(s) => clip_to(&mut [&mut s[..]], norm, max_norm),
+            ReducedGrads::Flat(s) | ReducedGrads::Shard(s) => {
+                clip_to(&mut [&mut s[..]], norm, max_norm)
+            }
         }
     }
 }
@@ -216,6 +229,7 @@ impl std::fmt::Debug for ReducedGrads {
         match self {
             ReducedGrads::Whole(_) => write!(f, "Whole"),
             ReducedGrads::Buffers(_) => write!(f, "Buffers"),
+            ReducedGrads::Flat(s) => write!(f, "Flat({} elements)", s.len()),
             ReducedGrads::Shard(s) => write!(f, "Shard({} elements)", s.len()),
         }
     }

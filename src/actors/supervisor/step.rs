@@ -388,6 +388,9 @@ pub(super) fn step_done<M, I>(
     s.wall_s += wall_s;
     if let Some(faults) = page_faults {
         *s.page_faults.get_or_insert(0) += faults;
+        if s.steps > 1 {
+            *s.page_faults_after_first.get_or_insert(0) += faults;
+        }
     }
     s.breakdown = s.breakdown.plus(TimeBreakdown {
         compute_s: mean.compute_s / n,

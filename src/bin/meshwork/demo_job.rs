@@ -418,9 +418,11 @@ pub(crate) fn report_time(s: &RunSummary) {
         println!("{amdahl}");
     }
     if let Some(faults) = s.page_faults {
+        let later = s.page_faults_after_first.unwrap_or(0);
         println!(
-            "page faults per step (this process's fresh pages): {:.0}",
-            faults as f64 / s.steps.max(1) as f64
+            "page faults (this process's fresh pages): {} in the first step, {:.0} per step after it",
+            faults.saturating_sub(later),
+            later as f64 / s.steps.saturating_sub(1).max(1) as f64
         );
     }
 }

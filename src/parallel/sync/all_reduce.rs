@@ -32,6 +32,10 @@ pub(crate) struct AllReduceSync {
     pub(super) buckets: Vec<Bucket>,
     pub(super) fusion: Vec<f32>,
     pub(super) held: HeldBytes,
+    /// The last step's flat gradient, kept for the next one's: a block's buffer can be tens
+    /// of MiB, and a fresh one each step costs page faults on every page (and, freed on
+    /// another thread than its own, mimalloc hands its pages back to the kernel).
+    pub(super) spare: Vec<f32>,
 }
 
 impl AllReduceSync {
@@ -58,6 +62,7 @@ impl AllReduceSync {
             buckets,
             fusion: Vec::new(),
             held: HeldBytes::default(),
+            spare: Vec::new(),
         }
     }
 }
@@ -126,6 +131,10 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
                     ReducedGrads::Buffers(buffers) => cx.timed(TraceKind::Flatten, |cx| {
                         buffers.into_gradients(&model, cx.device)
                     }),
+                    ReducedGrads::Flat(flat) => cx.timed(TraceKind::Flatten, |cx| {
+                        GradientBuffers::from_flat(&self.layout, flat)
+                            .into_gradients(&model, cx.device)
+                    }),
                     ReducedGrads::Shard(_) => {
                         unreachable!("AllReduceSync reduces whole gradients")
                     }
@@ -135,13 +144,21 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
                 }));
             }
         };
-        // With the flat rule, `reduce` and `finish_reduce` always hand the gradient as buffers.
-        let ReducedGrads::Buffers(buffers) = reduced.grads else {
-            unreachable!("AllReduceSync's flat step reduces into buffers")
+        // With the flat rule, `reduce` hands the gradient as buffers, `finish_reduce` flat.
+        let (buffers, flat) = match reduced.grads {
+            ReducedGrads::Buffers(buffers) => (Some(buffers), None),
+            ReducedGrads::Flat(flat) => (None, Some(flat)),
+            ReducedGrads::Whole(_) | ReducedGrads::Shard(_) => {
+                unreachable!("AllReduceSync's flat step reduces into buffers or one flat buffer")
+            }
         };
         let layout = &self.layout;
-        Ok(cx.timed(TraceKind::OptimizerStep, |_| {
-            let grads = buffers.slices();
+        let model = cx.timed(TraceKind::OptimizerStep, |_| {
+            let grads: Vec<&[f32]> = match (&buffers, &flat) {
+                (Some(b), _) => b.slices(),
+                (_, Some(f)) => layout.slots().iter().map(|s| &f[s.range.clone()]).collect(),
+                (None, None) => Vec::new(),
+            };
             shard.rule.begin_step(&mut shard.state, layout.len());
             // The rate Burn's optimizer would give the parameter: by its id and its path,
             // so learning-rate groups of either kind apply as they do there.
@@ -154,7 +171,11 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
             });
             FlatRule::end_step(&mut shard.state);
             model
-        }))
+        });
+        if let Some(flat) = flat {
+            self.spare = flat;
+        }
+        Ok(model)
     }
 
     fn start_reduce(
@@ -167,8 +188,9 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
         self.held.params = whole;
         self.held.grads_backward = whole;
         self.held.owned = (0, self.layout.len() as u64);
+        let spare = std::mem::take(&mut self.spare);
         Ok(Collective::AllReduce {
-            buf: GradientBuffers::take(model, &self.layout, grads).into_flat(),
+            buf: GradientBuffers::take(model, &self.layout, grads).into_flat_in(spare),
             buckets: bucket_ranges(&self.buckets, &self.layout),
             wire: crate::precision::Precision::F32,
         })
@@ -184,8 +206,16 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
             out.iter_mut().for_each(|g| *g *= scale);
         }
         self.held.grads = 4 * out.len() as u64;
+        // The flat rule steps from the flat buffer itself (and keeps it for the next step);
+        // Burn's optimizer takes one buffer per parameter.
+        let grads = match self.stepper {
+            Stepper::Flat(_) => ReducedGrads::Flat(out),
+            Stepper::Burn(_) => {
+                ReducedGrads::Buffers(GradientBuffers::from_flat(&self.layout, out))
+            }
+        };
         Ok(Reduced {
-            grads: ReducedGrads::Buffers(GradientBuffers::from_flat(&self.layout, out)),
+            grads,
             non_finite: false,
         })
     }

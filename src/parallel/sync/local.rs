@@ -305,7 +305,9 @@ impl<M: Module> GradientSync<M> for LocalSync {
             ReducedGrads::Buffers(buffers) => cx.timed(TraceKind::Flatten, |cx| {
                 buffers.into_gradients(&model, cx.device)
             }),
-            ReducedGrads::Shard(_) => unreachable!("LocalSync reduces whole gradients"),
+            ReducedGrads::Flat(_) | ReducedGrads::Shard(_) => {
+                unreachable!("LocalSync reduces into buffers")
+            }
         };
         let model = cx.timed(TraceKind::OptimizerStep, |_| {
             self.optimizer.step(lr, model, grads)
