@@ -476,10 +476,6 @@ impl<'a> SlotsInOrder<'a> {
         }
     }
 
-    fn slot<const D: usize>(&mut self, param: &Param<Tensor<D>>) -> Option<&'a ParamSlot> {
-        self.indexed(param).map(|(_, s)| s)
-    }
-
     /// The slot and its index in the layout.
     fn indexed<const D: usize>(
         &mut self,
@@ -586,37 +582,12 @@ pub(crate) fn set_trainable<M: Module>(module: M, layout: &ParamLayout, flat: &[
         layout.len(),
         "a flat buffer of the layout's length"
     );
-    struct Write<'a> {
-        slots: SlotsInOrder<'a>,
-        flat: &'a [f32],
-    }
-    impl ModuleMapper for Write<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let Some(slot) = self.slots.slot(&param) else {
-                return param;
-            };
-            let values = &self.flat[slot.range.clone()];
-            let shape = slot.shape.clone();
-            param.map(|old| {
-                let device = old.device();
-                let grad = old.is_require_grad();
-                // The layout's shape: a released parameter (see `release_trainable`) is empty.
-                let data = TensorData::new(values.to_vec(), shape);
-                let t = Tensor::<D>::from_data(data, &device);
-                if grad { t.require_grad() } else { t }
-            })
-        }
-    }
-    let mut w = Write {
-        slots: SlotsInOrder::new(layout),
-        flat,
-    };
-    module.map(&mut w)
+    write_slots(module, layout, |_, slot| flat[slot.range.clone()].to_vec())
 }
 
 /// [`set_trainable`] taking the flat buffer: each slot's elements become its parameter's
 /// data without a copy where they can (the first slot's, the buffer itself; the others are
-/// split off it, one copy each). A tied weight takes the tensor made at its first use.
+/// split off it, one copy each).
 pub(crate) fn set_trainable_owned<M: Module>(module: M, layout: &ParamLayout, flat: Vec<f32>) -> M {
     assert_eq!(
         flat.len(),
@@ -625,21 +596,28 @@ pub(crate) fn set_trainable_owned<M: Module>(module: M, layout: &ParamLayout, fl
     );
     // FLAT-1: the slots' ranges are consecutive, so the last slot is the buffer's tail.
     let mut rest = flat;
-    let mut parts: Vec<Option<Vec<f32>>> = vec![None; layout.slots.len()];
+    let mut parts: Vec<Vec<f32>> = vec![Vec::new(); layout.slots.len()];
     for (part, slot) in parts.iter_mut().zip(&layout.slots).rev() {
         debug_assert_eq!(slot.range.end, rest.len(), "FLAT-1");
-        *part = Some(if slot.range.start == 0 {
-            std::mem::take(&mut rest)
-        } else {
-            rest.split_off(slot.range.start)
-        });
+        *part = rest.split_off(slot.range.start);
     }
-    struct Write<'a> {
+    write_slots(module, layout, |index, _| std::mem::take(&mut parts[index]))
+}
+
+/// `module` with each trainable parameter of `layout` made from `values(index, slot)`, in the
+/// layout's shape (a released parameter, see [`release_trainable`], is empty), its id, device
+/// and training state kept. A tied weight takes the tensor made at its first use.
+fn write_slots<M: Module>(
+    module: M,
+    layout: &ParamLayout,
+    values: impl FnMut(usize, &ParamSlot) -> Vec<f32>,
+) -> M {
+    struct Write<'a, F> {
         slots: SlotsInOrder<'a>,
-        parts: Vec<Option<Vec<f32>>>,
+        values: F,
         made: std::collections::HashMap<usize, Box<dyn std::any::Any>>,
     }
-    impl ModuleMapper for Write<'_> {
+    impl<F: FnMut(usize, &ParamSlot) -> Vec<f32>> ModuleMapper for Write<'_, F> {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let Some((index, slot)) = self.slots.indexed(&param) else {
                 return param;
@@ -652,14 +630,12 @@ pub(crate) fn set_trainable_owned<M: Module>(module: M, layout: &ParamLayout, fl
                 let t = t.clone();
                 return param.map(|_| t);
             }
-            let values = self.parts[index].take().unwrap_or_default();
-            let shape = slot.shape.clone();
+            let data = TensorData::new((self.values)(index, slot), slot.shape.clone());
             let mut made = None;
             let param = param.map(|old| {
                 let device = old.device();
                 let grad = old.is_require_grad();
-                // The layout's shape: a released parameter (see `release_trainable`) is empty.
-                let t = Tensor::<D>::from_data(TensorData::new(values, shape), &device);
+                let t = Tensor::<D>::from_data(data, &device);
                 let t = if grad { t.require_grad() } else { t };
                 made = Some(t.clone());
                 t
@@ -672,35 +648,30 @@ pub(crate) fn set_trainable_owned<M: Module>(module: M, layout: &ParamLayout, fl
     }
     module.map(&mut Write {
         slots: SlotsInOrder::new(layout),
-        parts,
+        values,
         made: std::collections::HashMap::new(),
     })
 }
 
-/// `module` with the trainable parameters of `layout` replaced by empty tensors (every
-/// dimension 0; ids, devices and training state kept): what a ZeRO-3 rank keeps of a block
-/// between uses. [`set_trainable`] gives them their values and shapes back.
-pub(crate) fn release_trainable<M: Module>(module: M, layout: &ParamLayout) -> M {
-    struct Empty<'a> {
-        slots: SlotsInOrder<'a>,
-    }
-    impl ModuleMapper for Empty<'_> {
+/// `module` with its trainable parameters (those that require a gradient) replaced by empty
+/// tensors (every dimension 0; ids, devices and training state kept): what a ZeRO-3 rank
+/// keeps of a block between uses, and what a stage holds while its update owns the
+/// parameters. [`set_trainable`] gives them their values and shapes back.
+pub(crate) fn release_trainable<M: Module>(module: M) -> M {
+    struct Empty;
+    impl ModuleMapper for Empty {
         fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            if self.slots.slot(&param).is_none() {
+            if !param.val().is_require_grad() {
                 return param;
             }
             param.map(|old| {
                 let device = old.device();
-                let grad = old.is_require_grad();
                 let data = TensorData::new(Vec::<f32>::new(), [0usize; D]);
-                let t = Tensor::<D>::from_data(data, &device);
-                if grad { t.require_grad() } else { t }
+                Tensor::<D>::from_data(data, &device).require_grad()
             })
         }
     }
-    module.map(&mut Empty {
-        slots: SlotsInOrder::new(layout),
-    })
+    module.map(&mut Empty)
 }
 
 /// Fingerprint of a module's float parameters (the exact bits, in layout order), computed
@@ -777,41 +748,4 @@ impl Default for Fingerprint {
 }
 
 #[cfg(test)]
-mod tests {
-    use burn::nn::{Linear, LinearConfig};
-
-    use super::*;
-
-    /// Every parameter of `module` with a fresh id, as a checkpoint restore leaves them.
-    fn new_ids(module: Linear) -> Linear {
-        struct Renew;
-        impl ModuleMapper for Renew {
-            fn map_float<const D: usize>(&mut self, mut p: Param<Tensor<D>>) -> Param<Tensor<D>> {
-                p.id = ParamId::new();
-                p
-            }
-        }
-        module.map(&mut Renew)
-    }
-
-    /// FLAT-3: a layout read before the ids changed still writes, releases and reads the
-    /// module, by order.
-    #[test]
-    fn flat_3_a_layout_meets_a_restored_module_by_order() {
-        let device = Device::flex().autodiff();
-        let module = LinearConfig::new(3, 2).init(&device);
-        let layout = ParamLayout::trainable(&module);
-        assert_eq!(layout.len(), 3 * 2 + 2, "weight and bias take part");
-        let module = new_ids(module);
-        let flat: Vec<f32> = (0..layout.len()).map(|i| i as f32).collect();
-        let written = set_trainable(module, &layout, &flat);
-        assert_eq!(trainable_range(&written, &layout, 0..layout.len()), flat);
-        let released = release_trainable(written, &layout);
-        assert!(
-            released.weight.val().shape().num_elements() == 0,
-            "released"
-        );
-        let back = set_trainable(released, &layout, &flat);
-        assert_eq!(trainable_range(&back, &layout, 0..layout.len()), flat);
-    }
-}
+mod tests;

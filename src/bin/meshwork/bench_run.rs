@@ -77,3 +77,28 @@ pub(crate) fn peer_script(name: &str) -> Result<std::path::PathBuf> {
     .find(|p| p.is_file())
     .ok_or_else(|| Error::InvalidConfig(format!("--pytorch: {} not found", rel.display())))
 }
+
+/// This binary, to start a bench's child process.
+pub(crate) fn this_binary() -> Result<std::path::PathBuf> {
+    std::env::current_exe().map_err(|e| Error::Io {
+        path: "current executable".into(),
+        reason: e.to_string(),
+    })
+}
+
+/// Runs `command` to its end and gives its standard output; one that cannot start or fails
+/// is an error naming `what`, with its standard error.
+pub(crate) fn stdout_of(mut command: std::process::Command, what: &str) -> Result<String> {
+    let out = command.output().map_err(|e| Error::Io {
+        path: what.to_string(),
+        reason: e.to_string(),
+    })?;
+    if !out.status.success() {
+        return Err(Error::Runtime(format!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        )));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}

@@ -156,49 +156,25 @@ fn failed(what: impl std::fmt::Display) -> Error {
 
 /// One `meshwork train --model gpt` child run.
 fn meshwork_once(size: &GptSize, dp: u32, steps: u64) -> Result<TrainFigures> {
-    let exe = std::env::current_exe().map_err(|e| Error::Io {
-        path: "current executable".into(),
-        reason: e.to_string(),
-    })?;
-    let out = Command::new(&exe)
+    let mut command = Command::new(crate::bench_run::this_binary()?);
+    command
         .args(["train", "--model", "gpt", "--dp", &dp.to_string()])
-        .args(size.flags(steps))
-        .output()
-        .map_err(|e| Error::Io {
-            path: exe.display().to_string(),
-            reason: e.to_string(),
-        })?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(failed(format!(
-            "meshwork train ({}, dp {dp}) failed: {}",
-            size.name,
-            String::from_utf8_lossy(&out.stderr)
-        )));
-    }
+        .args(size.flags(steps));
+    let what = format!("bench gpt: meshwork train ({}, dp {dp})", size.name);
+    let text = crate::bench_run::stdout_of(command, &what)?;
     parse_train_report(&text).ok_or_else(|| failed(format!("no report lines in: {text}")))
 }
 
 /// One PyTorch run of the same size and world.
 fn pytorch_once(size: &GptSize, dp: u32, steps: u64, python: &Path) -> Result<TrainFigures> {
     let script = crate::bench_run::peer_script("gpt_ddp.py")?;
-    let out = Command::new(python)
+    let mut command = Command::new(python);
+    command
         .arg(&script)
         .args(["--world", &dp.to_string()])
-        .args(size.flags(steps))
-        .output()
-        .map_err(|e| Error::Io {
-            path: python.display().to_string(),
-            reason: e.to_string(),
-        })?;
-    let line = String::from_utf8_lossy(&out.stdout);
-    if !out.status.success() {
-        return Err(failed(format!(
-            "{} failed: {}",
-            script.display(),
-            String::from_utf8_lossy(&out.stderr)
-        )));
-    }
+        .args(size.flags(steps));
+    let what = format!("bench gpt: {} {}", python.display(), script.display());
+    let line = crate::bench_run::stdout_of(command, &what)?;
     let value: serde_json::Value = serde_json::from_str(line.trim())
         .map_err(|e| failed(format!("not one JSON line ({e}): {line}")))?;
     let get = |k: &str| {

@@ -543,9 +543,7 @@ impl<M: Module + 'static, I: 'static> BlockStep<I> for TypedStage<M, I> {
         // The stage holds an empty placeholder while the sync updates the model, so the
         // update owns each parameter's data alone and reads it without a copy (a clone kept
         // here would make every read copy the parameter, and its pages fresh each step).
-        let layout = crate::parallel::gradients::ParamLayout::trainable(&self.model);
-        let placeholder =
-            crate::parallel::gradients::release_trainable(self.model.clone(), &layout);
+        let placeholder = crate::parallel::gradients::release_trainable(self.model.clone());
         let model = std::mem::replace(&mut self.model, placeholder);
         self.model = match self.sync.apply(model, reduced, lr, &mut cx) {
             Ok(model) => model,

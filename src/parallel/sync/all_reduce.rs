@@ -145,19 +145,19 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
             }
         };
         // With the flat rule, `reduce` hands the gradient as buffers, `finish_reduce` flat.
-        let (buffers, flat) = match reduced.grads {
-            ReducedGrads::Buffers(buffers) => (Some(buffers), None),
-            ReducedGrads::Flat(flat) => (None, Some(flat)),
-            ReducedGrads::Whole(_) | ReducedGrads::Shard(_) => {
-                unreachable!("AllReduceSync's flat step reduces into buffers or one flat buffer")
-            }
-        };
         let layout = &self.layout;
+        let grads = reduced.grads;
         let model = cx.timed(TraceKind::OptimizerStep, |_| {
-            let grads: Vec<&[f32]> = match (&buffers, &flat) {
-                (Some(b), _) => b.slices(),
-                (_, Some(f)) => layout.slots().iter().map(|s| &f[s.range.clone()]).collect(),
-                (None, None) => Vec::new(),
+            let grads: Vec<&[f32]> = match &grads {
+                ReducedGrads::Buffers(b) => b.slices(),
+                ReducedGrads::Flat(f) => {
+                    layout.slots().iter().map(|s| &f[s.range.clone()]).collect()
+                }
+                ReducedGrads::Whole(_) | ReducedGrads::Shard(_) => {
+                    unreachable!(
+                        "AllReduceSync's flat step reduces into buffers or one flat buffer"
+                    )
+                }
             };
             shard.rule.begin_step(&mut shard.state, layout.len());
             // The rate Burn's optimizer would give the parameter: by its id and its path,
@@ -172,7 +172,7 @@ impl<M: Module> GradientSync<M> for AllReduceSync {
             FlatRule::end_step(&mut shard.state);
             model
         });
-        if let Some(flat) = flat {
+        if let ReducedGrads::Flat(flat) = grads {
             self.spare = flat;
         }
         Ok(model)

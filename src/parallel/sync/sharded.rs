@@ -145,7 +145,7 @@ impl<M: Module> GradientSync<M> for ShardedSync {
             return model;
         }
         self.full = false;
-        release_trainable(model, &self.layout)
+        release_trainable(model)
     }
 
     fn holds_full(&self) -> bool {
