@@ -105,6 +105,15 @@ impl Communicator {
         }
     }
 
+    /// A TCP communicator's parts of received ranges sent on mid-step so far (TCP-8's tests).
+    #[cfg(all(test, feature = "cluster"))]
+    pub(crate) fn tcp_forwarded_parts(&self) -> Option<u64> {
+        match &self.transport {
+            Transport::Tcp(t) => Some(t.forwarded_parts()),
+            _ => None,
+        }
+    }
+
     /// A hierarchical group's communicator for `rank` (feature `cluster`): `local` is its
     /// communicator in its process's in-process group (ranks in `plan.local` order), `leaders`
     /// (on a process's leader, when there are two or more processes) its communicator in the

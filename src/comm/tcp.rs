@@ -82,6 +82,11 @@
 //!   values) as 2 bytes per element and those they reduce (partial sums) as f32, so its
 //!   results equal the in-process transport's bit for bit; a broadcast or an all-gather moves
 //!   2 bytes per element, a ring all-reduce 6 per element per ring pass instead of 8.
+//! - TCP-8 (forwarding): an f32 range that the plan receives and then sends on whole (a
+//!   ring's next step, a tree's way up or down) leaves frame by frame as each frame is
+//!   received, reduced and, where the plan finishes it first, finished, so the next rank
+//!   works on it while the rest still arrives. The values sent are the ones the step-by-step
+//!   plan would send, so results are bit for bit the same.
 
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -193,6 +198,9 @@ pub(crate) struct TcpCommunicator {
     /// Data payload bytes handed to the links so far (not counting headers and framing).
     #[cfg_attr(not(test), allow(dead_code, reason = "read by the tests of TCP-7"))]
     data_bytes_sent: u64,
+    /// Parts of received ranges sent on before their step ended (TCP-8).
+    #[cfg_attr(not(test), allow(dead_code, reason = "read by the tests of TCP-8"))]
+    forwarded_parts: u64,
 }
 
 /// Who an op is, for its errors.

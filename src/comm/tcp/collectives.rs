@@ -80,7 +80,9 @@ impl TcpCommunicator {
         // Borrowed sends still possibly in flight: (peer, ticket, range).
         let mut borrowed: Vec<(usize, u64, Range<usize>)> = Vec::new();
         let mut sends = 0;
-        for step in steps {
+        let mut next = 0;
+        while let Some(step) = steps.get(next) {
+            next += 1;
             match step {
                 Step::Send { to, range } => {
                     let mode = modes.get(sends).copied().unwrap_or(SendMode::Copy);
@@ -132,6 +134,34 @@ impl TcpCommunicator {
                     self.wait_overlapping(&mut borrowed, range, id)?;
                     let reduce = matches!(step, Step::RecvReduce { .. }).then_some(op);
                     let from = from.index();
+                    // TCP-8: a range sent on as soon as it is received goes on frame by frame.
+                    if let Some(onward) = narrow
+                        .is_none()
+                        .then(|| Onward::of(&steps[next..], range))
+                        .flatten()
+                    {
+                        let forward = Forward {
+                            to: onward.to,
+                            mode: modes.get(sends).copied().unwrap_or(SendMode::Copy),
+                            finish: onward.finish.then_some(op),
+                        };
+                        sends += 1;
+                        next += onward.steps;
+                        // SAFETY: forwarded; the range is this rank's to write now, and its
+                        // sends are borrowed sends tracked in `borrowed`.
+                        unsafe {
+                            self.recv_forwarding(
+                                from,
+                                base,
+                                range,
+                                reduce,
+                                &forward,
+                                &mut borrowed,
+                                id,
+                            )?
+                        };
+                        continue;
+                    }
                     // SAFETY: forwarded; the range is this rank's to write now.
                     unsafe {
                         match narrow.and_then(|n| n.recv(reduce.is_some())) {
@@ -246,6 +276,12 @@ impl TcpCommunicator {
         result
     }
 
+    /// Parts of received ranges sent on before their step ended (TCP-8).
+    #[cfg(test)]
+    pub(crate) fn forwarded_parts(&self) -> u64 {
+        self.forwarded_parts
+    }
+
     /// Data payload bytes this rank handed to its links so far (TCP-7, LINK-1).
     pub(crate) fn data_bytes_sent(&self) -> u64 {
         self.data_bytes_sent
@@ -263,25 +299,140 @@ impl TcpCommunicator {
         let mut filled = 0;
         while filled < expected {
             sink.set_base(filled);
-            let Some(link) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
-                return Err(self.out_of_step(peer, id, "no link to this rank".into()));
-            };
-            match link
-                .reader
-                .recv_into((expected - filled) as u64, granule, sink, id.deadline)
-            {
-                Ok(0) => {
-                    return Err(self.out_of_step(
-                        peer,
-                        id,
-                        "an empty data frame inside a step".into(),
-                    ));
-                }
-                Ok(n) => filled += n as usize,
-                Err(e) => return Err(self.link_error(peer, id, &e)),
-            }
+            filled += self.recv_frame(peer, expected - filled, granule, sink, id)?;
         }
         Ok(())
+    }
+
+    /// Reads one frame of at most `most` bytes from `peer` into `sink`; returns its length.
+    fn recv_frame(
+        &mut self,
+        peer: usize,
+        most: usize,
+        granule: u64,
+        sink: &mut dyn StepSink,
+        id: OpId,
+    ) -> Result<usize, CommError> {
+        let Some(link) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
+            return Err(self.out_of_step(peer, id, "no link to this rank".into()));
+        };
+        match link
+            .reader
+            .recv_into(most as u64, granule, sink, id.deadline)
+        {
+            Ok(0) => Err(self.out_of_step(peer, id, "an empty data frame inside a step".into())),
+            Ok(n) => Ok(n as usize),
+            Err(e) => Err(self.link_error(peer, id, &e)),
+        }
+    }
+
+    /// TCP-8: receives `range` (f32s) from `peer` as [`TcpCommunicator::recv_step`] does and
+    /// sends what arrived on to `forward.to` after each frame (finished first where the plan
+    /// finishes the range before sending it), instead of once the whole range is in. A part
+    /// waits for the next frame when the link's queue is full, and the rest leaves at the end
+    /// of the step, so the step queues no more than the queue holds without waiting (TCP-3).
+    ///
+    /// A frame is forwarded before the checksum of the frame that carried it is checked; a
+    /// bad checksum fails the op on every rank (TCP-5), so what was forwarded is dropped.
+    ///
+    /// # Safety
+    /// `range` of the buffer at `base` is this rank's to write now and no other send reads it.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn recv_forwarding(
+        &mut self,
+        peer: usize,
+        base: *mut f32,
+        range: &Range<usize>,
+        op: Option<ReduceOp>,
+        forward: &Forward,
+        borrowed: &mut Vec<(usize, u64, Range<usize>)>,
+        id: OpId,
+    ) -> Result<(), CommError> {
+        // SAFETY: forwarded.
+        let dst = unsafe { base.add(range.start) };
+        let expected = range.len() * 4;
+        let mut scratch = std::mem::take(&mut self.scratch);
+        // Elements of the range received (`filled`) and sent on (`sent`).
+        let (mut filled, mut sent) = (range.start, range.start);
+        let mut result = Ok(());
+        while filled < range.end && result.is_ok() {
+            let got = (filled - range.start) * 4;
+            let frame = match op {
+                Some(op) => {
+                    let mut sink = ReduceSink {
+                        dst,
+                        base: got,
+                        scratch: &mut scratch,
+                        op,
+                    };
+                    self.recv_frame(peer, expected - got, 4, &mut sink, id)
+                }
+                None => {
+                    let mut sink = CopySink {
+                        dst: dst.cast::<u8>(),
+                        base: got,
+                    };
+                    self.recv_frame(peer, expected - got, 4, &mut sink, id)
+                }
+            };
+            result = frame.and_then(|n| {
+                let arrived = filled..filled + n / 4;
+                filled = arrived.end;
+                if let Some(op) = forward.finish {
+                    // SAFETY: the part lies in the range, which this rank owns now.
+                    finish(unsafe { part(base, &arrived) }, op, self.world);
+                }
+                let last = filled == range.end;
+                // SAFETY: as above.
+                if unsafe { self.send_on(base, sent..filled, forward, borrowed, id, last)? } {
+                    sent = filled;
+                }
+                Ok(())
+            });
+        }
+        self.scratch = scratch;
+        result
+    }
+
+    /// Queues `sent` of the buffer at `base` for `forward.to`, waiting for room only when
+    /// `wait`; returns whether it was queued.
+    ///
+    /// # Safety
+    /// `sent` of the buffer at `base` is this rank's and stays unwritten until its send
+    /// completes (it is recorded in `borrowed`).
+    unsafe fn send_on(
+        &mut self,
+        base: *mut f32,
+        sent: Range<usize>,
+        forward: &Forward,
+        borrowed: &mut Vec<(usize, u64, Range<usize>)>,
+        id: OpId,
+        wait: bool,
+    ) -> Result<bool, CommError> {
+        // SAFETY: forwarded.
+        let bytes = bytes_of(&*unsafe { part(base, &sent) });
+        let payload = match forward.mode {
+            SendMode::Borrow => Payload::Borrowed(RawBytes {
+                ptr: bytes.as_ptr(),
+                len: bytes.len(),
+            }),
+            SendMode::Copy => Payload::Owned(bytes.to_vec()),
+        };
+        let len = bytes.len() as u64;
+        let ticket = if wait {
+            Some(self.push(forward.to, payload, id)?)
+        } else {
+            self.try_push(forward.to, payload, id)?
+        };
+        let Some(ticket) = ticket else {
+            return Ok(false);
+        };
+        self.data_bytes_sent += len;
+        self.forwarded_parts += 1;
+        if forward.mode == SendMode::Borrow {
+            borrowed.push((forward.to, ticket, sent));
+        }
+        Ok(true)
     }
 
     pub(crate) fn all_reduce<T: Element>(
@@ -450,6 +601,54 @@ impl TcpCommunicator {
         match result {
             Ok(outcome) => outcome,
             Err(e) => Err(self.fail(e)),
+        }
+    }
+}
+
+/// The elements `range` of the buffer at `base`.
+///
+/// # Safety
+/// The range lies in the buffer, and no one else reads or writes it for the slice's life.
+unsafe fn part<'a>(base: *mut f32, range: &Range<usize>) -> &'a mut [f32] {
+    // SAFETY: forwarded.
+    unsafe { std::slice::from_raw_parts_mut(base.add(range.start), range.len()) }
+}
+
+/// Where [`TcpCommunicator::recv_forwarding`] sends each received frame's part on to.
+struct Forward {
+    to: usize,
+    mode: SendMode,
+    /// The op whose last step is applied to the part before it leaves.
+    finish: Option<ReduceOp>,
+}
+
+/// A received range that the plan's next steps send on whole (TCP-8): `Send` of the same
+/// range, perhaps after `Finish` of it.
+struct Onward {
+    to: usize,
+    finish: bool,
+    /// How many of the following steps the forwarding replaces.
+    steps: usize,
+}
+
+impl Onward {
+    fn of(rest: &[Step], received: &Range<usize>) -> Option<Self> {
+        match rest {
+            [Step::Finish { range: f }, Step::Send { to, range: s }, ..]
+                if f == received && s == received =>
+            {
+                Some(Self {
+                    to: to.index(),
+                    finish: true,
+                    steps: 2,
+                })
+            }
+            [Step::Send { to, range: s }, ..] if s == received => Some(Self {
+                to: to.index(),
+                finish: false,
+                steps: 1,
+            }),
+            _ => None,
         }
     }
 }

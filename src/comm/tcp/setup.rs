@@ -17,12 +17,13 @@ pub struct TcpConfig {
 }
 
 impl Default for TcpConfig {
-    /// The default [`CommConfig`] and [`LinkConfig`], frames of up to 4 MiB.
+    /// The default [`CommConfig`] and [`LinkConfig`], frames of up to 512 KiB (small enough
+    /// that a ring step of a few MiB is sent on frame by frame, TCP-8).
     fn default() -> Self {
         Self {
             comm: CommConfig::default(),
             link: LinkConfig::default(),
-            frame_bytes: 4 << 20,
+            frame_bytes: 512 << 10,
         }
     }
 }
@@ -183,6 +184,7 @@ impl TcpGroup {
             scratch16: Vec::new(),
             plan_cache: None,
             data_bytes_sent: 0,
+            forwarded_parts: 0,
         };
         Ok(TcpGroup { comm })
     }

@@ -189,6 +189,38 @@ fn multi_frame_steps_and_tree_copies_move_large_buffers_without_deadlock() {
     }
 }
 
+/// TCP-8: in a ring of 3, the three received ranges that are sent on (two reduce steps, one
+/// gather step) leave frame by frame: the first of them, with an empty queue, one part per
+/// 64 KiB frame; the results equal the in-process transport's bit for bit, for a sum and for
+/// a mean (finished part by part).
+#[test]
+fn tcp_8_received_ranges_are_sent_on_frame_by_frame_with_the_same_results() {
+    let len = 2 << 20;
+    let frame = 64 << 10;
+    for op in [ReduceOp::Sum, ReduceOp::Mean] {
+        let scenario = |comm: &mut Communicator| {
+            comm.set_algorithm(Algorithm::Ring);
+            let mut buf = input::<f32>(comm.rank().index(), len, 9);
+            comm.all_reduce(&mut buf, op).unwrap();
+            (bits(&buf), comm.tcp_forwarded_parts())
+        };
+        let tcp = on_tcp(3, config().with_frame_bytes(frame), scenario);
+        let local = on_local(3, scenario);
+        // Every chunk (a third of the buffer) is 43 frames of at most 64 KiB.
+        let frames = (len / 3 * 4).div_ceil(frame) as u64;
+        for (r, ((got, parts), (want, _))) in tcp.iter().zip(&local).enumerate() {
+            assert!(got == want, "rank {r}, {op:?}: differs from in process");
+            let parts = parts.expect("a TCP communicator");
+            assert!(
+                (frames + 2..=3 * frames).contains(&parts),
+                "rank {r}: {parts} parts sent on, expected {} to {}",
+                frames + 2,
+                3 * frames
+            );
+        }
+    }
+}
+
 #[test]
 fn send_and_recv_match_in_order_and_a_length_mismatch_fails_both_sides() {
     let values: Vec<f16> = input(7, 3000, 1);
