@@ -63,7 +63,7 @@ async fn main() -> meshwork::Result<()> {
         .precision(Precision::Bf16)
         .clip_grad_norm(1.0)
         .gradient_accumulation(2)
-        .learning_rate_schedule(lr)
+        .learning_rate(lr)
         .data(train)
         .optimizer(AdamConfig::new())
         .batch_size(16)

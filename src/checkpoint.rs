@@ -72,6 +72,11 @@
 //!   and writes, syncs and removes a probe file in it; a job with a checkpoint directory calls
 //!   it when it is built, so a directory that cannot be written is refused before the first
 //!   step rather than reported after the run.
+//!
+//! - **CKPT-6** a pipeline job writes one shard per model block (`ShardId::stage(block)`), from
+//!   replica 0's stages; every stage restores the blocks it holds, so a checkpoint restores onto
+//!   another split of the same blocks (pp, virtual stages), and a model whose blocks do not fit is
+//!   refused naming the checkpoint.
 
 pub(crate) mod format;
 mod fs;
@@ -97,7 +102,7 @@ pub use params::{
     NamedParam, OptimizerPart, OptimizerState, ParamPart, ShardParams, restore_module,
     snapshot_module,
 };
-pub use store::{CheckpointStore, Loaded, Refused};
+pub use store::{CheckpointStore, Loaded, RefusedCheckpoint};
 
 /// The on-disk format version this build writes. It also reads [`OLDEST_READABLE_VERSION`]
 /// and every version between.

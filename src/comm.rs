@@ -314,7 +314,7 @@ pub struct CommConfig {
     #[serde(default)]
     pub verify_payloads: bool,
     /// An emulated network (bandwidth and latency per rank's link) every message of the group
-    /// is held back by (`comm::emulate`, LINK-1..2); `None`: the transport's own speed.
+    /// is held back by (`comm::emulate`, EMU-1..2); `None`: the transport's own speed.
     #[serde(default)]
     pub link: Option<emulate::LinkEmulation>,
     /// How an f16 or bf16 reduction's partial sums travel in a message plan (COMM-9):

@@ -39,7 +39,7 @@ pub enum Error {
     Pipeline(#[from] crate::parallel::pipeline_exec::ExecError),
     /// A pipeline schedule failed validation or simulation (missing instruction, deadlock).
     #[error(transparent)]
-    ScheduleCheck(#[from] crate::parallel::pipeline::SimError),
+    ScheduleCheck(#[from] crate::parallel::pipeline::ScheduleSimError),
     /// Code running on a device thread failed (a panic in the model's forward, backward or the
     /// optimizer): the job ends with this error.
     #[error("{stage} on device {device} failed during {during}: {reason}")]

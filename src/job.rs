@@ -13,7 +13,6 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
 use burn::module::Module;
 use burn::tensor::{Device, Tensor};
 use ractor::{Actor, ActorRef};

@@ -1,7 +1,7 @@
 //! Optimizers and learning rates for a job.
 //!
 //! Every replica builds its own optimizer from the same [`OptimizerConfig`] and steps it with
-//! the same all-reduced gradients, so replicas stay identical (DP-1 in ARCHITECTURE.md).
+//! the same all-reduced gradients, so replicas stay identical (DP-1, stated in `actors::stage::replica`).
 //!
 //! - **LR-1 one schedule.** Every replica and every pipeline stage steps its own copy of the
 //!   job's [`LearningRate`] once per applied optimizer step, and only once the step is
@@ -71,6 +71,18 @@ pub enum LearningRate {
     /// One of Burn's schedulers (`…LrSchedulerConfig::init()`); every replica steps its own
     /// copy once per optimizer step.
     Scheduler(ModuleLrScheduler),
+}
+
+impl From<f64> for LearningRate {
+    fn from(lr: f64) -> Self {
+        LearningRate::Constant(lr)
+    }
+}
+
+impl From<ModuleLrScheduler> for LearningRate {
+    fn from(scheduler: ModuleLrScheduler) -> Self {
+        LearningRate::Scheduler(scheduler)
+    }
 }
 
 impl LearningRate {

@@ -6,7 +6,7 @@
 //! core (measured), the bytes of the boundary tensor it stashes per sample, and the bytes its
 //! tensor-parallel all-reduces move per sample. A machine ([`Machine`]) is its devices, the
 //! cores they share, the memory of each, an α–β cost of a collective between its devices and
-//! the optimizer's seconds per parameter (both measured). A [`Layout`] is dp × pp × tp, the
+//! the optimizer's seconds per parameter (both measured). A [`Candidate`] is dp × pp × tp, the
 //! ZeRO stage, micro-batches and recomputation.
 //!
 //! The prediction ([`predict`]):
@@ -21,7 +21,7 @@
 //!   data-parallel reduction of each rank's gradient (a ring's `2(n−1)/n` of the bytes, with
 //!   ZeRO-1 the parameters' all-gather added, ZeRO-3 the parameters gathered for the forward
 //!   and again for the backward of every micro-batch), each `α·steps + bytes/β`, not
-//!   overlapped with compute; inside a node and between nodes (PLAN-3); when ranks
+//!   overlapped with compute; inside a node and between nodes (PLANNER-3); when ranks
 //!   outnumber cores, a tensor-parallel group of degree t also waits for partners off the
 //!   core, a measured share (`tp_wait`) of the split blocks' compute;
 //! - **the optimizer**: the parameters the rank steps (its shard from ZeRO-1 on) times the
@@ -33,13 +33,13 @@
 //! once), gradients (4; ZeRO-2 on: a shard), Adam's two moments (8; ZeRO-1 on: a shard) and
 //! its stashed boundary tensors at the schedule's peak stash.
 //!
-//! - PLAN-1 (enumeration): [`layouts`] lists every dp × pp × tp = devices with tp among the
+//! - PLANNER-1 (enumeration): [`layouts`] lists every dp × pp × tp = devices with tp among the
 //!   model's degrees, pp at most the blocks and dividing them, dp and the micro-batches
 //!   dividing the global batch, each ZeRO stage (dp > 1; with one replica there is nothing to
 //!   shard) and recomputation on and off, once each.
-//! - PLAN-2 (monotone): more devices of data parallelism never predict less compute per
+//! - PLANNER-2 (monotone): more devices of data parallelism never predict less compute per
 //!   rank; a layout that does not fit names the bytes it needs and the device's.
-//! - PLAN-3 (nodes): ranks are placed as the mesh places them (MESH-1: tp innermost, then dp,
+//! - PLANNER-3 (nodes): ranks are placed as the mesh places them (MESH-1: tp innermost, then dp,
 //!   then pp); a group that spans nodes reduces inside each node over `link`, then between
 //!   one leader per node over `inter_link` (`comm::hierarchical`'s plan, which runs an
 //!   all-gather or reduce-scatter as a whole all-reduce), and a pipeline that spans nodes
@@ -211,9 +211,10 @@ impl Machine {
     }
 }
 
-/// One way to lay a job out over the machine.
+/// A candidate layout: one way to lay a job out over the machine, as the planner ranks them
+/// (the mesh a job then runs on is a [`crate::mesh::Layout`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-pub struct Layout {
+pub struct Candidate {
     /// Data-parallel replicas.
     pub dp: u32,
     /// Pipeline stages.
@@ -228,9 +229,9 @@ pub struct Layout {
     pub recompute: bool,
 }
 
-impl Layout {
+impl Candidate {
     /// One device: no parallelism, one micro-batch.
-    pub const ONE_DEVICE: Layout = Layout {
+    pub const ONE_DEVICE: Candidate = Candidate {
         dp: 1,
         pp: 1,
         tp: 1,
@@ -240,7 +241,7 @@ impl Layout {
     };
 }
 
-impl std::fmt::Display for Layout {
+impl std::fmt::Display for Candidate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
@@ -323,9 +324,14 @@ impl std::fmt::Display for Unfit {
     }
 }
 
-/// Every layout of `devices` for `model` and a global batch of `batch` (PLAN-1), with the
+/// Every layout of `devices` for `model` and a global batch of `batch` (PLANNER-1), with the
 /// micro-batch counts in `micro_batches` (pipelines only; 1 otherwise).
-pub fn layouts(model: &ModelCosts, devices: u32, batch: u32, micro_batches: &[u32]) -> Vec<Layout> {
+pub fn layouts(
+    model: &ModelCosts,
+    devices: u32,
+    batch: u32,
+    micro_batches: &[u32],
+) -> Vec<Candidate> {
     let blocks = model.blocks.len() as u32;
     let mut out = Vec::new();
     for tp in model.tp_degrees.iter().copied().filter(|t| *t >= 1) {
@@ -351,7 +357,7 @@ pub fn layouts(model: &ModelCosts, devices: u32, batch: u32, micro_batches: &[u3
             for micro_batches in ms {
                 for zero in zeros.clone() {
                     for recompute in [false, true] {
-                        out.push(Layout {
+                        out.push(Candidate {
                             dp,
                             pp,
                             tp,
@@ -372,7 +378,7 @@ pub fn layouts(model: &ModelCosts, devices: u32, batch: u32, micro_batches: &[u3
 /// The schedule a pipelined layout runs over `blocks` blocks: interleaved (one chunk per
 /// block of a stage) where a stage holds several blocks, 1F1B where it holds one (so any
 /// micro-batch count runs); `meshwork plan`'s jobs are built with it.
-pub fn pipeline_schedule(layout: &Layout, blocks: u32) -> Schedule {
+pub fn pipeline_schedule(layout: &Candidate, blocks: u32) -> Schedule {
     let virtual_stages = blocks / layout.pp.max(1);
     if virtual_stages > 1 {
         Schedule::Interleaved {
@@ -388,7 +394,7 @@ pub fn pipeline_schedule(layout: &Layout, blocks: u32) -> Schedule {
 
 /// The instructions a layout runs: [`pipeline_schedule`]'s for pp > 1, the block job's
 /// sequential list otherwise.
-fn schedule_of(layout: &Layout, blocks: u32) -> Result<PipelineSchedule, ScheduleError> {
+fn schedule_of(layout: &Candidate, blocks: u32) -> Result<PipelineSchedule, ScheduleError> {
     if layout.pp <= 1 {
         return PipelineSchedule::sequential(blocks, layout.micro_batches);
     }
@@ -400,11 +406,11 @@ fn schedule_of(layout: &Layout, blocks: u32) -> Result<PipelineSchedule, Schedul
 pub fn predict(
     model: &ModelCosts,
     machine: &Machine,
-    layout: &Layout,
+    layout: &Candidate,
     batch: u32,
 ) -> Result<Prediction, Unfit> {
     let blocks = model.blocks.len() as u32;
-    let Layout {
+    let Candidate {
         dp,
         pp,
         tp,
@@ -576,8 +582,8 @@ pub fn plan(
     machine: &Machine,
     batch: u32,
     micro_batches: &[u32],
-) -> Vec<(Layout, Result<Prediction, Unfit>)> {
-    let mut out: Vec<(Layout, Result<Prediction, Unfit>)> =
+) -> Vec<(Candidate, Result<Prediction, Unfit>)> {
+    let mut out: Vec<(Candidate, Result<Prediction, Unfit>)> =
         layouts(model, machine.devices, batch, micro_batches)
             .into_iter()
             .map(|l| (l, predict(model, machine, &l, batch)))

@@ -12,6 +12,11 @@
 //!   the same steps and keeps the same scale.
 //! - **PREC-3** the scale stays finite and positive: a growth that would overflow `f32` and a
 //!   back-off below [`MIN_SCALE`] are not applied.
+//!
+//! - **PREC-4** a model that does not cast its input to its parameters' dtype (Burn does not
+//!   promote dtypes) ends its first step with `Error::DtypeMismatch` naming the casts to add (the
+//!   device thread's panic carrying Burn's dtype assertion is mapped in `actors::stage::failed`),
+//!   never as a lost stage.
 
 use serde::{Deserialize, Serialize};
 

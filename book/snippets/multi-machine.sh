@@ -14,7 +14,7 @@ meshwork train --listen 0.0.0.0:29500 --nodes 2 --job demo --join-timeout 120 --
 # ANCHOR_END: head
 # ANCHOR: nodes
 # on each node host: join the head, holding two devices
-meshwork node --join head-host:29500 --job demo --devices 2
+meshwork node --join head-host:29500 --job demo --local-devices 2
 # ANCHOR_END: nodes
 # ANCHOR: head-device
 # the head may hold devices too: then say which of its addresses the nodes reach it at
@@ -57,7 +57,7 @@ meshwork node --join head-host:29400
 # two ranks are one tensor-parallel pair), the trained GPT's slices put together on the head
 meshwork train --listen 0.0.0.0:29400 --nodes 4 --model gpt --pp 2 --tp 2 --layers 1 --save-model gpt.mpk
 # on each of the four node hosts
-meshwork node --join head-host:29400 --devices 2
+meshwork node --join head-host:29400 --local-devices 2
 # ANCHOR_END: tensor
 # ANCHOR: tls-certs
 # once, on a trusted machine: a certificate authority for the cluster (ca.key never leaves it) ...

@@ -255,7 +255,7 @@ pub(crate) struct WorkerState<M, I> {
     wait: Duration,
     /// How long the worker waits for its round.
     round_wait: Duration,
-    /// The emulated network (LINK-1): a pull waits for the server's link to carry the
+    /// The emulated network (EMU-1): a pull waits for the server's link to carry the
     /// parameters, a push for the worker's to carry the gradient.
     link: Option<crate::comm::emulate::LinkEmulation>,
 }
@@ -546,12 +546,12 @@ impl<M: Module + 'static, I: Send + Sync + 'static> Loop<M, I> {
                 return Ok(());
             };
             report_progress(|| format!("step {}: item {item} at clock {clock}", self.step));
-            // LINK-1: the parameters come over the server's (ordinary) link.
+            // EMU-1: the parameters come over the server's (ordinary) link.
             if let Some(link) = &self.link {
                 std::thread::sleep(link.delay(Rank(u32::MAX), 4 * params.len()));
             }
             let (grads, loss_sum) = self.gradient(wm, &params, &micro_batches)?;
-            // LINK-1: the gradient leaves over this worker's link.
+            // EMU-1: the gradient leaves over this worker's link.
             if let Some(link) = &self.link {
                 std::thread::sleep(link.delay(Rank(self.worker), 4 * grads.len()));
             }

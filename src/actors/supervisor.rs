@@ -35,6 +35,10 @@
 //!   never aborts it: an aborted step could leave some replicas updated and others not.
 //! - SV-4: a step's outcome is taken only from the running attempt (its attempt number and
 //!   the mesh's generation); any other is stale and ignored.
+//!
+//! - **SV-5** a lost rank whose state is a shard (ZeRO) is never dropped nor copied from a twin:
+//!   the job rolls back to its checkpoint, or ends if the policy does not roll back
+//!   (`decide::on_failure`).
 
 mod boundary;
 mod calls;

@@ -23,12 +23,12 @@ pub struct Loaded {
     /// Its directory.
     pub dir: PathBuf,
     /// Every newer checkpoint directory that was refused, newest first, with the reason.
-    pub refused: Vec<Refused>,
+    pub refused: Vec<RefusedCheckpoint>,
 }
 
 /// A checkpoint directory that was not loaded, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Refused {
+pub struct RefusedCheckpoint {
     /// The directory.
     pub dir: PathBuf,
     /// Why it was refused.
@@ -417,7 +417,7 @@ impl<F: CheckpointFs> CheckpointStore<F> {
                 }
                 Err(error) => {
                     tracing::warn!(dir = %dir.display(), %error, "checkpoint refused");
-                    refused.push(Refused { dir, error });
+                    refused.push(RefusedCheckpoint { dir, error });
                 }
             }
         }

@@ -320,7 +320,7 @@ fn ckpt1_checkpoint_without_manifest_is_incomplete() {
     assert_eq!(loaded.checkpoint.step, 1);
     assert_eq!(
         loaded.refused,
-        vec![Refused {
+        vec![RefusedCheckpoint {
             dir: step_dir(2),
             error: CheckpointError::MissingManifest { dir: step_dir(2) },
         }]

@@ -32,9 +32,9 @@
 //!
 //! # Invariants (tests name the id they check)
 //!
-//! - CTL-1..3: see [`protocol`] (size checked before sending; decoding never trusts the
-//!   input; the version is read first).
-//! - CTL-4, CTL-5: see [`world`] (deterministic ranks; typed conflicts).
+//! - In [`protocol`], CTL-1..3: size checked before sending; decoding never trusts the input;
+//!   the version is read first.
+//! - In [`world`], CTL-4 and CTL-5: deterministic ranks; typed conflicts.
 //! - CTL-6 (compatibility, both sides): a node joins only if it speaks the head's protocol
 //!   version and builds a model with the head's fingerprint; otherwise both the head (which
 //!   logs it and names it in its error if too few nodes came) and the node (which exits with

@@ -11,12 +11,12 @@
 //! plans only (a direct shared-memory plan has no messages to hold back).
 //!
 //! Invariants:
-//! - LINK-1 (deterministic cost): the delay of a message depends only on its sender, its size
+//! - EMU-1 (deterministic cost): the delay of a message depends only on its sender, its size
 //!   in bytes (elements × the size of the op's element type, not the transport's working
 //!   type) and the emulation, never on timing; it is monotone in the size.
-//! - LINK-2 (no effect on values): emulation only holds messages back; every result is bitwise
+//! - EMU-2 (no effect on values): emulation only holds messages back; every result is bitwise
 //!   what the same plan gives without it.
-//! - LINK-3 (a plan for the network): under [`Algorithm::Auto`] an emulated group picks ring
+//! - EMU-3 (a plan for the network): under [`Algorithm::Auto`] an emulated group picks ring
 //!   or tree per collective by the link's cost model ([`LinkEmulation::choose`]), the same
 //!   choice on every rank; an explicit algorithm is kept.
 
@@ -53,7 +53,7 @@ pub struct SlowLink {
 
 /// Why a link emulation cannot be used.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum LinkError {
+pub enum EmulationError {
     /// A bandwidth that is not a positive finite number of bytes per second.
     #[error("link bandwidth {0:?}: expected a positive size per second, e.g. 100MB/s or 1Gb/s")]
     Bandwidth(String),
@@ -76,9 +76,9 @@ const MAX_DELAY: Duration = Duration::from_secs(86_400);
 
 impl LinkEmulation {
     /// Links of `bandwidth` bytes per second and `latency`, the same for every rank.
-    pub fn new(bandwidth: f64, latency: Duration) -> Result<Self, LinkError> {
+    pub fn new(bandwidth: f64, latency: Duration) -> Result<Self, EmulationError> {
         if !(bandwidth.is_finite() && bandwidth > 0.0) {
-            return Err(LinkError::Bandwidth(bandwidth.to_string()));
+            return Err(EmulationError::Bandwidth(bandwidth.to_string()));
         }
         Ok(Self {
             bandwidth,
@@ -88,9 +88,9 @@ impl LinkEmulation {
     }
 
     /// This emulation with `rank`'s link `factor` times slower.
-    pub fn with_slow_link(mut self, rank: u32, factor: f64) -> Result<Self, LinkError> {
+    pub fn with_slow_link(mut self, rank: u32, factor: f64) -> Result<Self, EmulationError> {
         if !(factor.is_finite() && factor >= 1.0) {
-            return Err(LinkError::Factor { rank, factor });
+            return Err(EmulationError::Factor { rank, factor });
         }
         self.slow.retain(|s| s.rank != rank);
         self.slow.push(SlowLink { rank, factor });
@@ -100,11 +100,11 @@ impl LinkEmulation {
     /// Whether the values are usable (what [`new`](Self::new) and
     /// [`with_slow_link`](Self::with_slow_link) check; a deserialized emulation is checked
     /// with this).
-    pub fn validate(&self) -> Result<(), LinkError> {
+    pub fn validate(&self) -> Result<(), EmulationError> {
         Self::new(self.bandwidth, self.latency)?;
         for s in &self.slow {
             if !(s.factor.is_finite() && s.factor >= 1.0) {
-                return Err(LinkError::Factor {
+                return Err(EmulationError::Factor {
                     rank: s.rank,
                     factor: s.factor,
                 });
@@ -121,7 +121,7 @@ impl LinkEmulation {
             .map_or(1.0, |s| s.factor)
     }
 
-    /// How long a message of `bytes` sent by `from` is held back (LINK-1).
+    /// How long a message of `bytes` sent by `from` is held back (EMU-1).
     pub fn delay(&self, from: Rank, bytes: usize) -> Duration {
         let factor = self.factor_of(from);
         let seconds =
@@ -135,7 +135,7 @@ impl LinkEmulation {
 }
 
 impl LinkEmulation {
-    /// The message plan [`Algorithm::Auto`] takes on this network (LINK-3): the cheaper of
+    /// The message plan [`Algorithm::Auto`] takes on this network (EMU-3): the cheaper of
     /// ring and recursive doubling (tree) by the cost model of [`delay`](Self::delay) on an
     /// ordinary link — every rank decides alike — for `kind` over `bytes` in a group of
     /// `world`. Ring sends `2(N−1)` messages of `n/N` bytes for an all-reduce (`N−1` for a
@@ -191,8 +191,8 @@ impl fmt::Display for LinkEmulation {
 /// Reads a bandwidth: a number, a unit of bytes (`B`, `KB`, `MB`, `GB`: powers of 1000;
 /// `KiB`, `MiB`, `GiB`: powers of 1024) or of bits (`b`, `Kb`, `Mb`, `Gb`), and `/s`
 /// (optional). `100MB/s` is 10⁸ bytes per second, `1Gb/s` 1.25·10⁸.
-pub fn parse_bandwidth(s: &str) -> Result<f64, LinkError> {
-    let bad = || LinkError::Bandwidth(s.to_string());
+pub fn parse_bandwidth(s: &str) -> Result<f64, EmulationError> {
+    let bad = || EmulationError::Bandwidth(s.to_string());
     let t = s.trim();
     let t = t.strip_suffix("/s").unwrap_or(t).trim();
     let split = t
@@ -223,8 +223,8 @@ pub fn parse_bandwidth(s: &str) -> Result<f64, LinkError> {
 }
 
 /// Reads a latency: a number and `s`, `ms`, `us` (or `µs`) or `ns`.
-pub fn parse_latency(s: &str) -> Result<Duration, LinkError> {
-    let bad = || LinkError::Latency(s.to_string());
+pub fn parse_latency(s: &str) -> Result<Duration, EmulationError> {
+    let bad = || EmulationError::Latency(s.to_string());
     let t = s.trim();
     let (number, scale) = [
         ("ns", 1e-9),
@@ -246,10 +246,10 @@ pub fn parse_latency(s: &str) -> Result<Duration, LinkError> {
 }
 
 impl FromStr for LinkEmulation {
-    type Err = LinkError;
+    type Err = EmulationError;
 
     /// `BANDWIDTH[,LATENCY]`, e.g. `100MB/s,2ms`.
-    fn from_str(s: &str) -> Result<Self, LinkError> {
+    fn from_str(s: &str) -> Result<Self, EmulationError> {
         let (bw, lat) = s.split_once(',').unwrap_or((s, "0s"));
         Self::new(parse_bandwidth(bw)?, parse_latency(lat)?)
     }
@@ -301,7 +301,7 @@ mod tests {
     }
 
     proptest! {
-        /// LINK-1: the delay is latency + bytes / bandwidth, times the sender's factor,
+        /// EMU-1: the delay is latency + bytes / bandwidth, times the sender's factor,
         /// and monotone in the size.
         #[test]
         fn delay_is_the_cost_model(

@@ -12,6 +12,10 @@
 //!    owner's call returns.
 //!
 //! Blocking: meant for device threads, never for async executor threads.
+//!
+//! - **COMM-10** a rank never unwinds out of a direct collective's data phase while peers read its
+//!   buffer: a panic there aborts the process (`AbortOnUnwind`) instead of freeing memory under the
+//!   peers' reads.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
@@ -80,7 +84,7 @@ pub(crate) struct LocalCommunicator {
     plan_cache: Option<(Rank, Plan)>,
     /// What happens to each message this rank sends (COMM-8).
     hook: Option<Arc<dyn MessageHook>>,
-    /// Bytes this rank has sent in messages (elements × their size, LINK-1), point-to-point
+    /// Bytes this rank has sent in messages (elements × their size, EMU-1), point-to-point
     /// included.
     bytes_sent: u64,
 }
@@ -156,7 +160,7 @@ impl LocalCommunicator {
         self.hook = hook;
     }
 
-    /// Bytes this rank has sent in messages so far (LINK-1's sizes; a direct shared-memory
+    /// Bytes this rank has sent in messages so far (EMU-1's sizes; a direct shared-memory
     /// plan sends none).
     pub(crate) fn bytes_sent(&self) -> u64 {
         self.bytes_sent

@@ -535,7 +535,7 @@ pub fn direct_broadcast(world: usize, len: usize, root: Rank) -> Vec<Vec<Step>> 
 /// Why a plan cannot run.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum SimError {
+pub enum PlanSimError {
     /// The inputs do not match the plan (count or lengths).
     #[error("inputs do not fit the plan: {0}")]
     BadInput(String),
@@ -605,18 +605,22 @@ fn overlaps(a: &Range<usize>, b: &Range<usize>) -> bool {
 /// Runs `plan` sequentially on one `f64` buffer per rank and returns the buffers at the end.
 /// Messages are buffered (PLAN-2); in-place reads between barriers see the buffers as they
 /// were at the last barrier, and a read of a range its owner writes in the same phase is a
-/// [`SimError::Race`] (PLAN-3).
-pub fn simulate(plan: &Plan, inputs: &[Vec<f64>], op: ReduceOp) -> Result<Vec<Vec<f64>>, SimError> {
+/// [`PlanSimError::Race`] (PLAN-3).
+pub fn simulate(
+    plan: &Plan,
+    inputs: &[Vec<f64>],
+    op: ReduceOp,
+) -> Result<Vec<Vec<f64>>, PlanSimError> {
     let world = plan.world;
     if inputs.len() != world || plan.steps.len() != world {
-        return Err(SimError::BadInput(format!(
+        return Err(PlanSimError::BadInput(format!(
             "{} inputs and {} step lists for world {world}",
             inputs.len(),
             plan.steps.len()
         )));
     }
     if let Some(bad) = inputs.iter().position(|b| b.len() != plan.len) {
-        return Err(SimError::BadInput(format!(
+        return Err(PlanSimError::BadInput(format!(
             "input {bad} has {} elements, plan has {}",
             inputs[bad].len(),
             plan.len
@@ -638,7 +642,7 @@ pub fn simulate(plan: &Plan, inputs: &[Vec<f64>], op: ReduceOp) -> Result<Vec<Ve
                 while !at_barrier[r] && pc[r] < plan.steps[r].len() {
                     let i = pc[r];
                     let step = &plan.steps[r][i];
-                    let oob = SimError::OutOfBounds {
+                    let oob = PlanSimError::OutOfBounds {
                         rank: rank(r),
                         step: i,
                     };
@@ -667,7 +671,7 @@ pub fn simulate(plan: &Plan, inputs: &[Vec<f64>], op: ReduceOp) -> Result<Vec<Ve
                                 break; // blocked
                             };
                             if msg.len() != range.len() {
-                                return Err(SimError::LengthMismatch {
+                                return Err(PlanSimError::LengthMismatch {
                                     sender: *from,
                                     receiver: rank(r),
                                     got: msg.len(),
@@ -729,7 +733,7 @@ pub fn simulate(plan: &Plan, inputs: &[Vec<f64>], op: ReduceOp) -> Result<Vec<Ve
                 .iter()
                 .find(|(w, written)| w == owner && overlaps(written, range))
             {
-                return Err(SimError::Race {
+                return Err(PlanSimError::Race {
                     reader: rank(*reader),
                     owner: rank(*owner),
                     range: range.start.max(written.start)..range.end.min(written.end),
@@ -750,11 +754,11 @@ pub fn simulate(plan: &Plan, inputs: &[Vec<f64>], op: ReduceOp) -> Result<Vec<Ve
             .filter(|&r| pc[r] < plan.steps[r].len())
             .map(rank)
             .collect();
-        return Err(SimError::Deadlock { waiting });
+        return Err(PlanSimError::Deadlock { waiting });
     }
     let left: usize = channels.iter().map(VecDeque::len).sum();
     if left > 0 {
-        return Err(SimError::Unconsumed(left));
+        return Err(PlanSimError::Unconsumed(left));
     }
     Ok(bufs)
 }

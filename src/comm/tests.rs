@@ -819,7 +819,7 @@ proptest! {
     }
 }
 
-/// LINK-1/2: an emulated link holds every message back by its cost (a lower bound on the
+/// EMU-1/2: an emulated link holds every message back by its cost (a lower bound on the
 /// time: sleeps never end early), counts 2 bytes per 16-bit element, leaves the values bitwise
 /// equal to the plain group's, and a slow rank's link costs its factor more.
 #[test]
@@ -867,10 +867,7 @@ fn emulated_links_delay_count_bytes_and_change_no_value() {
                 .sum::<usize>()
     };
     for (r, (p, e)) in plain.iter().zip(&emulated).enumerate() {
-        assert!(
-            p.0 == e.0 && p.1 == e.1,
-            "LINK-2: rank {r}'s values changed"
-        );
+        assert!(p.0 == e.0 && p.1 == e.1, "EMU-2: rank {r}'s values changed");
         // Chunks of len/N: exactly 2(N−1)·len/N elements within one chunk's rounding; bf16
         // sends its partial sums as f32 and its final values as bf16 (TCP-7): 3/4 of it.
         let want = 2 * (world - 1) * len / world;

@@ -150,26 +150,14 @@ where
         self
     }
 
-    /// A constant learning rate.
-    pub fn learning_rate(mut self, lr: f64) -> Self {
-        self.learning_rate = LearningRate::Constant(lr);
-        self
-    }
-
-    /// One of Burn's learning-rate schedulers (e.g.
-    /// `ExponentialLrSchedulerConfig::new(0.1, 0.9).init()?`), stepped once per applied
-    /// optimizer step (LR-1). Its state is saved with every checkpoint and copied with every
-    /// snapshot (LR-2, CKPT-9), so a resumed or rolled-back job and a replica that joins
-    /// continue the schedule where it was.
-    pub fn lr_scheduler(mut self, scheduler: ModuleLrScheduler) -> Self {
-        self.learning_rate = LearningRate::Scheduler(scheduler);
-        self
-    }
-
-    /// The learning rate as a [`LearningRate`] value: a constant or a scheduler, e.g.
-    /// [`LearningRate::warmup_cosine`] (Megatron-LM's warm-up then cosine).
-    pub fn learning_rate_schedule(mut self, lr: LearningRate) -> Self {
-        self.learning_rate = lr;
+    /// The learning rate, the one setter for it: a constant (`.learning_rate(1e-3)`), one of
+    /// Burn's schedulers (`.learning_rate(ExponentialLrSchedulerConfig::new(0.1, 0.9)
+    /// .init()?)`), or a [`LearningRate`] such as [`LearningRate::warmup_cosine`] (Megatron-LM's
+    /// warm-up then cosine). A scheduler is stepped once per applied optimizer step (LR-1); its
+    /// state is saved with every checkpoint and copied with every snapshot (LR-2, CKPT-9), so a
+    /// resumed or rolled-back job and a replica that joins continue the schedule where it was.
+    pub fn learning_rate(mut self, lr: impl Into<LearningRate>) -> Self {
+        self.learning_rate = lr.into();
         self
     }
 
@@ -451,10 +439,10 @@ where
     }
 
     /// Emulate a slower network (`comm::emulate`): every message a rank sends waits for its
-    /// link's latency and its bytes at the link's bandwidth before it leaves (LINK-1), so
+    /// link's latency and its bytes at the link's bandwidth before it leaves (EMU-1), so
     /// the methods for slow links can be measured on a fast machine. In-process the group
     /// then runs ring and tree plans only; across processes each process emulates the links
-    /// it sends on (set it on every process's builder). Values are unchanged (LINK-2).
+    /// it sends on (set it on every process's builder). Values are unchanged (EMU-2).
     pub fn link_emulation(mut self, link: crate::comm::emulate::LinkEmulation) -> Self {
         self.comm.link = Some(link);
         self

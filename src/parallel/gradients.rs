@@ -5,6 +5,16 @@
 //! id, shape and range in the flat buffer (FLAT-1: ranges are consecutive and cover the
 //! buffer). Replicas of the same model type share the same layout, so the same range means the
 //! same parameter on every rank.
+//!
+//! - **FLAT-2** only parameters that require a gradient take part in the gradient all-reduce, each
+//!   id once (tied weights): frozen weights and buffers are never stepped by the optimizer.
+//! - **FLAT-3** a flat buffer meets a module by visit order, never by parameter id: reading
+//!   (`trainable_range`, `GradientBuffers::take`), writing (`set_trainable`) and releasing
+//!   (`release_trainable`) walk the trainable parameters in order, so a module restored from a
+//!   checkpoint (which takes the saved ids, for Burn's optimizer state) is still written by a
+//!   layout read before the restore (`compression_under_zero_1_and_2` in
+//!   `tests/suite/compression.rs` resumes ZeRO-1 and checks the run bitwise against an
+//!   uninterrupted one).
 
 use std::collections::HashSet;
 use std::ops::Range;

@@ -25,7 +25,7 @@
 //! while the link is empty. The generated lists need a capacity of [`LINK_CAPACITY`] = 1
 //! message (more is allowed and never causes a deadlock); [`simulate`] enforces exactly the
 //! capacity the schedule states (sends block on a full link), so lists that would need more
-//! buffering end in [`SimError::Deadlock`] on a send into a full link. Messages carry their
+//! buffering end in [`ScheduleSimError::Deadlock`] on a send into a full link. Messages carry their
 //! (micro-batch, chunk) so an executor can check them, but never needs to reorder them
 //! (PIPE-3).
 //!
@@ -81,7 +81,7 @@ use serde::{Deserialize, Serialize};
 
 pub use partition::{balanced_split, even_split};
 pub use simulate::{
-    Costs, Needs, SimError, SimReport, StageCosts, StageReport, TimedInstr, TimelineSummary,
+    Costs, Needs, ScheduleSimError, SimReport, StageCosts, StageReport, TimedInstr, TimelineSummary,
 };
 pub use simulate::{simulate, summarize, validate};
 pub use svg::render_svg;

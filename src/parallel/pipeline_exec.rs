@@ -52,6 +52,9 @@
 //!   ordinary block, which each rank runs whole) by tensor-parallel rank 0 only. Under ZeRO
 //!   each rank counts the part of those it owns and the sum goes over its data-parallel group
 //!   first (`BlockStep::norm_part`).
+//!
+//! - **MIX-3** the loss scaler's `ScalerState` is `TrainingState::loss_scale` (CKPT-9): saved by a
+//!   data-parallel slot and a block stage, restored on resume, roll-back and growth.
 
 use std::collections::HashMap;
 use std::sync::Arc;

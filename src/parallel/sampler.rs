@@ -7,6 +7,10 @@
 //!   global batch;
 //! - SAMPLER-2: no id is read twice within an epoch;
 //! - SAMPLER-3: the same (seed, len, global batch) gives the same ids on every replica and run.
+//!
+//! - **SAMPLER-4** a global batch that does not divide by the replicas (after a loss) is split with
+//!   shares differing by at most one sample; each micro-batch's loss is weighted by its share of
+//!   the step's samples before backward, so the summed gradient is the global mean.
 
 use serde::{Deserialize, Serialize};
 

@@ -48,6 +48,8 @@
 //! - TP-7: a checkpoint written at another degree is re-sliced when it is restored
 //!   (`reslice`): a block's old slices joined, the new rank's cut, for parameters and
 //!   optimizer state.
+//!
+//! - **TP-5** a checkpoint holds every tp rank's slices.
 
 pub mod layers;
 pub(crate) mod reslice;

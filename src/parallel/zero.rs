@@ -15,6 +15,10 @@
 //!   whole-model step element for element (tested against Burn in `tests/suite/zero.rs`).
 //! - **ZERO-3 re-sharding.** [`reshard`] rebuilds any rank's shard of any group size from a
 //!   complete set of parts; the state of every element is moved, never recomputed.
+//!
+//! - **ZERO-4** each buffer of a `FlatState` starts at its own offset within its allocation
+//!   (`StateBuffer`: 1, 2, 3 cache lines); serialized as the plain sequence of its values, so
+//!   checkpoints do not change (`meshwork bench optimizer`).
 
 use std::ops::Range;
 

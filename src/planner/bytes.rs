@@ -2,7 +2,7 @@
 //! optimizer state and stash, ZeRO-2's gradients and ZeRO-3's gathered parameters walked
 //! through the stage's own instructions.
 
-use super::{Layout, ModelCosts, PredictedBytes};
+use super::{Candidate, ModelCosts, PredictedBytes};
 use crate::parallel::pipeline::{InstrKind, PipelineSchedule, StageIndex};
 
 /// The bytes a rank of stage `s` holds (MEM-1): `held` parameter elements, its blocks'
@@ -10,7 +10,7 @@ use crate::parallel::pipeline::{InstrKind, PipelineSchedule, StageIndex};
 /// the peak; ZeRO-3's gathered parameters and ZeRO-2's gradients from [`walk_stage`].
 pub(super) fn stage_bytes(
     model: &ModelCosts,
-    layout: &Layout,
+    layout: &Candidate,
     schedule: &PipelineSchedule,
     (s, held): (usize, u64),
     per_chunk: f64,
@@ -80,7 +80,7 @@ struct Walked {
 
 fn walk_stage(
     model: &ModelCosts,
-    layout: &Layout,
+    layout: &Candidate,
     schedule: &PipelineSchedule,
     s: usize,
 ) -> Walked {

@@ -1,4 +1,4 @@
-//! PLAN-1..3 and the bytes walked through a stage's instructions.
+//! PLANNER-1..3 and the bytes walked through a stage's instructions.
 
 use proptest::prelude::*;
 
@@ -47,10 +47,10 @@ fn machine(devices: u32) -> Machine {
 }
 
 proptest! {
-    /// PLAN-1: every listed layout uses the devices, splits the blocks and the batch, and
+    /// PLANNER-1: every listed layout uses the devices, splits the blocks and the batch, and
     /// appears once.
     #[test]
-    fn plan_1_layouts_cover_the_machine_once(
+    fn planner_1_layouts_cover_the_machine_once(
         blocks in 1usize..9,
         devices in 1u32..9,
         batch in 1u32..65,
@@ -71,34 +71,34 @@ proptest! {
         prop_assert_eq!(dp_only, batch % devices == 0);
     }
 
-    /// PLAN-2: more data-parallel devices (enough cores) never predict more pipeline time
+    /// PLANNER-2: more data-parallel devices (enough cores) never predict more pipeline time
     /// per step; the optimizer's share falls with ZeRO; bytes fall with every ZeRO stage.
     #[test]
-    fn plan_2_more_replicas_and_zero_stages_never_cost_more(
+    fn planner_2_more_replicas_and_zero_stages_never_cost_more(
         blocks in 1usize..6,
         k in 0u32..3,
     ) {
         let m = model(blocks);
         let batch = 16;
         let small = 1u32 << k;
-        let base = Layout { dp: small, ..Layout::ONE_DEVICE };
-        let big = Layout { dp: 2 * small, ..base };
+        let base = Candidate { dp: small, ..Candidate::ONE_DEVICE };
+        let big = Candidate { dp: 2 * small, ..base };
         let a = predict(&m, &machine(small), &base, batch).expect("fits");
         let b = predict(&m, &machine(2 * small), &big, batch).expect("fits");
         prop_assert!(b.pipeline_s <= a.pipeline_s * (1.0 + 1e-9));
         let mut last = u64::MAX;
         for zero in 0..=3u8 {
-            let p = predict(&m, &machine(2 * small), &Layout { zero, ..big }, batch).expect("fits");
+            let p = predict(&m, &machine(2 * small), &Candidate { zero, ..big }, batch).expect("fits");
             prop_assert!(p.bytes.grads + p.bytes.optimizer <= last);
             last = p.bytes.grads + p.bytes.optimizer;
         }
     }
 
-    /// PLAN-3 (nodes): the same layout over the same nodes never predicts a faster step
+    /// PLANNER-3 (nodes): the same layout over the same nodes never predicts a faster step
     /// when the link between them is slower, and one node as large as the machine
     /// predicts what the machine without nodes does.
     #[test]
-    fn plan_3_slower_links_between_nodes_never_speed_a_step(
+    fn planner_3_slower_links_between_nodes_never_speed_a_step(
         blocks in 1usize..6,
         per_node_log in 0u32..3,
         pick in 0usize..64,
@@ -139,21 +139,21 @@ fn zero_bytes_follow_the_stages_instructions() {
     for b in &mut m.blocks {
         b.params = vec![(1, 1000), (2, 500)];
     }
-    let dp4 = Layout {
+    let dp4 = Candidate {
         dp: 4,
         zero: 2,
-        ..Layout::ONE_DEVICE
+        ..Candidate::ONE_DEVICE
     };
     let p = predict(&m, &machine(4), &dp4, 16).expect("fits");
     assert_eq!(p.bytes.grads, 4000 + 3 * 1000);
     // ZeRO-3 without recomputation: every block's gathered parameters kept until its
     // backward, beside the shards.
-    let p = predict(&m, &machine(4), &Layout { zero: 3, ..dp4 }, 16).expect("fits");
+    let p = predict(&m, &machine(4), &Candidate { zero: 3, ..dp4 }, 16).expect("fits");
     assert_eq!(p.bytes.params, 4 * 4000 + 4 * 1000);
     // A pipeline of 2 stages (blocks 0, 2 and 1, 3) with 4 micro-batches at dp 2: every
     // block's gradient accumulates whole before it can be scattered, and a ZeRO-3 block
     // keeps a gathered copy for each micro-batch forwarded and not yet backwarded.
-    let piped = Layout {
+    let piped = Candidate {
         dp: 2,
         pp: 2,
         micro_batches: 4,
@@ -163,7 +163,7 @@ fn zero_bytes_follow_the_stages_instructions() {
     assert_eq!(p.bytes.grads, 2 * 4000);
     let schedule = schedule_of(&piped, 4).expect("a schedule");
     let most_in_flight = u64::from(schedule.peak_stash().into_iter().max().unwrap_or(1));
-    let p = predict(&m, &machine(4), &Layout { zero: 3, ..piped }, 16).expect("fits");
+    let p = predict(&m, &machine(4), &Candidate { zero: 3, ..piped }, 16).expect("fits");
     assert!(p.bytes.params > 2 * 4000 + 4000, "{p:?}");
     assert!(p.bytes.params <= most_in_flight * 4000 + 4000, "{p:?}");
 }
@@ -189,9 +189,9 @@ fn a_layout_that_does_not_fit_says_what_it_needs() {
     let m = model(4);
     let mut small = machine(2);
     small.memory_per_device = 1000;
-    let l = Layout {
+    let l = Candidate {
         dp: 2,
-        ..Layout::ONE_DEVICE
+        ..Candidate::ONE_DEVICE
     };
     match predict(&m, &small, &l, 8) {
         Err(Unfit::Memory { needs, has }) => {
@@ -200,24 +200,24 @@ fn a_layout_that_does_not_fit_says_what_it_needs() {
         }
         other => panic!("{other:?}"),
     }
-    let err = predict(&m, &machine(2), &Layout { dp: 3, ..l }, 8).unwrap_err();
+    let err = predict(&m, &machine(2), &Candidate { dp: 3, ..l }, 8).unwrap_err();
     assert!(err.to_string().contains("3"), "{err}");
 }
 
 #[test]
 fn equal_stages_give_the_schedules_bubble() {
     let m = model(4);
-    let l = Layout {
+    let l = Candidate {
         pp: 2,
         micro_batches: 4,
-        ..Layout::ONE_DEVICE
+        ..Candidate::ONE_DEVICE
     };
     let p = predict(&m, &machine(2), &l, 8).expect("fits");
     assert!(p.bubble > 0.0 && p.bubble < 0.5, "{p:?}");
     let one = predict(
         &m,
         &machine(1),
-        &Layout {
+        &Candidate {
             pp: 1,
             micro_batches: 1,
             ..l

@@ -416,7 +416,7 @@ fn compression_is_refused_with_other_reductions() {
     );
 }
 
-/// LINK-1 with compression: the bytes each rank's transport counted in a step
+/// EMU-1 with compression: the bytes each rank's transport counted in a step
 /// (`ReplicaStep::bytes_sent`, ring plans in-process) equal what the compressor's collectives
 /// send under those plans (`Compressor::ops` through `comm::plan`), plus the step's loss
 /// all-reduce (DP-3) — and are below plain data parallelism's.

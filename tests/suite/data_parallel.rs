@@ -53,10 +53,7 @@ async fn check_equivalence(
     if let Some(c) = clip {
         builder = builder.clip_grad_norm(c);
     }
-    builder = match lr.clone() {
-        LearningRate::Constant(rate) => builder.learning_rate(rate),
-        LearningRate::Scheduler(s) => builder.lr_scheduler(s),
-    };
+    builder = builder.learning_rate(lr.clone());
     let (outcome, events) = run_recording(builder.build().expect("valid job")).await;
     let trained = outcome.expect("job succeeds");
     let steps = steps_of(&events);

@@ -18,6 +18,7 @@ mod instances;
 mod layering;
 mod lifecycle;
 mod local_updates;
+mod naming;
 mod parameter_server;
 mod pipeline;
 mod planner;

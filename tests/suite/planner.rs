@@ -8,7 +8,7 @@ use burn::tensor::Device;
 use meshwork::demo::{TeacherTask, mlp_blocks};
 use meshwork::error::Error;
 use meshwork::job::{BlockOptions, ProfileRuns, profile};
-use meshwork::planner::{AlphaBeta, Layout, Machine, predict};
+use meshwork::planner::{AlphaBeta, Candidate, Machine, predict};
 
 const WIDTHS: [usize; 4] = [8, 16, 12, 4];
 
@@ -90,7 +90,7 @@ async fn profile_counts_each_blocks_parameters_and_stash_as_the_workers_do() {
         step_overhead_s: profiled.step_overhead_s,
         pipeline_send_s: (0.0, 0.0),
     };
-    let p = predict(costs, &machine, &Layout::ONE_DEVICE, 8).expect("one device fits");
+    let p = predict(costs, &machine, &Candidate::ONE_DEVICE, 8).expect("one device fits");
     let params: u64 = WIDTHS.windows(2).map(|w| (w[0] * w[1] + w[1]) as u64).sum();
     assert_eq!(p.bytes.params, 4 * params);
     assert_eq!(p.bytes.grads, 4 * params);

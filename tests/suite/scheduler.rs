@@ -66,7 +66,7 @@ fn builder(dp: u32, steps: u64, init: &Mlp) -> JobBuilder<Mlp, Sample> {
     fixture()
         .builder(init, dp, GLOBAL_BATCH, steps)
         .optimizer(AdamConfig::new())
-        .lr_scheduler(schedule())
+        .learning_rate(schedule())
         .seed(6)
 }
 
@@ -174,7 +174,7 @@ async fn lr_2_a_resumed_pipeline_continues_its_schedule() {
             )
             .data(fixture().data())
             .optimizer(AdamConfig::new())
-            .lr_scheduler(schedule())
+            .learning_rate(schedule())
             .batch_size(GLOBAL_BATCH)
             .steps(steps)
             .seed(6)

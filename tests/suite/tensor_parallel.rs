@@ -685,7 +685,7 @@ impl Composed {
             .zero(self.zero)
             .gradient_accumulation(self.accumulate)
             .compression(self.compression)
-            .learning_rate_schedule(self.learning_rate());
+            .learning_rate(self.learning_rate());
         if let Some(c) = self.clip {
             b = b.clip_grad_norm(c);
         }

@@ -1,13 +1,23 @@
 //! The data-parallel replica role: one copy of the model with its optimizer, gradient sync and
 //! communicator (plain DP, ZeRO 1/2, compressed gradients, local updates).
 //!
-//! Data-parallel step (DP-1..DP-4 in ARCHITECTURE.md):
+//! Data-parallel step (DP-1..DP-4 below):
 //! 1. for each of the k micro-batches: forward, backward, accumulate the gradients;
 //! 2. all-reduce the replicas' losses; a non-finite loss on any replica makes every replica
 //!    skip or stop together (DP-3);
 //! 3. all-reduce the gradients bucket by bucket (small tensors fused, large ones in place,
 //!    see [`crate::parallel::buckets`]), then divide by `replicas · k`;
 //! 4. clip by global norm if asked; hand the gradients back to Burn; optimizer step.
+//!
+//! - **DP-1** replicas start from rank 0's parameters (broadcast) and stay bit-identical: they
+//!   apply the same all-reduced gradients with the same optimizer configuration.
+//! - **DP-2** the gradient of a step is the mean over replicas of each replica's mean over its
+//!   micro-batches: the same as one device on the global batch.
+//! - **DP-3** a non-finite loss is decided on all-reduced losses (and, with clipping, a non-finite
+//!   gradient on the all-reduced norm), so every replica skips or stops together.
+//! - **DP-4** buffers (batch-norm statistics, frozen weights) are broadcast from rank 0 at the end
+//!   of every step, before the optimizer update (DDP's `broadcast_buffers`), so replicas stay
+//!   identical.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;

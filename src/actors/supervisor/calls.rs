@@ -3,6 +3,10 @@
 //! stage stays blocked in a collective (RT-4) and the root cause is what is reported (a
 //! woken collective, an aborted or closed link is a consequence, never the cause).
 //! These run on the actor or on a step's task: they take a [`Crew`], never the state.
+//!
+//! - **SCALE-1** the Supervisor counts its control messages (each request to a stage and its reply,
+//!   each message its inbox handles), and `RunSummary::control_messages` holds those of the steps
+//!   (from the first step's start): `2R + 2` per step for R ranks (`meshwork bench scale`).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -3,6 +3,34 @@
 //! ([`decide::plan_resize`]: a data-parallel group regrouped, or a dp × pp × tp mesh rewired
 //! along dp), the wait for devices below the elastic minimum and its end, and the growth back
 //! onto slots waiting to join.
+//!
+//! - **ELASTIC-1** `scale_to(n)` applies at a step boundary: leaving replicas stop, joining ones
+//!   take rank 0's parameters, optimizer state and learning-rate schedule (LR-2;
+//!   `StageMsg::Snapshot`/`Restore`), all regroup under generation + 1; the global batch and the
+//!   sample order do not change.
+//! - **ELASTIC-3** losses that leave fewer replicas than the elastic minimum hold the next step
+//!   (`WaitingForDevices`) until `scale_to(n ≥ min)` or `resume()`, and end the job with
+//!   `BelowMinimum` after `elastic_wait`: never a deadlock and never training below the minimum
+//!   unasked. A growth toward the minimum is taken while waiting, and a resize that leaves the job
+//!   below it holds the step again.
+//! - **ELASTIC-4** a job that lost replicas grows back, before its next step, onto slots waiting to
+//!   join it (`Grow::Remote`'s `waiting`: nodes that joined a job across processes at its maximum,
+//!   spares), up to its maximum; below the minimum that ends the wait.
+//! - **ELASTIC-5** a growth ends at the first replica that cannot join (no device, no node waiting,
+//!   a joining node gone): the ones that joined before it stay (`Resized` to the size reached,
+//!   `ResizeRefused` for the rest); with none, the mesh is left as it was.
+//! - **ELASTIC-6** a block or pipeline job (a dp × pp × tp mesh, `Rejoin::Rewire`) resizes along
+//!   dp: `Layout::remesh` (pure, proptested) keeps every (stage, tp rank) in its place and gives
+//!   each new rank the old rank at its coordinates or none (joining); `resize_mesh` gathers every
+//!   block's state first (`snapshot_state`: ZeRO parts put together), stops the leaving replicas,
+//!   starts devices for the joining ones, wires the whole mesh anew (`RewireStages`, the REC-6
+//!   seam), gives survivors their new rank with `StageMsg::Rewire`, and restores the gathered
+//!   state: onto every rank where it is sharded (ZeRO, compression residuals: re-sharded over the
+//!   new data-parallel groups), onto the joining ranks alone where replicas hold it whole. A
+//!   failure after the gather ends the job (`Error::Runtime`, "failed half-way"); a refusal
+//!   (`Capabilities::fixed_size`, `Capabilities::micro_batches`) leaves it as it was. A fault
+//!   plan's `FaultKind::Resize` asks for the same resize at a fixed boundary, so an elastic
+//!   rehearsal replays bitwise (FAULT-2).
 
 use std::time::Instant;
 

@@ -5,6 +5,11 @@
 //! [`SupervisorMsg::StepFinished`]; an outcome of another attempt than the running one is
 //! stale and ignored (SV-4). A finished step is published (`StepDone`), a failed one is
 //! recovered from (`recover.rs`) or ends the job.
+//!
+//! - **HB-1** code on a device thread reports its progress (`device::report_progress`: step, phase,
+//!   micro-batch); a collective time-out in a data-parallel job is turned into `RanksUnresponsive`,
+//!   each missing rank probed and named stuck (answers, progress unchanged for the whole time-out),
+//!   progressing, or dead (no answer).
 
 use std::time::{Duration, Instant};
 

@@ -121,8 +121,9 @@ pub(crate) struct NodeArgs {
     /// The head's address (`host:port`); default: from torchrun or Slurm variables.
     #[arg(long)]
     join: Option<String>,
-    /// Devices this node holds.
-    #[arg(long, default_value_t = 1)]
+    /// Devices this node process holds (the head's flag of the same name; `--devices` is
+    /// accepted too).
+    #[arg(long = "local-devices", visible_alias = "devices", default_value_t = 1)]
     devices: u32,
     /// What this node's devices compute on: flex (Burn's CPU backend) or wgpu (a GPU, or
     /// Mesa's software Vulkan). The head's --device must name the same: a job never mixes
@@ -595,7 +596,7 @@ fn run_node_with(args: NodeArgs, requested: Option<ProcessIndex>) -> meshwork::e
     };
     if args.devices == 0 {
         return Err(Error::InvalidConfig(
-            "--devices 0: a node holds at least one device".into(),
+            "--local-devices 0: a node holds at least one device".into(),
         ));
     }
     let secret = control::secret_from_env().map_err(ControlError::from)?;

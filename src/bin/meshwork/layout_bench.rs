@@ -222,7 +222,7 @@ fn fullest(step: &StepDone) -> Option<StepMemory> {
 }
 
 fn run_once(b: &LayoutBench, layout: Layout, gpt: &Gpt, data: &TextWindows) -> Result<Run> {
-    let planned = meshwork::planner::Layout {
+    let planned = meshwork::planner::Candidate {
         dp: layout.dp,
         pp: layout.pp,
         tp: layout.tp,

@@ -36,7 +36,7 @@ use meshwork::events::StepDone;
 use meshwork::job::{Job, PipelineModel};
 use meshwork::parallel::stages::{BlockOptions, PipelineStages};
 use meshwork::parallel::zero::ZeroStage;
-use meshwork::planner::{Layout, Machine, ModelCosts, Prediction, pipeline_schedule, plan};
+use meshwork::planner::{Candidate, Machine, ModelCosts, Prediction, pipeline_schedule, plan};
 use meshwork::precision::Precision;
 use serde::Serialize;
 
@@ -122,7 +122,12 @@ enum PlanModel {
 }
 
 /// What a checked or calibrating run gives back: its steps.
-fn run_steps(model: &PlanModel, layout: &Layout, batch: u32, steps: u64) -> Result<Vec<StepDone>> {
+fn run_steps(
+    model: &PlanModel,
+    layout: &Candidate,
+    batch: u32,
+    steps: u64,
+) -> Result<Vec<StepDone>> {
     let what = format!("meshwork plan ({layout})");
     match PlanJob::build(model, layout, batch, steps)? {
         PlanJob::Gpt(job) => crate::bench_run::collect_steps(job, steps, &what),
@@ -139,7 +144,7 @@ enum PlanJob {
 impl PlanJob {
     /// `model` laid out as `layout` for `steps` steps of `batch` samples, or the job
     /// builder's refusal.
-    fn build(model: &PlanModel, layout: &Layout, batch: u32, steps: u64) -> Result<Self> {
+    fn build(model: &PlanModel, layout: &Candidate, batch: u32, steps: u64) -> Result<Self> {
         let options = BlockOptions {
             recompute: layout.recompute,
             ..BlockOptions::default()
@@ -171,7 +176,7 @@ fn mlp_stages(widths: &[usize], options: BlockOptions) -> Result<PipelineStages<
 pub(crate) fn layout_job<I, D>(
     stages: PipelineStages<I>,
     data: D,
-    (layout, precision): (&Layout, Precision),
+    (layout, precision): (&Candidate, Precision),
     batch: u32,
     steps: u64,
 ) -> Result<Job<PipelineModel, I>>
@@ -250,7 +255,7 @@ fn split(steps: &[StepDone]) -> [f64; 4] {
 /// One row of the report.
 #[derive(Debug, Serialize)]
 struct Row {
-    layout: Layout,
+    layout: Candidate,
     predicted: Option<Prediction>,
     samples_per_s: Option<f64>,
     unfit: Option<String>,
@@ -326,7 +331,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
     // The one-device reference: rerun before each checked layout, it shows how the shared
     // machine's speed drifted since the calibration.
     let reference = |model: &PlanModel| -> Result<f64> {
-        let steps = run_steps(model, &Layout::ONE_DEVICE, args.batch, 8)?;
+        let steps = run_steps(model, &Candidate::ONE_DEVICE, args.batch, 8)?;
         Ok(median(steps.iter().skip(2).map(|s| s.wall_s).collect()))
     };
     let at_calibration = if args.check > 0 {

@@ -193,7 +193,7 @@ pub(crate) fn training_settings<M: Send + 'static, I: Send + Sync + 'static>(
     mut builder: JobBuilder<M, I>,
 ) -> JobBuilder<M, I> {
     builder = builder
-        .learning_rate_schedule(lr)
+        .learning_rate(lr)
         .gradient_accumulation(args.accumulate)
         .compression(args.compression)
         .algorithm(args.algorithm);

@@ -134,7 +134,7 @@ pub struct StrategySpec {
     /// `FaultPlan::from_json` when decoded.
     #[serde(with = "plan_as_json")]
     pub faults: Option<crate::faults::FaultPlan>,
-    /// The link every rank's data-plane sends are emulated on (`comm::emulate`, LINK-1/2):
+    /// The link every rank's data-plane sends are emulated on (`comm::emulate`, EMU-1/2):
     /// a rehearsal of slow links between machines.
     pub link: Option<crate::comm::emulate::LinkEmulation>,
     /// The tensor-parallel degree of a block or pipeline job (1: none; version 10 on): the

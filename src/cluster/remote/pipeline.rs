@@ -3,7 +3,8 @@
 //! link its bootstrap), the slots of a dp × pp job, and how the head rebuilds a
 //! pipeline stage's trained blocks.
 //!
-//! - **REMOTE-4** a slot of a pipeline job starts in two phases: `Start` starts its device and
+//! - Here, as REMOTE-4 (in `cluster::remote`) says, a slot of a pipeline job starts in two
+//!   phases: `Start` starts its device and
 //!   binds three listeners — pipeline links, tensor-parallel group, model group — (their
 //!   addresses go back to the head), `Wire` (once every slot listens) joins the data-parallel
 //!   group of its (stage, tp rank) over the world's data-plane listener, connects to its

@@ -146,7 +146,7 @@ pub(crate) struct ServerLinkArgs {
     pub(crate) worker: u32,
     pub(crate) token: JobToken,
     pub(crate) config: LinkConfig,
-    /// The job's emulated link (LINK-1): a pull waits for the server's link to carry the
+    /// The job's emulated link (EMU-1): a pull waits for the server's link to carry the
     /// parameters, a push for the worker's to carry the gradient, as in one process.
     pub(crate) emulated: Option<crate::comm::emulate::LinkEmulation>,
 }

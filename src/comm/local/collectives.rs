@@ -147,7 +147,7 @@ impl LocalCommunicator {
 
     /// The algorithm this rank resolves for a collective of `kind` over `len` elements of `T`.
     pub(super) fn resolve<T: Element>(&self, kind: CollectiveKind, len: usize) -> Algorithm {
-        // LINK-3: on an emulated network, Auto picks the plan by the link's cost model.
+        // EMU-3: on an emulated network, Auto picks the plan by the link's cost model.
         if let Some(link) = &self.group.config.link
             && self.algorithm == Algorithm::Auto
         {
@@ -372,7 +372,7 @@ impl LocalCommunicator {
         if let Some(refusal) = self.group.refusal(seq, op, false) {
             return Err(refusal);
         }
-        // LINK-1: the send is posted once the emulated link has carried its bytes.
+        // EMU-1: the send is posted once the emulated link has carried its bytes.
         let bytes = std::mem::size_of_val(buf);
         self.bytes_sent += bytes as u64;
         if let Some(link) = &self.group.config.link {

@@ -63,7 +63,7 @@ pub(super) fn execute_messages(
                         }
                     }
                 }
-                // LINK-1: the message leaves once the emulated link has carried its bytes.
+                // EMU-1: the message leaves once the emulated link has carried its bytes.
                 let bytes = wire
                     .narrow
                     .as_ref()

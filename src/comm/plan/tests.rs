@@ -160,7 +160,7 @@ fn direct_plan_reads_only_what_owners_do_not_write() {
     // Both directions race: rank 1 reads rank 0's 0..2 and writes its own 0..2, which
     // rank 0 reads.
     let err = simulate(&bad, &inputs(2, 4, 1), ReduceOp::Sum).unwrap_err();
-    let is_race = matches!(&err, SimError::Race { range, .. } if *range == (0..2));
+    let is_race = matches!(&err, PlanSimError::Race { range, .. } if *range == (0..2));
     assert!(is_race, "{err}");
 }
 
@@ -183,7 +183,7 @@ fn simulator_reports_a_receive_without_a_send_as_deadlock() {
     let err = simulate(&bad, &inputs(2, 1, 1), ReduceOp::Sum).unwrap_err();
     assert_eq!(
         err,
-        SimError::Deadlock {
+        PlanSimError::Deadlock {
             waiting: vec![Rank(0)]
         }
     );

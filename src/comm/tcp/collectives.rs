@@ -282,7 +282,7 @@ impl TcpCommunicator {
         self.forwarded_parts
     }
 
-    /// Data payload bytes this rank handed to its links so far (TCP-7, LINK-1).
+    /// Data payload bytes this rank handed to its links so far (TCP-7, EMU-1).
     pub(crate) fn data_bytes_sent(&self) -> u64 {
         self.data_bytes_sent
     }

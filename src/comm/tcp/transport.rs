@@ -133,7 +133,7 @@ pub(super) fn run_sender(
                             std::slice::from_raw_parts(raw.ptr, raw.len)
                         },
                     };
-                    // LINK-1: the payload leaves once the emulated link has carried it.
+                    // EMU-1: the payload leaves once the emulated link has carried it.
                     if let Some((me, link)) = link {
                         // Never past the op's deadline: the write then fails with it.
                         let left = deadline.saturating_duration_since(Instant::now());

@@ -167,7 +167,7 @@ pub enum Needs {
 /// stage's list.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
-pub enum SimError {
+pub enum ScheduleSimError {
     /// An instruction names a micro-batch or chunk the schedule does not have.
     #[error("{stage}, instruction {index} ({instr:?}): micro-batch or chunk out of range")]
     OutOfRange {
@@ -263,7 +263,7 @@ enum Direction {
 
 /// Checks PIPE-1: every instruction in range and with the right peer, every required
 /// instruction exactly once on the stage holding its chunk. Says nothing about order.
-pub fn validate(schedule: &PipelineSchedule) -> Result<(), SimError> {
+pub fn validate(schedule: &PipelineSchedule) -> Result<(), ScheduleSimError> {
     let m = schedule.micro_batches();
     let v = schedule.virtual_stages();
     let last = schedule.blocks() - 1;
@@ -274,7 +274,7 @@ pub fn validate(schedule: &PipelineSchedule) -> Result<(), SimError> {
         for (index, instr) in list.iter().enumerate() {
             let (mb, chunk) = (instr.mb(), instr.chunk());
             if mb.0 >= m || chunk.0 >= v {
-                return Err(SimError::OutOfRange {
+                return Err(ScheduleSimError::OutOfRange {
                     stage,
                     index,
                     instr: *instr,
@@ -291,7 +291,7 @@ pub fn validate(schedule: &PipelineSchedule) -> Result<(), SimError> {
             if let Some(expected) = expected
                 && instr.peer() != expected
             {
-                return Err(SimError::WrongPeer {
+                return Err(ScheduleSimError::WrongPeer {
                     stage,
                     index,
                     instr: *instr,
@@ -312,7 +312,7 @@ pub fn validate(schedule: &PipelineSchedule) -> Result<(), SimError> {
                     };
                     let count = counts.get(&(kind, mb, chunk)).copied().unwrap_or(0);
                     if required && count != 1 {
-                        return Err(SimError::MissingOrDuplicate {
+                        return Err(ScheduleSimError::MissingOrDuplicate {
                             stage,
                             kind,
                             mb,
@@ -365,13 +365,13 @@ struct StageRun {
 ///
 /// Which instruction waits for which does not depend on the costs, so a deadlock found with
 /// any costs is found with all of them.
-pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport, SimError> {
+pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport, ScheduleSimError> {
     validate(schedule)?;
     let k = schedule.stages();
     let m = schedule.micro_batches();
     let v = schedule.virtual_stages();
     if let Some(bad) = costs.per_stage.iter().find(|s| s.stage.0 >= k) {
-        return Err(SimError::UnknownStageInCosts {
+        return Err(ScheduleSimError::UnknownStageInCosts {
             stage: bad.stage,
             stages: k,
         });
@@ -405,7 +405,7 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
                 let (mb, chunk) = (instr.mb(), instr.chunk());
                 let pair = (chunk.0 * m + mb.0) as usize;
                 let block = schedule.block(stage, chunk);
-                let order = |needs| SimError::OrderViolation {
+                let order = |needs| ScheduleSimError::OrderViolation {
                     stage,
                     index,
                     instr,
@@ -424,7 +424,7 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
                             break; // blocked: the message is not sent yet
                         };
                         if (found_mb, found_chunk) != (mb, chunk) {
-                            return Err(SimError::MessageOrder {
+                            return Err(ScheduleSimError::MessageOrder {
                                 stage,
                                 index,
                                 instr,
@@ -503,7 +503,7 @@ pub fn simulate(schedule: &PipelineSchedule, costs: &Costs) -> Result<SimReport,
         .enumerate()
         .find(|(d, run)| run.pc < schedule.lists()[*d].len())
     {
-        return Err(SimError::Deadlock {
+        return Err(ScheduleSimError::Deadlock {
             stage: StageIndex(d as u32),
             index: run.pc,
             waiting_for: schedule.lists()[d][run.pc],

@@ -326,7 +326,7 @@ fn pipe7_hand_made_lists_need_one_list_per_stage_and_room_in_links() {
     );
     assert_eq!(
         simulate(&one, &Costs::unit().with_stage(StageIndex(3), 1, 1)),
-        Err(SimError::UnknownStageInCosts {
+        Err(ScheduleSimError::UnknownStageInCosts {
             stage: StageIndex(3),
             stages: 1
         })
@@ -358,7 +358,7 @@ fn pipe1_dropped_backward_is_missing() {
     let mut lists = base.lists().to_vec();
     lists[1].retain(|i| *i != b(2));
     let broken = with_lists(&base, lists);
-    let expected = SimError::MissingOrDuplicate {
+    let expected = ScheduleSimError::MissingOrDuplicate {
         stage: StageIndex(1),
         kind: InstrKind::Backward,
         mb: MicroBatch(2),
@@ -376,7 +376,7 @@ fn pipe1_duplicated_forward_wrong_peer_and_out_of_range_are_caught() {
     lists[0].push(f(1));
     assert_eq!(
         validate(&with_lists(&base, lists)),
-        Err(SimError::MissingOrDuplicate {
+        Err(ScheduleSimError::MissingOrDuplicate {
             stage: StageIndex(0),
             kind: InstrKind::Forward,
             mb: MicroBatch(1),
@@ -389,7 +389,7 @@ fn pipe1_duplicated_forward_wrong_peer_and_out_of_range_are_caught() {
     lists[0][1] = send_act(0, 0);
     assert_eq!(
         validate(&with_lists(&base, lists)),
-        Err(SimError::WrongPeer {
+        Err(ScheduleSimError::WrongPeer {
             stage: StageIndex(0),
             index: 1,
             instr: send_act(0, 0),
@@ -402,7 +402,7 @@ fn pipe1_duplicated_forward_wrong_peer_and_out_of_range_are_caught() {
     lists[0].insert(0, recv_act(0, 1));
     assert!(matches!(
         validate(&with_lists(&base, lists)),
-        Err(SimError::WrongPeer {
+        Err(ScheduleSimError::WrongPeer {
             expected: None,
             index: 0,
             ..
@@ -413,7 +413,7 @@ fn pipe1_duplicated_forward_wrong_peer_and_out_of_range_are_caught() {
     lists[1].push(f(4));
     assert!(matches!(
         validate(&with_lists(&base, lists)),
-        Err(SimError::OutOfRange {
+        Err(ScheduleSimError::OutOfRange {
             stage: StageIndex(1),
             ..
         })
@@ -427,7 +427,7 @@ fn pipe2_forward_before_its_input_is_an_order_violation() {
     lists[1].swap(0, 1); // F0 before RecvActivation 0
     assert_eq!(
         simulate(&with_lists(&base, lists), &Costs::unit()),
-        Err(SimError::OrderViolation {
+        Err(ScheduleSimError::OrderViolation {
             stage: StageIndex(1),
             index: 0,
             instr: f(0),
@@ -443,7 +443,7 @@ fn pipe2_backward_before_its_forward_is_an_order_violation() {
     lists[1].swap(1, 2); // B0 before F0 on the last stage
     assert_eq!(
         simulate(&with_lists(&base, lists), &Costs::unit()),
-        Err(SimError::OrderViolation {
+        Err(ScheduleSimError::OrderViolation {
             stage: StageIndex(1),
             index: 1,
             instr: b(0),
@@ -460,7 +460,7 @@ fn pipe3_receives_in_another_order_than_sent_are_caught() {
     lists[1].swap(first, second);
     assert_eq!(
         simulate(&with_lists(&base, lists), &Costs::unit()),
-        Err(SimError::MessageOrder {
+        Err(ScheduleSimError::MessageOrder {
             stage: StageIndex(1),
             index: 0,
             instr: recv_act(1, 0),
@@ -485,7 +485,7 @@ fn pipe4_waiting_for_a_gradient_before_sending_the_activation_deadlocks() {
     assert_eq!(validate(&broken), Ok(()));
     assert_eq!(
         simulate(&broken, &Costs::unit()),
-        Err(SimError::Deadlock {
+        Err(ScheduleSimError::Deadlock {
             stage: StageIndex(0),
             index: 1,
             waiting_for: recv_grad(0, 1),
@@ -510,7 +510,7 @@ fn pipe4_lists_needing_more_buffering_than_the_links_hold_deadlock_on_a_full_lin
     assert_eq!(validate(&mixed), Ok(()));
     assert_eq!(
         simulate(&mixed, &Costs::unit()),
-        Err(SimError::Deadlock {
+        Err(ScheduleSimError::Deadlock {
             stage: StageIndex(0),
             index: 7,
             waiting_for: send_act(3, 1),
@@ -735,7 +735,7 @@ proptest! {
         prop_assert!(
             matches!(
                 simulate(&with_lists(&base, lists), &Costs::unit()),
-                Err(SimError::MissingOrDuplicate { kind: InstrKind::Backward, count: 0, mb, chunk, .. })
+                Err(ScheduleSimError::MissingOrDuplicate { kind: InstrKind::Backward, count: 0, mb, chunk, .. })
                     if mb == dropped.mb() && chunk == dropped.chunk()
             ),
             "dropping {:?}", dropped
@@ -752,7 +752,7 @@ proptest! {
         let result = simulate(&with_lists(&base, lists), &Costs::unit());
         prop_assert_eq!(
             result,
-            Err(SimError::Deadlock { stage: StageIndex(0), index: 1, waiting_for: moved })
+            Err(ScheduleSimError::Deadlock { stage: StageIndex(0), index: 1, waiting_for: moved })
         );
         // A forward swapped with the receive of its input runs too early.
         let mut lists = base.lists().to_vec();
@@ -764,7 +764,7 @@ proptest! {
         lists[last].swap(recv, recv + 1);
         let result = simulate(&with_lists(&base, lists), &Costs::unit());
         prop_assert!(
-            matches!(result, Err(SimError::OrderViolation { needs: Needs::Input, .. })),
+            matches!(result, Err(ScheduleSimError::OrderViolation { needs: Needs::Input, .. })),
             "{:?}", result
         );
     }

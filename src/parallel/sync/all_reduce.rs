@@ -1,6 +1,16 @@
 //! Plain data parallelism (`AllReduceSync`): gradients all-reduced in buckets, then every rank
 //! steps the whole model: with meshwork's flat rule in one pass over the flat order (OPT-1),
 //! or with Burn's optimizer where the configuration has no flat rule.
+//!
+//! - **OPT-1** a job without ZeRO on CPU devices (`flex`, `sync::steps_on_host`) whose optimizer
+//!   has a flat rule steps with it, element for element Burn's arithmetic (the data-parallel tests
+//!   compare it with a plain Burn loop at 1e-5, the precision test bit for bit with Burn's SGD),
+//!   each parameter at the rate Burn would give it (by its current id and its module path, so
+//!   learning-rate groups of either kind apply), and checkpoints its state as one part of the whole
+//!   flat order. A flat checkpoint is restored into the flat rule on any device; Burn's whole
+//!   state, from an older checkpoint or a GPU job, into Burn's optimizer, which then steps on. A
+//!   compressed job (Burn's optimizer, CSYNC-2) refuses a flat checkpoint, naming it. A parameter
+//!   that got no gradient is stepped with a zero gradient, as at dp > 1 and under ZeRO.
 
 use super::*;
 

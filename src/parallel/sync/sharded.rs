@@ -15,7 +15,8 @@
 //!   communicator's typed time-out.
 //! - FSDP-3: the update is [`FlatRule`]'s on the shard (ZERO-2's arithmetic), so a ZeRO-3
 //!   step equals one device's step element for element.
-//! - CKPT-10 (with `tests/suite/fsdp.rs`): a snapshot holds this rank's parameter part and
+//! - Here CKPT-10 (`checkpoint`, with `tests/suite/fsdp.rs`) means: a snapshot holds this
+//!   rank's parameter part and
 //!   optimizer part only; a restore puts every rank's parameter parts together and keeps this
 //!   rank's range of them for the restoring group, the optimizer parts re-sharded alike.
 

@@ -8,7 +8,7 @@ use meshwork::demo::gpt::{Gpt, GptConfig};
 use meshwork::error::{Error, Result};
 use meshwork::job::{ProfileRuns, profile};
 use meshwork::parallel::pipeline::InstrKind;
-use meshwork::planner::{AlphaBeta, Layout, Machine, ModelCosts};
+use meshwork::planner::{AlphaBeta, Candidate, Machine, ModelCosts};
 
 use super::{PlanArgs, PlanModel, median, mlp_stages, run_steps};
 
@@ -19,7 +19,7 @@ fn pipeline_sends(model: &PlanModel, blocks: usize, batch: u32) -> Result<(f64, 
     if blocks < 2 || !blocks.is_multiple_of(2) || !batch.is_multiple_of(2) {
         return Ok((0.0, 0.0));
     }
-    let layout = Layout {
+    let layout = Candidate {
         dp: 1,
         pp: 2,
         tp: 1,
@@ -176,13 +176,13 @@ fn at_scale(
 ) -> Result<()> {
     let devices = machine.devices;
     let small = (batch / 2).max(devices).div_ceil(devices) * devices;
-    let measured = |layout: &Layout| -> Result<f64> {
+    let measured = |layout: &Candidate| -> Result<f64> {
         let steps = run_steps(model, layout, small, 2 * CALIBRATION_STEPS)?;
         Ok(median(steps.iter().skip(2).map(|s| s.wall_s).collect()))
     };
     // The runs are on this machine: predict them for one node, memory unbounded, whatever
     // nodes and memory the plan is for.
-    let predicted = |machine: &Machine, layout: &Layout| {
+    let predicted = |machine: &Machine, layout: &Candidate| {
         let here = Machine {
             devices_per_node: 0,
             memory_per_device: u64::MAX,
@@ -190,9 +190,9 @@ fn at_scale(
         };
         meshwork::planner::predict(costs, &here, layout, small).map(|p| p.step_s)
     };
-    let dp = Layout {
+    let dp = Candidate {
         dp: devices,
-        ..Layout::ONE_DEVICE
+        ..Candidate::ONE_DEVICE
     };
     if let Ok(without) = predicted(machine, &dp) {
         machine.replica_sync_s = (measured(&dp)? - without).max(0.0);
@@ -207,7 +207,7 @@ fn at_scale(
         .collect();
     if devices > machine.cores && costs.blocks.iter().any(|b| b.splits) {
         for width in degrees {
-            let tp = Layout {
+            let tp = Candidate {
                 dp: devices / width,
                 tp: width,
                 ..dp
