@@ -16,9 +16,10 @@
 //! [`remote`] wires the two planes into a job: the head's Supervisor drives every rank through
 //! proxies (`RemoteStage`, `RemoteDevice`) that send [`control::StageRequest`]s to the process
 //! holding the rank, where a `NodeStages` (crate-internal) serves them with ordinary stage actors
-//! whose communicators are TCP groups. Data-parallel jobs and dp × pp pipeline jobs
-//! (`remote::pipeline`: pipeline links as TCP links, REMOTE-4; a lost stage replaced from
-//! its twin on a waiting node, REMOTE-7) both run this way. A process that holds several ranks
+//! whose communicators are TCP (or MPI) groups. Data-parallel jobs, dp × pp × tp block and
+//! pipeline jobs (`remote::pipeline`: pipeline links as TCP links, REMOTE-4; a lost stage
+//! replaced from its twin on a waiting node, REMOTE-7) and parameter-server jobs
+//! (`remote::ps`) all run this way. A process that holds several ranks
 //! of a data-parallel job joins its group hierarchically ([`crate::comm::hierarchical`],
 //! HIER-1/2: in shared memory inside the process, one leader per process over TCP).
 

@@ -14,7 +14,8 @@
 //! | `pipeline_stage::LocalPipeline` | dp × pp × tp blocks and pipeline stages in this process | [`Capabilities::pipeline`], resizable along dp (ELASTIC-6) |
 //! | `parameter_server::PsReplicas` | parameter-server workers and their server in this process | replicated (the server's), droppable, no growth, [`Rejoin::Regroup`] |
 //! | `cluster::remote::ClusterReplicas` | data-parallel replicas across processes | [`Capabilities::data_parallel`] with [`Rejoin::Reconnect`] |
-//! | `cluster::remote::ClusterPipeline` | dp × pp pipeline stages across processes | [`Capabilities::pipeline`], fixed size |
+//! | `cluster::remote::ClusterPipeline` | dp × pp × tp blocks and pipeline stages across processes | [`Capabilities::pipeline`], fixed size |
+//! | `cluster::remote::ClusterParameterServer` | parameter-server workers across processes, their server in the head | replicated (the server's), droppable, no growth |
 //!
 //! Where the next strategy plugs in: a new `Spawner` (its stage actors answer the same
 //! `StageMsg`s) and, on the device side, a `GradientSync` (`parallel::sync`) for how its

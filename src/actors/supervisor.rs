@@ -4,11 +4,11 @@
 //! failure means and whether a resize is admitted, as pure functions of plain data with
 //! property tests, whose facts about the strategy are its spawner's `Capabilities` (kept in
 //! the state); the files beside this one carry the answers out, one concern each: `state`
-//! (what the actor holds), `spawn` (what a job's `Spawner` hands it), `lifecycle` (start,
+//! (what the actor holds, with what a job's `Spawner` hands it), `lifecycle` (start,
 //! `Init`, children that end, the end of the job), `boundary` (between two steps),
 //! `step` (a step as a task of its own), `calls` (requests to every stage at once, the root
 //! cause of a failure), `recover` (REC-1..7), `members` (joining devices and replicas, the
-//! group rebuilt under a new generation), `resize` (ELASTIC-1..5), `checkpoints` (CKW-1..3,
+//! group rebuilt under a new generation), `resize` (ELASTIC-1, 3..6), `checkpoints` (CKW-1..3,
 //! resume).
 //!
 //! Handles, as a table (the `match` in `handle` is exactly this):

@@ -117,13 +117,6 @@ where
             }
             None => None,
         };
-        if self.recovery.roll_back && checkpoints.is_none() {
-            return invalid(
-                "a recovery policy that rolls back needs checkpoints: add .checkpoint_dir(dir) \
-                 and .checkpoint_every(n)"
-                    .into(),
-            );
-        }
         if self.comm.timeout >= self.step_timeout {
             return invalid(format!(
                 "collective_timeout {:?} is not below step_timeout {:?}: a rank that never \
@@ -257,7 +250,6 @@ where
     /// JOB-1 of the compression (and its ZeRO stage) and the local updates over `replicas`.
     pub(super) fn check_strategy_values(&self, replicas: u32) -> Result<()> {
         self.compression.validate()?;
-        self.zero.with_compression(self.compression)?;
         if let Some(updates) = &self.local_updates {
             local_updates::check(updates, replicas, self.steps)?;
         }

@@ -114,6 +114,7 @@ mod tests {
     fn refusal(b: JobBuilder<Mlp, Sample>) -> String {
         match b.build() {
             Err(Error::InvalidConfig(m)) => m,
+            Err(Error::Refused(r)) => r.to_string(),
             other => panic!("expected a refusal, got {other:?}"),
         }
     }

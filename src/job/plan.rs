@@ -6,6 +6,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{JobBuilder, NonFinitePolicy};
 use crate::composition::{self, Feature, Refused};
+use crate::optim::LearningRate;
+use crate::parallel::compress::Compression;
+use crate::parallel::parameter_server::Staleness;
 use crate::parallel::zero::ZeroStage;
 use crate::precision::Precision;
 
@@ -77,7 +80,14 @@ where
             );
         }
         if self.zero != ZeroStage::Off {
-            on(Feature::Zero, format!(".zero({:?})", self.zero));
+            let how = format!(".zero({:?})", self.zero);
+            if matches!(self.zero, ZeroStage::Two | ZeroStage::Three) {
+                on(Feature::ZeroGradients, how.clone());
+            }
+            if self.zero == ZeroStage::Three {
+                on(Feature::ZeroParameters, how.clone());
+            }
+            on(Feature::Zero, how);
         }
         match self.mixed.precision {
             Precision::Bf16 => on(Feature::Bf16, ".precision(bf16)".into()),
@@ -103,22 +113,30 @@ where
             on(Feature::SkipNonFinite, Feature::SkipNonFinite.to_string());
         }
         if self.compression.is_on() {
-            on(
-                Feature::Compression,
-                format!(".compression({})", self.compression),
-            );
+            let how = format!(".compression({})", self.compression);
+            if !matches!(self.compression, Compression::Bf16 | Compression::F16) {
+                on(Feature::SparseCompression, how.clone());
+            }
+            on(Feature::Compression, how);
         }
         if let Some(u) = &self.local_updates {
             on(Feature::LocalUpdates, format!(".local_updates({u})"));
         }
-        if let Some(ps) = &self.parameter_server.0 {
-            on(
-                Feature::ParameterServer,
-                format!(".parameter_server({})", ps.staleness),
-            );
-        }
         if let Some(b) = self.parameter_server.1 {
+            // Backup workers run on the server (COMP-1's closure): a job that asked only for
+            // them is refused as a server job, named by its own setting.
             on(Feature::BackupWorkers, format!(".backup_workers({b})"));
+            on(Feature::ParameterServer, format!(".backup_workers({b})"));
+        }
+        if let Some(ps) = &self.parameter_server.0 {
+            let how = format!(".parameter_server({})", ps.staleness);
+            if ps.staleness != Staleness::Bounded(0) {
+                on(Feature::StaleUpdates, how.clone());
+            }
+            on(Feature::ParameterServer, how);
+        }
+        if matches!(self.learning_rate, LearningRate::Scheduler(_)) {
+            on(Feature::LrSchedule, Feature::LrSchedule.to_string());
         }
         if self.is_remote() {
             on(
@@ -138,6 +156,9 @@ where
         }
         if self.recovery.roll_back {
             on(Feature::RollBack, Feature::RollBack.to_string());
+        }
+        if self.checkpoint_dir.is_some() || self.checkpoint_sink.is_some() {
+            on(Feature::Checkpoints, Feature::Checkpoints.to_string());
         }
         JobPlan { settings: s }
     }

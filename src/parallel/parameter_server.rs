@@ -253,16 +253,9 @@ pub(crate) fn check(
         (None, None) => return Ok(None),
         (Some(p), None) => Mode::Ssp(p.staleness.bound()),
         (None, Some(b)) => Mode::Backup(b),
-        (Some(p), Some(b)) if p.staleness == Staleness::Bounded(0) => Mode::Backup(b),
-        (Some(p), Some(_)) => {
-            return Err(unsupported(
-                "backup workers with staleness",
-                &format!(
-                    "backup workers are synchronous; {} is not (use ssp:0)",
-                    p.staleness
-                ),
-            ));
-        }
+        // Backup workers are synchronous: the composition table refuses them with a staleness
+        // bound above 0 (`StaleUpdates` with `BackupWorkers`) before this runs.
+        (Some(_), Some(b)) => Mode::Backup(b),
     };
     if let Some(p) = ps
         && p.shards != 1
@@ -281,7 +274,7 @@ pub(crate) fn check(
     let LearningRate::Constant(lr) = job.learning_rate else {
         return Err(unsupported(
             "a learning-rate scheduler",
-            "the server steps with a constant rate",
+            "the server steps with a constant rate (the composition table refuses it first)",
         ));
     };
     Ok(Some((mode, rule, *lr)))

@@ -17,7 +17,7 @@
 //! - `local::LocalSync`: local SGD, DiLoCo and EASGD ([`crate::parallel::local`]'s rules):
 //!   no gradient collective; each rank steps its own optimizer, and every H steps the ranks
 //!   all-reduce their parameters (or their outer gradients, or their distances to the
-//!   centre) and apply the rule. Data-parallel jobs only.
+//!   centre) and apply the rule; in block and pipeline jobs, one per block (LOCAL-6).
 //! - `sharded::ShardedSync`: ZeRO stage 3 for one block of a block or pipeline job: only the
 //!   rank's shard of the parameters is kept between uses; a gather
 //!   ([`GradientSync::start_gather`] / [`GradientSync::finish_gather`]) and
@@ -545,7 +545,7 @@ pub(crate) struct Reduction {
 /// The synchronisation a [`Reduction`] asks for, over `model`'s trainable parameters:
 /// [`for_local_updates`] for local updates, `compressed` for a compressed job without ZeRO,
 /// ZeRO-1/2 with the compressor inside (ZSYNC-1), [`for_stage`] when nothing is compressed.
-/// `build` refuses the pairs that have no form ([`ZeroStage::with_compression`], the table).
+/// `build` refuses the pairs that have no form (rows of `composition::REFUSALS`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn for_reduction<M: Module>(
     reduction: Reduction,
@@ -598,7 +598,7 @@ pub(crate) fn for_reduction<M: Module>(
             Box::new(sync)
         }
         ZeroStage::Three => {
-            unreachable!("build refuses compression with ZeRO-3 (ZeroStage::with_compression)")
+            unreachable!("build refuses compression with ZeRO-3 (composition::REFUSALS)")
         }
     })
 }

@@ -48,36 +48,6 @@ pub enum ZeroStage {
 }
 
 impl ZeroStage {
-    /// Refuse a compression scheme this stage has no form for (checked by `build`): ZeRO-1
-    /// all-reduces the whole gradient, so every scheme compresses it before the sharded
-    /// update; ZeRO-2 reduce-scatters, which sums a dense buffer, so only the 16-bit schemes
-    /// (rounded with error feedback, then a 16-bit reduce-scatter) have one; ZeRO-3's
-    /// compressed reduce-scatter is not built.
-    pub fn with_compression(
-        self,
-        compression: crate::parallel::compress::Compression,
-    ) -> Result<(), crate::config::InvalidConfig> {
-        use crate::config::InvalidConfig;
-        use crate::parallel::compress::Compression;
-        let dense = matches!(compression, Compression::Bf16 | Compression::F16);
-        match self {
-            _ if !compression.is_on() => Ok(()),
-            ZeroStage::Off | ZeroStage::One => Ok(()),
-            ZeroStage::Two if dense => Ok(()),
-            ZeroStage::Two => Err(InvalidConfig(format!(
-                "compression({compression}) with zero(Two): top-k and PowerSGD compress an \
-                 all-reduce, and ZeRO-2 reduce-scatters its gradients; use zero(One), or \
-                 Compression::Bf16 or F16 (a 16-bit reduce-scatter with error feedback)"
-            ))),
-            ZeroStage::Three => Err(InvalidConfig(format!(
-                "compression({compression}) with zero(Three): a compressed ZeRO-3 \
-                 reduce-scatter is not built; use zero(Two) with Compression::Bf16, or \
-                 zero(Three) with .low_precision_gradients(true) (16-bit gradients without \
-                 error feedback)"
-            ))),
-        }
-    }
-
     /// The stage's number (0 to 3).
     pub fn number(self) -> u8 {
         match self {

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use burn::optim::SgdConfig;
 use burn::tensor::Device;
+use meshwork::composition::Feature;
 use meshwork::demo::{Mlp, Sample, mse_loss};
 use meshwork::events::StepDone;
 use meshwork::faults::{Fault, FaultKind, FaultPlan, Phase};
@@ -334,14 +335,20 @@ fn what_the_server_cannot_serve_is_refused_at_build() {
             workers: 4
         }
     ));
-    assert!(matches!(
-        refused(
-            builder(&init, sgd(), 0.1, 1)
-                .parameter_server(ps)
-                .backup_workers(1)
+    // Staleness with backup workers is a row of the composition table.
+    match builder(&init, sgd(), 0.1, 1)
+        .parameter_server(ps)
+        .backup_workers(1)
+        .build()
+    {
+        Err(Error::Refused(r)) => assert_eq!(
+            r.features(),
+            &[Feature::StaleUpdates, Feature::BackupWorkers],
+            "{r}"
         ),
-        ParameterServerError::Unsupported { .. }
-    ));
+        Err(e) => panic!("another error: {e}"),
+        Ok(_) => panic!("built"),
+    }
     assert!(matches!(
         refused(
             builder(&init, sgd(), 0.1, 1).parameter_server(ParameterServer { shards: 2, ..ps })

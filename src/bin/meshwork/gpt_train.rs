@@ -153,7 +153,8 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         .batch_size(batch)
         .steps(args.steps)
         .seed(args.seed)
-        .collective_timeout(Duration::from_secs_f64(args.collective_timeout));
+        .collective_timeout(Duration::from_secs_f64(args.collective_timeout))
+        .step_timeout(Duration::from_secs_f64(args.step_timeout));
     let builder =
         crate::settings::training_settings(args, crate::settings::learning_rate(args)?, builder)
             .recovery(crate::settings::fault_settings(args)?.1);

@@ -120,9 +120,9 @@ impl ZeroSync {
     fn compressed(&self, mut flat: Vec<f32>, out: usize, c: &Arc<Mutex<Compressor>>) -> Collective {
         match self.stage {
             ZeroStage::Two => {
-                let wire = lock(c)
-                    .narrow_alone(&mut flat)
-                    .expect("build refuses ZeRO-2 with a scheme that is not 16-bit (ZeroStage::with_compression)");
+                let wire = lock(c).narrow_alone(&mut flat).expect(
+                    "build refuses ZeRO-2 with a scheme that is not 16-bit (composition::REFUSALS)",
+                );
                 Collective::ReduceScatter { flat, out, wire }
             }
             _ => Collective::Compressed {
