@@ -381,13 +381,6 @@ pub const REFUSALS: &[Refusal] = &[
         "each block updates on its own",
         "use NonFinitePolicy::Stop",
     ),
-    // Recovery.
-    row_without(
-        &[RollBack],
-        &[Checkpoints],
-        "a roll-back needs checkpoints to roll back to",
-        "add .checkpoint_dir(dir) and .checkpoint_every(n)",
-    ),
     // Across processes.
     row(
         &[AcrossProcesses, MessageFaults],
@@ -401,6 +394,13 @@ pub const REFUSALS: &[Refusal] = &[
          survivor is left to roll back onto a spare",
         "rerun the same command (it resumes from the last checkpoint), or use the TCP \
          transport for live recovery",
+    ),
+    // Recovery (after the rows that refuse a roll-back outright).
+    row_without(
+        &[RollBack],
+        &[Checkpoints],
+        "a roll-back needs checkpoints to roll back to",
+        "add .checkpoint_dir(dir) and .checkpoint_every(n)",
     ),
 ];
 

@@ -79,6 +79,17 @@ pub(crate) struct PipelineSpec<I> {
     pub(crate) mixed: super::stage::MixedPrecision,
 }
 
+impl<I> PipelineSpec<I> {
+    /// How the mesh's ranks keep their training state (what their capabilities derive from).
+    pub(crate) fn keeping(&self) -> crate::actors::spawner::StateKeeping {
+        crate::actors::spawner::StateKeeping {
+            sharded: self.zero.shards_optimizer(),
+            compressed: self.compression.is_on(),
+            local: self.local.is_some(),
+        }
+    }
+}
+
 /// The actor of one pipeline stage.
 pub(crate) type PipelineStageActor<I> = Stage<PipelineStageState<I>>;
 

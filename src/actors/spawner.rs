@@ -114,16 +114,40 @@ pub(crate) struct Capabilities {
     pub(crate) rejoin: Rejoin,
 }
 
+/// How a job's ranks keep their training state, the facts every spawner's [`Capabilities`]
+/// derive from, so a job in one process and the same job across processes get the same ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct StateKeeping {
+    /// ZeRO shards the optimizer state (and at stages 2 and 3 more).
+    pub(crate) sharded: bool,
+    /// A compressed gradient reduction keeps a residual per rank (CSYNC-2).
+    pub(crate) compressed: bool,
+    /// Local updates: each rank steps its own parameters between synchronisations (LOCAL-4).
+    pub(crate) local: bool,
+}
+
+impl StateKeeping {
+    /// Every replica holds the whole training state: none of it is sharded or the rank's own.
+    pub(crate) fn replicated(self) -> bool {
+        !self.sharded && !self.compressed && !self.local
+    }
+}
+
+/// Why a local-updates job keeps its number of replicas (LOCAL-4).
+const LOCAL_FIXED: &str = "local updates keep each rank's own parameters, which do not move onto another number of \
+     replicas";
+
 impl Capabilities {
     /// Data-parallel replicas: every rank a whole replica in one group that rejoins by
-    /// `rejoin` (`Regroup` or `Reconnect`), can grow, and drops lost ranks where its state is
-    /// replicated.
-    pub(crate) fn data_parallel(replicated_state: bool, rejoin: Rejoin) -> Self {
+    /// `rejoin` (`Regroup` or `Reconnect`), drops lost ranks where its state is replicated,
+    /// and can grow unless each rank steps its own parameters (LOCAL-4).
+    pub(crate) fn data_parallel(keeping: StateKeeping, rejoin: Rejoin) -> Self {
+        let replicated_state = keeping.replicated();
         Capabilities {
             replicated_state,
             droppable_replicas: replicated_state,
             twins: false,
-            can_grow: true,
+            can_grow: !keeping.local,
             fixed_size: None,
             micro_batches: None,
             rejoin,
@@ -132,12 +156,15 @@ impl Capabilities {
 
     /// A dp × pp × tp mesh (blocks, a pipeline) whose replicas each run `micro_batches`
     /// micro-batches a step: rewired in place; a lost stage is replaced from its twin where
-    /// the state is replicated; resized along dp (ELASTIC-6) unless `fixed_size` says why not.
+    /// the state is replicated; resized along dp (ELASTIC-6) unless `fixed_size` or local
+    /// updates (LOCAL-4) say why not.
     pub(crate) fn pipeline(
-        replicated_state: bool,
+        keeping: StateKeeping,
         fixed_size: Option<&'static str>,
         micro_batches: u32,
     ) -> Self {
+        let replicated_state = keeping.replicated();
+        let fixed_size = fixed_size.or(keeping.local.then_some(LOCAL_FIXED));
         Capabilities {
             replicated_state,
             droppable_replicas: false,
@@ -170,32 +197,85 @@ impl Capabilities {
 mod tests {
     use super::*;
 
+    const REPLICATED: StateKeeping = StateKeeping {
+        sharded: false,
+        compressed: false,
+        local: false,
+    };
+    const SHARDED: StateKeeping = StateKeeping {
+        sharded: true,
+        ..REPLICATED
+    };
+
+    /// A compressed or local-updates job's state is the rank's own: neither dropped nor
+    /// copied from a twin, and a local-updates job never grows, in one process and across
+    /// processes alike (both derive their capabilities from the same facts).
+    #[test]
+    fn a_ranks_own_state_is_never_replicated_and_local_updates_never_grow() {
+        for keeping in [
+            SHARDED,
+            StateKeeping {
+                compressed: true,
+                ..REPLICATED
+            },
+            StateKeeping {
+                local: true,
+                ..REPLICATED
+            },
+        ] {
+            for rejoin in [Rejoin::Regroup, Rejoin::Reconnect] {
+                let caps = Capabilities::data_parallel(keeping, rejoin);
+                assert!(
+                    !caps.replicated_state && !caps.droppable_replicas,
+                    "{keeping:?}"
+                );
+                assert_eq!(caps.can_grow, !keeping.local, "{keeping:?}");
+            }
+            for fixed in [None, Some("across processes")] {
+                let caps = Capabilities::pipeline(keeping, fixed, 2);
+                assert!(!caps.replicated_state && !caps.twins, "{keeping:?}");
+                assert_eq!(
+                    caps.can_grow,
+                    fixed.is_none() && !keeping.local,
+                    "{keeping:?}"
+                );
+            }
+        }
+        let across = Capabilities::pipeline(REPLICATED, Some("across processes"), 2);
+        assert!(across.twins && !across.can_grow);
+        assert_eq!(across.fixed_size, Some("across processes"));
+    }
+
     #[test]
     fn replicated_state_is_read_from_replica_zero_and_shards_from_every_rank() {
         let pipeline = Layout::new(2, 3, 1).expect("a valid layout");
         assert_eq!(
-            Capabilities::pipeline(true, None, 1).state_ranks(pipeline),
+            Capabilities::pipeline(REPLICATED, None, 1).state_ranks(pipeline),
             [0, 2, 4]
         );
         assert_eq!(
-            Capabilities::pipeline(false, None, 1).state_ranks(pipeline),
+            Capabilities::pipeline(SHARDED, None, 1).state_ranks(pipeline),
             [0, 1, 2, 3, 4, 5]
         );
         let replicas = Layout::data_parallel(3).expect("a valid layout");
-        let caps = Capabilities::data_parallel(true, Rejoin::Regroup);
+        let caps = Capabilities::data_parallel(REPLICATED, Rejoin::Regroup);
         assert_eq!(caps.state_ranks(replicas), [0]);
-        let zero = Capabilities::data_parallel(false, Rejoin::Reconnect);
+        let zero = Capabilities::data_parallel(SHARDED, Rejoin::Reconnect);
         assert_eq!(zero.state_ranks(replicas), [0, 1, 2]);
     }
 
     #[test]
     fn sharded_state_is_neither_dropped_nor_copied_from_twins() {
         for rejoin in [Rejoin::Regroup, Rejoin::Reconnect] {
-            assert!(!Capabilities::data_parallel(false, rejoin).droppable_replicas);
-            assert!(Capabilities::data_parallel(true, rejoin).droppable_replicas);
+            assert!(!Capabilities::data_parallel(SHARDED, rejoin).droppable_replicas);
+            assert!(Capabilities::data_parallel(REPLICATED, rejoin).droppable_replicas);
         }
-        assert!(!Capabilities::pipeline(false, None, 1).twins);
-        assert!(Capabilities::pipeline(true, None, 1).twins);
-        assert!(!Capabilities::pipeline(true, None, 1).rejoin.regroups());
+        assert!(!Capabilities::pipeline(SHARDED, None, 1).twins);
+        assert!(Capabilities::pipeline(REPLICATED, None, 1).twins);
+        assert!(
+            !Capabilities::pipeline(REPLICATED, None, 1)
+                .rejoin
+                .regroups()
+        );
     }
 }

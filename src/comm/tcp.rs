@@ -83,10 +83,12 @@
 //!   results equal the in-process transport's bit for bit; a broadcast or an all-gather moves
 //!   2 bytes per element, a ring all-reduce 6 per element per ring pass instead of 8.
 //! - TCP-8 (forwarding): an f32 range that the plan receives and then sends on whole (a
-//!   ring's next step, a tree's way up or down) leaves frame by frame as each frame is
-//!   received, reduced and, where the plan finishes it first, finished, so the next rank
-//!   works on it while the rest still arrives. The values sent are the ones the step-by-step
-//!   plan would send, so results are bit for bit the same.
+//!   ring's next step, a tree's way up or down) leaves in parts as its frames are received,
+//!   reduced and, where the plan finishes it first, finished, so the next rank works on it
+//!   while the rest still arrives. At most `SEND_QUEUE / (2·world)` parts a step, so the
+//!   link's queue never fills (TCP-3: the next rank reads them only in its next step). The
+//!   values sent are the ones the step-by-step plan would send, so results are bit for bit
+//!   the same. Not on an emulated link (EMU-1: a message pays its latency once).
 
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -198,6 +200,9 @@ pub(crate) struct TcpCommunicator {
     /// Data payload bytes handed to the links so far (not counting headers and framing).
     #[cfg_attr(not(test), allow(dead_code, reason = "read by the tests of TCP-7"))]
     data_bytes_sent: u64,
+    /// Whether received ranges are sent on in parts (TCP-8): not on an emulated link, whose
+    /// cost model charges a message's latency once (EMU-1, EMU-3).
+    forwards: bool,
     /// Parts of received ranges sent on before their step ended (TCP-8).
     #[cfg_attr(not(test), allow(dead_code, reason = "read by the tests of TCP-8"))]
     forwarded_parts: u64,

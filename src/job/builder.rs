@@ -151,8 +151,8 @@ where
     }
 
     /// The learning rate, the one setter for it: a constant (`.learning_rate(1e-3)`), one of
-    /// Burn's schedulers (`.learning_rate(ExponentialLrSchedulerConfig::new(0.1, 0.9)
-    /// .init()?)`), or a [`LearningRate`] such as [`LearningRate::warmup_cosine`] (Megatron-LM's
+    /// Burn's schedulers as a `ModuleLrScheduler` (e.g. a `SequentialLrSchedulerConfig`'s
+    /// `init()?`), or a [`LearningRate`] such as [`LearningRate::warmup_cosine`] (Megatron-LM's
     /// warm-up then cosine). A scheduler is stepped once per applied optimizer step (LR-1); its
     /// state is saved with every checkpoint and copied with every snapshot (LR-2, CKPT-9), so a
     /// resumed or rolled-back job and a replica that joins continue the schedule where it was.

@@ -51,7 +51,13 @@ impl JobPlan {
 /// Each setting as the job wrote it, one after another (`.blocks(..) .zero(One)`).
 impl std::fmt::Display for JobPlan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let settings: Vec<&str> = self.settings.values().map(String::as_str).collect();
+        // A setting that turns on a feature and the ones it implies is written once.
+        let mut settings: Vec<&str> = Vec::new();
+        for how in self.settings.values() {
+            if !settings.contains(&how.as_str()) {
+                settings.push(how);
+            }
+        }
         f.write_str(&settings.join(" "))
     }
 }

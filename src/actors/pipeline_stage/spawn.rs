@@ -228,19 +228,7 @@ where
     fn capabilities(&self) -> Capabilities {
         // A tensor-parallel rank's twins are the same (stage, tensor-parallel rank) of the
         // other replicas: the Supervisor pairs them by place.
-        // A compressed block's residual (CSYNC-2) and a local-updates rank's parameters
-        // (LOCAL-4) are the rank's own: not replicated either.
-        Capabilities::pipeline(
-            !self.spec.zero.shards_optimizer()
-                && !self.spec.compression.is_on()
-                && self.spec.local.is_none(),
-            // LOCAL-4: a rank's own parameters do not move onto another group size.
-            self.spec.local.as_ref().map(|_| {
-                "local updates keep each rank's own parameters, which do not move onto \
-                 another number of replicas"
-            }),
-            self.spec.plan.micro_batches(),
-        )
+        Capabilities::pipeline(self.spec.keeping(), None, self.spec.plan.micro_batches())
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<PipelineModel> {

@@ -27,10 +27,7 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        let mut caps = Capabilities::data_parallel(self.spec.replicated_state(), Rejoin::Regroup);
-        // LOCAL-4: a rank's own state does not move onto another group size.
-        caps.can_grow &= self.spec.local.is_none();
-        caps
+        Capabilities::data_parallel(self.spec.keeping(), Rejoin::Regroup)
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {

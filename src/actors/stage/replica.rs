@@ -111,10 +111,13 @@ impl MixedPrecision {
 }
 
 impl<M, I> StageSpec<M, I> {
-    /// Whether every replica holds the whole training state: not where ZeRO shards it, nor
-    /// where ranks step alone between synchronisations (LOCAL-4).
-    pub(crate) fn replicated_state(&self) -> bool {
-        !self.zero.shards_optimizer() && self.local.is_none() && !self.compression.is_on()
+    /// How the replicas keep their training state (what their capabilities derive from).
+    pub(crate) fn keeping(&self) -> crate::actors::spawner::StateKeeping {
+        crate::actors::spawner::StateKeeping {
+            sharded: self.zero.shards_optimizer(),
+            compressed: self.compression.is_on(),
+            local: self.local.is_some(),
+        }
     }
 }
 

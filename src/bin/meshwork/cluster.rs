@@ -323,15 +323,18 @@ fn run_head(
     if !head_job.batch_given {
         fit_default_batch(&mut spec, world);
     }
+    // With the head's recovery and checkpoint settings: a roll-back is refused without
+    // checkpoints (a row of the table), and the head is where checkpoints are written.
     if is_gpt(&spec) {
-        crate::gpt_train::cluster_job(&spec)?
+        let builder = crate::gpt_train::cluster_job(&spec)?
             .0
-            .recovery(head_job.policy)
+            .recovery(head_job.policy);
+        crate::settings::checkpoint_settings(&head_job.checkpoints, builder)
             .check_across_processes(world)?;
     } else {
         demo_job(&spec)?
             .0
-            .check_across_processes(world, head_job.policy)?;
+            .check_across_processes(world, head_job.policy, &head_job.checkpoints)?;
     }
     let secret = control::secret_from_env().map_err(ControlError::from)?;
     let fingerprint = demo_models(None).fingerprint(&spec).map_err(|reason| {

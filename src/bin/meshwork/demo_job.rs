@@ -90,11 +90,15 @@ impl DemoJob {
         self,
         world: u32,
         policy: meshwork::recovery::RecoveryPolicy,
+        checkpoints: &crate::settings::CheckpointFlags,
     ) -> Result<()> {
+        use crate::settings::checkpoint_settings;
         match self {
-            DemoJob::Replicas(b) => b.recovery(policy).check_across_processes(world),
+            DemoJob::Replicas(b) => {
+                checkpoint_settings(checkpoints, b.recovery(policy)).check_across_processes(world)
+            }
             DemoJob::Blocks(b) | DemoJob::Pipeline(b, _) => {
-                b.recovery(policy).check_across_processes(world)
+                checkpoint_settings(checkpoints, b.recovery(policy)).check_across_processes(world)
             }
         }
     }

@@ -20,7 +20,7 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::data_parallel(self.spec.replicated_state(), Rejoin::Reconnect)
+        Capabilities::data_parallel(self.spec.keeping(), Rejoin::Reconnect)
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {
@@ -73,7 +73,7 @@ where
 {
     fn capabilities(&self) -> Capabilities {
         Capabilities::pipeline(
-            !self.spec.zero.shards_optimizer(),
+            self.spec.keeping(),
             Some("a block or pipeline job across processes cannot be resized yet"),
             self.spec.plan.micro_batches(),
         )

@@ -135,8 +135,7 @@ impl TcpCommunicator {
                     let reduce = matches!(step, Step::RecvReduce { .. }).then_some(op);
                     let from = from.index();
                     // TCP-8: a range sent on as soon as it is received goes on frame by frame.
-                    if let Some(onward) = narrow
-                        .is_none()
+                    if let Some(onward) = (narrow.is_none() && self.forwards)
                         .then(|| Onward::of(&steps[next..], range))
                         .flatten()
                     {
@@ -327,13 +326,14 @@ impl TcpCommunicator {
     }
 
     /// TCP-8: receives `range` (f32s) from `peer` as [`TcpCommunicator::recv_step`] does and
-    /// sends what arrived on to `forward.to` after each frame (finished first where the plan
-    /// finishes the range before sending it), instead of once the whole range is in. A part
-    /// waits for the next frame when the link's queue is full, and the rest leaves at the end
-    /// of the step, so the step queues no more than the queue holds without waiting (TCP-3).
+    /// sends each part on to `forward.to` as soon as it is in (finished first where the plan
+    /// finishes the range before sending it), instead of once the whole range is in.
     ///
-    /// A frame is forwarded before the checksum of the frame that carried it is checked; a
-    /// bad checksum fails the op on every rank (TCP-5), so what was forwarded is dropped.
+    /// A part is whole frames of at least [`forward_part`]'s length: at most
+    /// `SEND_QUEUE / (2·world)` parts a step, so an op's sends to one peer never fill the
+    /// link's queue and a push never waits for room (TCP-3). Forwarded bytes are read by the
+    /// next rank only in its next step; a full queue here would leave every rank of a ring
+    /// waiting in a push for a successor that waits in its own.
     ///
     /// # Safety
     /// `range` of the buffer at `base` is this rank's to write now and no other send reads it.
@@ -351,6 +351,7 @@ impl TcpCommunicator {
         // SAFETY: forwarded.
         let dst = unsafe { base.add(range.start) };
         let expected = range.len() * 4;
+        let least = forward_part(range.len(), self.world);
         let mut scratch = std::mem::take(&mut self.scratch);
         // Elements of the range received (`filled`) and sent on (`sent`).
         let (mut filled, mut sent) = (range.start, range.start);
@@ -382,9 +383,9 @@ impl TcpCommunicator {
                     // SAFETY: the part lies in the range, which this rank owns now.
                     finish(unsafe { part(base, &arrived) }, op, self.world);
                 }
-                let last = filled == range.end;
-                // SAFETY: as above.
-                if unsafe { self.send_on(base, sent..filled, forward, borrowed, id, last)? } {
+                if filled - sent >= least || filled == range.end {
+                    // SAFETY: as above; the part is recorded in `borrowed`.
+                    unsafe { self.send_on(base, sent..filled, forward, borrowed, id)? };
                     sent = filled;
                 }
                 Ok(())
@@ -394,8 +395,7 @@ impl TcpCommunicator {
         result
     }
 
-    /// Queues `sent` of the buffer at `base` for `forward.to`, waiting for room only when
-    /// `wait`; returns whether it was queued.
+    /// Queues `sent` of the buffer at `base` for `forward.to`.
     ///
     /// # Safety
     /// `sent` of the buffer at `base` is this rank's and stays unwritten until its send
@@ -407,8 +407,7 @@ impl TcpCommunicator {
         forward: &Forward,
         borrowed: &mut Vec<(usize, u64, Range<usize>)>,
         id: OpId,
-        wait: bool,
-    ) -> Result<bool, CommError> {
+    ) -> Result<(), CommError> {
         // SAFETY: forwarded.
         let bytes = bytes_of(&*unsafe { part(base, &sent) });
         let payload = match forward.mode {
@@ -418,21 +417,13 @@ impl TcpCommunicator {
             }),
             SendMode::Copy => Payload::Owned(bytes.to_vec()),
         };
-        let len = bytes.len() as u64;
-        let ticket = if wait {
-            Some(self.push(forward.to, payload, id)?)
-        } else {
-            self.try_push(forward.to, payload, id)?
-        };
-        let Some(ticket) = ticket else {
-            return Ok(false);
-        };
-        self.data_bytes_sent += len;
+        self.data_bytes_sent += bytes.len() as u64;
         self.forwarded_parts += 1;
+        let ticket = self.push(forward.to, payload, id)?;
         if forward.mode == SendMode::Borrow {
             borrowed.push((forward.to, ticket, sent));
         }
-        Ok(true)
+        Ok(())
     }
 
     pub(crate) fn all_reduce<T: Element>(
@@ -603,6 +594,14 @@ impl TcpCommunicator {
             Err(e) => Err(self.fail(e)),
         }
     }
+}
+
+/// The fewest elements a forwarded part of a `len`-element range holds (TCP-8), so that the
+/// range leaves in at most `SEND_QUEUE / (2·world)` parts, as [`narrow_pieces`] cuts a 16-bit
+/// send: every part but the last holds at least this many, the last may be shorter.
+pub(super) fn forward_part(len: usize, world: usize) -> usize {
+    let most = (SEND_QUEUE / (2 * world.max(1))).max(2);
+    len.div_ceil(most - 1).max(1)
 }
 
 /// The elements `range` of the buffer at `base`.

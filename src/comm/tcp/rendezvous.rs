@@ -4,37 +4,13 @@
 use super::*;
 
 impl TcpCommunicator {
-    /// Queues `payload` for the link to `peer`; returns its ticket. Blocks while the link's
-    /// queue is full.
+    /// Queues `payload` for the link to `peer`; returns its ticket.
     pub(super) fn push(
         &mut self,
         peer: usize,
         payload: Payload,
         id: OpId,
     ) -> Result<u64, CommError> {
-        self.queue_job(peer, payload, id, true)
-            .map(|ticket| ticket.unwrap_or_default())
-    }
-
-    /// As [`TcpCommunicator::push`], but returns `None` (the payload dropped) instead of
-    /// waiting when the link's queue is full (TCP-8 never waits for room mid-step).
-    pub(super) fn try_push(
-        &mut self,
-        peer: usize,
-        payload: Payload,
-        id: OpId,
-    ) -> Result<Option<u64>, CommError> {
-        self.queue_job(peer, payload, id, false)
-    }
-
-    /// Queues a job, waiting for room if `block`; `Ok(None)` only when not blocking and full.
-    fn queue_job(
-        &mut self,
-        peer: usize,
-        payload: Payload,
-        id: OpId,
-        block: bool,
-    ) -> Result<Option<u64>, CommError> {
         let Some(link) = self.peers.get_mut(peer).and_then(Option::as_mut) else {
             return Err(self.out_of_step(peer, id, "no link to this rank".into()));
         };
@@ -44,22 +20,13 @@ impl TcpCommunicator {
             payload,
             deadline: id.deadline,
         };
-        // Some(true): queued; Some(false): full (not blocking); None: the thread is gone.
-        let sent = link.sender.queue.as_ref().and_then(|q| match block {
-            true => q.send(job).ok().map(|()| true),
-            false => match q.try_send(job) {
-                Ok(()) => Some(true),
-                Err(TrySendError::Full(_)) => Some(false),
-                Err(TrySendError::Disconnected(_)) => None,
-            },
-        });
+        let sent = link.sender.queue.as_ref().map(|q| q.send(job));
         match sent {
-            Some(true) => {
+            Some(Ok(())) => {
                 link.sender.issued = ticket;
-                Ok(Some(ticket))
+                Ok(ticket)
             }
-            Some(false) => Ok(None),
-            None => {
+            _ => {
                 let progress = Arc::clone(&link.sender.progress);
                 let state = lock(&progress.state);
                 let error = state.error.as_ref().map(|e| self.link_error(peer, id, e));

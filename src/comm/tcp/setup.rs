@@ -185,6 +185,7 @@ impl TcpGroup {
             plan_cache: None,
             data_bytes_sent: 0,
             forwarded_parts: 0,
+            forwards: config.comm.link.is_none(),
         };
         Ok(TcpGroup { comm })
     }

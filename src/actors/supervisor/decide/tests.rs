@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 
 use super::*;
-use crate::actors::spawner::Rejoin;
+use crate::actors::spawner::{Rejoin, StateKeeping};
 use crate::mesh::Rank;
 use crate::recovery::OnReplicaLoss;
 
@@ -151,10 +151,14 @@ proptest! {
             policy.on_replica_loss = OnReplicaLoss::Shrink;
         }
         policy.roll_back = roll_back;
+        let keeping = StateKeeping {
+            sharded: !replicated_state,
+            ..StateKeeping::default()
+        };
         let caps = if replicas_only {
-            Capabilities::data_parallel(replicated_state, Rejoin::Regroup)
+            Capabilities::data_parallel(keeping, Rejoin::Regroup)
         } else {
-            Capabilities::pipeline(replicated_state, None, 2)
+            Capabilities::pipeline(keeping, None, 2)
         };
         let f = Failure {
             stage_of: &stage_of,
@@ -297,7 +301,7 @@ proptest! {
             fixed_size: fixed.then_some("the strategy's reason"),
             micro_batches: (!replicas_only).then_some(micro),
             rejoin: if replicas_only { Rejoin::Regroup } else { Rejoin::Rewire },
-            ..Capabilities::data_parallel(true, Rejoin::Regroup)
+            ..Capabilities::data_parallel(StateKeeping::default(), Rejoin::Regroup)
         };
         // A mesh's micro-batches weigh 1 / (m · replicas): only sizes that cut the batch.
         let uneven = !replicas_only && n > 0 && global % (n * micro as usize) != 0;
