@@ -127,6 +127,15 @@ pub(crate) struct StateKeeping {
 }
 
 impl StateKeeping {
+    /// From `(sharded, compressed, local)`, as a replica's spec reports them.
+    pub(crate) fn of((sharded, compressed, local): (bool, bool, bool)) -> Self {
+        StateKeeping {
+            sharded,
+            compressed,
+            local,
+        }
+    }
+
     /// Every replica holds the whole training state: none of it is sharded or the rank's own.
     pub(crate) fn replicated(self) -> bool {
         !self.sharded && !self.compressed && !self.local

@@ -8,6 +8,7 @@ use ractor::Actor;
 
 use super::{
     Capabilities, Grow, GrowArgs, GrowStage, Rejoin, SpawnContext, SpawnFuture, Spawned, Spawner,
+    StateKeeping,
 };
 use crate::actors::group::{GroupActor, GroupArgs};
 use crate::actors::stage::{StageActor, StageArgs, StageSpec};
@@ -27,7 +28,7 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::data_parallel(self.spec.keeping(), Rejoin::Regroup)
+        Capabilities::data_parallel(StateKeeping::of(self.spec.keeping()), Rejoin::Regroup)
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {

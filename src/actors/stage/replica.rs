@@ -111,13 +111,15 @@ impl MixedPrecision {
 }
 
 impl<M, I> StageSpec<M, I> {
-    /// How the replicas keep their training state (what their capabilities derive from).
-    pub(crate) fn keeping(&self) -> crate::actors::spawner::StateKeeping {
-        crate::actors::spawner::StateKeeping {
-            sharded: self.zero.shards_optimizer(),
-            compressed: self.compression.is_on(),
-            local: self.local.is_some(),
-        }
+    /// How the replicas keep their training state: (ZeRO shards it, compression keeps a
+    /// residual, local updates a rank's own parameters). The spawners' `StateKeeping` is made
+    /// of it (the spawner imports the stage, not the other way round: LAYER-2).
+    pub(crate) fn keeping(&self) -> (bool, bool, bool) {
+        (
+            self.zero.shards_optimizer(),
+            self.compression.is_on(),
+            self.local.is_some(),
+        )
     }
 }
 

@@ -20,7 +20,10 @@ where
     I: Send + Sync + 'static,
 {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::data_parallel(self.spec.keeping(), Rejoin::Reconnect)
+        Capabilities::data_parallel(
+            crate::actors::spawner::StateKeeping::of(self.spec.keeping()),
+            Rejoin::Reconnect,
+        )
     }
 
     fn spawn(self: Box<Self>, cx: SpawnContext) -> SpawnFuture<M> {
