@@ -97,9 +97,7 @@ impl TcpCommunicator {
                         for piece in narrow_pieces(range, self.world) {
                             // SAFETY: the piece lies in the range, in the buffer (PLAN-1 and
                             // the plan tests); with `keep` no borrowed send reads it any more.
-                            let values = unsafe {
-                                std::slice::from_raw_parts_mut(base.add(piece.start), piece.len())
-                            };
+                            let values = unsafe { part(base, &piece) };
                             let bytes = narrow_to_bytes(dtype, values);
                             if keep {
                                 // COMM-9: the sender keeps the value it sent.
@@ -111,24 +109,9 @@ impl TcpCommunicator {
                         continue;
                     }
                     // SAFETY: the range lies in the buffer (PLAN-1 and the plan tests).
-                    let bytes = unsafe {
-                        std::slice::from_raw_parts(
-                            base.add(range.start).cast::<u8>(),
-                            range.len() * 4,
-                        )
+                    unsafe {
+                        self.send_range(base, range.clone(), (to.index(), mode), &mut borrowed, id)?
                     };
-                    let payload = match mode {
-                        SendMode::Borrow => Payload::Borrowed(RawBytes {
-                            ptr: bytes.as_ptr(),
-                            len: bytes.len(),
-                        }),
-                        SendMode::Copy => Payload::Owned(bytes.to_vec()),
-                    };
-                    self.data_bytes_sent += (range.len() * 4) as u64;
-                    let ticket = self.push(to.index(), payload, id)?;
-                    if mode == SendMode::Borrow {
-                        borrowed.push((to.index(), ticket, range.clone()));
-                    }
                 }
                 Step::RecvReduce { from, range } | Step::RecvCopy { from, range } => {
                     self.wait_overlapping(&mut borrowed, range, id)?;
@@ -174,10 +157,7 @@ impl TcpCommunicator {
                 Step::Finish { range } => {
                     self.wait_overlapping(&mut borrowed, range, id)?;
                     // SAFETY: as above.
-                    let values = unsafe {
-                        std::slice::from_raw_parts_mut(base.add(range.start), range.len())
-                    };
-                    finish(values, op, self.world);
+                    finish(unsafe { part(base, range) }, op, self.world);
                 }
                 Step::ReducePeers { .. } | Step::CopyFrom { .. } | Step::Barrier => {
                     unreachable!("TCP-2: a TCP group runs ring and tree plans only")
@@ -220,30 +200,57 @@ impl TcpCommunicator {
         op: Option<ReduceOp>,
         id: OpId,
     ) -> Result<(), CommError> {
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let mut got = 0;
+        let mut result = Ok(());
+        while got < range.len() && result.is_ok() {
+            // SAFETY: forwarded.
+            result = unsafe { self.recv_f32_frame(peer, base, range, got, op, &mut scratch, id) }
+                .map(|n| got += n);
+        }
+        self.scratch = scratch;
+        result
+    }
+
+    /// Reads the next frame of a step that receives `range` (f32s) from `peer`, `got` of its
+    /// elements already in, into the buffer at `base`: reduced with `op` (through `scratch`),
+    /// or copied when `op` is `None`. Returns the elements the frame carried.
+    ///
+    /// # Safety
+    /// `range` of the buffer at `base` is this rank's to write now.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn recv_f32_frame(
+        &mut self,
+        peer: usize,
+        base: *mut f32,
+        range: &Range<usize>,
+        got: usize,
+        op: Option<ReduceOp>,
+        scratch: &mut Vec<f32>,
+        id: OpId,
+    ) -> Result<usize, CommError> {
         // SAFETY: forwarded.
         let dst = unsafe { base.add(range.start) };
-        let expected = range.len() * 4;
-        let mut scratch = std::mem::take(&mut self.scratch);
-        let result = match op {
+        let (got, left) = (got * 4, (range.len() - got) * 4);
+        let bytes = match op {
             Some(op) => {
                 let mut sink = ReduceSink {
                     dst,
-                    base: 0,
-                    scratch: &mut scratch,
+                    base: got,
+                    scratch,
                     op,
                 };
-                self.recv_bytes(peer, expected, 4, &mut sink, id)
+                self.recv_frame(peer, left, 4, &mut sink, id)
             }
             None => {
                 let mut sink = CopySink {
                     dst: dst.cast::<u8>(),
-                    base: 0,
+                    base: got,
                 };
-                self.recv_bytes(peer, expected, 4, &mut sink, id)
+                self.recv_frame(peer, left, 4, &mut sink, id)
             }
-        };
-        self.scratch = scratch;
-        result
+        }?;
+        Ok(bytes / 4)
     }
 
     /// Receives `range` of a 16-bit op's values from `peer` as 16-bit elements and widens
@@ -348,44 +355,36 @@ impl TcpCommunicator {
         borrowed: &mut Vec<(usize, u64, Range<usize>)>,
         id: OpId,
     ) -> Result<(), CommError> {
-        // SAFETY: forwarded.
-        let dst = unsafe { base.add(range.start) };
-        let expected = range.len() * 4;
         let least = forward_part(range.len(), self.world);
         let mut scratch = std::mem::take(&mut self.scratch);
         // Elements of the range received (`filled`) and sent on (`sent`).
         let (mut filled, mut sent) = (range.start, range.start);
         let mut result = Ok(());
         while filled < range.end && result.is_ok() {
-            let got = (filled - range.start) * 4;
-            let frame = match op {
-                Some(op) => {
-                    let mut sink = ReduceSink {
-                        dst,
-                        base: got,
-                        scratch: &mut scratch,
-                        op,
-                    };
-                    self.recv_frame(peer, expected - got, 4, &mut sink, id)
-                }
-                None => {
-                    let mut sink = CopySink {
-                        dst: dst.cast::<u8>(),
-                        base: got,
-                    };
-                    self.recv_frame(peer, expected - got, 4, &mut sink, id)
-                }
+            // SAFETY: forwarded.
+            let frame = unsafe {
+                self.recv_f32_frame(
+                    peer,
+                    base,
+                    range,
+                    filled - range.start,
+                    op,
+                    &mut scratch,
+                    id,
+                )
             };
             result = frame.and_then(|n| {
-                let arrived = filled..filled + n / 4;
+                let arrived = filled..filled + n;
                 filled = arrived.end;
                 if let Some(op) = forward.finish {
                     // SAFETY: the part lies in the range, which this rank owns now.
                     finish(unsafe { part(base, &arrived) }, op, self.world);
                 }
                 if filled - sent >= least || filled == range.end {
+                    let to = (forward.to, forward.mode);
                     // SAFETY: as above; the part is recorded in `borrowed`.
-                    unsafe { self.send_on(base, sent..filled, forward, borrowed, id)? };
+                    unsafe { self.send_range(base, sent..filled, to, borrowed, id)? };
+                    self.forwarded_parts += 1;
                     sent = filled;
                 }
                 Ok(())
@@ -395,22 +394,23 @@ impl TcpCommunicator {
         result
     }
 
-    /// Queues `sent` of the buffer at `base` for `forward.to`.
+    /// Queues `range` of the buffer at `base` for the link to `to.0`, from the buffer itself
+    /// (`Borrow`, recorded in `borrowed`) or as a copy (`to.1`, TCP-3).
     ///
     /// # Safety
-    /// `sent` of the buffer at `base` is this rank's and stays unwritten until its send
-    /// completes (it is recorded in `borrowed`).
-    unsafe fn send_on(
+    /// `range` lies in the buffer at `base`; borrowed, it stays unwritten until its send
+    /// completes (`wait_overlapping`).
+    unsafe fn send_range(
         &mut self,
         base: *mut f32,
-        sent: Range<usize>,
-        forward: &Forward,
+        range: Range<usize>,
+        (to, mode): (usize, SendMode),
         borrowed: &mut Vec<(usize, u64, Range<usize>)>,
         id: OpId,
     ) -> Result<(), CommError> {
         // SAFETY: forwarded.
-        let bytes = bytes_of(&*unsafe { part(base, &sent) });
-        let payload = match forward.mode {
+        let bytes = bytes_of(&*unsafe { part(base, &range) });
+        let payload = match mode {
             SendMode::Borrow => Payload::Borrowed(RawBytes {
                 ptr: bytes.as_ptr(),
                 len: bytes.len(),
@@ -418,10 +418,9 @@ impl TcpCommunicator {
             SendMode::Copy => Payload::Owned(bytes.to_vec()),
         };
         self.data_bytes_sent += bytes.len() as u64;
-        self.forwarded_parts += 1;
-        let ticket = self.push(forward.to, payload, id)?;
-        if forward.mode == SendMode::Borrow {
-            borrowed.push((forward.to, ticket, sent));
+        let ticket = self.push(to, payload, id)?;
+        if mode == SendMode::Borrow {
+            borrowed.push((to, ticket, range));
         }
         Ok(())
     }
