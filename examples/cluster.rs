@@ -28,12 +28,13 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Device, Tensor};
 use meshwork::cluster::control::{
     self, ClusterSecret, FingerprintFn, Head, HeadConfig, HostArgs, HostFactory, Incompatibility,
-    JobSpec, ModelRegistry, ModelSpec, NodeConfig, PipelineShape,
+    JobSpec, ModelRegistry, ModelSpec, NodeConfig,
 };
 use meshwork::cluster::remote::ClusterMesh;
 use meshwork::demo::{Sample, TeacherTask, batch_tensors, mlp_pipeline};
 use meshwork::device::{BackendKind, MeshDevice};
-use meshwork::job::{Job, JobBuilder, PipelineModel, Schedule};
+use meshwork::job::{Job, JobBuilder, JobConfig, PipelineModel, Schedule};
+use meshwork::job_config::PipelineConfig;
 // ANCHOR_END: imports
 
 const JOB: &str = "example";
@@ -102,8 +103,8 @@ fn widths(spec: &JobSpec) -> Result<[usize; 3], Incompatibility> {
 
 // ANCHOR: job
 /// The job, built the same way in every process: the head drives it, each node trains its
-/// replica with it. Everything that shapes training comes from the spec the head sends; the
-/// data is built (or read) by every process itself.
+/// replica with it. Everything that shapes training is the description the head sends
+/// (`spec.job`); the data is built (or read) by every process itself.
 fn job(spec: &JobSpec) -> Result<JobBuilder<Regressor, Sample>, Incompatibility> {
     let (widths, device, task) = model_parts(spec)?;
     Ok(settings(Job::builder(), spec, &task)
@@ -114,7 +115,7 @@ fn job(spec: &JobSpec) -> Result<JobBuilder<Regressor, Sample>, Incompatibility>
 /// The same job as a pipeline: each of the model's two layers a stage on its own node.
 fn pipeline_job(
     spec: &JobSpec,
-    shape: &PipelineShape,
+    shape: &PipelineConfig,
 ) -> Result<JobBuilder<PipelineModel, Sample>, Incompatibility> {
     let (widths, device, task) = model_parts(spec)?;
     if shape.stages != 2 {
@@ -124,10 +125,11 @@ fn pipeline_job(
     }
     let blocks = mlp_pipeline(&widths, &[1, 1], &device)
         .ok_or_else(|| Incompatibility::Other("a block per stage".into()))?;
-    let schedule = Schedule::OneFOneB {
-        micro_batches: shape.micro_batches,
-    };
-    Ok(settings(Job::builder(), spec, &task).pipeline(blocks, schedule))
+    Ok(settings(
+        Job::builder().pipeline(blocks, shape.schedule),
+        spec,
+        &task,
+    ))
 }
 
 /// The model's widths, the seeded device every process initializes it on, and the task.
@@ -136,12 +138,12 @@ fn model_parts(spec: &JobSpec) -> Result<([usize; 3], Device, TeacherTask), Inco
     let device = MeshDevice::of_kind(BackendKind::Flex, 1)
         .map_err(|e| Incompatibility::Other(e.to_string()))?
         .remove(0);
-    device.burn().seed(spec.seed);
+    device.burn().seed(spec.job.seed);
     let task = TeacherTask {
         d_in: widths[0],
         d_out: widths[2],
         noise: 0.1,
-        seed: spec.seed,
+        seed: spec.job.seed,
     };
     Ok((widths, device.burn().clone(), task))
 }
@@ -152,12 +154,11 @@ fn settings<M: Send + 'static>(
     spec: &JobSpec,
     task: &TeacherTask,
 ) -> JobBuilder<M, Sample> {
-    // The spec's settings (seed, batch, steps, rate, precision, strategy): every process
-    // trains alike; the data and the optimizer are this program's own.
+    // The head's whole description (seed, batch, steps, optimizer and rate, the pipeline's
+    // schedule, every strategy): every process trains alike; the data is this program's own.
     builder
+        .with_config(spec.job.clone())
         .data(task.dataset(4096))
-        .optimizer(AdamConfig::new())
-        .follow_spec(spec)
 }
 
 /// The model kinds this program trains: one, its own. A node fingerprints and builds the kind a
@@ -169,12 +170,9 @@ fn models() -> ModelRegistry {
 /// How a node builds its stages once the head prepared it: replicas, or pipeline stages.
 fn stages() -> HostFactory {
     Arc::new(|args: HostArgs| {
-        let host = match &args.spec.pipeline {
+        let host = match args.spec.job.pipeline {
             None => job(&args.spec).map(|j| j.stage_host(args)),
-            Some(shape) => {
-                let shape = shape.clone();
-                pipeline_job(&args.spec, &shape).map(|j| j.stage_host(args))
-            }
+            Some(shape) => pipeline_job(&args.spec, &shape).map(|j| j.stage_host(args)),
         };
         host.map_err(|e| e.to_string())?.map_err(|e| e.to_string())
     })
@@ -207,29 +205,23 @@ async fn node(head: String, secret: ClusterSecret) -> Result<(), Box<dyn std::er
 
 // ANCHOR: head
 /// The job: the program's model, one replica per node, or (`pipelined`) one pipeline stage per
-/// node.
+/// node, described once (the same value a `JobBuilder`'s setters fill, or a file holds).
 fn the_spec(pipelined: bool) -> JobSpec {
-    JobSpec {
-        model: model_spec([32, 64, 4]),
+    let mut job = JobConfig {
         seed: 1,
-        batch_size: 64,
+        batch_size: Some(64),
         steps: 30,
+        optimizer: AdamConfig::new().into(),
         learning_rate: 3e-3,
-        collective_timeout_ms: 20_000,
-        zero: 0,
-        precision: Default::default(),
-        low_precision_gradients: false,
-        strategy: Default::default(),
-        backend: meshwork::device::BackendKind::Flex,
-        transport: Default::default(),
         // A pipeline of one stage per node: a 1 × 2 dp × pp mesh.
-        pipeline: pipelined.then(|| PipelineShape {
+        pipeline: pipelined.then_some(PipelineConfig {
             stages: NODES as u32,
-            schedule: "1f1b".into(),
-            micro_batches: 4,
-            virtual_stages: 1,
+            schedule: Schedule::OneFOneB { micro_batches: 4 },
         }),
-    }
+        ..JobConfig::default()
+    };
+    job.comm.timeout = Duration::from_secs(20);
+    JobSpec::new(model_spec([32, 64, 4]), job, BackendKind::Flex)
 }
 
 /// The head: listen on `listen`, start this program as its nodes when `start`, wait for the
@@ -240,7 +232,7 @@ async fn head(
     listen: &str,
     start: bool,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let pipelined = spec.pipeline.is_some();
+    let pipelined = spec.job.pipeline.is_some();
     let mut head = Head::start(HeadConfig::new(listen, JOB, secret)).await?;
     let children = if start {
         start_nodes(head.local_addr())?
@@ -259,7 +251,7 @@ async fn head(
         .await?;
     // Every rank on a node (the head holds none).
     let mesh = ClusterMesh::new(&world, &head.node_handles(), None)?;
-    let summary = match &spec.pipeline {
+    let summary = match &spec.job.pipeline {
         None => {
             let handle = job(&spec)?.cluster(mesh).build()?.spawn();
             handle.await?.join().await.map(|t| t.summary)
@@ -297,10 +289,8 @@ async fn under_mpi(secret: ClusterSecret) -> Result<(), Box<dyn std::error::Erro
     let launched = rendezvous::from_mpi(world, |k| std::env::var(k).ok())?;
     match launched.role() {
         Role::Head { listen, .. } => {
-            let spec = JobSpec {
-                transport: meshwork::comm::DataTransport::Mpi,
-                ..the_spec(false)
-            };
+            let mut spec = the_spec(false);
+            spec.job.transport = meshwork::comm::DataTransport::Mpi;
             head(secret, spec, &listen, false).await
         }
         Role::Node { join, .. } => node(join, secret).await,

@@ -303,9 +303,11 @@ impl fmt::Display for CollectiveKind {
 }
 
 /// Settings of a group; every communicator starts from these and may override them.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct CommConfig {
     /// How long one op may wait for its peers before it fails with [`CommError::Timeout`].
+    #[serde(with = "crate::config::duration")]
     pub timeout: Duration,
     /// The algorithm collectives use unless a communicator overrides it.
     pub algorithm: Algorithm,

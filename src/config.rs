@@ -6,3 +6,122 @@
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct InvalidConfig(pub String);
+
+/// A [`Duration`](std::time::Duration) as a file states it: `"60s"`, `"250ms"`, `"1.5s"`,
+/// `"5m"`, `"2h"` (or a number of seconds) in a human-readable format (TOML, JSON); as
+/// Duration's own encoding in a binary one (bincode on the control plane), so the wire is
+/// unchanged. Use with `#[serde(with = "crate::config::duration")]`.
+pub mod duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serialize, Serializer, de};
+
+    /// Writes `d` as `"<n>ms"` or `"<n>s"` (exact: whole milliseconds or seconds; a finer
+    /// duration as `"<n>ns"`).
+    pub fn serialize<S: Serializer>(d: &Duration, to: S) -> Result<S::Ok, S::Error> {
+        if !to.is_human_readable() {
+            return d.serialize(to);
+        }
+        to.serialize_str(&text(*d))
+    }
+
+    /// The text a duration is written as.
+    pub fn text(d: Duration) -> String {
+        let nanos = d.as_nanos();
+        if nanos.is_multiple_of(1_000_000_000) {
+            format!("{}s", d.as_secs())
+        } else if nanos.is_multiple_of(1_000_000) {
+            format!("{}ms", d.as_millis())
+        } else {
+            format!("{nanos}ns")
+        }
+    }
+
+    /// Reads a duration with a unit (`ns`, `us`, `ms`, `s`, `m`, `h`) or a number of seconds.
+    pub fn deserialize<'de, D: Deserializer<'de>>(from: D) -> Result<Duration, D::Error> {
+        if !from.is_human_readable() {
+            return Duration::deserialize(from);
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Given {
+            Seconds(f64),
+            Text(String),
+        }
+        let seconds = match Given::deserialize(from)? {
+            Given::Seconds(s) => s,
+            Given::Text(t) => parse(&t).map_err(de::Error::custom)?,
+        };
+        if !(seconds >= 0.0 && seconds.is_finite() && seconds < 1e12) {
+            return Err(de::Error::custom(format!(
+                "{seconds} s: a duration of at least 0 and below 10^12 s"
+            )));
+        }
+        Ok(Duration::from_secs_f64(seconds))
+    }
+
+    /// Seconds in `text` (`"1.5s"`, `"250ms"`, `"5m"`).
+    fn parse(text: &str) -> Result<f64, String> {
+        let t = text.trim();
+        let split = t
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(t.len());
+        let (number, unit) = t.split_at(split);
+        let scale = match unit.trim() {
+            "ns" => 1e-9,
+            "us" | "µs" => 1e-6,
+            "ms" => 1e-3,
+            "" | "s" => 1.0,
+            "m" | "min" => 60.0,
+            "h" => 3600.0,
+            _ => f64::NAN,
+        };
+        match number.parse::<f64>() {
+            Ok(n) if !scale.is_nan() => Ok(n * scale),
+            _ => Err(format!(
+                "\"{text}\": a duration such as \"250ms\", \"60s\", \"5m\" or \"2h\""
+            )),
+        }
+    }
+}
+
+/// An `Option` whose default is `Some`, as a file states it: `"off"` for `None`, the value
+/// itself for `Some` (a missing key keeps the default, so `None` needs a word of its own). In
+/// a binary format, the `Option` as it is.
+pub mod on_by_default {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer, de};
+
+    /// Writes `None` as `"off"`.
+    pub fn serialize<S: Serializer, T: Serialize>(
+        value: &Option<T>,
+        to: S,
+    ) -> Result<S::Ok, S::Error> {
+        match value {
+            _ if !to.is_human_readable() => value.serialize(to),
+            None => to.serialize_str("off"),
+            Some(v) => v.serialize(to),
+        }
+    }
+
+    /// Reads `"off"` as `None`, anything else as the value.
+    pub fn deserialize<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+        from: D,
+    ) -> Result<Option<T>, D::Error> {
+        if !from.is_human_readable() {
+            return Option::<T>::deserialize(from);
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Given<T> {
+            Word(String),
+            Value(T),
+        }
+        match Given::<T>::deserialize(from)? {
+            Given::Word(w) if w == "off" => Ok(None),
+            Given::Word(w) => Err(de::Error::custom(format!(
+                "\"{w}\": \"off\", or the settings as a table"
+            ))),
+            Given::Value(v) => Ok(Some(v)),
+        }
+    }
+}

@@ -50,19 +50,18 @@ use crate::recovery::RecoveryPolicy;
 mod build;
 mod builder;
 mod events;
+#[cfg(test)]
 mod fault_tolerance;
 mod handle;
 mod local_updates;
 mod plan;
 mod profile;
 pub use events::{EventStream, EventsError};
-pub use fault_tolerance::FaultTolerance;
 pub use handle::{JobControl, JobHandle, JobStopper};
 pub use plan::JobPlan;
 pub use profile::{Profile, ProfileRuns, profile};
 
-/// Default size of a gradient bucket (PyTorch DDP's default).
-pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
+pub use crate::job_config::{DEFAULT_BUCKET_BYTES, FaultTolerance, JobConfig};
 
 /// A configured job, ready to spawn.
 pub struct Job<M, I> {
@@ -131,52 +130,29 @@ impl<M, I> std::fmt::Debug for Job<M, I> {
 ///     .build()?
 /// ```
 pub struct JobBuilder<M, I> {
+    /// Every setting that decides how the job trains (CONF-1): what the setters fill and
+    /// `build()` reads.
+    config: JobConfig,
     model: Option<ModelFn<M>>,
     loss: Option<LossFn<M, I>>,
     /// Spawns data-parallel replicas of `model` (set with it, where `M` is a Burn module).
     replicas: Option<SpawnReplicas<M, I>>,
-    /// The pipeline's stages, schedule and how to spawn them.
+    /// The pipeline's (or block job's) blocks and how to spawn them; whether they run as a
+    /// pipeline is the config's (`JobConfig::pipeline`).
     pipeline: Option<PipelineParts<M, I>>,
     data: Option<Arc<dyn Dataset<Item = I>>>,
-    optimizer: OptimizerConfig,
-    learning_rate: LearningRate,
-    dp: u32,
-    /// The tensor-parallel degree (`tensor_parallel`).
-    tp: u32,
     devices: Option<Vec<MeshDevice>>,
-    batch_size: Option<usize>,
-    accumulation: u32,
-    bucket_bytes: usize,
-    clip_norm: Option<f32>,
-    zero: ZeroStage,
-    compression: Compression,
-    local_updates: Option<LocalUpdates>,
-    /// The parameter server's settings, the backup workers, and how to spawn them (set with
-    /// the model, where `M` is a Burn module): a job with either trains through the server.
-    parameter_server: (
-        Option<ParameterServer>,
-        Option<u32>,
-        Option<SpawnServer<M, I>>,
-    ),
-    mixed: MixedPrecision,
-    blocks_in_flight: usize,
-    steps: u64,
-    seed: u64,
-    non_finite: NonFinitePolicy,
-    comm: CommConfig,
-    step_timeout: Duration,
-    event_capacity: usize,
-    faults: Option<Arc<FaultHooks>>,
-    recovery: RecoveryPolicy,
-    checkpoint_dir: Option<std::path::PathBuf>,
+    /// A learning-rate scheduler the program built (`LrSchedule::Program`): not in the
+    /// description.
+    program_lr: Option<LearningRate>,
+    /// Checkpoints through the program's own store instead of `checkpoints.dir`.
     checkpoint_sink: Option<Arc<dyn CheckpointSink>>,
-    checkpoint_every: Option<u64>,
-    keep_checkpoints: usize,
-    resume: bool,
-    require_checkpoint: bool,
-    elastic: (u32, u32),
-    elastic_wait: Duration,
-    stragglers: Option<crate::stragglers::StragglerDetection>,
+    /// How to spawn a parameter-server job of `model` (set with it, where `M` is a Burn
+    /// module).
+    ps_spawn: Option<SpawnServer<M, I>>,
+    /// The injected faults' hooks, made from the config's plan when the job is built (one
+    /// set shared by the Supervisor and every stage).
+    faults: Option<Arc<FaultHooks>>,
     /// A job across processes: the world it trains on (`JobBuilder::cluster`).
     #[cfg(feature = "cluster")]
     cluster: Option<crate::cluster::remote::ClusterMesh>,
@@ -186,13 +162,6 @@ pub struct JobBuilder<M, I> {
     /// How a parameter-server job of `model` runs across processes (set with it).
     #[cfg(feature = "cluster")]
     ps_cluster: Option<PsClusterFns<M, I>>,
-    /// What in a job spec this builder followed cannot configure a job (`follow_spec`):
-    /// reported by `build` and `check_across_processes`.
-    #[cfg(feature = "cluster")]
-    spec_problem: Option<String>,
-    /// What moves the data plane's bytes across processes (the job spec's; `follow_spec`).
-    #[cfg(feature = "cluster")]
-    transport: crate::comm::DataTransport,
 }
 
 /// What a parameter-server job's server runs with: its mode, its update rule and rate.
@@ -250,8 +219,6 @@ fn check_batch(global: usize, dp: usize, k: usize) -> Result<()> {
 /// What `.pipeline(..)` sets.
 struct PipelineParts<M, I> {
     stages: PipelineStages<I>,
-    /// `None`: a block job (`JobBuilder::blocks`), one stage running every block in turn.
-    schedule: Option<Schedule>,
     spawn: fn(Arc<PipelineSpec<I>>) -> Box<dyn Spawner<M>>,
     #[cfg(feature = "cluster")]
     cluster: ClusterFns<PipelineSpec<I>, M>,
@@ -260,9 +227,7 @@ struct PipelineParts<M, I> {
 impl<M, I> std::fmt::Debug for JobBuilder<M, I> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("JobBuilder")
-            .field("dp", &self.dp)
-            .field("batch_size", &self.batch_size)
-            .field("steps", &self.steps)
+            .field("config", &self.config)
             .finish_non_exhaustive()
     }
 }
@@ -277,53 +242,23 @@ where
     /// 10 min step time-out.
     pub fn builder() -> JobBuilder<M, I> {
         JobBuilder {
+            config: JobConfig::default(),
             model: None,
             loss: None,
             replicas: None,
             pipeline: None,
             data: None,
-            optimizer: OptimizerConfig::Sgd(burn::optim::SgdConfig::new()),
-            learning_rate: LearningRate::Constant(0.01),
-            dp: 1,
             devices: None,
-            batch_size: None,
-            accumulation: 1,
-            bucket_bytes: DEFAULT_BUCKET_BYTES,
-            clip_norm: None,
-            zero: ZeroStage::Off,
-            compression: Compression::None,
-            local_updates: None,
-            parameter_server: (None, None, None),
-            mixed: MixedPrecision::default(),
-            blocks_in_flight: 1,
-            tp: 1,
-            steps: 100,
-            seed: 0,
-            non_finite: NonFinitePolicy::Stop,
-            comm: CommConfig::default(),
-            step_timeout: Duration::from_secs(600),
-            event_capacity: 1024,
-            faults: None,
-            recovery: RecoveryPolicy::default(),
-            checkpoint_dir: None,
+            program_lr: None,
             checkpoint_sink: None,
-            checkpoint_every: None,
-            keep_checkpoints: 3,
-            resume: false,
-            require_checkpoint: false,
-            elastic: (1, u32::MAX),
-            elastic_wait: Duration::from_secs(300),
-            stragglers: Some(crate::stragglers::StragglerDetection::default()),
+            ps_spawn: None,
+            faults: None,
             #[cfg(feature = "cluster")]
             cluster: None,
             #[cfg(feature = "cluster")]
             replica_cluster: None,
             #[cfg(feature = "cluster")]
             ps_cluster: None,
-            #[cfg(feature = "cluster")]
-            spec_problem: None,
-            #[cfg(feature = "cluster")]
-            transport: Default::default(),
         }
     }
 

@@ -18,6 +18,7 @@ pub mod error;
 pub mod events;
 pub mod faults;
 pub mod job;
+pub mod job_config;
 pub mod kernels;
 pub mod mesh;
 pub mod optim;

@@ -20,7 +20,11 @@
 use burn::lr_scheduler::LrSchedulerRecord;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
 use burn::lr_scheduler::module_lr_scheduler::ModuleLrScheduler;
+use burn::optim::decay::WeightDecayConfig;
+use burn::optim::grad_clipping::GradientClippingConfig;
+use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, SgdConfig};
+use serde::{Deserialize, Serialize};
 
 use crate::checkpoint::{CheckpointError, LrSchedulerState};
 
@@ -43,6 +47,118 @@ impl OptimizerConfig {
             OptimizerConfig::Sgd(c) => c.init(),
             OptimizerConfig::Adam(c) => c.init(),
             OptimizerConfig::AdamW(c) => c.init(),
+        }
+    }
+}
+
+/// An optimizer as a job description holds it (`job_config`): Burn's own fields, each with
+/// Burn's default when a file leaves it out, and no other key (CONF-2). `{ Adam = {} }` is
+/// `AdamConfig::new()`.
+#[derive(Serialize, Deserialize)]
+enum OptimizerFile {
+    Sgd(SgdFile),
+    Adam(AdamFile),
+    AdamW(AdamWFile),
+}
+
+/// `SgdConfig`'s fields.
+#[derive(Serialize, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+struct SgdFile {
+    weight_decay: Option<WeightDecayConfig>,
+    momentum: Option<MomentumConfig>,
+    gradient_clipping: Option<GradientClippingConfig>,
+}
+
+/// `AdamConfig`'s fields.
+#[derive(Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct AdamFile {
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    amsgrad: bool,
+    weight_decay: Option<WeightDecayConfig>,
+    grad_clipping: Option<GradientClippingConfig>,
+}
+
+impl Default for AdamFile {
+    /// `AdamConfig::new()`'s values.
+    fn default() -> Self {
+        Self {
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-5,
+            amsgrad: false,
+            weight_decay: None,
+            grad_clipping: None,
+        }
+    }
+}
+
+/// `AdamWConfig`'s fields.
+#[derive(Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct AdamWFile {
+    beta_1: f32,
+    beta_2: f32,
+    epsilon: f32,
+    weight_decay: f32,
+    cautious_weight_decay: bool,
+    amsgrad: bool,
+    grad_clipping: Option<GradientClippingConfig>,
+}
+
+impl Default for AdamWFile {
+    /// `AdamWConfig::new()`'s values.
+    fn default() -> Self {
+        Self {
+            beta_1: 0.9,
+            beta_2: 0.999,
+            epsilon: 1e-5,
+            weight_decay: 1e-4,
+            cautious_weight_decay: false,
+            amsgrad: false,
+            grad_clipping: None,
+        }
+    }
+}
+
+/// `from`'s fields as `T` (Burn's config and its file form share field names and types).
+fn same_fields<F: Serialize, T: serde::de::DeserializeOwned>(from: &F) -> Result<T, String> {
+    serde_json::to_value(from)
+        .and_then(serde_json::from_value)
+        .map_err(|e| format!("optimizer settings: {e}"))
+}
+
+impl Serialize for OptimizerConfig {
+    fn serialize<S: serde::Serializer>(&self, to: S) -> Result<S::Ok, S::Error> {
+        let file = match self {
+            OptimizerConfig::Sgd(c) => same_fields(c).map(OptimizerFile::Sgd),
+            OptimizerConfig::Adam(c) => same_fields(c).map(OptimizerFile::Adam),
+            OptimizerConfig::AdamW(c) => same_fields(c).map(OptimizerFile::AdamW),
+        };
+        file.map_err(serde::ser::Error::custom)?.serialize(to)
+    }
+}
+
+impl<'de> Deserialize<'de> for OptimizerConfig {
+    fn deserialize<D: serde::Deserializer<'de>>(from: D) -> Result<Self, D::Error> {
+        let config = match OptimizerFile::deserialize(from)? {
+            OptimizerFile::Sgd(f) => same_fields(&f).map(OptimizerConfig::Sgd),
+            OptimizerFile::Adam(f) => same_fields(&f).map(OptimizerConfig::Adam),
+            OptimizerFile::AdamW(f) => same_fields(&f).map(OptimizerConfig::AdamW),
+        };
+        config.map_err(serde::de::Error::custom)
+    }
+}
+
+/// Two optimizer settings are equal when every hyper-parameter is.
+impl PartialEq for OptimizerConfig {
+    fn eq(&self, other: &Self) -> bool {
+        match (serde_json::to_value(self), serde_json::to_value(other)) {
+            (Ok(a), Ok(b)) => a == b,
+            _ => false,
         }
     }
 }
@@ -71,6 +187,18 @@ pub enum LearningRate {
     /// One of Burn's schedulers (`…LrSchedulerConfig::init()`); every replica steps its own
     /// copy once per optimizer step.
     Scheduler(ModuleLrScheduler),
+    /// [`LearningRate::warmup_cosine`]: Burn's linear then cosine schedulers, with the values
+    /// it was made from, so that a job description can hold it (`job_config::LrSchedule`).
+    WarmupCosine {
+        /// The peak rate.
+        peak: f64,
+        /// Warm-up steps.
+        warmup: usize,
+        /// The step the cosine ends at.
+        total: usize,
+        /// The scheduler itself.
+        scheduler: ModuleLrScheduler,
+    },
 }
 
 impl From<f64> for LearningRate {
@@ -90,7 +218,9 @@ impl LearningRate {
     pub fn next_rate(&mut self) -> ModuleLearningRate {
         match self {
             LearningRate::Constant(lr) => (*lr).into(),
-            LearningRate::Scheduler(s) => s.step(),
+            LearningRate::Scheduler(s) | LearningRate::WarmupCosine { scheduler: s, .. } => {
+                s.step()
+            }
         }
     }
 
@@ -144,7 +274,12 @@ impl LearningRate {
             vec![warmup],
         )
         .init()
-        .map(LearningRate::Scheduler)
+        .map(|scheduler| LearningRate::WarmupCosine {
+            peak,
+            warmup,
+            total,
+            scheduler,
+        })
         .map_err(bad)
     }
 
@@ -152,7 +287,7 @@ impl LearningRate {
     pub fn state(&self) -> Result<Option<LrSchedulerState>, CheckpointError> {
         match self {
             LearningRate::Constant(_) => Ok(None),
-            LearningRate::Scheduler(s) => {
+            LearningRate::Scheduler(s) | LearningRate::WarmupCosine { scheduler: s, .. } => {
                 let bytes =
                     s.to_record()
                         .into_bytes()
@@ -172,8 +307,13 @@ impl LearningRate {
     pub fn restore(&mut self, state: Option<&LrSchedulerState>) -> Result<(), CheckpointError> {
         match (self, state) {
             (LearningRate::Constant(_), _) => Ok(()),
-            (LearningRate::Scheduler(_), None) => Err(CheckpointError::NoLrSchedulerState),
-            (LearningRate::Scheduler(s), Some(state)) => {
+            (LearningRate::Scheduler(_) | LearningRate::WarmupCosine { .. }, None) => {
+                Err(CheckpointError::NoLrSchedulerState)
+            }
+            (
+                LearningRate::Scheduler(s) | LearningRate::WarmupCosine { scheduler: s, .. },
+                Some(state),
+            ) => {
                 let bytes = burn::tensor::Bytes::from_bytes_vec(state.record.clone());
                 let record = LrSchedulerRecord::from_bytes(bytes).map_err(|e| {
                     CheckpointError::LrSchedulerRecord {
@@ -192,6 +332,12 @@ impl std::fmt::Debug for LearningRate {
         match self {
             LearningRate::Constant(lr) => write!(f, "Constant({lr})"),
             LearningRate::Scheduler(_) => write!(f, "Scheduler(..)"),
+            LearningRate::WarmupCosine {
+                peak,
+                warmup,
+                total,
+                ..
+            } => write!(f, "WarmupCosine({peak}, {warmup} of {total} steps)"),
         }
     }
 }

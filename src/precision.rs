@@ -82,6 +82,7 @@ pub const MIN_SCALE: f32 = 1.0 / 65536.0;
 
 /// How a [`LossScaler`] moves its scale (`torch.amp.GradScaler`'s defaults).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct LossScalerConfig {
     /// The first scale (2^16).
     pub init_scale: f32,

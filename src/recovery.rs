@@ -46,6 +46,7 @@ pub enum OnReplicaLoss {
 
 /// How the Supervisor recovers from lost devices.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RecoveryPolicy {
     /// What a lost replica does.
     pub on_replica_loss: OnReplicaLoss,
@@ -54,6 +55,7 @@ pub struct RecoveryPolicy {
     /// At most this many recoveries within `window` (REC-2).
     pub max_restarts: u32,
     /// The restart window.
+    #[serde(with = "crate::config::duration")]
     pub window: Duration,
     /// When nothing else recovers a failure, roll back to the last checkpoint in place
     /// (REC-5).

@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 
 /// When a rank counts as a straggler.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct StragglerDetection {
     /// Steps of history per rank (≥ 1).
     pub window: usize,

@@ -70,6 +70,8 @@ pub(crate) struct PipelineSpec<I> {
     /// Blocks whose gathered parameters may wait for their use at once, the collectives
     /// overlapping the compute (`JobBuilder::blocks_in_flight`; 0: no overlap).
     pub(crate) blocks_in_flight: usize,
+    /// Every block recomputes its forward during its backward (`JobConfig::recompute`).
+    pub(crate) recompute: bool,
     /// The job's start: trace times are measured from it.
     pub(crate) epoch: Instant,
     /// The fault plan's hooks, if the job has one.
@@ -440,6 +442,9 @@ async fn init<I: Send + Sync + 'static>(state: &mut PipelineStageState<I>) -> Re
                     })
                     .expect("the job refuses an optimizer ZeRO cannot shard when it is built");
                     work.set_precision(spec.mixed.precision, spec.mixed.sync(false).wire);
+                    if spec.recompute {
+                        work.recompute_always();
+                    }
                     Ok(work)
                 })
                 .collect();

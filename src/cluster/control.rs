@@ -77,7 +77,7 @@ pub use head::{
 pub use models::ModelRegistry;
 pub use protocol::{
     CodecError, ControlMsg, Hello, Incompatibility, JobSpec, ModelFingerprint, ModelSpec, NodeInfo,
-    NodePhase, PipelineShape, StrategySpec,
+    NodePhase,
 };
 pub use secret::{ClusterSecret, SecretError, secret_from_env};
 pub use stages::{

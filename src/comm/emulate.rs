@@ -31,10 +31,12 @@ use crate::mesh::Rank;
 
 /// The emulated network: every rank's outgoing link, and the slower ones.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LinkEmulation {
     /// Bytes per second each rank's link carries.
     pub bandwidth: f64,
     /// Added to every message.
+    #[serde(with = "crate::config::duration")]
     pub latency: Duration,
     /// Ranks whose link is slower than the others'.
     #[serde(default)]

@@ -15,44 +15,56 @@ where
         let Some(dataset) = self.data.clone() else {
             return invalid("no data: call .data(dataset)".into());
         };
-        let Some(global) = self.batch_size else {
+        let Some(global) = self.config.batch_size else {
             return invalid("no batch size: call .batch_size(global_batch)".into());
         };
-        if self.dp == 0 {
+        if self.config.data_parallel == 0 {
             return invalid("data_parallel(0): use at least 1 replica".into());
         }
-        if self.accumulation == 0 {
+        if self.config.accumulation == 0 {
             return invalid("gradient_accumulation(0): use at least 1 micro-batch".into());
         }
-        if self.bucket_bytes < 4 {
+        if self.config.reduction.bucket_bytes < 4 {
             return invalid("bucket_bytes below one f32: use at least 4 bytes".into());
         }
-        if self.event_capacity == 0 {
+        if self.config.event_capacity == 0 {
             return invalid("event_capacity(0): keep at least 1 event".into());
         }
         self.check_link_and_timeouts()?;
-        if self.zero.shards_optimizer()
-            && let Err(e) = FlatRule::of(&self.optimizer)
+        let zero = self.config.reduction.zero;
+        if zero.shards_optimizer()
+            && let Err(e) = FlatRule::of(&self.config.optimizer)
         {
-            return invalid(format!("zero({:?}): {e}", self.zero));
+            return invalid(format!("zero({zero:?}): {e}"));
         }
         let remote = self.is_remote();
         #[cfg(feature = "cluster")]
-        if let Some(problem) = &self.spec_problem {
-            return invalid(problem.clone());
+        if remote && self.config.lr_schedule == crate::job_config::LrSchedule::Program {
+            // The head's stages step what the nodes' do: a schedule that cannot travel.
+            self.check_across_processes(1)?;
         }
+        let learning_rate = self.learning_rate_now()?;
         // Every refused combination of strategies, from the one table (COMP-1).
         self.plan().check()?;
-        self.check_strategy_values(self.dp)?;
+        self.check_strategy_values(self.config.data_parallel)?;
         let server = parameter_server::check(
-            self.parameter_server.0,
-            self.parameter_server.1,
+            self.config.reduction.parameter_server,
+            self.config.reduction.backup_workers,
             parameter_server::JobShape {
                 workers: self.workers(),
-                optimizer: &self.optimizer,
-                learning_rate: &self.learning_rate,
+                optimizer: &self.config.optimizer,
+                learning_rate: &learning_rate,
             },
         )?;
+        if let Some(plan) = &self.config.fault_tolerance.fault_plan {
+            plan.check()?;
+        }
+        self.faults = self
+            .config
+            .fault_tolerance
+            .fault_plan
+            .clone()
+            .map(FaultHooks::new);
         let (spawn, layout, accumulation) = match self.pipeline.take() {
             Some(p) => self.pipeline_parts(p, global, dataset.clone())?,
             None => self.replica_parts(global, dataset.clone(), server)?,
@@ -76,7 +88,7 @@ where
                 devices.len()
             ));
         }
-        let precision = self.mixed.precision;
+        let precision = self.config.precision.compute;
         let dtype = crate::parallel::autocast::float_dtype(precision);
         if let Some(d) = devices.iter().find(|d| !d.burn().supports_dtype(dtype)) {
             return invalid(format!(
@@ -85,30 +97,28 @@ where
                 d.id()
             ));
         }
-        if let Some(f) = &self.faults {
-            f.plan().check()?;
-            // COMM-8: a corrupted message is only caught where payloads are checked.
-            if f.corrupts_messages() {
-                self.comm.verify_payloads = true;
-            }
+        // COMM-8: a corrupted message is only caught where payloads are checked.
+        let mut comm = self.config.comm.clone();
+        if self.faults.as_ref().is_some_and(|f| f.corrupts_messages()) {
+            comm.verify_payloads = true;
         }
-        let sink = match (self.checkpoint_sink.take(), &self.checkpoint_dir) {
-            (Some(sink), _) => Some(sink),
-            (None, Some(dir)) => Some(Arc::new(CheckpointStore::open(
-                dir.clone(),
-                self.keep_checkpoints,
-            )?) as Arc<dyn CheckpointSink>),
-            (None, None) => None,
-        };
+        let c = &self.config.checkpoints;
+        let sink =
+            match (self.checkpoint_sink.take(), &c.dir) {
+                (Some(sink), _) => Some(sink),
+                (None, Some(dir)) => Some(Arc::new(CheckpointStore::open(dir.clone(), c.keep)?)
+                    as Arc<dyn CheckpointSink>),
+                (None, None) => None,
+            };
 
         let checkpoints = match sink {
             Some(sink) => Some(CheckpointSettings {
                 sink,
-                every: self.checkpoint_every,
-                resume: self.resume,
-                require: self.require_checkpoint,
+                every: c.every,
+                resume: c.resume,
+                require: c.require,
             }),
-            None if self.checkpoint_every.is_some() || self.resume => {
+            None if c.every.is_some() || c.resume => {
                 return invalid(
                     "checkpoint_every or resume without a place for checkpoints: add \
                      .checkpoint_dir(dir)"
@@ -117,27 +127,28 @@ where
             }
             None => None,
         };
-        if self.comm.timeout >= self.step_timeout {
+        if comm.timeout >= self.config.step_timeout {
             return invalid(format!(
                 "collective_timeout {:?} is not below step_timeout {:?}: a rank that never \
                  arrives must be named by its collective before the step gives up",
-                self.comm.timeout, self.step_timeout
+                comm.timeout, self.config.step_timeout
             ));
         }
-        if self.elastic.0 > self.elastic.1 {
+        let ft = &self.config.fault_tolerance;
+        if ft.elastic_min > ft.elastic_max {
             return invalid(format!(
                 "elastic({}, {}): the minimum is above the maximum",
-                self.elastic.0, self.elastic.1
+                ft.elastic_min, ft.elastic_max
             ));
         }
-        if self.checkpoint_every == Some(0) {
+        if c.every == Some(0) {
             return invalid("checkpoint_every(0): use at least 1 step".into());
         }
-        let sampler = DistributedSampler::new(dataset.len(), global, self.seed)?;
+        let sampler = DistributedSampler::new(dataset.len(), global, self.config.seed)?;
         // Last, once nothing else refuses the job: a required checkpoint in a directory that
         // does not exist is missing (the directory is not made for it), and a place checkpoints
         // cannot be written to is refused before any training (CKPT-7).
-        if let (Some(settings), Some(dir)) = (&checkpoints, &self.checkpoint_dir)
+        if let (Some(settings), Some(dir)) = (&checkpoints, &c.dir)
             && settings.require
             && !dir.exists()
         {
@@ -156,19 +167,19 @@ where
                 devices,
                 remote,
                 layout,
-                steps: self.steps,
+                steps: self.config.steps,
                 accumulation,
                 sampler,
-                comm: self.comm,
-                step_timeout: self.step_timeout,
-                event_capacity: self.event_capacity,
+                comm,
+                step_timeout: self.config.step_timeout,
+                event_capacity: self.config.event_capacity,
                 faults: self.faults,
-                recovery: self.recovery,
+                recovery: ft.recovery,
                 checkpoints,
-                seed: self.seed,
-                elastic: self.elastic,
-                elastic_wait: self.elastic_wait,
-                stragglers: self.stragglers,
+                seed: self.config.seed,
+                elastic: (ft.elastic_min, ft.elastic_max),
+                elastic_wait: ft.elastic_wait,
+                stragglers: self.config.stragglers,
             }),
         })
     }
@@ -180,27 +191,41 @@ where
         dataset: Arc<dyn Dataset<Item = I>>,
         server: Option<(parameter_server::Mode, FlatRule, f64)>,
     ) -> Result<(Box<dyn Spawner<M>>, Layout, u32)> {
+        if self.config.recompute {
+            return Err(Error::InvalidConfig(
+                "recompute (activation checkpointing) works per block: give the model as \
+                 blocks with .blocks(stages) or .pipeline(stages, schedule)"
+                    .into(),
+            ));
+        }
+        if let Some(pipeline) = &self.config.pipeline {
+            return Err(Error::InvalidConfig(format!(
+                "the description names a pipeline of {} stage(s), but the model was given \
+                 whole: cut it into blocks with .pipeline(stages, schedule)",
+                pipeline.stages
+            )));
+        }
         let Some(spawn) = self.replicas else {
             return Err(Error::InvalidConfig(
                 "no model: call .model(..) or .initial_model(..), or .pipeline(stages, schedule)"
                     .into(),
             ));
         };
-        if self.tp != 1 {
+        if self.config.tensor_parallel != 1 {
             return Err(Error::InvalidConfig(format!(
                 "tensor_parallel({}) splits blocks: give the model as tensor-parallel blocks \
                  with .blocks(stages) or .pipeline(stages, schedule) instead of .model(..)",
-                self.tp
+                self.config.tensor_parallel
             )));
         }
         #[cfg(feature = "cluster")]
         if let Some(mesh) = self.cluster.take() {
             let world = mesh.world_size() as u32;
-            if self.dp != 1 && self.dp != world {
+            if self.config.data_parallel != 1 && self.config.data_parallel != world {
                 return Err(Error::InvalidConfig(format!(
                     "data_parallel({}) on a cluster of {world} rank(s): a job across processes \
                      has one replica per rank; leave data_parallel unset",
-                    self.dp
+                    self.config.data_parallel
                 )));
             }
             let Some(fns) = self.replica_cluster.take() else {
@@ -208,50 +233,58 @@ where
                     "no model: call .model(..) or .initial_model(..)".into(),
                 ));
             };
-            self.dp = world;
+            self.config.data_parallel = world;
             let spec = self.stage_spec(global, dataset)?;
             let layout = Layout::data_parallel(world)?;
             if let (Some(server), Some(ps)) = (server, self.ps_cluster.take()) {
-                return Ok(((ps.spawn)(mesh, spec, server), layout, self.accumulation));
+                return Ok((
+                    (ps.spawn)(mesh, spec, server),
+                    layout,
+                    self.config.accumulation,
+                ));
             }
-            return Ok(((fns.spawn)(mesh, spec, layout), layout, self.accumulation));
+            return Ok((
+                (fns.spawn)(mesh, spec, layout),
+                layout,
+                self.config.accumulation,
+            ));
         }
         let spec = self.stage_spec(global, dataset)?;
-        if let (Some(server), Some(ps)) = (server, self.parameter_server.2) {
-            let layout = Layout::data_parallel(self.dp)?;
-            return Ok((ps(spec, server), layout, self.accumulation));
+        if let (Some(server), Some(ps)) = (server, self.ps_spawn) {
+            let layout = Layout::data_parallel(self.config.data_parallel)?;
+            return Ok((ps(spec, server), layout, self.config.accumulation));
         }
         Ok((
             spawn(spec),
-            Layout::data_parallel(self.dp)?,
-            self.accumulation,
+            Layout::data_parallel(self.config.data_parallel)?,
+            self.config.accumulation,
         ))
     }
 
     /// JOB-1 of the emulated link, the time-outs and the loss scaler (what a job spec carries
     /// of them is checked by a node too: `check_across_processes`).
     pub(super) fn check_link_and_timeouts(&self) -> Result<()> {
-        if let Some(link) = &self.comm.link
+        if let Some(link) = &self.config.comm.link
             && let Err(e) = link.validate()
         {
             return Err(Error::InvalidConfig(format!("link_emulation: {e}")));
         }
-        if self.comm.timeout.is_zero() || self.step_timeout.is_zero() {
+        if self.config.comm.timeout.is_zero() || self.config.step_timeout.is_zero() {
             return Err(Error::InvalidConfig(
                 "a time-out of zero: use a positive duration".into(),
             ));
         }
-        if self.mixed.precision.scales_loss() {
-            self.mixed.scaler.validate()?;
+        if self.config.precision.compute.scales_loss() {
+            self.config.precision.loss_scaler.validate()?;
         }
         Ok(())
     }
 
     /// JOB-1 of the compression (and its ZeRO stage) and the local updates over `replicas`.
     pub(super) fn check_strategy_values(&self, replicas: u32) -> Result<()> {
-        self.compression.validate()?;
-        if let Some(updates) = &self.local_updates {
-            local_updates::check(updates, replicas, self.steps)?;
+        self.config.reduction.compression.validate()?;
+        if let Some(updates) = &self.config.reduction.local_updates {
+            local_updates::check(updates, replicas, self.config.steps)?;
         }
         Ok(())
     }
@@ -263,7 +296,7 @@ where
         if let Some(mesh) = &self.cluster {
             return mesh.world_size() as u32;
         }
-        self.dp
+        self.config.data_parallel
     }
 
     /// Whether the job runs across processes (`JobBuilder::cluster`).
@@ -290,7 +323,7 @@ where
         let Some(loss_fn) = self.loss.take() else {
             return invalid("no loss: call .loss(|model, samples, device| ..)".into());
         };
-        if self.zero.shards_parameters() {
+        if self.config.reduction.zero.shards_parameters() {
             return invalid(
                 "zero(Three) shards each block's parameters between uses, so it needs the \
                  model as blocks: give it with .blocks(stages) (or .pipeline(..)) instead of \
@@ -298,24 +331,24 @@ where
                     .into(),
             );
         }
-        let dp = self.dp as usize;
-        let k = self.accumulation as usize;
+        let dp = self.config.data_parallel as usize;
+        let k = self.config.accumulation as usize;
         check_batch(global, dp, k)?;
         Ok(Arc::new(StageSpec {
             model_fn,
             loss_fn,
             dataset,
-            optimizer: self.optimizer.clone(),
-            learning_rate: self.learning_rate.clone(),
-            bucket_elems: self.bucket_bytes / 4,
-            clip_norm: self.clip_norm,
-            zero: self.zero,
-            local: self.local_updates,
-            non_finite: self.non_finite,
+            optimizer: self.config.optimizer.clone(),
+            learning_rate: self.learning_rate_now()?,
+            bucket_elems: self.config.reduction.bucket_bytes / 4,
+            clip_norm: self.config.clip_norm,
+            zero: self.config.reduction.zero,
+            local: self.config.reduction.local_updates,
+            non_finite: self.config.non_finite,
             epoch: Instant::now(),
             faults: self.faults.clone(),
-            mixed: self.mixed,
-            compression: self.compression,
+            mixed: self.mixed(),
+            compression: self.config.reduction.compression,
         }))
     }
 
@@ -356,14 +389,15 @@ where
         if let Some(problem) = self.tensor_parallel_problem(&p.stages) {
             return invalid(problem);
         }
-        let Some(schedule) = p.schedule else {
+        let Some(pipeline) = self.config.pipeline else {
             return self.blocks_spec(p.stages, global, dataset, world);
         };
+        let schedule = pipeline.schedule;
         // Accumulation over n passes is the schedule over n times its micro-batches.
-        let Some(schedule) = schedule.accumulated(self.accumulation) else {
+        let Some(schedule) = schedule.accumulated(self.config.accumulation) else {
             return invalid(format!(
                 "gradient_accumulation({}) × {} micro-batches does not fit a step",
-                self.accumulation,
+                self.config.accumulation,
                 schedule.micro_batches()
             ));
         };
@@ -376,15 +410,26 @@ where
             ));
         }
         let pp = (blocks / v) as u32;
+        if pipeline.stages != pp {
+            return invalid(format!(
+                "the description's pipeline has {} stage(s), but {blocks} blocks of {v} virtual \
+                 stage(s) each make {pp}: give stages = {pp}, or cut the model into {} blocks",
+                pipeline.stages,
+                pipeline.stages as usize * v
+            ));
+        }
         if let Some(world) = world {
-            self.dp = self.replicas_in(world, pp)?;
+            self.config.data_parallel = self.replicas_in(world, pp)?;
         }
         let plan = schedule.instructions(pp)?;
-        let dp = self.dp as usize;
+        let dp = self.config.data_parallel as usize;
         let m = schedule.micro_batches() as usize;
         check_batch(global, dp, m)?;
-        let spec = self.stages_spec(p.stages, plan, dataset);
-        Ok((spec, Layout::new(self.dp, pp, self.tp)?))
+        let spec = self.stages_spec(p.stages, plan, dataset)?;
+        Ok((
+            spec,
+            Layout::new(self.config.data_parallel, pp, self.config.tensor_parallel)?,
+        ))
     }
 
     /// A block job's spec: one stage per replica holding every block, running
@@ -398,35 +443,44 @@ where
         world: Option<u32>,
     ) -> Result<(Arc<PipelineSpec<I>>, Layout)> {
         if let Some(world) = world {
-            self.dp = self.replicas_in(world, 1)?;
+            self.config.data_parallel = self.replicas_in(world, 1)?;
         }
         let plan = crate::parallel::pipeline::PipelineSchedule::sequential(
             stages.len() as u32,
-            self.accumulation,
+            self.config.accumulation,
         )?;
-        check_batch(global, self.dp as usize, self.accumulation as usize)?;
-        let spec = self.stages_spec(stages, plan, dataset);
-        Ok((spec, Layout::new(self.dp, 1, self.tp)?))
+        check_batch(
+            global,
+            self.config.data_parallel as usize,
+            self.config.accumulation as usize,
+        )?;
+        let spec = self.stages_spec(stages, plan, dataset)?;
+        Ok((
+            spec,
+            Layout::new(self.config.data_parallel, 1, self.config.tensor_parallel)?,
+        ))
     }
 
     /// The replicas of a job across processes whose world is `world` ranks, each replica `pp`
     /// stages × `tensor_parallel` ranks.
     fn replicas_in(&self, world: u32, pp: u32) -> Result<u32> {
-        let per_replica = pp * self.tp.max(1);
-        if world.is_multiple_of(per_replica) && (self.dp == 1 || self.dp * per_replica == world) {
+        let per_replica = pp * self.config.tensor_parallel.max(1);
+        if world.is_multiple_of(per_replica)
+            && (self.config.data_parallel == 1 || self.config.data_parallel * per_replica == world)
+        {
             return Ok(world / per_replica);
         }
         Err(Error::InvalidConfig(format!(
             "a mesh of {pp} stage(s) × tensor_parallel({}) on a cluster of {world} rank(s): the \
              world must be replicas × {per_replica}; leave data_parallel unset",
-            self.tp
+            self.config.tensor_parallel
         )))
     }
 
     /// Why this job cannot be split `tensor_parallel(t)` ways (t > 1): what is not done yet
     /// is refused here, with what to change.
     fn tensor_parallel_problem(&self, stages: &PipelineStages<I>) -> Option<String> {
-        let t = self.tp;
+        let t = self.config.tensor_parallel;
         if t == 0 {
             return Some("tensor_parallel(0): the degree must be at least 1".into());
         }
@@ -441,21 +495,22 @@ where
         stages: PipelineStages<I>,
         plan: crate::parallel::pipeline::PipelineSchedule,
         dataset: Arc<dyn Dataset<Item = I>>,
-    ) -> Arc<PipelineSpec<I>> {
-        Arc::new(PipelineSpec {
+    ) -> Result<Arc<PipelineSpec<I>>> {
+        Ok(Arc::new(PipelineSpec {
             stages,
             plan: Arc::new(plan),
             dataset,
-            optimizer: self.optimizer.clone(),
-            learning_rate: self.learning_rate.clone(),
-            zero: self.zero,
-            compression: self.compression,
-            local: self.local_updates,
-            clip: self.clip_norm,
-            blocks_in_flight: self.blocks_in_flight,
+            optimizer: self.config.optimizer.clone(),
+            learning_rate: self.learning_rate_now()?,
+            zero: self.config.reduction.zero,
+            compression: self.config.reduction.compression,
+            local: self.config.reduction.local_updates,
+            clip: self.config.clip_norm,
+            blocks_in_flight: self.config.blocks_in_flight,
+            recompute: self.config.recompute,
             epoch: Instant::now(),
             faults: self.faults.clone(),
-            mixed: self.mixed,
-        })
+            mixed: self.mixed(),
+        }))
     }
 }

@@ -22,7 +22,7 @@ where
     pub fn model(mut self, f: impl Fn(&ModelContext) -> M + Send + Sync + 'static) -> Self {
         self.model = Some(Arc::new(f));
         self.replicas = Some(|spec| Box::new(LocalReplicas { spec }));
-        self.parameter_server.2 = Some(crate::actors::parameter_server::spawner::<M, I>);
+        self.ps_spawn = Some(crate::actors::parameter_server::spawner::<M, I>);
         #[cfg(feature = "cluster")]
         {
             self.replica_cluster = Some(ClusterFns {
@@ -107,14 +107,25 @@ where
     /// result is needed (no overlap). The result is bitwise the same for every `n`.
     /// Default 1.
     pub fn blocks_in_flight(mut self, n: usize) -> Self {
-        self.blocks_in_flight = n;
+        self.config.blocks_in_flight = n;
+        self
+    }
+
+    /// Recompute every block's forward during its backward (activation checkpointing),
+    /// whatever each block's [`BlockOptions`] say: less memory for more compute, the same
+    /// result. Default off (the blocks' own options hold).
+    pub fn recompute(mut self, on: bool) -> Self {
+        self.config.recompute = on;
         self
     }
 
     fn with_blocks(mut self, stages: PipelineStages<I>, schedule: Option<Schedule>) -> Self {
+        self.config.pipeline = schedule.map(|schedule| crate::job_config::PipelineConfig {
+            stages: (stages.len() / schedule.virtual_stages().max(1) as usize) as u32,
+            schedule,
+        });
         self.pipeline = Some(PipelineParts {
             stages,
-            schedule,
             spawn: |spec| Box::new(LocalPipeline { spec }),
             #[cfg(feature = "cluster")]
             cluster: ClusterFns {
@@ -146,7 +157,7 @@ where
 
     /// The optimizer (SGD, Adam, AdamW configs convert into it).
     pub fn optimizer(mut self, optimizer: impl Into<OptimizerConfig>) -> Self {
-        self.optimizer = optimizer.into();
+        self.config.optimizer = optimizer.into();
         self
     }
 
@@ -157,31 +168,54 @@ where
     /// state is saved with every checkpoint and copied with every snapshot (LR-2, CKPT-9), so a
     /// resumed or rolled-back job and a replica that joins continue the schedule where it was.
     pub fn learning_rate(mut self, lr: impl Into<LearningRate>) -> Self {
-        self.learning_rate = lr.into();
+        use crate::job_config::LrSchedule;
+        self.program_lr = None;
+        match lr.into() {
+            LearningRate::Constant(rate) => {
+                self.config.learning_rate = rate;
+                self.config.lr_schedule = LrSchedule::Constant;
+            }
+            LearningRate::WarmupCosine {
+                peak,
+                warmup,
+                total,
+                ..
+            } => {
+                self.config.learning_rate = peak;
+                self.config.lr_schedule = LrSchedule::WarmupCosine {
+                    warmup: warmup as u64,
+                    total: Some(total as u64),
+                };
+            }
+            program => {
+                self.config.lr_schedule = LrSchedule::Program;
+                self.program_lr = Some(program);
+            }
+        }
         self
     }
 
     /// Number of data-parallel replicas.
     pub fn data_parallel(mut self, dp: u32) -> Self {
-        self.dp = dp;
+        self.config.data_parallel = dp;
         self
     }
 
     /// The **global** batch size: each replica takes `batch_size / data_parallel` per step.
     pub fn batch_size(mut self, global: usize) -> Self {
-        self.batch_size = Some(global);
+        self.config.batch_size = Some(global);
         self
     }
 
     /// Number of optimizer steps.
     pub fn steps(mut self, steps: u64) -> Self {
-        self.steps = steps;
+        self.config.steps = steps;
         self
     }
 
     /// Seed of the data order.
     pub fn seed(mut self, seed: u64) -> Self {
-        self.seed = seed;
+        self.config.seed = seed;
         self
     }
 
@@ -189,6 +223,61 @@ where
     pub fn devices(mut self, devices: Vec<MeshDevice>) -> Self {
         self.devices = Some(devices);
         self
+    }
+}
+
+/// # The job description
+///
+/// Every setting of this builder lives in one [`JobConfig`] (CONF-1): read it, or replace it
+/// with one from a file or from the head.
+impl<M, I> JobBuilder<M, I>
+where
+    M: Send + 'static,
+    I: Send + Sync + 'static,
+{
+    /// Replace every setting with `config`'s (a file's: [`JobConfig::from_file`], or the
+    /// head's job spec on a node): the setters called before are overwritten, the ones
+    /// called after override its keys. What a description cannot hold stays: the model,
+    /// loss, data, devices, a checkpoint store, and the blocks (a pipeline's schedule and
+    /// stage count are the description's).
+    pub fn with_config(mut self, config: JobConfig) -> Self {
+        if config.lr_schedule != crate::job_config::LrSchedule::Program {
+            self.program_lr = None;
+        }
+        self.config = config;
+        self
+    }
+
+    /// The job's description as the setters left it (`meshwork train --print-config`
+    /// writes it).
+    pub fn config(&self) -> &JobConfig {
+        &self.config
+    }
+
+    /// The learning rate every stage steps (refused: a warm-up the steps do not fit, or
+    /// `LrSchedule::Program` without the program's scheduler).
+    pub(super) fn learning_rate_now(&self) -> Result<LearningRate> {
+        match self.config.learning_rate()? {
+            Some(lr) => Ok(lr),
+            None => self.program_lr.clone().ok_or_else(|| {
+                Error::InvalidConfig(
+                    "lr_schedule Program names the program's own scheduler, and none was \
+                     given: call .learning_rate(scheduler), or name a schedule in the \
+                     description"
+                        .into(),
+                )
+            }),
+        }
+    }
+
+    /// The compute type, 16-bit gradients and loss scaler every stage runs with.
+    pub(super) fn mixed(&self) -> MixedPrecision {
+        let p = &self.config.precision;
+        MixedPrecision {
+            precision: p.compute,
+            low_gradients: p.low_precision_gradients,
+            scaler: p.loss_scaler,
+        }
     }
 }
 
@@ -204,7 +293,7 @@ where
     /// [`crate::checkpoint`]): every [`checkpoint_every`](Self::checkpoint_every) steps, at
     /// the end of the run, and on [`JobHandle::checkpoint_now`].
     pub fn checkpoint_dir(mut self, dir: impl Into<std::path::PathBuf>) -> Self {
-        self.checkpoint_dir = Some(dir.into());
+        self.config.checkpoints.dir = Some(dir.into());
         self
     }
 
@@ -217,13 +306,13 @@ where
 
     /// Checkpoint every `n` steps (needs a checkpoint directory or store).
     pub fn checkpoint_every(mut self, n: u64) -> Self {
-        self.checkpoint_every = Some(n);
+        self.config.checkpoints.every = Some(n);
         self
     }
 
     /// Keep the newest `k` complete checkpoints (default 3).
     pub fn keep_checkpoints(mut self, k: usize) -> Self {
-        self.keep_checkpoints = k;
+        self.config.checkpoints.keep = k;
         self
     }
 
@@ -232,7 +321,7 @@ where
     /// job also writes checkpoints there (at least one when it ends), so the directory must be
     /// writable (CKPT-7); to resume from a read-only copy, copy it first.
     pub fn resume_from_checkpoint(mut self, resume: bool) -> Self {
-        self.resume = resume;
+        self.config.checkpoints.resume = resume;
         self
     }
 
@@ -240,9 +329,9 @@ where
     /// [`CheckpointError::NothingToResume`](crate::checkpoint::CheckpointError::NothingToResume)
     /// when none verifies, instead of starting afresh with a `NothingToResume` event.
     pub fn require_checkpoint(mut self, require: bool) -> Self {
-        self.require_checkpoint = require;
+        self.config.checkpoints.require = require;
         if require {
-            self.resume = true;
+            self.config.checkpoints.resume = true;
         }
         self
     }
@@ -261,7 +350,7 @@ where
     /// Accumulate gradients over `k` micro-batches per step (each replica's share of the
     /// global batch is cut into `k` equal micro-batches).
     pub fn gradient_accumulation(mut self, k: u32) -> Self {
-        self.accumulation = k;
+        self.config.accumulation = k;
         self
     }
 
@@ -278,7 +367,7 @@ where
     /// (compression, the parameter server, jobs across processes) is a row of
     /// [`REFUSALS`](crate::composition::REFUSALS), refused when the job is built.
     pub fn tensor_parallel(mut self, t: u32) -> Self {
-        self.tp = t;
+        self.config.tensor_parallel = t;
         self
     }
 
@@ -288,7 +377,7 @@ where
     /// The trained parameters equal plain data parallelism's. Works with SGD, Adam and AdamW
     /// (without the optimizer's own per-tensor clipping: use [`Self::clip_grad_norm`]).
     pub fn zero(mut self, stage: ZeroStage) -> Self {
-        self.zero = stage;
+        self.config.reduction.zero = stage;
         self
     }
 
@@ -301,7 +390,7 @@ where
     /// (`composition::REFUSALS`, and the ZeRO rule of `ZeroStage`). See
     /// [`crate::parallel::compress`].
     pub fn compression(mut self, compression: Compression) -> Self {
-        self.compression = compression;
+        self.config.reduction.compression = compression;
         self
     }
 
@@ -320,7 +409,7 @@ where
     /// block and pipeline jobs (block by block), in one process or across processes; not with
     /// ZeRO, clipping, compression or f16 (`composition::REFUSALS`).
     pub fn local_updates(mut self, updates: LocalUpdates) -> Self {
-        self.local_updates = Some(updates);
+        self.config.reduction.local_updates = Some(updates);
         self
     }
 
@@ -333,7 +422,7 @@ where
     /// `.model(..)` jobs with SGD, Adam or AdamW at a constant rate, in `f32`, without
     /// clipping, ZeRO, pipelines or tensor parallelism; the rest is refused by `build()`.
     pub fn parameter_server(mut self, server: ParameterServer) -> Self {
-        self.parameter_server.0 = Some(server);
+        self.config.reduction.parameter_server = Some(server);
         self
     }
 
@@ -343,7 +432,7 @@ where
     /// (`parameter_server`, with `Staleness::Bounded(0)` if given); `b` must be below the
     /// number of replicas.
     pub fn backup_workers(mut self, b: u32) -> Self {
-        self.parameter_server.1 = Some(b);
+        self.config.reduction.backup_workers = Some(b);
         self
     }
 
@@ -362,7 +451,7 @@ where
     /// Across processes the library is not refused, but `meshwork train`'s job spec does not
     /// carry a precision yet, so its CLI refuses the flag there.
     pub fn precision(mut self, precision: Precision) -> Self {
-        self.mixed.precision = precision;
+        self.config.precision.compute = precision;
         self
     }
 
@@ -372,7 +461,7 @@ where
     /// reduction (an all-reduce, or ZeRO's reduce-scatter) travels 16-bit; ZeRO-3's
     /// parameter gathers and tensor parallelism's collectives stay `f32`.
     pub fn low_precision_gradients(mut self, low: bool) -> Self {
-        self.mixed.low_gradients = low;
+        self.config.precision.low_precision_gradients = low;
         self
     }
 
@@ -383,26 +472,26 @@ where
     /// reductions that travel 16-bit: [`Self::low_precision_gradients`] and
     /// `Compression::Bf16`; set it alike on every process of a job across processes.
     pub fn partial_sums(mut self, partial_sums: crate::comm::PartialSums) -> Self {
-        self.comm.partial_sums = partial_sums;
+        self.config.comm.partial_sums = partial_sums;
         self
     }
 
     /// How f16's dynamic loss scaling moves its scale (default: `torch.amp.GradScaler`'s,
     /// 2^16, ×2 every 2000 clean steps, ×0.5 on an overflow).
     pub fn loss_scaler(mut self, config: LossScalerConfig) -> Self {
-        self.mixed.scaler = config;
+        self.config.precision.loss_scaler = config;
         self
     }
 
     /// Clip gradients so that their global L2 norm is at most `max_norm`.
     pub fn clip_grad_norm(mut self, max_norm: f32) -> Self {
-        self.clip_norm = Some(max_norm);
+        self.config.clip_norm = Some(max_norm);
         self
     }
 
     /// What to do on a NaN or infinite loss.
     pub fn on_non_finite_loss(mut self, policy: NonFinitePolicy) -> Self {
-        self.non_finite = policy;
+        self.config.non_finite = policy;
         self
     }
 
@@ -416,7 +505,7 @@ where
     /// 25 MiB buckets, ZeRO stage 2 (and stage 1 in `.blocks(..)` jobs) reduce-scatters the whole gradient at once, compression
     /// runs its own collectives and the parameter server none.
     pub fn bucket_bytes(mut self, bytes: usize) -> Self {
-        self.bucket_bytes = bytes;
+        self.config.reduction.bucket_bytes = bytes;
         self
     }
 
@@ -428,13 +517,13 @@ where
     /// carries its payload's crc32 whatever this says. Off by default; a fault plan that
     /// corrupts messages turns it on.
     pub fn verify_payloads(mut self, on: bool) -> Self {
-        self.comm.verify_payloads = on;
+        self.config.comm.verify_payloads = on;
         self
     }
 
     /// The all-reduce algorithm (default: chosen by size and group).
     pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
-        self.comm.algorithm = algorithm;
+        self.config.comm.algorithm = algorithm;
         self
     }
 
@@ -444,7 +533,7 @@ where
     /// then runs ring and tree plans only; across processes each process emulates the links
     /// it sends on (set it on every process's builder). Values are unchanged (EMU-2).
     pub fn link_emulation(mut self, link: crate::comm::emulate::LinkEmulation) -> Self {
-        self.comm.link = Some(link);
+        self.config.comm.link = Some(link);
         self
     }
 
@@ -458,7 +547,7 @@ where
         mut self,
         detection: Option<crate::stragglers::StragglerDetection>,
     ) -> Self {
-        self.stragglers = detection;
+        self.config.stragglers = detection;
         self
     }
 
@@ -467,7 +556,7 @@ where
     /// job is built otherwise), so that a missing rank is named by its collective before the
     /// step as a whole gives up.
     pub fn collective_timeout(mut self, timeout: Duration) -> Self {
-        self.comm.timeout = timeout;
+        self.config.comm.timeout = timeout;
         self
     }
 
@@ -475,13 +564,13 @@ where
     /// default 120 s): a step not done within it ends the job or starts recovery, naming what
     /// each silent stage was busy with. Above [`Self::collective_timeout`].
     pub fn step_timeout(mut self, timeout: Duration) -> Self {
-        self.step_timeout = timeout;
+        self.config.step_timeout = timeout;
         self
     }
 
     /// How many events are kept for a slow consumer before the oldest are dropped for it.
     pub fn event_capacity(mut self, events: usize) -> Self {
-        self.event_capacity = events;
+        self.config.event_capacity = events;
         self
     }
 }
@@ -501,23 +590,13 @@ where
     /// [`elastic_wait`](Self::elastic_wait) and [`fault_plan`](Self::fault_plan) are
     /// shorthands that set one of them.
     pub fn fault_tolerance(mut self, tolerance: FaultTolerance) -> Self {
-        let FaultTolerance {
-            recovery,
-            elastic_min,
-            elastic_max,
-            elastic_wait,
-            fault_plan,
-        } = tolerance;
-        self.recovery = recovery;
-        self.elastic = (elastic_min, elastic_max);
-        self.elastic_wait = elastic_wait;
-        self.faults = fault_plan.map(FaultHooks::new);
+        self.config.fault_tolerance = tolerance;
         self
     }
 
     /// How to recover from a lost device (default: the job fails with the device's error).
     pub fn recovery(mut self, policy: RecoveryPolicy) -> Self {
-        self.recovery = policy;
+        self.config.fault_tolerance.recovery = policy;
         self
     }
 
@@ -529,19 +608,20 @@ where
     /// `scale_to(n ≥ min)` or `resume()`, and ends with `Error::BelowMinimum` after
     /// [`JobBuilder::elastic_wait`].
     pub fn elastic(mut self, min: u32, max: u32) -> Self {
-        self.elastic = (min, max);
+        self.config.fault_tolerance.elastic_min = min;
+        self.config.fault_tolerance.elastic_max = max;
         self
     }
 
     /// How long a job below its elastic minimum waits for devices (default 5 minutes).
     pub fn elastic_wait(mut self, wait: Duration) -> Self {
-        self.elastic_wait = wait;
+        self.config.fault_tolerance.elastic_wait = wait;
         self
     }
 
     /// Inject the faults of `plan` (a rehearsal of failures: see [`crate::faults`]).
     pub fn fault_plan(mut self, plan: FaultPlan) -> Self {
-        self.faults = Some(FaultHooks::new(plan));
+        self.config.fault_tolerance.fault_plan = Some(plan);
         self
     }
 }
@@ -562,58 +642,11 @@ where
     /// nodes that joined it, or rolling back; a pipeline job replaces a lost stage from its
     /// twin on a node that joined it (REMOTE-7) or fails with the lost stage named; roll-back
     /// of a pipeline job is refused at `build`. A fault plan is carried out by every process
-    /// (the spec carries it: [`JobBuilder::follow_spec`]), except message faults, refused
+    /// (the spec carries the whole description: [`JobBuilder::with_config`]), except message faults, refused
     /// across processes (feature `cluster`).
     pub fn cluster(mut self, mesh: crate::cluster::remote::ClusterMesh) -> Self {
         self.cluster = Some(mesh);
         self
-    }
-
-    /// Take every setting of `spec` all processes of a job must share (replacing what the
-    /// builder had for each, so call it before settings of the program's own): seed, global batch,
-    /// steps, learning rate, collective time-out, ZeRO stage, precision and the
-    /// [`StrategySpec`](crate::cluster::control::StrategySpec) (compression, local updates,
-    /// clipping, accumulation, the collectives' algorithm, the fault plan, the emulated link). A node's [`crate::cluster::control::HostFactory`] calls it
-    /// on the builder of its own model, loss, data and optimizer, and the head on the
-    /// builder it trains with, so that every process builds its stages alike; what is not in
-    /// the spec (the model, the data, the optimizer, a pipeline's blocks and schedule, which
-    /// the program builds from `spec.pipeline` itself) is the program's own, checked by the
-    /// model fingerprint. Values out of range are not corrected here: `build` and
-    /// [`JobBuilder::stage_host`] refuse them (feature `cluster`).
-    pub fn follow_spec(self, spec: &crate::cluster::control::JobSpec) -> Self {
-        let strategy = &spec.strategy;
-        let mut b = self
-            .seed(spec.seed)
-            .batch_size(spec.batch_size as usize)
-            .steps(spec.steps)
-            .learning_rate(spec.learning_rate)
-            .collective_timeout(Duration::from_millis(spec.collective_timeout_ms))
-            .zero(ZeroStage::from_number(spec.zero).unwrap_or_default())
-            .precision(spec.precision)
-            .low_precision_gradients(spec.low_precision_gradients)
-            .compression(strategy.compression)
-            .gradient_accumulation(strategy.accumulation)
-            .algorithm(strategy.algorithm)
-            .tensor_parallel(strategy.tensor_parallel);
-        b.local_updates = strategy.local_updates;
-        b.parameter_server.0 = strategy.parameter_server;
-        b.parameter_server.1 = strategy.backup_workers;
-        if let Some(warmup) = strategy.warmup_cosine {
-            match LearningRate::warmup_cosine(
-                spec.learning_rate,
-                usize::try_from(warmup).unwrap_or(usize::MAX),
-                usize::try_from(spec.steps).unwrap_or(usize::MAX),
-            ) {
-                Ok(schedule) => b.learning_rate = schedule,
-                Err(e) => b.spec_problem = Some(e.0),
-            }
-        }
-        b.clip_norm = strategy.clip_norm;
-        b.faults = strategy.faults.clone().map(FaultHooks::new);
-        b.comm.link = strategy.link.clone();
-        b.comm.partial_sums = strategy.partial_sums;
-        b.transport = spec.transport;
-        b
     }
 
     /// Checks the builder as a job across processes of `world` ranks: the one table of
@@ -624,11 +657,17 @@ where
     /// rather than failing later; a head runs it before it waits for its nodes, so a job it
     /// would refuse once they joined is refused before anyone joins (feature `cluster`).
     pub fn check_across_processes(&self, world: u32) -> Result<()> {
-        if let Some(problem) = &self.spec_problem {
-            return Err(Error::InvalidConfig(problem.clone()));
+        if self.config.lr_schedule == crate::job_config::LrSchedule::Program {
+            return Err(Error::InvalidConfig(
+                "a learning-rate scheduler built by the program cannot travel to the other \
+                 processes: use a constant rate or LearningRate::warmup_cosine (lr_schedule in \
+                 the job description)"
+                    .into(),
+            ));
         }
+        self.learning_rate_now()?;
         self.plan().across_processes().check()?;
-        if self.accumulation == 0 {
+        if self.config.accumulation == 0 {
             return Err(Error::InvalidConfig(
                 "gradient_accumulation(0): use at least 1 micro-batch".into(),
             ));
@@ -648,7 +687,7 @@ where
         let Some(dataset) = self.data.clone() else {
             return Err(Error::InvalidConfig("no data: call .data(dataset)".into()));
         };
-        let Some(global) = self.batch_size else {
+        let Some(global) = self.config.batch_size else {
             return Err(Error::InvalidConfig(
                 "no batch size: call .batch_size(global_batch)".into(),
             ));
@@ -656,6 +695,12 @@ where
         // The spec's values come from the network: a node checks them as the head did.
         let world = args.plan.world_size as u32;
         self.check_across_processes(world)?;
+        self.faults = self
+            .config
+            .fault_tolerance
+            .fault_plan
+            .clone()
+            .map(FaultHooks::new);
         let slots = match self.pipeline.take() {
             Some(p) => {
                 // The head checks the mesh against the world it assembled; a node's slots learn
@@ -673,18 +718,19 @@ where
                             .into(),
                     ));
                 };
+                let learning_rate = self.learning_rate_now()?;
                 let server = crate::parallel::parameter_server::check(
-                    self.parameter_server.0,
-                    self.parameter_server.1,
+                    self.config.reduction.parameter_server,
+                    self.config.reduction.backup_workers,
                     crate::parallel::parameter_server::JobShape {
                         workers: world,
-                        optimizer: &self.optimizer,
-                        learning_rate: &self.learning_rate,
+                        optimizer: &self.config.optimizer,
+                        learning_rate: &learning_rate,
                     },
                 )?;
                 // The head checks the batch against the replicas it drives; a node's world
                 // counts every rank ever joined (it grows with late nodes, REMOTE-5).
-                self.dp = 1;
+                self.config.data_parallel = 1;
                 let spec = self.stage_spec(global, dataset)?;
                 match (server, self.ps_cluster.take()) {
                     (Some((_, rule, lr)), Some(ps)) => (ps.slots)(spec, (rule, lr)),
@@ -693,11 +739,11 @@ where
             }
         };
         let link = crate::comm::net::link::LinkConfig {
-            io_timeout: self.comm.timeout,
+            io_timeout: self.config.comm.timeout,
             ..Default::default()
         };
         let tcp = crate::comm::tcp::TcpConfig {
-            comm: self.comm.clone(),
+            comm: self.config.comm.clone(),
             ..Default::default()
         }
         .with_link(link);

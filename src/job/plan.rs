@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::{JobBuilder, NonFinitePolicy};
 use crate::composition::{self, Feature, Refused};
-use crate::optim::LearningRate;
+use crate::job_config::LrSchedule;
 use crate::parallel::compress::Compression;
 use crate::parallel::parameter_server::Staleness;
 use crate::parallel::zero::ZeroStage;
@@ -74,74 +74,81 @@ where
         let mut on = |f: Feature, how: String| {
             s.insert(f, how);
         };
-        match self.pipeline.as_ref().map(|p| p.schedule.as_ref()) {
-            Some(Some(schedule)) => on(Feature::Pipeline, format!(".pipeline(.., {schedule:?})")),
-            Some(None) => on(Feature::Blocks, Feature::Blocks.to_string()),
-            None => {}
+        let c = &self.config;
+        match (self.pipeline.is_some(), &c.pipeline) {
+            (_, Some(p)) => on(
+                Feature::Pipeline,
+                format!(".pipeline(.., {:?})", p.schedule),
+            ),
+            (true, None) => on(Feature::Blocks, Feature::Blocks.to_string()),
+            (false, None) => {}
         }
-        if self.tp > 1 {
+        if c.tensor_parallel > 1 {
             on(
                 Feature::TensorParallel,
-                format!(".tensor_parallel({})", self.tp),
+                format!(".tensor_parallel({})", c.tensor_parallel),
             );
         }
-        if self.zero != ZeroStage::Off {
-            let how = format!(".zero({:?})", self.zero);
-            if matches!(self.zero, ZeroStage::Two | ZeroStage::Three) {
+        if c.reduction.zero != ZeroStage::Off {
+            let how = format!(".zero({:?})", c.reduction.zero);
+            if matches!(c.reduction.zero, ZeroStage::Two | ZeroStage::Three) {
                 on(Feature::ZeroGradients, how.clone());
             }
-            if self.zero == ZeroStage::Three {
+            if c.reduction.zero == ZeroStage::Three {
                 on(Feature::ZeroParameters, how.clone());
             }
             on(Feature::Zero, how);
         }
-        match self.mixed.precision {
+        match c.precision.compute {
             Precision::Bf16 => on(Feature::Bf16, ".precision(bf16)".into()),
             Precision::F16 => on(Feature::F16, ".precision(f16)".into()),
             Precision::F32 => {}
         }
-        if self.mixed.low_gradients && self.mixed.precision.is_low() {
+        if c.precision.low_precision_gradients && c.precision.compute.is_low() {
             on(
                 Feature::LowPrecisionGradients,
                 Feature::LowPrecisionGradients.to_string(),
             );
         }
-        if let Some(norm) = self.clip_norm {
+        if let Some(norm) = c.clip_norm {
             on(Feature::ClipGradNorm, format!(".clip_grad_norm({norm})"));
         }
-        if self.accumulation > 1 {
+        if c.accumulation > 1 {
             on(
                 Feature::GradientAccumulation,
-                format!(".gradient_accumulation({})", self.accumulation),
+                format!(".gradient_accumulation({})", c.accumulation),
             );
         }
-        if self.non_finite == NonFinitePolicy::Skip {
+        if c.non_finite == NonFinitePolicy::Skip {
             on(Feature::SkipNonFinite, Feature::SkipNonFinite.to_string());
         }
-        if self.compression.is_on() {
-            let how = format!(".compression({})", self.compression);
-            if !matches!(self.compression, Compression::Bf16 | Compression::F16) {
+        if c.reduction.compression.is_on() {
+            let how = format!(".compression({})", c.reduction.compression);
+            if !matches!(
+                c.reduction.compression,
+                Compression::Bf16 | Compression::F16
+            ) {
                 on(Feature::SparseCompression, how.clone());
             }
             on(Feature::Compression, how);
         }
-        if let Some(u) = &self.local_updates {
+        if let Some(u) = &c.reduction.local_updates {
             on(Feature::LocalUpdates, format!(".local_updates({u})"));
         }
-        if let Some(b) = self.parameter_server.1 {
+        if let Some(b) = c.reduction.backup_workers {
             // Backup workers run on the server (COMP-1's closure): a job that asked only for
             // them is refused as a server job, named by its own setting.
             on(Feature::BackupWorkers, format!(".backup_workers({b})"));
             on(Feature::ParameterServer, format!(".backup_workers({b})"));
         }
-        if let Some(ps) = &self.parameter_server.0 {
+        if let Some(ps) = &c.reduction.parameter_server {
             let how = format!(".parameter_server({})", ps.staleness);
             if ps.staleness != Staleness::Bounded(0) {
                 on(Feature::StaleUpdates, how.clone());
             }
             on(Feature::ParameterServer, how);
         }
-        if matches!(self.learning_rate, LearningRate::Scheduler(_)) {
+        if c.lr_schedule != LrSchedule::Constant {
             on(Feature::LrSchedule, Feature::LrSchedule.to_string());
         }
         if self.is_remote() {
@@ -151,19 +158,19 @@ where
             );
         }
         #[cfg(feature = "cluster")]
-        if self.transport == crate::comm::DataTransport::Mpi {
+        if c.transport == crate::comm::DataTransport::Mpi {
             on(Feature::MpiTransport, Feature::MpiTransport.to_string());
         }
-        if let Some(hooks) = &self.faults {
+        if let Some(plan) = &c.fault_tolerance.fault_plan {
             on(Feature::FaultPlan, Feature::FaultPlan.to_string());
-            if hooks.has_message_faults() {
+            if plan.faults.iter().any(|f| f.kind.is_message_fault()) {
                 on(Feature::MessageFaults, Feature::MessageFaults.to_string());
             }
         }
-        if self.recovery.roll_back {
+        if c.fault_tolerance.recovery.roll_back {
             on(Feature::RollBack, Feature::RollBack.to_string());
         }
-        if self.checkpoint_dir.is_some() || self.checkpoint_sink.is_some() {
+        if c.checkpoints.dir.is_some() || self.checkpoint_sink.is_some() {
             on(Feature::Checkpoints, Feature::Checkpoints.to_string());
         }
         JobPlan { settings: s }

@@ -207,21 +207,16 @@ fn keep_alive_holds_prepared_nodes_and_reports_a_killed_one() {
         let mut head = Head::start(config).await.unwrap();
         let addr = head.local_addr().to_string();
         let mut n = node("kept-node", &addr, "kept", &["--head-timeout", "5"], SECRET);
-        let spec = JobSpec {
-            model: meshwork::demo::mlp_spec(&[32, 128, 128, 4]),
-            seed: 0,
-            batch_size: 256,
-            steps: 300,
-            learning_rate: 3e-3,
-            collective_timeout_ms: 60_000,
-            pipeline: None,
-            zero: 0,
-            precision: Default::default(),
-            low_precision_gradients: false,
-            strategy: Default::default(),
-            backend: meshwork::device::BackendKind::Flex,
-            transport: Default::default(),
-        };
+        let spec = JobSpec::new(
+            meshwork::demo::mlp_spec(&[32, 128, 128, 4]),
+            meshwork::job_config::JobConfig {
+                batch_size: Some(256),
+                steps: 300,
+                learning_rate: 3e-3,
+                ..Default::default()
+            },
+            BackendKind::Flex,
+        );
         let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap();
         let fingerprint = {
             // It draws the model (unseeded): not in the middle of another test's draw.

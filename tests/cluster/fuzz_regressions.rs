@@ -65,21 +65,17 @@ fn write_control_seed_corpus() {
     };
     let dir = fuzz_dir().join("corpus").join("control_decoder");
     fs::create_dir_all(&dir).unwrap();
-    let spec = JobSpec {
-        model: meshwork::demo::mlp_spec(&[32, 128, 128, 4]),
-        seed: 1,
-        batch_size: 256,
-        steps: 10,
-        learning_rate: 3e-3,
-        collective_timeout_ms: 60_000,
-        zero: 0,
-        precision: Default::default(),
-        low_precision_gradients: false,
-        strategy: Default::default(),
-        backend: meshwork::device::BackendKind::Flex,
-        transport: Default::default(),
-        pipeline: None,
-    };
+    let spec = JobSpec::new(
+        meshwork::demo::mlp_spec(&[32, 128, 128, 4]),
+        meshwork::job_config::JobConfig {
+            seed: 1,
+            batch_size: Some(256),
+            steps: 10,
+            learning_rate: 3e-3,
+            ..Default::default()
+        },
+        meshwork::device::BackendKind::Flex,
+    );
     let messages = [
         (
             "hello",
@@ -188,14 +184,16 @@ fn write_control_seed_corpus() {
                 ControlMsg::Hello(Hello {
                     job: "pp".into(),
                     head: "h".into(),
-                    spec: JobSpec {
-                        pipeline: Some(control::PipelineShape {
+                    spec: {
+                        let mut spec = spec.clone();
+                        spec.job.pipeline = Some(meshwork::job_config::PipelineConfig {
                             stages: 2,
-                            schedule: "interleaved".into(),
-                            micro_batches: 4,
-                            virtual_stages: 2,
-                        }),
-                        ..spec.clone()
+                            schedule: meshwork::job::Schedule::Interleaved {
+                                micro_batches: 4,
+                                virtual_stages: 2,
+                            },
+                        });
+                        spec
                     },
                     fingerprint: ModelFingerprint(9),
                 }),

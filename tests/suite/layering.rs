@@ -47,7 +47,15 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("checkpoint", &["checkpoint"]),
     (
         "train",
-        &["parallel", "kernels", "optim", "device", "data", "faults"],
+        &[
+            "parallel",
+            "kernels",
+            "optim",
+            "device",
+            "data",
+            "faults",
+            "job_config",
+        ],
     ),
     ("outcome", &["error", "report", "events"]),
     ("runtime", &["actors"]),

@@ -12,11 +12,9 @@ use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
 use std::time::Duration;
 
-use burn::optim::AdamConfig;
 use meshwork::cluster::control::{
     self, ControlError, FingerprintFn, Head, HeadConfig, Incompatibility, JobSpec,
-    ModelFingerprint, ModelRegistry, NodeConfig, NodeReport, PipelineShape, ProcessIndex,
-    StrategySpec, protocol,
+    ModelFingerprint, ModelRegistry, NodeConfig, NodeReport, ProcessIndex, protocol,
 };
 use meshwork::cluster::control::{HostArgs, HostFactory, KeepAlive, LateEvent, LateEvents};
 use meshwork::cluster::remote::{ClusterMesh, MeshJoiner};
@@ -26,15 +24,15 @@ use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_blocks, mlp_blocks_of, mse_lo
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
 use meshwork::job::{Job, JobBuilder, JobControl};
-use meshwork::parallel::pipeline::{Schedule, even_split};
+use meshwork::parallel::pipeline::even_split;
 use meshwork::parallel::stages::BlockOptions;
-use meshwork::precision::Precision;
-use meshwork::recovery::{OnReplicaLoss, RecoveryPolicy};
+use meshwork::parallel::zero::ZeroStage;
+use meshwork::recovery::OnReplicaLoss;
 
 use crate::demo_job::{Configure, DemoJob, RunOptions};
 
 mod demo;
-pub(crate) use demo::{HeadJob, demo_job, demo_models, demo_spec};
+pub(crate) use demo::{HeadJob, demo_job, demo_models};
 use demo::{HeadSettings, head_settings, is_gpt, ranks_per_replica};
 
 /// The flags `meshwork train` gets with the `cluster` feature.
@@ -251,7 +249,7 @@ fn under_mpi(
             ));
         }
         let mut spec = spec();
-        spec.transport = DataTransport::Mpi;
+        spec.job.transport = DataTransport::Mpi;
         run_launched(cluster, launched, spec, job)
     }
     #[cfg(not(feature = "mpi"))]
@@ -323,19 +321,16 @@ fn run_head(
     if !head_job.batch_given {
         fit_default_batch(&mut spec, world);
     }
-    // With the head's recovery and checkpoint settings: a roll-back is refused without
-    // checkpoints (a row of the table), and the head is where checkpoints are written.
+    // The whole description, recovery and checkpoints included: a roll-back is refused
+    // without checkpoints (a row of the table), and the head is where checkpoints are written.
     if is_gpt(&spec) {
-        let builder = crate::gpt_train::cluster_job(&spec)?
+        crate::gpt_train::cluster_job(&spec)?
             .0
-            .recovery(head_job.policy);
-        crate::settings::checkpoint_settings(&head_job.checkpoints, builder)
             .check_across_processes(world)?;
     } else {
-        demo_job(&spec)?
-            .0
-            .check_across_processes(world, head_job.policy, &head_job.checkpoints)?;
+        demo_job(&spec)?.0.check_across_processes(world)?;
     }
+    tracing::info!(description = ?spec.job, "meshwork head: the job it runs");
     let secret = control::secret_from_env().map_err(ControlError::from)?;
     let fingerprint = demo_models(None).fingerprint(&spec).map_err(|reason| {
         Error::InvalidConfig(format!("the head cannot build its own model: {reason}"))
@@ -426,9 +421,9 @@ fn run_head(
         // a lost rank's place when the job rolls back to its checkpoint.
         let refuse = ranks_per_replica(&spec).and_then(|per_replica| {
             let replicas = assembled.world.size() as u32 / per_replica;
-            let from_twin =
-                head_job.policy.on_replica_loss == OnReplicaLoss::Shrink && replicas >= 2;
-            (!from_twin && !head_job.policy.roll_back).then(|| {
+            let policy = &spec.job.fault_tolerance.recovery;
+            let from_twin = policy.on_replica_loss == OnReplicaLoss::Shrink && replicas >= 2;
+            (!from_twin && !policy.roll_back).then(|| {
                 "the job is running: a block or pipeline job takes nodes only as spares for lost \
                  stages, with --on-replica-loss shrink and at least 2 replicas, or rollback"
                     .to_string()
@@ -453,17 +448,21 @@ fn run_head(
 /// line (`mpirun -n 3 meshwork train` trains 3 replicas on 255 samples a step).
 fn fit_default_batch(spec: &mut JobSpec, world: u32) {
     let per_replica = ranks_per_replica(spec).unwrap_or(1).max(1);
-    let micro = spec.pipeline.as_ref().map_or(1, |p| p.micro_batches.max(1))
-        * spec.strategy.accumulation.max(1);
+    let micro = spec
+        .job
+        .pipeline
+        .as_ref()
+        .map_or(1, |p| p.schedule.micro_batches().max(1))
+        * spec.job.accumulation.max(1);
     let unit = (world / per_replica).max(1) as usize * micro as usize;
-    let base = spec.batch_size as usize;
+    let base = spec.job.batch_size.unwrap_or(1);
     let fitted = crate::settings::fit_batch(base, unit);
     if fitted != base {
         println!(
             "meshwork head: global batch {fitted} (the default {base} rounded to a multiple of \
              {unit} replica micro-batches; --batch-size sets it)"
         );
-        spec.batch_size = fitted as u64;
+        spec.job.batch_size = Some(fitted);
     }
 }
 
@@ -518,7 +517,7 @@ async fn train_on_world(
     let (demo, task) = demo_job(spec)?;
     demo.configure(HeadSettings { job, mesh })
         .run(RunOptions {
-            steps: spec.steps,
+            steps: spec.job.steps,
             task: &task,
             save: job.save_model.clone(),
             watchers,

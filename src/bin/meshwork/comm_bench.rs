@@ -281,32 +281,30 @@ impl Curve {
 /// [`run_method`] of the slow-links scenario over [`WORLD`] node processes and TCP.
 #[cfg(feature = "cluster")]
 fn run_method_over_tcp(b: &CommBench, method: &str) -> Result<(Vec<(f64, f32)>, u64)> {
-    use meshwork::cluster::control::{JobSpec, StrategySpec};
+    use meshwork::cluster::control::JobSpec;
     let (compression, local_updates, partial_sums) =
         slow_links_method(method).ok_or_else(|| {
             Error::InvalidConfig(format!("bench comm-efficiency: no method {method}"))
         })?;
-    let spec = JobSpec {
-        model: meshwork::demo::mlp_spec(&[32, b.hidden, b.hidden, 8]),
+    let mut job = meshwork::job_config::JobConfig {
         seed: 5,
-        batch_size: b.batch_size as u64,
+        batch_size: Some(b.batch_size),
         steps: b.steps,
+        optimizer: burn::optim::AdamConfig::new().into(),
         learning_rate: 1e-3,
-        collective_timeout_ms: 300_000,
-        pipeline: None,
-        zero: 0,
-        precision: Default::default(),
-        low_precision_gradients: false,
-        strategy: StrategySpec {
-            compression,
-            local_updates,
-            partial_sums,
-            link: Some(b.link.clone()),
-            ..StrategySpec::default()
-        },
-        backend: meshwork::device::BackendKind::Flex,
-        transport: Default::default(),
+        step_timeout: std::time::Duration::from_secs(600),
+        ..Default::default()
     };
+    job.comm.timeout = std::time::Duration::from_secs(300);
+    job.comm.link = Some(b.link.clone());
+    job.comm.partial_sums = partial_sums;
+    job.reduction.compression = compression;
+    job.reduction.local_updates = local_updates;
+    let spec = JobSpec::new(
+        meshwork::demo::mlp_spec(&[32, b.hidden, b.hidden, 8]),
+        job,
+        meshwork::device::BackendKind::Flex,
+    );
     let mut curve = Curve::default();
     crate::local_nodes::train_over_local_nodes(&spec, WORLD, &mut |e| curve.see(e))?;
     Ok((curve.points, curve.bytes))

@@ -83,23 +83,13 @@ impl DemoJob {
         }
     }
 
-    /// Checks the job as a job across processes of `world` ranks recovering by `policy`
+    /// Checks the job as a job across processes of `world` ranks
     /// (`JobBuilder::check_across_processes`).
     #[cfg(feature = "cluster")]
-    pub(crate) fn check_across_processes(
-        self,
-        world: u32,
-        policy: meshwork::recovery::RecoveryPolicy,
-        checkpoints: &crate::settings::CheckpointFlags,
-    ) -> Result<()> {
-        use crate::settings::checkpoint_settings;
+    pub(crate) fn check_across_processes(self, world: u32) -> Result<()> {
         match self {
-            DemoJob::Replicas(b) => {
-                checkpoint_settings(checkpoints, b.recovery(policy)).check_across_processes(world)
-            }
-            DemoJob::Blocks(b) | DemoJob::Pipeline(b, _) => {
-                checkpoint_settings(checkpoints, b.recovery(policy)).check_across_processes(world)
-            }
+            DemoJob::Replicas(b) => b.check_across_processes(world),
+            DemoJob::Blocks(b) | DemoJob::Pipeline(b, _) => b.check_across_processes(world),
         }
     }
 

@@ -4,20 +4,20 @@
 //! against the unigram baseline, and text sampled from the trained model.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
 use burn::module::Module;
-use burn::optim::AdamConfig;
 use meshwork::data::{CharCorpus, TextWindow, TextWindows};
 use meshwork::demo::gpt::{Gpt, GptConfig, mean_loss};
 use meshwork::demo::kjv_corpus;
 use meshwork::device::MeshDevice;
 use meshwork::error::Error;
 use meshwork::job::{Job, JobBuilder, PipelineModel, Trained};
+use meshwork::job_config::PipelineConfig;
 use meshwork::parallel::pipeline::Schedule;
 use meshwork::parallel::stages::BlockOptions;
 
 use crate::demo_job::{Watchers, no_watchers, report_time, run_job};
+use crate::settings::Shape;
 use crate::train::TrainArgs;
 
 /// Validation windows evaluated before and after training.
@@ -69,18 +69,15 @@ pub(crate) struct GptReport {
     pub(crate) before: f64,
 }
 
-/// The GPT `init` as a job: its blocks over `pp` stages (block b on stage b mod pp, the
-/// interleaved schedule over `micro_batches`), or as a block job at `pp` 1; each attention and
-/// MLP block recomputing its forward in its backward with `recompute`.
-pub(crate) fn gpt_builder(
-    init: Gpt,
+/// The interleaved pipeline the GPT of `config` is cut into over `pp` stages (block b on
+/// stage b mod pp, over `micro_batches`), or `None` at `pp` 1 (a block job).
+pub(crate) fn gpt_pipeline(
     config: &GptConfig,
-    (pp, micro_batches): (u32, u32),
-    recompute: bool,
-) -> meshwork::error::Result<JobBuilder<PipelineModel, TextWindow>> {
-    let stages = init.into_blocks_with::<TextWindow>(BlockOptions::default().recompute(recompute));
-    if pp == 1 {
-        return Ok(Job::builder().blocks(stages));
+    pp: u32,
+    micro_batches: u32,
+) -> meshwork::error::Result<Option<PipelineConfig>> {
+    if pp <= 1 {
+        return Ok(None);
     }
     let blocks = config.blocks() as u32;
     if !blocks.is_multiple_of(pp) {
@@ -90,13 +87,28 @@ pub(crate) fn gpt_builder(
              2 × layers + 2 is a multiple of {pp}"
         )));
     }
-    Ok(Job::builder().pipeline(
-        stages,
-        Schedule::Interleaved {
+    Ok(Some(PipelineConfig {
+        stages: pp,
+        schedule: Schedule::Interleaved {
             virtual_stages: blocks / pp,
             micro_batches,
         },
-    ))
+    }))
+}
+
+/// The GPT `init` as a job: its blocks cut as `pipeline` says, or as a block job without
+/// one; each attention and MLP block recomputing its forward in its backward with
+/// `recompute`.
+pub(crate) fn gpt_builder(
+    init: Gpt,
+    pipeline: Option<PipelineConfig>,
+    recompute: bool,
+) -> JobBuilder<PipelineModel, TextWindow> {
+    let stages = init.into_blocks_with::<TextWindow>(BlockOptions::default().recompute(recompute));
+    match pipeline {
+        None => Job::builder().blocks(stages),
+        Some(p) => Job::builder().pipeline(stages, p.schedule),
+    }
 }
 
 /// Trains the GPT as `args` and `gpt` say, in this process.
@@ -134,32 +146,26 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         args.batch_line(32, unit),
         args.steps,
     );
+    let shape = Shape {
+        data_parallel: dp,
+        pipeline: gpt_pipeline(&config, pp, args.micro_batches)?,
+        batch_size: batch,
+    };
+    let job = crate::settings::job_config(args, shape, true)?;
+    if args.print_config {
+        return crate::job_file::print(args, &job);
+    }
     let report = GptReport {
         sample: gpt.sample,
         seed: args.seed,
         save: args.save_model.clone(),
         before: before_training(&init, &data),
     };
-    let builder = gpt_builder(init, &config, (pp, args.micro_batches), args.recompute)?
-        .tensor_parallel(tp)
-        .zero(meshwork::parallel::zero::ZeroStage::from_number(args.zero).unwrap_or_default())
-        .precision(args.precision)
-        .low_precision_gradients(args.low_precision_gradients)
-        .partial_sums(args.partial_sums)
-        .data_parallel(dp)
-        .devices(devices)
-        .data(data.train.clone())
-        .optimizer(AdamConfig::new())
-        .batch_size(batch)
-        .steps(args.steps)
-        .seed(args.seed)
-        .collective_timeout(Duration::from_secs_f64(args.collective_timeout))
-        .step_timeout(Duration::from_secs_f64(args.step_timeout));
-    let builder =
-        crate::settings::training_settings(args, crate::settings::learning_rate(args)?, builder)
-            .recovery(crate::settings::fault_settings(args)?.1);
     // A checkpoint restores onto another --dp and --tp, re-sliced (TP-7).
-    let builder = crate::settings::checkpoint_settings(&args.checkpoint_flags(), builder);
+    let builder = gpt_builder(init, job.pipeline, args.recompute)
+        .with_config(job)
+        .devices(devices)
+        .data(data.train.clone());
     run_gpt_job(builder, args.steps, &data, report, no_watchers()).await
 }
 
@@ -265,76 +271,38 @@ pub(crate) fn cluster_job(
         )));
     }
     let device = MeshDevice::of_kind(meshwork::device::BackendKind::Flex, 1)?.remove(0);
-    device.burn().seed(spec.seed);
+    device.burn().seed(spec.job.seed);
     let init = Gpt::new(&config, device.burn());
-    let (pp, micro_batches) = spec
-        .pipeline
-        .as_ref()
-        .map_or((1, 1), |p| (p.stages, p.micro_batches));
-    let builder = gpt_builder(
-        init.clone(),
-        &config,
-        (pp, micro_batches),
-        spec.strategy.recompute,
-    )?
-    .data(data.train.clone())
-    .optimizer(AdamConfig::new())
-    .follow_spec(spec)
-    .step_timeout(Duration::from_secs(120));
+    let builder = gpt_builder(init.clone(), spec.job.pipeline, spec.job.recompute)
+        .with_config(spec.job.clone())
+        .data(data.train.clone());
     Ok((builder, data, init))
 }
 
 /// The job spec of `meshwork train --model gpt` across processes: the GPT of `config` (its
-/// vocabulary the embedded text's), its interleaved pipeline at `--pp` > 1, and the flags'
-/// settings.
+/// vocabulary the embedded text's), its interleaved pipeline at `--pp` > 1, and the job
+/// description of the flags.
 #[cfg(feature = "cluster")]
 pub(crate) fn gpt_spec(
     args: &TrainArgs,
     config: GptConfig,
-    tp: u32,
 ) -> meshwork::error::Result<meshwork::cluster::control::JobSpec> {
     let vocab = kjv_corpus()
         .map_err(|e| Error::Data(format!("the embedded text: {e}")))?
         .vocab()
         .len();
     let config = GptConfig { vocab, ..config };
-    let blocks = config.blocks() as u32;
-    let pipeline = (args.pp > 1).then(|| meshwork::cluster::control::PipelineShape {
-        stages: args.pp,
-        schedule: "interleaved".into(),
-        micro_batches: args.micro_batches,
-        virtual_stages: blocks / args.pp,
-    });
-    Ok(meshwork::cluster::control::JobSpec {
-        model: meshwork::demo::gpt::gpt_spec(&config),
-        seed: args.seed,
+    let shape = Shape {
+        data_parallel: 1,
+        pipeline: gpt_pipeline(&config, args.pp, args.micro_batches)?,
         // The head fits a default batch to the world it waits for.
-        batch_size: args.global_batch(32, 1) as u64,
-        steps: args.steps,
-        learning_rate: args.lr,
-        collective_timeout_ms: (args.collective_timeout * 1000.0) as u64,
-        pipeline,
-        zero: args.zero,
-        precision: args.precision,
-        low_precision_gradients: args.low_precision_gradients,
-        strategy: meshwork::cluster::control::StrategySpec {
-            compression: args.compression,
-            local_updates: args.local_updates,
-            clip_norm: args.clip,
-            accumulation: args.accumulate,
-            algorithm: args.algorithm,
-            partial_sums: args.partial_sums,
-            faults: None,
-            link: None,
-            tensor_parallel: tp,
-            recompute: args.recompute,
-            parameter_server: None,
-            backup_workers: None,
-            warmup_cosine: crate::settings::warmup_steps(args)?.map(|w| w as u64),
-        },
-        backend: args.device,
-        transport: Default::default(),
-    })
+        batch_size: args.global_batch(32, 1),
+    };
+    Ok(meshwork::cluster::control::JobSpec::new(
+        meshwork::demo::gpt::gpt_spec(&config),
+        crate::settings::job_config(args, shape, true)?,
+        args.device,
+    ))
 }
 
 /// Trains the GPT of `spec` on a cluster's head: `settings` adds the head's mesh and policy;
@@ -351,11 +319,11 @@ pub(crate) async fn train_across(
     let (builder, data, init) = cluster_job(spec)?;
     let report = GptReport {
         sample,
-        seed: spec.seed,
+        seed: spec.job.seed,
         save,
         before: before_training(&init, &data),
     };
-    run_gpt_job(settings(builder), spec.steps, &data, report, watchers).await
+    run_gpt_job(settings(builder), spec.job.steps, &data, report, watchers).await
 }
 
 fn train_len(d: &TextWindows) -> usize {

@@ -76,6 +76,7 @@ mod dp_across;
 mod dp_bench;
 mod gpt_bench;
 mod gpt_train;
+mod job_file;
 #[cfg(feature = "cluster")]
 mod launched;
 mod layer_bench;
@@ -135,7 +136,21 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    let cli = Cli::parse();
+    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let mut cli = match <Cli as clap::FromArgMatches>::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    // `meshwork train --config`: a flag given on the command line overrides its key.
+    if let (Command::Train(args), Some(("train", m))) = (&mut cli.command, matches.subcommand()) {
+        args.given = m
+            .ids()
+            .filter(|id| {
+                m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine)
+            })
+            .map(|id| id.to_string())
+            .collect();
+    }
     let result = match cli.command {
         Command::Train(args) => train::run(*args),
         Command::Bench { which } => bench::run(which),

@@ -1,15 +1,15 @@
 //! What `meshwork train`'s flags set beyond the mesh: the flags checked before anything
-//! starts, the default global batch fitted to the world, the fault plan and recovery policy,
-//! the learning rate and its schedule, the training settings and the checkpoint flags on a
-//! job builder. Shared by the one-process job, the GPT and a cluster's head.
+//! starts, the default global batch fitted to the world, and the job description
+//! ([`job_config`]) the flags (over a `--config` file's) make. Shared by the one-process job,
+//! the GPT and a cluster's head.
 
-use std::path::PathBuf;
+use std::time::Duration;
 
 use meshwork::error::Error;
 use meshwork::faults::FaultPlan;
-use meshwork::job::JobBuilder;
-use meshwork::optim::LearningRate;
+use meshwork::job_config::{JobConfig, LrSchedule, PipelineConfig};
 use meshwork::parallel::parameter_server::ParameterServer;
+use meshwork::parallel::zero::ZeroStage;
 use meshwork::recovery::RecoveryPolicy;
 
 use crate::train::TrainArgs;
@@ -57,33 +57,127 @@ pub(crate) fn fit_batch(base: usize, unit: usize) -> usize {
     ((base + unit / 2) / unit).max(1) * unit
 }
 
-/// The fault plan and recovery policy the flags ask for.
-pub(crate) fn fault_settings(
+/// The recovery policy `--on-replica-loss` names.
+fn recovery_policy(args: &TrainArgs) -> meshwork::error::Result<RecoveryPolicy> {
+    match args.on_replica_loss.as_str() {
+        "fail" => Ok(RecoveryPolicy::default()),
+        "shrink" => Ok(RecoveryPolicy::shrink()),
+        "rollback" => Ok(RecoveryPolicy::roll_back()),
+        "shrink-or-rollback" => Ok(RecoveryPolicy::shrink().or_roll_back()),
+        other => Err(Error::InvalidConfig(format!(
+            "--on-replica-loss {other}: fail, shrink, rollback or shrink-or-rollback"
+        ))),
+    }
+}
+
+/// What the flow of `meshwork train` decides beyond the flags: the replicas, the pipeline
+/// the model is cut into, and the global batch (a default fitted to the world).
+pub(crate) struct Shape {
+    pub(crate) data_parallel: u32,
+    pub(crate) pipeline: Option<PipelineConfig>,
+    pub(crate) batch_size: usize,
+}
+
+/// The job description of a command line (CONF-1): the file's (`--config`), or `meshwork
+/// train`'s defaults (Adam, a 120 s step time-out), with every flag the command line gave
+/// over its key (every flag, without a file) and the flow's `shape`. `read_faults`: read
+/// `--faults` (a process a launcher made a node takes the head's plan instead).
+pub(crate) fn job_config(
     args: &TrainArgs,
-) -> meshwork::error::Result<(Option<FaultPlan>, RecoveryPolicy)> {
-    let plan = match &args.faults {
-        Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
-                path: path.display().to_string(),
-                reason: e.to_string(),
-            })?;
-            Some(FaultPlan::from_json(&text)?)
-        }
-        None => None,
-    };
-    let mut policy = match args.on_replica_loss.as_str() {
-        "fail" => RecoveryPolicy::default(),
-        "shrink" => RecoveryPolicy::shrink(),
-        "rollback" => RecoveryPolicy::roll_back(),
-        "shrink-or-rollback" => RecoveryPolicy::shrink().or_roll_back(),
-        other => {
-            return Err(Error::InvalidConfig(format!(
-                "--on-replica-loss {other}: fail, shrink, rollback or shrink-or-rollback"
-            )));
-        }
-    };
-    policy.max_restarts = args.max_restarts;
-    Ok((plan, policy))
+    shape: Shape,
+    read_faults: bool,
+) -> meshwork::error::Result<JobConfig> {
+    let given = |flag: &str| args.file.is_none() || args.given.contains(flag);
+    let mut c = args.file.clone().unwrap_or_else(|| JobConfig {
+        optimizer: burn::optim::AdamConfig::new().into(),
+        step_timeout: Duration::from_secs(120),
+        ..JobConfig::default()
+    });
+    // What the flow read (from the flags, which a file fills: `job_file::apply`).
+    c.data_parallel = shape.data_parallel;
+    c.pipeline = shape.pipeline;
+    c.batch_size = Some(shape.batch_size);
+    c.seed = args.seed;
+    c.steps = args.steps;
+    c.tensor_parallel = args.tp;
+    c.accumulation = args.accumulate;
+    c.recompute = args.recompute;
+    c.reduction.zero = ZeroStage::from_number(args.zero).unwrap_or_default();
+    if given("lr") || given("lr_schedule") {
+        c.learning_rate = args.lr;
+        c.lr_schedule = match warmup_steps(args)? {
+            None => LrSchedule::Constant,
+            Some(warmup) => LrSchedule::WarmupCosine {
+                warmup: warmup as u64,
+                total: None,
+            },
+        };
+    }
+    c.learning_rate()
+        .map_err(|e| Error::InvalidConfig(format!("--lr-schedule: {}", e.0)))?;
+    if given("precision") {
+        c.precision.compute = args.precision;
+    }
+    if given("low_precision_gradients") {
+        c.precision.low_precision_gradients = args.low_precision_gradients;
+    }
+    if given("partial_sums") {
+        c.comm.partial_sums = args.partial_sums;
+    }
+    if given("clip") {
+        c.clip_norm = args.clip;
+    }
+    if given("compression") {
+        c.reduction.compression = args.compression;
+    }
+    if given("local_updates") {
+        c.reduction.local_updates = args.local_updates;
+    }
+    if given("algorithm") {
+        c.comm.algorithm = args.algorithm;
+    }
+    if given("parameter_server") || given("staleness") {
+        c.reduction.parameter_server = args
+            .parameter_server
+            .then(|| ParameterServer::new(args.staleness));
+    }
+    if given("backup_workers") {
+        c.reduction.backup_workers = args.backup_workers;
+    }
+    if given("collective_timeout") {
+        c.comm.timeout = Duration::from_secs_f64(args.collective_timeout);
+    }
+    if given("step_timeout") {
+        c.step_timeout = Duration::from_secs_f64(args.step_timeout);
+    }
+    if given("on_replica_loss") {
+        c.fault_tolerance.recovery = recovery_policy(args)?;
+    }
+    if given("max_restarts") {
+        c.fault_tolerance.recovery.max_restarts = args.max_restarts;
+    }
+    if let (true, Some(path)) = (read_faults, &args.faults) {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        c.fault_tolerance.fault_plan = Some(FaultPlan::from_json(&text)?);
+    }
+    let k = &mut c.checkpoints;
+    if given("checkpoint_dir") {
+        k.dir = args.checkpoint_dir.clone();
+    }
+    if given("checkpoint_every") {
+        k.every = args.checkpoint_every;
+    }
+    if given("resume") {
+        k.resume = args.resume;
+    }
+    if given("require_checkpoint") {
+        k.require = args.require_checkpoint;
+        k.resume |= args.require_checkpoint;
+    }
+    Ok(c)
 }
 
 /// Refuses flag values no job can run with, naming the flag, before anything starts.
@@ -138,8 +232,8 @@ pub(crate) fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
             "--clip {clip}: a positive, finite norm"
         )));
     }
-    learning_rate(args)?;
-    if args.checkpoint_dir.is_none() {
+    warmup_steps(args)?;
+    if args.checkpoint_dir.is_none() && args.file.is_none() {
         for (flag, given) in [
             ("--resume", args.resume),
             ("--checkpoint-every", args.checkpoint_every.is_some()),
@@ -152,16 +246,6 @@ pub(crate) fn check_flags(args: &TrainArgs) -> meshwork::error::Result<()> {
         }
     }
     Ok(())
-}
-
-/// The learning rate `--lr` and `--lr-schedule` ask for (refused here, naming the flag, when
-/// they do not make a schedule).
-pub(crate) fn learning_rate(args: &TrainArgs) -> meshwork::error::Result<LearningRate> {
-    match warmup_steps(args)? {
-        None => Ok(LearningRate::Constant(args.lr)),
-        Some(warmup) => LearningRate::warmup_cosine(args.lr, warmup, args.steps as usize)
-            .map_err(|e| Error::InvalidConfig(format!("--lr-schedule: {}", e.0))),
-    }
 }
 
 /// `--lr-schedule`'s warm-up steps (`warmup-cosine[:W]`, W a tenth of the steps by default),
@@ -181,71 +265,6 @@ pub(crate) fn warmup_steps(args: &TrainArgs) -> meshwork::error::Result<Option<u
         "constant" if warmup.is_none() => Ok(None),
         "warmup-cosine" => Ok(Some(warmup.unwrap_or((args.steps as usize / 10).max(1)))),
         _ => Err(bad()),
-    }
-}
-
-/// The flags that choose how the job trains beyond the mesh — the learning rate and its
-/// schedule, clipping, accumulation, and the way gradients are exchanged — on `builder`. The
-/// library refuses what does not combine (one table, `meshwork::composition`).
-pub(crate) fn training_settings<M: Send + 'static, I: Send + Sync + 'static>(
-    args: &TrainArgs,
-    lr: LearningRate,
-    mut builder: JobBuilder<M, I>,
-) -> JobBuilder<M, I> {
-    builder = builder
-        .learning_rate(lr)
-        .gradient_accumulation(args.accumulate)
-        .compression(args.compression)
-        .algorithm(args.algorithm);
-    if let Some(clip) = args.clip {
-        builder = builder.clip_grad_norm(clip);
-    }
-    if let Some(updates) = args.local_updates {
-        builder = builder.local_updates(updates);
-    }
-    if args.parameter_server {
-        builder = builder.parameter_server(ParameterServer::new(args.staleness));
-    }
-    if let Some(b) = args.backup_workers {
-        builder = builder.backup_workers(b);
-    }
-    builder
-}
-
-/// The checkpoint flags on a builder.
-pub(crate) fn checkpoint_settings<M: Send + 'static, I: Send + Sync + 'static>(
-    flags: &CheckpointFlags,
-    mut builder: meshwork::job::JobBuilder<M, I>,
-) -> meshwork::job::JobBuilder<M, I> {
-    if let Some(dir) = &flags.dir {
-        builder = builder
-            .checkpoint_dir(dir)
-            .resume_from_checkpoint(flags.resume)
-            .require_checkpoint(flags.require);
-    }
-    if let Some(n) = flags.every {
-        builder = builder.checkpoint_every(n);
-    }
-    builder
-}
-
-/// The checkpoint flags of `meshwork train` (in one process or on a cluster's head).
-#[derive(Debug, Clone)]
-pub(crate) struct CheckpointFlags {
-    dir: Option<PathBuf>,
-    every: Option<u64>,
-    resume: bool,
-    require: bool,
-}
-
-impl TrainArgs {
-    pub(crate) fn checkpoint_flags(&self) -> CheckpointFlags {
-        CheckpointFlags {
-            dir: self.checkpoint_dir.clone(),
-            every: self.checkpoint_every,
-            resume: self.resume,
-            require: self.require_checkpoint,
-        }
     }
 }
 

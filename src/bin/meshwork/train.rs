@@ -1,31 +1,25 @@
 //! `meshwork train`: the demo job with a progress bar and a final report.
 
 use std::path::PathBuf;
-use std::time::Duration;
 
-use burn::optim::AdamConfig;
 use meshwork::comm::Algorithm;
 use meshwork::demo::{Mlp, Sample, TeacherTask, mlp_blocks, mlp_blocks_of, mse_loss, split_mlp};
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::error::Error;
 use meshwork::events::PipelineStep;
-use meshwork::faults::FaultPlan;
 use meshwork::job::{Job, JobBuilder};
-use meshwork::optim::LearningRate;
 use meshwork::parallel::compress::Compression;
 use meshwork::parallel::local::LocalUpdates;
 use meshwork::parallel::parameter_server::Staleness;
 use meshwork::parallel::pipeline::{Schedule, even_split, render_svg};
 use meshwork::parallel::pipeline_exec::chrome_trace;
 use meshwork::parallel::stages::BlockOptions;
-use meshwork::parallel::zero::ZeroStage;
 use meshwork::precision::Precision;
 use meshwork::recovery::RecoveryPolicy;
 
 use crate::demo_job::{Configure, DemoJob, RunOptions};
-use crate::settings::{
-    check_flags, checkpoint_settings, fault_settings, learning_rate, training_settings,
-};
+use crate::settings::{Shape, check_flags, job_config};
+use meshwork::job_config::PipelineConfig;
 
 /// Flags of `meshwork train`.
 #[derive(Debug, clap::Args)]
@@ -192,13 +186,28 @@ pub(crate) struct TrainArgs {
     /// the job (or starts recovery), naming the ranks that are missing.
     #[arg(long, default_value_t = 120.0)]
     pub(crate) step_timeout: f64,
+    /// Run the job a file describes (TOML; JSON for a `.json` name): the library's job
+    /// description (`meshwork::job_config::JobConfig`) with a `[model]` table for the model
+    /// flags. Every flag given on the command line overrides its key.
+    #[arg(long)]
+    pub(crate) config: Option<PathBuf>,
+    /// Print the job's description as a file --config reads (TOML) and exit without training.
+    #[arg(long)]
+    pub(crate) print_config: bool,
+    /// The flags the command line gave (clap's ids), set by `main`.
+    #[arg(skip)]
+    pub(crate) given: std::collections::BTreeSet<String>,
+    /// The description --config read: the base every flag given goes over.
+    #[arg(skip)]
+    pub(crate) file: Option<meshwork::job_config::JobConfig>,
     /// Several processes: the head's flags (see `meshwork node` for the nodes').
     #[cfg(feature = "cluster")]
     #[command(flatten)]
     pub(crate) cluster: crate::cluster::ClusterTrainArgs,
 }
 
-pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
+pub(crate) fn run(mut args: TrainArgs) -> meshwork::error::Result<()> {
+    crate::job_file::apply(&mut args)?;
     check_flags(&args)?;
     match args.model.as_str() {
         "mlp" => {}
@@ -235,56 +244,28 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
             && launched.is_some_and(|r| {
                 matches!(r.role(), meshwork::cluster::rendezvous::Role::Node { .. })
             });
-        let (faults, policy) = if launched_node {
-            (None, RecoveryPolicy::default())
+        // Refused here, before any node waits, if the flags make no job description.
+        let pipeline = mlp_pipeline(&args)?;
+        let widths = if pipeline.is_some() {
+            pipeline_widths(args.hidden)
         } else {
-            fault_settings(&args)?
+            widths(args.hidden)
         };
-        // Refused here, before any node waits, if it names no schedule.
-        let warmup = crate::settings::warmup_steps(&args)?;
+        let shape = Shape {
+            data_parallel: 1,
+            pipeline,
+            // The head fits a default batch to the world it waits for.
+            batch_size: args.global_batch(256, 1),
+        };
+        let job = job_config(&args, shape, !launched_node)?;
+        if across && args.print_config {
+            return crate::job_file::print(&args, &job);
+        }
         let spec = || {
-            // A dp × pp job across processes: the deeper MLP, cut as a single-process run cuts it.
-            let pipeline = (args.pp > 1).then(|| meshwork::cluster::control::PipelineShape {
-                stages: args.pp,
-                schedule: args.schedule.clone(),
-                micro_batches: args.micro_batches,
-                virtual_stages: args.virtual_stages,
-            });
-            let widths = if pipeline.is_some() {
-                pipeline_widths(args.hidden)
-            } else {
-                widths(args.hidden)
-            };
-            crate::cluster::demo_spec(
-                &widths,
-                // The head fits a default batch to the world it waits for.
-                (args.seed, args.global_batch(256, 1), args.steps),
-                (args.lr, args.zero),
-                (args.precision, args.low_precision_gradients),
-                args.collective_timeout,
-                pipeline,
-                (
-                    meshwork::cluster::control::StrategySpec {
-                        compression: args.compression,
-                        local_updates: args.local_updates,
-                        clip_norm: args.clip,
-                        accumulation: args.accumulate,
-                        algorithm: args.algorithm,
-                        partial_sums: args.partial_sums,
-                        faults,
-                        link: None,
-                        tensor_parallel: 1,
-                        recompute: args.recompute,
-                        parameter_server: args.parameter_server.then(|| {
-                            meshwork::parallel::parameter_server::ParameterServer::new(
-                                args.staleness,
-                            )
-                        }),
-                        backup_workers: args.backup_workers,
-                        warmup_cosine: warmup.map(|w| w as u64),
-                    },
-                    args.device,
-                ),
+            meshwork::cluster::control::JobSpec::new(
+                meshwork::demo::mlp_spec(&widths),
+                job,
+                args.device,
             )
         };
         if across {
@@ -293,10 +274,7 @@ pub(crate) fn run(args: TrainArgs) -> meshwork::error::Result<()> {
         let head = crate::cluster::HeadJob {
             save_model: args.save_model.clone(),
             sample: None,
-            policy,
-            checkpoints: args.checkpoint_flags(),
             elastic: (1, u32::MAX),
-            step_timeout: Duration::from_secs_f64(args.step_timeout),
             batch_given: args.batch_given(),
         };
         if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, spec, head) {
@@ -373,15 +351,15 @@ fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
             .flatten()
             .is_some_and(|r| r.processes > 1);
         if args.cluster.listen.is_some() || launched {
+            let spec = crate::gpt_train::gpt_spec(&args, flags.config)?;
+            if args.print_config {
+                return crate::job_file::print(&args, &spec.job);
+            }
             refuse_across_processes(&args)?;
-            let spec = crate::gpt_train::gpt_spec(&args, flags.config, flags.tp)?;
             let head = crate::cluster::HeadJob {
                 save_model: args.save_model.clone(),
                 sample: args.sample,
-                policy: fault_settings(&args)?.1,
-                checkpoints: args.checkpoint_flags(),
                 elastic: (1, u32::MAX),
-                step_timeout: Duration::from_secs_f64(args.step_timeout),
                 batch_given: args.batch_given(),
             };
             if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, || spec, head) {
@@ -422,7 +400,6 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         noise: 0.1,
         seed: args.seed,
     };
-    let (plan, policy) = fault_settings(&args)?;
     let world = (dp * if pipelined { args.pp } else { 1 }) as usize;
     let devices = MeshDevice::of_kind(args.device, world)?;
     let model_device = devices[0].burn().clone();
@@ -433,6 +410,15 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         format!("{dp}")
     };
     let unit = dp as usize * args.micro_batches_per_replica();
+    let shape = Shape {
+        data_parallel: dp,
+        pipeline: mlp_pipeline(&args)?,
+        batch_size: args.global_batch(256, unit),
+    };
+    let config = job_config(&args, shape, true)?;
+    if args.print_config {
+        return crate::job_file::print(&args, &config);
+    }
     println!(
         "meshwork train: {mesh} × {:?} device(s), {}, {} steps, attainable loss {:.4}",
         args.device,
@@ -441,13 +427,9 @@ async fn train(args: TrainArgs) -> meshwork::error::Result<()> {
         task.attainable_loss()
     );
     let job = demo_job(&args, pipelined, &model_device)?.configure(Shared {
-        args: &args,
+        config,
         data: task.dataset(16_384),
-        dp,
         devices,
-        plan,
-        policy,
-        lr: learning_rate(&args)?,
     });
     let schedule = job.schedule();
     let last = job
@@ -471,14 +453,7 @@ fn demo_job(
     model_device: &burn::tensor::Device,
 ) -> meshwork::error::Result<DemoJob> {
     let options = BlockOptions::default().recompute(args.recompute);
-    if pipelined {
-        let schedule = Schedule::from_name(&args.schedule, args.micro_batches, args.virtual_stages)
-            .ok_or_else(|| {
-                Error::InvalidConfig(format!(
-                    "--schedule {}: gpipe, 1f1b or interleaved",
-                    args.schedule
-                ))
-            })?;
+    if let (true, Some(PipelineConfig { schedule, .. })) = (pipelined, mlp_pipeline(args)?) {
         let blocks = (args.pp * schedule.virtual_stages()) as usize;
         let pipeline_widths = pipeline_widths(args.hidden);
         let layers = pipeline_widths.len() - 1;
@@ -547,40 +522,38 @@ fn pipeline_report(
     Ok(())
 }
 
-/// The flags every kind of demo job shares: data, optimizer, mesh, batch, steps, precision,
-/// failures and checkpoints.
-struct Shared<'a> {
-    args: &'a TrainArgs,
+/// What every kind of demo job takes in one process: its description, the data and the
+/// devices.
+struct Shared {
+    config: meshwork::job_config::JobConfig,
     data: meshwork::data::InMemoryDataset<Sample>,
-    dp: u32,
     devices: Vec<MeshDevice>,
-    plan: Option<FaultPlan>,
-    policy: RecoveryPolicy,
-    lr: LearningRate,
 }
 
-impl Configure for Shared<'_> {
+impl Configure for Shared {
     fn apply<M: Send + 'static>(self, builder: JobBuilder<M, Sample>) -> JobBuilder<M, Sample> {
-        let args = self.args;
-        let builder = checkpoint_settings(&args.checkpoint_flags(), builder)
+        builder
+            .with_config(self.config)
             .data(self.data)
-            .optimizer(AdamConfig::new())
-            .zero(ZeroStage::from_number(args.zero).unwrap_or_default())
-            .precision(args.precision)
-            .low_precision_gradients(args.low_precision_gradients)
-            .partial_sums(args.partial_sums)
-            .data_parallel(self.dp)
             .devices(self.devices)
-            .batch_size(args.global_batch(256, self.dp as usize * args.micro_batches_per_replica()))
-            .steps(args.steps)
-            .seed(args.seed)
-            .recovery(self.policy)
-            .collective_timeout(Duration::from_secs_f64(args.collective_timeout))
-            .step_timeout(Duration::from_secs_f64(args.step_timeout));
-        let builder = match self.plan {
-            Some(plan) => builder.fault_plan(plan),
-            None => builder,
-        };
-        training_settings(args, self.lr, builder)
     }
+}
+
+/// The pipeline `--pp`, `--schedule`, `--micro-batches` and `--virtual-stages` cut the demo
+/// MLP into (`--timeline` alone: a pipeline of one stage), or `None`.
+fn mlp_pipeline(args: &TrainArgs) -> meshwork::error::Result<Option<PipelineConfig>> {
+    if args.pp <= 1 && args.timeline.is_none() {
+        return Ok(None);
+    }
+    let schedule = Schedule::from_name(&args.schedule, args.micro_batches, args.virtual_stages)
+        .ok_or_else(|| {
+            Error::InvalidConfig(format!(
+                "--schedule {}: gpipe, 1f1b or interleaved",
+                args.schedule
+            ))
+        })?;
+    Ok(Some(PipelineConfig {
+        stages: args.pp,
+        schedule,
+    }))
 }

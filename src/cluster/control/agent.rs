@@ -313,9 +313,9 @@ impl AgentState {
                     self.tell(AgentEvent::RefusedHead(why.clone()));
                     return ControlMsg::Refused(why);
                 }
-                if !hello.spec.transport.is_ready() {
+                if !hello.spec.job.transport.is_ready() {
                     let why = Incompatibility::Transport {
-                        job: hello.spec.transport,
+                        job: hello.spec.job.transport,
                     };
                     self.tell(AgentEvent::RefusedHead(why.clone()));
                     return ControlMsg::Refused(why);

@@ -39,7 +39,7 @@ use crate::mesh::Rank;
 pub const CONTROL_MAGIC: [u8; 4] = *b"MWCT";
 
 /// The control protocol version this build speaks.
-pub const CONTROL_PROTOCOL_VERSION: u16 = 12;
+pub const CONTROL_PROTOCOL_VERSION: u16 = 13;
 
 /// Bytes of the fixed header.
 pub const CONTROL_HEADER_LEN: usize = 10;
@@ -72,153 +72,33 @@ pub struct ModelSpec {
 }
 
 /// What every process needs to build the same job: sent by the head with [`Hello`] and
-/// [`Prepare`].
+/// [`Prepare`]. The job's whole description travels as it is (CONF-1): every node trains with
+/// the head's [`JobConfig`](crate::job_config::JobConfig)
+/// ([`crate::job::JobBuilder::with_config`]), version 13 on.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct JobSpec {
     /// The model.
     pub model: ModelSpec,
-    /// Seed of the initialization, the data and its order.
-    pub seed: u64,
-    /// Global batch size.
-    pub batch_size: u64,
-    /// Optimizer steps.
-    pub steps: u64,
-    /// Learning rate.
-    pub learning_rate: f64,
-    /// Collective time-out in milliseconds.
-    pub collective_timeout_ms: u64,
-    /// The pipeline the model is cut into, if the job is dp × pp.
-    pub pipeline: Option<PipelineShape>,
-    /// The ZeRO stage (0: every rank holds the whole optimizer state; 1; 2; 3). Another
-    /// number does not decode (a node never trains a stage it was not asked for).
-    #[serde(deserialize_with = "zero_stage")]
-    pub zero: u8,
-    /// What every rank's forward and backward compute in (version 8 on): the same on every
-    /// process, so f16's loss scaler skips the same steps everywhere (MIX-2).
-    pub precision: crate::precision::Precision,
-    /// With a 16-bit precision: the gradients travel in that type, 2 bytes an element on
-    /// the data plane (version 8 on).
-    pub low_precision_gradients: bool,
-    /// How the replicas synchronise and what every step does to its gradient (version 9 on).
-    pub strategy: StrategySpec,
-    /// What every rank computes on (version 9 on): each process's devices are of this
-    /// backend, and a node of another refuses the job ([`Incompatibility::Backend`]).
+    /// How the job trains: every setting of the head's builder.
+    pub job: crate::job_config::JobConfig,
+    /// What every rank computes on: each process's devices are of this backend, and a node of
+    /// another refuses the job ([`Incompatibility::Backend`]).
     pub backend: crate::device::BackendKind,
-    /// What moves the data plane's bytes between processes (version 11 on): a node that
-    /// cannot use it refuses the job ([`Incompatibility::Transport`]).
-    pub transport: crate::comm::DataTransport,
 }
 
-/// The settings of a job that change how its replicas synchronise or what a step does with
-/// its gradient: every process must train with the same ones, so the head sends them
-/// ([`crate::job::JobBuilder::follow_spec`] applies them on each process).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct StrategySpec {
-    /// Gradient compression of the data-parallel reduction.
-    pub compression: crate::parallel::compress::Compression,
-    /// Local updates (local SGD, DiLoCo, EASGD) instead of a reduction every step.
-    pub local_updates: Option<crate::parallel::local::LocalUpdates>,
-    /// The global gradient norm each step is clipped to.
-    pub clip_norm: Option<f32>,
-    /// Micro-batches each replica accumulates per step (1: none).
-    pub accumulation: u32,
-    /// The algorithm of every collective (`Auto` by default): with `Ring` on both, a job
-    /// across processes of one rank each sums its f32 values in the order the same job in one
-    /// process does (a process of several ranks all-reduces hierarchically).
-    pub algorithm: crate::comm::Algorithm,
-    /// Faults to inject (a rehearsal): every process carries out the entries that fire where
-    /// it is — a node those of its own devices (panics, stalls, slow-downs, lost messages),
-    /// the head those of the Supervisor (kills, resizes, failed checkpoints) — and the head
-    /// publishes every firing as `JobEvent::FaultInjected`. On the wire as the plan's JSON
-    /// (its fault kinds are internally tagged, which bincode cannot carry), checked by
-    /// `FaultPlan::from_json` when decoded.
-    #[serde(with = "plan_as_json")]
-    pub faults: Option<crate::faults::FaultPlan>,
-    /// The link every rank's data-plane sends are emulated on (`comm::emulate`, EMU-1/2):
-    /// a rehearsal of slow links between machines.
-    pub link: Option<crate::comm::emulate::LinkEmulation>,
-    /// The tensor-parallel degree of a block or pipeline job (1: none; version 10 on): the
-    /// world is replicas × stages × this.
-    pub tensor_parallel: u32,
-    /// Every block recomputes its forward during the backward instead of keeping its
-    /// activations (version 10 on). A block's options are fixed when the model's code builds
-    /// its blocks, so that code reads it ([`crate::job::JobBuilder::follow_spec`] cannot).
-    pub recompute: bool,
-    /// A parameter server instead of an all-reduce (version 10 on): its staleness bound; the
-    /// server runs on the head, every node's ranks are its workers.
-    pub parameter_server: Option<crate::parallel::parameter_server::ParameterServer>,
-    /// Synchronous steps that drop the last `b` workers' gradients, on the parameter server
-    /// (version 10 on).
-    pub backup_workers: Option<u32>,
-    /// A warm-up of this many steps to `learning_rate`, then a cosine down to 1 % of it at
-    /// `steps` (`LearningRate::warmup_cosine`; version 10 on); none: the constant rate.
-    pub warmup_cosine: Option<u64>,
-    /// How 16-bit reductions' partial sums travel (COMM-9; version 12 on): the same on every
-    /// process, else their reductions mismatch.
-    pub partial_sums: crate::comm::PartialSums,
-}
-
-/// A ZeRO stage number, 0 to 3 (see [`JobSpec::zero`]).
-fn zero_stage<'de, D: serde::Deserializer<'de>>(from: D) -> Result<u8, D::Error> {
-    let n = u8::deserialize(from)?;
-    crate::parallel::zero::ZeroStage::from_number(n)
-        .map(|_| n)
-        .ok_or_else(|| serde::de::Error::custom(format!("ZeRO stage {n}: 0, 1, 2 or 3")))
-}
-
-/// A fault plan as its JSON text inside the bincode body (see [`StrategySpec::faults`]).
-mod plan_as_json {
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-    use crate::faults::FaultPlan;
-
-    pub(super) fn serialize<S: Serializer>(
-        plan: &Option<FaultPlan>,
-        to: S,
-    ) -> Result<S::Ok, S::Error> {
-        plan.as_ref().map(FaultPlan::to_json).serialize(to)
-    }
-
-    pub(super) fn deserialize<'de, D: Deserializer<'de>>(
-        from: D,
-    ) -> Result<Option<FaultPlan>, D::Error> {
-        Option::<String>::deserialize(from)?
-            .map(|text| FaultPlan::from_json(&text).map_err(serde::de::Error::custom))
-            .transpose()
-    }
-}
-
-impl Default for StrategySpec {
-    fn default() -> Self {
+impl JobSpec {
+    /// The spec of `model` trained as `job` describes, on `backend`.
+    pub fn new(
+        model: ModelSpec,
+        job: crate::job_config::JobConfig,
+        backend: crate::device::BackendKind,
+    ) -> Self {
         Self {
-            compression: crate::parallel::compress::Compression::None,
-            local_updates: None,
-            clip_norm: None,
-            accumulation: 1,
-            algorithm: crate::comm::Algorithm::Auto,
-            faults: None,
-            link: None,
-            tensor_parallel: 1,
-            recompute: false,
-            parameter_server: None,
-            backup_workers: None,
-            warmup_cosine: None,
-            partial_sums: crate::comm::PartialSums::F32,
+            model,
+            job,
+            backend,
         }
     }
-}
-
-/// How a dp × pp job cuts its model: what every process needs to build the same stages.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PipelineShape {
-    /// Pipeline stages (the world is data-parallel replicas × stages).
-    pub stages: u32,
-    /// The schedule's name (`gpipe`, `1f1b`, `interleaved`).
-    pub schedule: String,
-    /// Micro-batches per step.
-    pub micro_batches: u32,
-    /// Model chunks per stage (interleaved schedules).
-    pub virtual_stages: u32,
 }
 
 /// The head's first message to a node that appeared in the job's process group.

@@ -40,21 +40,16 @@ fn adopted_data_plane_listeners_admit_the_token_for_their_ranks() {
 
 /// A one-step job of the demo MLP of `widths`.
 fn demo_spec(widths: &[usize]) -> JobSpec {
-    JobSpec {
-        model: crate::demo::mlp_spec(widths),
-        seed: 0,
-        batch_size: 1,
-        steps: 1,
-        learning_rate: 0.1,
-        collective_timeout_ms: 1000,
-        zero: 0,
-        precision: Default::default(),
-        low_precision_gradients: false,
-        strategy: Default::default(),
-        backend: crate::device::BackendKind::Flex,
-        transport: Default::default(),
-        pipeline: None,
-    }
+    JobSpec::new(
+        crate::demo::mlp_spec(widths),
+        crate::job_config::JobConfig {
+            batch_size: Some(1),
+            steps: 1,
+            learning_rate: 0.1,
+            ..Default::default()
+        },
+        crate::device::BackendKind::Flex,
+    )
 }
 
 #[test]

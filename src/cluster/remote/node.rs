@@ -133,7 +133,11 @@ impl<M: Send + 'static> NodeStages<M> {
         Ok(Self {
             inner: Arc::new(NodeInner {
                 factory,
-                groups: ProcessGroups::new(args.token.clone(), tcp.clone(), args.spec.transport),
+                groups: ProcessGroups::new(
+                    args.token.clone(),
+                    tcp.clone(),
+                    args.spec.job.transport,
+                ),
                 token: args.token,
                 plan: args.plan,
                 tcp,

@@ -326,6 +326,9 @@ pub(crate) fn rebuild_blocks<I: Send + Sync + 'static>(
                 let mut work =
                     (built.build)(&device, &spec.optimizer, spec.learning_rate.clone(), &slice)
                         .map_err(|e| format!("block {block} of {id} cannot be built: {e}"))?;
+                if spec.recompute {
+                    work.recompute_always();
+                }
                 // The parameters keep the ids this process drew for the block (another process
                 // drew the snapshot's): every tensor-parallel rank's slice of a block then has
                 // the same ids, which is how its slices are matched when they are put together.

@@ -617,6 +617,10 @@ impl<M: Module + 'static, I: 'static> BlockStep<I> for TypedStage<M, I> {
 }
 
 impl<M: Module + 'static, I: 'static> StageWork<I> for TypedStage<M, I> {
+    fn recompute_always(&mut self) {
+        self.recompute = true;
+    }
+
     fn gather_now(&mut self, replicas: Option<&mut Communicator>) -> Result<(), ExecError> {
         match self.sync.gather(self.model.clone(), replicas) {
             Ok(model) => {

@@ -7,6 +7,9 @@ use super::*;
 
 /// One block of a stage, independent of its module type: the walk's part and the actor's.
 pub(crate) trait StageWork<I>: BlockStep<I> {
+    /// Recompute the block's forward during its backward (activation checkpointing), as the
+    /// job's description asks of every block (`JobConfig::recompute`).
+    fn recompute_always(&mut self);
     /// Gather the block's full parameters over `replicas` now, if it does not hold them.
     fn gather_now(&mut self, replicas: Option<&mut Communicator>) -> Result<(), ExecError>;
     /// Keep only this rank's shard of the block's parameters, as rank `replicas.rank()` of

@@ -32,12 +32,8 @@ pub(crate) struct HeadJob {
     pub(crate) save_model: Option<std::path::PathBuf>,
     /// `--sample N` of `--model gpt`: characters sampled from the trained model.
     pub(crate) sample: Option<usize>,
-    pub(crate) policy: RecoveryPolicy,
-    pub(crate) checkpoints: crate::settings::CheckpointFlags,
     /// The replicas a data-parallel job may have (`--min-replicas`, `--max-replicas`).
     pub(crate) elastic: (u32, u32),
-    /// `--step-timeout`: how long the head's Supervisor waits for a step's ranks.
-    pub(crate) step_timeout: Duration,
     /// Whether `--batch-size` was given; if not, the head fits the spec's default batch to
     /// the world it waits for ([`crate::settings::fit_batch`]).
     pub(crate) batch_given: bool,
@@ -60,34 +56,28 @@ pub(crate) fn demo_job(spec: &JobSpec) -> meshwork::error::Result<(DemoJob, Teac
         d_in,
         d_out,
         noise: 0.1,
-        seed: spec.seed,
+        seed: spec.job.seed,
     };
     let device = MeshDevice::of_kind(BackendKind::Flex, 1)?.remove(0);
-    device.burn().seed(spec.seed);
-    let options = BlockOptions::default().recompute(spec.strategy.recompute);
-    let job = match &spec.pipeline {
+    device.burn().seed(spec.job.seed);
+    let options = BlockOptions::default();
+    let job = match &spec.job.pipeline {
         // ZeRO-3 and recomputation work per block: the MLP as blocks of one layer each, as in
         // one process.
-        None if spec.zero == 3 || spec.strategy.recompute => DemoJob::Blocks(
-            Job::builder()
-                .blocks(mlp_blocks(&widths, options, device.burn()).ok_or_else(|| {
-                    Error::Runtime("the demo MLP did not cut into blocks".into())
-                })?),
-        ),
+        None if spec.job.reduction.zero == ZeroStage::Three || spec.job.recompute => {
+            DemoJob::Blocks(
+                Job::builder().blocks(mlp_blocks(&widths, options, device.burn()).ok_or_else(
+                    || Error::Runtime("the demo MLP did not cut into blocks".into()),
+                )?),
+            )
+        }
         None => DemoJob::Replicas(
             Job::builder()
                 .initial_model(Mlp::new(&widths, device.burn()))
                 .loss(mse_loss),
         ),
         Some(shape) => {
-            let schedule =
-                Schedule::from_name(&shape.schedule, shape.micro_batches, shape.virtual_stages)
-                    .ok_or_else(|| {
-                        Error::InvalidConfig(format!(
-                            "schedule {}: gpipe, 1f1b or interleaved",
-                            shape.schedule
-                        ))
-                    })?;
+            let schedule = shape.schedule;
             let blocks = (shape.stages * schedule.virtual_stages()) as usize;
             let layers = widths.len() - 1;
             let stages = even_split(layers, blocks)
@@ -116,10 +106,8 @@ struct SpecSettings<'a> {
 impl Configure for SpecSettings<'_> {
     fn apply<M: Send + 'static>(self, builder: JobBuilder<M, Sample>) -> JobBuilder<M, Sample> {
         builder
+            .with_config(self.spec.job.clone())
             .data(self.task.dataset(DEMO_SAMPLES))
-            .optimizer(AdamConfig::new())
-            .follow_spec(self.spec)
-            .step_timeout(Duration::from_secs(120))
     }
 }
 
@@ -141,21 +129,19 @@ pub(super) fn head_settings<M: Send + 'static, I: Send + Sync + 'static>(
     mesh: ClusterMesh,
     builder: JobBuilder<M, I>,
 ) -> JobBuilder<M, I> {
-    crate::settings::checkpoint_settings(&job.checkpoints, builder)
-        .recovery(job.policy)
-        .elastic(job.elastic.0, job.elastic.1)
-        .step_timeout(job.step_timeout)
-        .cluster(mesh)
+    builder.elastic(job.elastic.0, job.elastic.1).cluster(mesh)
 }
 
 /// The ranks of one replica of a block or pipeline job (stages × tensor-parallel degree);
 /// `None` for a data-parallel job of the whole model (which grows onto nodes that join).
 pub(super) fn ranks_per_replica(spec: &JobSpec) -> Option<u32> {
-    let blocks =
-        spec.pipeline.is_some() || is_gpt(spec) || spec.zero == 3 || spec.strategy.recompute;
-    blocks.then(|| {
-        spec.pipeline.as_ref().map_or(1, |p| p.stages.max(1)) * spec.strategy.tensor_parallel.max(1)
-    })
+    let job = &spec.job;
+    let blocks = job.pipeline.is_some()
+        || is_gpt(spec)
+        || job.reduction.zero == ZeroStage::Three
+        || job.recompute;
+    blocks
+        .then(|| job.pipeline.as_ref().map_or(1, |p| p.stages.max(1)) * job.tensor_parallel.max(1))
 }
 
 /// Whether `spec` is a job of the demo GPT (`--model gpt`), not of the demo MLP.
@@ -196,32 +182,4 @@ fn demo_stages() -> HostFactory {
         }
         .map_err(|e| e.to_string())
     })
-}
-
-/// The job spec of `meshwork train`'s demo job.
-pub(crate) fn demo_spec(
-    widths: &[usize],
-    (seed, batch_size, steps): (u64, usize, u64),
-    (lr, zero): (f64, u8),
-    (precision, low_precision_gradients): (Precision, bool),
-    collective_timeout: f64,
-    pipeline: Option<PipelineShape>,
-    (strategy, backend): (StrategySpec, BackendKind),
-) -> JobSpec {
-    JobSpec {
-        model: meshwork::demo::mlp_spec(widths),
-        seed,
-        batch_size: batch_size as u64,
-        steps,
-        learning_rate: lr,
-        collective_timeout_ms: (collective_timeout * 1000.0) as u64,
-        pipeline,
-        zero,
-        precision,
-        low_precision_gradients,
-        strategy,
-        backend,
-        // `dispatch_train` sets the transport the command line chose.
-        transport: Default::default(),
-    }
 }

@@ -1,0 +1,131 @@
+//! A [`JobConfig`] as a file: TOML (or JSON) in, TOML out, and the errors that name the key
+//! (CONF-2).
+
+use std::path::Path;
+
+use serde::Deserializer;
+
+use super::JobConfig;
+
+/// The formats a job description is read from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConfigFormat {
+    /// TOML (what `--print-config` writes).
+    Toml,
+    /// JSON.
+    Json,
+}
+
+impl ConfigFormat {
+    /// The format a file's name says: `.json` is JSON, anything else TOML.
+    pub fn of(path: &Path) -> Self {
+        match path.extension().and_then(|e| e.to_str()) {
+            Some(e) if e.eq_ignore_ascii_case("json") => ConfigFormat::Json,
+            _ => ConfigFormat::Toml,
+        }
+    }
+}
+
+/// Why a job description could not be read (CONF-2).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{path}: {reason}")]
+    Io {
+        /// The file.
+        path: String,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The text is not TOML (or JSON) at all.
+    #[error("not valid {format}: {reason}")]
+    Syntax {
+        /// `TOML` or `JSON`.
+        format: &'static str,
+        /// The parser's message, with the line.
+        reason: String,
+    },
+    /// A key the description does not have, a value of the wrong type, or one out of range.
+    #[error("key `{key}`: {reason}")]
+    Key {
+        /// The key's path (`reduction.zero`; `.` for the top level).
+        key: String,
+        /// What is wrong and what is accepted.
+        reason: String,
+    },
+    /// The description could not be written (a value TOML cannot hold).
+    #[error("could not write the description: {0}")]
+    Write(String),
+}
+
+impl From<ConfigError> for crate::config::InvalidConfig {
+    fn from(e: ConfigError) -> Self {
+        crate::config::InvalidConfig(format!("job description: {e}"))
+    }
+}
+
+impl JobConfig {
+    /// Reads a description from TOML text.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let value: toml::Value = toml::from_str(text).map_err(|e| ConfigError::Syntax {
+            format: "TOML",
+            reason: e.to_string(),
+        })?;
+        Self::from_deserializer(value)
+    }
+
+    /// Reads a description from JSON text.
+    pub fn from_json(text: &str) -> Result<Self, ConfigError> {
+        let mut de = serde_json::Deserializer::from_str(text);
+        let config = Self::from_deserializer(&mut de).map_err(|e| match e {
+            ConfigError::Key { key, reason } if reason.contains("line ") && key == "." => {
+                ConfigError::Syntax {
+                    format: "JSON",
+                    reason,
+                }
+            }
+            other => other,
+        })?;
+        de.end().map_err(|e| ConfigError::Syntax {
+            format: "JSON",
+            reason: e.to_string(),
+        })?;
+        Ok(config)
+    }
+
+    /// Reads a description from any self-describing serde format (a program's own config
+    /// file holding it as a section), the error naming the key's path.
+    pub fn from_deserializer<'de, D: Deserializer<'de>>(from: D) -> Result<Self, ConfigError> {
+        serde_path_to_error::deserialize(from).map_err(|e| {
+            let key = e.path().to_string();
+            ConfigError::Key {
+                key,
+                reason: e.into_inner().to_string(),
+            }
+        })
+    }
+
+    /// Reads a description from a file: JSON when its name ends in `.json`, else TOML.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        match ConfigFormat::of(path) {
+            ConfigFormat::Toml => Self::from_toml(&text),
+            ConfigFormat::Json => Self::from_json(&text),
+        }
+    }
+
+    /// The description as TOML, every key written (what `from_toml` reads back equal).
+    pub fn to_toml(&self) -> Result<String, ConfigError> {
+        toml::to_string(self).map_err(|e| ConfigError::Write(e.to_string()))
+    }
+
+    /// The description as pretty JSON.
+    pub fn to_json(&self) -> Result<String, ConfigError> {
+        serde_json::to_string_pretty(self).map_err(|e| ConfigError::Write(e.to_string()))
+    }
+}
