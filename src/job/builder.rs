@@ -701,6 +701,7 @@ where
             .fault_plan
             .clone()
             .map(FaultHooks::new);
+        tracing::info!(description = ?self.config, "meshwork node: the job it runs");
         let slots = match self.pipeline.take() {
             Some(p) => {
                 // The head checks the mesh against the world it assembled; a node's slots learn

@@ -99,9 +99,11 @@ impl JobConfig {
     pub fn from_deserializer<'de, D: Deserializer<'de>>(from: D) -> Result<Self, ConfigError> {
         serde_path_to_error::deserialize(from).map_err(|e| {
             let key = e.path().to_string();
+            // TOML's own message adds the key again on a line of its own: the path says it.
+            let reason = e.into_inner().to_string();
             ConfigError::Key {
                 key,
-                reason: e.into_inner().to_string(),
+                reason: reason.lines().next().unwrap_or_default().trim().to_string(),
             }
         })
     }
@@ -119,13 +121,38 @@ impl JobConfig {
         }
     }
 
-    /// The description as TOML, every key written (what `from_toml` reads back equal).
+    /// The description as TOML, every key written (what `from_toml` reads back equal). An
+    /// `f32` setting is written as its shortest decimal (`beta_1 = 0.9`, not the `f64` it
+    /// widens to).
     pub fn to_toml(&self) -> Result<String, ConfigError> {
-        toml::to_string(self).map_err(|e| ConfigError::Write(e.to_string()))
+        let mut value =
+            toml::Value::try_from(self).map_err(|e| ConfigError::Write(e.to_string()))?;
+        shorten_floats(&mut value);
+        toml::to_string(&value).map_err(|e| ConfigError::Write(e.to_string()))
     }
 
     /// The description as pretty JSON.
     pub fn to_json(&self) -> Result<String, ConfigError> {
         serde_json::to_string_pretty(self).map_err(|e| ConfigError::Write(e.to_string()))
+    }
+}
+
+/// Every float that is exactly an `f32` written as the `f32`'s shortest decimal: TOML holds
+/// floats as `f64`, and an `f32` setting widened to it prints as `0.8999999761581421`. Reading
+/// the shorter decimal back into the `f32` gives the same bits.
+fn shorten_floats(value: &mut toml::Value) {
+    match value {
+        toml::Value::Float(f) => {
+            let narrow = *f as f32;
+            if narrow.is_finite()
+                && f64::from(narrow) == *f
+                && let Ok(short) = narrow.to_string().parse::<f64>()
+            {
+                *f = short;
+            }
+        }
+        toml::Value::Table(t) => t.iter_mut().for_each(|(_, v)| shorten_floats(v)),
+        toml::Value::Array(a) => a.iter_mut().for_each(shorten_floats),
+        _ => {}
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use meshwork::testing::TempDir;
 
 /// Runs `meshwork` with `args`, killed if it has not ended within two minutes.
-fn meshwork(args: &[&str]) -> Output {
+pub(crate) fn meshwork(args: &[&str]) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_meshwork"))
         .args(args)
         .stdout(Stdio::piped())
@@ -33,7 +33,7 @@ fn meshwork(args: &[&str]) -> Output {
 }
 
 /// What a run printed: (exit code, stdout, stderr).
-fn run(args: &[&str]) -> (Option<i32>, String, String) {
+pub(crate) fn run(args: &[&str]) -> (Option<i32>, String, String) {
     let out = meshwork(args);
     (
         out.status.code(),
@@ -44,7 +44,7 @@ fn run(args: &[&str]) -> (Option<i32>, String, String) {
 
 /// Asserts a refused run: exit code 1, `error: …` naming `expected` on stderr, no panic, and
 /// no training (no step was reported).
-fn assert_refused(args: &[&str], expected: &str) {
+pub(crate) fn assert_refused(args: &[&str], expected: &str) {
     let (code, stdout, stderr) = run(args);
     assert_eq!(
         code,
@@ -66,13 +66,13 @@ fn assert_refused(args: &[&str], expected: &str) {
 }
 
 /// A fresh scratch directory for one test (made; removed when dropped).
-fn scratch(name: &str) -> TempDir {
+pub(crate) fn scratch(name: &str) -> TempDir {
     let dir = TempDir::new(&format!("cli-{name}"));
     std::fs::create_dir_all(dir.path()).expect("a scratch directory");
     dir
 }
 
-fn path(p: &Path) -> &str {
+pub(crate) fn path(p: &Path) -> &str {
     p.to_str().expect("a UTF-8 temporary path")
 }
 

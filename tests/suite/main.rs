@@ -15,6 +15,7 @@ mod data_parallel;
 mod faults;
 mod fsdp;
 mod instances;
+mod job_files;
 mod layering;
 mod lifecycle;
 mod local_updates;

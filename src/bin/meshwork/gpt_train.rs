@@ -69,15 +69,26 @@ pub(crate) struct GptReport {
     pub(crate) before: f64,
 }
 
-/// The interleaved pipeline the GPT of `config` is cut into over `pp` stages (block b on
-/// stage b mod pp, over `micro_batches`), or `None` at `pp` 1 (a block job).
+/// The interleaved pipeline the GPT of `config` is cut into over `--pp` stages (block b on
+/// stage b mod pp, over `--micro-batches`), or `None` at `--pp` 1 (a block job).
 pub(crate) fn gpt_pipeline(
+    args: &TrainArgs,
     config: &GptConfig,
-    pp: u32,
-    micro_batches: u32,
 ) -> meshwork::error::Result<Option<PipelineConfig>> {
+    let (pp, micro_batches) = (args.pp, args.micro_batches);
     if pp <= 1 {
         return Ok(None);
+    }
+    // A --config file's own schedule (`meshwork plan --emit-config` writes 1F1B where every
+    // stage holds one block), unless the command line reshapes the pipeline.
+    let reshaped = ["pp", "micro_batches"]
+        .iter()
+        .any(|f| args.given.contains(*f));
+    if let Some(p) = args.file.as_ref().and_then(|f| f.pipeline)
+        && p.stages == pp
+        && !reshaped
+    {
+        return Ok(Some(p));
     }
     let blocks = config.blocks() as u32;
     if !blocks.is_multiple_of(pp) {
@@ -132,6 +143,15 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
     let init = Gpt::new(&config, &model_device);
     let unit = dp as usize * args.micro_batches_per_replica();
     let batch = args.global_batch(32, unit);
+    let shape = Shape {
+        data_parallel: dp,
+        pipeline: gpt_pipeline(args, &config)?,
+        batch_size: batch,
+    };
+    let job = crate::settings::job_config(args, shape, true)?;
+    if args.print_config {
+        return crate::job_file::print(args, &job);
+    }
     println!(
         "meshwork train --model gpt: {dp} × {pp} × {tp} (data × pipeline × tensor) {:?} device(s); \
          {} layers, d_model {}, {} heads, context {}, vocabulary {}; \
@@ -146,15 +166,6 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         args.batch_line(32, unit),
         args.steps,
     );
-    let shape = Shape {
-        data_parallel: dp,
-        pipeline: gpt_pipeline(&config, pp, args.micro_batches)?,
-        batch_size: batch,
-    };
-    let job = crate::settings::job_config(args, shape, true)?;
-    if args.print_config {
-        return crate::job_file::print(args, &job);
-    }
     let report = GptReport {
         sample: gpt.sample,
         seed: args.seed,
@@ -294,7 +305,7 @@ pub(crate) fn gpt_spec(
     let config = GptConfig { vocab, ..config };
     let shape = Shape {
         data_parallel: 1,
-        pipeline: gpt_pipeline(&config, args.pp, args.micro_batches)?,
+        pipeline: gpt_pipeline(args, &config)?,
         // The head fits a default batch to the world it waits for.
         batch_size: args.global_batch(32, 1),
     };

@@ -260,16 +260,21 @@ fn fill(
     Ok(())
 }
 
-/// `--print-config`: the job the command line describes, as a file `--config` reads back
-/// (the description, and the `[model]` table).
+/// A job as the file `--config` reads: the description, and the `[model]` table.
+pub(crate) fn text(model: &ModelSection, job: &JobConfig) -> meshwork::error::Result<String> {
+    #[derive(Serialize)]
+    struct ModelTable<'a> {
+        model: &'a ModelSection,
+    }
+    let write =
+        |e: String| Error::InvalidConfig(format!("the job description: {}", ConfigError::Write(e)));
+    let job = job.to_toml().map_err(|e| write(e.to_string()))?;
+    let model = toml::to_string(&ModelTable { model }).map_err(|e| write(e.to_string()))?;
+    Ok(format!("{job}\n{model}"))
+}
+
+/// `--print-config`: the job the command line describes, as a file `--config` reads back.
 pub(crate) fn print(args: &TrainArgs, job: &JobConfig) -> meshwork::error::Result<()> {
-    let write = |e: ConfigError| Error::InvalidConfig(format!("--print-config: {e}"));
-    let mut table =
-        toml::Table::try_from(job).map_err(|e| write(ConfigError::Write(e.to_string())))?;
-    let model = toml::Value::try_from(ModelSection::of(args))
-        .map_err(|e| write(ConfigError::Write(e.to_string())))?;
-    table.insert("model".into(), model);
-    let text = toml::to_string(&table).map_err(|e| write(ConfigError::Write(e.to_string())))?;
-    print!("{text}");
+    print!("{}", text(&ModelSection::of(args), job)?);
     Ok(())
 }

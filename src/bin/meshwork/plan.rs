@@ -33,7 +33,8 @@ use meshwork::demo::gpt::{Gpt, GptConfig};
 use meshwork::demo::{Sample, TeacherTask, kjv_corpus, mlp_blocks};
 use meshwork::error::{Error, Result};
 use meshwork::events::StepDone;
-use meshwork::job::{Job, PipelineModel};
+use meshwork::job::{Job, JobConfig, PipelineModel};
+use meshwork::job_config::PipelineConfig;
 use meshwork::parallel::stages::{BlockOptions, PipelineStages};
 use meshwork::parallel::zero::ZeroStage;
 use meshwork::planner::{Candidate, Machine, ModelCosts, Prediction, pipeline_schedule, plan};
@@ -101,6 +102,10 @@ pub(crate) struct PlanArgs {
     /// One JSON object per line.
     #[arg(long)]
     json: bool,
+    /// Write the fastest layout that fits as a job description `meshwork train --config`
+    /// runs unchanged (TOML, with the model's `[model]` table; `--model gpt` only).
+    #[arg(long)]
+    emit_config: Option<std::path::PathBuf>,
 }
 
 /// `512MiB`, `16GiB` → bytes (`bench`'s size syntax).
@@ -171,12 +176,43 @@ fn mlp_stages(widths: &[usize], options: BlockOptions) -> Result<PipelineStages<
         .ok_or_else(|| Error::InvalidConfig("the MLP needs two widths".into()))
 }
 
-/// The job of `layout` in `precision`: a pipeline over pp stages with the planner's schedule
-/// (`planner::pipeline_schedule`), or blocks; Adam. `bench tensor`'s meshes are built here too.
+/// The job description of `layout` in `precision` for a model of `blocks` blocks: a pipeline
+/// over pp stages with the planner's schedule (`planner::pipeline_schedule`), or blocks;
+/// Adam. What `--emit-config` writes and every planned or checked run trains with.
+pub(crate) fn layout_config(
+    (layout, precision): (&Candidate, Precision),
+    blocks: u32,
+    batch: u32,
+    steps: u64,
+) -> JobConfig {
+    let mut c = JobConfig {
+        seed: 5,
+        steps,
+        batch_size: Some(batch as usize),
+        data_parallel: layout.dp,
+        tensor_parallel: layout.tp,
+        pipeline: (layout.pp > 1).then(|| PipelineConfig {
+            stages: layout.pp,
+            schedule: pipeline_schedule(layout, blocks),
+        }),
+        recompute: layout.recompute,
+        optimizer: AdamConfig::new().into(),
+        learning_rate: 1e-3,
+        step_timeout: Duration::from_secs(600),
+        ..JobConfig::default()
+    };
+    c.reduction.zero = ZeroStage::from_number(layout.zero).unwrap_or_default();
+    c.precision.compute = precision;
+    c.comm.timeout = Duration::from_secs(120);
+    c
+}
+
+/// The job of `layout` in `precision` ([`layout_config`]) on `stages`. `bench tensor`'s
+/// meshes are built here too.
 pub(crate) fn layout_job<I, D>(
     stages: PipelineStages<I>,
     data: D,
-    (layout, precision): (&Candidate, Precision),
+    with: (&Candidate, Precision),
     batch: u32,
     steps: u64,
 ) -> Result<Job<PipelineModel, I>>
@@ -184,26 +220,12 @@ where
     I: Send + Sync + 'static,
     D: Dataset<Item = I> + Send + Sync + 'static,
 {
-    let blocks = stages.len() as u32;
-    let builder = if layout.pp > 1 {
-        Job::builder().pipeline(stages, pipeline_schedule(layout, blocks))
-    } else {
-        Job::builder().blocks(stages)
+    let config = layout_config(with, stages.len() as u32, batch, steps);
+    let builder = match config.pipeline {
+        Some(p) => Job::builder().pipeline(stages, p.schedule),
+        None => Job::builder().blocks(stages),
     };
-    builder
-        .tensor_parallel(layout.tp)
-        .data_parallel(layout.dp)
-        .zero(ZeroStage::from_number(layout.zero).unwrap_or_default())
-        .precision(precision)
-        .data(data)
-        .batch_size(batch as usize)
-        .optimizer(AdamConfig::new())
-        .learning_rate(1e-3)
-        .steps(steps)
-        .seed(5)
-        .collective_timeout(Duration::from_secs(120))
-        .step_timeout(Duration::from_secs(600))
-        .build()
+    builder.with_config(config).data(data).build()
 }
 
 /// The median of `v` (the upper one of an even count), 0 for none (a run with no sends).
@@ -363,6 +385,58 @@ pub(crate) fn run(args: PlanArgs) -> Result<()> {
         row.measured_bytes = Some(bytes);
     }
     print(&args, &costs, &machine, &rows);
+    if let Some(path) = &args.emit_config {
+        emit_config(&args, &model, &rows, path)?;
+    }
+    Ok(())
+}
+
+/// `--emit-config`: the fastest layout that fits, as the description `meshwork train --config`
+/// runs (the GPT of the plan's flags, `--steps` steps of `--batch`).
+fn emit_config(
+    args: &PlanArgs,
+    model: &PlanModel,
+    rows: &[Row],
+    path: &std::path::Path,
+) -> Result<()> {
+    let PlanModel::Gpt { config, .. } = model else {
+        return Err(Error::InvalidConfig(
+            "--emit-config: --model gpt only (meshwork train's MLP has other widths than the \
+             plan's)"
+                .into(),
+        ));
+    };
+    let Some(best) = rows.iter().find(|r| r.predicted.is_some()) else {
+        return Err(Error::InvalidConfig(
+            "--emit-config: no layout fits; nothing to write".into(),
+        ));
+    };
+    let job = layout_config(
+        (&best.layout, Precision::F32),
+        config.blocks() as u32,
+        args.batch,
+        args.steps,
+    );
+    let section = crate::job_file::ModelSection {
+        kind: Some("gpt".into()),
+        device: Some(meshwork::device::BackendKind::Flex),
+        hidden: None,
+        layers: Some(config.layers),
+        d_model: Some(config.d_model),
+        heads: Some(config.heads),
+        context: Some(config.context),
+    };
+    let text = crate::job_file::text(&section, &job)?;
+    std::fs::write(path, text).map_err(|e| Error::Io {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    eprintln!(
+        "meshwork plan: {} written to {} (meshwork train --config {} runs it)",
+        best.layout,
+        path.display(),
+        path.display()
+    );
     Ok(())
 }
 

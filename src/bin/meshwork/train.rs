@@ -300,7 +300,9 @@ fn refuse_across_processes(args: &TrainArgs) -> meshwork::error::Result<()> {
         ),
         (
             "--dp",
-            args.dp.is_some(),
+            // A --config file's data_parallel is one process's: across processes the world
+            // decides, so only the flag itself is refused.
+            args.dp.is_some() && args.given.contains("dp"),
             "the replicas are the world's ranks divided by --pp: start more nodes or devices",
         ),
     ];
