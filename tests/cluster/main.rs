@@ -3,6 +3,7 @@
 //! module filter (`--test cluster cluster_training::`). Without the feature it is empty.
 //! Children started from this binary name their entry test by its module path.
 
+mod cluster_config;
 mod cluster_control;
 mod cluster_launchers;
 mod cluster_mpi;
