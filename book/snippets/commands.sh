@@ -21,6 +21,13 @@ cargo run --release -- train --model gpt --dp 2 --pp 2 --tp 2 --zero 1 --precisi
 cargo run --release -- train --model gpt --dp 2 --tp 2 --zero 1 --steps 10 --checkpoint-dir gpt-checkpoints
 cargo run --release -- train --model gpt --dp 1 --tp 4 --zero 1 --steps 20 --checkpoint-dir gpt-checkpoints --resume
 # ANCHOR_END: recipe-resume
+# ANCHOR: job-file
+# the recipe's job as a file: write it, run it (a flag overrides its key), or run the plan's best layout
+cargo run --release -- train --model gpt --dp 2 --pp 2 --tp 2 --zero 1 --precision bf16 --clip 1.0 --accumulate 2 --lr-schedule warmup-cosine --steps 20 --print-config
+cargo run --release -- train --config book/snippets/recipe.toml --steps 4
+cargo run --release -- plan --model gpt --devices 2 --batch 8 --steps 3 --emit-config layout.toml
+cargo run --release -- train --config layout.toml
+# ANCHOR_END: job-file
 # ANCHOR: faults
 # a fault-injection run: four replicas, a kill and a panic from the plan, shrinking to the survivors;
 # the dropped message is found by the collective time-out (2 s), and the plan's four recoveries
