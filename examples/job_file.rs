@@ -64,7 +64,10 @@ async fn main() -> meshwork::Result<()> {
     assert!(plan.contains(".zero(One)") && plan.contains(".clip_grad_norm(1)"));
     let trained = builder.build()?.spawn().await?.join().await?;
     let s = &trained.summary;
-    let (first, last) = (s.first_loss.unwrap_or(f32::NAN), s.last_loss.unwrap_or(f32::NAN));
+    let (first, last) = (
+        s.first_loss.unwrap_or(f32::NAN),
+        s.last_loss.unwrap_or(f32::NAN),
+    );
     println!("{} steps: loss {first:.4} -> {last:.4}", s.steps);
     assert_eq!(s.steps, 40, "the file's steps");
     assert!(last < first, "the loss falls");

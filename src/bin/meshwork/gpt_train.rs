@@ -265,8 +265,8 @@ pub(crate) async fn run_gpt_job(
 
 /// The GPT job a job spec describes, as the head and every node build it (feature `cluster`):
 /// the model of `spec.model` drawn on a Flex device seeded with the spec's seed, cut as the
-/// spec's pipeline shape says (blocks without one), trained on the embedded text with Adam
-/// and every setting of the spec (`follow_spec`: its tensor-parallel degree included).
+/// spec's pipeline shape says (blocks without one), trained on the embedded text
+/// and the spec's whole description (`with_config`: its tensor-parallel degree included).
 #[cfg(feature = "cluster")]
 pub(crate) fn cluster_job(
     spec: &meshwork::cluster::control::JobSpec,
