@@ -249,10 +249,11 @@ where
         msg: SupervisorMsg,
         state: &mut SupervisorState<M, I>,
     ) -> Result<(), ActorProcessingErr> {
-        if state.finished {
+        if state.clock.finished {
             return Ok(());
         }
         state
+            .clock
             .control
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let me = &myself;
@@ -263,7 +264,7 @@ where
             SupervisorMsg::Stop => boundary::stop(me, state)?,
             SupervisorMsg::Pause => boundary::pause(state),
             SupervisorMsg::Resume => boundary::resume(me, state)?,
-            SupervisorMsg::CheckpointNow => state.checkpoint_requested = true,
+            SupervisorMsg::CheckpointNow => state.ckpt.checkpoint_requested = true,
             SupervisorMsg::ScaleTo(n) => resize::request(me, state, n)?,
             SupervisorMsg::AddReplicas(k) => resize::add(me, state, k)?,
             SupervisorMsg::MinimumWaitOver(g) => resize::minimum_wait_over(me, state, g).await,

@@ -26,7 +26,7 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    if let Some(running) = &state.running {
+    if let Some(running) = &state.clock.running {
         // Steps are strictly sequential: the running one asks for the next when it ends.
         tracing::warn!(
             step,
@@ -37,7 +37,12 @@ where
     }
     // A resize the fault plan fixes at this boundary: the same request as `scale_to`
     // (FAULT-2: replayed at the same step).
-    if let Some(n) = state.faults.as_ref().and_then(|h| h.resize_at(step)) {
+    if let Some(n) = state
+        .recovery
+        .faults
+        .as_ref()
+        .and_then(|h| h.resize_at(step))
+    {
         state.publish_fired();
         request(myself, state, n)?;
     }
@@ -46,31 +51,32 @@ where
     loop {
         let facts = Boundary {
             step,
-            steps: state.steps,
-            paused: state.paused.is_some(),
-            stop_requested: state.stop_requested,
-            pending_losses: !state.pending_lost.is_empty(),
-            scale_target: state.scale_target,
+            steps: state.clock.steps,
+            paused: state.clock.paused.is_some(),
+            stop_requested: state.clock.stop_requested,
+            pending_losses: !state.recovery.pending_lost.is_empty(),
+            scale_target: state.elastic.scale_target,
             resized,
-            below_minimum: state.caps.rejoin.regroups() && state.layout.dp() < state.elastic.0,
+            below_minimum: state.members.caps.rejoin.regroups()
+                && state.members.layout.dp() < state.elastic.range.0,
             checkpoint: CheckpointFacts {
-                configured: state.checkpoints.is_some(),
-                every: state.checkpoints.as_ref().and_then(|c| c.every),
-                requested: state.checkpoint_requested,
-                last: state.last_checkpoint,
+                configured: state.ckpt.checkpoints.is_some(),
+                every: state.ckpt.checkpoints.as_ref().and_then(|c| c.every),
+                requested: state.ckpt.checkpoint_requested,
+                last: state.ckpt.last_checkpoint,
                 taken: checkpoint_taken,
             },
         };
         match decide::at_boundary(&facts) {
             AtBoundary::Hold => {
-                if let Some(held) = state.paused.as_mut() {
+                if let Some(held) = state.clock.paused.as_mut() {
                     *held = Some(step);
                 }
                 return Ok(());
             }
             AtBoundary::RecoverLosses => {
                 // Devices lost between steps (their ranks are current).
-                let lost = std::mem::take(&mut state.pending_lost);
+                let lost = std::mem::take(&mut state.recovery.pending_lost);
                 let lost = LostRanks(lost.into_iter().map(|(r, e)| (Some(r), e)).collect());
                 if let Err(e) = recover(state, step, lost).await {
                     finish(myself, state, Err(e)).await;
@@ -78,14 +84,14 @@ where
                 }
             }
             AtBoundary::RefuseResize(n) => {
-                state.scale_target = None;
+                state.elastic.scale_target = None;
                 state.publish(JobEvent::ResizeRefused {
                     requested: n,
                     reason: "the job is ending".into(),
                 });
             }
             AtBoundary::Resize(n) => {
-                state.scale_target = None;
+                state.elastic.scale_target = None;
                 resized = true;
                 match resize(state, step, n as usize).await {
                     Ok(()) => {}
@@ -107,7 +113,7 @@ where
                 // ELASTIC-3: a resize that left the job below its minimum (a growth toward
                 // it, a partial or refused one) holds this step again.
                 wait_for_minimum(state, step);
-                if let Some(held) = state.paused.as_mut() {
+                if let Some(held) = state.clock.paused.as_mut() {
                     *held = Some(step);
                 }
                 return Ok(());
@@ -117,12 +123,12 @@ where
                 checkpoint(state, step).await;
             }
             AtBoundary::Finish => {
-                state.checkpoint_requested = false;
+                state.ckpt.checkpoint_requested = false;
                 finish(myself, state, Ok(())).await;
                 return Ok(());
             }
             AtBoundary::Run => {
-                state.checkpoint_requested = false;
+                state.ckpt.checkpoint_requested = false;
                 step::start(state, step);
                 return Ok(());
             }
@@ -132,8 +138,8 @@ where
 
 /// `Pause`: no new step starts (the running one finishes); `Paused` is published.
 pub(super) fn pause<M, I>(state: &mut SupervisorState<M, I>) {
-    if state.paused.is_none() {
-        state.paused = Some(None);
+    if state.clock.paused.is_none() {
+        state.clock.paused = Some(None);
         state.publish(JobEvent::Paused);
     }
 }
@@ -143,8 +149,8 @@ pub(super) fn resume<M, I>(
     myself: &ActorRef<SupervisorMsg>,
     state: &mut SupervisorState<M, I>,
 ) -> Result<(), ActorProcessingErr> {
-    state.below_min = None;
-    if let Some(held) = state.paused.take() {
+    state.elastic.below_min = None;
+    if let Some(held) = state.clock.paused.take() {
         state.publish(JobEvent::Resumed);
         if let Some(step) = held {
             myself.send_message(SupervisorMsg::RunStep(step))?;
@@ -160,8 +166,8 @@ pub(super) fn stop<M, I>(
     myself: &ActorRef<SupervisorMsg>,
     state: &mut SupervisorState<M, I>,
 ) -> Result<(), ActorProcessingErr> {
-    state.stop_requested = true;
-    if let Some(Some(step)) = state.paused.take() {
+    state.clock.stop_requested = true;
+    if let Some(Some(step)) = state.clock.paused.take() {
         myself.send_message(SupervisorMsg::RunStep(step))?;
     }
     Ok(())
@@ -175,7 +181,7 @@ pub(super) async fn replay_deferred<M, I>(
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    for event in std::mem::take(&mut state.deferred) {
+    for event in std::mem::take(&mut state.clock.deferred) {
         child_exited(myself, state, event).await;
     }
 }

@@ -35,17 +35,17 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let Some(settings) = state.checkpoints.clone() else {
+    let Some(settings) = state.ckpt.checkpoints.clone() else {
         return Ok(None);
     };
     let sink = settings.sink.clone();
     let read = tokio::task::spawn_blocking(move || sink.latest_valid());
-    let loaded = tokio::time::timeout(state.step_timeout, read)
+    let loaded = tokio::time::timeout(state.clock.step_timeout, read)
         .await
         .map_err(|_| {
             Error::Runtime(format!(
                 "reading the checkpoints took longer than the step time-out ({:?})",
-                state.step_timeout
+                state.clock.step_timeout
             ))
         })?
         .map_err(|e| Error::Runtime(format!("reading checkpoints: {e}")))??;
@@ -54,15 +54,15 @@ where
     };
     let c = loaded.checkpoint;
     // The data must continue where it stopped: same seed, same batches.
-    if c.rng.seed != state.seed || c.cursor != state.sampler.cursor(c.step) {
+    if c.rng.seed != state.clock.seed || c.cursor != state.clock.sampler.cursor(c.step) {
         return Err(Error::InvalidConfig(format!(
             "{} was written with seed {} at data position {:?}; this job has seed {} and \
              would read position {:?}: resume with the same seed, batch size and data",
             loaded.dir.display(),
             c.rng.seed,
             c.cursor,
-            state.seed,
-            state.sampler.cursor(c.step)
+            state.clock.seed,
+            state.clock.sampler.cursor(c.step)
         )));
     }
     let refused = loaded
@@ -86,13 +86,13 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let ranks = state.caps.state_ranks(state.layout);
+    let ranks = state.members.caps.state_ranks(state.members.layout);
     let mut all: Vec<ShardSnapshot> = Vec::new();
     for r in ranks {
-        let Some((stage, id)) = state.stages.get(r).cloned() else {
+        let Some((stage, id)) = state.members.stages.get(r).cloned() else {
             continue;
         };
-        let got = ask(&stage, StageMsg::Snapshot, state.step_timeout, || {
+        let got = ask(&stage, StageMsg::Snapshot, state.clock.step_timeout, || {
             format!("{id} did not answer the snapshot request")
         })
         .await?;
@@ -122,11 +122,17 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let Some(queue) = state.checkpointer.as_ref().and_then(Checkpointer::queue) else {
+    let Some(queue) = state
+        .ckpt
+        .checkpointer
+        .as_ref()
+        .and_then(Checkpointer::queue)
+    else {
         return;
     };
     // FaultPlan: this checkpoint's write fails half-way (so it is taken whatever the backlog).
     let fail_half_way = state
+        .recovery
         .faults
         .as_ref()
         .is_some_and(|h| h.fails_checkpoint(step));
@@ -134,12 +140,14 @@ where
     // interval holds the step boundary until the oldest is written (the writer thread
     // signals each write it finishes; bounded by the step time-out, after which this
     // checkpoint is skipped and says so).
-    if let Err(backlog) = queue.wait_below(MAX_BACKLOG, state.step_timeout).await
+    if let Err(backlog) = queue
+        .wait_below(MAX_BACKLOG, state.clock.step_timeout)
+        .await
         && !fail_half_way
     {
         let error = Error::Runtime(format!(
             "skipped: the writer was still busy with {backlog} earlier checkpoint(s) after {:?}",
-            state.step_timeout
+            state.clock.step_timeout
         ));
         state.publish(JobEvent::CheckpointFailed { step, error });
         return;
@@ -150,10 +158,10 @@ where
             let sent = queue.send(Queued {
                 checkpoint: Checkpoint {
                     step,
-                    layout: state.layout,
-                    cursor: state.sampler.cursor(step),
+                    layout: state.members.layout,
+                    cursor: state.clock.sampler.cursor(step),
                     rng: RngState {
-                        seed: state.seed,
+                        seed: state.clock.seed,
                         state: step,
                     },
                     shards,
@@ -161,7 +169,7 @@ where
                 fail_half_way,
             });
             if sent {
-                state.last_checkpoint = Some(step);
+                state.ckpt.last_checkpoint = Some(step);
             } else {
                 let error = Error::Runtime("the checkpoint writer thread has stopped".into());
                 state.publish(JobEvent::CheckpointFailed { step, error });
@@ -177,11 +185,11 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    if !state.checkpoints.as_ref().is_some_and(|c| c.resume) {
+    if !state.ckpt.checkpoints.as_ref().is_some_and(|c| c.resume) {
         return Ok(0);
     }
     let Some((c, dir, refused)) = latest_checkpoint(state).await? else {
-        let Some(settings) = &state.checkpoints else {
+        let Some(settings) = &state.ckpt.checkpoints else {
             return Ok(0);
         };
         let location = settings.sink.location();
@@ -191,8 +199,8 @@ where
         state.publish(JobEvent::NothingToResume { location });
         return Ok(0);
     };
-    let timeout = state.step_timeout;
-    for (stage, id) in state.stages.clone() {
+    let timeout = state.clock.step_timeout;
+    for (stage, id) in state.members.stages.clone() {
         let shard = c.shards.clone();
         match stage
             .call(|reply| StageMsg::Restore { shard, reply }, Some(timeout))
@@ -212,7 +220,7 @@ where
             }
         }
     }
-    state.last_checkpoint = Some(c.step);
+    state.ckpt.last_checkpoint = Some(c.step);
     state.publish(JobEvent::Restored {
         step: c.step,
         path: dir,

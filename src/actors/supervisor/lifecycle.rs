@@ -10,7 +10,9 @@ use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 
 use super::calls::call_all;
 use super::checkpoints::resume;
-use super::state::SupervisorState;
+use super::state::{
+    Checkpointing, Elasticity, Membership, RecoveryLog, StepClock, SupervisorState,
+};
 use super::{RunSummary, SupervisorArgs, SupervisorMsg, Trained};
 use crate::actors::checkpointer::{Checkpointer, DRAIN_TIMEOUT};
 use crate::actors::device::DeviceActor;
@@ -56,65 +58,75 @@ where
     myself.send_message(SupervisorMsg::Init)?;
     let reconnect_devices = spawned.devices.is_some();
     Ok(SupervisorState {
-        reconnect_devices,
-        layout: a.layout,
-        steps: a.steps,
-        accumulation: a.accumulation,
-        sampler: a.sampler,
-        epoch_order: None,
-        step_timeout: a.step_timeout,
+        members: Membership {
+            layout: a.layout,
+            generation: Generation(0),
+            devices: spawned
+                .devices
+                .unwrap_or_else(|| devices.into_iter().map(|(d, r)| (r, d.id())).collect()),
+            stages: spawned.stages,
+            others: spawned.others,
+            shutdown: spawned.shutdown,
+            caps,
+            reconnect_devices,
+            model_ranks: spawned.model_ranks,
+            assemble: spawned.assemble,
+            departed: HashSet::new(),
+            grow: spawned.grow,
+            rewire: spawned.rewire,
+            spare_devices: a.devices.iter().skip(local.max(1)).rev().cloned().collect(),
+            device_template: a
+                .devices
+                .first()
+                .cloned()
+                .ok_or("a job needs at least one device")?,
+            next_device_id: a.devices.iter().map(|d| d.id().0).max().unwrap_or(0),
+            comm: a.comm.clone(),
+        },
+        clock: StepClock {
+            steps: a.steps,
+            accumulation: a.accumulation,
+            sampler: a.sampler,
+            epoch_order: None,
+            step_timeout: a.step_timeout,
+            running: None,
+            attempts: 0,
+            deferred: Vec::new(),
+            seed: a.seed,
+            summary: RunSummary::default(),
+            control: Default::default(),
+            control_mark: 0,
+            paused: None,
+            stop_requested: false,
+            finished: false,
+        },
+        ckpt: Checkpointing {
+            checkpointer,
+            checkpoints: a.checkpoints,
+            checkpoint_requested: false,
+            last_checkpoint: None,
+        },
+        recovery: RecoveryLog {
+            policy: a.recovery,
+            restarts: RestartLog::default(),
+            pending_lost: Vec::new(),
+            interrupted: None,
+            faults: a.faults,
+        },
+        elastic: Elasticity {
+            scale_target: None,
+            range: a.elastic,
+            below_min: None,
+            wait: a.elastic_wait,
+        },
         events: a.events,
         outcome: Some(a.outcome),
-        devices: spawned
-            .devices
-            .unwrap_or_else(|| devices.into_iter().map(|(d, r)| (r, d.id())).collect()),
-        caps,
-        stages: spawned.stages,
-        others: spawned.others,
-        shutdown: spawned.shutdown,
-        model_ranks: spawned.model_ranks,
-        assemble: spawned.assemble,
-        comm: a.comm.clone(),
         myself: myself.get_cell(),
-        generation: Generation(0),
-        faults: a.faults,
-        recovery: a.recovery,
-        restarts: RestartLog::default(),
-        departed: HashSet::new(),
-        pending_lost: Vec::new(),
-        interrupted: None,
-        running: None,
-        attempts: 0,
-        deferred: Vec::new(),
-        checkpointer,
-        checkpoints: a.checkpoints,
-        checkpoint_requested: false,
-        last_checkpoint: None,
-        seed: a.seed,
-        grow: spawned.grow,
-        rewire: spawned.rewire,
-        spare_devices: a.devices.iter().skip(local.max(1)).rev().cloned().collect(),
-        device_template: a
-            .devices
-            .first()
-            .cloned()
-            .ok_or("a job needs at least one device")?,
-        next_device_id: a.devices.iter().map(|d| d.id().0).max().unwrap_or(0),
-        scale_target: None,
-        elastic: a.elastic,
-        paused: None,
-        below_min: None,
-        elastic_wait: a.elastic_wait,
         stragglers: a.stragglers.map(|config| super::state::Stragglers {
             config,
             generation: Generation(0),
             detectors: Default::default(),
         }),
-        stop_requested: false,
-        finished: false,
-        summary: RunSummary::default(),
-        control: Default::default(),
-        control_mark: 0,
         _items: std::marker::PhantomData,
     })
 }
@@ -131,10 +143,10 @@ where
     I: Send + Sync + 'static,
 {
     state.publish(JobEvent::Started {
-        layout: state.layout,
+        layout: state.members.layout,
         generation: Generation(0),
     });
-    let synchronized = call_all(&state.crew(), StageMsg::Init, state.step_timeout).await;
+    let synchronized = call_all(&state.crew(), StageMsg::Init, state.clock.step_timeout).await;
     let started = match synchronized {
         Ok(reports) => {
             let (before, after) = reports.into_iter().map(|r| (r.before, r.after)).unzip();
@@ -146,7 +158,10 @@ where
     match started {
         Ok(first) => {
             // SCALE-1: the steps' control messages are counted from here.
-            state.control_mark = state.control.load(std::sync::atomic::Ordering::Relaxed);
+            state.clock.control_mark = state
+                .clock
+                .control
+                .load(std::sync::atomic::Ordering::Relaxed);
             myself.send_message(SupervisorMsg::RunStep(first))?
         }
         Err(e) => {
@@ -166,10 +181,10 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    if !state.recovery.recovers() {
+    if !state.recovery.policy.recovers() {
         return;
     }
-    let lost = state.lost_ranks(&[(None, e.clone())]);
+    let lost = state.members.lost_ranks(&[(None, e.clone())]);
     state.publish(JobEvent::NotRecovered {
         step: 0,
         lost: lost.iter().map(|&r| crate::mesh::Rank(r as u32)).collect(),
@@ -191,7 +206,7 @@ pub(super) async fn child_exited<M, I>(
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    if state.finished {
+    if state.clock.finished {
         return;
     }
     let cell = match &event {
@@ -200,30 +215,31 @@ pub(super) async fn child_exited<M, I>(
         }
         _ => return,
     };
-    if state.departed.contains(&cell.get_id()) {
+    if state.members.departed.contains(&cell.get_id()) {
         return;
     }
-    if state.running.is_some() {
-        state.deferred.push(event);
+    if state.clock.running.is_some() {
+        state.clock.deferred.push(event);
         return;
     }
     let error = match event {
         SupervisionEvent::ActorFailed(cell, err) => {
-            Error::Runtime(format!("{} failed: {err}", state.describe(&cell)))
+            Error::Runtime(format!("{} failed: {err}", state.members.describe(&cell)))
         }
         SupervisionEvent::ActorTerminated(cell, _, reason) => Error::Runtime(format!(
             "{} stopped unexpectedly ({})",
-            state.describe(&cell),
+            state.members.describe(&cell),
             reason.unwrap_or_else(|| "no reason given".into())
         )),
         _ => return,
     };
     // A stage or device lost between steps: the next step recovers (or fails) with it.
-    if let Some(rank) = state.rank_of_actor(&cell)
-        && (state.recovery.on_replica_loss == OnReplicaLoss::Shrink || state.recovery.roll_back)
+    if let Some(rank) = state.members.rank_of_actor(&cell)
+        && (state.recovery.policy.on_replica_loss == OnReplicaLoss::Shrink
+            || state.recovery.policy.roll_back)
     {
-        state.departed.insert(cell.get_id());
-        state.pending_lost.push((rank, error));
+        state.members.departed.insert(cell.get_id());
+        state.recovery.pending_lost.push((rank, error));
         return;
     }
     finish(myself, state, Err(error)).await;
@@ -240,12 +256,12 @@ pub(super) async fn finish<M, I>(
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    state.finished = true;
-    if let Some(running) = state.running.take() {
+    state.clock.finished = true;
+    if let Some(running) = state.clock.running.take() {
         running.task.abort();
     }
     // CKW-1: the checkpoints asked for are on disk before the job's last event.
-    if let Some(mut writer) = state.checkpointer.take() {
+    if let Some(mut writer) = state.ckpt.checkpointer.take() {
         let _ = tokio::task::spawn_blocking(move || writer.drain(DRAIN_TIMEOUT)).await;
     }
     let outcome = match result {
@@ -262,31 +278,31 @@ pub(super) async fn finish<M, I>(
         }
         state.publish(JobEvent::Failed(e.clone()));
     }
-    (state.shutdown)();
+    (state.members.shutdown)();
     if let Some(tx) = state.outcome.take() {
         let _ = tx.send(outcome);
     }
-    state.stop_all();
+    state.members.stop_all();
     myself.stop(None);
 }
 
 /// The Supervisor was stopped from outside before the job ended: still end it cleanly (SV-1,
 /// SV-2), a running step's task included.
 pub(super) fn abandon<M, I>(state: &mut SupervisorState<M, I>) {
-    if state.finished {
+    if state.clock.finished {
         return;
     }
-    state.finished = true;
-    if let Some(running) = state.running.take() {
+    state.clock.finished = true;
+    if let Some(running) = state.clock.running.take() {
         running.task.abort();
     }
-    (state.shutdown)();
+    (state.members.shutdown)();
     let e = Error::Runtime("the supervisor stopped before the job ended".into());
     state.publish(JobEvent::Failed(e.clone()));
     if let Some(tx) = state.outcome.take() {
         let _ = tx.send(Err(e));
     }
-    state.stop_all();
+    state.members.stop_all();
 }
 
 async fn collect_model<M, I>(state: &mut SupervisorState<M, I>) -> Result<Trained<M>>
@@ -294,25 +310,25 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let timeout = state.step_timeout;
+    let timeout = state.clock.step_timeout;
     let fingerprints = call_all(&state.crew(), StageMsg::Fingerprint, timeout).await?;
-    let mut parts = Vec::with_capacity(state.model_ranks.len());
-    for &r in &state.model_ranks {
-        let (stage, id) = &state.stages[r];
+    let mut parts = Vec::with_capacity(state.members.model_ranks.len());
+    for &r in &state.members.model_ranks {
+        let (stage, id) = &state.members.stages[r];
         match stage.call(StageMsg::TakeModel, Some(timeout)).await {
             Ok(CallResult::Success(Some(model))) => parts.push(model),
             _ => return Err(Error::Runtime(format!("{id} did not hand over its model"))),
         }
     }
-    let model = (state.assemble)(parts)
+    let model = (state.members.assemble)(parts)
         .ok_or_else(|| Error::Runtime("the trained model could not be put together".into()))?;
     // The last event: published only once the model is in hand.
     state.publish(JobEvent::Finished {
-        steps: state.summary.steps,
+        steps: state.clock.summary.steps,
         fingerprints,
     });
     Ok(Trained {
         model,
-        summary: state.summary.clone(),
+        summary: state.clock.summary.clone(),
     })
 }

@@ -34,23 +34,23 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    if !state.caps.rejoin.regroups() {
+    if !state.members.caps.rejoin.regroups() {
         return Err(Error::InvalidConfig(
             "a rewired mesh has no data-parallel group to rebuild".into(),
         ));
     }
     // The old group is over: wake anything still waiting in it, stop its actors.
-    (state.shutdown)();
-    for o in state.others.drain(..) {
-        state.departed.insert(o.get_id());
+    (state.members.shutdown)();
+    for o in state.members.others.drain(..) {
+        state.members.departed.insert(o.get_id());
         o.stop(None);
     }
     let n = members.len();
-    let generation = Generation(state.generation.0 + 1);
-    if state.caps.rejoin == Rejoin::Reconnect {
+    let generation = Generation(state.members.generation.0 + 1);
+    if state.members.caps.rejoin == Rejoin::Reconnect {
         return reconnect_group(state, members, generation).await;
     }
-    let group = LocalGroup::new(n, generation, state.comm.clone());
+    let group = LocalGroup::new(n, generation, state.members.comm.clone());
     let comms = group.communicators();
     let mut stages = Vec::with_capacity(n);
     let mut devices = Vec::with_capacity(n);
@@ -66,7 +66,7 @@ where
             comm,
             reply,
         };
-        ask(&stage, regroup, state.step_timeout, || {
+        ask(&stage, regroup, state.clock.step_timeout, || {
             format!(
                 "{id} did not join the rebuilt group of generation {}",
                 generation.0
@@ -87,12 +87,12 @@ where
     )
     .await
     .map_err(|e| Error::Runtime(format!("could not start the rebuilt group: {e}")))?;
-    state.stages = stages;
-    state.devices = devices;
-    state.others = vec![group_ref.get_cell()];
-    state.shutdown = Arc::new(move || group.shutdown());
-    state.generation = generation;
-    state.layout = Layout::data_parallel(n as u32)?;
+    state.members.stages = stages;
+    state.members.devices = devices;
+    state.members.others = vec![group_ref.get_cell()];
+    state.members.shutdown = Arc::new(move || group.shutdown());
+    state.members.generation = generation;
+    state.members.layout = Layout::data_parallel(n as u32)?;
     Ok(())
 }
 
@@ -117,7 +117,7 @@ where
             stage: 0,
             tp: 0,
         };
-        let (stage, slots, timeout) = (stage.clone(), slots.clone(), state.step_timeout);
+        let (stage, slots, timeout) = (stage.clone(), slots.clone(), state.clock.step_timeout);
         joins.spawn(async move {
             let reconnect = |reply| StageMsg::Reconnect {
                 id,
@@ -149,10 +149,10 @@ where
         stages.push((stage, id));
         devices.push(device);
     }
-    state.stages = stages;
-    state.devices = devices;
-    state.generation = generation;
-    state.layout = Layout::data_parallel(n as u32)?;
+    state.members.stages = stages;
+    state.members.devices = devices;
+    state.members.generation = generation;
+    state.members.layout = Layout::data_parallel(n as u32)?;
     Ok(())
 }
 
@@ -165,13 +165,13 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let device = match state.spare_devices.pop() {
+    let device = match state.members.spare_devices.pop() {
         Some(d) => d,
         None => {
-            state.next_device_id += 1;
-            let like = &state.device_template;
+            state.members.next_device_id += 1;
+            let like = &state.members.device_template;
             MeshDevice::from_burn(
-                DeviceId(state.next_device_id),
+                DeviceId(state.members.next_device_id),
                 like.kind(),
                 like.burn().clone(),
             )
@@ -195,7 +195,7 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let Some(grow) = state.grow.clone() else {
+    let Some(grow) = state.members.grow.clone() else {
         return Err(Error::InvalidConfig(
             "this job cannot start replicas".into(),
         ));
@@ -208,7 +208,7 @@ where
     let (stage, device) = match grow {
         Grow::Local(grow) => {
             let (device, device_ref) = start_device(state).await?;
-            let comm = LocalGroup::new(1, state.generation, state.comm.clone())
+            let comm = LocalGroup::new(1, state.members.generation, state.members.comm.clone())
                 .communicators()
                 .remove(0);
             let stage = grow(GrowArgs {
@@ -230,14 +230,14 @@ where
         .await
         .map_err(|e| Error::Runtime(format!("could not start {id}: {e}")))?,
     };
-    if let Err(e) = ask(&stage, StageMsg::Init, state.step_timeout, || {
+    if let Err(e) = ask(&stage, StageMsg::Init, state.clock.step_timeout, || {
         format!("{id} did not initialize")
     })
     .await
     {
         // Linked to the Supervisor: departed, so their ends are not read as a failure.
-        state.departed.insert(stage.get_id());
-        state.departed.insert(device.0.get_id());
+        state.members.departed.insert(stage.get_id());
+        state.members.departed.insert(device.0.get_id());
         stage.stop(None);
         device.0.stop(None);
         return Err(e);

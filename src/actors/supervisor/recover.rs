@@ -98,32 +98,38 @@ where
         .first()
         .map(|(_, e)| e.clone())
         .unwrap_or_else(|| Error::Runtime("a failure without an error".into()));
-    let mut lost = state.lost_ranks(&failure.0);
-    if state.reconnect_devices {
+    let mut lost = state.members.lost_ranks(&failure.0);
+    if state.members.reconnect_devices {
         // Across processes one failure can take several ranks (a node holding several
         // devices): every other rank whose device does not answer is lost with it. And a
         // survivor's report can come first and name no lost rank (its tensor-parallel or
         // pipeline peer's link broke, the peer numbered in its own group): the probe finds
         // the rank whose process died.
-        lost = with_unreachable(state.devices.clone(), lost).await;
+        lost = with_unreachable(state.members.devices.clone(), lost).await;
     }
-    let finished: Vec<bool> = (0..state.stages.len())
+    let finished: Vec<bool> = (0..state.members.stages.len())
         .map(|r| {
             state
+                .recovery
                 .interrupted
                 .as_ref()
                 .is_some_and(|i| i.done.get(r).is_some_and(Option::is_some))
         })
         .collect();
-    let stage_of = state.stage_of();
+    let stage_of = state.members.stage_of();
     let facts = Failure {
         stage_of: &stage_of,
         lost: &lost,
         message_fault: failure.0.iter().any(|(_, e)| e.is_message_fault()),
-        caps: state.caps,
+        caps: state.members.caps,
         finished: &finished,
     };
-    let plan = decide::on_failure(&state.recovery, &mut state.restarts, Instant::now(), &facts);
+    let plan = decide::on_failure(
+        &state.recovery.policy,
+        &mut state.recovery.restarts,
+        Instant::now(),
+        &facts,
+    );
     if plan.drops_lost() {
         drop_lost(state, step, &lost, &failure, &first);
     }
@@ -131,7 +137,7 @@ where
         OnFailure::Fail(reason) => {
             // A policy that asked for no recovery needs no reason; one that did says why it
             // was not carried out (a job must not end without saying why).
-            if state.recovery.recovers() {
+            if state.recovery.policy.recovers() {
                 tracing::warn!(step, ?lost, %reason, "the failure is not recovered");
                 state.publish(JobEvent::NotRecovered {
                     step,
@@ -143,7 +149,7 @@ where
         }
         OnFailure::TooMany { count } => Err(Error::TooManyFailures {
             count,
-            window: state.recovery.window,
+            window: state.recovery.policy.window,
             last: Box::new(first),
         }),
         OnFailure::RollBack => roll_back_to_checkpoint(state, step, &lost, first).await,
@@ -151,7 +157,7 @@ where
             // A stage applies its update once its own data-parallel all-reduce is done, not
             // when the whole mesh is: a stage lost after sending its last gradients, while
             // its twin waits for it, leaves the stages before it updated.
-            state.interrupted = None;
+            state.recovery.interrupted = None;
             Err(Error::Runtime(format!(
                 "step {step} was applied by some stages and not by others when a stage was \
                  lost, so its replacement cannot redo it; only a checkpoint makes the stages \
@@ -159,7 +165,7 @@ where
             )))
         }
         OnFailure::ReplaceFromTwins { twins } => {
-            state.interrupted = None;
+            state.recovery.interrupted = None;
             replace_from_twins(state, step, &twins, first).await
         }
         OnFailure::Regroup {
@@ -180,8 +186,8 @@ fn drop_lost<M, I>(
     first: &Error,
 ) {
     for &r in lost {
-        let (stage, id) = state.stages[r].clone();
-        let (device, device_id) = state.devices[r].clone();
+        let (stage, id) = state.members.stages[r].clone();
+        let (device, device_id) = state.members.devices[r].clone();
         let error = failure
             .0
             .iter()
@@ -196,8 +202,8 @@ fn drop_lost<M, I>(
             device: device_id,
             error,
         });
-        state.departed.insert(stage.get_id());
-        state.departed.insert(device.get_id());
+        state.members.departed.insert(stage.get_id());
+        state.members.departed.insert(device.get_id());
         stage.kill();
         device.kill();
     }
@@ -219,12 +225,17 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let interrupted = state.interrupted.take();
-    let old_ids = state.stage_ids();
-    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
+    let interrupted = state.recovery.interrupted.take();
+    let old_ids = state.members.stage_ids();
+    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.members.devices[r].1).collect();
     let members = survivors
         .iter()
-        .map(|&r| (state.stages[r].0.clone(), state.devices[r].clone()))
+        .map(|&r| {
+            (
+                state.members.stages[r].0.clone(),
+                state.members.devices[r].clone(),
+            )
+        })
         .collect();
     rebuild_group(state, members).await?;
     if let Some(c) = catch_up {
@@ -234,8 +245,8 @@ where
     let next = if completed { step + 1 } else { step };
     state.publish(JobEvent::Recovered {
         step: next,
-        generation: state.generation,
-        layout: state.layout,
+        generation: state.members.generation,
+        layout: state.members.layout,
         lost: lost_devices,
     });
     wait_for_minimum(state, next);
@@ -300,18 +311,18 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let timeout = state.step_timeout;
-    let (stage, id) = state.stages[c.source].clone();
+    let timeout = state.clock.step_timeout;
+    let (stage, id) = state.members.stages[c.source].clone();
     let snapshot = ask(&stage, StageMsg::Snapshot, timeout, || {
         format!("{id}, which finished step {step}, did not answer a snapshot")
     })
     .await?;
     for &r in &c.behind {
-        let (stage, id) = state.stages[r].clone();
+        let (stage, id) = state.members.stages[r].clone();
         restore(&stage, snapshot.clone(), timeout, || {
             format!(
                 "{id} did not take the state of {} that finished step {step}",
-                state.stages[c.source].1
+                state.members.stages[c.source].1
             )
         })
         .await?;
@@ -335,58 +346,58 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let Some(rewire) = state.rewire.clone() else {
+    let Some(rewire) = state.members.rewire.clone() else {
         return Err(Error::InvalidConfig(
             "this job cannot replace pipeline stages".into(),
         ));
     };
-    (state.shutdown)();
-    for o in state.others.drain(..) {
-        state.departed.insert(o.get_id());
+    (state.members.shutdown)();
+    for o in state.members.others.drain(..) {
+        state.members.departed.insert(o.get_id());
         o.stop(None);
     }
-    let mut devices = Vec::with_capacity(state.devices.len());
-    for r in 0..state.devices.len() {
-        if !lost.contains(&r) || state.reconnect_devices {
+    let mut devices = Vec::with_capacity(state.members.devices.len());
+    for r in 0..state.members.devices.len() {
+        if !lost.contains(&r) || state.members.reconnect_devices {
             // A surviving stage keeps its device; a cluster job's spawner finds its own.
             devices.push(None);
             continue;
         }
         devices.push(Some(start_device(state).await?));
     }
-    let generation = Generation(state.generation.0 + 1);
+    let generation = Generation(state.members.generation.0 + 1);
     let rewired = rewire(RewireArgs {
         supervisor: state.myself.clone(),
-        layout: state.layout,
+        layout: state.members.layout,
         generation,
-        comm: state.comm.clone(),
+        comm: state.members.comm.clone(),
         devices: devices.clone(),
         fresh: lost.to_vec(),
-        slots: state.devices.iter().map(|(_, id)| *id).collect(),
+        slots: state.members.devices.iter().map(|(_, id)| *id).collect(),
     })
     .await
     .map_err(|e| Error::Runtime(format!("could not rewire the pipeline: {e}")))?;
     for (r, device) in rewired.devices {
-        if let Some(d) = state.devices.get_mut(r) {
+        if let Some(d) = state.members.devices.get_mut(r) {
             *d = device;
         }
     }
-    let timeout = state.step_timeout;
+    let timeout = state.clock.step_timeout;
     for (r, stage) in rewired.fresh {
-        let id = state.stages[r].1;
+        let id = state.members.stages[r].1;
         ask(&stage, StageMsg::Init, timeout, || {
             format!("the replacement of {id} did not start")
         })
         .await?;
-        state.stages[r].0 = stage;
+        state.members.stages[r].0 = stage;
         if let Some((device, device_ref)) = &devices[r] {
-            state.devices[r] = (device_ref.clone(), device.id());
+            state.members.devices[r] = (device_ref.clone(), device.id());
         }
     }
-    rewire_survivors(&state.stages, rewired.survivors, timeout).await?;
-    state.others = rewired.others;
-    state.shutdown = rewired.shutdown;
-    state.generation = generation;
+    rewire_survivors(&state.members.stages, rewired.survivors, timeout).await?;
+    state.members.others = rewired.others;
+    state.members.shutdown = rewired.shutdown;
+    state.members.generation = generation;
     Ok(())
 }
 
@@ -403,12 +414,12 @@ where
     I: Send + Sync + 'static,
 {
     let lost: Vec<usize> = twins.iter().map(|(r, _)| *r).collect();
-    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
+    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.members.devices[r].1).collect();
     // Snapshots first: the twins' state is the step's starting state (nothing applied).
-    let timeout = state.step_timeout;
+    let timeout = state.clock.step_timeout;
     let mut snapshots = Vec::with_capacity(twins.len());
     for &(_, twin) in twins {
-        let (stage, id) = state.stages[twin].clone();
+        let (stage, id) = state.members.stages[twin].clone();
         let s = ask(&stage, StageMsg::Snapshot, timeout, || {
             format!("{id} did not answer a snapshot")
         })
@@ -421,7 +432,7 @@ where
         ))
     })?;
     for (&(r, twin), shards) in twins.iter().zip(snapshots) {
-        let (stage, id) = state.stages[r].clone();
+        let (stage, id) = state.members.stages[r].clone();
         restore(&stage, shards, timeout, || {
             format!("{id} did not take its twin's state")
         })
@@ -429,14 +440,14 @@ where
         state.publish(JobEvent::StageReplaced {
             step,
             stage: id,
-            twin: state.stages[twin].1,
-            device: state.devices[r].1,
+            twin: state.members.stages[twin].1,
+            device: state.members.devices[r].1,
         });
     }
     state.publish(JobEvent::Recovered {
         step,
-        generation: state.generation,
-        layout: state.layout,
+        generation: state.members.generation,
+        layout: state.members.layout,
         lost: lost_devices,
     });
     Ok(Redo::Step)
@@ -455,41 +466,49 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    state.interrupted = None;
+    state.recovery.interrupted = None;
     // Checkpoints still queued for writing count: wait for them (bounded).
-    let queue = state.checkpointer.as_ref().and_then(Checkpointer::queue);
+    let queue = state
+        .ckpt
+        .checkpointer
+        .as_ref()
+        .and_then(Checkpointer::queue);
     if let Some(queue) = queue {
-        let timeout = state.step_timeout;
+        let timeout = state.clock.step_timeout;
         let _ = tokio::task::spawn_blocking(move || queue.flush(timeout)).await;
     }
     let Some((checkpoint, dir, _)) = latest_checkpoint(state).await? else {
         return Err(cause);
     };
     let shard = checkpoint.shards.clone();
-    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.devices[r].1).collect();
-    let mut members = Vec::with_capacity(state.stages.len());
-    let regroups = state.caps.rejoin.regroups();
+    let lost_devices: Vec<DeviceId> = lost.iter().map(|&r| state.members.devices[r].1).collect();
+    let mut members = Vec::with_capacity(state.members.stages.len());
+    let regroups = state.members.caps.rejoin.regroups();
     if regroups {
         // One data-parallel group: new replicas for the lost ranks, regrouped below.
-        for r in 0..state.stages.len() {
+        for r in 0..state.members.stages.len() {
             if lost.contains(&r) {
                 members.push(spawn_replica(state, r).await?);
             } else {
-                members.push((state.stages[r].0.clone(), state.devices[r].clone()));
+                members.push((
+                    state.members.stages[r].0.clone(),
+                    state.members.devices[r].clone(),
+                ));
             }
         }
     } else {
         // A rewired mesh (a pipeline): fresh stages for the lost ranks, every rank rewired.
         replace_pipeline_stages(state, lost).await?;
         members = state
+            .members
             .stages
             .iter()
-            .zip(&state.devices)
+            .zip(&state.members.devices)
             .map(|((s, _), d)| (s.clone(), d.clone()))
             .collect();
     }
     for (stage, (_, device)) in &members {
-        restore(stage, shard.clone(), state.step_timeout, || {
+        restore(stage, shard.clone(), state.clock.step_timeout, || {
             format!(
                 "the stage on device {device} did not restore {}",
                 dir.display()
@@ -500,11 +519,11 @@ where
     if regroups {
         rebuild_group(state, members).await?;
     }
-    state.last_checkpoint = Some(checkpoint.step);
+    state.ckpt.last_checkpoint = Some(checkpoint.step);
     state.publish(JobEvent::RolledBack {
         failed_step: step,
         step: checkpoint.step,
-        generation: state.generation,
+        generation: state.members.generation,
         path: dir,
         lost: lost_devices,
     });

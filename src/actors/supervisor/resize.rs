@@ -59,10 +59,10 @@ pub(super) fn request<M, I>(
 ) -> Result<(), ActorProcessingErr> {
     let (admission, resume) = decide::admit_request(&ResizeRequest {
         requested: n,
-        elastic: state.elastic,
-        dp: state.layout.dp(),
-        waiting: state.below_min.is_some(),
-        pending: state.scale_target,
+        elastic: state.elastic.range,
+        dp: state.members.layout.dp(),
+        waiting: state.elastic.below_min.is_some(),
+        pending: state.elastic.scale_target,
     });
     match admission {
         Admission::Refused(reason) => state.publish(JobEvent::ResizeRefused {
@@ -70,7 +70,7 @@ pub(super) fn request<M, I>(
             reason,
         }),
         Admission::Accepted { replaces } => {
-            state.scale_target = Some(n);
+            state.elastic.scale_target = Some(n);
             if let Some((requested, reason)) = replaces {
                 state.publish(JobEvent::ResizeRefused { requested, reason });
             }
@@ -88,7 +88,10 @@ pub(super) fn add<M, I>(
     state: &SupervisorState<M, I>,
     k: u32,
 ) -> Result<(), ActorProcessingErr> {
-    let now = state.scale_target.unwrap_or(state.layout.dp());
+    let now = state
+        .elastic
+        .scale_target
+        .unwrap_or(state.members.layout.dp());
     myself.send_message(SupervisorMsg::ScaleTo(now.saturating_add(k)))?;
     Ok(())
 }
@@ -103,12 +106,12 @@ pub(super) async fn minimum_wait_over<M, I>(
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    if let Some((g, since)) = state.below_min
+    if let Some((g, since)) = state.elastic.below_min
         && g == generation
     {
         let error = Error::BelowMinimum {
-            replicas: state.layout.dp(),
-            min: state.elastic.0,
+            replicas: state.members.layout.dp(),
+            min: state.elastic.range.0,
             waited: since.elapsed(),
         };
         finish(myself, state, Err(error)).await;
@@ -118,22 +121,22 @@ pub(super) async fn minimum_wait_over<M, I>(
 /// ELASTIC-3: below the elastic minimum, wait for devices rather than train on (the step
 /// `next` is held until a resize or `resume()`, the job ends after the elastic wait).
 pub(super) fn wait_for_minimum<M, I>(state: &mut SupervisorState<M, I>, next: u64) {
-    let min = state.elastic.0;
-    let dp = state.layout.dp();
-    let resizable = state.caps.rejoin.regroups();
-    if !decide::must_wait_for_devices(resizable, dp, min, state.paused.is_some()) {
+    let min = state.elastic.range.0;
+    let dp = state.members.layout.dp();
+    let resizable = state.members.caps.rejoin.regroups();
+    if !decide::must_wait_for_devices(resizable, dp, min, state.clock.paused.is_some()) {
         return;
     }
-    let generation = state.generation;
-    state.below_min = Some((generation, Instant::now()));
-    state.paused = Some(None);
+    let generation = state.members.generation;
+    state.elastic.below_min = Some((generation, Instant::now()));
+    state.clock.paused = Some(None);
     state.publish(JobEvent::WaitingForDevices {
         step: next,
         replicas: dp,
         min,
-        within: state.elastic_wait,
+        within: state.elastic.wait,
     });
-    state.me().send_after(state.elastic_wait, move || {
+    state.me().send_after(state.elastic.wait, move || {
         SupervisorMsg::MinimumWaitOver(generation)
     });
 }
@@ -142,10 +145,12 @@ pub(super) fn wait_for_minimum<M, I>(state: &mut SupervisorState<M, I>, next: u6
 /// joined a job across processes beyond its maximum: spares), up to its maximum, before its
 /// next step; below the elastic minimum that also ends the wait (ELASTIC-3).
 pub(super) fn refill_from_waiting<M, I>(state: &SupervisorState<M, I>) {
-    let Some(Grow::Remote { waiting, .. }) = &state.grow else {
+    let Some(Grow::Remote { waiting, .. }) = &state.members.grow else {
         return;
     };
-    if let Some(n) = decide::refill_target(state.layout.dp(), state.elastic.1, waiting()) {
+    if let Some(n) =
+        decide::refill_target(state.members.layout.dp(), state.elastic.range.1, waiting())
+    {
         // The mailbox outlives this call; a failed send means the job is ending anyway.
         let _ = state.me().send_message(SupervisorMsg::ScaleTo(n));
     }
@@ -165,23 +170,25 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    if state.caps.rejoin == Rejoin::Rewire {
+    if state.members.caps.rejoin == Rejoin::Rewire {
         return resize_mesh(state, step, n).await;
     }
-    let from = state.stages.len();
-    let global = state.sampler.batch_size();
-    let plan = decide::plan_resize(n, from, global, &state.caps).map_err(Error::InvalidConfig)?;
+    let from = state.members.stages.len();
+    let global = state.clock.sampler.batch_size();
+    let plan =
+        decide::plan_resize(n, from, global, &state.members.caps).map_err(Error::InvalidConfig)?;
     // ZERO-3: where each rank holds a shard of the state, every shard is gathered before
     // anyone leaves and re-sharded onto the new group once it is built.
-    let gathered = if state.caps.replicated_state {
+    let gathered = if state.members.caps.replicated_state {
         None
     } else {
         Some(snapshot_state(state).await?)
     };
     let mut members: Vec<Member<M>> = state
+        .members
         .stages
         .iter()
-        .zip(&state.devices)
+        .zip(&state.members.devices)
         .take(n)
         .map(|((s, _), d)| (s.clone(), d.clone()))
         .collect();
@@ -189,10 +196,10 @@ where
         // Leaving replicas: the last ranks.
         ResizePlan::Shrink { to } => {
             for r in to..from {
-                let (stage, _) = &state.stages[r];
-                let (device, _) = &state.devices[r];
-                state.departed.insert(stage.get_id());
-                state.departed.insert(device.get_id());
+                let (stage, _) = &state.members.stages[r];
+                let (device, _) = &state.members.devices[r];
+                state.members.departed.insert(stage.get_id());
+                state.members.departed.insert(device.get_id());
                 stage.stop(None);
                 device.stop(None);
             }
@@ -204,8 +211,8 @@ where
     let to = members.len();
     rebuild_group(state, members).await?;
     if let Some(all) = gathered {
-        for (stage, id) in state.stages.clone() {
-            restore(&stage, all.clone(), state.step_timeout, || {
+        for (stage, id) in state.members.stages.clone() {
+            restore(&stage, all.clone(), state.clock.step_timeout, || {
                 format!("{id} did not take its re-sharded state")
             })
             .await?;
@@ -213,7 +220,7 @@ where
     }
     state.publish(JobEvent::Resized {
         step,
-        generation: state.generation,
+        generation: state.members.generation,
         from: from as u32,
         to: to as u32,
     });
@@ -236,8 +243,8 @@ where
     let snapshot = match gathered {
         Some(all) => all,
         None => {
-            let (rank0, _) = state.stages[0].clone();
-            ask(&rank0, StageMsg::Snapshot, state.step_timeout, || {
+            let (rank0, _) = state.members.stages[0].clone();
+            ask(&rank0, StageMsg::Snapshot, state.clock.step_timeout, || {
                 "rank 0 did not answer the snapshot request".into()
             })
             .await?
@@ -251,13 +258,13 @@ where
         };
         let joined = match spawn_replica(state, r).await {
             Ok((stage, device)) => {
-                let taken = restore(&stage, snapshot.clone(), state.step_timeout, || {
+                let taken = restore(&stage, snapshot.clone(), state.clock.step_timeout, || {
                     format!("{id} did not take rank 0's state")
                 })
                 .await;
                 if taken.is_err() {
-                    state.departed.insert(stage.get_id());
-                    state.departed.insert(device.0.get_id());
+                    state.members.departed.insert(stage.get_id());
+                    state.members.departed.insert(device.0.get_id());
                     stage.stop(None);
                     device.0.stop(None);
                 } else {
@@ -302,11 +309,11 @@ where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
-    let old = state.layout;
+    let old = state.members.layout;
     let from = old.dp() as usize;
-    let global = state.sampler.batch_size();
-    decide::plan_resize(n, from, global, &state.caps).map_err(Error::InvalidConfig)?;
-    let Some(rewire) = state.rewire.clone() else {
+    let global = state.clock.sampler.batch_size();
+    decide::plan_resize(n, from, global, &state.members.caps).map_err(Error::InvalidConfig)?;
+    let Some(rewire) = state.members.rewire.clone() else {
         return Err(Error::InvalidConfig(
             "this job cannot wire its mesh anew".into(),
         ));
@@ -315,7 +322,7 @@ where
     let joining: Vec<usize> = remesh.joining().into_iter().map(Rank::index).collect();
     // Who takes the state back: every rank re-shards its part (ZeRO), or the joining ranks
     // take their twins' (replicated). A replicated mesh that only shrinks gathers nothing.
-    let takers: Vec<usize> = if state.caps.replicated_state {
+    let takers: Vec<usize> = if state.members.caps.replicated_state {
         joining.clone()
     } else {
         (0..remesh.origin.len()).collect()
@@ -331,16 +338,16 @@ where
             "resizing the mesh from {from} to {n} replicas failed half-way: {e}"
         ))
     };
-    (state.shutdown)();
-    for o in state.others.drain(..) {
-        state.departed.insert(o.get_id());
+    (state.members.shutdown)();
+    for o in state.members.others.drain(..) {
+        state.members.departed.insert(o.get_id());
         o.stop(None);
     }
     for r in &remesh.leaving {
-        let (stage, _) = &state.stages[r.index()];
-        let (device, _) = &state.devices[r.index()];
-        state.departed.insert(stage.get_id());
-        state.departed.insert(device.get_id());
+        let (stage, _) = &state.members.stages[r.index()];
+        let (device, _) = &state.members.devices[r.index()];
+        state.members.departed.insert(stage.get_id());
+        state.members.departed.insert(device.get_id());
         stage.stop(None);
         device.stop(None);
     }
@@ -356,17 +363,17 @@ where
         .iter()
         .zip(&devices)
         .map(|(origin, fresh)| match (origin, fresh) {
-            (Some(o), _) => state.devices[o.index()].1,
+            (Some(o), _) => state.members.devices[o.index()].1,
             (None, Some((device, _))) => device.id(),
             (None, None) => unreachable!("a joining rank has a device (just above)"),
         })
         .collect();
-    let generation = Generation(state.generation.0 + 1);
+    let generation = Generation(state.members.generation.0 + 1);
     let rewired = rewire(RewireArgs {
         supervisor: state.myself.clone(),
         layout: remesh.layout,
         generation,
-        comm: state.comm.clone(),
+        comm: state.members.comm.clone(),
         devices: devices.clone(),
         fresh: joining,
         slots,
@@ -379,7 +386,7 @@ where
             *f = Some(stage);
         }
     }
-    let timeout = state.step_timeout;
+    let timeout = state.clock.step_timeout;
     let mut stages = Vec::with_capacity(remesh.origin.len());
     let mut members = Vec::with_capacity(remesh.origin.len());
     for (r, origin) in remesh.origin.iter().enumerate() {
@@ -394,8 +401,8 @@ where
         };
         match (origin, fresh[r].take(), &devices[r]) {
             (Some(o), _, _) => {
-                stages.push((state.stages[o.index()].0.clone(), id));
-                members.push(state.devices[o.index()].clone());
+                stages.push((state.members.stages[o.index()].0.clone(), id));
+                members.push(state.members.devices[o.index()].clone());
             }
             (None, Some(stage), Some((device, device_ref))) => {
                 // Linked to the Supervisor before it is asked: a failed start is a loss.
@@ -418,20 +425,20 @@ where
     rewire_survivors(&stages, rewired.survivors, timeout)
         .await
         .map_err(half_way)?;
-    state.stages = stages;
-    state.devices = members;
-    state.others = rewired.others;
-    state.shutdown = rewired.shutdown;
-    state.generation = generation;
-    state.layout = remesh.layout;
-    state.model_ranks = remesh
+    state.members.stages = stages;
+    state.members.devices = members;
+    state.members.others = rewired.others;
+    state.members.shutdown = rewired.shutdown;
+    state.members.generation = generation;
+    state.members.layout = remesh.layout;
+    state.members.model_ranks = remesh
         .layout
         .replica_ranks(0)
         .into_iter()
         .map(Rank::index)
         .collect();
     for r in takers {
-        let (stage, id) = state.stages[r].clone();
+        let (stage, id) = state.members.stages[r].clone();
         restore(&stage, gathered.clone(), timeout, || {
             format!("{id} did not take its state in the resized mesh")
         })
@@ -440,7 +447,7 @@ where
     }
     state.publish(JobEvent::Resized {
         step,
-        generation: state.generation,
+        generation: state.members.generation,
         from: from as u32,
         to: n as u32,
     });

@@ -28,17 +28,32 @@ use crate::mesh::{Generation, Layout};
 use crate::parallel::sampler::DistributedSampler;
 use crate::recovery::{RecoveryPolicy, RestartLog};
 
-/// State of the [`Supervisor`](super::Supervisor).
+/// State of the [`Supervisor`](super::Supervisor), in parts each concern owns: who is in the
+/// job ([`Membership`], `members.rs` and `resize.rs`), where training is ([`StepClock`],
+/// `step.rs`), checkpoints ([`Checkpointing`], `checkpoints.rs`), failures and what recovery
+/// has done ([`RecoveryLog`], `recover.rs`) and the size the job may take ([`Elasticity`],
+/// `resize.rs`). What decides (`decide.rs`) stays pure: it reads values, not this state.
 pub(crate) struct SupervisorState<M, I> {
-    pub(super) layout: Layout,
-    pub(super) steps: u64,
-    pub(super) accumulation: u32,
-    pub(super) sampler: DistributedSampler,
-    /// The current epoch's sample order, computed once per epoch.
-    pub(super) epoch_order: Option<(u64, Vec<usize>)>,
-    pub(super) step_timeout: Duration,
+    pub(super) members: Membership<M>,
+    pub(super) clock: StepClock,
+    pub(super) ckpt: Checkpointing,
+    pub(super) recovery: RecoveryLog,
+    pub(super) elastic: Elasticity,
     pub(super) events: broadcast::Sender<JobEvent>,
     pub(super) outcome: Option<oneshot::Sender<crate::error::Result<Trained<M>>>>,
+    /// The Supervisor itself, to link rebuilt actors to.
+    pub(super) myself: ractor::ActorCell,
+    /// The straggler detectors, one per pipeline stage and tensor-parallel rank (replicas of
+    /// the same work are compared), and the generation their ranks are numbered in
+    /// (STRAG-3).
+    pub(super) stragglers: Option<Stragglers>,
+    pub(super) _items: std::marker::PhantomData<fn() -> I>,
+}
+
+/// Who is in the job: the mesh, its generation, every actor and what rebuilds them.
+pub(crate) struct Membership<M> {
+    pub(super) layout: Layout,
+    pub(super) generation: Generation,
     pub(super) devices: Vec<(ActorRef<DeviceMsg>, DeviceId)>,
     pub(super) stages: Vec<(ActorRef<StageMsg<M>>, StageId)>,
     /// Collective groups and other actors of the job.
@@ -53,33 +68,8 @@ pub(crate) struct SupervisorState<M, I> {
     pub(super) reconnect_devices: bool,
     pub(super) model_ranks: Vec<usize>,
     pub(super) assemble: fn(Vec<M>) -> Option<M>,
-    /// Collective settings, for rebuilt groups.
-    pub(super) comm: CommConfig,
-    /// The Supervisor itself, to link rebuilt actors to.
-    pub(super) myself: ractor::ActorCell,
-    pub(super) generation: Generation,
-    pub(super) faults: Option<Arc<FaultHooks>>,
-    pub(super) recovery: RecoveryPolicy,
-    pub(super) restarts: RestartLog,
     /// Actors the Supervisor stopped or gave up on: their exit is not a new failure.
     pub(super) departed: HashSet<ractor::ActorId>,
-    /// Ranks found dead between steps (a supervision event): recovered at the next step.
-    pub(super) pending_lost: Vec<(usize, Error)>,
-    /// The step that failed last, for the recovery that follows.
-    pub(super) interrupted: Option<Interrupted>,
-    /// The step running now as a task of its own (SV-3), if any.
-    pub(super) running: Option<RunningStep>,
-    /// Step attempts started so far: a `StepFinished` of another attempt is stale (SV-4).
-    pub(super) attempts: u64,
-    /// Children that ended while a step ran: handled once its outcome is, in the order the
-    /// actor would have seen them had it awaited the step.
-    pub(super) deferred: Vec<SupervisionEvent>,
-    pub(super) checkpoints: Option<CheckpointSettings>,
-    pub(super) checkpointer: Option<Checkpointer>,
-    pub(super) checkpoint_requested: bool,
-    /// The step boundary of the last checkpoint taken or restored.
-    pub(super) last_checkpoint: Option<u64>,
-    pub(super) seed: u64,
     pub(super) grow: Option<Grow<M>>,
     pub(super) rewire: Option<RewireStages<M>>,
     /// Devices of the builder's list beyond the mesh, for replicas that join.
@@ -87,29 +77,68 @@ pub(crate) struct SupervisorState<M, I> {
     /// What a new logical device is made like.
     pub(super) device_template: MeshDevice,
     pub(super) next_device_id: u32,
-    /// The size asked by `scale_to`, applied at the next step boundary.
-    pub(super) scale_target: Option<u32>,
-    /// Smallest and largest data-parallel size `scale_to` accepts.
-    pub(super) elastic: (u32, u32),
-    /// The step a pause held back, run on `Resume`.
-    pub(super) paused: Option<Option<u64>>,
-    /// Set while the job waits below the elastic minimum: the generation that waits, since.
-    pub(super) below_min: Option<(Generation, Instant)>,
-    /// How long the job waits for devices below the elastic minimum.
-    pub(super) elastic_wait: Duration,
-    /// The straggler detectors, one per pipeline stage and tensor-parallel rank (replicas of
-    /// the same work are compared), and the generation their ranks are numbered in
-    /// (STRAG-3).
-    pub(super) stragglers: Option<Stragglers>,
-    pub(super) stop_requested: bool,
-    pub(super) finished: bool,
+    /// Collective settings, for rebuilt groups.
+    pub(super) comm: CommConfig,
+}
+
+/// Where training is: the steps, the data order, the running step and the run so far.
+pub(crate) struct StepClock {
+    pub(super) steps: u64,
+    pub(super) accumulation: u32,
+    pub(super) sampler: DistributedSampler,
+    /// The current epoch's sample order, computed once per epoch.
+    pub(super) epoch_order: Option<(u64, Vec<usize>)>,
+    pub(super) step_timeout: Duration,
+    /// The step running now as a task of its own (SV-3), if any.
+    pub(super) running: Option<RunningStep>,
+    /// Step attempts started so far: a `StepFinished` of another attempt is stale (SV-4).
+    pub(super) attempts: u64,
+    /// Children that ended while a step ran: handled once its outcome is, in the order the
+    /// actor would have seen them had it awaited the step.
+    pub(super) deferred: Vec<SupervisionEvent>,
+    pub(super) seed: u64,
     pub(super) summary: RunSummary,
     /// Control messages so far: requests the Supervisor sent to stages, their replies, and
     /// the messages its own inbox handled (SCALE-1).
     pub(super) control: Arc<AtomicU64>,
     /// The count when the last step ended (or the first began).
     pub(super) control_mark: u64,
-    pub(super) _items: std::marker::PhantomData<fn() -> I>,
+    /// The step a pause held back, run on `Resume`.
+    pub(super) paused: Option<Option<u64>>,
+    pub(super) stop_requested: bool,
+    pub(super) finished: bool,
+}
+
+/// Checkpoints: where they go, the writer, and the last one taken or restored.
+pub(crate) struct Checkpointing {
+    pub(super) checkpoints: Option<CheckpointSettings>,
+    pub(super) checkpointer: Option<Checkpointer>,
+    pub(super) checkpoint_requested: bool,
+    /// The step boundary of the last checkpoint taken or restored.
+    pub(super) last_checkpoint: Option<u64>,
+}
+
+/// Failures and what recovery has done about them.
+pub(crate) struct RecoveryLog {
+    pub(super) policy: RecoveryPolicy,
+    pub(super) restarts: RestartLog,
+    /// Ranks found dead between steps (a supervision event): recovered at the next step.
+    pub(super) pending_lost: Vec<(usize, Error)>,
+    /// The step that failed last, for the recovery that follows.
+    pub(super) interrupted: Option<Interrupted>,
+    pub(super) faults: Option<Arc<FaultHooks>>,
+}
+
+/// The sizes the job may take and a resize on its way.
+pub(crate) struct Elasticity {
+    /// The size asked by `scale_to`, applied at the next step boundary.
+    pub(super) scale_target: Option<u32>,
+    /// Smallest and largest data-parallel size `scale_to` accepts.
+    pub(super) range: (u32, u32),
+    /// Set while the job waits below the elastic minimum: the generation that waits, since.
+    pub(super) below_min: Option<(Generation, Instant)>,
+    /// How long the job waits for devices below the elastic minimum.
+    pub(super) wait: Duration,
 }
 
 /// The Supervisor's straggler detection (STRAG-1..3).
@@ -125,7 +154,7 @@ pub(crate) struct Stragglers {
 
 impl<M, I> std::fmt::Debug for SupervisorState<M, I> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SupervisorState({:?})", self.layout)
+        write!(f, "SupervisorState({:?})", self.members.layout)
     }
 }
 
@@ -137,7 +166,7 @@ impl<M, I> SupervisorState<M, I> {
 
     /// Publish the faults of the plan that fired (FAULT-1).
     pub(super) fn publish_fired(&self) {
-        if let Some(h) = &self.faults {
+        if let Some(h) = &self.recovery.faults {
             for f in h.take_fired() {
                 self.publish(JobEvent::FaultInjected(f));
             }
@@ -152,25 +181,27 @@ impl<M, I> SupervisorState<M, I> {
     /// Where the job is (answered at once, also while a step runs: SV-3).
     pub(super) fn status(&self) -> JobStatus {
         JobStatus {
-            layout: self.layout,
-            steps_done: self.summary.steps,
-            steps_total: self.steps,
-            stopping: self.stop_requested,
-            paused: self.paused.is_some(),
-            generation: self.generation,
+            layout: self.members.layout,
+            steps_done: self.clock.summary.steps,
+            steps_total: self.clock.steps,
+            stopping: self.clock.stop_requested,
+            paused: self.clock.paused.is_some(),
+            generation: self.members.generation,
         }
     }
 
     /// The stages, their devices and the group's shutdown, for requests made off the actor.
     pub(super) fn crew(&self) -> Crew<M> {
         Crew {
-            stages: self.stages.clone(),
-            devices: self.devices.clone(),
-            shutdown: self.shutdown.clone(),
-            control: self.control.clone(),
+            stages: self.members.stages.clone(),
+            devices: self.members.devices.clone(),
+            shutdown: self.members.shutdown.clone(),
+            control: self.clock.control.clone(),
         }
     }
+}
 
+impl<M> Membership<M> {
     /// The rank whose stage or device actor `cell` is.
     pub(super) fn rank_of_actor(&self, cell: &ractor::ActorCell) -> Option<usize> {
         let id = cell.get_id();

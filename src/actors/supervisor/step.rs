@@ -67,35 +67,41 @@ where
     I: Send + Sync + 'static,
 {
     // FaultPlan: devices killed at the start of this step (their actors disappear).
-    if let Some(h) = state.faults.clone() {
+    if let Some(h) = state.recovery.faults.clone() {
         for device in h.kills_at(step) {
-            if let Some(r) = state.devices.iter().position(|(_, d)| *d == device) {
-                state.stages[r].0.kill();
-                state.devices[r].0.kill();
+            if let Some(r) = state.members.devices.iter().position(|(_, d)| *d == device) {
+                state.members.stages[r].0.kill();
+                state.members.devices[r].0.kill();
             }
         }
     }
-    let dp = state.layout.dp() as usize;
-    let k = state.accumulation as usize;
-    let epoch = state.sampler.cursor(step).epoch;
-    if state.epoch_order.as_ref().is_none_or(|(e, _)| *e != epoch) {
-        state.epoch_order = Some((epoch, state.sampler.epoch_order(epoch)));
+    let dp = state.members.layout.dp() as usize;
+    let k = state.clock.accumulation as usize;
+    let epoch = state.clock.sampler.cursor(step).epoch;
+    if state
+        .clock
+        .epoch_order
+        .as_ref()
+        .is_none_or(|(e, _)| *e != epoch)
+    {
+        state.clock.epoch_order = Some((epoch, state.clock.sampler.epoch_order(epoch)));
     }
-    let (_, order) = state.epoch_order.as_ref().expect("set just above");
-    let shares = state.sampler.split_in(order, step, dp);
+    let (_, order) = state.clock.epoch_order.as_ref().expect("set just above");
+    let shares = state.clock.sampler.split_in(order, step, dp);
     // Every stage of a replica's pipeline gets that replica's share.
     let replica_of: Vec<usize> = state
+        .members
         .stages
         .iter()
         .map(|(_, id)| id.replica as usize)
         .collect();
-    state.attempts += 1;
-    let attempt = state.attempts;
-    let generation = state.generation;
+    state.clock.attempts += 1;
+    let attempt = state.clock.attempts;
+    let generation = state.members.generation;
     let (crew, timeout, peers_are_ranks, me) = (
         state.crew(),
-        state.step_timeout,
-        state.caps.rejoin.regroups(),
+        state.clock.step_timeout,
+        state.members.caps.rejoin.regroups(),
         state.me(),
     );
     let task = tokio::spawn(async move {
@@ -144,7 +150,7 @@ where
             page_faults,
         })));
     });
-    state.running = Some(RunningStep {
+    state.clock.running = Some(RunningStep {
         attempt,
         step,
         task: task.abort_handle(),
@@ -252,10 +258,11 @@ where
     I: Send + Sync + 'static,
 {
     let current = state
+        .clock
         .running
         .as_ref()
         .is_some_and(|r| r.attempt == done.attempt && r.step == done.step)
-        && done.generation == state.generation;
+        && done.generation == state.members.generation;
     if !current {
         tracing::debug!(
             step = done.step,
@@ -264,7 +271,7 @@ where
         );
         return Ok(());
     }
-    state.running = None;
+    state.clock.running = None;
     state.publish_fired();
     let StepFinished {
         step,
@@ -282,7 +289,7 @@ where
             let reports = reports
                 .into_iter()
                 .flatten()
-                .zip(state.stage_ids())
+                .zip(state.members.stage_ids())
                 .collect();
             step_done(
                 state,
@@ -297,7 +304,7 @@ where
         Some(error) => {
             // Kept for recovery: who finished this step (and applied its update) before the
             // failure ended it.
-            state.interrupted = Some(Interrupted {
+            state.recovery.interrupted = Some(Interrupted {
                 shares,
                 done: reports,
                 started,
@@ -360,7 +367,7 @@ pub(super) fn step_done<M, I>(
         }
     }
     let learning_rate = reports.iter().find_map(|r| r.learning_rate);
-    let pipeline = pipeline_step(&stage_ids, &reports, state.layout);
+    let pipeline = pipeline_step(&stage_ids, &reports, state.members.layout);
     let replicas: Vec<ReplicaStep> = reports
         .into_iter()
         .zip(&stage_ids)
@@ -383,12 +390,15 @@ pub(super) fn step_done<M, I>(
         mean = mean.plus(r.breakdown);
     }
     let n = replicas.len().max(1) as f64;
-    let s = &mut state.summary;
+    let s = &mut state.clock.summary;
     s.steps += 1;
     s.ranks = u32::try_from(replicas.len()).unwrap_or(u32::MAX);
-    let now = state.control.load(std::sync::atomic::Ordering::Relaxed);
-    s.control_messages += now.saturating_sub(state.control_mark);
-    state.control_mark = now;
+    let now = state
+        .clock
+        .control
+        .load(std::sync::atomic::Ordering::Relaxed);
+    s.control_messages += now.saturating_sub(state.clock.control_mark);
+    state.clock.control_mark = now;
     s.samples += samples as u64;
     s.wall_s += wall_s;
     if let Some(faults) = page_faults {
@@ -487,7 +497,7 @@ fn observe_stragglers<M, I>(
     step: u64,
     replicas: &[ReplicaStep],
 ) {
-    let generation = state.generation;
+    let generation = state.members.generation;
     let Some(s) = state.stragglers.as_mut() else {
         return;
     };
