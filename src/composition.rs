@@ -143,7 +143,7 @@ impl Feature {
             Feature::LrSchedule => ".learning_rate(scheduler)",
             Feature::Checkpoints => ".checkpoint_dir(..)",
             Feature::AcrossProcesses => ".cluster(..)",
-            Feature::MpiTransport => "JobSpec { transport: Mpi }",
+            Feature::MpiTransport => "JobConfig { transport: Mpi }",
             Feature::FaultPlan => ".fault_plan(..)",
             Feature::MessageFaults => ".fault_plan(message faults)",
             Feature::RollBack => "RecoveryPolicy::roll_back()",

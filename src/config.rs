@@ -42,16 +42,27 @@ pub mod duration {
         if !from.is_human_readable() {
             return Duration::deserialize(from);
         }
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Given {
-            Seconds(f64),
-            Text(String),
+        /// A number of seconds, or a text with a unit.
+        struct Seconds;
+        impl de::Visitor<'_> for Seconds {
+            type Value = f64;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a duration such as \"250ms\", \"60s\", \"5m\" or a number of seconds")
+            }
+            fn visit_f64<E: de::Error>(self, v: f64) -> Result<f64, E> {
+                Ok(v)
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<f64, E> {
+                Ok(v as f64)
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<f64, E> {
+                Ok(v as f64)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<f64, E> {
+                parse(v).map_err(E::custom)
+            }
         }
-        let seconds = match Given::deserialize(from)? {
-            Given::Seconds(s) => s,
-            Given::Text(t) => parse(&t).map_err(de::Error::custom)?,
-        };
+        let seconds = from.deserialize_any(Seconds)?;
         if !(seconds >= 0.0 && seconds.is_finite() && seconds < 1e12) {
             return Err(de::Error::custom(format!(
                 "{seconds} s: a duration of at least 0 and below 10^12 s"
@@ -110,18 +121,25 @@ pub mod on_by_default {
         if !from.is_human_readable() {
             return Option::<T>::deserialize(from);
         }
-        #[derive(Deserialize)]
-        #[serde(untagged)]
-        enum Given<T> {
-            Word(String),
-            Value(T),
+        /// `"off"`, or the value's own table (whose errors keep their keys).
+        struct OffOr<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> de::Visitor<'de> for OffOr<T> {
+            type Value = Option<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("\"off\", or the settings as a table")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Option<T>, E> {
+                match v {
+                    "off" => Ok(None),
+                    other => Err(E::custom(format!(
+                        "\"{other}\": \"off\", or the settings as a table"
+                    ))),
+                }
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Option<T>, A::Error> {
+                T::deserialize(de::value::MapAccessDeserializer::new(map)).map(Some)
+            }
         }
-        match Given::<T>::deserialize(from)? {
-            Given::Word(w) if w == "off" => Ok(None),
-            Given::Word(w) => Err(de::Error::custom(format!(
-                "\"{w}\": \"off\", or the settings as a table"
-            ))),
-            Given::Value(v) => Ok(Some(v)),
-        }
+        from.deserialize_any(OffOr(std::marker::PhantomData))
     }
 }

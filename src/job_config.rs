@@ -177,6 +177,7 @@ pub struct PipelineConfig {
 
 /// How the learning rate moves over the steps.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub enum LrSchedule {
     /// `learning_rate` at every step.
     #[default]

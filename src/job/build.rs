@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// The most events a job keeps for a slow consumer (a bigger buffer is an allocation the
+/// size of a mistake).
+const MAX_EVENT_CAPACITY: usize = 1 << 20;
+
 /// # Building
 impl<M, I> JobBuilder<M, I>
 where
@@ -26,6 +30,12 @@ where
         }
         if self.config.reduction.bucket_bytes < 4 {
             return invalid("bucket_bytes below one f32: use at least 4 bytes".into());
+        }
+        if self.config.event_capacity > MAX_EVENT_CAPACITY {
+            return invalid(format!(
+                "event_capacity {}: keep at most {MAX_EVENT_CAPACITY} events",
+                self.config.event_capacity
+            ));
         }
         if self.config.event_capacity == 0 {
             return invalid("event_capacity(0): keep at least 1 event".into());
@@ -115,7 +125,8 @@ where
             Some(sink) => Some(CheckpointSettings {
                 sink,
                 every: c.every,
-                resume: c.resume,
+                // A required checkpoint is one resumed from.
+                resume: c.resume || c.require,
                 require: c.require,
             }),
             None if c.every.is_some() || c.resume => {

@@ -257,7 +257,11 @@ where
     /// The learning rate every stage steps (refused: a warm-up the steps do not fit, or
     /// `LrSchedule::Program` without the program's scheduler).
     pub(super) fn learning_rate_now(&self) -> Result<LearningRate> {
-        match self.config.learning_rate()? {
+        let schedule = self
+            .config
+            .learning_rate()
+            .map_err(|e| Error::InvalidConfig(format!("lr_schedule: {}", e.0)))?;
+        match schedule {
             Some(lr) => Ok(lr),
             None => self.program_lr.clone().ok_or_else(|| {
                 Error::InvalidConfig(

@@ -127,7 +127,11 @@ impl JobConfig {
     pub fn to_toml(&self) -> Result<String, ConfigError> {
         let mut value =
             toml::Value::try_from(self).map_err(|e| ConfigError::Write(e.to_string()))?;
-        shorten_floats(&mut value);
+        for path in F32_SETTINGS {
+            if let Some(v) = at(&mut value, path) {
+                shorten_floats(v);
+            }
+        }
         toml::to_string(&value).map_err(|e| ConfigError::Write(e.to_string()))
     }
 
@@ -137,9 +141,26 @@ impl JobConfig {
     }
 }
 
+/// The settings held as `f32`s (an optimizer's hyper-parameters are Burn's `f32`s but for
+/// SGD's momentum, an `f64` whose value a user writes in decimal anyway).
+const F32_SETTINGS: [&[&str]; 4] = [
+    &["optimizer"],
+    &["clip_norm"],
+    &["precision", "loss_scaler"],
+    &["reduction", "compression"],
+];
+
+/// The value at `path` in a table, if there is one.
+fn at<'a>(value: &'a mut toml::Value, path: &[&str]) -> Option<&'a mut toml::Value> {
+    path.iter().try_fold(value, |v, key| {
+        v.as_table_mut().and_then(|t| t.get_mut(*key))
+    })
+}
+
 /// Every float that is exactly an `f32` written as the `f32`'s shortest decimal: TOML holds
 /// floats as `f64`, and an `f32` setting widened to it prints as `0.8999999761581421`. Reading
-/// the shorter decimal back into the `f32` gives the same bits.
+/// the shorter decimal back into the `f32` gives the same bits. Only the `f32` settings go
+/// through it ([`F32_SETTINGS`]), so an `f64` setting is written as it is.
 fn shorten_floats(value: &mut toml::Value) {
     match value {
         toml::Value::Float(f) => {

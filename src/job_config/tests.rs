@@ -173,6 +173,22 @@ fn conf_2_unknown_keys_wrong_types_and_bad_values_name_the_key() {
     let (key, reason) = refused("optimizer = { Adam = { beta1 = 0.8 } }");
     assert!(key.starts_with("optimizer"), "{key}");
     assert!(reason.contains("beta_1"), "{reason}");
+    // Inside an enumeration's variant and a default-on table too.
+    let (key, reason) = refused("lr_schedule = { WarmupCosine = { warmup = 10, totl = 200 } }");
+    assert!(key.starts_with("lr_schedule"), "{key}");
+    assert!(reason.contains("unknown field `totl`"), "{reason}");
+    let (key, reason) = refused("[stragglers]\nwindw = 3");
+    assert_eq!(key, "stragglers.windw");
+    assert!(reason.contains("`window`"), "{reason}");
+    // Only the f32 settings are shortened: an f64 keeps its bits.
+    let c = JobConfig {
+        learning_rate: f64::from(0.1f32),
+        ..JobConfig::default()
+    };
+    assert_eq!(
+        JobConfig::from_toml(&c.to_toml().expect("writes")).expect("reads"),
+        c
+    );
     assert!(matches!(
         JobConfig::from_toml("steps = "),
         Err(ConfigError::Syntax { .. })

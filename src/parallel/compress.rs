@@ -38,6 +38,7 @@ use crate::precision::Precision;
 /// command takes it), is `none`, `bf16`, `f16`, `topk:0.01`, `powersgd:2` or
 /// `powersgd:2:100` (rank 2 after 100 uncompressed steps).
 #[derive(Debug, Clone, Copy, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub enum Compression {
     /// No compression: `f32` gradients all-reduced in buckets.
     #[default]

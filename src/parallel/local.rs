@@ -46,6 +46,7 @@ use crate::config::InvalidConfig;
 /// `local-sgd:H`, `diloco:H[:outer_lr[:outer_momentum[:nesterov|plain]]]` or
 /// `easgd:H[:alpha]`.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub enum LocalUpdates {
     /// Local SGD: every `every` steps the ranks' parameters are averaged.
     LocalSgd {

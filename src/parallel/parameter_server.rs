@@ -98,6 +98,7 @@ impl FromStr for Staleness {
 /// A parameter-server job's settings (`JobBuilder::parameter_server`): the staleness bound
 /// and how many server shards hold the parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ParameterServer {
     /// How far ahead of the slowest worker a worker may run.
     pub staleness: Staleness,

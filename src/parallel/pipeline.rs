@@ -259,6 +259,7 @@ impl Instr {
 
 /// A pipeline schedule and its number of micro-batches per step: what a user picks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub enum Schedule {
     /// GPipe: every stage runs all its forwards, then all its backwards. Stashes all M
     /// micro-batches.

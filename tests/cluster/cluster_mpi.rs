@@ -89,7 +89,7 @@ fn dp_and_zero_3_over_mpi_equal_their_single_process_runs_and_one_device() {
             out.contains("world assembled: 3 rank(s) over 3 process(es)"),
             "{out}"
         );
-        assert!(out.contains("JobSpec { transport: Mpi }"), "{out}");
+        assert!(out.contains("JobConfig { transport: Mpi }"), "{out}");
         assert_trained_over_mpi(&out, [1, 2], steps);
         in_one(
             &format!("{name}-alone"),

@@ -193,6 +193,42 @@ fn plan_emit_config_writes_a_layout_train_runs_unchanged() {
     assert!(out.contains("3 steps"), "{out}");
 }
 
+/// A file names only what it changes: the keys it leaves out keep `meshwork train`'s defaults
+/// (Adam, 120 s), a flag overrides one key and keeps the rest of its section, and a JSON file
+/// written by `JobConfig::to_json` (its settings that are off are `null`) runs.
+#[test]
+fn a_file_changes_only_its_keys_and_json_files_run() {
+    let dir = scratch("partial-config");
+    let file = dir.path().join("short.toml");
+    std::fs::write(
+        &file,
+        "steps = 3\nbatch_size = 16\n[fault_tolerance.recovery]\nmax_restarts = 7\n",
+    )
+    .expect("writes");
+    let (code, printed, stderr) = run(&[
+        "train",
+        "--config",
+        path(&file),
+        "--on-replica-loss",
+        "shrink",
+        "--print-config",
+    ]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let c = JobConfig::from_toml(printed.split("\n[model]").next().unwrap_or_default())
+        .expect("the printed description reads");
+    assert_eq!(c.steps, 3);
+    assert_eq!(c.optimizer, AdamConfig::new().into());
+    assert_eq!(c.step_timeout, std::time::Duration::from_secs(120));
+    let r = c.fault_tolerance.recovery;
+    assert_eq!(r.max_restarts, 7, "the flag kept the file's limit");
+    assert_eq!(r.on_replica_loss, meshwork::recovery::OnReplicaLoss::Shrink);
+    let json = dir.path().join("job.json");
+    std::fs::write(&json, c.to_json().expect("writes")).expect("writes");
+    let (code, out, stderr) = run(&["train", "--config", path(&json)]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(out.contains("3 steps"), "{out}");
+}
+
 /// CONF-2 on the command line: an unknown key, a value of the wrong type, a bad value, a
 /// refused combination and a file that is not TOML end with an error naming the key (or the
 /// combination), before any training.

@@ -185,10 +185,7 @@ pub(crate) fn dispatch_train(
     spec: impl FnOnce() -> JobSpec,
     mut job: HeadJob,
 ) -> Option<meshwork::error::Result<()>> {
-    job.elastic = (
-        cluster.min_replicas.unwrap_or(1),
-        cluster.max_replicas.unwrap_or(u32::MAX),
-    );
+    job.elastic = (cluster.min_replicas, cluster.max_replicas);
     if let Some(listen) = &cluster.listen {
         let Some(nodes) = cluster.nodes else {
             return Some(Err(Error::InvalidConfig(

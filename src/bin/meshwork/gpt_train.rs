@@ -173,8 +173,10 @@ pub(crate) async fn train(args: &TrainArgs, gpt: GptFlags) -> meshwork::error::R
         before: before_training(&init, &data),
     };
     // A checkpoint restores onto another --dp and --tp, re-sliced (TP-7).
-    let builder = gpt_builder(init, job.pipeline, args.recompute)
+    // The GPT's attention and MLP blocks recompute (their options), its embedding never.
+    let builder = gpt_builder(init, job.pipeline, job.recompute)
         .with_config(job)
+        .recompute(false)
         .devices(devices)
         .data(data.train.clone());
     run_gpt_job(builder, args.steps, &data, report, no_watchers()).await
@@ -286,6 +288,7 @@ pub(crate) fn cluster_job(
     let init = Gpt::new(&config, device.burn());
     let builder = gpt_builder(init.clone(), spec.job.pipeline, spec.job.recompute)
         .with_config(spec.job.clone())
+        .recompute(false)
         .data(data.train.clone());
     Ok((builder, data, init))
 }

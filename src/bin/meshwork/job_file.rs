@@ -87,7 +87,7 @@ pub(crate) fn apply(args: &mut TrainArgs) -> meshwork::error::Result<()> {
                     },
                 )
             })?;
-            toml::Table::try_from(json).map_err(|e| bad(&path, e))?
+            toml::Table::try_from(without_nulls(json)).map_err(|e| bad(&path, e))?
         }
     };
     let model = match table.remove("model") {
@@ -129,16 +129,73 @@ pub(crate) fn apply(args: &mut TrainArgs) -> meshwork::error::Result<()> {
             ("require", has(&["checkpoints", "require"])),
             ("learning_rate", has(&["learning_rate"])),
             ("lr_schedule", has(&["lr_schedule"])),
+            ("collective_timeout", has(&["comm", "timeout"])),
+            ("step_timeout", has(&["step_timeout"])),
         ]
         .into_iter()
         .filter(|(_, there)| *there)
         .map(|(k, _)| k)
         .collect(),
     };
-    let job = JobConfig::from_deserializer(toml::Value::Table(table)).map_err(|e| bad(&path, e))?;
+    // A key the file leaves out keeps `meshwork train`'s default, as its flag would.
+    let mut merged = toml::Table::try_from(crate::settings::cli_defaults())
+        .map_err(|e| bad(&path, ConfigError::Write(e.to_string())))?;
+    merge(&mut merged, table, "");
+    let job =
+        JobConfig::from_deserializer(toml::Value::Table(merged)).map_err(|e| bad(&path, e))?;
     fill(args, &model, &job, &presence)?;
     args.file = Some(job);
     Ok(())
+}
+
+/// The sections of a description that are tables of settings (merged key by key); any other
+/// table is one value (an enumeration's variant, a fault plan) and replaces the default.
+const SECTIONS: [&str; 7] = [
+    "checkpoints",
+    "comm",
+    "fault_tolerance",
+    "fault_tolerance.recovery",
+    "precision",
+    "precision.loss_scaler",
+    "reduction",
+];
+
+/// `file` over `base`: each section's keys over the default's.
+fn merge(base: &mut toml::Table, file: toml::Table, prefix: &str) {
+    for (key, value) in file {
+        let path = if prefix.is_empty() {
+            key.clone()
+        } else {
+            format!("{prefix}.{key}")
+        };
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(f))
+                if SECTIONS.contains(&path.as_str()) =>
+            {
+                merge(b, f, &path)
+            }
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
+/// A JSON file as TOML holds it: a `null` (a setting that is off, as `to_json` writes it) is
+/// a key left out.
+fn without_nulls(json: serde_json::Value) -> serde_json::Value {
+    match json {
+        serde_json::Value::Object(map) => serde_json::Value::Object(
+            map.into_iter()
+                .filter(|(_, v)| !v.is_null())
+                .map(|(k, v)| (k, without_nulls(v)))
+                .collect(),
+        ),
+        serde_json::Value::Array(a) => {
+            serde_json::Value::Array(a.into_iter().map(without_nulls).collect())
+        }
+        other => other,
+    }
 }
 
 /// The job keys a file states (a key left out keeps the flag's default).
@@ -238,10 +295,9 @@ fn fill(
             }
         };
     }
-    if open("pp") && stated("pipeline") {
+    if stated("pipeline") {
         match job.pipeline {
             Some(p) => {
-                args.pp = p.stages;
                 let (name, m, v) = match p.schedule {
                     Schedule::GPipe { micro_batches } => ("gpipe", micro_batches, 1),
                     Schedule::OneFOneB { micro_batches } => ("1f1b", micro_batches, 1),
@@ -250,13 +306,24 @@ fn fill(
                         virtual_stages,
                     } => ("interleaved", micro_batches, virtual_stages),
                 };
-                args.schedule = name.into();
-                args.micro_batches = m;
-                args.virtual_stages = v;
+                take!("pp", pp, Some(p.stages));
+                take!("schedule", schedule, Some(name.to_string()));
+                take!("micro_batches", micro_batches, Some(m));
+                take!("virtual_stages", virtual_stages, Some(v));
             }
-            None => args.pp = 1,
+            None => take!("pp", pp, Some(1)),
         }
     }
+    take!(
+        "collective_timeout",
+        collective_timeout,
+        stated("collective_timeout").then_some(job.comm.timeout.as_secs_f64())
+    );
+    take!(
+        "step_timeout",
+        step_timeout,
+        stated("step_timeout").then_some(job.step_timeout.as_secs_f64())
+    );
     Ok(())
 }
 

@@ -225,7 +225,13 @@ where
         Some(p) => Job::builder().pipeline(stages, p.schedule),
         None => Job::builder().blocks(stages),
     };
-    builder.with_config(config).data(data).build()
+    // The blocks recompute as their options say (the planner's model: a GPT's embedding
+    // does not).
+    builder
+        .with_config(config)
+        .recompute(false)
+        .data(data)
+        .build()
 }
 
 /// The median of `v` (the upper one of an even count), 0 for none (a run with no sends).

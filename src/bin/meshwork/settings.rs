@@ -70,6 +70,17 @@ fn recovery_policy(args: &TrainArgs) -> meshwork::error::Result<RecoveryPolicy> 
     }
 }
 
+/// `meshwork train`'s defaults beyond the library's: Adam at its flags' default rate, a
+/// 120 s step time-out. A `--config` file's missing keys take these.
+pub(crate) fn cli_defaults() -> JobConfig {
+    JobConfig {
+        optimizer: burn::optim::AdamConfig::new().into(),
+        learning_rate: 3e-3,
+        step_timeout: Duration::from_secs(120),
+        ..JobConfig::default()
+    }
+}
+
 /// What the flow of `meshwork train` decides beyond the flags: the replicas, the pipeline
 /// the model is cut into, and the global batch (a default fitted to the world).
 pub(crate) struct Shape {
@@ -88,11 +99,7 @@ pub(crate) fn job_config(
     read_faults: bool,
 ) -> meshwork::error::Result<JobConfig> {
     let given = |flag: &str| args.file.is_none() || args.given.contains(flag);
-    let mut c = args.file.clone().unwrap_or_else(|| JobConfig {
-        optimizer: burn::optim::AdamConfig::new().into(),
-        step_timeout: Duration::from_secs(120),
-        ..JobConfig::default()
-    });
+    let mut c = args.file.clone().unwrap_or_else(cli_defaults);
     // What the flow read (from the flags, which a file fills: `job_file::apply`).
     c.data_parallel = shape.data_parallel;
     c.pipeline = shape.pipeline;
@@ -103,8 +110,10 @@ pub(crate) fn job_config(
     c.accumulation = args.accumulate;
     c.recompute = args.recompute;
     c.reduction.zero = ZeroStage::from_number(args.zero).unwrap_or_default();
-    if given("lr") || given("lr_schedule") {
+    if given("lr") {
         c.learning_rate = args.lr;
+    }
+    if given("lr_schedule") {
         c.lr_schedule = match warmup_steps(args)? {
             None => LrSchedule::Constant,
             Some(warmup) => LrSchedule::WarmupCosine {
@@ -114,7 +123,7 @@ pub(crate) fn job_config(
         };
     }
     c.learning_rate()
-        .map_err(|e| Error::InvalidConfig(format!("--lr-schedule: {}", e.0)))?;
+        .map_err(|e| Error::InvalidConfig(format!("lr_schedule (--lr-schedule): {}", e.0)))?;
     if given("precision") {
         c.precision.compute = args.precision;
     }
@@ -151,7 +160,11 @@ pub(crate) fn job_config(
         c.step_timeout = Duration::from_secs_f64(args.step_timeout);
     }
     if given("on_replica_loss") {
-        c.fault_tolerance.recovery = recovery_policy(args)?;
+        // What happens to a lost replica; the file's limits (restarts, window, minimum) stay.
+        let named = recovery_policy(args)?;
+        let r = &mut c.fault_tolerance.recovery;
+        r.on_replica_loss = named.on_replica_loss;
+        r.roll_back = named.roll_back;
     }
     if given("max_restarts") {
         c.fault_tolerance.recovery.max_restarts = args.max_restarts;

@@ -274,7 +274,7 @@ pub(crate) fn run(mut args: TrainArgs) -> meshwork::error::Result<()> {
         let head = crate::cluster::HeadJob {
             save_model: args.save_model.clone(),
             sample: None,
-            elastic: (1, u32::MAX),
+            elastic: (None, None),
             batch_given: args.batch_given(),
         };
         if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, spec, head) {
@@ -361,7 +361,7 @@ fn run_gpt(args: TrainArgs) -> meshwork::error::Result<()> {
             let head = crate::cluster::HeadJob {
                 save_model: args.save_model.clone(),
                 sample: args.sample,
-                elastic: (1, u32::MAX),
+                elastic: (None, None),
                 batch_given: args.batch_given(),
             };
             if let Some(outcome) = crate::cluster::dispatch_train(&args.cluster, || spec, head) {

@@ -32,8 +32,9 @@ pub(crate) struct HeadJob {
     pub(crate) save_model: Option<std::path::PathBuf>,
     /// `--sample N` of `--model gpt`: characters sampled from the trained model.
     pub(crate) sample: Option<usize>,
-    /// The replicas a data-parallel job may have (`--min-replicas`, `--max-replicas`).
-    pub(crate) elastic: (u32, u32),
+    /// The replicas a data-parallel job may have (`--min-replicas`, `--max-replicas`); a bound
+    /// not given is the job description's.
+    pub(crate) elastic: (Option<u32>, Option<u32>),
     /// Whether `--batch-size` was given; if not, the head fits the spec's default batch to
     /// the world it waits for ([`crate::settings::fit_batch`]).
     pub(crate) batch_given: bool,
@@ -129,7 +130,12 @@ pub(super) fn head_settings<M: Send + 'static, I: Send + Sync + 'static>(
     mesh: ClusterMesh,
     builder: JobBuilder<M, I>,
 ) -> JobBuilder<M, I> {
-    builder.elastic(job.elastic.0, job.elastic.1).cluster(mesh)
+    let ft = &builder.config().fault_tolerance;
+    let (min, max) = (
+        job.elastic.0.unwrap_or(ft.elastic_min),
+        job.elastic.1.unwrap_or(ft.elastic_max),
+    );
+    builder.elastic(min, max).cluster(mesh)
 }
 
 /// The ranks of one replica of a block or pipeline job (stages × tensor-parallel degree);
