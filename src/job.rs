@@ -26,9 +26,9 @@ use crate::actors::spawner::Spawner;
 use crate::actors::stage::{LossFn, MixedPrecision, ModelFn, StageSpec};
 use crate::actors::supervisor::CheckpointSettings;
 pub use crate::actors::supervisor::{JobStatus, RunSummary, Trained};
-use crate::actors::supervisor::{Supervisor, SupervisorArgs, SupervisorMsg};
+use crate::actors::supervisor::{PreparedJob, Supervisor, SupervisorArgs, SupervisorMsg};
 use crate::checkpoint::CheckpointStore;
-use crate::comm::{Algorithm, CommConfig};
+use crate::comm::Algorithm;
 use crate::data::Dataset;
 use crate::device::MeshDevice;
 use crate::error::{Error, Result};
@@ -65,36 +65,13 @@ pub use crate::job_config::{DEFAULT_BUCKET_BYTES, FaultTolerance, JobConfig};
 
 /// A configured job, ready to spawn.
 pub struct Job<M, I> {
-    args: Option<JobParts<M, I>>,
-}
-
-struct JobParts<M, I> {
-    spawn: Box<dyn Spawner<M>>,
-    items: std::marker::PhantomData<fn() -> I>,
-    devices: Vec<MeshDevice>,
-    /// A cluster job: the spawner starts every rank's device (on the processes that hold
-    /// them); `devices` is only the template the trained model is assembled on.
-    remote: bool,
-    layout: Layout,
-    steps: u64,
-    accumulation: u32,
-    sampler: DistributedSampler,
-    comm: CommConfig,
-    step_timeout: Duration,
-    event_capacity: usize,
-    faults: Option<Arc<FaultHooks>>,
-    recovery: RecoveryPolicy,
-    checkpoints: Option<CheckpointSettings>,
-    seed: u64,
-    elastic: (u32, u32),
-    elastic_wait: Duration,
-    stragglers: Option<crate::stragglers::StragglerDetection>,
+    args: Option<PreparedJob<M, I>>,
 }
 
 impl<M, I> std::fmt::Debug for Job<M, I> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match &self.args {
-            Some(a) => write!(f, "Job({:?}, {} steps)", a.layout, a.steps),
+            Some(a) => write!(f, "{a:?}"),
             None => write!(f, "Job(spawned)"),
         }
     }
@@ -268,29 +245,13 @@ where
             .args
             .take()
             .ok_or_else(|| Error::InvalidConfig("this job was already spawned".into()))?;
-        let (events, first) = broadcast::channel(a.event_capacity);
+        let (events, first) = broadcast::channel(a.config.event_capacity);
         let (outcome_tx, outcome_rx) = oneshot::channel();
         let (supervisor, _) = Actor::spawn(
             None,
             Supervisor::<M, I>::default(),
             SupervisorArgs {
-                spawn: a.spawn,
-                items: std::marker::PhantomData,
-                devices: a.devices,
-                remote: a.remote,
-                layout: a.layout,
-                steps: a.steps,
-                accumulation: a.accumulation,
-                sampler: a.sampler,
-                comm: a.comm,
-                step_timeout: a.step_timeout,
-                faults: a.faults,
-                recovery: a.recovery,
-                checkpoints: a.checkpoints,
-                seed: a.seed,
-                elastic: a.elastic,
-                elastic_wait: a.elastic_wait,
-                stragglers: a.stragglers,
+                job: a,
                 events: events.clone(),
                 outcome: outcome_tx,
             },

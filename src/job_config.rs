@@ -133,6 +133,24 @@ impl JobConfig {
     }
 }
 
+impl JobConfig {
+    /// This description laid out as the planner's `layout` of a model of `blocks` blocks
+    /// (what `meshwork plan --emit-config` writes): its replicas, tensor-parallel degree,
+    /// pipeline (the planner's schedule, `planner::pipeline_schedule`), ZeRO stage and
+    /// recomputation over the other settings.
+    pub fn with_layout(mut self, layout: &crate::planner::Candidate, blocks: u32) -> Self {
+        self.data_parallel = layout.dp;
+        self.tensor_parallel = layout.tp;
+        self.pipeline = (layout.pp > 1).then(|| PipelineConfig {
+            stages: layout.pp,
+            schedule: crate::planner::pipeline_schedule(layout, blocks),
+        });
+        self.recompute = layout.recompute;
+        self.reduction.zero = ZeroStage::from_number(layout.zero).unwrap_or_default();
+        self
+    }
+}
+
 impl Default for JobConfig {
     /// The library's defaults: SGD at 0.01, one replica, 100 steps, seed 0, 25 MiB buckets,
     /// a 60 s collective and 600 s step time-out, stop on a non-finite loss.

@@ -52,7 +52,6 @@ mod state;
 mod step;
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use ractor::{Actor, ActorProcessingErr, ActorRef, SupervisionEvent};
 use tokio::sync::{broadcast, oneshot};
@@ -69,7 +68,6 @@ use crate::events::JobEvent;
 use crate::faults::FaultHooks;
 use crate::mesh::{Generation, Layout};
 use crate::parallel::sampler::DistributedSampler;
-use crate::recovery::RecoveryPolicy;
 use crate::trace::TimeBreakdown;
 
 /// A trained model and how the run went.
@@ -193,8 +191,12 @@ impl<M, I> std::fmt::Debug for Supervisor<M, I> {
     }
 }
 
-/// What the Supervisor starts from (built by [`crate::job::Job::spawn`]).
-pub(crate) struct SupervisorArgs<M, I> {
+/// A job as `build()` made it, ready for a Supervisor: its description (CONF-1: the steps,
+/// time-outs, recovery policy, seed, elastic range and straggler detection are read from
+/// it) and what was derived from it (the spawner, devices, mesh, sampler, the collectives'
+/// settings in effect, the fault hooks, the checkpoint store).
+pub(crate) struct PreparedJob<M, I> {
+    pub(crate) config: crate::job_config::JobConfig,
     pub(crate) spawn: Box<dyn Spawner<M>>,
     pub(crate) items: std::marker::PhantomData<fn() -> I>,
     pub(crate) devices: Vec<MeshDevice>,
@@ -202,27 +204,32 @@ pub(crate) struct SupervisorArgs<M, I> {
     /// holds only the template of the devices the job's model is assembled on.
     pub(crate) remote: bool,
     pub(crate) layout: Layout,
-    pub(crate) steps: u64,
+    /// Micro-batches per replica and step (a pipeline's schedule's, else the accumulation).
     pub(crate) accumulation: u32,
     pub(crate) sampler: DistributedSampler,
+    /// The description's collective settings as they run (payload checks turned on for a
+    /// fault plan that corrupts messages).
     pub(crate) comm: CommConfig,
-    pub(crate) step_timeout: Duration,
     pub(crate) faults: Option<Arc<FaultHooks>>,
-    pub(crate) recovery: RecoveryPolicy,
     pub(crate) checkpoints: Option<CheckpointSettings>,
-    pub(crate) seed: u64,
-    pub(crate) elastic: (u32, u32),
-    /// How long the job waits for devices below the elastic minimum (ELASTIC-3).
-    pub(crate) elastic_wait: Duration,
-    /// How stragglers are found (STRAG-1..3), if at all.
-    pub(crate) stragglers: Option<crate::stragglers::StragglerDetection>,
+}
+
+impl<M, I> std::fmt::Debug for PreparedJob<M, I> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Job({:?}, {} steps)", self.layout, self.config.steps)
+    }
+}
+
+/// What the Supervisor starts from (built by [`crate::job::Job::spawn`]).
+pub(crate) struct SupervisorArgs<M, I> {
+    pub(crate) job: PreparedJob<M, I>,
     pub(crate) events: broadcast::Sender<JobEvent>,
     pub(crate) outcome: oneshot::Sender<Result<Trained<M>>>,
 }
 
 impl<M, I> std::fmt::Debug for SupervisorArgs<M, I> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "SupervisorArgs({:?})", self.layout)
+        write!(f, "SupervisorArgs({:?})", self.job)
     }
 }
 

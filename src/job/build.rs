@@ -172,25 +172,18 @@ where
             settings.sink.check_writable()?;
         }
         Ok(Job {
-            args: Some(JobParts {
+            args: Some(PreparedJob {
+                config: self.config,
                 spawn,
                 items: std::marker::PhantomData,
                 devices,
                 remote,
                 layout,
-                steps: self.config.steps,
                 accumulation,
                 sampler,
                 comm,
-                step_timeout: self.config.step_timeout,
-                event_capacity: self.config.event_capacity,
                 faults: self.faults,
-                recovery: ft.recovery,
                 checkpoints,
-                seed: self.config.seed,
-                elastic: (ft.elastic_min, ft.elastic_max),
-                elastic_wait: ft.elastic_wait,
-                stragglers: self.config.stragglers,
             }),
         })
     }

@@ -218,3 +218,33 @@ fn conf_1_the_optimizer_file_form_holds_burns_defaults() {
         assert_eq!(JobConfig::from_toml(text).expect("reads").optimizer, burn);
     }
 }
+
+proptest::proptest! {
+    /// A planned layout's description holds the layout and nothing else changes: the mesh,
+    /// ZeRO stage and recomputation are the candidate's, a pipeline runs the planner's
+    /// schedule over its micro-batches, and it reads back from TOML as it is.
+    #[test]
+    fn conf_1_a_planned_layout_is_a_description(
+        dp in 1u32..8, pp in 1u32..5, tp in 1u32..5, zero in 0u8..4,
+        micro in 1u32..9, recompute: bool, extra in 0u32..3,
+    ) {
+        let layout = crate::planner::Candidate { dp, pp, tp, zero, micro_batches: micro, recompute };
+        let blocks = pp * (1 + extra);
+        let base = JobConfig { steps: 7, ..JobConfig::default() };
+        let c = base.clone().with_layout(&layout, blocks);
+        proptest::prop_assert_eq!((c.data_parallel, c.tensor_parallel), (dp, tp));
+        proptest::prop_assert_eq!(c.reduction.zero.number(), zero);
+        proptest::prop_assert_eq!(c.recompute, recompute);
+        match c.pipeline {
+            None => proptest::prop_assert_eq!(pp, 1),
+            Some(p) => {
+                proptest::prop_assert_eq!(p.stages, pp);
+                proptest::prop_assert_eq!(p.schedule.micro_batches(), micro);
+                proptest::prop_assert_eq!(p.schedule, crate::planner::pipeline_schedule(&layout, blocks));
+            }
+        }
+        proptest::prop_assert_eq!(c.steps, base.steps);
+        let text = c.to_toml().expect("writes");
+        proptest::prop_assert_eq!(JobConfig::from_toml(&text).expect("reads"), c);
+    }
+}

@@ -27,12 +27,18 @@ use crate::recovery::{OnReplicaLoss, RestartLog};
 /// `Init` follows.
 pub(super) async fn start<M, I>(
     myself: &ActorRef<SupervisorMsg>,
-    a: SupervisorArgs<M, I>,
+    args: SupervisorArgs<M, I>,
 ) -> Result<SupervisorState<M, I>, ActorProcessingErr>
 where
     M: Send + 'static,
     I: Send + Sync + 'static,
 {
+    let SupervisorArgs {
+        job: a,
+        events,
+        outcome,
+    } = args;
+    let ft = a.config.fault_tolerance.clone();
     let world = a.layout.world_size() as usize;
     let local = if a.remote { 0 } else { world };
     let mut devices = Vec::with_capacity(local);
@@ -44,7 +50,7 @@ where
     let spawned = a
         .spawn
         .spawn(SpawnContext {
-            step_timeout: a.step_timeout,
+            step_timeout: a.config.step_timeout,
             supervisor: myself.get_cell(),
             devices: devices.clone(),
             layout: a.layout,
@@ -52,7 +58,7 @@ where
         })
         .await?;
     let checkpointer = match &a.checkpoints {
-        Some(c) => Some(Checkpointer::spawn(c.sink.clone(), a.events.clone())?),
+        Some(c) => Some(Checkpointer::spawn(c.sink.clone(), events.clone())?),
         None => None,
     };
     myself.send_message(SupervisorMsg::Init)?;
@@ -84,15 +90,15 @@ where
             comm: a.comm.clone(),
         },
         clock: StepClock {
-            steps: a.steps,
+            steps: a.config.steps,
             accumulation: a.accumulation,
             sampler: a.sampler,
             epoch_order: None,
-            step_timeout: a.step_timeout,
+            step_timeout: a.config.step_timeout,
             running: None,
             attempts: 0,
             deferred: Vec::new(),
-            seed: a.seed,
+            seed: a.config.seed,
             summary: RunSummary::default(),
             control: Default::default(),
             control_mark: 0,
@@ -107,7 +113,7 @@ where
             last_checkpoint: None,
         },
         recovery: RecoveryLog {
-            policy: a.recovery,
+            policy: ft.recovery,
             restarts: RestartLog::default(),
             pending_lost: Vec::new(),
             interrupted: None,
@@ -115,14 +121,14 @@ where
         },
         elastic: Elasticity {
             scale_target: None,
-            range: a.elastic,
+            range: (ft.elastic_min, ft.elastic_max),
             below_min: None,
-            wait: a.elastic_wait,
+            wait: ft.elastic_wait,
         },
-        events: a.events,
-        outcome: Some(a.outcome),
+        events,
+        outcome: Some(outcome),
         myself: myself.get_cell(),
-        stragglers: a.stragglers.map(|config| super::state::Stragglers {
+        stragglers: a.config.stragglers.map(|config| super::state::Stragglers {
             config,
             generation: Generation(0),
             detectors: Default::default(),

@@ -34,10 +34,8 @@ use meshwork::demo::{Sample, TeacherTask, kjv_corpus, mlp_blocks};
 use meshwork::error::{Error, Result};
 use meshwork::events::StepDone;
 use meshwork::job::{Job, JobConfig, PipelineModel};
-use meshwork::job_config::PipelineConfig;
 use meshwork::parallel::stages::{BlockOptions, PipelineStages};
-use meshwork::parallel::zero::ZeroStage;
-use meshwork::planner::{Candidate, Machine, ModelCosts, Prediction, pipeline_schedule, plan};
+use meshwork::planner::{Candidate, Machine, ModelCosts, Prediction, plan};
 use meshwork::precision::Precision;
 use serde::Serialize;
 
@@ -189,19 +187,12 @@ pub(crate) fn layout_config(
         seed: 5,
         steps,
         batch_size: Some(batch as usize),
-        data_parallel: layout.dp,
-        tensor_parallel: layout.tp,
-        pipeline: (layout.pp > 1).then(|| PipelineConfig {
-            stages: layout.pp,
-            schedule: pipeline_schedule(layout, blocks),
-        }),
-        recompute: layout.recompute,
         optimizer: AdamConfig::new().into(),
         learning_rate: 1e-3,
         step_timeout: Duration::from_secs(600),
         ..JobConfig::default()
-    };
-    c.reduction.zero = ZeroStage::from_number(layout.zero).unwrap_or_default();
+    }
+    .with_layout(layout, blocks);
     c.precision.compute = precision;
     c.comm.timeout = Duration::from_secs(120);
     c
