@@ -49,9 +49,9 @@ where
         }
         let remote = self.is_remote();
         #[cfg(feature = "cluster")]
-        if remote && self.config.lr_schedule == crate::job_config::LrSchedule::Program {
-            // The head's stages step what the nodes' do: a schedule that cannot travel.
-            self.check_across_processes(1)?;
+        if remote {
+            // The head's stages step what the nodes' do.
+            self.check_schedule_travels()?;
         }
         let learning_rate = self.learning_rate_now()?;
         // Every refused combination of strategies, from the one table (COMP-1).
@@ -69,12 +69,7 @@ where
         if let Some(plan) = &self.config.fault_tolerance.fault_plan {
             plan.check()?;
         }
-        self.faults = self
-            .config
-            .fault_tolerance
-            .fault_plan
-            .clone()
-            .map(FaultHooks::new);
+        self.hook_faults();
         let (spawn, layout, accumulation) = match self.pipeline.take() {
             Some(p) => self.pipeline_parts(p, global, dataset.clone())?,
             None => self.replica_parts(global, dataset.clone(), server)?,

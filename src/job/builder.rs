@@ -274,6 +274,32 @@ where
         }
     }
 
+    /// Makes the injected faults' hooks from the description's plan: one set, shared by the
+    /// Supervisor and every stage of this process.
+    pub(super) fn hook_faults(&mut self) {
+        self.faults = self
+            .config
+            .fault_tolerance
+            .fault_plan
+            .clone()
+            .map(FaultHooks::new);
+    }
+
+    /// Refuses a learning-rate scheduler built by the program in a job across processes:
+    /// every process must step the same schedule, and only the description's travel.
+    #[cfg(feature = "cluster")]
+    pub(super) fn check_schedule_travels(&self) -> Result<()> {
+        if self.config.lr_schedule != crate::job_config::LrSchedule::Program {
+            return Ok(());
+        }
+        Err(Error::InvalidConfig(
+            "a learning-rate scheduler built by the program cannot travel to the other \
+             processes: use a constant rate or LearningRate::warmup_cosine (lr_schedule in \
+             the job description)"
+                .into(),
+        ))
+    }
+
     /// The compute type, 16-bit gradients and loss scaler every stage runs with.
     pub(super) fn mixed(&self) -> MixedPrecision {
         let p = &self.config.precision;
@@ -661,14 +687,7 @@ where
     /// rather than failing later; a head runs it before it waits for its nodes, so a job it
     /// would refuse once they joined is refused before anyone joins (feature `cluster`).
     pub fn check_across_processes(&self, world: u32) -> Result<()> {
-        if self.config.lr_schedule == crate::job_config::LrSchedule::Program {
-            return Err(Error::InvalidConfig(
-                "a learning-rate scheduler built by the program cannot travel to the other \
-                 processes: use a constant rate or LearningRate::warmup_cosine (lr_schedule in \
-                 the job description)"
-                    .into(),
-            ));
-        }
+        self.check_schedule_travels()?;
         self.learning_rate_now()?;
         self.plan().across_processes().check()?;
         if self.config.accumulation == 0 {
@@ -699,12 +718,7 @@ where
         // The spec's values come from the network: a node checks them as the head did.
         let world = args.plan.world_size as u32;
         self.check_across_processes(world)?;
-        self.faults = self
-            .config
-            .fault_tolerance
-            .fault_plan
-            .clone()
-            .map(FaultHooks::new);
+        self.hook_faults();
         tracing::info!(description = ?self.config, "meshwork node: the job it runs");
         let slots = match self.pipeline.take() {
             Some(p) => {
