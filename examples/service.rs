@@ -139,6 +139,17 @@ async fn watch(
 
 #[tokio::main]
 async fn main() -> meshwork::Result<()> {
+    // ANCHOR: tracing
+    // meshwork logs through `tracing`: what it refused, lost, retried or could not write, at
+    // `warn`; joins and the job a node runs, at `info`. `RUST_LOG` chooses; stdout stays the
+    // program's own.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,meshwork=info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    // ANCHOR_END: tracing
     let steps = match std::env::args().nth(1) {
         Some(a) => a
             .parse()

@@ -27,6 +27,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+pub mod status;
+
 /// One strategy or setting of a job, as far as combining it with others goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[non_exhaustive]

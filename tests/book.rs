@@ -70,7 +70,7 @@ fn the_books_composition_matrix_is_the_table() {
         have == want,
         "book/snippets/composition.md is not the table's matrix: rerun with MESHWORK_BLESS=1"
     );
-    let chapter = std::fs::read_to_string(root().join("book/src/choosing.md")).unwrap();
+    let chapter = std::fs::read_to_string(root().join("book/src/status.md")).unwrap();
     assert!(chapter.contains("{{#include ../snippets/composition.md}}"));
 }
 
@@ -615,7 +615,7 @@ fn multi_machine_recipe_trains_as_written() {
         );
     }
     assert!(
-        dir.join("demo.mpk").exists(),
+        dir.join("demo.bpk").exists(),
         "the head wrote the trained model:\n{out}"
     );
     let _ = std::fs::remove_dir_all(dir.path());

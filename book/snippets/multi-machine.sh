@@ -10,7 +10,7 @@ export MESHWORK_SECRET_FILE=~/.meshwork/secret
 # ANCHOR: head
 # on the head host: listen on every interface, wait up to 2 minutes for two nodes, train the
 # demo MLP on their ranks for 200 steps and write the trained model here
-meshwork train --listen 0.0.0.0:29500 --nodes 2 --job demo --join-timeout 120 --steps 200 --save-model demo.mpk
+meshwork train --listen 0.0.0.0:29500 --nodes 2 --job demo --join-timeout 120 --steps 200 --save-model demo.bpk
 # ANCHOR_END: head
 # ANCHOR: nodes
 # on each node host: join the head, holding two devices
@@ -48,14 +48,14 @@ srun --mpi=pmix -n 4 meshwork train --transport mpi --job demo
 # ANCHOR_END: mpi
 # ANCHOR: pipeline
 # a 2 × 2 dp × pp job: the head waits for four nodes, each will hold one pipeline stage
-meshwork train --listen 0.0.0.0:29400 --nodes 4 --pp 2 --schedule 1f1b --micro-batches 4 --save-model trained.mpk
+meshwork train --listen 0.0.0.0:29400 --nodes 4 --pp 2 --schedule 1f1b --micro-batches 4 --save-model trained.bpk
 # on each of the four node hosts
 meshwork node --join head-host:29400
 # ANCHOR_END: pipeline
 # ANCHOR: tensor
 # a 2 × 2 × 2 dp × pp × tp job of the demo GPT: four nodes of two devices each (each node's
 # two ranks are one tensor-parallel pair), the trained GPT's slices put together on the head
-meshwork train --listen 0.0.0.0:29400 --nodes 4 --model gpt --pp 2 --tp 2 --layers 1 --save-model gpt.mpk
+meshwork train --listen 0.0.0.0:29400 --nodes 4 --model gpt --pp 2 --tp 2 --layers 1 --save-model gpt.bpk
 # on each of the four node hosts
 meshwork node --join head-host:29400 --local-devices 2
 # ANCHOR_END: tensor

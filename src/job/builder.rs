@@ -669,11 +669,11 @@ where
     /// (`.pipeline(..)`) has world ÷ stages replicas. Every process builds its stages from the
     /// same builder settings ([`JobBuilder::stage_host`] on the nodes); `data_parallel` follows
     /// the world. A data-parallel job across processes recovers by shrinking, growing onto
-    /// nodes that joined it, or rolling back; a pipeline job replaces a lost stage from its
-    /// twin on a node that joined it (REMOTE-7) or fails with the lost stage named; roll-back
-    /// of a pipeline job is refused at `build`. A fault plan is carried out by every process
-    /// (the spec carries the whole description: [`JobBuilder::with_config`]), except message faults, refused
-    /// across processes (feature `cluster`).
+    /// nodes that joined it, or rolling back; a block or pipeline job replaces a lost stage
+    /// from its twin on a node that joined it (REMOTE-7), rolls back onto such a node, or fails
+    /// with the lost stage named. A fault plan is carried out by every process (the spec
+    /// carries the whole description: [`JobBuilder::with_config`]), except message faults, a
+    /// row of the refusal table (feature `cluster`).
     pub fn cluster(mut self, mesh: crate::cluster::remote::ClusterMesh) -> Self {
         self.cluster = Some(mesh);
         self

@@ -12,6 +12,7 @@ mod cli;
 mod composition;
 mod compression;
 mod data_parallel;
+mod docs;
 mod faults;
 mod fsdp;
 mod instances;
