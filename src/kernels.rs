@@ -7,9 +7,9 @@
 //! autodiff) for f32 tensors, and with Burn's composed operations everywhere else (other
 //! backends, other dtypes, or `MESHWORK_KERNELS=composed` in the environment): the composed
 //! form is the reference the kernels are tested against (forward and gradients) and the path
-//! on GPUs. The kernels are a Burn backend extension ([`extension`]); what they compute and
-//! how is said in each kernel's module: [`attention`], [`norm`], [`linear`], [`entropy`],
-//! [`vector`].
+//! on GPUs. The kernels are a Burn backend extension (`kernels::extension`); what they compute
+//! and how is said in each kernel's module: `attention`, `norm`, `linear`, `entropy`,
+//! `vector`.
 //!
 //! | function | fused | composed (reference) |
 //! |---|---|---|

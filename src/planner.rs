@@ -531,8 +531,9 @@ pub fn predict(
     let all_gather = machine.all_gather_s(grad_bytes, dp, tp);
     let dp_comm_s = match zero {
         0 => all_reduce,
-        1 => all_reduce + all_gather,
-        2 => 2.0 * all_gather,
+        // A block job reduce-scatters the gradient at stage 1 as at stage 2 and all-gathers
+        // the stepped parameters: the same bytes as an all-reduce.
+        1 | 2 => 2.0 * all_gather,
         // The parameters gathered for every micro-batch's forward and again for its backward,
         // the gradient reduce-scattered once.
         _ => all_gather * (1.0 + 2.0 * f64::from(m)),

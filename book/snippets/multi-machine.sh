@@ -59,6 +59,17 @@ meshwork train --listen 0.0.0.0:29400 --nodes 4 --model gpt --pp 2 --tp 2 --laye
 # on each of the four node hosts
 meshwork node --join head-host:29400 --local-devices 2
 # ANCHOR_END: tensor
+# ANCHOR: recipe
+# the transformer recipe (dp 2 x pp 2 x tp 2, ZeRO-1, bf16, clipping, accumulation, warm-up and
+# cosine) as one file, written once
+meshwork train --model gpt --dp 2 --pp 2 --tp 2 --zero 1 --precision bf16 --clip 1.0 --accumulate 2 --lr-schedule warmup-cosine:2 --print-config > recipe.toml
+# on the head host: the file is the whole job; the nodes get it from the head
+meshwork train --listen 0.0.0.0:29400 --nodes 4 --config recipe.toml --save-model gpt.bpk
+# on each of the four node hosts, two devices each (one tensor-parallel pair)
+meshwork node --join head-host:29400 --local-devices 2
+# or the same file under mpirun, on the MPI transport (meshwork built with --features mpi)
+mpirun -n 4 -x MESHWORK_SECRET_FILE meshwork train --transport mpi --local-devices 2 --config recipe.toml
+# ANCHOR_END: recipe
 # ANCHOR: tls-certs
 # once, on a trusted machine: a certificate authority for the cluster (ca.key never leaves it) ...
 (umask 077; openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out ca.key)

@@ -21,7 +21,7 @@
 //!   without `MASTER_ADDR` is an error (RDV-3). The port is `MESHWORK_PORT`, else
 //!   `MASTER_PORT`, else [`DEFAULT_PORT`].
 //!
-//! - **MPI's world** ([`from_mpi`], with `--transport mpi`): MPI itself gives the rank, the
+//! - **MPI's world** (`from_mpi`, feature `mpi`, with `--transport mpi`): MPI itself gives the rank, the
 //!   size and every rank's host, so no launcher variable is read: the head is rank 0, on
 //!   `MASTER_ADDR` if set, else on the loopback address when every rank shares rank 0's host,
 //!   else on rank 0's host name (RDV-4). The port is rank 0's `MESHWORK_PORT` or
@@ -68,7 +68,7 @@ pub enum Convention {
     OpenMpi,
     /// MPICH's (or Intel MPI's) Hydra `mpiexec`: `PMI_RANK`/`PMI_SIZE`.
     Hydra,
-    /// MPI's own world ([`from_mpi`], feature `mpi`): ranks and hosts from MPI itself.
+    /// MPI's own world (`from_mpi`, feature `mpi`): ranks and hosts from MPI itself.
     MpiWorld,
 }
 

@@ -24,7 +24,7 @@ pub struct CallShape {
     /// The length of the rank's own chunk where the op has one (the input of an all-gather,
     /// the output of a reduce-scatter).
     pub chunk_len: Option<usize>,
-    /// The chunk length the layout rule ([`chunk_range`]) requires of this rank, where the op
+    /// The chunk length the layout rule ([`chunk_range`](crate::mesh::chunk_range)) requires of this rank, where the op
     /// has a chunk.
     pub expected_chunk_len: Option<usize>,
     /// The root of a broadcast, the peer of a send or recv.

@@ -61,12 +61,12 @@
 //!   ([`link_role`]); only connections that show the job token become links (LINK-1), so a
 //!   stranger never reaches a collective.
 //! - TCP-2 (algorithms): a TCP group runs ring or tree plans only; `Auto` and `Direct`
-//!   resolve as [`schedule::resolve`] says (ring for anything but small buffers).
+//!   resolve as `schedule::resolve` says (ring for anything but small buffers).
 //! - TCP-3 (never a deadlock from flow control): each link has a sender thread, so a rank
 //!   never blocks in a send while its peer blocks in a send to it. Its queue holds at most
 //!   [`SEND_QUEUE`] jobs, and a job is a pointer into the caller's buffer, not a copy, except
 //!   where the plan overwrites a range while its send may still be in flight
-//!   ([`schedule::send_modes`]); the socket's window is the only byte buffer (LINK-5). A
+//!   (`schedule::send_modes`); the socket's window is the only byte buffer (LINK-5). A
 //!   step that writes a range waits for the borrowed sends of that range to complete.
 //! - TCP-4 (no borrowed byte outlives its op): every op, successful or not, returns only after
 //!   the sender threads stopped reading the caller's buffers: on success every send

@@ -1,12 +1,12 @@
 //! What works where: every capability in each place a job runs (one process, across
-//! processes, under a launcher, on wgpu), each ✓ with the test that proves it, each ✗ with
+//! processes over TCP, on the MPI transport, on wgpu), each ✓ with the test that proves it, each ✗ with
 //! why. The book's "What works where" page is [`status_markdown`]'s output (STATUS-1), and no
 //! other page states a status (DOCS-1, in the suite's `docs` tests).
 //!
 //! - **STATUS-1**: the book's status page is [`status_markdown`]'s output, the FAQ's limits
 //!   are [`limitations_markdown`]'s, and every test a ✓ names exists (a test reads the file
 //!   for the function).
-//! - **STATUS-3**: a cell agrees with the one refusal table: a capability with a
+//! - **STATUS-2**: a cell agrees with the one refusal table: a capability with a
 //!   [`Feature`] is [`Proof::Table`] in a place exactly when [`super::check`] refuses the
 //!   feature there (a unit test walks every cell).
 
@@ -22,9 +22,9 @@ pub enum Place {
     /// A head and node processes over TCP (`meshwork train --listen`, `meshwork node`;
     /// feature `cluster`).
     AcrossProcesses,
-    /// Started by `mpirun` or Slurm's `srun`/`sbatch`, on the TCP or the MPI transport
-    /// (feature `mpi` for the latter).
-    Launcher,
+    /// On the MPI transport, started by `mpirun` or Slurm's `srun` (`--transport mpi`,
+    /// feature `mpi`).
+    Mpi,
     /// On Burn's wgpu backend (feature `wgpu`).
     Wgpu,
 }
@@ -34,7 +34,7 @@ impl Place {
     pub const ALL: [Place; 4] = [
         Place::OneProcess,
         Place::AcrossProcesses,
-        Place::Launcher,
+        Place::Mpi,
         Place::Wgpu,
     ];
 
@@ -42,7 +42,7 @@ impl Place {
         match self {
             Place::OneProcess => "one process",
             Place::AcrossProcesses => "across processes",
-            Place::Launcher => "mpirun / Slurm",
+            Place::Mpi => "MPI (mpirun / srun)",
             Place::Wgpu => "wgpu",
         }
     }
@@ -52,7 +52,7 @@ impl Place {
         match self {
             Place::OneProcess | Place::Wgpu => &[],
             Place::AcrossProcesses => &[Feature::AcrossProcesses],
-            Place::Launcher => &[Feature::AcrossProcesses, Feature::MpiTransport],
+            Place::Mpi => &[Feature::AcrossProcesses, Feature::MpiTransport],
         }
     }
 }
@@ -118,7 +118,7 @@ pub const CAPABILITIES: &[Capability] = &[
         ],
     ),
     cap(
-        "Pipeline parallel (GPipe, 1F1B, interleaved)",
+        "Pipeline parallel (1F1B, interleaved 1F1B)",
         "pipeline-schedules.md",
         Some(Feature::Pipeline),
         [
@@ -131,6 +131,19 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_mpi.rs::gpt_dp_pp_tp_over_mpi_equals_its_single_process_run_and_one_device",
             ),
+            Untested,
+        ],
+    ),
+    cap(
+        "The GPipe schedule",
+        "pipeline-schedules.md",
+        None,
+        [
+            Test(
+                "tests/suite/pipeline.rs::pp_2_and_4_every_schedule_and_micro_batch_count_match_one_device",
+            ),
+            Untested,
+            Untested,
             Untested,
         ],
     ),
@@ -173,7 +186,9 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_config.rs::the_recipe_from_a_file_trains_across_node_processes_as_in_one_process",
             ),
-            Untested,
+            Test(
+                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
+            ),
             Untested,
         ],
     ),
@@ -186,7 +201,9 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_config.rs::the_recipe_from_a_file_trains_across_node_processes_as_in_one_process",
             ),
-            Untested,
+            Test(
+                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
+            ),
             Untested,
         ],
     ),
@@ -231,7 +248,9 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::bf16_and_f16_across_three_node_processes_equal_their_single_process_run",
             ),
-            Untested,
+            Test(
+                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
+            ),
             Test("tests/wgpu.rs::mixed_precision_on_wgpu_tracks_f32_or_is_refused"),
         ],
     ),
@@ -259,7 +278,9 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::f16_and_clipping_in_a_pipeline_across_processes_equal_the_single_process_run",
             ),
-            Untested,
+            Test(
+                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
+            ),
             Untested,
         ],
     ),
@@ -274,7 +295,9 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::accumulation_and_compression_in_a_pipeline_across_processes_equal_the_single_process_run",
             ),
-            Untested,
+            Test(
+                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
+            ),
             Untested,
         ],
     ),
@@ -289,7 +312,9 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::a_learning_rate_schedule_across_processes_equals_its_single_process_run",
             ),
-            Untested,
+            Test(
+                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
+            ),
             Untested,
         ],
     ),
@@ -367,7 +392,7 @@ pub const CAPABILITIES: &[Capability] = &[
                 "tests/cluster/cluster_training.rs::a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes",
             ),
             Refused(
-                "the launcher ends every process when one is lost; the same command resumes from the last checkpoint",
+                "a lost process ends an MPI job (MPI's world cannot lose a rank); the same command resumes from the last checkpoint",
             ),
             Untested,
         ],
@@ -384,7 +409,7 @@ pub const CAPABILITIES: &[Capability] = &[
                 "tests/cluster/cluster_training.rs::a_lost_pipeline_stage_is_replaced_on_a_spare_from_its_twin_and_the_job_ends_as_an_uninterrupted_one",
             ),
             Refused(
-                "the launcher ends every process when one is lost; the same command resumes from the last checkpoint",
+                "a lost process ends an MPI job (MPI's world cannot lose a rank); the same command resumes from the last checkpoint",
             ),
             Untested,
         ],
@@ -415,9 +440,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::a_node_joining_a_running_job_becomes_a_replica_and_trains",
             ),
-            Refused(
-                "the launcher's world is the job's: a process outside it is refused when it joins",
-            ),
+            Refused("MPI's world is the job's: a process outside it is refused when it joins"),
             Untested,
         ],
     ),
@@ -430,9 +453,7 @@ pub const CAPABILITIES: &[Capability] = &[
                 "tests/suite/tensor_parallel/elastic.rs::elastic_6_block_and_pipeline_jobs_resize_along_dp_and_equal_one_device",
             ),
             Refused("a block or pipeline job across processes keeps the layout it started with"),
-            Refused(
-                "the launcher's world is the job's: a process outside it is refused when it joins",
-            ),
+            Refused("a block or pipeline job across processes keeps the layout it started with"),
             Untested,
         ],
     ),
@@ -488,7 +509,9 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_config.rs::the_recipe_from_a_file_trains_across_node_processes_as_in_one_process",
             ),
-            Untested,
+            Test(
+                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
+            ),
             Untested,
         ],
     ),
@@ -590,9 +613,9 @@ pub fn limitations_markdown() -> String {
 mod tests {
     use super::*;
 
-    /// STATUS-3: a cell is `Table` exactly when the table refuses its feature there.
+    /// STATUS-2: a cell is `Table` exactly when the table refuses its feature there.
     #[test]
-    fn status_3_every_cell_agrees_with_the_refusal_table() {
+    fn status_2_every_cell_agrees_with_the_refusal_table() {
         for c in CAPABILITIES {
             for (place, proof) in Place::ALL.into_iter().zip(c.proofs) {
                 let refused = c.feature.and_then(|f| table_refusal(f, place));

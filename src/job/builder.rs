@@ -496,8 +496,8 @@ where
     }
 
     /// How 16-bit gradients' partial sums travel in ring and tree reductions (COMM-9):
-    /// [`PartialSums::F32`] (default: every sum accumulated in `f32`, rounded once) or
-    /// [`PartialSums::Narrow`] (in the 16-bit type, as NCCL's 16-bit all-reduce: a ring moves
+    /// [`PartialSums::F32`](crate::comm::PartialSums::F32) (default: every sum accumulated in `f32`, rounded once) or
+    /// [`PartialSums::Narrow`](crate::comm::PartialSums::Narrow) (in the 16-bit type, as NCCL's 16-bit all-reduce: a ring moves
     /// 4 bytes per element per pass instead of 6, each hop rounding once). Acts on the
     /// reductions that travel 16-bit: [`Self::low_precision_gradients`] and
     /// `Compression::Bf16`; set it alike on every process of a job across processes.

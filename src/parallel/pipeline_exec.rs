@@ -5,7 +5,7 @@
 //! stage's list over the stage's v model chunks (`BlockStep`, the walk's part of `StageWork`; usually a `TypedStage`),
 //! moving activations and gradients over `StageLinks`: one bounded FIFO per peer and direction
 //! of data, built from the schedule's sends (so interleaved schedules get their wrap-around
-//! links), holding [`link_capacity`](PipelineSchedule::link_capacity) messages (a fast stage
+//! links), holding [`link_capacity`](crate::parallel::pipeline::PipelineSchedule::link_capacity) messages (a fast stage
 //! cannot run ahead without limit). Every wait is bounded by a time-out and ends early when the
 //! job's abort flag is set.
 //!

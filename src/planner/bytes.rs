@@ -1,5 +1,5 @@
 //! Bytes per device as the workers count them (MEM-1): a stage's parameters, gradients,
-//! optimizer state and stash, ZeRO-2's gradients and ZeRO-3's gathered parameters walked
+//! optimizer state and stash, ZeRO-1/2's gradients and ZeRO-3's gathered parameters walked
 //! through the stage's own instructions.
 
 use super::{Candidate, ModelCosts, PredictedBytes};
@@ -7,7 +7,7 @@ use crate::parallel::pipeline::{InstrKind, PipelineSchedule, StageIndex};
 
 /// The bytes a rank of stage `s` holds (MEM-1): `held` parameter elements, its blocks'
 /// boundary tensors for `per_chunk` samples' worth of each stashed chunk, `stash` chunks at
-/// the peak; ZeRO-3's gathered parameters and ZeRO-2's gradients from [`walk_stage`].
+/// the peak; ZeRO-3's gathered parameters and ZeRO-1/2's gradients from [`walk_stage`].
 pub(super) fn stage_bytes(
     model: &ModelCosts,
     layout: &Candidate,
@@ -59,7 +59,8 @@ pub(super) fn stage_bytes(
         stash_per_sample as f64 * per_chunk * f64::from(stash.copied().unwrap_or(1).max(1));
     PredictedBytes {
         params,
-        grads: if zero >= 2 { walked.grads } else { 4 * held },
+        // A block job reduce-scatters each block's gradient at stage 1 as at stage 2.
+        grads: if zero >= 1 { walked.grads } else { 4 * held },
         optimizer: shard(8 * held, 1),
         activations: activations.round() as u64,
     }
@@ -72,7 +73,7 @@ struct Walked {
     /// Gathered parameters kept for pending backwards (ZeRO-3 without recomputation): a
     /// block's whole parameters once for every micro-batch forwarded and not yet backwarded.
     full_params: u64,
-    /// Gradients with ZeRO-2 on: a block's whole gradient from its first backward until its
+    /// Gradients with ZeRO-1 or 2 on: a block's whole gradient from its first backward until its
     /// last micro-batch's backward is done (then its reduction takes it to a shard); blocks
     /// not yet reached hold none.
     grads: u64,

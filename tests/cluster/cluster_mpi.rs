@@ -11,6 +11,7 @@ use std::time::Duration;
 use meshwork::device::{BackendKind, MeshDevice};
 use meshwork::testing::{TempDir, compare_parameters, parameter_bits};
 
+use crate::cluster_config::BookRecipe;
 use crate::cluster_launchers::{
     assert_nodes_trained, free_port, mpirun_n, train_in_one_process as in_one,
 };
@@ -144,6 +145,36 @@ fn gpt_dp_pp_tp_over_mpi_equals_its_single_process_run_and_one_device() {
     let worst = compare_parameters(&trained, &load_gpt(&one_device, &device), TOLERANCE)
         .unwrap_or_else(|e| panic!("dp × pp × tp over MPI differs from one device: {e}"));
     println!("dp × pp × tp over MPI, worst relative difference to one device: {worst:e}");
+    let _ = std::fs::remove_dir_all(dir.path());
+}
+
+/// The book's recipe file under mpirun (`book/snippets/multi-machine.sh`, anchor `recipe`: its
+/// mpirun line as written, with the test's small GPT in the file): dp 2 × pp 2 × tp 2, ZeRO-1,
+/// bf16, clipping, accumulation and warm-up/cosine over MPI, bitwise where the file's job ends
+/// in one process.
+#[test]
+fn the_books_recipe_file_under_mpirun_equals_its_single_process_run() {
+    let dir = TempDir::new("mpi-recipe");
+    std::fs::create_dir_all(dir.path()).unwrap();
+    let device = MeshDevice::of_kind(BackendKind::Flex, 1).unwrap().remove(0);
+    let book = BookRecipe::read();
+    let config = book.write_file(&dir);
+    let alone = book.in_one_process(&dir, &config);
+    let across = dir.join("across.mpk");
+    let mut flags = BookRecipe::paths(&book.mpirun, &config, "");
+    flags.extend(["--save-model".to_string(), across.display().to_string()]);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let out = under_mpirun(&book.mpirun_n, &flags);
+    assert!(
+        out.contains("world assembled: 8 rank(s) over 4 process(es)"),
+        "{out}"
+    );
+    assert!(out.contains(".zero(One)") && out.contains("bf16"), "{out}");
+    assert_trained_over_mpi(&out, 2..8, STEPS);
+    assert!(
+        parameter_bits(&load_gpt(&across, &device)) == parameter_bits(&load_gpt(&alone, &device)),
+        "the book's recipe file under mpirun ends where it ends in one process"
+    );
     let _ = std::fs::remove_dir_all(dir.path());
 }
 

@@ -7,10 +7,14 @@
 //!   blocks is not read, and neither are the troubleshooting page's quoted errors, which
 //!   DOCS-2 checks instead.
 //! - DOCS-2: every error the troubleshooting page quotes (a `>` line) is what a format string
-//!   of the library prints (its pieces in order, four words at least), or shares five words in
-//!   a row with one: it quotes a real message.
+//!   of the library prints (its pieces in order, four words at least, two thirds of the
+//!   quote's words), or shares five words in a row with one: it quotes a real message. Errors
+//!   quoted inline (in a code span) are not checked, and a quote matched by five words in a
+//!   row may say more than the message.
 //! - DOCS-3: every relative link of the book, README.md and ARCHITECTURE.md names a file that
 //!   exists and, with `#anchor`, a heading of that page.
+//! - DOCS-4: every table of measured figures in the book names, in the paragraphs around it,
+//!   its command, its build (release or debug), the machine and the date.
 //!
 //! `MESHWORK_BLESS=1 cargo test --test suite docs::` rewrites the generated snippets.
 
@@ -42,21 +46,35 @@ fn pages() -> Vec<PathBuf> {
     out
 }
 
+/// The folder a page's relative links start from: its own, but the book's for a generated
+/// snippet (its links are read where a chapter includes it).
+fn link_base(page: &Path) -> PathBuf {
+    let folder = page.parent().expect("a page's folder");
+    if folder.ends_with("book/snippets") {
+        root().join("book/src")
+    } else {
+        folder.to_path_buf()
+    }
+}
+
 /// The page's prose lines (1-based line numbers): fenced blocks left out, inline code spans
-/// blanked.
+/// blanked (a span may wrap onto the next line of its paragraph).
 fn prose(text: &str) -> Vec<(usize, String)> {
     let mut out = Vec::new();
     let mut fenced = false;
+    let mut in_code = false;
     for (i, line) in text.lines().enumerate() {
         if line.trim_start().starts_with("```") {
             fenced = !fenced;
             continue;
         }
+        if line.trim().is_empty() {
+            in_code = false;
+        }
         if fenced || line.trim_start().starts_with("{{#include") {
             continue;
         }
         let mut kept = String::new();
-        let mut in_code = false;
         for c in line.chars() {
             if c == '`' {
                 in_code = !in_code;
@@ -227,9 +245,12 @@ fn segments(line: &str) -> Vec<Vec<String>> {
 }
 
 /// Whether `quote` (its literal words) is what `format` (its pieces) prints: every piece in
-/// order, at least `least` words in all.
+/// order, at least `least` words in all, and covering at least two thirds of the quote's
+/// words (so a real message with words of its own added does not pass).
 fn prints(format: &[Vec<String>], quote: &str, least: usize) -> bool {
-    if format.iter().map(Vec::len).sum::<usize>() < least {
+    let matched: usize = format.iter().map(Vec::len).sum();
+    let words = quote.split_whitespace().count();
+    if matched < least || 3 * matched < 2 * words {
         return false;
     }
     let mut rest = quote;
@@ -339,7 +360,9 @@ fn link_targets(line: &str) -> Vec<String> {
 #[test]
 fn docs_3_every_relative_link_and_anchor_resolves() {
     let mut broken = Vec::new();
-    for page in pages() {
+    let snippets = ["status.md", "limitations.md", "composition.md"]
+        .map(|f| root().join("book/snippets").join(f));
+    for page in pages().into_iter().chain(snippets) {
         let text = read(&page);
         for (n, line) in prose(&text) {
             for target in link_targets(&line) {
@@ -353,7 +376,7 @@ fn docs_3_every_relative_link_and_anchor_resolves() {
                 let resolved = if file.is_empty() {
                     page.clone()
                 } else {
-                    page.parent().expect("a page's folder").join(file)
+                    link_base(&page).join(file)
                 };
                 let name = page
                     .strip_prefix(root())
@@ -374,4 +397,87 @@ fn docs_3_every_relative_link_and_anchor_resolves() {
         }
     }
     assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
+
+/// Words of a table's header that make it a table of measured figures.
+const MEASURED: &[&str] = &[
+    "GB/s",
+    "samples/s",
+    "windows/s",
+    "µs",
+    " ms",
+    "GFLOP",
+    "time",
+    "speed-up",
+    "per step",
+];
+
+/// DOCS-4: every table of measured figures in the book says, within the paragraphs around
+/// it, the command that measured it, the build (release or debug), the machine and the date.
+#[test]
+fn docs_4_every_figure_table_names_its_command_build_machine_and_date() {
+    const AROUND: usize = 14;
+    let mut bare = Vec::new();
+    for page in pages() {
+        let name = page
+            .strip_prefix(root())
+            .unwrap_or(&page)
+            .display()
+            .to_string();
+        if !name.starts_with("book/") {
+            continue;
+        }
+        let lines: Vec<String> = read(&page).lines().map(str::to_string).collect();
+        let mut i = 0;
+        while i < lines.len() {
+            let is_row = |l: &str| l.trim_start().starts_with('|');
+            if !is_row(&lines[i]) {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < lines.len() && is_row(&lines[i]) {
+                i += 1;
+            }
+            let header = &lines[start];
+            if !MEASURED.iter().any(|w| header.contains(w)) {
+                continue;
+            }
+            let around =
+                lines[start.saturating_sub(AROUND)..(i + AROUND).min(lines.len())].join("\n");
+            let has_date = around.as_bytes().windows(10).any(|w| {
+                w[..4].iter().all(u8::is_ascii_digit)
+                    && w[4] == b'-'
+                    && w[5..7].iter().all(u8::is_ascii_digit)
+                    && w[7] == b'-'
+                    && w[8..].iter().all(u8::is_ascii_digit)
+            });
+            let has_command = ["meshwork ", "cargo run", "compare.sh", "cargo bench"]
+                .iter()
+                .any(|c| around.contains(c));
+            let has_build = ["release", "debug", "dev binary"]
+                .iter()
+                .any(|b| around.contains(b));
+            let has_machine = ["core", "Xeon", "EPYC", "machine", "host"]
+                .iter()
+                .any(|m| around.contains(m));
+            let missing: Vec<&str> = [
+                (has_command, "command"),
+                (has_build, "build"),
+                (has_machine, "machine"),
+                (has_date, "date"),
+            ]
+            .into_iter()
+            .filter_map(|(has, what)| (!has).then_some(what))
+            .collect();
+            if !missing.is_empty() {
+                bare.push(format!("{name}:{}: no {}", start + 1, missing.join(", ")));
+            }
+        }
+    }
+    assert!(
+        bare.is_empty(),
+        "figure tables that do not say where they come from:\n{}",
+        bare.join("\n")
+    );
 }
