@@ -427,7 +427,14 @@ fn book_flags_are_the_clis() {
     for file in files {
         let text = std::fs::read_to_string(&file).unwrap();
         for span in text.split('`').skip(1).step_by(2) {
-            let words: Vec<&str> = span.split_whitespace().collect();
+            // Environment variables before the command (`BURN_DEVICE=flex cargo test …`).
+            let words: Vec<&str> = span
+                .split_whitespace()
+                .skip_while(|w| {
+                    w.split_once('=')
+                        .is_some_and(|(k, _)| k.chars().all(|c| c.is_ascii_uppercase() || c == '_'))
+                })
+                .collect();
             let from = match words.first() {
                 // `cargo run … -- <meshwork's flags>`; any other cargo command's flags, also
                 // after ` -- ` (`cargo test … -- --nocapture`), are Cargo's or libtest's.
