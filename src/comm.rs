@@ -75,6 +75,10 @@
 //!   mismatch fails the op with [`CommError::CorruptMessage`]. Verified groups and
 //!   communicators with a [`MessageHook`] run message plans only (direct resolves to ring):
 //!   a direct plan reads peers' memory and has no messages to check or tamper with.
+//! - COMM-11 (bounded errors): a [`CommError`] decoded from another process (a control-plane
+//!   answer, a data-plane close reason, an MPI abort message) nests at most
+//!   [`MAX_CAUSE_DEPTH`] poisoned causes; a deeper one is refused by the decoder, before its
+//!   recursion can exhaust a thread's stack.
 
 use std::fmt;
 use std::time::Duration;
@@ -83,9 +87,11 @@ use serde::{Deserialize, Serialize};
 
 pub use crate::mesh::chunk_range;
 use crate::mesh::{Generation, Rank};
+pub use cause::MAX_CAUSE_DEPTH;
 
 pub mod bench;
 mod call;
+mod cause;
 mod communicator;
 #[cfg(feature = "cluster")]
 mod cross;
@@ -524,6 +530,7 @@ pub enum CommError {
         op: CollectiveKind,
         /// The failure that poisoned the group.
         #[source]
+        #[serde(deserialize_with = "cause::bounded")]
         cause: Box<CommError>,
     },
     /// A message of a message plan did not arrive within the time-out although its sender
@@ -663,4 +670,17 @@ fn call_list(calls: &[RankCall]) -> String {
         .map(|c| format!("rank {} passed {}", c.rank.0, c.call))
         .collect();
     parts.join("; ")
+}
+
+/// Aborts the process when dropped during a panic, saying why (COMM-10, TCP-4): held while
+/// other threads or ranks read a buffer that unwinding would free.
+pub(crate) struct AbortOnUnwind(pub(crate) &'static str);
+
+impl Drop for AbortOnUnwind {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!("meshwork: {}; aborting", self.0);
+            std::process::abort();
+        }
+    }
 }

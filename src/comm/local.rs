@@ -38,7 +38,7 @@ mod execute;
 mod group;
 mod rendezvous;
 
-use execute::{AbortOnUnwind, Target, Wire, execute_direct, execute_messages};
+use execute::{Target, Wire, execute_direct, execute_messages};
 use group::{Arrival, Failure, Message, SendPost, State, checksum};
 pub use group::{GroupState, GroupStatus, LocalGroup, RankStatus};
 

@@ -70,7 +70,9 @@
 //!   step that writes a range waits for the borrowed sends of that range to complete.
 //! - TCP-4 (no borrowed byte outlives its op): every op, successful or not, returns only after
 //!   the sender threads stopped reading the caller's buffers: on success every send
-//!   completed; on failure the links are aborted and the threads acknowledged every job.
+//!   completed; on failure the links are aborted and the threads acknowledged every job. A
+//!   panic while they may still read the buffer aborts the process (`AbortOnUnwind`, as
+//!   COMM-10 in process) rather than unwind and free it under them.
 //! - TCP-5 (failures): every wait is bounded by the op's deadline; a silent peer is
 //!   [`CommError::Timeout`] naming it, a lost or misbehaving peer [`CommError::Link`] naming
 //!   it. The first failure poisons the rank's communicator and aborts its links with a Close

@@ -57,7 +57,9 @@ impl LocalCommunicator {
                 // unwound in between, its buffer would be freed under their reads and they
                 // would wait forever at the next barrier. Abort instead (never expected: the
                 // plan was validated at the rendezvous).
-                let guard = AbortOnUnwind;
+                let guard = crate::comm::AbortOnUnwind(
+                    "a rank panicked inside a direct collective's data phase",
+                );
                 unsafe { execute_direct(&self.group, me, plan.steps_of(self.rank), target, op) };
                 std::mem::forget(guard);
                 Ok(())

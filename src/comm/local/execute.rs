@@ -112,20 +112,6 @@ pub(super) struct Target<T> {
     pub(super) offset: usize,
 }
 
-/// Aborts the process if dropped during a panic (see its use in the direct data phase).
-pub(super) struct AbortOnUnwind;
-
-impl Drop for AbortOnUnwind {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!(
-                "meshwork: a rank panicked inside a direct collective's data phase; aborting"
-            );
-            std::process::abort();
-        }
-    }
-}
-
 /// Runs a direct plan: reads peers' posted buffers in place, writes only `target`.
 ///
 /// # Safety

@@ -49,6 +49,11 @@ impl TcpCommunicator {
         // TCP-7, COMM-9: a 16-bit op sends its final values (and, asked, its partial sums)
         // as 16-bit.
         let narrow = Narrowing::of(call, &plan, self.rank);
+        // TCP-4: the sender threads read borrowed ranges of the caller's buffer until every
+        // send completed; unwinding before then would free the buffer under their reads.
+        let guard = crate::comm::AbortOnUnwind(
+            "a rank panicked inside a TCP collective while its links still read its buffer",
+        );
         // SAFETY: forwarded.
         let result = unsafe {
             self.execute(
@@ -61,6 +66,7 @@ impl TcpCommunicator {
             )
         };
         let result = result.and_then(|()| self.wait_all_sent(id));
+        std::mem::forget(guard);
         self.plan_cache = Some((root, plan, modes));
         result.map_err(|e| self.fail(e))
     }
@@ -421,6 +427,8 @@ impl TcpCommunicator {
         let ticket = self.push(to, payload, id)?;
         if mode == SendMode::Borrow {
             borrowed.push((to, ticket, range));
+            #[cfg(test)]
+            super::tests::panic_if_asked();
         }
         Ok(())
     }

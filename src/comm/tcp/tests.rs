@@ -589,3 +589,71 @@ proptest! {
         prop_assert!(2 * world.saturating_sub(1) * pieces.len() <= SEND_QUEUE.max(2 * world));
     }
 }
+
+thread_local! {
+    /// Set by a test: the next borrowed send queued on this thread panics right after it is
+    /// queued, while the link's sender thread may read the range.
+    static PANIC_AFTER_BORROWED_SEND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// The panic [`PANIC_AFTER_BORROWED_SEND`] asks for, once.
+pub(super) fn panic_if_asked() {
+    if PANIC_AFTER_BORROWED_SEND.replace(false) {
+        panic!("a test's panic after a borrowed send");
+    }
+}
+
+/// Set in the child process of `tcp_4_a_panic_while_links_read_the_buffer_aborts_the_process`.
+const UNWIND_CHILD: &str = "MESHWORK_TCP_UNWIND_CHILD";
+
+/// TCP-4: a rank that panics while its links still read its buffer (a borrowed send queued)
+/// aborts the process, saying why, instead of unwinding and freeing the buffer under its
+/// sender threads. The rank runs in a child process, whose abort this test expects.
+#[cfg(unix)]
+#[test]
+fn tcp_4_a_panic_while_links_read_the_buffer_aborts_the_process() {
+    use std::os::unix::process::ExitStatusExt;
+    let child = "comm::tcp::tests::a_rank_that_panics_after_a_borrowed_send";
+    let out = std::process::Command::new(std::env::current_exe().expect("this test binary"))
+        .args([
+            "--exact",
+            child,
+            "--ignored",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
+        .env(UNWIND_CHILD, "1")
+        .output()
+        .expect("the child runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.signal(),
+        Some(libc::SIGABRT),
+        "{:?}: {stderr}",
+        out.status
+    );
+    assert!(
+        stderr.contains("panicked inside a TCP collective while its links still read its buffer"),
+        "{stderr}"
+    );
+}
+
+/// The child of `tcp_4_a_panic_while_links_read_the_buffer_aborts_the_process`: rank 0 of a
+/// TCP all-reduce panics after queuing a borrowed send. Does nothing unless that test started
+/// it.
+#[test]
+#[ignore = "a child process of tcp_4_a_panic_while_links_read_the_buffer_aborts_the_process"]
+fn a_rank_that_panics_after_a_borrowed_send() {
+    if std::env::var_os(UNWIND_CHILD).is_none() {
+        return;
+    }
+    let config = config().with_timeout(Duration::from_secs(5));
+    on_tcp(2, config, |comm| {
+        if comm.rank() == Rank(0) {
+            PANIC_AFTER_BORROWED_SEND.set(true);
+        }
+        let mut buf = vec![1.0f32; 1 << 20];
+        let _ = comm.all_reduce(&mut buf, ReduceOp::Sum);
+    });
+}
