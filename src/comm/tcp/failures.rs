@@ -88,7 +88,8 @@ impl TcpCommunicator {
 
     /// Poisons this communicator with `error` and aborts every link, telling the peers the
     /// root cause (TCP-5); returns once no sender thread reads a caller's buffer any more
-    /// (TCP-4).
+    /// (TCP-4): each has acknowledged every job, or has ended (a thread that died holding a
+    /// job reads nothing any more).
     pub(super) fn fail(&mut self, error: CommError) -> CommError {
         let error = match &error {
             CommError::Shutdown { .. } => error,
@@ -129,8 +130,12 @@ impl TcpCommunicator {
         let mut forced = false;
         loop {
             let busy = self.peers.iter().flatten().any(|peer| {
-                let state = lock(&peer.sender.progress.state);
-                state.processed < peer.sender.issued
+                let running = peer
+                    .sender
+                    .thread
+                    .as_ref()
+                    .is_some_and(|t| !t.is_finished());
+                running && lock(&peer.sender.progress.state).processed < peer.sender.issued
             });
             if !busy {
                 break;

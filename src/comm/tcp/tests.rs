@@ -594,6 +594,48 @@ thread_local! {
     /// Set by a test: the next borrowed send queued on this thread panics right after it is
     /// queued, while the link's sender thread may read the range.
     static PANIC_AFTER_BORROWED_SEND: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set by a test on a rank's thread before its group connects: that rank's sender threads
+    /// die when they take this ticket (0: never).
+    pub(super) static SENDERS_DIE: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// TCP-4, TCP-5: a rank whose sender thread died holding a job fails its op within the
+/// time-out, and so does its peer: `fail` does not wait for a finished thread to acknowledge
+/// the jobs it took.
+#[test]
+fn tcp_5_a_dead_sender_thread_fails_the_op_instead_of_hanging_it() {
+    let (done, ended) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let config = config().with_timeout(Duration::from_secs(2));
+        let (listeners, addrs) = listeners(2, &token(), &config);
+        let results: Vec<bool> = std::thread::scope(|scope| {
+            let handles: Vec<_> = listeners
+                .iter()
+                .enumerate()
+                .map(|(r, listener)| {
+                    let (addrs, config) = (addrs.clone(), config.clone());
+                    scope.spawn(move || {
+                        // The op's header is ticket 1: its first data frame dies with the thread.
+                        SENDERS_DIE.set(if r == 0 { 2 } else { 0 });
+                        let group = TcpGroup::connect(listener, &addrs, Generation(0), config)
+                            .expect("the group connects");
+                        let mut comm = group.into_communicator();
+                        let mut buf = vec![1.0f32; 1 << 16];
+                        comm.all_reduce(&mut buf, ReduceOp::Sum).is_err()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(true))
+                .collect()
+        });
+        let _ = done.send(results);
+    });
+    let failed = ended
+        .recv_timeout(Duration::from_secs(30))
+        .expect("both ranks' ops end within 30 s");
+    assert_eq!(failed, [true, true], "both ranks' ops fail");
 }
 
 /// The panic [`PANIC_AFTER_BORROWED_SEND`] asks for, once.

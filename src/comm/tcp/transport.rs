@@ -84,9 +84,15 @@ impl Sender {
         let (queue, jobs) = std::sync::mpsc::sync_channel(SEND_QUEUE);
         let progress = Arc::new(Progress::default());
         let shared = Arc::clone(&progress);
+        #[cfg(test)]
+        let dies = super::tests::SENDERS_DIE.get();
         let thread = std::thread::Builder::new()
             .name(format!("meshwork-tcp-{}-to-{}", me.0, peer.0))
-            .spawn(move || run_sender(writer, &jobs, &shared, frame_bytes, link.as_ref()))?;
+            .spawn(move || {
+                #[cfg(test)]
+                super::tests::SENDERS_DIE.set(dies);
+                run_sender(writer, &jobs, &shared, frame_bytes, link.as_ref())
+            })?;
         Ok(Self {
             queue: Some(queue),
             progress,
@@ -122,6 +128,10 @@ pub(super) fn run_sender(
                 payload,
                 deadline,
             } => {
+                #[cfg(test)]
+                if super::tests::SENDERS_DIE.get() == ticket {
+                    panic!("a test's sender thread dies with a job taken");
+                }
                 let result = if failed {
                     Ok(())
                 } else {
