@@ -470,20 +470,22 @@ pub fn pair_refusal(a: Feature, b: Feature) -> Option<&'static Refusal> {
     })
 }
 
+/// A markdown table's head: `first`'s column, then `columns` centred.
+fn table_head<'a>(first: &str, columns: impl IntoIterator<Item = &'a str>) -> String {
+    let mut names = format!("| {first}").trim_end().to_string() + " |";
+    let mut rule = String::from("|---|");
+    for c in columns {
+        names.push_str(&format!(" {c} |"));
+        rule.push_str(":-:|");
+    }
+    format!("{names}\n{rule}\n")
+}
+
 /// The book's composition matrix (COMP-3): a pair table of every feature against every other
 /// (✓ combines, ✗ refused, with what each implies), then each refusal with its reason and
 /// what to do instead.
 pub fn matrix_markdown() -> String {
-    let mut out = String::new();
-    out.push_str("| |");
-    for f in Feature::ALL {
-        out.push_str(&format!(" {} |", f.short()));
-    }
-    out.push_str("\n|---|");
-    for _ in Feature::ALL {
-        out.push_str(":-:|");
-    }
-    out.push('\n');
+    let mut out = table_head("", Feature::ALL.map(Feature::short));
     for a in Feature::ALL {
         out.push_str(&format!("| **{}** |", a.short()));
         for b in Feature::ALL {

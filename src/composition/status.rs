@@ -100,6 +100,20 @@ const fn cap(
     }
 }
 
+// Tests and reasons that prove or explain more than one cell.
+const GPT_OVER_MPI: &str = "tests/cluster/cluster_mpi.rs::gpt_dp_pp_tp_over_mpi_equals_its_single_process_run_and_one_device";
+const GPT_ACROSS: &str = "tests/cluster/cluster_tensor.rs::gpt_dp_pp_tp_across_node_processes_equals_its_single_process_run_and_one_device";
+const RECIPE_FILE_ACROSS: &str = "tests/cluster/cluster_config.rs::the_recipe_from_a_file_trains_across_node_processes_as_in_one_process";
+const RECIPE_FILE_OVER_MPI: &str = "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run";
+const DP_AND_ZERO_3_OVER_MPI: &str = "tests/cluster/cluster_mpi.rs::dp_and_zero_3_over_mpi_equal_their_single_process_runs_and_one_device";
+const EVERY_SCHEDULE: &str =
+    "tests/suite/pipeline.rs::pp_2_and_4_every_schedule_and_micro_batch_count_match_one_device";
+const PRECISION_ACROSS: &str = "tests/cluster/cluster_training.rs::bf16_and_f16_across_three_node_processes_equal_their_single_process_run";
+const SLOW_LINKS_ACROSS: &str = "tests/cluster/cluster_training.rs::compression_and_local_updates_across_three_node_processes_equal_their_single_process_run";
+const LOST_ON_MPI: &str = "a lost process ends an MPI job (MPI's world cannot lose a rank); the same command resumes from the last checkpoint";
+const FIXED_LAYOUT: &str =
+    "a block or pipeline job across processes keeps the layout it started with";
+
 /// Every capability, each place's proof.
 pub const CAPABILITIES: &[Capability] = &[
     cap(
@@ -111,9 +125,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::dp_3_across_three_node_processes_equals_the_single_device_reference",
             ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::dp_and_zero_3_over_mpi_equal_their_single_process_runs_and_one_device",
-            ),
+            Test(DP_AND_ZERO_3_OVER_MPI),
             Test("tests/wgpu.rs::dp_2_on_wgpu_matches_single_wgpu_device"),
         ],
     ),
@@ -122,15 +134,11 @@ pub const CAPABILITIES: &[Capability] = &[
         "pipeline-schedules.md",
         Some(Feature::Pipeline),
         [
-            Test(
-                "tests/suite/pipeline.rs::pp_2_and_4_every_schedule_and_micro_batch_count_match_one_device",
-            ),
+            Test(EVERY_SCHEDULE),
             Test(
                 "tests/cluster/cluster_training.rs::dp_2_pp_2_across_four_node_processes_equals_the_single_device_reference",
             ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::gpt_dp_pp_tp_over_mpi_equals_its_single_process_run_and_one_device",
-            ),
+            Test(GPT_OVER_MPI),
             Untested,
         ],
     ),
@@ -138,14 +146,7 @@ pub const CAPABILITIES: &[Capability] = &[
         "The GPipe schedule",
         "pipeline-schedules.md",
         None,
-        [
-            Test(
-                "tests/suite/pipeline.rs::pp_2_and_4_every_schedule_and_micro_batch_count_match_one_device",
-            ),
-            Untested,
-            Untested,
-            Untested,
-        ],
+        [Test(EVERY_SCHEDULE), Untested, Untested, Untested],
     ),
     cap(
         "Tensor parallel",
@@ -153,12 +154,8 @@ pub const CAPABILITIES: &[Capability] = &[
         Some(Feature::TensorParallel),
         [
             Test("tests/suite/tensor_parallel.rs::tp2_equals_one_device"),
-            Test(
-                "tests/cluster/cluster_tensor.rs::gpt_dp_pp_tp_across_node_processes_equals_its_single_process_run_and_one_device",
-            ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::gpt_dp_pp_tp_over_mpi_equals_its_single_process_run_and_one_device",
-            ),
+            Test(GPT_ACROSS),
+            Test(GPT_OVER_MPI),
             Untested,
         ],
     ),
@@ -168,12 +165,8 @@ pub const CAPABILITIES: &[Capability] = &[
         None,
         [
             Test("tests/suite/tensor_parallel.rs::dp2_pp2_tp2_equals_one_device"),
-            Test(
-                "tests/cluster/cluster_tensor.rs::gpt_dp_pp_tp_across_node_processes_equals_its_single_process_run_and_one_device",
-            ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::gpt_dp_pp_tp_over_mpi_equals_its_single_process_run_and_one_device",
-            ),
+            Test(GPT_ACROSS),
+            Test(GPT_OVER_MPI),
             Untested,
         ],
     ),
@@ -183,12 +176,8 @@ pub const CAPABILITIES: &[Capability] = &[
         None,
         [
             Test("tests/suite/tensor_parallel.rs::the_recipe_in_f32_equals_one_device"),
-            Test(
-                "tests/cluster/cluster_config.rs::the_recipe_from_a_file_trains_across_node_processes_as_in_one_process",
-            ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
-            ),
+            Test(RECIPE_FILE_ACROSS),
+            Test(RECIPE_FILE_OVER_MPI),
             Untested,
         ],
     ),
@@ -198,12 +187,8 @@ pub const CAPABILITIES: &[Capability] = &[
         Some(Feature::Zero),
         [
             Test("tests/suite/zero.rs::zero_1_with_adam_at_dp_2_3_4_matches_one_device"),
-            Test(
-                "tests/cluster/cluster_config.rs::the_recipe_from_a_file_trains_across_node_processes_as_in_one_process",
-            ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
-            ),
+            Test(RECIPE_FILE_ACROSS),
+            Test(RECIPE_FILE_OVER_MPI),
             Untested,
         ],
     ),
@@ -233,9 +218,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::zero_3_across_three_node_processes_hands_back_the_whole_model_equal_to_one_device",
             ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::dp_and_zero_3_over_mpi_equal_their_single_process_runs_and_one_device",
-            ),
+            Test(DP_AND_ZERO_3_OVER_MPI),
             Test("tests/wgpu.rs::zero_3_blocks_on_wgpu_match_plain_data_parallel"),
         ],
     ),
@@ -245,12 +228,8 @@ pub const CAPABILITIES: &[Capability] = &[
         Some(Feature::Bf16),
         [
             Test("tests/suite/precision.rs::bf16_and_f16_track_the_f32_loss_on_the_demo_mlp"),
-            Test(
-                "tests/cluster/cluster_training.rs::bf16_and_f16_across_three_node_processes_equal_their_single_process_run",
-            ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
-            ),
+            Test(PRECISION_ACROSS),
+            Test(RECIPE_FILE_OVER_MPI),
             Test("tests/wgpu.rs::mixed_precision_on_wgpu_tracks_f32_or_is_refused"),
         ],
     ),
@@ -262,9 +241,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/suite/tensor_parallel.rs::sixteen_bit_gradients_over_blocks_and_pipelines_equal_one_device",
             ),
-            Test(
-                "tests/cluster/cluster_training.rs::bf16_and_f16_across_three_node_processes_equal_their_single_process_run",
-            ),
+            Test(PRECISION_ACROSS),
             Untested,
             Untested,
         ],
@@ -278,9 +255,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::f16_and_clipping_in_a_pipeline_across_processes_equal_the_single_process_run",
             ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
-            ),
+            Test(RECIPE_FILE_OVER_MPI),
             Untested,
         ],
     ),
@@ -295,9 +270,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::accumulation_and_compression_in_a_pipeline_across_processes_equal_the_single_process_run",
             ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
-            ),
+            Test(RECIPE_FILE_OVER_MPI),
             Untested,
         ],
     ),
@@ -312,9 +285,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::a_learning_rate_schedule_across_processes_equals_its_single_process_run",
             ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
-            ),
+            Test(RECIPE_FILE_OVER_MPI),
             Untested,
         ],
     ),
@@ -326,9 +297,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/suite/compression.rs::each_compressor_converges_near_plain_data_parallel_with_fewer_bytes",
             ),
-            Test(
-                "tests/cluster/cluster_training.rs::compression_and_local_updates_across_three_node_processes_equal_their_single_process_run",
-            ),
+            Test(SLOW_LINKS_ACROSS),
             Untested,
             Untested,
         ],
@@ -341,9 +310,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/suite/local_updates.rs::local_sgd_diloco_and_easgd_converge_near_synchronous_data_parallel",
             ),
-            Test(
-                "tests/cluster/cluster_training.rs::compression_and_local_updates_across_three_node_processes_equal_their_single_process_run",
-            ),
+            Test(SLOW_LINKS_ACROSS),
             Untested,
             Untested,
         ],
@@ -391,9 +358,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::a_node_killed_mid_run_is_named_and_the_job_shrinks_and_finishes",
             ),
-            Refused(
-                "a lost process ends an MPI job (MPI's world cannot lose a rank); the same command resumes from the last checkpoint",
-            ),
+            Refused(LOST_ON_MPI),
             Untested,
         ],
     ),
@@ -408,9 +373,7 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/cluster/cluster_training.rs::a_lost_pipeline_stage_is_replaced_on_a_spare_from_its_twin_and_the_job_ends_as_an_uninterrupted_one",
             ),
-            Refused(
-                "a lost process ends an MPI job (MPI's world cannot lose a rank); the same command resumes from the last checkpoint",
-            ),
+            Refused(LOST_ON_MPI),
             Untested,
         ],
     ),
@@ -452,8 +415,8 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/suite/tensor_parallel/elastic.rs::elastic_6_block_and_pipeline_jobs_resize_along_dp_and_equal_one_device",
             ),
-            Refused("a block or pipeline job across processes keeps the layout it started with"),
-            Refused("a block or pipeline job across processes keeps the layout it started with"),
+            Refused(FIXED_LAYOUT),
+            Refused(FIXED_LAYOUT),
             Untested,
         ],
     ),
@@ -506,12 +469,8 @@ pub const CAPABILITIES: &[Capability] = &[
             Test(
                 "tests/suite/job_files.rs::conf_1_a_description_read_from_toml_trains_the_job_its_setters_built",
             ),
-            Test(
-                "tests/cluster/cluster_config.rs::the_recipe_from_a_file_trains_across_node_processes_as_in_one_process",
-            ),
-            Test(
-                "tests/cluster/cluster_mpi.rs::the_books_recipe_file_under_mpirun_equals_its_single_process_run",
-            ),
+            Test(RECIPE_FILE_ACROSS),
+            Test(RECIPE_FILE_OVER_MPI),
             Untested,
         ],
     ),
@@ -540,15 +499,7 @@ fn cell(proof: Proof) -> &'static str {
 
 /// The status page's body (STATUS-1): the table, then each capability's proofs.
 pub fn status_markdown() -> String {
-    let mut out = String::from("| capability |");
-    for p in Place::ALL {
-        out.push_str(&format!(" {} |", p.header()));
-    }
-    out.push_str("\n|---|");
-    for _ in Place::ALL {
-        out.push_str(":-:|");
-    }
-    out.push('\n');
+    let mut out = super::table_head("capability", Place::ALL.map(Place::header));
     for c in CAPABILITIES {
         out.push_str(&format!("| [{}]({}) |", c.name, c.chapter));
         for proof in c.proofs {

@@ -287,8 +287,18 @@ fn on_tcp_each<R: Send>(
     config: TcpConfig,
     body: impl Fn(usize, Communicator, TcpShutdown) -> R + Sync,
 ) -> Vec<R> {
+    on_tcp_prepared(world, config, |_| {}, body)
+}
+
+/// [`on_tcp_each`], with `prepare(r)` run on rank r's thread before its group forms.
+fn on_tcp_prepared<R: Send>(
+    world: usize,
+    config: TcpConfig,
+    prepare: impl Fn(usize) + Sync,
+    body: impl Fn(usize, Communicator, TcpShutdown) -> R + Sync,
+) -> Vec<R> {
     let (listeners, addrs) = listeners(world, &token(), &config);
-    let body = &body;
+    let (prepare, body) = (&prepare, &body);
     std::thread::scope(|scope| {
         let handles: Vec<_> = listeners
             .iter()
@@ -296,6 +306,7 @@ fn on_tcp_each<R: Send>(
             .map(|(r, listener)| {
                 let (addrs, config) = (addrs.clone(), config.clone());
                 scope.spawn(move || {
+                    prepare(r);
                     let group = TcpGroup::connect(listener, &addrs, Generation(0), config)
                         .expect("the group forms");
                     let stop = group.shutdown_handle();
@@ -607,28 +618,11 @@ fn tcp_5_a_dead_sender_thread_fails_the_op_instead_of_hanging_it() {
     let (done, ended) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let config = config().with_timeout(Duration::from_secs(2));
-        let (listeners, addrs) = listeners(2, &token(), &config);
-        let results: Vec<bool> = std::thread::scope(|scope| {
-            let handles: Vec<_> = listeners
-                .iter()
-                .enumerate()
-                .map(|(r, listener)| {
-                    let (addrs, config) = (addrs.clone(), config.clone());
-                    scope.spawn(move || {
-                        // The op's header is ticket 1: its first data frame dies with the thread.
-                        SENDERS_DIE.set(if r == 0 { 2 } else { 0 });
-                        let group = TcpGroup::connect(listener, &addrs, Generation(0), config)
-                            .expect("the group connects");
-                        let mut comm = group.into_communicator();
-                        let mut buf = vec![1.0f32; 1 << 16];
-                        comm.all_reduce(&mut buf, ReduceOp::Sum).is_err()
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or(true))
-                .collect()
+        // The op's header is ticket 1: rank 0's first data frame dies with its thread.
+        let prepare = |r: usize| SENDERS_DIE.set(if r == 0 { 2 } else { 0 });
+        let results = on_tcp_prepared(2, config, prepare, |_, mut comm, _| {
+            let mut buf = vec![1.0f32; 1 << 16];
+            comm.all_reduce(&mut buf, ReduceOp::Sum).is_err()
         });
         let _ = done.send(results);
     });
